@@ -1,0 +1,17 @@
+# kvtier_add_test(NAME name SOURCES ... [LIBS ...] [GPU])
+# One GoogleTest binary = one ctest test. GPU tests get the label `gpu` (scripts/test
+# excludes it when no GPU is usable; the tests also skip themselves without a device).
+include(GoogleTest)
+function(kvtier_add_test)
+  cmake_parse_arguments(T "GPU" "NAME" "SOURCES;LIBS" ${ARGN})
+  add_executable(${T_NAME} ${T_SOURCES})
+  target_link_libraries(${T_NAME} PRIVATE ${T_LIBS} GTest::gtest GTest::gmock GTest::gtest_main)
+  target_include_directories(${T_NAME} PRIVATE ${PROJECT_SOURCE_DIR})
+  kvtier_set_warnings(${T_NAME})
+  add_test(NAME ${T_NAME} COMMAND ${T_NAME} --gtest_brief=1)
+  set(labels unit)
+  if(T_GPU)
+    set(labels gpu)
+  endif()
+  set_tests_properties(${T_NAME} PROPERTIES LABELS "${labels}" TIMEOUT 600)
+endfunction()
