@@ -1,0 +1,56 @@
+#include "kernels/backend.h"
+
+#include "kvtier/status.h"
+
+namespace kvtier {
+
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    backend_ = other.backend_;
+    data_ = other.data_;
+    bytes_ = other.bytes_;
+    other.backend_ = nullptr;
+    other.data_ = nullptr;
+    other.bytes_ = 0;
+  }
+  return *this;
+}
+
+void DeviceBuffer::Reset() {
+  if (data_ != nullptr) backend_->Free(data_);
+  backend_ = nullptr;
+  data_ = nullptr;
+  bytes_ = 0;
+}
+
+absl::Status Backend::ScorePages(Stream& s, const ScorePagesArgs& a) {
+  KVTIER_RETURN_IF_ERROR(ValidateArgs(a));
+  return DoScorePages(s, a);
+}
+absl::Status Backend::TopK(Stream& s, const TopKArgs& a) {
+  KVTIER_RETURN_IF_ERROR(ValidateArgs(a));
+  return DoTopK(s, a);
+}
+absl::Status Backend::QueryCosine(Stream& s, const QueryCosineArgs& a) {
+  KVTIER_RETURN_IF_ERROR(ValidateArgs(a));
+  return DoQueryCosine(s, a);
+}
+absl::Status Backend::Recall(Stream& s, const RecallArgs& a) {
+  KVTIER_RETURN_IF_ERROR(ValidateArgs(a));
+  return DoRecall(s, a);
+}
+absl::Status Backend::Offload(Stream& s, const OffloadArgs& a) {
+  KVTIER_RETURN_IF_ERROR(ValidateArgs(a));
+  return DoOffload(s, a);
+}
+absl::Status Backend::SparseAttention(Stream& s, const SparseAttentionArgs& a) {
+  KVTIER_RETURN_IF_ERROR(ValidateArgs(a));
+  return DoSparseAttention(s, a);
+}
+absl::Status Backend::DenseAttention(Stream& s, const DenseAttentionArgs& a) {
+  KVTIER_RETURN_IF_ERROR(ValidateArgs(a));
+  return DoDenseAttention(s, a);
+}
+
+}  // namespace kvtier

@@ -1,0 +1,134 @@
+// The backend interface: the one narrow door through which kvtier does device work
+// (DESIGN.md §5). Two implementations: cpu (always built; host memory plays device
+// memory, a stream is an ordered work queue on its own thread) and cuda (built when the
+// toolkit is found; a stub returning UNIMPLEMENTED otherwise). Pick one with CreateBackend
+// in kernels/registry.h; pass it in, never reach for a global.
+//
+// Semantics follow CUDA's so callers are written once:
+//   - Every op is enqueued on a Stream and runs after the work enqueued before it there.
+//     Enqueueing validates shapes and returns INVALID_ARGUMENT at once; an error while
+//     running (a device index out of range, a CUDA fault) makes the stream's status sticky:
+//     Synchronize() and events recorded afterwards report it.
+//   - Event::Record captures all work enqueued so far on that stream; Stream::Wait makes
+//     later work on another stream wait for it. Re-recording an event moves it forward.
+//   - Pointers in op arguments are backend memory (Allocate) or host memory registered
+//     with RegisterHost; they must stay valid until the op has run.
+//
+// Thread-safety: a Backend may be used from many threads. A Stream is used by one thread
+// at a time; an Event may be waited on from any thread.
+#ifndef KVTIER_KERNELS_BACKEND_H_
+#define KVTIER_KERNELS_BACKEND_H_
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "kernels/ops.h"
+
+namespace kvtier {
+
+enum class BackendKind : uint8_t { kAuto = 0, kCpu = 1, kCuda = 2 };
+
+class Backend;
+
+// Backend memory, move-only; frees itself. The Backend must outlive it.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(Backend* backend, void* data, size_t bytes)
+      : backend_(backend), data_(data), bytes_(bytes) {}
+  DeviceBuffer(DeviceBuffer&& other) noexcept { *this = std::move(other); }
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() { Reset(); }
+
+  void* data() const { return data_; }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(data_);
+  }
+  size_t size() const { return bytes_; }  // bytes
+  void Reset();
+
+ private:
+  Backend* backend_ = nullptr;
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+class Event {
+ public:
+  virtual ~Event() = default;
+  // True when the work captured by the latest Record has run (or it was never recorded).
+  virtual bool Query() = 0;
+  // Blocks until the captured work has run. Returns the error of that work if any, or
+  // DEADLINE_EXCEEDED once `timeout` has passed first.
+  virtual absl::Status Wait(absl::Duration timeout = absl::InfiniteDuration()) = 0;
+};
+
+class Stream {
+ public:
+  virtual ~Stream() = default;
+  // Captures the work enqueued so far on this stream in `event`.
+  virtual absl::Status Record(Event& event) = 0;
+  // Work enqueued on this stream after this call waits until `event` completes.
+  virtual absl::Status Wait(Event& event) = 0;
+  // Blocks until all enqueued work has run; returns the stream's sticky error, if any.
+  virtual absl::Status Synchronize() = 0;
+};
+
+class Backend {
+ public:
+  Backend() = default;
+  Backend(const Backend&) = delete;
+  Backend& operator=(const Backend&) = delete;
+  virtual ~Backend() = default;
+
+  virtual BackendKind kind() const = 0;
+  // One line for logs and benchmark reports: "cpu: 16 threads", "cuda: NVIDIA H100 ...".
+  virtual std::string Describe() const = 0;
+
+  // Backend memory of `bytes`, 256-byte aligned. RESOURCE_EXHAUSTED when out of memory.
+  virtual absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) = 0;
+  virtual absl::StatusOr<std::unique_ptr<Stream>> CreateStream() = 0;
+  virtual absl::StatusOr<std::unique_ptr<Event>> CreateEvent() = 0;
+
+  // Pins/registers host memory for DMA and zero-copy access (at most kMaxRegisterBytes a
+  // call: HostArena splits larger ranges). The cpu backend has nothing to do.
+  static constexpr size_t kMaxRegisterBytes = size_t{64} << 30;
+  virtual absl::Status RegisterHost(void* data, size_t bytes) = 0;
+  virtual absl::Status UnregisterHost(void* data) = 0;
+
+  // Copies between any backend memory and host memory, ordered on `stream`.
+  virtual absl::Status Copy(Stream& stream, void* dst, const void* src, size_t bytes) = 0;
+  virtual absl::Status Memset(Stream& stream, void* dst, int value, size_t bytes) = 0;
+
+  // The compute ops (kernels/ops.h). Each validates shapes, then enqueues.
+  absl::Status ScorePages(Stream& s, const ScorePagesArgs& a);
+  absl::Status TopK(Stream& s, const TopKArgs& a);
+  absl::Status QueryCosine(Stream& s, const QueryCosineArgs& a);
+  absl::Status Recall(Stream& s, const RecallArgs& a);
+  absl::Status Offload(Stream& s, const OffloadArgs& a);
+  absl::Status SparseAttention(Stream& s, const SparseAttentionArgs& a);
+  absl::Status DenseAttention(Stream& s, const DenseAttentionArgs& a);
+
+ protected:
+  friend class DeviceBuffer;
+  virtual void Free(void* data) = 0;
+
+  virtual absl::Status DoScorePages(Stream& s, const ScorePagesArgs& a) = 0;
+  virtual absl::Status DoTopK(Stream& s, const TopKArgs& a) = 0;
+  virtual absl::Status DoQueryCosine(Stream& s, const QueryCosineArgs& a) = 0;
+  virtual absl::Status DoRecall(Stream& s, const RecallArgs& a) = 0;
+  virtual absl::Status DoOffload(Stream& s, const OffloadArgs& a) = 0;
+  virtual absl::Status DoSparseAttention(Stream& s, const SparseAttentionArgs& a) = 0;
+  virtual absl::Status DoDenseAttention(Stream& s, const DenseAttentionArgs& a) = 0;
+};
+
+}  // namespace kvtier
+
+#endif  // KVTIER_KERNELS_BACKEND_H_

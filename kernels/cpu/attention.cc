@@ -1,0 +1,233 @@
+// Decode attention on the CPU: sparse over a paged working set with per-KV-head slot tables,
+// and dense over contiguous KV (the reference). Both stream blocks of tokens through one
+// online-softmax accumulator per query head (fp32), convert each K/V row once per query
+// group (GQA), and split long contexts into chunks merged afterwards (split-K) so a batch of
+// few heads still uses every thread.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "absl/strings/str_format.h"
+#include "kernels/cpu/convert.h"
+#include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/thread_pool.h"
+#include "kvtier/layout.h"
+
+namespace kvtier {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int32_t kDenseBlock = 32;       // tokens per dense block
+constexpr int64_t kMinBlocksPerChunk = 8;  // below this, splitting costs more than it gains
+
+// Online-softmax state of one query group: per head the running max m, sum l, and acc[d].
+struct GroupState {
+  int32_t G, d;
+  std::vector<float> m, l, acc;
+  std::vector<float> qf, kf, vf, s;  // scratch: q[G][d], k[n][d], v[n][d], scores[G][n]
+
+  GroupState(int32_t groups, int32_t dim) : G(groups), d(dim) {}
+
+  void Reset() {
+    m.assign(static_cast<size_t>(G), kNegInf);
+    l.assign(static_cast<size_t>(G), 0.0f);
+    acc.assign(static_cast<size_t>(G) * d, 0.0f);
+  }
+
+  // Folds in n tokens whose K and V rows start at k and v, `stride` elements apart.
+  template <typename T>
+  void AddBlock(const T* k, const T* v, int64_t stride, int32_t n, float scale) {
+    kf.resize(static_cast<size_t>(n) * d);
+    vf.resize(static_cast<size_t>(n) * d);
+    s.resize(static_cast<size_t>(G) * n);
+    for (int32_t t = 0; t < n; ++t) cpu::LoadRow(k + t * stride, d, kf.data() + int64_t{t} * d);
+    for (int32_t t = 0; t < n; ++t) cpu::LoadRow(v + t * stride, d, vf.data() + int64_t{t} * d);
+    for (int32_t g = 0; g < G; ++g) {
+      float* sg = s.data() + int64_t{g} * n;
+      float bm = kNegInf;
+      for (int32_t t = 0; t < n; ++t) {
+        sg[t] = scale * cpu::Dot(qf.data() + int64_t{g} * d, kf.data() + int64_t{t} * d, d);
+        bm = std::max(bm, sg[t]);
+      }
+      const float new_m = std::max(m[g], bm);
+      const float corr = std::exp(m[g] - new_m);  // 0 when m was -inf
+      float* ag = acc.data() + int64_t{g} * d;
+      float sum = l[g] * corr;
+      for (int32_t i = 0; i < d; ++i) ag[i] *= corr;
+      for (int32_t t = 0; t < n; ++t) {
+        const float w = std::exp(sg[t] - new_m);
+        sum += w;
+        const float* vt = vf.data() + int64_t{t} * d;
+        for (int32_t i = 0; i < d; ++i) ag[i] += w * vt[i];
+      }
+      l[g] = sum;
+      m[g] = new_m;
+    }
+  }
+};
+
+// Where a chunk's partial result goes: m, l, then acc[d], per query head of the group.
+inline float* PartialAt(std::vector<float>& partials, int64_t task, int32_t g, int32_t G,
+                        int32_t d) {
+  return partials.data() + (task * G + g) * (int64_t{d} + 2);
+}
+
+// Runs attention for every (batch, kv head) over `source`, which yields blocks of tokens:
+//   int64_t NumBlocks(b) const;
+//   bool Block(b, h, blk, const T** k, const T** v, int32_t* n) const;  // false: skip
+// The source's rows are NHD, Hkv·d elements apart.
+template <typename T, typename Source>
+void RunAttention(const Source& src, int32_t B, int32_t Hq, int32_t Hkv, int32_t d, float scale,
+                  const void* q_ptr, void* out_ptr, float* lse, ThreadPool* pool) {
+  const int32_t G = Hq / Hkv;
+  const HeadsLayout ql{Hq, d};
+  int64_t max_blocks = 1;
+  for (int32_t b = 0; b < B; ++b) max_blocks = std::max(max_blocks, src.NumBlocks(b));
+  const int64_t threads = pool != nullptr ? pool->num_threads() : 1;
+  const int64_t want = (2 * threads + int64_t{B} * Hkv - 1) / (int64_t{B} * Hkv);
+  const int64_t chunks =
+      std::clamp<int64_t>(want, 1, std::max<int64_t>(1, max_blocks / kMinBlocksPerChunk));
+  const int64_t per_chunk = (max_blocks + chunks - 1) / chunks;
+  const int64_t tasks = int64_t{B} * Hkv * chunks;
+  std::vector<float> partials(static_cast<size_t>(tasks * G * (int64_t{d} + 2)));
+  const T* q = static_cast<const T*>(q_ptr);
+  const int64_t stride = int64_t{Hkv} * d;
+
+  ParallelFor(pool, tasks, 1, [&](int64_t begin, int64_t end) {
+    GroupState st(G, d);
+    st.qf.resize(static_cast<size_t>(G) * d);
+    for (int64_t task = begin; task < end; ++task) {
+      const auto c = task % chunks;
+      const auto h = static_cast<int32_t>((task / chunks) % Hkv);
+      const auto b = static_cast<int32_t>(task / chunks / Hkv);
+      for (int32_t g = 0; g < G; ++g) cpu::LoadRow(q + ql.Offset(b, h * G + g, 0), d, st.qf.data() + int64_t{g} * d);
+      st.Reset();
+      const int64_t last = std::min(src.NumBlocks(b), (c + 1) * per_chunk);
+      for (int64_t blk = c * per_chunk; blk < last; ++blk) {
+        const T *k, *v;
+        int32_t n;
+        if (src.Block(b, h, blk, &k, &v, &n) && n > 0) st.AddBlock(k, v, stride, n, scale);
+      }
+      for (int32_t g = 0; g < G; ++g) {
+        float* part = PartialAt(partials, task, g, G, d);
+        part[0] = st.m[g];
+        part[1] = st.l[g];
+        std::copy_n(st.acc.data() + int64_t{g} * d, d, part + 2);
+      }
+    }
+  });
+
+  // Merge the chunks of each (batch, query head): rescale to the common max and add.
+  T* out = static_cast<T*>(out_ptr);
+  ParallelFor(pool, int64_t{B} * Hq, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(static_cast<size_t>(d));
+    for (int64_t i = begin; i < end; ++i) {
+      const auto b = static_cast<int32_t>(i / Hq);
+      const auto hq = static_cast<int32_t>(i % Hq);
+      const int32_t h = KvHeadOfQueryHead(hq, G), g = hq % G;
+      const int64_t first = (int64_t{b} * Hkv + h) * chunks;
+      float m = kNegInf;
+      for (int64_t c = 0; c < chunks; ++c) m = std::max(m, PartialAt(partials, first + c, g, G, d)[0]);
+      float l = 0;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t c = 0; c < chunks && m != kNegInf; ++c) {
+        const float* part = PartialAt(partials, first + c, g, G, d);
+        if (part[1] == 0) continue;
+        const float w = std::exp(part[0] - m);
+        l += part[1] * w;
+        for (int32_t j = 0; j < d; ++j) acc[static_cast<size_t>(j)] += part[2 + j] * w;
+      }
+      const float inv = l > 0 ? 1.0f / l : 0.0f;
+      for (int32_t j = 0; j < d; ++j) acc[static_cast<size_t>(j)] *= inv;
+      cpu::StoreRow(acc.data(), d, out + ql.Offset(b, hq, 0));
+      if (lse != nullptr) lse[i] = l > 0 ? m + std::log(l) : kNegInf;
+    }
+  });
+}
+
+// Blocks of a working set: block = slot; per KV head, only slots holding a page count.
+template <typename T>
+struct SparseSource {
+  const SparseAttentionArgs& a;
+  WorkingSetLayout wl;
+  SlotTableLayout tl;
+
+  int64_t NumBlocks(int32_t) const { return a.num_slots; }
+  bool Block(int32_t b, int32_t h, int64_t slot, const T** k, const T** v, int32_t* n) const {
+    const int32_t page = a.slot_table[tl.Offset(b, h, static_cast<int32_t>(slot))];
+    if (page < 0) return false;
+    *n = page == a.partial_page[b] ? a.partial_len[b] : a.page_size;
+    const int64_t off = wl.Offset(b, static_cast<int32_t>(slot), 0, h, 0);
+    *k = static_cast<const T*>(a.k_cache) + off;
+    *v = static_cast<const T*>(a.v_cache) + off;
+    return true;
+  }
+};
+
+// Blocks of contiguous KV: kDenseBlock tokens each, the last one partial.
+template <typename T>
+struct DenseSource {
+  const DenseAttentionArgs& a;
+  DenseKvLayout kl;
+
+  int64_t NumBlocks(int32_t b) const { return (a.seq_len[b] + kDenseBlock - 1) / kDenseBlock; }
+  bool Block(int32_t b, int32_t h, int64_t blk, const T** k, const T** v, int32_t* n) const {
+    const auto first = static_cast<int32_t>(blk * kDenseBlock);
+    *n = std::min(kDenseBlock, a.seq_len[b] - first);
+    const int64_t off = kl.Offset(b, first, h, 0);
+    *k = static_cast<const T*>(a.k) + off;
+    *v = static_cast<const T*>(a.v) + off;
+    return true;
+  }
+};
+
+absl::Status CheckSparse(const SparseAttentionArgs& a) {
+  for (int32_t b = 0; b < a.batch; ++b) {
+    if (a.partial_len[b] < 0 || a.partial_len[b] > a.page_size) {
+      return absl::OutOfRangeError(absl::StrFormat(
+          "SparseAttention: partial_len[%d] = %d must be in [0, page_size = %d]", b,
+          a.partial_len[b], a.page_size));
+    }
+  }
+  const int64_t entries = int64_t{a.batch} * a.num_kv_heads * a.num_slots;
+  for (int64_t i = 0; i < entries; ++i) {
+    if (a.slot_table[i] < kEmptySlot) {
+      return absl::OutOfRangeError(absl::StrFormat(
+          "SparseAttention: slot_table[%d] = %d: entries are a page index ≥ 0 or -1 (empty)", i,
+          a.slot_table[i]));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CpuSparseAttention(const SparseAttentionArgs& a, ThreadPool* pool) {
+  if (absl::Status st = CheckSparse(a); !st.ok()) return st;
+  return cpu::DispatchDType(a.dtype, [&]<typename T>() {
+    SparseSource<T> src{a, WorkingSetLayout{a.num_slots, a.page_size, a.num_kv_heads, a.head_dim},
+                        SlotTableLayout{a.num_kv_heads, a.num_slots}};
+    RunAttention<T>(src, a.batch, a.num_q_heads, a.num_kv_heads, a.head_dim, a.softmax_scale, a.q,
+                    a.out, a.lse, pool);
+    return absl::OkStatus();
+  });
+}
+
+absl::Status CpuDenseAttention(const DenseAttentionArgs& a, ThreadPool* pool) {
+  for (int32_t b = 0; b < a.batch; ++b) {
+    if (a.seq_len[b] < 0 || a.seq_len[b] > a.max_tokens) {
+      return absl::OutOfRangeError(absl::StrFormat(
+          "DenseAttention: seq_len[%d] = %d must be in [0, max_tokens = %d]", b, a.seq_len[b],
+          a.max_tokens));
+    }
+  }
+  return cpu::DispatchDType(a.dtype, [&]<typename T>() {
+    DenseSource<T> src{a, DenseKvLayout{a.max_tokens, a.num_kv_heads, a.head_dim}};
+    RunAttention<T>(src, a.batch, a.num_q_heads, a.num_kv_heads, a.head_dim, a.softmax_scale, a.q,
+                    a.out, a.lse, pool);
+    return absl::OkStatus();
+  });
+}
+
+}  // namespace kvtier

@@ -1,0 +1,26 @@
+// The CPU implementations of the backend ops, callable directly (synchronously) as the
+// reference the CUDA kernels are tested against. Each returns INVALID_ARGUMENT or
+// OUT_OF_RANGE for data-dependent errors (an index out of range) and writes nothing
+// useful then. `pool` splits the work; it may be null (run on the calling thread).
+// Thread-safe: no shared state beyond the arguments.
+#ifndef KVTIER_KERNELS_CPU_CPU_OPS_H_
+#define KVTIER_KERNELS_CPU_CPU_OPS_H_
+
+#include "absl/status/status.h"
+#include "kernels/ops.h"
+
+namespace kvtier {
+
+class ThreadPool;
+
+absl::Status CpuScorePages(const ScorePagesArgs& a, ThreadPool* pool);
+absl::Status CpuTopK(const TopKArgs& a, ThreadPool* pool);
+absl::Status CpuQueryCosine(const QueryCosineArgs& a, ThreadPool* pool);
+absl::Status CpuRecall(const RecallArgs& a, ThreadPool* pool);
+absl::Status CpuOffload(const OffloadArgs& a, ThreadPool* pool);
+absl::Status CpuSparseAttention(const SparseAttentionArgs& a, ThreadPool* pool);
+absl::Status CpuDenseAttention(const DenseAttentionArgs& a, ThreadPool* pool);
+
+}  // namespace kvtier
+
+#endif  // KVTIER_KERNELS_CPU_CPU_OPS_H_

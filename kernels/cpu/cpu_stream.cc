@@ -1,0 +1,131 @@
+#include "kernels/cpu/cpu_stream.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+
+namespace kvtier {
+
+bool CpuEvent::Query() {
+  absl::MutexLock lock(&mu_);
+  return completed_ >= armed_;
+}
+
+absl::Status CpuEvent::Wait(absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  const uint64_t target = armed_;
+  auto done = [this, target]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return completed_ >= target;
+  };
+  if (!mu_.AwaitWithTimeout(absl::Condition(&done), timeout)) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        "event not complete within ", absl::FormatDuration(timeout)));
+  }
+  return status_;
+}
+
+uint64_t CpuEvent::Armed() {
+  absl::MutexLock lock(&mu_);
+  return armed_;
+}
+
+uint64_t CpuEvent::Arm() {
+  absl::MutexLock lock(&mu_);
+  return ++armed_;
+}
+
+void CpuEvent::Complete(uint64_t seq, absl::Status status) {
+  absl::MutexLock lock(&mu_);
+  if (seq > completed_) {
+    completed_ = seq;
+    status_ = std::move(status);
+  }
+}
+
+absl::Status CpuEvent::WaitFor(uint64_t seq) {
+  absl::MutexLock lock(&mu_);
+  auto done = [this, seq]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return completed_ >= seq; };
+  mu_.Await(absl::Condition(&done));
+  return status_;
+}
+
+CpuStream::CpuStream() : worker_([this] { WorkerLoop(); }) {}
+
+CpuStream::~CpuStream() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  worker_.join();
+}
+
+void CpuStream::Push(Task task) {
+  absl::MutexLock lock(&mu_);
+  queue_.push_back(std::move(task));
+}
+
+void CpuStream::Enqueue(std::function<absl::Status()> task) {
+  Push(Task{std::move(task), /*always_run=*/false});
+}
+
+absl::Status CpuStream::Record(Event& event) {
+  auto* e = dynamic_cast<CpuEvent*>(&event);
+  if (e == nullptr) return absl::InvalidArgumentError("Record: event is not a cpu event");
+  const uint64_t seq = e->Arm();
+  Push(Task{[this, e, seq] {
+              absl::Status st;
+              {
+                absl::MutexLock lock(&mu_);
+                st = status_;
+              }
+              e->Complete(seq, st);
+              return absl::OkStatus();
+            },
+            /*always_run=*/true});
+  return absl::OkStatus();
+}
+
+absl::Status CpuStream::Wait(Event& event) {
+  auto* e = dynamic_cast<CpuEvent*>(&event);
+  if (e == nullptr) return absl::InvalidArgumentError("Wait: event is not a cpu event");
+  // The target is the record in force now, as cudaStreamWaitEvent captures it.
+  const uint64_t seq = e->Armed();
+  Push(Task{[e, seq] { return e->WaitFor(seq); }, /*always_run=*/true});
+  return absl::OkStatus();
+}
+
+absl::Status CpuStream::Synchronize() {
+  absl::MutexLock lock(&mu_);
+  mu_.Await(absl::Condition(
+      +[](CpuStream* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu_) { return s->Idle(); }, this));
+  return status_;
+}
+
+void CpuStream::WorkerLoop() {
+  while (true) {
+    Task task;
+    bool failed;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(
+          +[](CpuStream* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu_) {
+            return s->stopping_ || !s->queue_.empty();
+          },
+          this));
+      if (queue_.empty()) return;  // stopping, and every task has run
+      task = std::move(queue_.front());
+      queue_.pop_front();
+      busy_ = true;
+      failed = !status_.ok();
+    }
+    absl::Status st;
+    if (task.always_run || !failed) st = task.fn();
+    absl::MutexLock lock(&mu_);
+    if (!st.ok() && status_.ok()) status_ = std::move(st);
+    busy_ = false;
+  }
+}
+
+}  // namespace kvtier

@@ -1,0 +1,102 @@
+// Page scoring (Quest) and group pooling on the CPU.
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "absl/strings/str_format.h"
+#include "kernels/cpu/convert.h"
+#include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/thread_pool.h"
+#include "kvtier/layout.h"
+
+namespace kvtier {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Σ_i max(q_i·hi_i, q_i·lo_i) with eight partial sums.
+inline float BoundScore(const float* q, const float* hi, const float* lo, int32_t d) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int32_t i = 0;
+  for (; i + 8 <= d; i += 8) {
+    for (int j = 0; j < 8; ++j) {
+      const float a = q[i + j] * hi[i + j];
+      const float b = q[i + j] * lo[i + j];
+      acc[j] += a > b ? a : b;
+    }
+  }
+  float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; i < d; ++i) sum += std::max(q[i] * hi[i], q[i] * lo[i]);
+  return sum;
+}
+
+// Adds mean-over-group softmax(scale · raw) into pooled[0, n).
+void AddSoftmax(const float* raw, int32_t n, float scale, float weight, float* pooled) {
+  float m = kNegInf;
+  for (int32_t p = 0; p < n; ++p) m = std::max(m, scale * raw[p]);
+  double sum = 0;
+  for (int32_t p = 0; p < n; ++p) sum += std::exp(scale * raw[p] - m);
+  const float inv = weight / static_cast<float>(sum);
+  for (int32_t p = 0; p < n; ++p) pooled[p] += std::exp(scale * raw[p] - m) * inv;
+}
+
+template <typename T>
+void ScoreGroup(const ScorePagesArgs& a, int32_t b, int32_t h, std::vector<float>& scratch) {
+  const int32_t d = a.head_dim, P = a.max_pages, G = a.num_q_heads / a.num_kv_heads;
+  const int32_t n = a.num_pages[b];
+  const HeadsLayout ql{a.num_q_heads, d};
+  const SummaryLayout sl{a.num_kv_heads, d};
+  const T* q = static_cast<const T*>(a.q);
+  const T* summaries = static_cast<const T*>(a.summaries) + int64_t{b} * P * sl.page_elements();
+  // scratch: qf[G][d] | hi[d] | lo[d] | raw[G][P]
+  scratch.resize(static_cast<size_t>(G) * d + 2 * d + static_cast<size_t>(G) * P);
+  float* qf = scratch.data();
+  float* hi = qf + G * d;
+  float* lo = hi + d;
+  float* raw = lo + d;
+  for (int32_t g = 0; g < G; ++g) cpu::LoadRow(q + ql.Offset(b, h * G + g, 0), d, qf + g * d);
+  for (int32_t p = 0; p < n; ++p) {
+    cpu::LoadRow(summaries + sl.Offset(p, h, kHi, 0), d, hi);
+    cpu::LoadRow(summaries + sl.Offset(p, h, kLo, 0), d, lo);
+    for (int32_t g = 0; g < G; ++g) raw[int64_t{g} * P + p] = BoundScore(qf + g * d, hi, lo, d);
+  }
+  float* pooled = a.pooled + (int64_t{b} * a.num_kv_heads + h) * P;
+  for (int32_t p = 0; p < P; ++p) pooled[p] = p < n ? 0.0f : kNegInf;
+  const float weight = 1.0f / static_cast<float>(G);
+  for (int32_t g = 0; g < G; ++g) {
+    const float* r = raw + int64_t{g} * P;
+    if (a.pool == PoolMode::kSoftmaxMean) {
+      AddSoftmax(r, n, a.softmax_scale, weight, pooled);
+    } else {
+      for (int32_t p = 0; p < n; ++p) pooled[p] += r[p] * weight;
+    }
+    if (a.scores != nullptr) {
+      float* out = a.scores + (int64_t{b} * a.num_q_heads + h * G + g) * P;
+      for (int32_t p = 0; p < P; ++p) out[p] = p < n ? r[p] : kNegInf;
+    }
+  }
+}
+
+}  // namespace
+
+absl::Status CpuScorePages(const ScorePagesArgs& a, ThreadPool* pool) {
+  for (int32_t b = 0; b < a.batch; ++b) {
+    if (a.num_pages[b] < 0 || a.num_pages[b] > a.max_pages) {
+      return absl::OutOfRangeError(absl::StrFormat(
+          "ScorePages: num_pages[%d] = %d must be in [0, max_pages = %d]", b, a.num_pages[b],
+          a.max_pages));
+    }
+  }
+  return cpu::DispatchDType(a.dtype, [&]<typename T>() {
+    ParallelFor(pool, int64_t{a.batch} * a.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch;
+      for (int64_t i = begin; i < end; ++i) {
+        ScoreGroup<T>(a, static_cast<int32_t>(i / a.num_kv_heads),
+                      static_cast<int32_t>(i % a.num_kv_heads), scratch);
+      }
+    });
+    return absl::OkStatus();
+  });
+}
+
+}  // namespace kvtier

@@ -1,0 +1,51 @@
+// ThreadPool: a fixed set of worker threads for data-parallel loops in the CPU backend.
+// ParallelFor splits [0, n) into chunks and runs them on the workers and the calling
+// thread; the caller always takes part, so nested or concurrent ParallelFor calls from
+// several threads (one per CPU stream) never deadlock, they only share the workers.
+//
+// Thread-safe. Non-copyable; the destructor joins the workers.
+#ifndef KVTIER_KERNELS_CPU_THREAD_POOL_H_
+#define KVTIER_KERNELS_CPU_THREAD_POOL_H_
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+
+namespace kvtier {
+
+class ThreadPool {
+ public:
+  // `num_threads` is the total parallelism including the caller: num_threads − 1 workers
+  // are started. ≤ 0 means std::thread::hardware_concurrency().
+  explicit ThreadPool(int num_threads);
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+  ~ThreadPool();
+
+  int num_threads() const { return static_cast<int>(workers_.size()) + 1; }
+
+  // Calls fn(begin, end) over disjoint chunks covering [0, n), each at most `grain` long
+  // (grain ≥ 1), and returns when all have run.
+  void ParallelFor(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
+
+ private:
+  void WorkerLoop();
+
+  absl::Mutex mu_;
+  std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::thread> workers_;
+};
+
+// ParallelFor on `pool`, or inline on the calling thread when `pool` is null.
+void ParallelFor(ThreadPool* pool, int64_t n, int64_t grain,
+                 const std::function<void(int64_t, int64_t)>& fn);
+
+}  // namespace kvtier
+
+#endif  // KVTIER_KERNELS_CPU_THREAD_POOL_H_

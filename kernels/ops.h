@@ -1,0 +1,186 @@
+// Arguments of the backend's compute ops (DESIGN.md §4, §5). Kernels are framework-free:
+// raw pointers into backend memory, sizes, and the layouts of kvtier/layout.h. Ops never
+// allocate; callers own every buffer. The structs carry no CUDA types, so the CPU reference
+// and the CUDA kernels take the same arguments.
+//
+// Shape checks (positive sizes, GQA divisibility, non-null required pointers) happen when an
+// op is enqueued: ValidateArgs below, called by Backend. Data-dependent checks (an index in
+// a device array out of range) happen when the op runs, and fail the stream.
+#ifndef KVTIER_KERNELS_OPS_H_
+#define KVTIER_KERNELS_OPS_H_
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "kvtier/dtype.h"
+
+namespace kvtier {
+
+// How per-query-head page scores are pooled into one score per KV head.
+enum class PoolMode : uint8_t {
+  kSoftmaxMean = 0,  // mean over the query group of softmax over pages (default)
+  kRawMean = 1,      // mean over the query group of the raw scores
+};
+
+// Which per-(page, KV head) key summary offload writes.
+enum class SummaryMode : uint8_t {
+  kMinMax = 0,     // hi/lo = per-dim max/min of the page's keys (Quest): a true bound
+  kCenterMad = 1,  // hi/lo = mean ± mean absolute deviation (ArkVale): tighter, no bound
+};
+
+// Page scores (Quest): score[b][hq][page] = Σ_i max(q_i·hi_i, q_i·lo_i), then pooled per
+// KV head. Pages at or beyond num_pages[b] score -inf in `pooled` (and `scores`).
+struct ScorePagesArgs {
+  DType dtype = DType::kF16;
+  int32_t batch = 0;
+  int32_t num_q_heads = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+  int32_t max_pages = 0;          // P: per-sequence stride of summaries and scores
+  const void* q = nullptr;        // [B][Hq][d]
+  const void* summaries = nullptr;  // [B][P][Hkv][2][d] (SummaryLayout per sequence)
+  const int32_t* num_pages = nullptr;  // [B], each in [0, P]
+  float softmax_scale = 1.0f;     // multiplies scores inside the softmax pooling
+  PoolMode pool = PoolMode::kSoftmaxMean;
+  float* scores = nullptr;        // [B][Hq][P] raw scores out; optional (may be null)
+  float* pooled = nullptr;        // [B][Hkv][P] out
+};
+
+// Top-k pages per (sequence, KV head) among candidates: pages in
+// [sink_pages, num_pages[b] - recent_pages). Output best first; ties go to the lower page
+// index, and NaN ranks below every number, so the result is deterministic. Fewer than k
+// candidates pad with kEmptySlot (-1).
+struct TopKArgs {
+  int32_t batch = 0;
+  int32_t num_kv_heads = 0;
+  int32_t max_pages = 0;               // P
+  int32_t k = 0;
+  const float* pooled = nullptr;       // [B][Hkv][P]
+  const int32_t* num_pages = nullptr;  // [B]
+  int32_t sink_pages = 0;
+  int32_t recent_pages = 0;
+  int32_t* selected = nullptr;         // [B][Hkv][k] out
+};
+
+// Cosine of q_t and q_{t-1} per query head, its mean over each KV head's query group, and
+// drift flags (group mean < threshold). A zero vector has cosine 0 with anything, so a
+// missing previous query always counts as drift.
+struct QueryCosineArgs {
+  DType dtype = DType::kF16;
+  int32_t batch = 0;
+  int32_t num_q_heads = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+  const void* q = nullptr;       // [B][Hq][d]
+  const void* q_prev = nullptr;  // [B][Hq][d]
+  float threshold = 0.9f;        // τ
+  float* cosine = nullptr;       // [B][Hq] out; optional
+  float* group_mean = nullptr;   // [B][Hkv] out
+  uint8_t* drifted = nullptr;    // [B][Hkv] out, 1 where group_mean < τ; optional
+};
+
+// One head-page to recall: the K+V slab of `kv_head` in host page `host_page`, written to
+// NHD global slot `dst_slot` (b·S + slot) for that head.
+struct RecallItem {
+  int64_t host_page;
+  int32_t kv_head;
+  int32_t dst_slot;
+};
+
+// Recall transform: gathers head-page slabs from HND host pages into the NHD working set.
+// Bit-exact. Host page i starts at host_pages + i·(Hkv·2·p·d) elements.
+struct RecallArgs {
+  DType dtype = DType::kF16;
+  int32_t page_size = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+  const void* host_pages = nullptr;  // HND pages (the host arena's page area)
+  int64_t num_host_pages = 0;        // for range checks
+  const RecallItem* items = nullptr;
+  int32_t num_items = 0;
+  void* k_cache = nullptr;           // [num_slots][p][Hkv][d]
+  void* v_cache = nullptr;
+  int32_t num_slots = 0;             // B·S, for range checks
+};
+
+// One full page to offload: NHD global slot `src_slot` of the source K/V buffers → host
+// page `host_page` (HND) and summary page `summary_page`.
+struct OffloadItem {
+  int64_t src_slot;
+  int64_t host_page;
+  int64_t summary_page;
+};
+
+// Offload: NHD → HND transpose into host pages (bit-exact) plus key summaries per
+// (page, KV head). Only full pages are offloaded.
+struct OffloadArgs {
+  DType dtype = DType::kF16;
+  int32_t page_size = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+  SummaryMode summary = SummaryMode::kMinMax;
+  const void* k_src = nullptr;  // [num_src_slots][p][Hkv][d]
+  const void* v_src = nullptr;
+  int64_t num_src_slots = 0;
+  void* host_pages = nullptr;   // HND pages
+  int64_t num_host_pages = 0;
+  void* summaries = nullptr;    // [num_summary_pages][Hkv][2][d]
+  int64_t num_summary_pages = 0;
+  const OffloadItem* items = nullptr;
+  int32_t num_items = 0;
+};
+
+// Sparse paged decode attention over a working set with per-KV-head slot tables (GQA).
+// Query head hq of sequence b attends over every token of every slot s whose table entry
+// slot_table[b][hq / G][s] is a page (≥ 0); such a slot holds page_size tokens, except
+// the one holding partial_page[b], which holds partial_len[b]. fp32 accumulation and
+// online softmax; output in `dtype`. A head with no tokens outputs zeros and lse = -inf.
+struct SparseAttentionArgs {
+  DType dtype = DType::kF16;
+  int32_t batch = 0;
+  int32_t num_q_heads = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+  int32_t page_size = 0;
+  int32_t num_slots = 0;                  // S per sequence
+  const void* q = nullptr;                // [B][Hq][d]
+  const void* k_cache = nullptr;          // [B][S][p][Hkv][d]
+  const void* v_cache = nullptr;
+  const int32_t* slot_table = nullptr;    // [B][Hkv][S]
+  const int32_t* partial_page = nullptr;  // [B] logical page, or -1 for none
+  const int32_t* partial_len = nullptr;   // [B] tokens in it, in [0, p]
+  float softmax_scale = 1.0f;
+  void* out = nullptr;                    // [B][Hq][d]
+  float* lse = nullptr;                   // [B][Hq] natural log-sum-exp; optional
+};
+
+// Dense decode attention over contiguous NHD KV [B][T][Hkv][d] with seq_len[b] ≤ T tokens.
+// The accuracy reference for sparse attention.
+struct DenseAttentionArgs {
+  DType dtype = DType::kF16;
+  int32_t batch = 0;
+  int32_t num_q_heads = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+  int32_t max_tokens = 0;            // T
+  const void* q = nullptr;           // [B][Hq][d]
+  const void* k = nullptr;           // [B][T][Hkv][d]
+  const void* v = nullptr;
+  const int32_t* seq_len = nullptr;  // [B]
+  float softmax_scale = 1.0f;
+  void* out = nullptr;               // [B][Hq][d]
+  float* lse = nullptr;              // [B][Hq]; optional
+};
+
+// Shape validation shared by every backend: OK, or INVALID_ARGUMENT naming the field.
+absl::Status ValidateArgs(const ScorePagesArgs& a);
+absl::Status ValidateArgs(const TopKArgs& a);
+absl::Status ValidateArgs(const QueryCosineArgs& a);
+absl::Status ValidateArgs(const RecallArgs& a);
+absl::Status ValidateArgs(const OffloadArgs& a);
+absl::Status ValidateArgs(const SparseAttentionArgs& a);
+absl::Status ValidateArgs(const DenseAttentionArgs& a);
+
+}  // namespace kvtier
+
+#endif  // KVTIER_KERNELS_OPS_H_

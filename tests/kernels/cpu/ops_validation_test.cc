@@ -1,0 +1,142 @@
+// Shape errors are refused when an op is enqueued; data errors fail the stream when it runs.
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/registry.h"
+
+namespace kvtier {
+namespace {
+
+using ::testing::HasSubstr;
+
+class OpsValidationTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    backend_ = std::move(CreateBackend(BackendKind::kCpu)).value();
+    stream_ = std::move(backend_->CreateStream()).value();
+  }
+  void ExpectInvalid(const absl::Status& st, const std::string& text) {
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_THAT(std::string(st.message()), HasSubstr(text));
+  }
+  std::unique_ptr<Backend> backend_;
+  std::unique_ptr<Stream> stream_;
+  std::vector<float> buf_ = std::vector<float>(4096);
+  std::vector<int32_t> ints_ = std::vector<int32_t>(64, 1);
+};
+
+TEST_F(OpsValidationTest, ScorePagesNamesTheBadField) {
+  ScorePagesArgs a;
+  a.dtype = DType::kF32;
+  a.batch = 1;
+  a.num_q_heads = 6;
+  a.num_kv_heads = 4;
+  a.head_dim = 8;
+  a.max_pages = 4;
+  a.q = a.summaries = buf_.data();
+  a.num_pages = ints_.data();
+  a.pooled = buf_.data();
+  ExpectInvalid(backend_->ScorePages(*stream_, a), "num_q_heads = 6 must be a multiple of num_kv_heads = 4");
+  a.num_kv_heads = 3;
+  a.batch = 0;
+  ExpectInvalid(backend_->ScorePages(*stream_, a), "ScorePages: batch = 0 must be in [1, 65536]");
+  a.batch = 1;
+  a.pooled = nullptr;
+  ExpectInvalid(backend_->ScorePages(*stream_, a), "ScorePages: pooled must not be null");
+}
+
+TEST_F(OpsValidationTest, TopKRejectsKLargerThanPages) {
+  TopKArgs a;
+  a.batch = 1;
+  a.num_kv_heads = 1;
+  a.max_pages = 4;
+  a.k = 5;
+  a.pooled = buf_.data();
+  a.num_pages = ints_.data();
+  a.selected = ints_.data();
+  ExpectInvalid(backend_->TopK(*stream_, a), "TopK: k = 5 must be in [1, 4]");
+}
+
+TEST_F(OpsValidationTest, AttentionAndRecallShapes) {
+  SparseAttentionArgs s;
+  s.batch = 1;
+  s.num_q_heads = 4;
+  s.num_kv_heads = 2;
+  s.head_dim = 8;
+  s.page_size = 2048;
+  ExpectInvalid(backend_->SparseAttention(*stream_, s), "page_size = 2048 must be in [1, 1024]");
+  DenseAttentionArgs d;
+  d.batch = 1;
+  d.num_q_heads = 4;
+  d.num_kv_heads = 2;
+  d.head_dim = 8;
+  d.max_tokens = 0;
+  ExpectInvalid(backend_->DenseAttention(*stream_, d), "max_tokens = 0");
+  RecallArgs r;
+  r.page_size = 16;
+  r.num_kv_heads = 2;
+  r.head_dim = 8;
+  r.num_items = 1;
+  r.num_host_pages = 1;
+  r.num_slots = 1;
+  ExpectInvalid(backend_->Recall(*stream_, r), "Recall: host_pages must not be null");
+}
+
+TEST_F(OpsValidationTest, OutOfRangeItemsFailTheStreamAndWriteNothing) {
+  const int32_t p = 2, H = 1, d = 8;
+  std::vector<float> host(2 * H * 2 * p * d, 1.0f), k(p * H * d, 0.0f), v(p * H * d, 0.0f);
+  std::vector<RecallItem> items = {{0, 0, 0}, {5, 0, 0}};  // host page 5 of 2
+  RecallArgs r;
+  r.dtype = DType::kF32;
+  r.page_size = p;
+  r.num_kv_heads = H;
+  r.head_dim = d;
+  r.host_pages = host.data();
+  r.num_host_pages = 2;
+  r.items = items.data();
+  r.num_items = 2;
+  r.k_cache = k.data();
+  r.v_cache = v.data();
+  r.num_slots = 1;
+  ASSERT_TRUE(backend_->Recall(*stream_, r).ok());
+  const absl::Status st = stream_->Synchronize();
+  EXPECT_EQ(st.code(), absl::StatusCode::kOutOfRange);
+  EXPECT_THAT(std::string(st.message()), HasSubstr("items[1].host_page = 5 must be in [0, 2)"));
+  EXPECT_EQ(k[0], 0.0f);  // the valid item was not applied either: all or nothing
+}
+
+TEST_F(OpsValidationTest, StreamsOfAnotherKindAreRefused) {
+  class ForeignStream : public Stream {
+   public:
+    absl::Status Record(Event&) override { return absl::OkStatus(); }
+    absl::Status Wait(Event&) override { return absl::OkStatus(); }
+    absl::Status Synchronize() override { return absl::OkStatus(); }
+  } foreign;
+  int x = 0, y = 1;
+  EXPECT_EQ(backend_->Copy(foreign, &x, &y, 4).code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(RegistryTest, CpuAlwaysAvailableAndAutoFallsBack) {
+  auto cpu = CreateBackend(BackendKind::kCpu, BackendOptions{.cpu_threads = 3});
+  ASSERT_TRUE(cpu.ok());
+  EXPECT_EQ((*cpu)->kind(), BackendKind::kCpu);
+  EXPECT_EQ((*cpu)->Describe(), "cpu: 3 threads");
+  auto any = CreateBackend(BackendKind::kAuto);
+  ASSERT_TRUE(any.ok());
+  EXPECT_EQ((*any)->kind(), CudaDeviceCount() > 0 ? BackendKind::kCuda : BackendKind::kCpu);
+  auto cuda = CreateBackend(BackendKind::kCuda);
+  if (!CudaBackendBuilt()) {
+    EXPECT_EQ(cuda.status().code(), absl::StatusCode::kUnimplemented);
+  } else if (CudaDeviceCount() == 0) {
+    EXPECT_EQ(cuda.status().code(), absl::StatusCode::kUnavailable);
+  }
+  BackendKind k;
+  EXPECT_TRUE(ParseBackendKind("cuda", &k));
+  EXPECT_EQ(k, BackendKind::kCuda);
+  EXPECT_FALSE(ParseBackendKind("tpu", &k));
+}
+
+}  // namespace
+}  // namespace kvtier

@@ -1,0 +1,239 @@
+// Page scoring, pooling and top-k on the CPU against brute force.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <tuple>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/thread_pool.h"
+#include "kvtier/layout.h"
+#include "tests/testutil/random_fill.h"
+
+namespace kvtier {
+namespace {
+
+using testing::TypedBuffer;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// dtype, head_dim, group size
+using ScoreParam = std::tuple<DType, int32_t, int32_t>;
+
+class ScorePagesTest : public ::testing::TestWithParam<ScoreParam> {};
+
+TEST_P(ScorePagesTest, MatchesBruteForceForEveryHeadAndPoolMode) {
+  const auto [dtype, d, G] = GetParam();
+  const int32_t B = 2, Hkv = 2, Hq = Hkv * G, P = 20;
+  const std::vector<int32_t> num_pages = {20, 13};
+  TypedBuffer q(dtype, int64_t{B} * Hq * d), sums(dtype, int64_t{B} * P * Hkv * 2 * d);
+  q.FillNormal(1);
+  sums.FillNormal(2);
+  const HeadsLayout ql{Hq, d};
+  const SummaryLayout sl{Hkv, d};
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  ThreadPool pool(3);
+  for (PoolMode mode : {PoolMode::kSoftmaxMean, PoolMode::kRawMean}) {
+    std::vector<float> scores(static_cast<size_t>(B * Hq * P)), pooled(static_cast<size_t>(B * Hkv * P));
+    ScorePagesArgs a;
+    a.dtype = dtype;
+    a.batch = B;
+    a.num_q_heads = Hq;
+    a.num_kv_heads = Hkv;
+    a.head_dim = d;
+    a.max_pages = P;
+    a.q = q.data();
+    a.summaries = sums.data();
+    a.num_pages = num_pages.data();
+    a.softmax_scale = scale;
+    a.pool = mode;
+    a.scores = scores.data();
+    a.pooled = pooled.data();
+    ASSERT_TRUE(CpuScorePages(a, &pool).ok());
+    for (int32_t b = 0; b < B; ++b) {
+      const int32_t n = num_pages[static_cast<size_t>(b)];
+      for (int32_t h = 0; h < Hkv; ++h) {
+        std::vector<double> want(static_cast<size_t>(P), 0.0);
+        for (int32_t g = 0; g < G; ++g) {
+          const int32_t hq = h * G + g;
+          std::vector<double> raw(static_cast<size_t>(n));
+          for (int32_t p = 0; p < n; ++p) {
+            double s = 0;
+            for (int32_t i = 0; i < d; ++i) {
+              const double qi = q.Get(ql.Offset(b, hq, i));
+              const int64_t base = int64_t{b} * P * sl.page_elements();
+              s += std::max(qi * sums.Get(base + sl.Offset(p, h, kHi, i)),
+                            qi * sums.Get(base + sl.Offset(p, h, kLo, i)));
+            }
+            raw[static_cast<size_t>(p)] = s;
+            EXPECT_NEAR(scores[static_cast<size_t>((b * Hq + hq) * P + p)], s, 1e-3 * (1 + std::fabs(s)));
+          }
+          for (int32_t p = n; p < P; ++p) EXPECT_EQ(scores[static_cast<size_t>((b * Hq + hq) * P + p)], kNegInf);
+          if (mode == PoolMode::kRawMean) {
+            for (int32_t p = 0; p < n; ++p) want[static_cast<size_t>(p)] += raw[static_cast<size_t>(p)] / G;
+          } else {
+            double m = -1e300, z = 0;
+            for (double r : raw) m = std::max(m, scale * r);
+            for (double r : raw) z += std::exp(scale * r - m);
+            for (int32_t p = 0; p < n; ++p)
+              want[static_cast<size_t>(p)] += std::exp(scale * raw[static_cast<size_t>(p)] - m) / z / G;
+          }
+        }
+        for (int32_t p = 0; p < P; ++p) {
+          const float got = pooled[static_cast<size_t>((b * Hkv + h) * P + p)];
+          if (p >= n) {
+            EXPECT_EQ(got, kNegInf);
+          } else {
+            EXPECT_NEAR(got, want[static_cast<size_t>(p)], 1e-4 * (1 + std::fabs(want[static_cast<size_t>(p)])))
+                << "b=" << b << " h=" << h << " p=" << p;
+          }
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Sweep, ScorePagesTest,
+                         ::testing::Combine(::testing::Values(DType::kF16, DType::kBF16, DType::kF32),
+                                            ::testing::Values(64, 128), ::testing::Values(1, 4, 8)),
+                         [](const auto& tpi) {
+                           return std::string(DTypeName(std::get<0>(tpi.param))) + "_d" +
+                                  std::to_string(std::get<1>(tpi.param)) + "_g" +
+                                  std::to_string(std::get<2>(tpi.param));
+                         });
+
+TEST(ScorePagesTest, MinMaxSummariesGiveAnUpperBoundOnEveryKeyScore) {
+  // Summaries produced by offload bound q·k of every key of the page (the Quest property).
+  const int32_t p = 16, d = 64, Hkv = 2, P = 6;
+  TypedBuffer k(DType::kF16, int64_t{P} * p * Hkv * d), v(DType::kF16, int64_t{P} * p * Hkv * d);
+  k.FillNormal(3);
+  v.FillNormal(4);
+  TypedBuffer host(DType::kF16, int64_t{P} * Hkv * 2 * p * d), sums(DType::kF16, int64_t{P} * Hkv * 2 * d);
+  std::vector<OffloadItem> items;
+  for (int32_t i = 0; i < P; ++i) items.push_back({i, i, i});
+  OffloadArgs o;
+  o.dtype = DType::kF16;
+  o.page_size = p;
+  o.num_kv_heads = Hkv;
+  o.head_dim = d;
+  o.k_src = k.data();
+  o.v_src = v.data();
+  o.num_src_slots = P;
+  o.host_pages = host.data();
+  o.num_host_pages = P;
+  o.summaries = sums.data();
+  o.num_summary_pages = P;
+  o.items = items.data();
+  o.num_items = P;
+  ASSERT_TRUE(CpuOffload(o, nullptr).ok());
+  TypedBuffer q(DType::kF16, int64_t{Hkv} * d);
+  q.FillNormal(5);
+  std::vector<float> scores(static_cast<size_t>(Hkv * P)), pooled(static_cast<size_t>(Hkv * P));
+  const int32_t n = P;
+  ScorePagesArgs a;
+  a.dtype = DType::kF16;
+  a.batch = 1;
+  a.num_q_heads = Hkv;
+  a.num_kv_heads = Hkv;
+  a.head_dim = d;
+  a.max_pages = P;
+  a.q = q.data();
+  a.summaries = sums.data();
+  a.num_pages = &n;
+  a.scores = scores.data();
+  a.pooled = pooled.data();
+  ASSERT_TRUE(CpuScorePages(a, nullptr).ok());
+  const WorkingSetLayout wl{P, p, Hkv, d};
+  for (int32_t h = 0; h < Hkv; ++h) {
+    for (int32_t pg = 0; pg < P; ++pg) {
+      for (int32_t t = 0; t < p; ++t) {
+        double dot = 0;
+        for (int32_t i = 0; i < d; ++i) dot += q.Get(int64_t{h} * d + i) * k.Get(wl.Offset(int64_t{pg}, t, h, i));
+        EXPECT_GE(scores[static_cast<size_t>(h * P + pg)] + 1e-3, dot);
+      }
+    }
+  }
+}
+
+TopKArgs MakeTopK(const std::vector<float>& pooled, const std::vector<int32_t>& n, int32_t Hkv,
+                  int32_t P, int32_t k, std::vector<int32_t>& out) {
+  out.assign(n.size() * static_cast<size_t>(Hkv * k), 99);
+  TopKArgs a;
+  a.batch = static_cast<int32_t>(n.size());
+  a.num_kv_heads = Hkv;
+  a.max_pages = P;
+  a.k = k;
+  a.pooled = pooled.data();
+  a.num_pages = n.data();
+  a.selected = out.data();
+  return a;
+}
+
+TEST(TopKTest, TiesGoToTheLowerPageAndNaNRanksLast) {
+  const int32_t P = 8;
+  std::vector<float> pooled = {1, 2, 2, std::nanf(""), 2, 0, 5, 1};
+  std::vector<int32_t> n = {8}, out;
+  TopKArgs a = MakeTopK(pooled, n, 1, P, 8, out);
+  ASSERT_TRUE(CpuTopK(a, nullptr).ok());
+  EXPECT_EQ(out, (std::vector<int32_t>{6, 1, 2, 4, 0, 7, 5, 3}));
+}
+
+TEST(TopKTest, ExcludesSinkAndRecentPagesAndPadsWithEmpty) {
+  const int32_t P = 10;
+  std::vector<float> pooled(P);
+  std::iota(pooled.begin(), pooled.end(), 0.0f);  // page i scores i: recent ones would win
+  std::vector<int32_t> n = {10}, out;
+  TopKArgs a = MakeTopK(pooled, n, 1, P, 6, out);
+  a.sink_pages = 2;
+  a.recent_pages = 3;  // candidates: 2..6
+  ASSERT_TRUE(CpuTopK(a, nullptr).ok());
+  EXPECT_EQ(out, (std::vector<int32_t>{6, 5, 4, 3, 2, kEmptySlot}));
+  n = {4};  // sink 2 + recent 3 > 4 pages: no candidate at all
+  a = MakeTopK(pooled, n, 1, P, 2, out);
+  a.sink_pages = 2;
+  a.recent_pages = 3;
+  ASSERT_TRUE(CpuTopK(a, nullptr).ok());
+  EXPECT_EQ(out, (std::vector<int32_t>{kEmptySlot, kEmptySlot}));
+}
+
+TEST(TopKTest, RandomScoresMatchAFullSortAndRepeatIdentically) {
+  std::mt19937 rng(7);
+  const int32_t B = 3, Hkv = 4, P = 300, k = 37;
+  std::vector<float> pooled(static_cast<size_t>(B * Hkv * P));
+  // Few distinct values so ties are common.
+  for (auto& x : pooled) x = static_cast<float>(rng() % 20);
+  std::vector<int32_t> n = {300, 120, 41}, out, again;
+  ThreadPool pool(3);
+  TopKArgs a = MakeTopK(pooled, n, Hkv, P, k, out);
+  a.sink_pages = 4;
+  a.recent_pages = 2;
+  ASSERT_TRUE(CpuTopK(a, &pool).ok());
+  TopKArgs a2 = MakeTopK(pooled, n, Hkv, P, k, again);
+  a2.sink_pages = 4;
+  a2.recent_pages = 2;
+  ASSERT_TRUE(CpuTopK(a2, &pool).ok());
+  EXPECT_EQ(out, again);
+  for (int32_t b = 0; b < B; ++b) {
+    for (int32_t h = 0; h < Hkv; ++h) {
+      const float* s = pooled.data() + (b * Hkv + h) * P;
+      std::vector<int32_t> cand;
+      for (int32_t p = 4; p < n[static_cast<size_t>(b)] - 2; ++p) cand.push_back(p);
+      std::stable_sort(cand.begin(), cand.end(), [&](int32_t x, int32_t y) { return s[x] > s[y]; });
+      cand.resize(static_cast<size_t>(k), kEmptySlot);
+      const std::vector<int32_t> got(out.begin() + (b * Hkv + h) * k, out.begin() + (b * Hkv + h + 1) * k);
+      EXPECT_EQ(got, cand) << "b=" << b << " h=" << h;
+    }
+  }
+}
+
+TEST(TopKTest, RejectsPageCountsOutsideMaxPages) {
+  std::vector<float> pooled(4, 0.0f);
+  std::vector<int32_t> n = {5}, out;
+  TopKArgs a = MakeTopK(pooled, n, 1, 4, 2, out);
+  EXPECT_EQ(CpuTopK(a, nullptr).code(), absl::StatusCode::kOutOfRange);
+}
+
+}  // namespace
+}  // namespace kvtier
