@@ -1,0 +1,250 @@
+// The CUDA backend (DESIGN.md §5): device memory, non-blocking streams and events, host
+// registration for DMA and zero-copy kernels, copies, and the copy kernels (recall.cu,
+// offload.cu). The arithmetic ops answer UNIMPLEMENTED until their kernels land.
+//
+// Every method first makes this backend's device current (restoring the caller's device
+// afterwards), so one process may drive several GPUs through several backends.
+#include "kernels/cuda/cuda_backend.h"
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "kernels/cuda/copy_kernels.h"
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/cuda_stream.h"
+#include "kvtier/status.h"
+
+namespace kvtier {
+namespace {
+
+using cuda::CudaStatus;
+
+// "cuda: NVIDIA H100 80GB HBM3 (sm_90), 79 GiB, driver 13.0, runtime 13.0".
+absl::StatusOr<std::string> DescribeDevice(int device) {
+  cudaDeviceProp prop;
+  KVTIER_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device));
+  int driver = 0;
+  int runtime = 0;
+  KVTIER_CUDA_RETURN_IF_ERROR(cudaDriverGetVersion(&driver));
+  KVTIER_CUDA_RETURN_IF_ERROR(cudaRuntimeGetVersion(&runtime));
+  const size_t gib = (prop.totalGlobalMem + (size_t{1} << 29)) >> 30;  // rounded
+  return absl::StrFormat("cuda: %s (sm_%d%d), %d GiB, driver %d.%d, runtime %d.%d", prop.name,
+                         prop.major, prop.minor, gib, driver / 1000, driver % 1000 / 10,
+                         runtime / 1000, runtime % 1000 / 10);
+}
+
+absl::Status NotYet(absl::string_view op) {
+  return absl::UnimplementedError(absl::StrCat(
+      "cuda backend: ", op,
+      " has no CUDA kernel yet; it lands with the CUDA-backend work (use the cpu backend)"));
+}
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend(int device, std::string description)
+      : device_(device), description_(std::move(description)), slots_(device) {}
+
+  BackendKind kind() const override { return BackendKind::kCuda; }
+  std::string Describe() const override { return description_; }
+
+  absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override {
+    if (bytes == 0) return absl::InvalidArgumentError("Allocate: bytes must be > 0");
+    KVTIER_CUDA_SCOPED_DEVICE(device_);
+    void* data = nullptr;
+    KVTIER_RETURN_IF_ERROR(
+        CudaStatus(cudaMalloc(&data, bytes),
+                   absl::StrFormat("cudaMalloc(%d bytes) on cuda:%d", bytes, device_)));
+    return DeviceBuffer(this, data, bytes);
+  }
+
+  absl::StatusOr<std::unique_ptr<Stream>> CreateStream() override {
+    KVTIER_CUDA_SCOPED_DEVICE(device_);
+    KVTIER_ASSIGN_OR_RETURN(auto stream, cuda::CudaStream::Create(this, device_, slots_));
+    return std::unique_ptr<Stream>(std::move(stream));
+  }
+
+  absl::StatusOr<std::unique_ptr<Event>> CreateEvent() override {
+    KVTIER_CUDA_SCOPED_DEVICE(device_);
+    KVTIER_ASSIGN_OR_RETURN(auto event, cuda::CudaEvent::Create(this, device_));
+    return std::unique_ptr<Event>(std::move(event));
+  }
+
+  absl::Status RegisterHost(void* data, size_t bytes) override;
+  absl::Status UnregisterHost(void* data) override;
+
+  absl::Status Copy(Stream& s, void* dst, const void* src, size_t bytes) override {
+    KVTIER_ASSIGN_OR_RETURN(cuda::CudaStream * stream, cuda::AsCudaStream(s, this, "Copy"));
+    if (bytes == 0) return absl::OkStatus();
+    KVTIER_CUDA_SCOPED_DEVICE(device_);
+    // cudaMemcpyDefault: unified addressing tells host, registered and device memory apart.
+    return CudaStatus(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream->handle()),
+                      absl::StrFormat("cudaMemcpyAsync(%d bytes)", bytes));
+  }
+
+  absl::Status Memset(Stream& s, void* dst, int value, size_t bytes) override {
+    KVTIER_ASSIGN_OR_RETURN(cuda::CudaStream * stream, cuda::AsCudaStream(s, this, "Memset"));
+    if (bytes == 0) return absl::OkStatus();
+    KVTIER_CUDA_SCOPED_DEVICE(device_);
+    return CudaStatus(cudaMemsetAsync(DeviceView(dst), value, bytes, stream->handle()),
+                      absl::StrFormat("cudaMemsetAsync(%d bytes)", bytes));
+  }
+
+ protected:
+  void Free(void* data) override {
+    cuda::DeviceGuard guard(device_);
+    (void)cudaFree(data);  // nothing to report to: DeviceBuffer frees in its destructor
+  }
+
+  absl::Status DoRecall(Stream& s, const RecallArgs& a) override;
+  absl::Status DoOffload(Stream& s, const OffloadArgs& a) override;
+
+  absl::Status DoScorePages(Stream&, const ScorePagesArgs&) override {
+    return NotYet("ScorePages");
+  }
+  absl::Status DoTopK(Stream&, const TopKArgs&) override { return NotYet("TopK"); }
+  absl::Status DoQueryCosine(Stream&, const QueryCosineArgs&) override {
+    return NotYet("QueryCosine");
+  }
+  absl::Status DoSparseAttention(Stream&, const SparseAttentionArgs&) override {
+    return NotYet("SparseAttention");
+  }
+  absl::Status DoDenseAttention(Stream&, const DenseAttentionArgs&) override {
+    return NotYet("DenseAttention");
+  }
+
+ private:
+  struct Registration {
+    size_t bytes;
+    uintptr_t device;  // device view of the range's first byte
+  };
+
+  // The device view of `p` when it lies in host memory registered here, else `p` itself
+  // (device memory, or host memory whose pointer the device can use as is).
+  const void* DeviceAddress(const void* p) const;
+  template <typename T>
+  T* DeviceView(T* p) const {
+    return static_cast<T*>(const_cast<void*>(DeviceAddress(p)));
+  }
+
+  const int device_;
+  const std::string description_;
+  cuda::ErrorSlotPool slots_;
+  mutable absl::Mutex mu_;
+  // Host ranges registered through this backend, by first byte.
+  std::map<uintptr_t, Registration> registered_ ABSL_GUARDED_BY(mu_);
+};
+
+absl::Status CudaBackend::RegisterHost(void* data, size_t bytes) {
+  if (data == nullptr || bytes == 0 || bytes > kMaxRegisterBytes) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "RegisterHost: need a non-null range of 1..%d bytes (got %d); split larger ranges",
+        kMaxRegisterBytes, bytes));
+  }
+  KVTIER_CUDA_SCOPED_DEVICE(device_);
+  KVTIER_RETURN_IF_ERROR(
+      CudaStatus(cudaHostRegister(data, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped),
+                 absl::StrFormat("cudaHostRegister(%p, %d bytes)", data, bytes)));
+  void* device_view = nullptr;
+  absl::Status status =
+      CudaStatus(cudaHostGetDevicePointer(&device_view, data, 0), "cudaHostGetDevicePointer");
+  if (!status.ok()) {
+    (void)cudaHostUnregister(data);
+    return status;
+  }
+  absl::MutexLock lock(&mu_);
+  registered_[reinterpret_cast<uintptr_t>(data)] =
+      Registration{bytes, reinterpret_cast<uintptr_t>(device_view)};
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::UnregisterHost(void* data) {
+  KVTIER_CUDA_SCOPED_DEVICE(device_);
+  {
+    absl::MutexLock lock(&mu_);
+    registered_.erase(reinterpret_cast<uintptr_t>(data));
+  }
+  return CudaStatus(cudaHostUnregister(data), absl::StrFormat("cudaHostUnregister(%p)", data));
+}
+
+const void* CudaBackend::DeviceAddress(const void* p) const {
+  const uintptr_t address = reinterpret_cast<uintptr_t>(p);
+  absl::ReaderMutexLock lock(&mu_);
+  auto it = registered_.upper_bound(address);
+  if (it == registered_.begin()) return p;
+  --it;
+  const uintptr_t offset = address - it->first;
+  if (offset >= it->second.bytes) return p;
+  return reinterpret_cast<const void*>(it->second.device + offset);
+}
+
+absl::Status CudaBackend::DoRecall(Stream& s, const RecallArgs& a) {
+  KVTIER_ASSIGN_OR_RETURN(cuda::CudaStream * stream, cuda::AsCudaStream(s, this, "Recall"));
+  if (a.num_items == 0) return absl::OkStatus();
+  KVTIER_CUDA_SCOPED_DEVICE(device_);
+  RecallArgs d = a;
+  d.host_pages = DeviceView(a.host_pages);
+  d.items = DeviceView(a.items);
+  d.k_cache = DeviceView(a.k_cache);
+  d.v_cache = DeviceView(a.v_cache);
+  return CudaStatus(cuda::LaunchRecall(d, stream->NextOp(), stream->handle()),
+                    "Recall kernel launch");
+}
+
+absl::Status CudaBackend::DoOffload(Stream& s, const OffloadArgs& a) {
+  KVTIER_ASSIGN_OR_RETURN(cuda::CudaStream * stream, cuda::AsCudaStream(s, this, "Offload"));
+  if (a.num_items == 0) return absl::OkStatus();
+  KVTIER_CUDA_SCOPED_DEVICE(device_);
+  OffloadArgs d = a;
+  d.k_src = DeviceView(a.k_src);
+  d.v_src = DeviceView(a.v_src);
+  d.host_pages = DeviceView(a.host_pages);
+  d.summaries = DeviceView(a.summaries);
+  d.items = DeviceView(a.items);
+  return CudaStatus(cuda::LaunchOffload(d, stream->NextOp(), stream->handle()),
+                    "Offload kernel launch");
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(const BackendOptions& options) {
+  int count = 0;
+  absl::Status status = CudaStatus(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
+  if (!status.ok()) {
+    return absl::UnavailableError(absl::StrCat("cuda backend unavailable: ", status.message()));
+  }
+  const int device = options.cuda_device;
+  if (device < 0 || device >= count) {
+    return absl::UnavailableError(absl::StrFormat(
+        "cuda backend: device %d requested, but %d device(s) are visible", device, count));
+  }
+  cuda::DeviceGuard guard(device);
+  status = guard.status();
+  // cudaFree(nullptr) creates the device's primary context: fail here, not on first use.
+  if (status.ok()) status = CudaStatus(cudaFree(nullptr), "context creation");
+  absl::StatusOr<std::string> description =
+      status.ok() ? DescribeDevice(device) : absl::StatusOr<std::string>(status);
+  if (!description.ok()) {
+    return absl::UnavailableError(absl::StrFormat("cuda backend: device %d is not usable: %s",
+                                                  device, description.status().message()));
+  }
+  return std::make_unique<CudaBackend>(device, *std::move(description));
+}
+
+int CudaDeviceCountImpl() {
+  int count = 0;
+  if (!CudaStatus(cudaGetDeviceCount(&count), "cudaGetDeviceCount").ok()) return 0;
+  return count;
+}
+
+bool CudaBuilt() { return true; }
+
+}  // namespace kvtier

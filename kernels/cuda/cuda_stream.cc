@@ -1,0 +1,271 @@
+#include "kernels/cuda/cuda_stream.h"
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_format.h"
+#include "kernels/cuda/cuda_check.h"
+
+namespace kvtier::cuda {
+namespace {
+
+// Polling backoff of Event::Wait with a finite timeout.
+constexpr absl::Duration kFirstPause = absl::Microseconds(2);
+constexpr absl::Duration kMaxPause = absl::Microseconds(500);
+
+absl::string_view OpName(KernelOp op) {
+  switch (op) {
+    case KernelOp::kRecall:
+      return "Recall";
+    case KernelOp::kOffload:
+      return "Offload";
+  }
+  return "kernel";
+}
+
+absl::string_view FieldName(ItemField field) {
+  switch (field) {
+    case ItemField::kHostPage:
+      return "host_page";
+    case ItemField::kKvHead:
+      return "kv_head";
+    case ItemField::kDstSlot:
+      return "dst_slot";
+    case ItemField::kSrcSlot:
+      return "src_slot";
+    case ItemField::kSummaryPage:
+      return "summary_page";
+  }
+  return "index";
+}
+
+}  // namespace
+
+// ---- ErrorSlot ----
+
+bool ErrorSlot::failed() const {
+  return std::atomic_ref<uint64_t>(host_record_->op_seq).load(std::memory_order_acquire) != 0;
+}
+
+absl::Status ErrorSlot::FailureUpTo(uint64_t seq) const {
+  const uint64_t failed_seq =
+      std::atomic_ref<uint64_t>(host_record_->op_seq).load(std::memory_order_acquire);
+  if (failed_seq == 0 || failed_seq > seq) return absl::OkStatus();
+  // op_seq is written last (after a system fence), so the fields below are complete.
+  const DeviceErrorRecord& r = *host_record_;
+  return absl::OutOfRangeError(
+      absl::StrFormat("%s: items[%d].%s = %d must be in [0, %d) (found by the CUDA kernel)",
+                      OpName(static_cast<KernelOp>(r.op)), r.item,
+                      FieldName(static_cast<ItemField>(r.field)), r.value, r.limit));
+}
+
+// ---- ErrorSlotPool ----
+
+ErrorSlotPool::~ErrorSlotPool() {
+  DeviceGuard guard(device_);
+  absl::MutexLock lock(&mu_);
+  for (ErrorSlot* slot : free_) {
+    if (slot->claim_ != nullptr) (void)cudaFree(slot->claim_);
+    if (slot->host_record_ != nullptr) (void)cudaFreeHost(slot->host_record_);
+    delete slot;
+  }
+}
+
+absl::StatusOr<std::shared_ptr<ErrorSlot>> ErrorSlotPool::Acquire(cudaStream_t stream) {
+  ErrorSlot* raw = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!free_.empty()) {
+      raw = free_.back();
+      free_.pop_back();
+    }
+  }
+  if (raw == nullptr) raw = new ErrorSlot();
+  // From here on the slot goes back to the pool whatever happens.
+  std::shared_ptr<ErrorSlot> slot(raw, [this](ErrorSlot* s) { Release(s); });
+  if (raw->host_record_ == nullptr) KVTIER_RETURN_IF_ERROR(Allocate(*raw));
+  std::memset(raw->host_record_, 0, sizeof(DeviceErrorRecord));
+  raw->retired_.store(false, std::memory_order_relaxed);
+  KVTIER_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(raw->claim_, 0, sizeof(int32_t), stream));
+  return slot;
+}
+
+absl::Status ErrorSlotPool::Allocate(ErrorSlot& slot) {
+  void* host = nullptr;
+  KVTIER_CUDA_RETURN_IF_ERROR(
+      cudaHostAlloc(&host, sizeof(DeviceErrorRecord), cudaHostAllocMapped | cudaHostAllocPortable));
+  void* device_view = nullptr;
+  void* claim = nullptr;
+  absl::Status status =
+      CudaStatus(cudaHostGetDevicePointer(&device_view, host, 0), "cudaHostGetDevicePointer");
+  if (status.ok()) status = CudaStatus(cudaMalloc(&claim, sizeof(int32_t)), "cudaMalloc");
+  if (!status.ok()) {
+    (void)cudaFreeHost(host);
+    return status;
+  }
+  slot.host_record_ = static_cast<DeviceErrorRecord*>(host);
+  slot.device_record_ = static_cast<DeviceErrorRecord*>(device_view);
+  slot.claim_ = static_cast<int32_t*>(claim);
+  return absl::OkStatus();
+}
+
+void ErrorSlotPool::Release(ErrorSlot* slot) {
+  absl::MutexLock lock(&mu_);
+  free_.push_back(slot);
+}
+
+// ---- ErrorDeps ----
+
+void ErrorDeps::Add(const std::shared_ptr<ErrorSlot>& slot, uint64_t seq) {
+  if (seq == 0 || slot->retired_clean()) return;
+  for (Mark& mark : marks_) {
+    if (mark.slot == slot) {
+      mark.seq = std::max(mark.seq, seq);
+      return;
+    }
+  }
+  marks_.push_back(Mark{slot, seq});
+}
+
+void ErrorDeps::Merge(const ErrorDeps& other) {
+  marks_.erase(std::remove_if(marks_.begin(), marks_.end(),
+                              [](const Mark& m) { return m.slot->retired_clean(); }),
+               marks_.end());
+  for (const Mark& mark : other.marks_) Add(mark.slot, mark.seq);
+}
+
+absl::Status ErrorDeps::Check() const {
+  for (const Mark& mark : marks_) {
+    absl::Status status = mark.slot->FailureUpTo(mark.seq);
+    if (!status.ok()) return status;
+  }
+  return absl::OkStatus();
+}
+
+// ---- CudaEvent ----
+
+absl::StatusOr<std::unique_ptr<CudaEvent>> CudaEvent::Create(const Backend* owner, int device) {
+  cudaEvent_t event = nullptr;
+  KVTIER_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  return std::unique_ptr<CudaEvent>(new CudaEvent(owner, device, event));
+}
+
+CudaEvent::~CudaEvent() {
+  DeviceGuard guard(device_);
+  (void)cudaEventDestroy(event_);
+}
+
+bool CudaEvent::Query() {
+  DeviceGuard guard(device_);
+  if (!guard.status().ok()) return true;  // Wait() reports the failure
+  absl::StatusOr<bool> ready = CudaReady(cudaEventQuery(event_), "cudaEventQuery");
+  return !ready.ok() || *ready;  // a failed event has finished: Wait() reports why
+}
+
+absl::Status CudaEvent::Wait(absl::Duration timeout) {
+  const ErrorDeps deps = captured();
+  KVTIER_CUDA_SCOPED_DEVICE(device_);
+  if (timeout == absl::InfiniteDuration()) {
+    KVTIER_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(event_));
+  } else {
+    KVTIER_RETURN_IF_ERROR(Poll(timeout));
+  }
+  return deps.Check();
+}
+
+absl::Status CudaEvent::Poll(absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  absl::Duration pause = kFirstPause;
+  while (true) {
+    KVTIER_ASSIGN_OR_RETURN(const bool ready, CudaReady(cudaEventQuery(event_), "cudaEventQuery"));
+    if (ready) return absl::OkStatus();
+    const absl::Time now = absl::Now();
+    if (now >= deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrFormat("cuda event not complete within %s", absl::FormatDuration(timeout)));
+    }
+    absl::SleepFor(std::min(pause, deadline - now));
+    pause = std::min(pause * 2, kMaxPause);
+  }
+}
+
+absl::Status CudaEvent::RecordOn(cudaStream_t stream, ErrorDeps deps) {
+  absl::MutexLock lock(&mu_);
+  KVTIER_CUDA_RETURN_IF_ERROR(cudaEventRecord(event_, stream));
+  captured_ = std::move(deps);
+  return absl::OkStatus();
+}
+
+ErrorDeps CudaEvent::captured() const {
+  absl::MutexLock lock(&mu_);
+  return captured_;
+}
+
+// ---- CudaStream ----
+
+absl::StatusOr<std::unique_ptr<CudaStream>> CudaStream::Create(const Backend* owner, int device,
+                                                               ErrorSlotPool& slots) {
+  cudaStream_t stream = nullptr;
+  KVTIER_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  absl::StatusOr<std::shared_ptr<ErrorSlot>> errors = slots.Acquire(stream);
+  if (!errors.ok()) {
+    (void)cudaStreamDestroy(stream);
+    return errors.status();
+  }
+  return std::unique_ptr<CudaStream>(new CudaStream(owner, device, stream, *std::move(errors)));
+}
+
+CudaStream::~CudaStream() {
+  DeviceGuard guard(device_);
+  // Kernels still queued write into errors_; drain them before it can be freed.
+  if (cudaStreamSynchronize(stream_) == cudaSuccess) errors_->Retire();
+  (void)cudaStreamDestroy(stream_);
+}
+
+absl::Status CudaStream::Record(Event& event) {
+  KVTIER_ASSIGN_OR_RETURN(CudaEvent * e, AsCudaEvent(event, owner_, "Record"));
+  KVTIER_CUDA_SCOPED_DEVICE(device_);
+  ErrorDeps deps = upstream_;
+  deps.Add(errors_, op_seq_);
+  return e->RecordOn(stream_, std::move(deps));
+}
+
+absl::Status CudaStream::Wait(Event& event) {
+  KVTIER_ASSIGN_OR_RETURN(CudaEvent * e, AsCudaEvent(event, owner_, "Wait"));
+  KVTIER_CUDA_SCOPED_DEVICE(device_);
+  KVTIER_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, e->handle(), 0));
+  upstream_.Merge(e->captured());
+  return absl::OkStatus();
+}
+
+absl::Status CudaStream::Synchronize() {
+  KVTIER_CUDA_SCOPED_DEVICE(device_);
+  absl::Status status = CudaStatus(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+  if (!sticky_.ok()) return sticky_;
+  if (status.ok()) status = errors_->FailureUpTo(op_seq_);
+  if (status.ok()) status = upstream_.Check();
+  sticky_ = status;
+  return status;
+}
+
+absl::StatusOr<CudaStream*> AsCudaStream(Stream& stream, const Backend* owner,
+                                         absl::string_view op) {
+  auto* s = dynamic_cast<CudaStream*>(&stream);
+  if (s == nullptr || s->owner() != owner) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("cuda backend: %s: the stream was not created by this backend", op));
+  }
+  return s;
+}
+
+absl::StatusOr<CudaEvent*> AsCudaEvent(Event& event, const Backend* owner, absl::string_view op) {
+  auto* e = dynamic_cast<CudaEvent*>(&event);
+  if (e == nullptr || e->owner() != owner) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("cuda backend: %s: the event was not created by this backend", op));
+  }
+  return e;
+}
+
+}  // namespace kvtier::cuda

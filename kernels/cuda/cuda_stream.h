@@ -1,0 +1,177 @@
+// The CUDA backend's Stream and Event, and the per-stream error slot that the copy kernels
+// report into (device_error.h).
+//
+// Errors: a CUDA fault, or an item out of range found by a kernel, makes the stream's
+// status sticky: Synchronize() returns it, Wait() on an event recorded after the failing
+// op returns it, and a stream that waits on such an event takes the error on — so a failed
+// recall is never read as good data downstream, as on the cpu backend. Unlike the cpu
+// backend, work enqueued after a failure still runs on the device (skipping it would need
+// a host round trip); only what is reported about it fails. Events recorded before the
+// failing op stay good: each record captures a sequence number per stream it depends on.
+//
+// These methods accept only streams and events created by the same CudaBackend (checked
+// with dynamic_cast and an owner pointer; anything else is INVALID_ARGUMENT). The backend
+// must outlive them.
+//
+// Thread-safety: CudaEvent is thread-safe. A CudaStream is fed from one thread at a time.
+#ifndef KVTIER_KERNELS_CUDA_CUDA_STREAM_H_
+#define KVTIER_KERNELS_CUDA_CUDA_STREAM_H_
+
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/inlined_vector.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "kernels/backend.h"
+#include "kernels/cuda/device_error.h"
+
+namespace kvtier::cuda {
+
+// One stream's first failure: a DeviceErrorRecord in mapped pinned host memory and the
+// claim word in device memory. Shared by the stream and by every record that depends on
+// it; handed out and taken back by an ErrorSlotPool.
+class ErrorSlot {
+ public:
+  ErrorSlot(const ErrorSlot&) = delete;
+  ErrorSlot& operator=(const ErrorSlot&) = delete;
+
+  DeviceErrorSink Sink(uint64_t op_seq) const { return {claim_, device_record_, op_seq}; }
+  // OUT_OF_RANGE describing the recorded failure if it was an op with sequence number ≤
+  // `seq`, else OK. REQUIRES: the stream's work up to op `seq` has completed.
+  absl::Status FailureUpTo(uint64_t seq) const;
+  bool failed() const;
+  // Called once the owning stream has drained for good: a retired slot that has not failed
+  // never will, so dependency lists may drop it.
+  void Retire() { retired_.store(true, std::memory_order_release); }
+  bool retired_clean() const { return retired_.load(std::memory_order_acquire) && !failed(); }
+
+ private:
+  friend class ErrorSlotPool;
+  ErrorSlot() = default;
+
+  DeviceErrorRecord* host_record_ = nullptr;    // cudaHostAlloc'ed, mapped
+  DeviceErrorRecord* device_record_ = nullptr;  // its device view
+  int32_t* claim_ = nullptr;                    // cudaMalloc'ed
+  std::atomic<bool> retired_{false};
+};
+
+// Allocates ErrorSlots on one device and recycles them, so that dropping the last
+// reference to a slot (which may happen on the decode path, in an event's dependency
+// list) never calls cudaFree, which can synchronise the device. Frees every slot when
+// destroyed. REQUIRES: outlives every slot it handed out. Thread-safe.
+class ErrorSlotPool {
+ public:
+  explicit ErrorSlotPool(int device) : device_(device) {}
+  ~ErrorSlotPool();
+  ErrorSlotPool(const ErrorSlotPool&) = delete;
+  ErrorSlotPool& operator=(const ErrorSlotPool&) = delete;
+
+  // A cleared slot whose claim word is reset in `stream`'s order, before any kernel of
+  // that stream can use it. REQUIRES: the pool's device is current.
+  absl::StatusOr<std::shared_ptr<ErrorSlot>> Acquire(cudaStream_t stream);
+
+ private:
+  absl::Status Allocate(ErrorSlot& slot);
+  void Release(ErrorSlot* slot);
+
+  const int device_;
+  absl::Mutex mu_;
+  std::vector<ErrorSlot*> free_ ABSL_GUARDED_BY(mu_);
+};
+
+// The failures a piece of work depends on: for each stream it (transitively) waited on,
+// the highest op sequence number of that stream it saw. Small: one entry per live stream.
+class ErrorDeps {
+ public:
+  void Add(const std::shared_ptr<ErrorSlot>& slot, uint64_t seq);
+  void Merge(const ErrorDeps& other);
+  // The first failure among the dependencies, or OK. REQUIRES: the work has completed.
+  absl::Status Check() const;
+
+ private:
+  struct Mark {
+    std::shared_ptr<ErrorSlot> slot;
+    uint64_t seq;
+  };
+  absl::InlinedVector<Mark, 4> marks_;
+};
+
+class CudaEvent final : public Event {
+ public:
+  // A cudaEventDisableTiming event on `device` (which must be current).
+  static absl::StatusOr<std::unique_ptr<CudaEvent>> Create(const Backend* owner, int device);
+  ~CudaEvent() override;
+
+  bool Query() override;
+  // Infinite timeout: cudaEventSynchronize. Otherwise polls cudaEventQuery with a short
+  // exponential backoff and returns DEADLINE_EXCEEDED once `timeout` has passed.
+  absl::Status Wait(absl::Duration timeout) override;
+
+  const Backend* owner() const { return owner_; }
+  cudaEvent_t handle() const { return event_; }
+  // cudaEventRecord on `stream`; later waits report the failures in `deps`.
+  absl::Status RecordOn(cudaStream_t stream, ErrorDeps deps);
+  ErrorDeps captured() const;
+
+ private:
+  CudaEvent(const Backend* owner, int device, cudaEvent_t event)
+      : owner_(owner), device_(device), event_(event) {}
+  absl::Status Poll(absl::Duration timeout);
+
+  const Backend* const owner_;
+  const int device_;
+  const cudaEvent_t event_;
+  mutable absl::Mutex mu_;
+  ErrorDeps captured_ ABSL_GUARDED_BY(mu_);
+};
+
+class CudaStream final : public Stream {
+ public:
+  // A non-blocking stream on `device` (which must be current), reporting into a slot of
+  // `slots`.
+  static absl::StatusOr<std::unique_ptr<CudaStream>> Create(const Backend* owner, int device,
+                                                            ErrorSlotPool& slots);
+  // Waits for the enqueued work, then destroys the stream.
+  ~CudaStream() override;
+
+  absl::Status Record(Event& event) override;
+  absl::Status Wait(Event& event) override;
+  absl::Status Synchronize() override;
+
+  const Backend* owner() const { return owner_; }
+  cudaStream_t handle() const { return stream_; }
+  // The error sink of the next kernel enqueued here; advances the op sequence.
+  DeviceErrorSink NextOp() { return errors_->Sink(++op_seq_); }
+
+ private:
+  CudaStream(const Backend* owner, int device, cudaStream_t stream,
+             std::shared_ptr<ErrorSlot> errors)
+      : owner_(owner), device_(device), stream_(stream), errors_(std::move(errors)) {}
+
+  const Backend* const owner_;
+  const int device_;
+  const cudaStream_t stream_;
+  const std::shared_ptr<ErrorSlot> errors_;
+  uint64_t op_seq_ = 0;  // kernels enqueued so far
+  ErrorDeps upstream_;   // failures of work this stream waited on
+  absl::Status sticky_;
+};
+
+// `stream` / `event` as this backend's own type, or INVALID_ARGUMENT naming `op` when it
+// was created by another backend.
+absl::StatusOr<CudaStream*> AsCudaStream(Stream& stream, const Backend* owner,
+                                         absl::string_view op);
+absl::StatusOr<CudaEvent*> AsCudaEvent(Event& event, const Backend* owner, absl::string_view op);
+
+}  // namespace kvtier::cuda
+
+#endif  // KVTIER_KERNELS_CUDA_CUDA_STREAM_H_

@@ -1,0 +1,85 @@
+// Recall transform on the GPU: one thread block per RecallItem copies the K and V slab of
+// item.kv_head from its HND host page (registered host memory read zero-copy, or device
+// memory) into p rows of the NHD working set (row stride Hkv·d). Bit-exact: raw words are
+// copied, never converted, so one kernel serves every dtype.
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/copy_kernels.h"
+#include "kernels/cuda/kernel_util.cuh"
+#include "kvtier/layout.h"
+
+namespace kvtier::cuda {
+namespace {
+
+constexpr int kRecallThreads = 256;
+
+struct RecallParams {
+  const char* host_pages;
+  int64_t num_host_pages;
+  const RecallItem* items;
+  char* cache[2];  // K, V
+  int32_t num_slots;
+  int32_t elem_bytes;
+  int32_t units_per_row;  // row_bytes / sizeof(U)
+  HostPageLayout host;
+  WorkingSetLayout working_set;
+  DeviceErrorSink sink;
+};
+
+// True when every index of `it` is in range; otherwise reports the first bad one.
+__device__ bool CheckItem(const RecallParams& p, const RecallItem& it, int64_t index) {
+  const DeviceErrorSink& s = p.sink;
+  constexpr KernelOp op = KernelOp::kRecall;
+  return CheckField(s, op, index, ItemField::kHostPage, it.host_page, p.num_host_pages) &&
+         CheckField(s, op, index, ItemField::kKvHead, it.kv_head, p.host.num_kv_heads) &&
+         CheckField(s, op, index, ItemField::kDstSlot, it.dst_slot, p.num_slots);
+}
+
+// Unit u of the slab is row u / units_per_row of [K|V][token], word u % units_per_row.
+template <typename U>
+__global__ void __launch_bounds__(kRecallThreads) RecallKernel(const RecallParams p) {
+  const int64_t index = blockIdx.x;
+  const RecallItem it = p.items[index];
+  if (!CheckItem(p, it, index)) return;
+  const int32_t page_size = p.host.page_size;
+  const char* page = p.host_pages + it.host_page * p.host.page_elements() * p.elem_bytes;
+  const int32_t units = 2 * page_size * p.units_per_row;
+  for (int32_t u = threadIdx.x; u < units; u += blockDim.x) {
+    const int32_t row = u / p.units_per_row;
+    const int32_t word = u - row * p.units_per_row;
+    const int32_t kind = row < page_size ? kKey : kValue;
+    const int32_t token = row - kind * page_size;
+    const U* src =
+        reinterpret_cast<const U*>(page + p.host.Offset(it.kv_head, kind, token, 0) * p.elem_bytes);
+    U* dst = reinterpret_cast<U*>(
+        p.cache[kind] + p.working_set.Offset(it.dst_slot, token, it.kv_head, 0) * p.elem_bytes);
+    dst[word] = src[word];
+  }
+}
+
+}  // namespace
+
+cudaError_t LaunchRecall(const RecallArgs& a, const DeviceErrorSink& sink, cudaStream_t stream) {
+  const int32_t elem_bytes = static_cast<int32_t>(DTypeSize(a.dtype));
+  const size_t row_bytes = static_cast<size_t>(a.head_dim) * elem_bytes;
+  RecallParams p{};
+  p.host_pages = static_cast<const char*>(a.host_pages);
+  p.num_host_pages = a.num_host_pages;
+  p.items = a.items;
+  p.cache[kKey] = static_cast<char*>(a.k_cache);
+  p.cache[kValue] = static_cast<char*>(a.v_cache);
+  p.num_slots = a.num_slots;
+  p.elem_bytes = elem_bytes;
+  p.host = HostPageLayout{a.num_kv_heads, a.page_size, a.head_dim};
+  p.working_set = WorkingSetLayout{a.num_slots, a.page_size, a.num_kv_heads, a.head_dim};
+  p.sink = sink;
+  const int unit = CopyUnitBytes(row_bytes, {a.host_pages, a.k_cache, a.v_cache});
+  return DispatchCopyUnit(unit, [&](auto unit_tag) {
+    using U = typename decltype(unit_tag)::type;
+    p.units_per_row = static_cast<int32_t>(row_bytes / sizeof(U));
+    RecallKernel<U><<<a.num_items, kRecallThreads, 0, stream>>>(p);
+    return cudaGetLastError();
+  });
+}
+
+}  // namespace kvtier::cuda
