@@ -1,0 +1,359 @@
+#include "bench/attention_bench.h"
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <vector>
+
+#include "absl/strings/str_format.h"
+#include "bench/synthetic_kv.h"
+#include "kvtier/layout.h"
+#include "kvtier/status.h"
+
+namespace kvtier::bench {
+namespace {
+
+// Backend buffers of the benchmark. On the cpu backend they are host memory, on cuda
+// device memory; everything crosses through Copy.
+struct Buffers {
+  DeviceBuffer q, k, v, seq_len, host_pages, summaries, offload_items, num_pages, pooled,
+      selected, ws_k, ws_v, table, partial_page, partial_len, items, dense_out, sparse_out,
+      dense_lse, sparse_lse;
+};
+
+absl::Status CheckOptions(const AttentionBenchOptions& o) {
+  KVTIER_RETURN_IF_ERROR(o.geometry.Validate());
+  const int32_t p = o.geometry.page_size;
+  const int32_t full = o.context / p;
+  const int32_t recent_full = o.context % p ? o.recent_pages - 1 : o.recent_pages;
+  if (o.batch < 1 || o.iters < 1 || o.sink_pages < 0 || o.selected_pages < 1 || o.recent_pages < 1) {
+    return absl::InvalidArgumentError(
+        "batch, iters, selected and recent pages must be ≥ 1; sink pages ≥ 0");
+  }
+  if (full - o.sink_pages - recent_full < o.selected_pages) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "context %d holds %d full pages: too few for %d sink + %d selected + %d recent", o.context,
+        full, o.sink_pages, o.selected_pages, recent_full));
+  }
+  return absl::OkStatus();
+}
+
+// Times fn() + stream sync `iters` times after one warm-up; returns the median in ms.
+absl::StatusOr<double> TimeMs(Stream& s, int32_t iters, const std::function<absl::Status()>& fn) {
+  std::vector<double> ms;
+  for (int32_t i = 0; i <= iters; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    KVTIER_RETURN_IF_ERROR(fn());
+    KVTIER_RETURN_IF_ERROR(s.Synchronize());
+    const auto t1 = std::chrono::steady_clock::now();
+    if (i > 0) ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
+  }
+  return Median(ms);
+}
+
+class AttentionBench {
+ public:
+  AttentionBench(const AttentionBenchOptions& o, Backend& be, Stream& s)
+      : o_(o), g_(o.geometry), be_(be), s_(s) {
+    p_ = g_.page_size;
+    full_ = o.context / p_;
+    padded_ = (o.context + p_ - 1) / p_;
+    partial_ = o.context % p_;
+    recent_full_ = partial_ ? o.recent_pages - 1 : o.recent_pages;
+    slots_ = o.sink_pages + o.selected_pages + o.recent_pages;
+  }
+
+  absl::StatusOr<JsonObject> Run(std::ostream& log);
+
+ private:
+  absl::StatusOr<DeviceBuffer> Upload(const void* src, size_t bytes) {
+    KVTIER_ASSIGN_OR_RETURN(DeviceBuffer buf, be_.Allocate(bytes));
+    KVTIER_RETURN_IF_ERROR(be_.Copy(s_, buf.data(), src, bytes));
+    KVTIER_RETURN_IF_ERROR(s_.Synchronize());
+    return buf;
+  }
+  absl::Status Setup();
+  absl::Status Dense();
+  absl::Status Select();
+  absl::Status Recall();
+  absl::Status Sparse();
+  absl::StatusOr<std::vector<float>> Download(const DeviceBuffer& b, DType t, int64_t n);
+
+  const AttentionBenchOptions& o_;
+  const Geometry& g_;
+  Backend& be_;
+  Stream& s_;
+  int32_t p_, full_, padded_, partial_, recent_full_, slots_;
+  int32_t num_recall_items_ = 0;
+  Buffers b_;
+  std::vector<int32_t> table_host_;
+};
+
+absl::Status AttentionBench::Setup() {
+  const int32_t B = o_.batch, Hkv = g_.num_kv_heads, d = g_.head_dim;
+  SyntheticKvOptions so;
+  so.batch = B;
+  so.tokens = padded_ * p_;  // padded per sequence; attention reads `context` of them
+  so.heavy_pages = o_.heavy_pages;
+  so.heavy_logit = o_.heavy_logit;
+  so.seed = o_.seed;
+  const SyntheticKv kv = MakeSyntheticKv(g_, so);
+  KVTIER_ASSIGN_OR_RETURN(b_.q, Upload(kv.q.data(), kv.q.size()));
+  KVTIER_ASSIGN_OR_RETURN(b_.k, Upload(kv.k.data(), kv.k.size()));
+  KVTIER_ASSIGN_OR_RETURN(b_.v, Upload(kv.v.data(), kv.v.size()));
+  const std::vector<int32_t> seq_len(static_cast<size_t>(B), o_.context);
+  const std::vector<int32_t> num_pages(static_cast<size_t>(B), full_);
+  KVTIER_ASSIGN_OR_RETURN(b_.seq_len, Upload(seq_len.data(), seq_len.size() * 4));
+  KVTIER_ASSIGN_OR_RETURN(b_.num_pages, Upload(num_pages.data(), num_pages.size() * 4));
+  // Offload every full page into the host tier with its summaries.
+  KVTIER_ASSIGN_OR_RETURN(b_.host_pages, be_.Allocate(size_t{1} * B * full_ * g_.host_page_bytes()));
+  KVTIER_ASSIGN_OR_RETURN(b_.summaries, be_.Allocate(size_t{1} * B * full_ * g_.summary_bytes()));
+  std::vector<OffloadItem> off;
+  for (int32_t b = 0; b < B; ++b) {
+    for (int32_t pg = 0; pg < full_; ++pg) off.push_back({int64_t{b} * padded_ + pg, int64_t{b} * full_ + pg, int64_t{b} * full_ + pg});
+  }
+  KVTIER_ASSIGN_OR_RETURN(b_.offload_items, Upload(off.data(), off.size() * sizeof(OffloadItem)));
+  OffloadArgs oa;
+  oa.dtype = g_.dtype;
+  oa.page_size = p_;
+  oa.num_kv_heads = Hkv;
+  oa.head_dim = d;
+  oa.k_src = b_.k.data();
+  oa.v_src = b_.v.data();
+  oa.num_src_slots = int64_t{B} * padded_;
+  oa.host_pages = b_.host_pages.data();
+  oa.num_host_pages = int64_t{B} * full_;
+  oa.summaries = b_.summaries.data();
+  oa.num_summary_pages = int64_t{B} * full_;
+  oa.items = b_.offload_items.as<OffloadItem>();
+  oa.num_items = static_cast<int32_t>(off.size());
+  KVTIER_RETURN_IF_ERROR(be_.Offload(s_, oa));
+  // Working set, scores, outputs.
+  const size_t ws_bytes = size_t{1} * B * slots_ * p_ * Hkv * d * g_.element_bytes();
+  const size_t heads_bytes = size_t{1} * B * g_.num_q_heads * d * g_.element_bytes();
+  KVTIER_ASSIGN_OR_RETURN(b_.ws_k, be_.Allocate(ws_bytes));
+  KVTIER_ASSIGN_OR_RETURN(b_.ws_v, be_.Allocate(ws_bytes));
+  KVTIER_ASSIGN_OR_RETURN(b_.pooled, be_.Allocate(size_t{4} * B * Hkv * full_));
+  KVTIER_ASSIGN_OR_RETURN(b_.selected, be_.Allocate(size_t{4} * B * Hkv * o_.selected_pages));
+  KVTIER_ASSIGN_OR_RETURN(b_.dense_out, be_.Allocate(heads_bytes));
+  KVTIER_ASSIGN_OR_RETURN(b_.sparse_out, be_.Allocate(heads_bytes));
+  KVTIER_ASSIGN_OR_RETURN(b_.dense_lse, be_.Allocate(size_t{4} * B * g_.num_q_heads));
+  KVTIER_ASSIGN_OR_RETURN(b_.sparse_lse, be_.Allocate(size_t{4} * B * g_.num_q_heads));
+  KVTIER_ASSIGN_OR_RETURN(b_.items, be_.Allocate(sizeof(RecallItem) * B * Hkv * slots_));
+  // Sink and recent pages are resident in steady state: load them once, untimed.
+  const SlotTableLayout tl{Hkv, slots_};
+  table_host_.assign(static_cast<size_t>(B) * tl.batch_elements(), kEmptySlot);
+  std::vector<RecallItem> items;
+  for (int32_t b = 0; b < B; ++b) {
+    for (int32_t h = 0; h < Hkv; ++h) {
+      auto place = [&](int32_t slot, int32_t page) {
+        table_host_[static_cast<size_t>(tl.Offset(b, h, slot))] = page;
+        items.push_back({int64_t{b} * full_ + page, h, b * slots_ + slot});
+      };
+      for (int32_t i = 0; i < o_.sink_pages; ++i) place(i, i);
+      for (int32_t i = 0; i < recent_full_; ++i) place(o_.sink_pages + o_.selected_pages + i, full_ - recent_full_ + i);
+      if (partial_) table_host_[static_cast<size_t>(tl.Offset(b, h, slots_ - 1))] = full_;
+    }
+    if (partial_) {  // the partial page lives only in the working set: copy its slot
+      const size_t slot_bytes = size_t{1} * p_ * Hkv * d * g_.element_bytes();
+      const size_t src = (size_t{1} * b * padded_ + full_) * slot_bytes;
+      const size_t dst = (size_t{1} * b * slots_ + slots_ - 1) * slot_bytes;
+      KVTIER_RETURN_IF_ERROR(be_.Copy(s_, b_.ws_k.as<uint8_t>() + dst, b_.k.as<uint8_t>() + src, slot_bytes));
+      KVTIER_RETURN_IF_ERROR(be_.Copy(s_, b_.ws_v.as<uint8_t>() + dst, b_.v.as<uint8_t>() + src, slot_bytes));
+    }
+  }
+  KVTIER_ASSIGN_OR_RETURN(DeviceBuffer fixed, Upload(items.data(), items.size() * sizeof(RecallItem)));
+  RecallArgs ra;
+  ra.dtype = g_.dtype;
+  ra.page_size = p_;
+  ra.num_kv_heads = Hkv;
+  ra.head_dim = d;
+  ra.host_pages = b_.host_pages.data();
+  ra.num_host_pages = int64_t{B} * full_;
+  ra.items = fixed.as<RecallItem>();
+  ra.num_items = static_cast<int32_t>(items.size());
+  ra.k_cache = b_.ws_k.data();
+  ra.v_cache = b_.ws_v.data();
+  ra.num_slots = B * slots_;
+  KVTIER_RETURN_IF_ERROR(be_.Recall(s_, ra));
+  const std::vector<int32_t> pp(static_cast<size_t>(B), partial_ ? full_ : -1);
+  const std::vector<int32_t> pl(static_cast<size_t>(B), partial_);
+  KVTIER_ASSIGN_OR_RETURN(b_.partial_page, Upload(pp.data(), pp.size() * 4));
+  KVTIER_ASSIGN_OR_RETURN(b_.partial_len, Upload(pl.data(), pl.size() * 4));
+  KVTIER_ASSIGN_OR_RETURN(b_.table, be_.Allocate(table_host_.size() * 4));
+  return s_.Synchronize();
+}
+
+absl::Status AttentionBench::Dense() {
+  DenseAttentionArgs a;
+  a.dtype = g_.dtype;
+  a.batch = o_.batch;
+  a.num_q_heads = g_.num_q_heads;
+  a.num_kv_heads = g_.num_kv_heads;
+  a.head_dim = g_.head_dim;
+  a.max_tokens = padded_ * p_;
+  a.q = b_.q.data();
+  a.k = b_.k.data();
+  a.v = b_.v.data();
+  a.seq_len = b_.seq_len.as<int32_t>();
+  a.softmax_scale = 1.0f / std::sqrt(static_cast<float>(g_.head_dim));
+  a.out = b_.dense_out.data();
+  a.lse = b_.dense_lse.as<float>();
+  return be_.DenseAttention(s_, a);
+}
+
+absl::Status AttentionBench::Select() {
+  ScorePagesArgs a;
+  a.dtype = g_.dtype;
+  a.batch = o_.batch;
+  a.num_q_heads = g_.num_q_heads;
+  a.num_kv_heads = g_.num_kv_heads;
+  a.head_dim = g_.head_dim;
+  a.max_pages = full_;
+  a.q = b_.q.data();
+  a.summaries = b_.summaries.data();
+  a.num_pages = b_.num_pages.as<int32_t>();
+  a.softmax_scale = 1.0f / std::sqrt(static_cast<float>(g_.head_dim));
+  a.pooled = b_.pooled.as<float>();
+  KVTIER_RETURN_IF_ERROR(be_.ScorePages(s_, a));
+  TopKArgs t;
+  t.batch = o_.batch;
+  t.num_kv_heads = g_.num_kv_heads;
+  t.max_pages = full_;
+  t.k = o_.selected_pages;
+  t.pooled = b_.pooled.as<float>();
+  t.num_pages = b_.num_pages.as<int32_t>();
+  t.sink_pages = o_.sink_pages;
+  t.recent_pages = recent_full_;
+  t.selected = b_.selected.as<int32_t>();
+  return be_.TopK(s_, t);
+}
+
+// Plans the recall of every selected page (the worst case: a cold working set) on the
+// host, uploads plan and slot table, and enqueues the recall transform.
+absl::Status AttentionBench::Recall() {
+  const int32_t B = o_.batch, Hkv = g_.num_kv_heads, k = o_.selected_pages;
+  std::vector<int32_t> sel(static_cast<size_t>(B) * Hkv * k);
+  KVTIER_RETURN_IF_ERROR(be_.Copy(s_, sel.data(), b_.selected.data(), sel.size() * 4));
+  KVTIER_RETURN_IF_ERROR(s_.Synchronize());
+  const SlotTableLayout tl{Hkv, slots_};
+  std::vector<RecallItem> items;
+  items.reserve(sel.size());
+  for (int32_t b = 0; b < B; ++b) {
+    for (int32_t h = 0; h < Hkv; ++h) {
+      for (int32_t i = 0; i < k; ++i) {
+        const int32_t page = sel[static_cast<size_t>((b * Hkv + h) * k + i)];
+        table_host_[static_cast<size_t>(tl.Offset(b, h, o_.sink_pages + i))] = page;
+        if (page >= 0) items.push_back({int64_t{b} * full_ + page, h, b * slots_ + o_.sink_pages + i});
+      }
+    }
+  }
+  num_recall_items_ = static_cast<int32_t>(items.size());
+  KVTIER_RETURN_IF_ERROR(be_.Copy(s_, b_.items.data(), items.data(), items.size() * sizeof(RecallItem)));
+  KVTIER_RETURN_IF_ERROR(be_.Copy(s_, b_.table.data(), table_host_.data(), table_host_.size() * 4));
+  RecallArgs ra;
+  ra.dtype = g_.dtype;
+  ra.page_size = p_;
+  ra.num_kv_heads = Hkv;
+  ra.head_dim = g_.head_dim;
+  ra.host_pages = b_.host_pages.data();
+  ra.num_host_pages = int64_t{B} * full_;
+  ra.items = b_.items.as<RecallItem>();
+  ra.num_items = num_recall_items_;
+  ra.k_cache = b_.ws_k.data();
+  ra.v_cache = b_.ws_v.data();
+  ra.num_slots = B * slots_;
+  KVTIER_RETURN_IF_ERROR(be_.Recall(s_, ra));
+  // The copies above read host vectors that go out of scope: finish them here.
+  return s_.Synchronize();
+}
+
+absl::Status AttentionBench::Sparse() {
+  SparseAttentionArgs a;
+  a.dtype = g_.dtype;
+  a.batch = o_.batch;
+  a.num_q_heads = g_.num_q_heads;
+  a.num_kv_heads = g_.num_kv_heads;
+  a.head_dim = g_.head_dim;
+  a.page_size = p_;
+  a.num_slots = slots_;
+  a.q = b_.q.data();
+  a.k_cache = b_.ws_k.data();
+  a.v_cache = b_.ws_v.data();
+  a.slot_table = b_.table.as<int32_t>();
+  a.partial_page = b_.partial_page.as<int32_t>();
+  a.partial_len = b_.partial_len.as<int32_t>();
+  a.softmax_scale = 1.0f / std::sqrt(static_cast<float>(g_.head_dim));
+  a.out = b_.sparse_out.data();
+  a.lse = b_.sparse_lse.as<float>();
+  return be_.SparseAttention(s_, a);
+}
+
+absl::StatusOr<std::vector<float>> AttentionBench::Download(const DeviceBuffer& b, DType t, int64_t n) {
+  std::vector<uint8_t> raw(static_cast<size_t>(n) * DTypeSize(t));
+  KVTIER_RETURN_IF_ERROR(be_.Copy(s_, raw.data(), b.data(), raw.size()));
+  KVTIER_RETURN_IF_ERROR(s_.Synchronize());
+  std::vector<float> out(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) out[static_cast<size_t>(i)] = LoadAsFloat(raw, t, i);
+  return out;
+}
+
+absl::StatusOr<JsonObject> AttentionBench::Run(std::ostream& log) {
+  KVTIER_RETURN_IF_ERROR(Setup());
+  KVTIER_ASSIGN_OR_RETURN(const double dense_ms, TimeMs(s_, o_.iters, [&] { return Dense(); }));
+  KVTIER_ASSIGN_OR_RETURN(const double select_ms, TimeMs(s_, o_.iters, [&] { return Select(); }));
+  KVTIER_ASSIGN_OR_RETURN(const double recall_ms, TimeMs(s_, o_.iters, [&] { return Recall(); }));
+  KVTIER_ASSIGN_OR_RETURN(const double sparse_ms, TimeMs(s_, o_.iters, [&] { return Sparse(); }));
+  const int64_t heads = int64_t{o_.batch} * g_.num_q_heads;
+  KVTIER_ASSIGN_OR_RETURN(auto dense, Download(b_.dense_out, g_.dtype, heads * g_.head_dim));
+  KVTIER_ASSIGN_OR_RETURN(auto sparse, Download(b_.sparse_out, g_.dtype, heads * g_.head_dim));
+  KVTIER_ASSIGN_OR_RETURN(auto dlse, Download(b_.dense_lse, DType::kF32, heads));
+  KVTIER_ASSIGN_OR_RETURN(auto slse, Download(b_.sparse_lse, DType::kF32, heads));
+  double num = 0, den = 0, mass = 0;
+  for (size_t i = 0; i < dense.size(); ++i) {
+    num += (double{sparse[i]} - dense[i]) * (double{sparse[i]} - dense[i]);
+    den += double{dense[i]} * dense[i];
+  }
+  // The working set's share of the dense softmax mass: exp(lse_sparse − lse_dense).
+  for (int64_t i = 0; i < heads; ++i) mass += std::exp(double{slse[static_cast<size_t>(i)]} - dlse[static_cast<size_t>(i)]) / heads;
+  const double rel_error = std::sqrt(num / den);
+  const double step_ms = select_ms + recall_ms + sparse_ms;
+  const int32_t budget = slots_ * p_;
+  log << absl::StrFormat(
+      "kvtier-bench attention  device=%s  commit=%s\n"
+      "  shape %s, batch %d, context %d, budget %d tokens (%d sink + %d selected + %d recent pages)\n"
+      "  dense attention (full KV)        %9.3f ms\n"
+      "  sparse attention (working set)   %9.3f ms   speedup %.1fx (target >= 10x)\n"
+      "  selection (score + top-k)        %9.3f ms\n"
+      "  recall (%4d head-pages, cold)    %9.3f ms\n"
+      "  sparse step (select+recall+attn) %9.3f ms   speedup %.1fx\n"
+      "  sparse vs dense: rel_error %.4f, attention-mass recall %.4f (synthetic KV, %d heavy pages/head)\n",
+      be_.Describe(), Commit(), g_.ToString(), o_.batch, o_.context, budget, o_.sink_pages,
+      o_.selected_pages, o_.recent_pages, dense_ms, sparse_ms, dense_ms / sparse_ms, select_ms,
+      num_recall_items_, recall_ms, step_ms, dense_ms / step_ms, rel_error, mass, o_.heavy_pages);
+  JsonObject j;
+  j.Add("bench", "attention").Add("device", be_.Describe()).Add("host", HostCpu())
+      .Add("commit", Commit()).Add("time", UtcNow()).Add("geometry", g_.ToString())
+      .Add("batch", o_.batch).Add("context", o_.context).Add("budget", budget)
+      .Add("sink_pages", o_.sink_pages).Add("selected_pages", o_.selected_pages)
+      .Add("recent_pages", o_.recent_pages).Add("iters", o_.iters)
+      .Add("dense_ms", dense_ms).Add("sparse_ms", sparse_ms).Add("speedup", dense_ms / sparse_ms)
+      .Add("select_ms", select_ms).Add("recall_ms", recall_ms).Add("step_ms", step_ms)
+      .Add("step_speedup", dense_ms / step_ms).Add("rel_error", rel_error)
+      .Add("attn_mass_recall", mass).Add("heavy_pages", o_.heavy_pages)
+      .Add("heavy_logit", static_cast<double>(o_.heavy_logit));
+  return j;
+}
+
+}  // namespace
+
+absl::StatusOr<JsonObject> RunAttentionBench(const AttentionBenchOptions& o, std::ostream& log) {
+  KVTIER_RETURN_IF_ERROR(CheckOptions(o));
+  KVTIER_ASSIGN_OR_RETURN(auto backend, CreateBackend(o.backend, BackendOptions{.cpu_threads = o.threads}));
+  KVTIER_ASSIGN_OR_RETURN(auto stream, backend->CreateStream());
+  AttentionBench bench(o, *backend, *stream);
+  return bench.Run(log);
+}
+
+}  // namespace kvtier::bench

@@ -1,0 +1,40 @@
+// What every benchmark report carries (device, commit, host), and a tiny ordered JSON
+// object writer so reports are one machine-readable line with keys in a stable order.
+#ifndef KVTIER_BENCH_REPORT_H_
+#define KVTIER_BENCH_REPORT_H_
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace kvtier::bench {
+
+// The commit the binary was built from (git describe at configure time).
+std::string_view Commit();
+// The host CPU model and logical core count, e.g. "Intel Xeon ... (16 threads)".
+std::string HostCpu();
+// UTC time now, ISO 8601.
+std::string UtcNow();
+
+class JsonObject {
+ public:
+  JsonObject& Add(std::string_view key, std::string_view value);
+  JsonObject& Add(std::string_view key, const char* value) { return Add(key, std::string_view(value)); }
+  JsonObject& Add(std::string_view key, double value);
+  JsonObject& Add(std::string_view key, int64_t value);
+  JsonObject& Add(std::string_view key, int32_t value) { return Add(key, int64_t{value}); }
+  JsonObject& Add(std::string_view key, bool value);
+  JsonObject& AddObject(std::string_view key, const JsonObject& value);
+  std::string ToString() const;
+
+ private:
+  std::vector<std::pair<std::string, std::string>> fields_;  // key → encoded value
+};
+
+// Median of `samples` (copied, not modified).
+double Median(std::vector<double> samples);
+
+}  // namespace kvtier::bench
+
+#endif  // KVTIER_BENCH_REPORT_H_
