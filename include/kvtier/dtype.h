@@ -45,12 +45,12 @@ std::string_view DTypeName(DType t);
 // Returns false for anything else.
 bool ParseDType(std::string_view name, DType* out);
 
-KVTIER_HOST_DEVICE inline uint32_t FloatBits(float f) {
+KVTIER_HOST_DEVICE KVTIER_FORCE_INLINE uint32_t FloatBits(float f) {
   uint32_t u;
   memcpy(&u, &f, sizeof(u));
   return u;
 }
-KVTIER_HOST_DEVICE inline float BitsToFloat(uint32_t u) {
+KVTIER_HOST_DEVICE KVTIER_FORCE_INLINE float BitsToFloat(uint32_t u) {
   float f;
   memcpy(&f, &u, sizeof(f));
   return f;
@@ -58,7 +58,7 @@ KVTIER_HOST_DEVICE inline float BitsToFloat(uint32_t u) {
 
 // fp16 → fp32, exact. Branch-free so loops over rows vectorise: the exponent is rebiased
 // by integer add, and subnormals are normalised by one exact float subtraction.
-KVTIER_HOST_DEVICE inline float HalfToFloat(Half h) {
+KVTIER_HOST_DEVICE KVTIER_FORCE_INLINE float HalfToFloat(Half h) {
   const uint32_t sign = static_cast<uint32_t>(h.bits & 0x8000u) << 16;
   const uint32_t em = static_cast<uint32_t>(h.bits & 0x7fffu) << 13;  // exp+mantissa
   const uint32_t exp = em & 0x0f800000u;                               // half exponent
@@ -72,7 +72,7 @@ KVTIER_HOST_DEVICE inline float HalfToFloat(Half h) {
 }
 
 // fp32 → fp16, round to nearest even.
-KVTIER_HOST_DEVICE inline Half FloatToHalf(float f) {
+KVTIER_HOST_DEVICE KVTIER_FORCE_INLINE Half FloatToHalf(float f) {
   const uint32_t u = FloatBits(f);
   const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
   const uint32_t a = u & 0x7fffffffu;
@@ -93,12 +93,12 @@ KVTIER_HOST_DEVICE inline Half FloatToHalf(float f) {
 }
 
 // bf16 → fp32, exact (bf16 is the top half of an fp32).
-KVTIER_HOST_DEVICE inline float BFloat16ToFloat(BFloat16 b) {
+KVTIER_HOST_DEVICE KVTIER_FORCE_INLINE float BFloat16ToFloat(BFloat16 b) {
   return BitsToFloat(static_cast<uint32_t>(b.bits) << 16);
 }
 
 // fp32 → bf16, round to nearest even; NaN stays NaN.
-KVTIER_HOST_DEVICE inline BFloat16 FloatToBFloat16(float f) {
+KVTIER_HOST_DEVICE KVTIER_FORCE_INLINE BFloat16 FloatToBFloat16(float f) {
   const uint32_t u = FloatBits(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) {
     return BFloat16{static_cast<uint16_t>((u >> 16) | 0x0040u)};
@@ -108,22 +108,22 @@ KVTIER_HOST_DEVICE inline BFloat16 FloatToBFloat16(float f) {
 }
 
 // Generic conversions used by templated kernels: ToFloat(T) / FromFloat<T>(float).
-KVTIER_HOST_DEVICE inline float ToFloat(float x) { return x; }
-KVTIER_HOST_DEVICE inline float ToFloat(Half x) { return HalfToFloat(x); }
-KVTIER_HOST_DEVICE inline float ToFloat(BFloat16 x) { return BFloat16ToFloat(x); }
+KVTIER_HOST_DEVICE KVTIER_FORCE_INLINE float ToFloat(float x) { return x; }
+KVTIER_HOST_DEVICE KVTIER_FORCE_INLINE float ToFloat(Half x) { return HalfToFloat(x); }
+KVTIER_HOST_DEVICE KVTIER_FORCE_INLINE float ToFloat(BFloat16 x) { return BFloat16ToFloat(x); }
 
 template <typename T>
-KVTIER_HOST_DEVICE inline T FromFloat(float x);
+KVTIER_HOST_DEVICE KVTIER_FORCE_INLINE T FromFloat(float x);
 template <>
-KVTIER_HOST_DEVICE inline float FromFloat<float>(float x) {
+KVTIER_HOST_DEVICE KVTIER_FORCE_INLINE float FromFloat<float>(float x) {
   return x;
 }
 template <>
-KVTIER_HOST_DEVICE inline Half FromFloat<Half>(float x) {
+KVTIER_HOST_DEVICE KVTIER_FORCE_INLINE Half FromFloat<Half>(float x) {
   return FloatToHalf(x);
 }
 template <>
-KVTIER_HOST_DEVICE inline BFloat16 FromFloat<BFloat16>(float x) {
+KVTIER_HOST_DEVICE KVTIER_FORCE_INLINE BFloat16 FromFloat<BFloat16>(float x) {
   return FloatToBFloat16(x);
 }
 

@@ -37,7 +37,7 @@ struct GroupState {
 
   // Folds in n tokens whose K and V rows start at k and v, `stride` elements apart.
   template <typename T>
-  void AddBlock(const T* k, const T* v, int64_t stride, int32_t n, float scale) {
+  KVTIER_CPU_INLINE void AddBlock(const T* k, const T* v, int64_t stride, int32_t n, float scale) {
     kf.resize(static_cast<size_t>(n) * d);
     vf.resize(static_cast<size_t>(n) * d);
     s.resize(static_cast<size_t>(G) * n);
@@ -103,12 +103,7 @@ void RunAttention(const Source& src, int32_t B, int32_t Hq, int32_t Hkv, int32_t
       const auto b = static_cast<int32_t>(task / chunks / Hkv);
       for (int32_t g = 0; g < G; ++g) cpu::LoadRow(q + ql.Offset(b, h * G + g, 0), d, st.qf.data() + int64_t{g} * d);
       st.Reset();
-      const int64_t last = std::min(src.NumBlocks(b), (c + 1) * per_chunk);
-      for (int64_t blk = c * per_chunk; blk < last; ++blk) {
-        const T *k, *v;
-        int32_t n;
-        if (src.Block(b, h, blk, &k, &v, &n) && n > 0) st.AddBlock(k, v, stride, n, scale);
-      }
+      AttendChunk(src, st, b, h, c * per_chunk, std::min(src.NumBlocks(b), (c + 1) * per_chunk), stride, scale);
       for (int32_t g = 0; g < G; ++g) {
         float* part = PartialAt(partials, task, g, G, d);
         part[0] = st.m[g];
@@ -153,8 +148,8 @@ struct SparseSource {
   WorkingSetLayout wl;
   SlotTableLayout tl;
 
-  int64_t NumBlocks(int32_t) const { return a.num_slots; }
-  bool Block(int32_t b, int32_t h, int64_t slot, const T** k, const T** v, int32_t* n) const {
+  KVTIER_CPU_INLINE int64_t NumBlocks(int32_t) const { return a.num_slots; }
+  KVTIER_CPU_INLINE bool Block(int32_t b, int32_t h, int64_t slot, const T** k, const T** v, int32_t* n) const {
     const int32_t page = a.slot_table[tl.Offset(b, h, static_cast<int32_t>(slot))];
     if (page < 0) return false;
     *n = page == a.partial_page[b] ? a.partial_len[b] : a.page_size;
@@ -171,8 +166,8 @@ struct DenseSource {
   const DenseAttentionArgs& a;
   DenseKvLayout kl;
 
-  int64_t NumBlocks(int32_t b) const { return (a.seq_len[b] + kDenseBlock - 1) / kDenseBlock; }
-  bool Block(int32_t b, int32_t h, int64_t blk, const T** k, const T** v, int32_t* n) const {
+  KVTIER_CPU_INLINE int64_t NumBlocks(int32_t b) const { return (a.seq_len[b] + kDenseBlock - 1) / kDenseBlock; }
+  KVTIER_CPU_INLINE bool Block(int32_t b, int32_t h, int64_t blk, const T** k, const T** v, int32_t* n) const {
     const auto first = static_cast<int32_t>(blk * kDenseBlock);
     *n = std::min(kDenseBlock, a.seq_len[b] - first);
     const int64_t off = kl.Offset(b, first, h, 0);
@@ -181,6 +176,32 @@ struct DenseSource {
     return true;
   }
 };
+
+// Folds blocks [first, last) of (b, h) into `st`: the hot loop of both attentions.
+template <typename T, typename Source>
+KVTIER_CPU_INLINE void AttendBlocks(const Source& src, GroupState& st, int32_t b, int32_t h,
+                                    int64_t first, int64_t last, int64_t stride, float scale) {
+  for (int64_t blk = first; blk < last; ++blk) {
+    const T *k, *v;
+    int32_t n;
+    if (src.Block(b, h, blk, &k, &v, &n) && n > 0) st.AddBlock(k, v, stride, n, scale);
+  }
+}
+
+// One multi-versioned entry per (source, dtype): AttendChunk overloads pick them.
+#define KVTIER_ATTEND_CHUNK(Source, T)                                                     \
+  KVTIER_CPU_CLONES void AttendChunk(const Source<T>& src, GroupState& st, int32_t b,      \
+                                     int32_t h, int64_t first, int64_t last, int64_t stride, \
+                                     float scale) {                                        \
+    AttendBlocks<T>(src, st, b, h, first, last, stride, scale);                            \
+  }
+KVTIER_ATTEND_CHUNK(SparseSource, Half)
+KVTIER_ATTEND_CHUNK(SparseSource, BFloat16)
+KVTIER_ATTEND_CHUNK(SparseSource, float)
+KVTIER_ATTEND_CHUNK(DenseSource, Half)
+KVTIER_ATTEND_CHUNK(DenseSource, BFloat16)
+KVTIER_ATTEND_CHUNK(DenseSource, float)
+#undef KVTIER_ATTEND_CHUNK
 
 absl::Status CheckSparse(const SparseAttentionArgs& a) {
   for (int32_t b = 0; b < a.batch; ++b) {

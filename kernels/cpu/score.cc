@@ -15,7 +15,7 @@ namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Σ_i max(q_i·hi_i, q_i·lo_i) with eight partial sums.
-inline float BoundScore(const float* q, const float* hi, const float* lo, int32_t d) {
+KVTIER_CPU_INLINE float BoundScore(const float* q, const float* hi, const float* lo, int32_t d) {
   float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int32_t i = 0;
   for (; i + 8 <= d; i += 8) {
@@ -31,7 +31,7 @@ inline float BoundScore(const float* q, const float* hi, const float* lo, int32_
 }
 
 // Adds mean-over-group softmax(scale · raw) into pooled[0, n).
-void AddSoftmax(const float* raw, int32_t n, float scale, float weight, float* pooled) {
+KVTIER_CPU_INLINE void AddSoftmax(const float* raw, int32_t n, float scale, float weight, float* pooled) {
   float m = kNegInf;
   for (int32_t p = 0; p < n; ++p) m = std::max(m, scale * raw[p]);
   double sum = 0;
@@ -41,7 +41,7 @@ void AddSoftmax(const float* raw, int32_t n, float scale, float weight, float* p
 }
 
 template <typename T>
-void ScoreGroup(const ScorePagesArgs& a, int32_t b, int32_t h, std::vector<float>& scratch) {
+KVTIER_CPU_INLINE void ScoreGroup(const ScorePagesArgs& a, int32_t b, int32_t h, std::vector<float>& scratch) {
   const int32_t d = a.head_dim, P = a.max_pages, G = a.num_q_heads / a.num_kv_heads;
   const int32_t n = a.num_pages[b];
   const HeadsLayout ql{a.num_q_heads, d};
@@ -77,6 +77,20 @@ void ScoreGroup(const ScorePagesArgs& a, int32_t b, int32_t h, std::vector<float
   }
 }
 
+// Multi-versioned entries (x86-64-v3 and baseline), one per dtype.
+KVTIER_CPU_CLONES void ScoreGroupOf(const ScorePagesArgs& a, int32_t b, int32_t h,
+                                    std::vector<float>& scratch, const Half*) {
+  ScoreGroup<Half>(a, b, h, scratch);
+}
+KVTIER_CPU_CLONES void ScoreGroupOf(const ScorePagesArgs& a, int32_t b, int32_t h,
+                                    std::vector<float>& scratch, const BFloat16*) {
+  ScoreGroup<BFloat16>(a, b, h, scratch);
+}
+KVTIER_CPU_CLONES void ScoreGroupOf(const ScorePagesArgs& a, int32_t b, int32_t h,
+                                    std::vector<float>& scratch, const float*) {
+  ScoreGroup<float>(a, b, h, scratch);
+}
+
 }  // namespace
 
 absl::Status CpuScorePages(const ScorePagesArgs& a, ThreadPool* pool) {
@@ -91,8 +105,8 @@ absl::Status CpuScorePages(const ScorePagesArgs& a, ThreadPool* pool) {
     ParallelFor(pool, int64_t{a.batch} * a.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scratch;
       for (int64_t i = begin; i < end; ++i) {
-        ScoreGroup<T>(a, static_cast<int32_t>(i / a.num_kv_heads),
-                      static_cast<int32_t>(i % a.num_kv_heads), scratch);
+        ScoreGroupOf(a, static_cast<int32_t>(i / a.num_kv_heads),
+                     static_cast<int32_t>(i % a.num_kv_heads), scratch, static_cast<const T*>(nullptr));
       }
     });
     return absl::OkStatus();
