@@ -8,7 +8,9 @@
 //   - Every op is enqueued on a Stream and runs after the work enqueued before it there.
 //     Enqueueing validates shapes and returns INVALID_ARGUMENT at once; an error while
 //     running (a device index out of range, a CUDA fault) makes the stream's status sticky:
-//     Synchronize() and events recorded afterwards report it.
+//     Synchronize() and events recorded afterwards report it, and a stream that waits on
+//     such an event takes the error on. (The cpu backend also skips later work on a failed
+//     stream; the cuda backend still runs it, so treat a failed stream's outputs as garbage.)
 //   - Event::Record captures all work enqueued so far on that stream; Stream::Wait makes
 //     later work on another stream wait for it. Re-recording an event moves it forward.
 //   - Pointers in op arguments are backend memory (Allocate) or host memory registered
@@ -103,7 +105,8 @@ class Backend {
   virtual absl::Status RegisterHost(void* data, size_t bytes) = 0;
   virtual absl::Status UnregisterHost(void* data) = 0;
 
-  // Copies between any backend memory and host memory, ordered on `stream`.
+  // Copies between any backend memory and host memory, ordered on `stream`. Like every
+  // op, it runs later: a host `src` or `dst` must stay valid until the stream has run it.
   virtual absl::Status Copy(Stream& stream, void* dst, const void* src, size_t bytes) = 0;
   virtual absl::Status Memset(Stream& stream, void* dst, int value, size_t bytes) = 0;
 
