@@ -40,6 +40,10 @@ absl::Status Backend::Recall(Stream& s, const RecallArgs& a) {
   KVTIER_RETURN_IF_ERROR(ValidateArgs(a));
   return DoRecall(s, a);
 }
+absl::Status Backend::Replace(Stream& s, const ReplaceArgs& a) {
+  KVTIER_RETURN_IF_ERROR(ValidateArgs(a));
+  return DoReplace(s, a);
+}
 absl::Status Backend::Offload(Stream& s, const OffloadArgs& a) {
   KVTIER_RETURN_IF_ERROR(ValidateArgs(a));
   return DoOffload(s, a);

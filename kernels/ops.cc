@@ -104,6 +104,20 @@ absl::Status ValidateArgs(const RecallArgs& a) {
   return CheckPtr(op, "v_cache", a.v_cache);
 }
 
+absl::Status ValidateArgs(const ReplaceArgs& a) {
+  constexpr const char* op = "Replace";
+  KVTIER_RETURN_IF_ERROR(CheckRange(op, "batch", a.batch, 1, kMaxBatch));
+  KVTIER_RETURN_IF_ERROR(CheckRange(op, "num_kv_heads", a.num_kv_heads, 1, Geometry::kMaxQueryHeads));
+  KVTIER_RETURN_IF_ERROR(CheckRange(op, "num_slots", a.num_slots, 1, kMaxPages));
+  KVTIER_RETURN_IF_ERROR(CheckRange(op, "k", a.k, 1, a.num_slots));
+  KVTIER_RETURN_IF_ERROR(CheckRange(op, "region_begin", a.region_begin, 0, a.num_slots - a.k));
+  KVTIER_RETURN_IF_ERROR(CheckRange(op, "max_pages", a.max_pages, 1, kMaxPages));
+  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "selected", a.selected));
+  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "slot_table", a.slot_table));
+  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "host_page_of", a.host_page_of));
+  return CheckPtr(op, "items", a.items);
+}
+
 absl::Status ValidateArgs(const OffloadArgs& a) {
   constexpr const char* op = "Offload";
   KVTIER_RETURN_IF_ERROR(CheckDType(op, a.dtype));

@@ -44,6 +44,10 @@ struct ScorePagesArgs {
   PoolMode pool = PoolMode::kSoftmaxMean;
   float* scores = nullptr;        // [B][Hq][P] raw scores out; optional (may be null)
   float* pooled = nullptr;        // [B][Hkv][P] out
+  // [B][Hkv]: only KV heads with a nonzero entry (and their query groups) are scored; the
+  // outputs of the others are left untouched. Null scores every head. This is how
+  // correction re-selects just the drifted heads with no host round trip.
+  const uint8_t* head_mask = nullptr;
 };
 
 // Top-k pages per (sequence, KV head) among candidates: pages in
@@ -60,6 +64,7 @@ struct TopKArgs {
   int32_t sink_pages = 0;
   int32_t recent_pages = 0;
   int32_t* selected = nullptr;         // [B][Hkv][k] out
+  const uint8_t* head_mask = nullptr;  // [B][Hkv]; as ScorePagesArgs::head_mask
 };
 
 // Cosine of q_t and q_{t-1} per query head, its mean over each KV head's query group, and
@@ -80,7 +85,9 @@ struct QueryCosineArgs {
 };
 
 // One head-page to recall: the K+V slab of `kv_head` in host page `host_page`, written to
-// NHD global slot `dst_slot` (b·S + slot) for that head.
+// NHD global slot `dst_slot` (b·S + slot) for that head. An item whose host_page is
+// kSkipItem does nothing: fixed-size plans made on the device pad with it.
+inline constexpr int64_t kSkipItem = -1;
 struct RecallItem {
   int64_t host_page;
   int32_t kv_head;
@@ -101,6 +108,30 @@ struct RecallArgs {
   void* k_cache = nullptr;           // [num_slots][p][Hkv][d]
   void* v_cache = nullptr;
   int32_t num_slots = 0;             // B·S, for range checks
+};
+
+// Page-cache replacement in the selected region [region_begin, region_begin + k) of each
+// (sequence, KV head)'s slots (ArkVale, FreeKV), for heads whose mask is nonzero (all when
+// head_mask is null). Pages of the new selection that are already resident keep their
+// slots; every other page of the region is evicted (the new selection is the top-k, so
+// what leaves is exactly the lower-scoring rest); missing pages take the freed slots in
+// rank order, lowest slot first, and get one recall item each. Recall traffic is
+// therefore the churn of the selection, not the budget. Writes the slot table in place
+// and exactly k items per (sequence, KV head), padded with kSkipItem (all skip for
+// unmasked heads), so the plan never has to come back to the host.
+struct ReplaceArgs {
+  int32_t batch = 0;
+  int32_t num_kv_heads = 0;
+  int32_t num_slots = 0;                 // S per sequence
+  int32_t region_begin = 0;              // first slot of the selected region
+  int32_t k = 0;                         // region size = TopK's k
+  const int32_t* selected = nullptr;     // [B][Hkv][k] from TopK: best first, -1 padded
+  int32_t* slot_table = nullptr;         // [B][Hkv][S] in/out (only the region changes)
+  const int64_t* host_page_of = nullptr; // [B][max_pages]: logical page → host page, or -1
+  int32_t max_pages = 0;
+  const uint8_t* head_mask = nullptr;    // [B][Hkv]; null = every head
+  RecallItem* items = nullptr;           // [B][Hkv][k] out
+  int32_t* num_misses = nullptr;         // [B][Hkv] out: pages to recall; optional
 };
 
 // One full page to offload: NHD global slot `src_slot` of the source K/V buffers → host
@@ -177,6 +208,7 @@ absl::Status ValidateArgs(const ScorePagesArgs& a);
 absl::Status ValidateArgs(const TopKArgs& a);
 absl::Status ValidateArgs(const QueryCosineArgs& a);
 absl::Status ValidateArgs(const RecallArgs& a);
+absl::Status ValidateArgs(const ReplaceArgs& a);
 absl::Status ValidateArgs(const OffloadArgs& a);
 absl::Status ValidateArgs(const SparseAttentionArgs& a);
 absl::Status ValidateArgs(const DenseAttentionArgs& a);

@@ -78,6 +78,9 @@ class CpuBackend final : public Backend {
   absl::Status DoRecall(Stream& s, const RecallArgs& a) override {
     return Submit(s, [this, a] { return CpuRecall(a, &pool_); });
   }
+  absl::Status DoReplace(Stream& s, const ReplaceArgs& a) override {
+    return Submit(s, [this, a] { return CpuReplace(a, &pool_); });
+  }
   absl::Status DoOffload(Stream& s, const OffloadArgs& a) override {
     return Submit(s, [this, a] { return CpuOffload(a, &pool_); });
   }

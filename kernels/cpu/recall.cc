@@ -12,6 +12,7 @@ namespace {
 absl::Status CheckItems(const RecallArgs& a) {
   for (int32_t i = 0; i < a.num_items; ++i) {
     const RecallItem& it = a.items[i];
+    if (it.host_page == kSkipItem) continue;
     if (it.host_page < 0 || it.host_page >= a.num_host_pages) {
       return absl::OutOfRangeError(absl::StrFormat(
           "Recall: items[%d].host_page = %d must be in [0, %d)", i, it.host_page,
@@ -44,6 +45,7 @@ absl::Status CpuRecall(const RecallArgs& a, ThreadPool* pool) {
   ParallelFor(pool, a.num_items, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const RecallItem& it = a.items[i];
+      if (it.host_page == kSkipItem) continue;
       const unsigned char* page = host + static_cast<size_t>(it.host_page * hl.page_elements()) * elem;
       for (int32_t kind = 0; kind < 2; ++kind) {
         for (int32_t t = 0; t < a.page_size; ++t) {

@@ -105,6 +105,7 @@ absl::Status CpuScorePages(const ScorePagesArgs& a, ThreadPool* pool) {
     ParallelFor(pool, int64_t{a.batch} * a.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scratch;
       for (int64_t i = begin; i < end; ++i) {
+        if (a.head_mask != nullptr && a.head_mask[i] == 0) continue;
         ScoreGroupOf(a, static_cast<int32_t>(i / a.num_kv_heads),
                      static_cast<int32_t>(i % a.num_kv_heads), scratch, static_cast<const T*>(nullptr));
       }

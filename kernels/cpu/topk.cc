@@ -49,6 +49,7 @@ absl::Status CpuTopK(const TopKArgs& a, ThreadPool* pool) {
   ParallelFor(pool, int64_t{a.batch} * a.num_kv_heads, 4, [&](int64_t begin, int64_t end) {
     std::vector<int32_t> cand;
     for (int64_t i = begin; i < end; ++i) {
+      if (a.head_mask != nullptr && a.head_mask[i] == 0) continue;
       SelectHead(a, static_cast<int32_t>(i / a.num_kv_heads),
                  static_cast<int32_t>(i % a.num_kv_heads), cand);
     }

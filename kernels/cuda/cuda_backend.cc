@@ -111,6 +111,7 @@ class CudaBackend final : public Backend {
     return NotYet("ScorePages");
   }
   absl::Status DoTopK(Stream&, const TopKArgs&) override { return NotYet("TopK"); }
+  absl::Status DoReplace(Stream&, const ReplaceArgs&) override { return NotYet("Replace"); }
   absl::Status DoQueryCosine(Stream&, const QueryCosineArgs&) override {
     return NotYet("QueryCosine");
   }

@@ -40,7 +40,7 @@ template <typename U>
 __global__ void __launch_bounds__(kRecallThreads) RecallKernel(const RecallParams p) {
   const int64_t index = blockIdx.x;
   const RecallItem it = p.items[index];
-  if (!CheckItem(p, it, index)) return;
+  if (it.host_page == kSkipItem || !CheckItem(p, it, index)) return;
   const int32_t page_size = p.host.page_size;
   const char* page = p.host_pages + it.host_page * p.host.page_elements() * p.elem_bytes;
   const int32_t units = 2 * page_size * p.units_per_row;

@@ -59,6 +59,20 @@ TEST_F(OpsValidationTest, TopKRejectsKLargerThanPages) {
   ExpectInvalid(backend_->TopK(*stream_, a), "TopK: k = 5 must be in [1, 4]");
 }
 
+TEST_F(OpsValidationTest, ReplaceRegionMustFitTheSlots) {
+  ReplaceArgs a;
+  a.batch = 1;
+  a.num_kv_heads = 2;
+  a.num_slots = 10;
+  a.k = 4;
+  a.region_begin = 7;
+  a.max_pages = 8;
+  ExpectInvalid(backend_->Replace(*stream_, a), "Replace: region_begin = 7 must be in [0, 6]");
+  a.region_begin = 0;
+  a.k = 11;
+  ExpectInvalid(backend_->Replace(*stream_, a), "Replace: k = 11 must be in [1, 10]");
+}
+
 TEST_F(OpsValidationTest, AttentionAndRecallShapes) {
   SparseAttentionArgs s;
   s.batch = 1;
