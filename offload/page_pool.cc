@@ -61,7 +61,7 @@ absl::StatusOr<std::unique_ptr<PagePool>> PagePool::CreateInArena(HostArena& are
 
 PagePool::PagePool(void* base, size_t slot_bytes, size_t slot_stride, int64_t num_slots)
     : base_(base), slot_bytes_(slot_bytes), slot_stride_(slot_stride), num_slots_(num_slots) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   const size_t n = static_cast<size_t>(num_slots);
   generation_.assign(n, 0);
   in_use_.assign(n, 0);
@@ -73,13 +73,13 @@ PagePool::PagePool(void* base, size_t slot_bytes, size_t slot_stride, int64_t nu
 }
 
 PagePool::~PagePool() {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   // Outstanding handles would free into a dead pool: a caller's ownership bug.
   KVTIER_CHECK(free_.size() == static_cast<size_t>(num_slots_));
 }
 
 absl::StatusOr<PageHandle> PagePool::Allocate() {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (free_.empty()) {
     ++exhausted_;
     return absl::ResourceExhaustedError(absl::StrFormat(
@@ -93,7 +93,7 @@ absl::StatusOr<PageHandle> PagePool::Allocate() {
 }
 
 void PagePool::Free(int64_t slot, uint64_t generation) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   // Handles are move-only, so a slot is freed once, by the allocation that owns it.
   KVTIER_CHECK(in_use_[slot] == 1 && generation_[slot] == generation);
   in_use_[slot] = 0;
@@ -102,18 +102,18 @@ void PagePool::Free(int64_t slot, uint64_t generation) {
 
 bool PagePool::IsLive(int64_t slot, uint64_t generation) const {
   if (slot < 0 || slot >= num_slots_) return false;
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return in_use_[slot] == 1 && generation_[slot] == generation;
 }
 
 uint64_t PagePool::CurrentGeneration(int64_t slot) const {
   KVTIER_CHECK(slot >= 0 && slot < num_slots_);
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return generation_[slot];
 }
 
 PagePoolStats PagePool::stats() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return PagePoolStats{
       .in_use = num_slots_ - static_cast<int64_t>(free_.size()),
       .capacity = num_slots_,

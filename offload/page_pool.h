@@ -20,7 +20,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
+#include "kvtier/mutex.h"
 
 namespace kvtier {
 
@@ -119,7 +119,7 @@ class PagePool {
   const size_t slot_stride_;
   const int64_t num_slots_;
 
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   std::vector<int32_t> free_ ABSL_GUARDED_BY(mu_);         // stack; back() is next
   std::vector<uint64_t> generation_ ABSL_GUARDED_BY(mu_);  // per slot
   std::vector<uint8_t> in_use_ ABSL_GUARDED_BY(mu_);       // per slot, 0 or 1

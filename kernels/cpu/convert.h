@@ -16,7 +16,10 @@
 // for the baseline, and picks one at load time (GCC function multi-versioning), so one
 // portable binary still converts fp16 and multiplies with wide vectors where it can.
 // Callees must be inlined into it to benefit: the helpers below are always_inline.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// Off under ThreadSanitizer: the dynamic loader runs the (instrumented) clone resolver
+// before the TSan runtime is initialised, which crashes the program at load time.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
+    !defined(__SANITIZE_THREAD__)
 #define KVTIER_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
 #define KVTIER_CPU_CLONES

@@ -9,17 +9,17 @@
 namespace kvtier {
 
 bool CpuEvent::Query() {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return completed_ >= armed_;
 }
 
 absl::Status CpuEvent::Wait(absl::Duration timeout) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   const uint64_t target = armed_;
   auto done = [this, target]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return completed_ >= target;
   };
-  if (!mu_.AwaitWithTimeout(absl::Condition(&done), timeout)) {
+  if (!completed_cv_.AwaitWithTimeout(&mu_, done, timeout)) {
     return absl::DeadlineExceededError(absl::StrCat(
         "event not complete within ", absl::FormatDuration(timeout)));
   }
@@ -27,27 +27,28 @@ absl::Status CpuEvent::Wait(absl::Duration timeout) {
 }
 
 uint64_t CpuEvent::Armed() {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return armed_;
 }
 
 uint64_t CpuEvent::Arm() {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return ++armed_;
 }
 
 void CpuEvent::Complete(uint64_t seq, absl::Status status) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (seq > completed_) {
     completed_ = seq;
     status_ = std::move(status);
+    completed_cv_.SignalAll();
   }
 }
 
 absl::Status CpuEvent::WaitFor(uint64_t seq) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto done = [this, seq]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return completed_ >= seq; };
-  mu_.Await(absl::Condition(&done));
+  completed_cv_.Await(&mu_, done);
   return status_;
 }
 
@@ -55,15 +56,17 @@ CpuStream::CpuStream() : worker_([this] { WorkerLoop(); }) {}
 
 CpuStream::~CpuStream() {
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     stopping_ = true;
+    work_cv_.SignalAll();
   }
   worker_.join();
 }
 
 void CpuStream::Push(Task task) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   queue_.push_back(std::move(task));
+  work_cv_.SignalAll();
 }
 
 void CpuStream::Enqueue(std::function<absl::Status()> task) {
@@ -77,7 +80,7 @@ absl::Status CpuStream::Record(Event& event) {
   Push(Task{[this, e, seq] {
               absl::Status st;
               {
-                absl::MutexLock lock(&mu_);
+                MutexLock lock(&mu_);
                 st = status_;
               }
               e->Complete(seq, st);
@@ -97,9 +100,8 @@ absl::Status CpuStream::Wait(Event& event) {
 }
 
 absl::Status CpuStream::Synchronize() {
-  absl::MutexLock lock(&mu_);
-  mu_.Await(absl::Condition(
-      +[](CpuStream* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu_) { return s->Idle(); }, this));
+  MutexLock lock(&mu_);
+  idle_cv_.Await(&mu_, [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return Idle(); });
   return status_;
 }
 
@@ -108,12 +110,10 @@ void CpuStream::WorkerLoop() {
     Task task;
     bool failed;
     {
-      absl::MutexLock lock(&mu_);
-      mu_.Await(absl::Condition(
-          +[](CpuStream* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu_) {
-            return s->stopping_ || !s->queue_.empty();
-          },
-          this));
+      MutexLock lock(&mu_);
+      work_cv_.Await(&mu_, [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stopping_ || !queue_.empty();
+      });
       if (queue_.empty()) return;  // stopping, and every task has run
       task = std::move(queue_.front());
       queue_.pop_front();
@@ -122,9 +122,10 @@ void CpuStream::WorkerLoop() {
     }
     absl::Status st;
     if (task.always_run || !failed) st = task.fn();
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (!st.ok() && status_.ok()) status_ = std::move(st);
     busy_ = false;
+    idle_cv_.SignalAll();
   }
 }
 

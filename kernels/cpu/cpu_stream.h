@@ -19,8 +19,8 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
-#include "absl/synchronization/mutex.h"
 #include "kernels/backend.h"
+#include "kvtier/mutex.h"
 
 namespace kvtier {
 
@@ -39,7 +39,8 @@ class CpuEvent final : public Event {
   absl::Status WaitFor(uint64_t seq);
 
  private:
-  absl::Mutex mu_;
+  Mutex mu_;
+  CondVar completed_cv_;  // signalled when completed_ advances
   uint64_t armed_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t completed_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Status status_ ABSL_GUARDED_BY(mu_);
@@ -68,7 +69,9 @@ class CpuStream final : public Stream {
   void WorkerLoop();
   bool Idle() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return queue_.empty() && !busy_; }
 
-  absl::Mutex mu_;
+  Mutex mu_;
+  CondVar work_cv_;  // signalled when a task is queued or stopping_ is set
+  CondVar idle_cv_;  // signalled when the worker finishes a task
   std::deque<Task> queue_ ABSL_GUARDED_BY(mu_);
   bool busy_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

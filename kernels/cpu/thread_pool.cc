@@ -17,7 +17,8 @@ struct Job {
   int64_t chunks;
   const std::function<void(int64_t, int64_t)>* fn;
   std::atomic<int64_t> next{0};
-  absl::Mutex mu;
+  Mutex mu;
+  CondVar finished_cv;  // signalled when `finished` grows
   int64_t finished ABSL_GUARDED_BY(mu) = 0;
 
   // Claims and runs chunks until none are left.
@@ -29,9 +30,17 @@ struct Job {
       ++done;
     }
     if (done > 0) {
-      absl::MutexLock lock(&mu);
+      MutexLock lock(&mu);
       finished += done;
+      finished_cv.Signal();  // only the caller waits
     }
+  }
+
+  // Blocks until every chunk has run.
+  void AwaitFinished() {
+    MutexLock lock(&mu);
+    finished_cv.Await(&mu,
+                      [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return finished == chunks; });
   }
 };
 
@@ -46,8 +55,9 @@ ThreadPool::ThreadPool(int num_threads) {
 
 ThreadPool::~ThreadPool() {
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     stopping_ = true;
+    work_cv_.SignalAll();
   }
   for (auto& t : workers_) t.join();
 }
@@ -56,12 +66,10 @@ void ThreadPool::WorkerLoop() {
   while (true) {
     std::function<void()> task;
     {
-      absl::MutexLock lock(&mu_);
-      mu_.Await(absl::Condition(
-          +[](ThreadPool* p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(p->mu_) {
-            return p->stopping_ || !p->queue_.empty();
-          },
-          this));
+      MutexLock lock(&mu_);
+      work_cv_.Await(&mu_, [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stopping_ || !queue_.empty();
+      });
       if (queue_.empty()) return;  // stopping and nothing left
       task = std::move(queue_.front());
       queue_.pop_front();
@@ -86,14 +94,12 @@ void ThreadPool::ParallelFor(int64_t n, int64_t grain,
   job->fn = &fn;
   const int64_t helpers = std::min<int64_t>(chunks - 1, static_cast<int64_t>(workers_.size()));
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     for (int64_t i = 0; i < helpers; ++i) queue_.emplace_back([job] { job->Drain(); });
+    work_cv_.SignalAll();
   }
   job->Drain();
-  absl::MutexLock lock(&job->mu);
-  job->mu.Await(absl::Condition(
-      +[](Job* j) ABSL_EXCLUSIVE_LOCKS_REQUIRED(j->mu) { return j->finished == j->chunks; },
-      job.get()));
+  job->AwaitFinished();
 }
 
 void ParallelFor(ThreadPool* pool, int64_t n, int64_t grain,

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
+#include "kvtier/mutex.h"
 
 namespace kvtier {
 
@@ -36,7 +36,8 @@ class ThreadPool {
  private:
   void WorkerLoop();
 
-  absl::Mutex mu_;
+  Mutex mu_;
+  CondVar work_cv_;  // signalled when a task is queued or stopping_ is set
   std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::thread> workers_;

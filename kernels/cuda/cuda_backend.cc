@@ -17,10 +17,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
-#include "absl/synchronization/mutex.h"
 #include "kernels/cuda/copy_kernels.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_stream.h"
+#include "kvtier/mutex.h"
 #include "kvtier/status.h"
 
 namespace kvtier {
@@ -139,7 +139,7 @@ class CudaBackend final : public Backend {
   const int device_;
   const std::string description_;
   cuda::ErrorSlotPool slots_;
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   // Host ranges registered through this backend, by first byte.
   std::map<uintptr_t, Registration> registered_ ABSL_GUARDED_BY(mu_);
 };
@@ -161,7 +161,7 @@ absl::Status CudaBackend::RegisterHost(void* data, size_t bytes) {
     (void)cudaHostUnregister(data);
     return status;
   }
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   registered_[reinterpret_cast<uintptr_t>(data)] =
       Registration{bytes, reinterpret_cast<uintptr_t>(device_view)};
   return absl::OkStatus();
@@ -170,7 +170,7 @@ absl::Status CudaBackend::RegisterHost(void* data, size_t bytes) {
 absl::Status CudaBackend::UnregisterHost(void* data) {
   KVTIER_CUDA_SCOPED_DEVICE(device_);
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     registered_.erase(reinterpret_cast<uintptr_t>(data));
   }
   return CudaStatus(cudaHostUnregister(data), absl::StrFormat("cudaHostUnregister(%p)", data));
@@ -178,7 +178,7 @@ absl::Status CudaBackend::UnregisterHost(void* data) {
 
 const void* CudaBackend::DeviceAddress(const void* p) const {
   const uintptr_t address = reinterpret_cast<uintptr_t>(p);
-  absl::ReaderMutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto it = registered_.upper_bound(address);
   if (it == registered_.begin()) return p;
   --it;

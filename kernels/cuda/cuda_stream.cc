@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
 #include "kernels/cuda/cuda_check.h"
 
 namespace kvtier::cuda {
@@ -64,7 +65,7 @@ absl::Status ErrorSlot::FailureUpTo(uint64_t seq) const {
 
 ErrorSlotPool::~ErrorSlotPool() {
   DeviceGuard guard(device_);
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   for (ErrorSlot* slot : free_) {
     if (slot->claim_ != nullptr) (void)cudaFree(slot->claim_);
     if (slot->host_record_ != nullptr) (void)cudaFreeHost(slot->host_record_);
@@ -75,7 +76,7 @@ ErrorSlotPool::~ErrorSlotPool() {
 absl::StatusOr<std::shared_ptr<ErrorSlot>> ErrorSlotPool::Acquire(cudaStream_t stream) {
   ErrorSlot* raw = nullptr;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (!free_.empty()) {
       raw = free_.back();
       free_.pop_back();
@@ -111,7 +112,7 @@ absl::Status ErrorSlotPool::Allocate(ErrorSlot& slot) {
 }
 
 void ErrorSlotPool::Release(ErrorSlot* slot) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   free_.push_back(slot);
 }
 
@@ -191,14 +192,14 @@ absl::Status CudaEvent::Poll(absl::Duration timeout) {
 }
 
 absl::Status CudaEvent::RecordOn(cudaStream_t stream, ErrorDeps deps) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   KVTIER_CUDA_RETURN_IF_ERROR(cudaEventRecord(event_, stream));
   captured_ = std::move(deps);
   return absl::OkStatus();
 }
 
 ErrorDeps CudaEvent::captured() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return captured_;
 }
 

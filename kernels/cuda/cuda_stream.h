@@ -29,10 +29,10 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "kernels/backend.h"
 #include "kernels/cuda/device_error.h"
+#include "kvtier/mutex.h"
 
 namespace kvtier::cuda {
 
@@ -84,7 +84,7 @@ class ErrorSlotPool {
   void Release(ErrorSlot* slot);
 
   const int device_;
-  absl::Mutex mu_;
+  Mutex mu_;
   std::vector<ErrorSlot*> free_ ABSL_GUARDED_BY(mu_);
 };
 
@@ -130,7 +130,7 @@ class CudaEvent final : public Event {
   const Backend* const owner_;
   const int device_;
   const cudaEvent_t event_;
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   ErrorDeps captured_ ABSL_GUARDED_BY(mu_);
 };
 

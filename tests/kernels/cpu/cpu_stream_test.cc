@@ -1,11 +1,11 @@
 // Ordering and error semantics of the CPU backend's streams and events. A "gate" task that
-// blocks on a notification holds a stream at a known point, so no test depends on timing.
+// blocks on a promise holds a stream at a known point, so no test depends on timing.
 #include "kernels/cpu/cpu_stream.h"
 
 #include <cstring>
+#include <future>
 #include <vector>
 
-#include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
 
@@ -39,10 +39,11 @@ TEST_F(CpuStreamTest, WorkOnOneStreamRunsInOrder) {
 }
 
 TEST_F(CpuStreamTest, WaitOnAnEventHoldsBackTheOtherStream) {
-  absl::Notification gate;
+  std::promise<void> gate;
+  std::future<void> opened = gate.get_future();
   int src = 1, dst = 0;
   cpu(*s1_).Enqueue([&] {
-    gate.WaitForNotification();
+    opened.wait();
     src = 42;  // written only after the gate opens
     return absl::OkStatus();
   });
@@ -51,7 +52,7 @@ TEST_F(CpuStreamTest, WaitOnAnEventHoldsBackTheOtherStream) {
   ASSERT_TRUE(backend_->Copy(*s2_, &dst, &src, sizeof(int)).ok());
   EXPECT_FALSE(ev_->Query());
   EXPECT_EQ(ev_->Wait(absl::Milliseconds(5)).code(), absl::StatusCode::kDeadlineExceeded);
-  gate.Notify();
+  gate.set_value();
   ASSERT_TRUE(s2_->Synchronize().ok());
   EXPECT_EQ(dst, 42);  // the copy ran after s1's task, never before
   EXPECT_TRUE(ev_->Query());
@@ -69,17 +70,18 @@ TEST_F(CpuStreamTest, UnrecordedEventIsComplete) {
 }
 
 TEST_F(CpuStreamTest, RerecordingMovesTheEventForward) {
-  absl::Notification gate;
+  std::promise<void> gate;
+  std::future<void> opened = gate.get_future();
   ASSERT_TRUE(s1_->Record(*ev_).ok());
   ASSERT_TRUE(s1_->Synchronize().ok());
   EXPECT_TRUE(ev_->Query());
   cpu(*s1_).Enqueue([&] {
-    gate.WaitForNotification();
+    opened.wait();
     return absl::OkStatus();
   });
   ASSERT_TRUE(s1_->Record(*ev_).ok());
   EXPECT_FALSE(ev_->Query());
-  gate.Notify();
+  gate.set_value();
   EXPECT_TRUE(ev_->Wait().ok());
 }
 
