@@ -73,6 +73,22 @@ class AttentionBench {
     KVTIER_RETURN_IF_ERROR(s_.Synchronize());
     return buf;
   }
+  // Recall of `n` planned head-pages from the host tier into the working set.
+  RecallArgs RecallInto(const RecallItem* items, int32_t n) const {
+    RecallArgs ra;
+    ra.dtype = g_.dtype;
+    ra.page_size = p_;
+    ra.num_kv_heads = g_.num_kv_heads;
+    ra.head_dim = g_.head_dim;
+    ra.host_pages = b_.host_pages.data();
+    ra.num_host_pages = int64_t{o_.batch} * full_;
+    ra.items = items;
+    ra.num_items = n;
+    ra.k_cache = b_.ws_k.data();
+    ra.v_cache = b_.ws_v.data();
+    ra.num_slots = o_.batch * slots_;
+    return ra;
+  }
   absl::Status Setup();
   absl::Status Dense();
   absl::Status Select();
@@ -164,19 +180,8 @@ absl::Status AttentionBench::Setup() {
     }
   }
   KVTIER_ASSIGN_OR_RETURN(DeviceBuffer fixed, Upload(items.data(), items.size() * sizeof(RecallItem)));
-  RecallArgs ra;
-  ra.dtype = g_.dtype;
-  ra.page_size = p_;
-  ra.num_kv_heads = Hkv;
-  ra.head_dim = d;
-  ra.host_pages = b_.host_pages.data();
-  ra.num_host_pages = int64_t{B} * full_;
-  ra.items = fixed.as<RecallItem>();
-  ra.num_items = static_cast<int32_t>(items.size());
-  ra.k_cache = b_.ws_k.data();
-  ra.v_cache = b_.ws_v.data();
-  ra.num_slots = B * slots_;
-  KVTIER_RETURN_IF_ERROR(be_.Recall(s_, ra));
+  KVTIER_RETURN_IF_ERROR(
+      be_.Recall(s_, RecallInto(fixed.as<RecallItem>(), static_cast<int32_t>(items.size()))));
   const std::vector<int32_t> pp(static_cast<size_t>(B), partial_ ? full_ : -1);
   const std::vector<int32_t> pl(static_cast<size_t>(B), partial_);
   KVTIER_ASSIGN_OR_RETURN(b_.partial_page, Upload(pp.data(), pp.size() * 4));
@@ -252,19 +257,7 @@ absl::Status AttentionBench::Recall() {
   num_recall_items_ = static_cast<int32_t>(items.size());
   KVTIER_RETURN_IF_ERROR(be_.Copy(s_, b_.items.data(), items.data(), items.size() * sizeof(RecallItem)));
   KVTIER_RETURN_IF_ERROR(be_.Copy(s_, b_.table.data(), table_host_.data(), table_host_.size() * 4));
-  RecallArgs ra;
-  ra.dtype = g_.dtype;
-  ra.page_size = p_;
-  ra.num_kv_heads = Hkv;
-  ra.head_dim = g_.head_dim;
-  ra.host_pages = b_.host_pages.data();
-  ra.num_host_pages = int64_t{B} * full_;
-  ra.items = b_.items.as<RecallItem>();
-  ra.num_items = num_recall_items_;
-  ra.k_cache = b_.ws_k.data();
-  ra.v_cache = b_.ws_v.data();
-  ra.num_slots = B * slots_;
-  KVTIER_RETURN_IF_ERROR(be_.Recall(s_, ra));
+  KVTIER_RETURN_IF_ERROR(be_.Recall(s_, RecallInto(b_.items.as<RecallItem>(), num_recall_items_)));
   // The copies above read host vectors that go out of scope: finish them here.
   return s_.Synchronize();
 }
