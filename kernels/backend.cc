@@ -40,6 +40,14 @@ absl::Status Backend::Recall(Stream& s, const RecallArgs& a) {
   KVTIER_RETURN_IF_ERROR(ValidateArgs(a));
   return DoRecall(s, a);
 }
+absl::Status Backend::GatherSlabs(Stream& s, const GatherSlabsArgs& a) {
+  KVTIER_RETURN_IF_ERROR(ValidateArgs(a));
+  return DoGatherSlabs(s, a);
+}
+absl::Status Backend::ScatterSlabs(Stream& s, const ScatterSlabsArgs& a) {
+  KVTIER_RETURN_IF_ERROR(ValidateArgs(a));
+  return DoScatterSlabs(s, a);
+}
 absl::Status Backend::Replace(Stream& s, const ReplaceArgs& a) {
   KVTIER_RETURN_IF_ERROR(ValidateArgs(a));
   return DoReplace(s, a);

@@ -115,6 +115,8 @@ class Backend {
   absl::Status TopK(Stream& s, const TopKArgs& a);
   absl::Status QueryCosine(Stream& s, const QueryCosineArgs& a);
   absl::Status Recall(Stream& s, const RecallArgs& a);
+  absl::Status GatherSlabs(Stream& s, const GatherSlabsArgs& a);
+  absl::Status ScatterSlabs(Stream& s, const ScatterSlabsArgs& a);
   absl::Status Replace(Stream& s, const ReplaceArgs& a);
   absl::Status Offload(Stream& s, const OffloadArgs& a);
   absl::Status SparseAttention(Stream& s, const SparseAttentionArgs& a);
@@ -128,6 +130,8 @@ class Backend {
   virtual absl::Status DoTopK(Stream& s, const TopKArgs& a) = 0;
   virtual absl::Status DoQueryCosine(Stream& s, const QueryCosineArgs& a) = 0;
   virtual absl::Status DoRecall(Stream& s, const RecallArgs& a) = 0;
+  virtual absl::Status DoGatherSlabs(Stream& s, const GatherSlabsArgs& a) = 0;
+  virtual absl::Status DoScatterSlabs(Stream& s, const ScatterSlabsArgs& a) = 0;
   virtual absl::Status DoReplace(Stream& s, const ReplaceArgs& a) = 0;
   virtual absl::Status DoOffload(Stream& s, const OffloadArgs& a) = 0;
   virtual absl::Status DoSparseAttention(Stream& s, const SparseAttentionArgs& a) = 0;

@@ -104,6 +104,31 @@ absl::Status ValidateArgs(const RecallArgs& a) {
   return CheckPtr(op, "v_cache", a.v_cache);
 }
 
+absl::Status ValidateArgs(const GatherSlabsArgs& a) {
+  constexpr const char* op = "GatherSlabs";
+  KVTIER_RETURN_IF_ERROR(CheckDType(op, a.dtype));
+  KVTIER_RETURN_IF_ERROR(CheckPage(op, a.page_size, a.num_kv_heads, a.head_dim));
+  KVTIER_RETURN_IF_ERROR(CheckRange(op, "num_items", a.num_items, 0, INT32_MAX));
+  if (a.num_items == 0) return absl::OkStatus();
+  KVTIER_RETURN_IF_ERROR(CheckRange(op, "num_host_pages", a.num_host_pages, 1, INT64_MAX));
+  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "host_pages", a.host_pages));
+  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "items", a.items));
+  return CheckPtr(op, "staging", a.staging);
+}
+
+absl::Status ValidateArgs(const ScatterSlabsArgs& a) {
+  constexpr const char* op = "ScatterSlabs";
+  KVTIER_RETURN_IF_ERROR(CheckDType(op, a.dtype));
+  KVTIER_RETURN_IF_ERROR(CheckPage(op, a.page_size, a.num_kv_heads, a.head_dim));
+  KVTIER_RETURN_IF_ERROR(CheckRange(op, "num_items", a.num_items, 0, INT32_MAX));
+  if (a.num_items == 0) return absl::OkStatus();
+  KVTIER_RETURN_IF_ERROR(CheckRange(op, "num_slots", a.num_slots, 1, INT32_MAX));
+  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "staging", a.staging));
+  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "items", a.items));
+  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "k_cache", a.k_cache));
+  return CheckPtr(op, "v_cache", a.v_cache);
+}
+
 absl::Status ValidateArgs(const ReplaceArgs& a) {
   constexpr const char* op = "Replace";
   KVTIER_RETURN_IF_ERROR(CheckRange(op, "batch", a.batch, 1, kMaxBatch));

@@ -110,6 +110,43 @@ struct RecallArgs {
   int32_t num_slots = 0;             // B·S, for range checks
 };
 
+// Recall split in two halves, for a streaming recall that overlaps the host→device copy
+// of chunk n+1 with the transform of chunk n (double-buffered staging, ordered by
+// events): GatherSlabs then ScatterSlabs over the same items equals Recall, bit for bit,
+// and so does running both over consecutive chunks of the items. Staging holds one K+V
+// slab per item, [num_items][2][p][d] elements: slab j is HostPageLayout{1, p, d} page j.
+//
+// GatherSlabs: staging slab j = the contiguous K+V slab of items[j].kv_head in host page
+// items[j].host_page (HostPageLayout offset of (kv_head, 0, 0, 0)), bit-exact. A skip
+// item leaves its slab untouched; dst_slot is not read.
+struct GatherSlabsArgs {
+  DType dtype = DType::kF16;
+  int32_t page_size = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+  const void* host_pages = nullptr;  // HND pages (the host arena's page area)
+  int64_t num_host_pages = 0;        // for range checks
+  const RecallItem* items = nullptr;
+  int32_t num_items = 0;
+  void* staging = nullptr;           // [num_items][2][p][d] out
+};
+
+// ScatterSlabs: staging slab j (HND [2][p][d]) → NHD global slot items[j].dst_slot, head
+// items[j].kv_head of the working set, bit-exact. A skip item does nothing; host_page is
+// read only to recognise skips.
+struct ScatterSlabsArgs {
+  DType dtype = DType::kF16;
+  int32_t page_size = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+  const void* staging = nullptr;     // [num_items][2][p][d], as GatherSlabs wrote it
+  const RecallItem* items = nullptr;
+  int32_t num_items = 0;
+  void* k_cache = nullptr;           // [num_slots][p][Hkv][d]
+  void* v_cache = nullptr;
+  int32_t num_slots = 0;             // B·S, for range checks
+};
+
 // Page-cache replacement in the selected region [region_begin, region_begin + k) of each
 // (sequence, KV head)'s slots (ArkVale, FreeKV), for heads whose mask is nonzero (all when
 // head_mask is null). Pages of the new selection that are already resident keep their
@@ -208,6 +245,8 @@ absl::Status ValidateArgs(const ScorePagesArgs& a);
 absl::Status ValidateArgs(const TopKArgs& a);
 absl::Status ValidateArgs(const QueryCosineArgs& a);
 absl::Status ValidateArgs(const RecallArgs& a);
+absl::Status ValidateArgs(const GatherSlabsArgs& a);
+absl::Status ValidateArgs(const ScatterSlabsArgs& a);
 absl::Status ValidateArgs(const ReplaceArgs& a);
 absl::Status ValidateArgs(const OffloadArgs& a);
 absl::Status ValidateArgs(const SparseAttentionArgs& a);

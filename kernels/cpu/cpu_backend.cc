@@ -78,6 +78,12 @@ class CpuBackend final : public Backend {
   absl::Status DoRecall(Stream& s, const RecallArgs& a) override {
     return Submit(s, [this, a] { return CpuRecall(a, &pool_); });
   }
+  absl::Status DoGatherSlabs(Stream& s, const GatherSlabsArgs& a) override {
+    return Submit(s, [this, a] { return CpuGatherSlabs(a, &pool_); });
+  }
+  absl::Status DoScatterSlabs(Stream& s, const ScatterSlabsArgs& a) override {
+    return Submit(s, [this, a] { return CpuScatterSlabs(a, &pool_); });
+  }
   absl::Status DoReplace(Stream& s, const ReplaceArgs& a) override {
     return Submit(s, [this, a] { return CpuReplace(a, &pool_); });
   }

@@ -17,6 +17,8 @@ absl::Status CpuScorePages(const ScorePagesArgs& a, ThreadPool* pool);
 absl::Status CpuTopK(const TopKArgs& a, ThreadPool* pool);
 absl::Status CpuQueryCosine(const QueryCosineArgs& a, ThreadPool* pool);
 absl::Status CpuRecall(const RecallArgs& a, ThreadPool* pool);
+absl::Status CpuGatherSlabs(const GatherSlabsArgs& a, ThreadPool* pool);
+absl::Status CpuScatterSlabs(const ScatterSlabsArgs& a, ThreadPool* pool);
 absl::Status CpuReplace(const ReplaceArgs& a, ThreadPool* pool);
 absl::Status CpuOffload(const OffloadArgs& a, ThreadPool* pool);
 absl::Status CpuSparseAttention(const SparseAttentionArgs& a, ThreadPool* pool);

@@ -1,5 +1,6 @@
 // Launchers of the CUDA copy kernels: recall (HND host pages → NHD working set) in
-// recall.cu and offload (NHD → HND plus key summaries) in offload.cu.
+// recall.cu, its two halves gather/scatter slabs (through a staging buffer) in slabs.cu,
+// and offload (NHD → HND plus key summaries) in offload.cu.
 //
 // Framework-free (STYLE.md 4): the op arguments of kernels/ops.h, whose pointers must
 // already be device-accessible (device memory, or the device view of registered host
@@ -18,6 +19,12 @@ namespace kvtier::cuda {
 
 // REQUIRES: ValidateArgs(a) is OK and a.num_items > 0.
 cudaError_t LaunchRecall(const RecallArgs& a, const DeviceErrorSink& sink, cudaStream_t stream);
+
+// The two halves of recall (slabs.cu). REQUIRES: ValidateArgs(a) is OK and a.num_items > 0.
+cudaError_t LaunchGatherSlabs(const GatherSlabsArgs& a, const DeviceErrorSink& sink,
+                              cudaStream_t stream);
+cudaError_t LaunchScatterSlabs(const ScatterSlabsArgs& a, const DeviceErrorSink& sink,
+                               cudaStream_t stream);
 
 // REQUIRES: ValidateArgs(a) is OK and a.num_items > 0. Items must name distinct host and
 // summary pages (as on the CPU, overlapping writes race).

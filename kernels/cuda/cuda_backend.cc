@@ -1,6 +1,6 @@
 // The CUDA backend (DESIGN.md §5): device memory, non-blocking streams and events, host
 // registration for DMA and zero-copy kernels, copies, and the copy kernels (recall.cu,
-// offload.cu). The arithmetic ops answer UNIMPLEMENTED until their kernels land.
+// slabs.cu, offload.cu). The arithmetic ops answer UNIMPLEMENTED until their kernels land.
 //
 // Every method first makes this backend's device current (restoring the caller's device
 // afterwards), so one process may drive several GPUs through several backends.
@@ -105,6 +105,8 @@ class CudaBackend final : public Backend {
   }
 
   absl::Status DoRecall(Stream& s, const RecallArgs& a) override;
+  absl::Status DoGatherSlabs(Stream& s, const GatherSlabsArgs& a) override;
+  absl::Status DoScatterSlabs(Stream& s, const ScatterSlabsArgs& a) override;
   absl::Status DoOffload(Stream& s, const OffloadArgs& a) override;
 
   absl::Status DoScorePages(Stream&, const ScorePagesArgs&) override {
@@ -198,6 +200,31 @@ absl::Status CudaBackend::DoRecall(Stream& s, const RecallArgs& a) {
   d.v_cache = DeviceView(a.v_cache);
   return CudaStatus(cuda::LaunchRecall(d, stream->NextOp(), stream->handle()),
                     "Recall kernel launch");
+}
+
+absl::Status CudaBackend::DoGatherSlabs(Stream& s, const GatherSlabsArgs& a) {
+  KVTIER_ASSIGN_OR_RETURN(cuda::CudaStream * stream, cuda::AsCudaStream(s, this, "GatherSlabs"));
+  if (a.num_items == 0) return absl::OkStatus();
+  KVTIER_CUDA_SCOPED_DEVICE(device_);
+  GatherSlabsArgs d = a;
+  d.host_pages = DeviceView(a.host_pages);
+  d.items = DeviceView(a.items);
+  d.staging = DeviceView(a.staging);
+  return CudaStatus(cuda::LaunchGatherSlabs(d, stream->NextOp(), stream->handle()),
+                    "GatherSlabs kernel launch");
+}
+
+absl::Status CudaBackend::DoScatterSlabs(Stream& s, const ScatterSlabsArgs& a) {
+  KVTIER_ASSIGN_OR_RETURN(cuda::CudaStream * stream, cuda::AsCudaStream(s, this, "ScatterSlabs"));
+  if (a.num_items == 0) return absl::OkStatus();
+  KVTIER_CUDA_SCOPED_DEVICE(device_);
+  ScatterSlabsArgs d = a;
+  d.staging = DeviceView(a.staging);
+  d.items = DeviceView(a.items);
+  d.k_cache = DeviceView(a.k_cache);
+  d.v_cache = DeviceView(a.v_cache);
+  return CudaStatus(cuda::LaunchScatterSlabs(d, stream->NextOp(), stream->handle()),
+                    "ScatterSlabs kernel launch");
 }
 
 absl::Status CudaBackend::DoOffload(Stream& s, const OffloadArgs& a) {

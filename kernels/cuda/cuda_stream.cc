@@ -21,6 +21,10 @@ absl::string_view OpName(KernelOp op) {
       return "Recall";
     case KernelOp::kOffload:
       return "Offload";
+    case KernelOp::kGatherSlabs:
+      return "GatherSlabs";
+    case KernelOp::kScatterSlabs:
+      return "ScatterSlabs";
   }
   return "kernel";
 }

@@ -17,7 +17,7 @@
 namespace kvtier::cuda {
 
 // Which op failed.
-enum class KernelOp : int32_t { kRecall = 1, kOffload = 2 };
+enum class KernelOp : int32_t { kRecall = 1, kOffload = 2, kGatherSlabs = 3, kScatterSlabs = 4 };
 
 // Which field of the failing item was out of range.
 enum class ItemField : int32_t {

@@ -94,6 +94,10 @@ class RecordingBackend : public Backend {
   absl::Status DoTopK(Stream&, const TopKArgs&) override { return Unimplemented(); }
   absl::Status DoQueryCosine(Stream&, const QueryCosineArgs&) override { return Unimplemented(); }
   absl::Status DoRecall(Stream&, const RecallArgs&) override { return Unimplemented(); }
+  absl::Status DoGatherSlabs(Stream&, const GatherSlabsArgs&) override { return Unimplemented(); }
+  absl::Status DoScatterSlabs(Stream&, const ScatterSlabsArgs&) override {
+    return Unimplemented();
+  }
   absl::Status DoReplace(Stream&, const ReplaceArgs&) override { return Unimplemented(); }
   absl::Status DoOffload(Stream&, const OffloadArgs&) override { return Unimplemented(); }
   absl::Status DoSparseAttention(Stream&, const SparseAttentionArgs&) override {

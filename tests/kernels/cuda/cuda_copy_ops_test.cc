@@ -1,8 +1,10 @@
-// The CUDA copy kernels (Recall, Offload) against the CPU reference (kernels/cpu/cpu_ops.h):
-// bit-exact over dtype × page size × head dim × KV heads, reading (Recall) or writing
-// (Offload) host pages in device memory or in registered host memory (zero-copy); and the
-// sticky, sequence-exact reporting of items out of range. Skips itself without a device.
+// The CUDA copy kernels (Recall, GatherSlabs + ScatterSlabs, Offload) against the CPU
+// reference (kernels/cpu/cpu_ops.h): bit-exact over dtype × page size × head dim × KV heads,
+// reading (Recall, GatherSlabs) or writing (Offload) host pages in device memory or in
+// registered host memory (zero-copy); and the sticky, sequence-exact reporting of items out
+// of range. Skips itself without a device.
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -141,6 +143,152 @@ TEST_P(CudaCopyOpsTest, RecallMatchesCpuBitForBit) {
   const size_t elem = DTypeSize(c.dtype);
   EXPECT_EQ(FirstDifference(got_k.data(), want_k.data(), k.bytes(), elem), -1) << "K";
   EXPECT_EQ(FirstDifference(got_v.data(), want_v.data(), v.bytes(), elem), -1) << "V";
+}
+
+// GatherSlabs into device staging, then ScatterSlabs into the working set: the staging
+// matches CpuGatherSlabs (skipped slabs untouched) and the result matches CpuRecall, whole
+// and streamed in chunks through two staging buffers on two streams ordered by events.
+TEST_P(CudaCopyOpsTest, GatherScatterSlabsMatchCpuBitForBit) {
+  const CopyCase c = GetParam();
+  const HostPageLayout hl{c.kv_heads, c.page_size, c.head_dim};
+  const WorkingSetLayout wl{1, c.page_size, c.kv_heads, c.head_dim};
+  constexpr int32_t kHostPages = 5;
+  constexpr int32_t kSlots = 6;  // B·S global slots
+  TypedBuffer pages(c.dtype, kHostPages * hl.page_elements());
+  TypedBuffer k(c.dtype, kSlots * wl.slot_elements());
+  TypedBuffer v(c.dtype, kSlots * wl.slot_elements());
+  pages.FillNormal(11);
+  k.FillNormal(12);
+  v.FillNormal(13);
+  // Distinct (slot, head) targets, every fourth a skip item with wild fields.
+  std::vector<RecallItem> items;
+  for (int32_t s = 0; s < kSlots; ++s) {
+    for (int32_t h = 0; h < c.kv_heads; ++h) {
+      if ((s + h) % 4 == 1) {
+        items.push_back({kSkipItem, 1000, -7});
+      } else if ((s + h) % 3 != 0) {
+        items.push_back({(3 * s + 5 * h + 1) % kHostPages, h, s});
+      }
+    }
+  }
+  const int32_t n = static_cast<int32_t>(items.size());
+  const int64_t slab = hl.slab_elements();
+  TypedBuffer staging(c.dtype, n * slab);
+  staging.FillNormal(14);
+
+  GatherSlabsArgs g;
+  g.dtype = c.dtype;
+  g.page_size = c.page_size;
+  g.num_kv_heads = c.kv_heads;
+  g.head_dim = c.head_dim;
+  g.num_host_pages = kHostPages;
+  ScatterSlabsArgs sc;
+  sc.dtype = c.dtype;
+  sc.page_size = c.page_size;
+  sc.num_kv_heads = c.kv_heads;
+  sc.head_dim = c.head_dim;
+  sc.num_slots = kSlots;
+
+  TypedBuffer want_staging = staging, want_k = k, want_v = v;
+  GatherSlabsArgs cpu_g = g;
+  cpu_g.host_pages = pages.data();
+  cpu_g.items = items.data();
+  cpu_g.num_items = n;
+  cpu_g.staging = want_staging.data();
+  KVTIER_ASSERT_OK(CpuGatherSlabs(cpu_g, nullptr));
+  RecallArgs cpu_r;
+  cpu_r.dtype = c.dtype;
+  cpu_r.page_size = c.page_size;
+  cpu_r.num_kv_heads = c.kv_heads;
+  cpu_r.head_dim = c.head_dim;
+  cpu_r.host_pages = pages.data();
+  cpu_r.num_host_pages = kHostPages;
+  cpu_r.items = items.data();
+  cpu_r.num_items = n;
+  cpu_r.k_cache = want_k.data();
+  cpu_r.v_cache = want_v.data();
+  cpu_r.num_slots = kSlots;
+  KVTIER_ASSERT_OK(CpuRecall(cpu_r, nullptr));
+
+  AlignedHostBuffer host_pages = ToAligned(pages);
+  Placed placed = Place(host_pages);
+  auto items_d = Upload(items.data(), items.size() * sizeof(RecallItem));
+  ASSERT_TRUE(items_d.ok() && placed.data != nullptr);
+  g.host_pages = placed.data;
+  const size_t elem = DTypeSize(c.dtype);
+
+  // Whole: one gather, one scatter, on one stream.
+  {
+    auto staging_d = Upload(staging.data(), staging.bytes());
+    auto k_d = Upload(k.data(), k.bytes());
+    auto v_d = Upload(v.data(), v.bytes());
+    ASSERT_TRUE(staging_d.ok() && k_d.ok() && v_d.ok());
+    GatherSlabsArgs gpu_g = g;
+    gpu_g.items = items_d->as<RecallItem>();
+    gpu_g.num_items = n;
+    gpu_g.staging = staging_d->data();
+    ScatterSlabsArgs gpu_s = sc;
+    gpu_s.staging = staging_d->data();
+    gpu_s.items = items_d->as<RecallItem>();
+    gpu_s.num_items = n;
+    gpu_s.k_cache = k_d->data();
+    gpu_s.v_cache = v_d->data();
+    KVTIER_ASSERT_OK(backend_->GatherSlabs(*stream_, gpu_g));
+    KVTIER_ASSERT_OK(backend_->ScatterSlabs(*stream_, gpu_s));
+    TypedBuffer got_staging(c.dtype, staging.size()), got_k(c.dtype, k.size()),
+        got_v(c.dtype, v.size());
+    KVTIER_ASSERT_OK(Download(got_staging.data(), staging_d->data(), staging.bytes()));
+    KVTIER_ASSERT_OK(Download(got_k.data(), k_d->data(), k.bytes()));
+    KVTIER_ASSERT_OK(Download(got_v.data(), v_d->data(), v.bytes()));
+    EXPECT_EQ(FirstDifference(got_staging.data(), want_staging.data(), staging.bytes(), elem), -1)
+        << "staging";
+    EXPECT_EQ(FirstDifference(got_k.data(), want_k.data(), k.bytes(), elem), -1) << "K";
+    EXPECT_EQ(FirstDifference(got_v.data(), want_v.data(), v.bytes(), elem), -1) << "V";
+  }
+
+  // Streamed: chunk j gathered on stream_ into buffer j % 2 while chunk j - 1 is scattered
+  // from the other on `compute`.
+  constexpr int32_t kChunk = 3;
+  auto compute = backend_->CreateStream();
+  auto buf0 = backend_->Allocate(kChunk * slab * elem);
+  auto buf1 = backend_->Allocate(kChunk * slab * elem);
+  auto k_d = Upload(k.data(), k.bytes());
+  auto v_d = Upload(v.data(), v.bytes());
+  ASSERT_TRUE(compute.ok() && buf0.ok() && buf1.ok() && k_d.ok() && v_d.ok());
+  DeviceBuffer* bufs[2] = {&*buf0, &*buf1};
+  std::unique_ptr<Event> gathered[2], scattered[2];
+  for (int b = 0; b < 2; ++b) {
+    auto e1 = backend_->CreateEvent();
+    auto e2 = backend_->CreateEvent();
+    ASSERT_TRUE(e1.ok() && e2.ok());
+    gathered[b] = *std::move(e1);
+    scattered[b] = *std::move(e2);
+  }
+  for (int32_t j = 0; j * kChunk < n; ++j) {
+    const int b = j % 2;
+    GatherSlabsArgs gpu_g = g;
+    gpu_g.items = items_d->as<RecallItem>() + j * kChunk;
+    gpu_g.num_items = std::min(kChunk, n - j * kChunk);
+    gpu_g.staging = bufs[b]->data();
+    ScatterSlabsArgs gpu_s = sc;
+    gpu_s.staging = bufs[b]->data();
+    gpu_s.items = gpu_g.items;
+    gpu_s.num_items = gpu_g.num_items;
+    gpu_s.k_cache = k_d->data();
+    gpu_s.v_cache = v_d->data();
+    if (j >= 2) KVTIER_ASSERT_OK(stream_->Wait(*scattered[b]));
+    KVTIER_ASSERT_OK(backend_->GatherSlabs(*stream_, gpu_g));
+    KVTIER_ASSERT_OK(stream_->Record(*gathered[b]));
+    KVTIER_ASSERT_OK((*compute)->Wait(*gathered[b]));
+    KVTIER_ASSERT_OK(backend_->ScatterSlabs(**compute, gpu_s));
+    KVTIER_ASSERT_OK((*compute)->Record(*scattered[b]));
+  }
+  KVTIER_ASSERT_OK((*compute)->Synchronize());
+  TypedBuffer got_k(c.dtype, k.size()), got_v(c.dtype, v.size());
+  KVTIER_ASSERT_OK(Download(got_k.data(), k_d->data(), k.bytes()));
+  KVTIER_ASSERT_OK(Download(got_v.data(), v_d->data(), v.bytes()));
+  EXPECT_EQ(FirstDifference(got_k.data(), want_k.data(), k.bytes(), elem), -1) << "streamed K";
+  EXPECT_EQ(FirstDifference(got_v.data(), want_v.data(), v.bytes(), elem), -1) << "streamed V";
 }
 
 TEST_P(CudaCopyOpsTest, OffloadMatchesCpuBitForBit) {
@@ -303,6 +451,50 @@ TEST_F(CudaItemRangeTest, OffloadNamesTheBadField) {
   const absl::Status st = stream_->Synchronize();
   EXPECT_EQ(st.code(), absl::StatusCode::kOutOfRange) << st;
   EXPECT_TRUE(absl::StrContains(st.message(), "Offload: items[1].summary_page = 9")) << st;
+}
+
+TEST_F(CudaItemRangeTest, GatherAndScatterSlabsNameTheBadField) {
+  const std::vector<RecallItem> items = {{0, 0, 0}, {1, kHkv, 9}, {kSkipItem, 99, 99}};
+  auto items_d = Upload(items.data(), items.size() * sizeof(RecallItem));
+  auto staging = backend_->Allocate(items.size() * 2 * kP * kD * 2);
+  ASSERT_TRUE(items_d.ok() && staging.ok());
+  GatherSlabsArgs g;
+  g.dtype = DType::kF16;
+  g.page_size = kP;
+  g.num_kv_heads = kHkv;
+  g.head_dim = kD;
+  g.host_pages = pages_.data();
+  g.num_host_pages = kPages;
+  g.items = items_d->as<RecallItem>();
+  g.num_items = 3;
+  g.staging = staging->data();
+  KVTIER_ASSERT_OK(backend_->GatherSlabs(*stream_, g));
+  absl::Status st = stream_->Synchronize();
+  EXPECT_EQ(st.code(), absl::StatusCode::kOutOfRange) << st;
+  EXPECT_TRUE(absl::StrContains(st.message(), "GatherSlabs: items[1].kv_head = 2")) << st;
+
+  ScatterSlabsArgs sc;
+  sc.dtype = DType::kF16;
+  sc.page_size = kP;
+  sc.num_kv_heads = kHkv;
+  sc.head_dim = kD;
+  sc.staging = staging->data();
+  sc.items = items_d->as<RecallItem>();
+  sc.num_items = 3;
+  sc.k_cache = k_.data();
+  sc.v_cache = v_.data();
+  sc.num_slots = kSlots;
+  auto fresh = backend_->CreateStream();
+  ASSERT_TRUE(fresh.ok());
+  KVTIER_ASSERT_OK(backend_->ScatterSlabs(**fresh, sc));
+  st = (*fresh)->Synchronize();
+  EXPECT_EQ(st.code(), absl::StatusCode::kOutOfRange) << st;
+  EXPECT_TRUE(absl::StrContains(st.message(), "ScatterSlabs: items[1].kv_head = 2")) << st;
+  sc.num_items = 1;  // the good item alone
+  auto clean = backend_->CreateStream();
+  ASSERT_TRUE(clean.ok());
+  KVTIER_ASSERT_OK(backend_->ScatterSlabs(**clean, sc));
+  KVTIER_ASSERT_OK((*clean)->Synchronize());
 }
 
 TEST_F(CudaItemRangeTest, NewStreamsStartCleanAfterAFailedOne) {

@@ -1,0 +1,95 @@
+// Recall in two halves on the CPU, bit-exact: GatherSlabs copies whole K+V head-page slabs
+// from HND host pages into a staging buffer; ScatterSlabs writes staged slabs into NHD
+// working-set rows. Together they do what recall.cc does in one pass.
+#include <cstring>
+
+#include "absl/strings/str_format.h"
+#include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/thread_pool.h"
+#include "kvtier/layout.h"
+#include "kvtier/status.h"
+
+namespace kvtier {
+namespace {
+
+// OUT_OF_RANGE naming `op: items[i].field` when `value` is not in [0, limit).
+absl::Status CheckItemField(const char* op, int32_t i, const char* field, int64_t value,
+                            int64_t limit) {
+  if (value >= 0 && value < limit) return absl::OkStatus();
+  return absl::OutOfRangeError(
+      absl::StrFormat("%s: items[%d].%s = %d must be in [0, %d)", op, i, field, value, limit));
+}
+
+absl::Status CheckItems(const GatherSlabsArgs& a) {
+  for (int32_t i = 0; i < a.num_items; ++i) {
+    const RecallItem& it = a.items[i];
+    if (it.host_page == kSkipItem) continue;
+    KVTIER_RETURN_IF_ERROR(
+        CheckItemField("GatherSlabs", i, "host_page", it.host_page, a.num_host_pages));
+    KVTIER_RETURN_IF_ERROR(CheckItemField("GatherSlabs", i, "kv_head", it.kv_head, a.num_kv_heads));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckItems(const ScatterSlabsArgs& a) {
+  for (int32_t i = 0; i < a.num_items; ++i) {
+    const RecallItem& it = a.items[i];
+    if (it.host_page == kSkipItem) continue;
+    KVTIER_RETURN_IF_ERROR(
+        CheckItemField("ScatterSlabs", i, "kv_head", it.kv_head, a.num_kv_heads));
+    KVTIER_RETURN_IF_ERROR(CheckItemField("ScatterSlabs", i, "dst_slot", it.dst_slot, a.num_slots));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CpuGatherSlabs(const GatherSlabsArgs& a, ThreadPool* pool) {
+  if (a.num_items == 0) return absl::OkStatus();
+  KVTIER_RETURN_IF_ERROR(CheckItems(a));
+  const size_t elem = DTypeSize(a.dtype);
+  const HostPageLayout hl{a.num_kv_heads, a.page_size, a.head_dim};
+  const size_t slab_bytes = static_cast<size_t>(hl.slab_elements()) * elem;
+  const auto* host = static_cast<const unsigned char*>(a.host_pages);
+  auto* staging = static_cast<unsigned char*>(a.staging);
+  ParallelFor(pool, a.num_items, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const RecallItem& it = a.items[i];
+      if (it.host_page == kSkipItem) continue;
+      const int64_t src = it.host_page * hl.page_elements() + hl.SlabOffset(it.kv_head);
+      std::memcpy(staging + static_cast<size_t>(i) * slab_bytes,
+                  host + static_cast<size_t>(src) * elem, slab_bytes);
+    }
+  });
+  return absl::OkStatus();
+}
+
+absl::Status CpuScatterSlabs(const ScatterSlabsArgs& a, ThreadPool* pool) {
+  if (a.num_items == 0) return absl::OkStatus();
+  KVTIER_RETURN_IF_ERROR(CheckItems(a));
+  const size_t elem = DTypeSize(a.dtype);
+  const size_t row_bytes = static_cast<size_t>(a.head_dim) * elem;
+  const HostPageLayout sl{1, a.page_size, a.head_dim};  // one staged slab
+  const WorkingSetLayout wl{a.num_slots, a.page_size, a.num_kv_heads, a.head_dim};
+  const auto* staging = static_cast<const unsigned char*>(a.staging);
+  unsigned char* const dst_base[2] = {static_cast<unsigned char*>(a.k_cache),
+                                      static_cast<unsigned char*>(a.v_cache)};
+  ParallelFor(pool, a.num_items, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const RecallItem& it = a.items[i];
+      if (it.host_page == kSkipItem) continue;
+      const unsigned char* slab = staging + static_cast<size_t>(i * sl.page_elements()) * elem;
+      for (int32_t kind = 0; kind < 2; ++kind) {
+        for (int32_t t = 0; t < a.page_size; ++t) {
+          const int64_t dst = wl.Offset(it.dst_slot, t, it.kv_head, 0);
+          const int64_t src = sl.Offset(0, kind, t, 0);
+          std::memcpy(dst_base[kind] + static_cast<size_t>(dst) * elem,
+                      slab + static_cast<size_t>(src) * elem, row_bytes);
+        }
+      }
+    }
+  });
+  return absl::OkStatus();
+}
+
+}  // namespace kvtier

@@ -1,0 +1,132 @@
+// Recall in two halves on the GPU, one thread block per RecallItem as in recall.cu:
+// GatherSlabs copies the contiguous K+V slab of item.kv_head from its HND host page
+// (registered host memory read zero-copy, or device memory) into staging slab j;
+// ScatterSlabs copies staging slab j into p rows of the NHD working set (row stride
+// Hkv·d). Bit-exact: raw words are copied, never converted, so one kernel serves every
+// dtype.
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/copy_kernels.h"
+#include "kernels/cuda/kernel_util.cuh"
+#include "kvtier/layout.h"
+
+namespace kvtier::cuda {
+namespace {
+
+constexpr int kSlabThreads = 256;
+
+struct GatherParams {
+  const char* host_pages;
+  int64_t num_host_pages;
+  const RecallItem* items;
+  char* staging;
+  int32_t elem_bytes;
+  int32_t units_per_slab;  // slab_bytes / sizeof(U)
+  HostPageLayout host;
+  DeviceErrorSink sink;
+};
+
+struct ScatterParams {
+  const char* staging;
+  const RecallItem* items;
+  char* cache[2];  // K, V
+  int32_t num_slots;
+  int32_t elem_bytes;
+  int32_t units_per_row;  // row_bytes / sizeof(U)
+  HostPageLayout slab;    // one staged slab: a host page of one KV head
+  WorkingSetLayout working_set;
+  DeviceErrorSink sink;
+};
+
+// Slab `index` is one straight copy: no index arithmetic per unit beyond the base.
+template <typename U>
+__global__ void __launch_bounds__(kSlabThreads) GatherSlabsKernel(const GatherParams p) {
+  const int64_t index = blockIdx.x;
+  const RecallItem it = p.items[index];
+  if (it.host_page == kSkipItem) return;
+  constexpr KernelOp op = KernelOp::kGatherSlabs;
+  if (!CheckField(p.sink, op, index, ItemField::kHostPage, it.host_page, p.num_host_pages) ||
+      !CheckField(p.sink, op, index, ItemField::kKvHead, it.kv_head, p.host.num_kv_heads)) {
+    return;
+  }
+  const int64_t src = it.host_page * p.host.page_elements() + p.host.SlabOffset(it.kv_head);
+  const U* from = reinterpret_cast<const U*>(p.host_pages + src * p.elem_bytes);
+  U* to = reinterpret_cast<U*>(p.staging + index * p.host.slab_elements() * p.elem_bytes);
+  for (int32_t u = threadIdx.x; u < p.units_per_slab; u += blockDim.x) to[u] = from[u];
+}
+
+// Unit u of the slab is row u / units_per_row of [K|V][token], word u % units_per_row;
+// the staged slab is contiguous, so it is also unit u of the source.
+template <typename U>
+__global__ void __launch_bounds__(kSlabThreads) ScatterSlabsKernel(const ScatterParams p) {
+  const int64_t index = blockIdx.x;
+  const RecallItem it = p.items[index];
+  if (it.host_page == kSkipItem) return;
+  constexpr KernelOp op = KernelOp::kScatterSlabs;
+  if (!CheckField(p.sink, op, index, ItemField::kKvHead, it.kv_head, p.working_set.num_kv_heads) ||
+      !CheckField(p.sink, op, index, ItemField::kDstSlot, it.dst_slot, p.num_slots)) {
+    return;
+  }
+  const int32_t page_size = p.slab.page_size;
+  const U* from =
+      reinterpret_cast<const U*>(p.staging + index * p.slab.page_elements() * p.elem_bytes);
+  const int32_t units = 2 * page_size * p.units_per_row;
+  for (int32_t u = threadIdx.x; u < units; u += blockDim.x) {
+    const int32_t row = u / p.units_per_row;
+    const int32_t word = u - row * p.units_per_row;
+    const int32_t kind = row < page_size ? kKey : kValue;
+    const int32_t token = row - kind * page_size;
+    U* dst = reinterpret_cast<U*>(
+        p.cache[kind] + p.working_set.Offset(it.dst_slot, token, it.kv_head, 0) * p.elem_bytes);
+    dst[word] = from[u];
+  }
+}
+
+}  // namespace
+
+cudaError_t LaunchGatherSlabs(const GatherSlabsArgs& a, const DeviceErrorSink& sink,
+                              cudaStream_t stream) {
+  const int32_t elem_bytes = static_cast<int32_t>(DTypeSize(a.dtype));
+  GatherParams p{};
+  p.host_pages = static_cast<const char*>(a.host_pages);
+  p.num_host_pages = a.num_host_pages;
+  p.items = a.items;
+  p.staging = static_cast<char*>(a.staging);
+  p.elem_bytes = elem_bytes;
+  p.host = HostPageLayout{a.num_kv_heads, a.page_size, a.head_dim};
+  p.sink = sink;
+  // Every slab starts at a multiple of the slab size in both buffers.
+  const size_t slab_bytes = static_cast<size_t>(p.host.slab_elements()) * elem_bytes;
+  const int unit = CopyUnitBytes(slab_bytes, {a.host_pages, a.staging});
+  return DispatchCopyUnit(unit, [&](auto unit_tag) {
+    using U = typename decltype(unit_tag)::type;
+    p.units_per_slab = static_cast<int32_t>(slab_bytes / sizeof(U));
+    GatherSlabsKernel<U><<<a.num_items, kSlabThreads, 0, stream>>>(p);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t LaunchScatterSlabs(const ScatterSlabsArgs& a, const DeviceErrorSink& sink,
+                               cudaStream_t stream) {
+  const int32_t elem_bytes = static_cast<int32_t>(DTypeSize(a.dtype));
+  const size_t row_bytes = static_cast<size_t>(a.head_dim) * elem_bytes;
+  ScatterParams p{};
+  p.staging = static_cast<const char*>(a.staging);
+  p.items = a.items;
+  p.cache[kKey] = static_cast<char*>(a.k_cache);
+  p.cache[kValue] = static_cast<char*>(a.v_cache);
+  p.num_slots = a.num_slots;
+  p.elem_bytes = elem_bytes;
+  p.slab = HostPageLayout{1, a.page_size, a.head_dim};
+  p.working_set = WorkingSetLayout{a.num_slots, a.page_size, a.num_kv_heads, a.head_dim};
+  p.sink = sink;
+  const int unit = CopyUnitBytes(row_bytes, {a.staging, a.k_cache, a.v_cache});
+  return DispatchCopyUnit(unit, [&](auto unit_tag) {
+    using U = typename decltype(unit_tag)::type;
+    p.units_per_row = static_cast<int32_t>(row_bytes / sizeof(U));
+    ScatterSlabsKernel<U><<<a.num_items, kSlabThreads, 0, stream>>>(p);
+    return cudaGetLastError();
+  });
+}
+
+}  // namespace kvtier::cuda
