@@ -1,0 +1,899 @@
+// Retriever implementation. Invariants (per layer):
+//   - Slots: sink pages L < s live in slot L; in speculative and sync mode slots [s, s+k)
+//     are the selected region (written only by Replace on the device) and page L ≥ s of the
+//     recent window lives in ring slot s + k + (L − s) mod r; drop mode rings pages L ≥ s over
+//     [s, S); full mode keeps page L in slot L.
+//   - The host owns the slot-table entries outside the selected region; it mirrors them and
+//     uploads them when they change. The device owns the selected region.
+//   - A page is offloaded (host page, summary, host_page_of entry) before any selection can
+//     name it: all three are enqueued on the compute stream before the counts that make the
+//     page a candidate, and background selection starts after an event recorded later.
+//   - Background selection reads its own snapshot of the page count, so appends for the next
+//     step (compute stream) never race with it.
+//   - Host memory that an enqueued copy reads or writes stays alive until an event recorded
+//     after that copy has fired (Parked).
+#include "kvtier/retriever.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <deque>
+
+#include "absl/strings/str_format.h"
+#include "kvtier/layout.h"
+#include "kvtier/status.h"
+#include "offload/page_offloader.h"
+#include "offload/page_pool.h"
+#include "offload/page_table.h"
+
+namespace kvtier {
+
+std::string_view RetrievalModeName(RetrievalMode mode) {
+  switch (mode) {
+    case RetrievalMode::kSpeculative:
+      return "speculative";
+    case RetrievalMode::kSync:
+      return "sync";
+    case RetrievalMode::kFull:
+      return "full";
+    case RetrievalMode::kDrop:
+      return "drop";
+  }
+  return "unknown";
+}
+
+bool ParseRetrievalMode(std::string_view name, RetrievalMode* out) {
+  for (RetrievalMode m : {RetrievalMode::kSpeculative, RetrievalMode::kSync, RetrievalMode::kFull,
+                          RetrievalMode::kDrop}) {
+    if (name == RetrievalModeName(m)) {
+      *out = m;
+      return true;
+    }
+  }
+  return false;
+}
+
+absl::Status RetrieverOptions::SetBudgetTokens(int32_t budget_tokens, int32_t page_size) {
+  if (page_size <= 0 || budget_tokens <= 0 || budget_tokens % (4 * page_size) != 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "budget = %d tokens: must be a positive multiple of 4 pages (%d tokens at p = %d)",
+        budget_tokens, 4 * page_size, page_size));
+  }
+  const int32_t pages = budget_tokens / page_size;
+  sink_pages = pages / 4;
+  recent_pages = pages / 4;
+  selected_pages = pages - sink_pages - recent_pages;
+  return absl::OkStatus();
+}
+
+namespace {
+
+constexpr int32_t kMaxSlots = 1 << 20;
+
+// Host buffers read or written by enqueued copies, kept until the event after them fires.
+struct Parked {
+  std::vector<std::unique_ptr<uint8_t[]>> buffers;
+  std::unique_ptr<Event> done;
+};
+
+// A device → host copy of one step's selection results, accumulated into the stats once its
+// event has fired.
+struct StatRecord {
+  int32_t layer = 0;
+  int64_t step = 0;
+  bool background = false;
+  bool checked = false;  // drift flags are meaningful (a correction check ran)
+  std::vector<int32_t> misses;      // [Hkv]
+  std::vector<uint8_t> drifted;     // [Hkv]
+  std::vector<float> group_mean;    // [Hkv]
+  std::unique_ptr<Event> done;
+};
+
+struct LayerState {
+  DeviceBuffer k_ws, v_ws;     // [S][p][Hkv][d]
+  DeviceBuffer table;          // int32 [Hkv][S]
+  DeviceBuffer summaries;      // [P][Hkv][2][d]
+  DeviceBuffer host_page_of;   // int64 [P]
+  DeviceBuffer counts;         // int32 [4]: full pages, partial page, partial len, snapshot
+  DeviceBuffer q_prev, q_cur;  // [Hq][d]
+  DeviceBuffer pooled;         // float [Hkv][P]
+  DeviceBuffer selected;       // int32 [Hkv][k]
+  DeviceBuffer items;          // RecallItem [Hkv][k]
+  DeviceBuffer num_misses;     // int32 [Hkv]
+  DeviceBuffer drifted;        // uint8 [Hkv]
+  DeviceBuffer group_mean;     // float [Hkv]
+  DeviceBuffer staging[2];     // [chunk][2][p][d]
+  std::unique_ptr<Event> attn_done, recall_done, ready, xform_done, staged[2], freed[2];
+  std::unique_ptr<PageTable> host;  // host tier (speculative, sync)
+
+  int32_t tokens = 0;
+  int64_t step = 0;
+  bool in_step = false;
+  bool recall_in_flight = false;
+  absl::Time recall_launched;
+  std::vector<int32_t> table_mirror;  // [Hkv][S]; host-owned entries are authoritative
+  bool table_dirty = true;
+  std::vector<int64_t> host_page_mirror;  // [P]
+  struct Pending {
+    int64_t logical;
+    int64_t slot;
+  };
+  std::vector<Pending> pending;  // full pages not yet offloaded
+  StepStats last;
+};
+
+class RetrieverImpl final : public Retriever {
+ public:
+  RetrieverImpl(const Geometry& g, const RetrieverOptions& o, Backend& backend, PagePool* pool)
+      : g_(g), o_(o), backend_(backend), pool_(pool) {}
+
+  ~RetrieverImpl() override {
+    // Work still queued may touch the buffers below: let it run first.
+    if (compute_ != nullptr) (void)compute_->Synchronize();
+    for (Stream* s : {recall_.get(), xform_fg_.get(), xform_bg_.get()}) {
+      if (s != nullptr) (void)s->Synchronize();
+    }
+    if (offloader_ != nullptr) (void)offloader_->Drain();
+  }
+
+  absl::Status Init();
+
+  absl::Status Append(int32_t layer, const void* k, const void* v, int32_t n_tokens) override;
+  absl::StatusOr<WorkingSetView> BeginStep(int32_t layer, const void* q) override;
+  absl::Status Attend(int32_t layer, const void* q, void* out, float* lse) override;
+  absl::Status EndStep(int32_t layer, const void* q) override;
+  absl::Status Wait() override;
+  absl::Status Close() override;
+  RetrieverStats Stats() override {
+    (void)Collect(/*block=*/false);
+    return stats_;
+  }
+  StepStats LastStep(int32_t layer) override {
+    (void)Collect(/*block=*/false);
+    if (layer < 0 || layer >= g_.num_layers) return {};
+    return layers_[layer].last;
+  }
+  void SetProfiling(bool on) override { profiling_ = on; }
+  Stream& compute_stream() override { return *compute_; }
+  const Geometry& geometry() const override { return g_; }
+  const RetrieverOptions& options() const override { return o_; }
+  int32_t num_tokens(int32_t layer) const override {
+    return layer >= 0 && layer < g_.num_layers ? layers_[layer].tokens : 0;
+  }
+
+ private:
+  bool has_host_tier() const {
+    return o_.mode == RetrievalMode::kSpeculative || o_.mode == RetrievalMode::kSync;
+  }
+  size_t elem() const { return DTypeSize(g_.dtype); }
+  size_t token_bytes() const { return static_cast<size_t>(g_.num_kv_heads) * g_.head_dim * elem(); }
+  size_t q_bytes() const { return static_cast<size_t>(g_.num_q_heads) * g_.head_dim * elem(); }
+  int32_t k() const { return o_.selected_pages; }
+  int32_t SlotOf(int64_t logical) const;
+  Stream* Pipeline(Stream& xform) const {
+    return o_.pipeline == RecallPipeline::kStreamed ? &xform : nullptr;
+  }
+  // Full pages of the recent window: excluded from top-k candidates.
+  int32_t RecentFull(const LayerState& l) const;
+
+  absl::Status CheckCall(int32_t layer, std::string_view what) const;
+  absl::Status Allocate(DeviceBuffer* buf, size_t bytes);
+  absl::StatusOr<std::unique_ptr<Event>> TakeEvent();
+  // Copies `bytes` of host data into a parked buffer and enqueues its upload.
+  absl::Status Upload(Stream& s, void* dst, const void* src, size_t bytes);
+  // Parks the buffers staged since the last park behind an event on `s`.
+  absl::Status Park(Stream& s);
+  void Reap();
+
+  absl::Status FlushOffloads(int32_t layer);
+  absl::Status UploadTable(LayerState& l);
+  absl::Status UploadCounts(LayerState& l);
+  // Score → TopK → Replace → recall of the layer's selected region on `s`.
+  // `xform`: the transform stream of the streamed pipeline; null recalls in one fused op.
+  absl::Status Select(Stream& s, Stream* xform, int32_t layer, const void* q,
+                      const int32_t* num_pages, const uint8_t* mask, int32_t recent_full);
+  absl::Status RecallPlan(Stream& drive, Stream* xform, LayerState& l);
+  absl::Status RecordStats(Stream& s, int32_t layer, int64_t step, bool background,
+                           bool checked);
+  absl::Status Collect(bool block);
+  // While profiling: waits for `s` and adds the time since *mark to *total_us.
+  absl::Status Lap(Stream& s, absl::Time* mark, double* total_us) {
+    if (!profiling_) return absl::OkStatus();
+    absl::Status st = s.Synchronize();
+    const absl::Time now = absl::Now();
+    if (total_us != nullptr) *total_us += absl::ToDoubleMicroseconds(now - *mark);
+    *mark = now;
+    return st;
+  }
+  absl::Status Fail(absl::Status st) {
+    if (failed_.ok()) failed_ = st;
+    return st;
+  }
+
+  const Geometry g_;
+  const RetrieverOptions o_;
+  Backend& backend_;
+  PagePool* const pool_;
+  int32_t S_ = 0;  // slots per layer
+  int32_t P_ = 0;  // max pages per layer
+  float scale_ = 1.0f;
+
+  std::vector<LayerState> layers_;
+  std::unique_ptr<PageOffloader> offloader_;
+  std::vector<std::unique_ptr<uint8_t[]>> staged_;  // not yet parked
+  std::deque<Parked> parked_;
+  std::deque<StatRecord> records_;
+  std::vector<std::unique_ptr<Event>> spare_events_;
+  RetrieverStats stats_;
+  bool closed_ = false;
+  bool profiling_ = false;
+  absl::Status failed_;
+
+  // Streams last: destroyed first, running their queued work while the buffers still exist.
+  std::unique_ptr<Stream> own_compute_;
+  Stream* compute_ = nullptr;
+  std::unique_ptr<Stream> recall_, xform_fg_, xform_bg_;
+  std::unique_ptr<Event> sync_compute_, sync_recall_;
+};
+
+int32_t RetrieverImpl::SlotOf(int64_t logical) const {
+  const int32_t s = o_.sink_pages;
+  switch (o_.mode) {
+    case RetrievalMode::kFull:
+      return static_cast<int32_t>(logical);
+    case RetrievalMode::kDrop:
+      return logical < s ? static_cast<int32_t>(logical)
+                         : s + static_cast<int32_t>((logical - s) % (S_ - s));
+    case RetrievalMode::kSpeculative:
+    case RetrievalMode::kSync:
+      return logical < s ? static_cast<int32_t>(logical)
+                         : s + k() + static_cast<int32_t>((logical - s) % o_.recent_pages);
+  }
+  return -1;
+}
+
+int32_t RetrieverImpl::RecentFull(const LayerState& l) const {
+  const int32_t full = l.tokens / g_.page_size;
+  const int32_t total = (l.tokens + g_.page_size - 1) / g_.page_size;
+  const int32_t recent_lo = std::max(o_.sink_pages, total - o_.recent_pages);
+  return std::max(0, full - recent_lo);
+}
+
+absl::Status RetrieverImpl::Allocate(DeviceBuffer* buf, size_t bytes) {
+  KVTIER_ASSIGN_OR_RETURN(*buf, backend_.Allocate(std::max<size_t>(bytes, 1)));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Event>> RetrieverImpl::TakeEvent() {
+  if (!spare_events_.empty()) {
+    std::unique_ptr<Event> e = std::move(spare_events_.back());
+    spare_events_.pop_back();
+    return e;
+  }
+  return backend_.CreateEvent();
+}
+
+absl::Status RetrieverImpl::Init() {
+  KVTIER_RETURN_IF_ERROR(g_.Validate());
+  const auto bad = [](std::string msg) { return absl::InvalidArgumentError(std::move(msg)); };
+  if (o_.max_tokens <= 0 || o_.max_tokens > (1 << 30)) {
+    return bad(absl::StrFormat("retriever.max_tokens = %d: must be in [1, 2^30]", o_.max_tokens));
+  }
+  P_ = (o_.max_tokens + g_.page_size - 1) / g_.page_size;
+  if (o_.sink_pages < 0 || o_.selected_pages < 0 || o_.recent_pages < 1) {
+    return bad(absl::StrFormat(
+        "retriever pages sink = %d, selected = %d, recent = %d: sink and selected must be >= 0 "
+        "and recent >= 1 (it holds the page being filled)",
+        o_.sink_pages, o_.selected_pages, o_.recent_pages));
+  }
+  if (o_.mode == RetrievalMode::kFull) {
+    S_ = P_;
+  } else {
+    const int64_t s = int64_t{o_.sink_pages} + o_.selected_pages + o_.recent_pages;
+    if (s > kMaxSlots) {
+      return bad(absl::StrFormat("retriever budget = %d pages: must be at most %d", s, kMaxSlots));
+    }
+    S_ = static_cast<int32_t>(s);
+  }
+  if (!(o_.correction_threshold == o_.correction_threshold)) {
+    return bad("retriever.correction_threshold is NaN");
+  }
+  if (o_.stream_chunk_items < 1 || o_.stream_chunk_items > 65536) {
+    return bad(absl::StrFormat("retriever.stream_chunk_items = %d: must be in [1, 65536]",
+                               o_.stream_chunk_items));
+  }
+  if (o_.deadline <= absl::ZeroDuration()) return bad("retriever.deadline must be positive");
+  if (!(o_.softmax_scale >= 0.0f)) return bad("retriever.softmax_scale must be >= 0");
+  scale_ = o_.softmax_scale > 0 ? o_.softmax_scale : 1.0f / std::sqrt(float(g_.head_dim));
+  if (has_host_tier()) {
+    if (pool_ == nullptr) {
+      return bad(absl::StrFormat("retriever mode %s needs a host page pool",
+                                 RetrievalModeName(o_.mode)));
+    }
+    KVTIER_ASSIGN_OR_RETURN(offloader_, PageOffloader::Create(g_, backend_, *pool_));
+  }
+
+  if (o_.compute_stream != nullptr) {
+    compute_ = o_.compute_stream;
+  } else {
+    KVTIER_ASSIGN_OR_RETURN(own_compute_, backend_.CreateStream());
+    compute_ = own_compute_.get();
+  }
+  KVTIER_ASSIGN_OR_RETURN(recall_, backend_.CreateStream());
+  KVTIER_ASSIGN_OR_RETURN(xform_fg_, backend_.CreateStream());
+  KVTIER_ASSIGN_OR_RETURN(xform_bg_, backend_.CreateStream());
+  KVTIER_ASSIGN_OR_RETURN(sync_compute_, backend_.CreateEvent());
+  KVTIER_ASSIGN_OR_RETURN(sync_recall_, backend_.CreateEvent());
+
+  const size_t hkv = g_.num_kv_heads;
+  const size_t slot_bytes = static_cast<size_t>(g_.page_size) * token_bytes();
+  const bool select = has_host_tier();
+  const size_t kk = static_cast<size_t>(std::max(k(), 1));
+  layers_.resize(g_.num_layers);
+  stats_.corrections.assign(static_cast<size_t>(g_.num_layers) * hkv, 0);
+  for (LayerState& l : layers_) {
+    KVTIER_RETURN_IF_ERROR(Allocate(&l.k_ws, S_ * slot_bytes));
+    KVTIER_RETURN_IF_ERROR(Allocate(&l.v_ws, S_ * slot_bytes));
+    KVTIER_RETURN_IF_ERROR(Allocate(&l.table, hkv * S_ * sizeof(int32_t)));
+    KVTIER_RETURN_IF_ERROR(Allocate(&l.counts, 4 * sizeof(int32_t)));
+    KVTIER_RETURN_IF_ERROR(Allocate(&l.q_cur, q_bytes()));
+    KVTIER_RETURN_IF_ERROR(Allocate(&l.q_prev, q_bytes()));
+    if (select) {
+      KVTIER_RETURN_IF_ERROR(Allocate(&l.summaries, static_cast<size_t>(P_) * g_.summary_bytes()));
+      KVTIER_RETURN_IF_ERROR(Allocate(&l.host_page_of, static_cast<size_t>(P_) * sizeof(int64_t)));
+      KVTIER_RETURN_IF_ERROR(Allocate(&l.pooled, hkv * P_ * sizeof(float)));
+      KVTIER_RETURN_IF_ERROR(Allocate(&l.selected, hkv * kk * sizeof(int32_t)));
+      KVTIER_RETURN_IF_ERROR(Allocate(&l.items, hkv * kk * sizeof(RecallItem)));
+      KVTIER_RETURN_IF_ERROR(Allocate(&l.num_misses, hkv * sizeof(int32_t)));
+      KVTIER_RETURN_IF_ERROR(Allocate(&l.drifted, hkv));
+      KVTIER_RETURN_IF_ERROR(Allocate(&l.group_mean, hkv * sizeof(float)));
+      if (o_.pipeline == RecallPipeline::kStreamed) {
+        const size_t chunk = static_cast<size_t>(o_.stream_chunk_items) *
+                             static_cast<size_t>(g_.slab_elements()) * elem();
+        for (DeviceBuffer& b : l.staging) KVTIER_RETURN_IF_ERROR(Allocate(&b, chunk));
+      }
+      l.host = std::make_unique<PageTable>(*pool_);
+      l.host_page_mirror.assign(P_, -1);
+    }
+    for (auto* e : {&l.attn_done, &l.recall_done, &l.ready, &l.xform_done, &l.staged[0],
+                    &l.staged[1], &l.freed[0], &l.freed[1]}) {
+      KVTIER_ASSIGN_OR_RETURN(*e, backend_.CreateEvent());
+    }
+    // Empty slot tables (0xFF bytes = −1), zero counts, zero previous query (cosine 0).
+    KVTIER_RETURN_IF_ERROR(backend_.Memset(*compute_, l.table.data(), 0xFF, l.table.size()));
+    KVTIER_RETURN_IF_ERROR(backend_.Memset(*compute_, l.counts.data(), 0, l.counts.size()));
+    KVTIER_RETURN_IF_ERROR(backend_.Memset(*compute_, l.q_prev.data(), 0, l.q_prev.size()));
+    if (select) {
+      KVTIER_RETURN_IF_ERROR(
+          backend_.Memset(*compute_, l.host_page_of.data(), 0xFF, l.host_page_of.size()));
+      KVTIER_RETURN_IF_ERROR(
+          backend_.Memset(*compute_, l.summaries.data(), 0, l.summaries.size()));
+    }
+    l.table_mirror.assign(hkv * S_, kEmptySlot);
+  }
+  return Wait();
+}
+
+absl::Status RetrieverImpl::CheckCall(int32_t layer, std::string_view what) const {
+  if (closed_) {
+    return absl::FailedPreconditionError(absl::StrFormat("%s: the sequence is closed", what));
+  }
+  if (!failed_.ok()) return failed_;
+  if (layer < 0 || layer >= g_.num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: layer = %d must be in [0, %d)", what, layer, g_.num_layers));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RetrieverImpl::Upload(Stream& s, void* dst, const void* src, size_t bytes) {
+  auto buf = std::make_unique<uint8_t[]>(bytes);
+  std::memcpy(buf.get(), src, bytes);
+  KVTIER_RETURN_IF_ERROR(backend_.Copy(s, dst, buf.get(), bytes));
+  staged_.push_back(std::move(buf));
+  return absl::OkStatus();
+}
+
+absl::Status RetrieverImpl::Park(Stream& s) {
+  Reap();
+  if (staged_.empty()) return absl::OkStatus();
+  Parked p;
+  p.buffers = std::move(staged_);
+  staged_.clear();
+  KVTIER_ASSIGN_OR_RETURN(p.done, TakeEvent());
+  absl::Status st = s.Record(*p.done);
+  parked_.push_back(std::move(p));
+  return st;
+}
+
+void RetrieverImpl::Reap() {
+  while (!parked_.empty() && parked_.front().done->Query()) {
+    spare_events_.push_back(std::move(parked_.front().done));
+    parked_.pop_front();
+  }
+}
+
+absl::Status RetrieverImpl::UploadTable(LayerState& l) {
+  if (!l.table_dirty) return absl::OkStatus();
+  l.table_dirty = false;
+  auto* table = l.table.as<int32_t>();
+  const bool selects = has_host_tier();
+  for (int32_t h = 0; h < g_.num_kv_heads; ++h) {
+    const size_t row = static_cast<size_t>(h) * S_;
+    if (!selects) {
+      KVTIER_RETURN_IF_ERROR(Upload(*compute_, table + row, &l.table_mirror[row],
+                                    S_ * sizeof(int32_t)));
+      continue;
+    }
+    // Sinks and the recent ring; the selected region between them belongs to the device.
+    if (o_.sink_pages > 0) {
+      KVTIER_RETURN_IF_ERROR(Upload(*compute_, table + row, &l.table_mirror[row],
+                                    o_.sink_pages * sizeof(int32_t)));
+    }
+    const size_t ring = row + o_.sink_pages + k();
+    KVTIER_RETURN_IF_ERROR(Upload(*compute_, table + ring, &l.table_mirror[ring],
+                                  o_.recent_pages * sizeof(int32_t)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RetrieverImpl::UploadCounts(LayerState& l) {
+  const int32_t p = g_.page_size;
+  const int32_t counts[3] = {l.tokens / p, l.tokens % p == 0 ? -1 : l.tokens / p, l.tokens % p};
+  return Upload(*compute_, l.counts.data(), counts, sizeof(counts));
+}
+
+absl::Status RetrieverImpl::FlushOffloads(int32_t layer) {
+  LayerState& l = layers_[layer];
+  if (l.pending.empty()) return absl::OkStatus();
+  std::vector<int64_t> logical, slots;
+  for (const LayerState::Pending& p : l.pending) {
+    logical.push_back(p.logical);
+    slots.push_back(p.slot);
+  }
+  l.pending.clear();
+  OffloadRequest req;
+  req.k_src = l.k_ws.data();
+  req.v_src = l.v_ws.data();
+  req.num_src_slots = S_;
+  req.summaries = l.summaries.data();
+  req.num_summary_pages = P_;
+  req.summary_mode = o_.summary;
+  req.logical_pages = logical;
+  req.src_slots = slots;
+  KVTIER_RETURN_IF_ERROR(offloader_->Offload(*compute_, *l.host, req));
+  for (int64_t page : logical) {
+    KVTIER_ASSIGN_OR_RETURN(PageEntry e, l.host->Lookup(page));
+    l.host_page_mirror[page] = e.slot;
+  }
+  // The flushed pages are consecutive: one upload of their host_page_of entries.
+  const int64_t first = logical.front();
+  KVTIER_RETURN_IF_ERROR(Upload(*compute_, l.host_page_of.as<int64_t>() + first,
+                                &l.host_page_mirror[first], logical.size() * sizeof(int64_t)));
+  stats_.offloaded_pages += static_cast<int64_t>(logical.size());
+  return absl::OkStatus();
+}
+
+absl::Status RetrieverImpl::Append(int32_t layer, const void* k, const void* v,
+                                   int32_t n_tokens) {
+  KVTIER_RETURN_IF_ERROR(CheckCall(layer, "Append"));
+  if (k == nullptr || v == nullptr) {
+    return absl::InvalidArgumentError("Append: k and v must be non-null");
+  }
+  LayerState& l = layers_[layer];
+  if (n_tokens < 1 || n_tokens > o_.max_tokens - l.tokens) {
+    return absl::OutOfRangeError(absl::StrFormat(
+        "Append: layer %d holds %d tokens; n_tokens = %d must be in [1, %d] (max_tokens = %d)",
+        layer, l.tokens, n_tokens, o_.max_tokens - l.tokens, o_.max_tokens));
+  }
+  if (l.in_step) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("Append: layer %d is between BeginStep and EndStep", layer));
+  }
+  const int32_t p = g_.page_size;
+  if (has_host_tier()) {
+    const int64_t filling = (l.tokens + n_tokens) / p - l.tokens / p;
+    const PagePoolStats ps = pool_->stats();
+    if (filling > ps.capacity - ps.in_use) {
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "Append: %d pages would fill but the host tier has %d of %d pages free", filling,
+          ps.capacity - ps.in_use, ps.capacity));
+    }
+  }
+  // From here on a failure leaves the layer inconsistent: it fails the Retriever.
+  const auto* ks = static_cast<const uint8_t*>(k);
+  const auto* vs = static_cast<const uint8_t*>(v);
+  const size_t tb = token_bytes();
+  auto* kw = l.k_ws.as<uint8_t>();
+  auto* vw = l.v_ws.as<uint8_t>();
+  int32_t done = 0;
+  while (done < n_tokens) {
+    const int64_t page = l.tokens / p;
+    const int32_t off = l.tokens % p;
+    const int32_t slot = SlotOf(page);
+    if (off == 0) {
+      for (int32_t h = 0; h < g_.num_kv_heads; ++h) {
+        l.table_mirror[static_cast<size_t>(h) * S_ + slot] = static_cast<int32_t>(page);
+      }
+      l.table_dirty = true;
+    }
+    const int32_t n = std::min(p - off, n_tokens - done);
+    const size_t dst = (static_cast<size_t>(slot) * p + off) * tb;
+    absl::Status st = backend_.Copy(*compute_, kw + dst, ks + done * tb, n * tb);
+    if (st.ok()) st = backend_.Copy(*compute_, vw + dst, vs + done * tb, n * tb);
+    if (!st.ok()) return Fail(st);
+    l.tokens += n;
+    done += n;
+    if (l.tokens % p == 0 && has_host_tier()) {
+      l.pending.push_back({page, slot});
+      // Flush before a ring slot holding a pending page is reused.
+      if (static_cast<int32_t>(l.pending.size()) >= o_.recent_pages) {
+        if (absl::Status fs = FlushOffloads(layer); !fs.ok()) return Fail(fs);
+      }
+    }
+  }
+  absl::Status st = FlushOffloads(layer);
+  if (st.ok()) st = UploadTable(l);
+  if (st.ok()) st = UploadCounts(l);
+  if (st.ok()) st = Park(*compute_);
+  if (!st.ok()) return Fail(st);
+  stats_.appended_tokens += n_tokens;
+  return absl::OkStatus();
+}
+
+absl::Status RetrieverImpl::RecallPlan(Stream& drive, Stream* xform_stream, LayerState& l) {
+  const int32_t n = g_.num_kv_heads * k();
+  const auto* items = l.items.as<RecallItem>();
+  if (xform_stream == nullptr) {
+    RecallArgs a;
+    a.dtype = g_.dtype;
+    a.page_size = g_.page_size;
+    a.num_kv_heads = g_.num_kv_heads;
+    a.head_dim = g_.head_dim;
+    a.host_pages = pool_->base();
+    a.num_host_pages = pool_->num_slots();
+    a.items = items;
+    a.num_items = n;
+    a.k_cache = l.k_ws.data();
+    a.v_cache = l.v_ws.data();
+    a.num_slots = S_;
+    return backend_.Recall(drive, a);
+  }
+  // Double-buffered: gather chunk c into staging[c % 2] on `drive` once the transform of
+  // chunk c − 2 has freed it; transform it on `xform` once it is staged.
+  Stream& xform = *xform_stream;
+  const int32_t m = o_.stream_chunk_items;
+  for (int32_t c = 0, begin = 0; begin < n; ++c, begin += m) {
+    const int32_t b = c % 2;
+    const int32_t count = std::min(m, n - begin);
+    KVTIER_RETURN_IF_ERROR(drive.Wait(*l.freed[b]));
+    GatherSlabsArgs ga;
+    ga.dtype = g_.dtype;
+    ga.page_size = g_.page_size;
+    ga.num_kv_heads = g_.num_kv_heads;
+    ga.head_dim = g_.head_dim;
+    ga.host_pages = pool_->base();
+    ga.num_host_pages = pool_->num_slots();
+    ga.items = items + begin;
+    ga.num_items = count;
+    ga.staging = l.staging[b].data();
+    KVTIER_RETURN_IF_ERROR(backend_.GatherSlabs(drive, ga));
+    KVTIER_RETURN_IF_ERROR(drive.Record(*l.staged[b]));
+    KVTIER_RETURN_IF_ERROR(xform.Wait(*l.staged[b]));
+    ScatterSlabsArgs sa;
+    sa.dtype = g_.dtype;
+    sa.page_size = g_.page_size;
+    sa.num_kv_heads = g_.num_kv_heads;
+    sa.head_dim = g_.head_dim;
+    sa.staging = l.staging[b].data();
+    sa.items = items + begin;
+    sa.num_items = count;
+    sa.k_cache = l.k_ws.data();
+    sa.v_cache = l.v_ws.data();
+    sa.num_slots = S_;
+    KVTIER_RETURN_IF_ERROR(backend_.ScatterSlabs(xform, sa));
+    KVTIER_RETURN_IF_ERROR(xform.Record(*l.freed[b]));
+  }
+  KVTIER_RETURN_IF_ERROR(xform.Record(*l.xform_done));
+  return drive.Wait(*l.xform_done);
+}
+
+absl::Status RetrieverImpl::Select(Stream& s, Stream* xform, int32_t layer, const void* q,
+                                   const int32_t* num_pages, const uint8_t* mask,
+                                   int32_t recent_full) {
+  LayerState& l = layers_[layer];
+  if (k() == 0) return absl::OkStatus();
+  absl::Time mark;
+  KVTIER_RETURN_IF_ERROR(Lap(s, &mark, nullptr));
+  ScorePagesArgs sa;
+  sa.dtype = g_.dtype;
+  sa.batch = 1;
+  sa.num_q_heads = g_.num_q_heads;
+  sa.num_kv_heads = g_.num_kv_heads;
+  sa.head_dim = g_.head_dim;
+  sa.max_pages = P_;
+  sa.q = q;
+  sa.summaries = l.summaries.data();
+  sa.num_pages = num_pages;
+  sa.softmax_scale = scale_;
+  sa.pool = o_.pool;
+  sa.pooled = l.pooled.as<float>();
+  sa.head_mask = mask;
+  KVTIER_RETURN_IF_ERROR(backend_.ScorePages(s, sa));
+  TopKArgs ta;
+  ta.batch = 1;
+  ta.num_kv_heads = g_.num_kv_heads;
+  ta.max_pages = P_;
+  ta.k = k();
+  ta.pooled = l.pooled.as<float>();
+  ta.num_pages = num_pages;
+  ta.sink_pages = o_.sink_pages;
+  ta.recent_pages = recent_full;
+  ta.selected = l.selected.as<int32_t>();
+  ta.head_mask = mask;
+  KVTIER_RETURN_IF_ERROR(backend_.TopK(s, ta));
+  ReplaceArgs ra;
+  ra.batch = 1;
+  ra.num_kv_heads = g_.num_kv_heads;
+  ra.num_slots = S_;
+  ra.region_begin = o_.sink_pages;
+  ra.k = k();
+  ra.selected = l.selected.as<int32_t>();
+  ra.slot_table = l.table.as<int32_t>();
+  ra.host_page_of = l.host_page_of.as<int64_t>();
+  ra.max_pages = P_;
+  ra.head_mask = mask;
+  ra.items = l.items.as<RecallItem>();
+  ra.num_misses = l.num_misses.as<int32_t>();
+  KVTIER_RETURN_IF_ERROR(backend_.Replace(s, ra));
+  KVTIER_RETURN_IF_ERROR(Lap(s, &mark, &stats_.select_us));
+  KVTIER_RETURN_IF_ERROR(RecallPlan(s, xform, l));
+  return Lap(s, &mark, &stats_.recall_us);
+}
+
+absl::Status RetrieverImpl::RecordStats(Stream& s, int32_t layer, int64_t step,
+                                        bool background, bool checked) {
+  LayerState& l = layers_[layer];
+  StatRecord r;
+  r.layer = layer;
+  r.step = step;
+  r.background = background;
+  r.checked = checked;
+  const size_t hkv = g_.num_kv_heads;
+  r.misses.resize(hkv);
+  KVTIER_RETURN_IF_ERROR(backend_.Copy(s, r.misses.data(), l.num_misses.data(),
+                                       hkv * sizeof(int32_t)));
+  if (checked) {
+    r.drifted.resize(hkv);
+    r.group_mean.resize(hkv);
+    KVTIER_RETURN_IF_ERROR(backend_.Copy(s, r.drifted.data(), l.drifted.data(), hkv));
+    KVTIER_RETURN_IF_ERROR(
+        backend_.Copy(s, r.group_mean.data(), l.group_mean.data(), hkv * sizeof(float)));
+  }
+  KVTIER_ASSIGN_OR_RETURN(r.done, TakeEvent());
+  absl::Status st = s.Record(*r.done);
+  // Queued even on error: the copies above were enqueued and write into r's vectors.
+  records_.push_back(std::move(r));
+  return st;
+}
+
+absl::Status RetrieverImpl::Collect(bool block) {
+  const absl::Time end = absl::Now() + o_.deadline;
+  while (!records_.empty()) {
+    StatRecord& r = records_.front();
+    if (block) {
+      KVTIER_RETURN_IF_ERROR(r.done->Wait(std::max(end - absl::Now(), absl::ZeroDuration())));
+    } else if (!r.done->Query()) {
+      break;
+    }
+    LayerState& l = layers_[r.layer];
+    int64_t pages = 0;
+    for (int32_t m : r.misses) pages += m;
+    stats_.recalled_pages += pages;
+    stats_.recalled_bytes +=
+        pages * static_cast<int64_t>(g_.slab_elements() * static_cast<int64_t>(elem()));
+    if (r.background) {
+      if (l.last.step == r.step) l.last.background_pages = pages;
+    } else {
+      stats_.correction_pages += pages;
+      StepStats st;
+      st.step = r.step;
+      st.correction_pages = pages;
+      if (r.checked) {
+        for (int32_t h = 0; h < g_.num_kv_heads; ++h) {
+          const bool d = r.drifted[h] != 0;
+          st.corrected_heads += d;
+          stats_.corrections[static_cast<size_t>(r.layer) * g_.num_kv_heads + h] += d;
+        }
+        stats_.checked_heads += g_.num_kv_heads;
+        stats_.corrected_heads += st.corrected_heads;
+        st.drifted = r.drifted;
+        st.group_mean = r.group_mean;
+      }
+      l.last = std::move(st);
+    }
+    spare_events_.push_back(std::move(r.done));
+    records_.pop_front();
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<WorkingSetView> RetrieverImpl::BeginStep(int32_t layer, const void* q) {
+  KVTIER_RETURN_IF_ERROR(CheckCall(layer, "BeginStep"));
+  if (q == nullptr) return absl::InvalidArgumentError("BeginStep: q must be non-null");
+  LayerState& l = layers_[layer];
+  if (l.tokens == 0) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("BeginStep: layer %d has no tokens: Append first", layer));
+  }
+  if (l.in_step) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("BeginStep: layer %d: the previous step was not ended", layer));
+  }
+  if (l.recall_in_flight && !l.recall_done->Query()) {
+    const absl::Duration age = absl::Now() - l.recall_launched;
+    if (age > o_.deadline) {
+      return Fail(absl::DeadlineExceededError(absl::StrFormat(
+          "BeginStep: layer %d: the background recall launched %s ago has not completed within "
+          "the deadline of %s",
+          layer, absl::FormatDuration(age), absl::FormatDuration(o_.deadline))));
+    }
+  }
+  (void)Collect(/*block=*/false);
+  Stream& c = *compute_;
+  const uint8_t* no_mask = nullptr;
+  absl::Status st = backend_.Copy(c, l.q_cur.data(), q, q_bytes());
+  const bool speculative = o_.mode == RetrievalMode::kSpeculative;
+  if (st.ok() && (o_.mode == RetrievalMode::kSync || (speculative && l.step == 0))) {
+    // Select every head with q_t before attention.
+    st = Select(c, Pipeline(*xform_fg_), layer, l.q_cur.data(), l.counts.as<int32_t>(), no_mask,
+                RecentFull(l));
+    if (st.ok()) st = RecordStats(c, layer, l.step, /*background=*/false, /*checked=*/false);
+  } else if (st.ok() && speculative) {
+    if (l.recall_in_flight) st = c.Wait(*l.recall_done);
+    l.recall_in_flight = false;
+    QueryCosineArgs qa;
+    qa.dtype = g_.dtype;
+    qa.batch = 1;
+    qa.num_q_heads = g_.num_q_heads;
+    qa.num_kv_heads = g_.num_kv_heads;
+    qa.head_dim = g_.head_dim;
+    qa.q = l.q_cur.data();
+    qa.q_prev = l.q_prev.data();
+    qa.threshold = o_.correction_threshold;
+    qa.group_mean = l.group_mean.as<float>();
+    qa.drifted = l.drifted.as<uint8_t>();
+    if (st.ok()) st = backend_.QueryCosine(c, qa);
+    // Re-select only the drifted heads, with q_t; the others keep last step's pages.
+    if (st.ok()) {
+      // The correction recall is a few pages on the critical path: one fused op, no
+      // pipeline hand-offs.
+      st = Select(c, nullptr, layer, l.q_cur.data(), l.counts.as<int32_t>(),
+                  l.drifted.as<uint8_t>(), RecentFull(l));
+    }
+    if (st.ok()) st = RecordStats(c, layer, l.step, /*background=*/false, /*checked=*/true);
+  }
+  if (st.ok()) st = c.Record(*l.ready);
+  if (!st.ok()) return Fail(st);
+  l.in_step = true;
+  ++stats_.steps;
+  stats_.profiled_steps += profiling_;
+  WorkingSetView view;
+  view.layer = layer;
+  view.k_cache = l.k_ws.data();
+  view.v_cache = l.v_ws.data();
+  view.num_slots = S_;
+  view.slot_table = l.table.as<int32_t>();
+  view.partial_page = l.counts.as<int32_t>() + 1;
+  view.partial_len = l.counts.as<int32_t>() + 2;
+  view.num_tokens = l.tokens;
+  view.ready = l.ready.get();
+  return view;
+}
+
+absl::Status RetrieverImpl::Attend(int32_t layer, const void* q, void* out, float* lse) {
+  KVTIER_RETURN_IF_ERROR(CheckCall(layer, "Attend"));
+  const LayerState& l = layers_[layer];
+  if (!l.in_step) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("Attend: layer %d: call BeginStep first", layer));
+  }
+  SparseAttentionArgs a;
+  a.dtype = g_.dtype;
+  a.batch = 1;
+  a.num_q_heads = g_.num_q_heads;
+  a.num_kv_heads = g_.num_kv_heads;
+  a.head_dim = g_.head_dim;
+  a.page_size = g_.page_size;
+  a.num_slots = S_;
+  a.q = q;
+  a.k_cache = l.k_ws.data();
+  a.v_cache = l.v_ws.data();
+  a.slot_table = l.table.as<int32_t>();
+  a.partial_page = l.counts.as<int32_t>() + 1;
+  a.partial_len = l.counts.as<int32_t>() + 2;
+  a.softmax_scale = scale_;
+  a.out = out;
+  a.lse = lse;
+  absl::Time mark;
+  KVTIER_RETURN_IF_ERROR(Lap(*compute_, &mark, nullptr));
+  KVTIER_RETURN_IF_ERROR(backend_.SparseAttention(*compute_, a));
+  return Lap(*compute_, &mark, &stats_.attention_us);
+}
+
+absl::Status RetrieverImpl::EndStep(int32_t layer, const void* q) {
+  KVTIER_RETURN_IF_ERROR(CheckCall(layer, "EndStep"));
+  if (q == nullptr) return absl::InvalidArgumentError("EndStep: q must be non-null");
+  LayerState& l = layers_[layer];
+  if (!l.in_step) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("EndStep: layer %d: call BeginStep first", layer));
+  }
+  l.in_step = false;
+  const int64_t step = l.step++;
+  if (o_.mode != RetrievalMode::kSpeculative) return absl::OkStatus();
+  // On the compute stream, after attention: remember q_t and snapshot the page count.
+  Stream& c = *compute_;
+  auto* counts = l.counts.as<int32_t>();
+  absl::Status st = backend_.Copy(c, l.q_prev.data(), q, q_bytes());
+  if (st.ok()) st = backend_.Copy(c, counts + 3, counts, sizeof(int32_t));
+  if (st.ok()) st = c.Record(*l.attn_done);
+  // In the background, once attention is done with the working set: select with q_t and
+  // recall the misses into the slots of evicted pages.
+  if (st.ok()) st = recall_->Wait(*l.attn_done);
+  if (st.ok()) {
+    st = Select(*recall_, Pipeline(*xform_bg_), layer, l.q_prev.data(), counts + 3, nullptr,
+                RecentFull(l));
+  }
+  if (st.ok()) st = RecordStats(*recall_, layer, step, /*background=*/true, /*checked=*/false);
+  if (st.ok()) st = recall_->Record(*l.recall_done);
+  if (!st.ok()) return Fail(st);
+  l.recall_in_flight = true;
+  l.recall_launched = absl::Now();
+  return absl::OkStatus();
+}
+
+absl::Status RetrieverImpl::Wait() {
+  const absl::Time end = absl::Now() + o_.deadline;
+  KVTIER_RETURN_IF_ERROR(compute_->Record(*sync_compute_));
+  KVTIER_RETURN_IF_ERROR(recall_->Record(*sync_recall_));
+  for (Event* e : {sync_compute_.get(), sync_recall_.get()}) {
+    absl::Status st = e->Wait(std::max(end - absl::Now(), absl::ZeroDuration()));
+    if (absl::IsDeadlineExceeded(st)) {
+      return absl::DeadlineExceededError(absl::StrFormat(
+          "retriever: work in flight did not complete within the deadline of %s",
+          absl::FormatDuration(o_.deadline)));
+    }
+    KVTIER_RETURN_IF_ERROR(st);
+  }
+  for (LayerState& l : layers_) {
+    if (l.recall_in_flight && l.recall_done->Query()) l.recall_in_flight = false;
+  }
+  Reap();
+  return Collect(/*block=*/true);
+}
+
+absl::Status RetrieverImpl::Close() {
+  if (closed_) return absl::OkStatus();
+  closed_ = true;
+  absl::Status st = Wait();
+  if (absl::IsDeadlineExceeded(st)) return st;  // pages freed by the destructor
+  if (offloader_ != nullptr) (void)offloader_->Drain();
+  for (LayerState& l : layers_) {
+    if (l.host != nullptr) l.host->Clear();
+    l.pending.clear();
+  }
+  return st;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Retriever>> Retriever::Create(const Geometry& geometry,
+                                                             const RetrieverOptions& options,
+                                                             Backend& backend, PagePool* pool) {
+  auto r = std::make_unique<RetrieverImpl>(geometry, options, backend, pool);
+  KVTIER_RETURN_IF_ERROR(r->Init());
+  return std::unique_ptr<Retriever>(std::move(r));
+}
+
+}  // namespace kvtier

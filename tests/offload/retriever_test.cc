@@ -1,0 +1,716 @@
+// Retriever on the CPU backend: working-set contents against a host model of selection,
+// speculation, correction, the modes against each other, appends, ordering under a backend
+// that delays work, deadlines, cancellation, and long runs (for ASan/TSan builds).
+#include "kvtier/retriever.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <deque>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <set>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "kvtier/layout.h"
+#include "offload/page_pool.h"
+#include "tests/testutil/chaos_backend.h"
+#include "tests/testutil/random_fill.h"
+
+namespace kvtier {
+namespace {
+
+using testing::TypedBuffer;
+
+Geometry SmallGeometry(DType dtype = DType::kF32) {
+  Geometry g;
+  g.num_layers = 2;
+  g.num_q_heads = 4;
+  g.num_kv_heads = 2;
+  g.head_dim = 16;
+  g.page_size = 8;
+  g.dtype = dtype;
+  return g;
+}
+
+RetrieverOptions SmallOptions(RetrievalMode mode) {
+  RetrieverOptions o;
+  o.mode = mode;
+  o.sink_pages = 1;
+  o.selected_pages = 3;
+  o.recent_pages = 2;
+  o.max_tokens = 512;
+  o.pool = PoolMode::kRawMean;
+  o.stream_chunk_items = 2;  // several chunks per recall: exercises the double buffer
+  o.deadline = absl::Seconds(20);
+  return o;
+}
+
+// Host memory for a page pool, freed after the pool.
+struct HostTier {
+  HostTier(const Geometry& g, int64_t pages) {
+    bytes = static_cast<size_t>(pages) * g.host_page_bytes();
+    mem = static_cast<uint8_t*>(std::aligned_alloc(PagePool::kSlotAlignment, bytes));
+    pool = PagePool::Create(mem, g.host_page_bytes(), pages).value();
+  }
+  ~HostTier() {
+    pool.reset();
+    std::free(mem);
+  }
+  size_t bytes = 0;
+  uint8_t* mem = nullptr;
+  std::unique_ptr<PagePool> pool;
+};
+
+// The sequence as the engine sees it: dense K/V per layer, kept on the host as the model.
+class Sequence {
+ public:
+  Sequence(const Geometry& g, uint64_t seed) : g_(g), rng_(seed) {}
+
+  // n tokens of random K/V for every layer; returns the new rows per layer.
+  std::vector<std::pair<TypedBuffer, TypedBuffer>> Grow(int32_t n) {
+    std::vector<std::pair<TypedBuffer, TypedBuffer>> rows;
+    const int64_t per_token = int64_t{g_.num_kv_heads} * g_.head_dim;
+    if (k_.empty()) k_.resize(g_.num_layers), v_.resize(g_.num_layers);
+    for (int32_t l = 0; l < g_.num_layers; ++l) {
+      TypedBuffer k(g_.dtype, n * per_token), v(g_.dtype, n * per_token);
+      k.FillNormal(rng_());
+      v.FillNormal(rng_());
+      for (int64_t i = 0; i < n * per_token; ++i) {
+        k_[l].push_back(k.Get(i));
+        v_[l].push_back(v.Get(i));
+      }
+      rows.emplace_back(std::move(k), std::move(v));
+    }
+    tokens_ += n;
+    return rows;
+  }
+  TypedBuffer Query(uint64_t seed) const {
+    TypedBuffer q(g_.dtype, int64_t{g_.num_q_heads} * g_.head_dim);
+    q.FillNormal(seed);
+    return q;
+  }
+  float K(int32_t layer, int64_t token, int32_t h, int32_t i) const {
+    return k_[layer][(token * g_.num_kv_heads + h) * g_.head_dim + i];
+  }
+  float V(int32_t layer, int64_t token, int32_t h, int32_t i) const {
+    return v_[layer][(token * g_.num_kv_heads + h) * g_.head_dim + i];
+  }
+  int32_t tokens() const { return tokens_; }
+
+  // Quest scores pooled by raw mean over the group (PoolMode::kRawMean), then the top k
+  // among full pages [sink, full − recent_full): the selection a host model expects.
+  std::vector<int32_t> Select(int32_t layer, const TypedBuffer& q, int32_t h, int32_t tokens,
+                              const RetrieverOptions& o) const {
+    const int32_t p = g_.page_size;
+    const int32_t full = tokens / p;
+    const int32_t total = (tokens + p - 1) / p;
+    const int32_t recent_lo = std::max(o.sink_pages, total - o.recent_pages);
+    const int32_t recent_full = std::max(0, full - recent_lo);
+    const int32_t G = g_.group_size();
+    std::vector<std::pair<float, int32_t>> scored;
+    for (int32_t page = o.sink_pages; page < full - recent_full; ++page) {
+      float pooled = 0;
+      for (int32_t qh = h * G; qh < (h + 1) * G; ++qh) {
+        float s = 0;
+        for (int32_t i = 0; i < g_.head_dim; ++i) {
+          float hi = -INFINITY, lo = INFINITY;
+          for (int32_t t = page * p; t < (page + 1) * p; ++t) {
+            hi = std::max(hi, K(layer, t, h, i));
+            lo = std::min(lo, K(layer, t, h, i));
+          }
+          const float qi = q.Get(int64_t{qh} * g_.head_dim + i);
+          s += std::max(qi * hi, qi * lo);
+        }
+        pooled += s / G;
+      }
+      scored.push_back({-pooled, page});
+    }
+    std::sort(scored.begin(), scored.end());
+    std::vector<int32_t> out;
+    for (size_t i = 0; i < scored.size() && i < static_cast<size_t>(o.selected_pages); ++i) {
+      out.push_back(scored[i].second);
+    }
+    std::sort(out.begin(), out.end());
+    return out;
+  }
+
+ private:
+  const Geometry g_;
+  std::mt19937_64 rng_;
+  std::vector<std::vector<float>> k_, v_;
+  int32_t tokens_ = 0;
+};
+
+// The pages of head h's selected region, sorted.
+std::vector<int32_t> SelectedRegion(const WorkingSetView& view, const RetrieverOptions& o,
+                                    int32_t h) {
+  std::vector<int32_t> pages;
+  for (int32_t s = o.sink_pages; s < o.sink_pages + o.selected_pages; ++s) {
+    const int32_t page = view.slot_table[h * view.num_slots + s];
+    if (page >= 0) pages.push_back(page);
+  }
+  std::sort(pages.begin(), pages.end());
+  return pages;
+}
+
+// Every slot the table names holds that page's K and V for that head, bit for bit, no page
+// appears twice for a head, and every page of the sequence that must be resident (sinks,
+// recent window) is.
+void ExpectWorkingSetConsistent(const Geometry& g, const RetrieverOptions& o,
+                                const Sequence& seq, const WorkingSetView& view) {
+  const WorkingSetLayout wl{view.num_slots, g.page_size, g.num_kv_heads, g.head_dim};
+  const int32_t p = g.page_size;
+  const int32_t total = (view.num_tokens + p - 1) / p;
+  for (int32_t h = 0; h < g.num_kv_heads; ++h) {
+    std::set<int32_t> seen;
+    for (int32_t s = 0; s < view.num_slots; ++s) {
+      const int32_t page = view.slot_table[h * view.num_slots + s];
+      if (page < 0) continue;
+      ASSERT_TRUE(seen.insert(page).second) << "head " << h << " page " << page << " twice";
+      ASSERT_LT(page, total);
+      const int32_t len = std::min(p, view.num_tokens - page * p);
+      for (int32_t t = 0; t < len; ++t) {
+        for (int32_t i = 0; i < g.head_dim; ++i) {
+          const int64_t off = wl.Offset(s, t, h, i);
+          ASSERT_EQ(testing::LoadElement(view.k_cache, g.dtype, off),
+                    seq.K(view.layer, int64_t{page} * p + t, h, i))
+              << "head " << h << " slot " << s << " page " << page << " token " << t;
+          ASSERT_EQ(testing::LoadElement(view.v_cache, g.dtype, off),
+                    seq.V(view.layer, int64_t{page} * p + t, h, i));
+        }
+      }
+    }
+    if (o.mode == RetrievalMode::kDrop) continue;
+    for (int32_t page = 0; page < std::min(o.sink_pages, total); ++page) {
+      EXPECT_TRUE(seen.contains(page)) << "sink page " << page << " of head " << h;
+    }
+    const int32_t window = o.mode == RetrievalMode::kFull ? total : o.recent_pages;
+    for (int32_t page = std::max(0, total - window); page < total; ++page) {
+      EXPECT_TRUE(seen.contains(page)) << "recent page " << page << " of head " << h;
+    }
+  }
+}
+
+struct Harness {
+  Harness(const Geometry& g, const RetrieverOptions& o, Backend* backend_in = nullptr,
+          uint64_t seed = 7)
+      : geometry(g), options(o), seq(g, seed) {
+    if (backend_in == nullptr) {
+      own_backend = NewCpuBackend(2);
+      backend = own_backend.get();
+    } else {
+      backend = backend_in;
+    }
+    tier = std::make_unique<HostTier>(g, int64_t{g.num_layers} * (o.max_tokens / g.page_size));
+    retriever = Retriever::Create(g, o, *backend, tier->pool.get()).value();
+  }
+  ~Harness() { retriever.reset(); }
+
+  // Appends n random tokens to every layer. Nothing waits: the rows are kept alive until
+  // the harness is destroyed, as an engine keeps its buffers until its stream ran.
+  void Append(int32_t n) {
+    auto rows = seq.Grow(n);
+    for (int32_t l = 0; l < geometry.num_layers; ++l) {
+      ASSERT_TRUE(retriever->Append(l, rows[l].first.data(), rows[l].second.data(), n).ok());
+    }
+    for (auto& r : rows) {
+      keep.push_back(std::move(r.first));
+      keep.push_back(std::move(r.second));
+    }
+  }
+  // Waits for the compute stream only (what an engine waits for before reading outputs);
+  // background recalls may still be running.
+  void WaitCompute() {
+    auto e = backend->CreateEvent().value();
+    ASSERT_TRUE(retriever->compute_stream().Record(*e).ok());
+    ASSERT_TRUE(e->Wait(absl::Seconds(20)).ok());
+  }
+  // One decode step of every layer with query q; returns the views and the outputs. With
+  // `check`, the working sets are checked after attention, before EndStep hands them to the
+  // background recall.
+  struct StepResult {
+    std::vector<WorkingSetView> views;
+    std::vector<std::vector<float>> out;
+  };
+  StepResult Step(const TypedBuffer& q_in, bool end = true, bool check = false) {
+    keep.push_back(q_in);
+    const TypedBuffer& q = keep.back();
+    StepResult r;
+    std::vector<TypedBuffer> outs;
+    for (int32_t l = 0; l < geometry.num_layers; ++l) {
+      auto view = retriever->BeginStep(l, q.data());
+      EXPECT_TRUE(view.ok()) << view.status();
+      if (!view.ok()) return r;
+      r.views.push_back(*view);
+      outs.emplace_back(geometry.dtype, int64_t{geometry.num_q_heads} * geometry.head_dim);
+      EXPECT_TRUE(retriever->Attend(l, q.data(), outs.back().data(), nullptr).ok());
+    }
+    WaitCompute();
+    for (auto& o : outs) r.out.push_back(o.ToFloats());
+    // Snapshot before EndStep: the background recall rewrites the selected region.
+    snapshot_tables.clear();
+    for (const WorkingSetView& v : r.views) {
+      snapshot_tables.emplace_back(v.slot_table,
+                                   v.slot_table + geometry.num_kv_heads * v.num_slots);
+      if (check) ExpectWorkingSetConsistent(geometry, options, seq, v);
+    }
+    if (end) {
+      for (int32_t l = 0; l < geometry.num_layers; ++l) {
+        EXPECT_TRUE(retriever->EndStep(l, q.data()).ok());
+      }
+    }
+    return r;
+  }
+
+  std::deque<TypedBuffer> keep;
+  Geometry geometry;
+  RetrieverOptions options;
+  Sequence seq;
+  std::unique_ptr<Backend> own_backend;
+  Backend* backend;
+  std::unique_ptr<HostTier> tier;
+  std::unique_ptr<Retriever> retriever;
+  std::vector<std::vector<int32_t>> snapshot_tables;
+};
+
+TEST(RetrieverTest, SyncWorkingSetEqualsSelection) {
+  for (RecallPipeline pipe : {RecallPipeline::kStreamed, RecallPipeline::kFused}) {
+    const Geometry g = SmallGeometry();
+    RetrieverOptions o = SmallOptions(RetrievalMode::kSync);
+    o.pipeline = pipe;
+    Harness h(g, o);
+    h.Append(150);  // 18 full pages + a partial one
+    for (int step = 0; step < 6; ++step) {
+      const TypedBuffer q = h.seq.Query(100 + step);
+      auto r = h.Step(q, /*end=*/false);
+      for (int32_t l = 0; l < g.num_layers; ++l) {
+        ExpectWorkingSetConsistent(g, o, h.seq, r.views[l]);
+        for (int32_t kh = 0; kh < g.num_kv_heads; ++kh) {
+          EXPECT_EQ(SelectedRegion(r.views[l], o, kh), h.seq.Select(l, q, kh, h.seq.tokens(), o))
+              << "layer " << l << " head " << kh << " step " << step;
+        }
+      }
+      for (int32_t l = 0; l < g.num_layers; ++l) ASSERT_TRUE(h.retriever->EndStep(l, q.data()).ok());
+      h.Append(1 + step * 3);
+    }
+    ASSERT_TRUE(h.retriever->Wait().ok());
+    const RetrieverStats st = h.retriever->Stats();
+    EXPECT_GT(st.recalled_pages, 0);
+    // Churn, not budget: over 6 steps far fewer than 6 · layers · heads · k head-pages.
+    EXPECT_LT(st.recalled_pages, 6 * g.num_layers * g.num_kv_heads * o.selected_pages);
+    EXPECT_EQ(st.recalled_bytes, st.recalled_pages * g.slab_elements() * 4);
+  }
+}
+
+TEST(RetrieverTest, UncorrectedHeadsAttendOverPreviousSelection) {
+  const Geometry g = SmallGeometry();
+  RetrieverOptions o = SmallOptions(RetrievalMode::kSpeculative);
+  o.correction_threshold = -2.0f;  // never corrects
+  Harness h(g, o);
+  h.Append(160);
+  TypedBuffer prev = h.seq.Query(1);
+  h.Step(prev);  // step 0 selects with its own query
+  int differing = 0;
+  for (int step = 1; step < 6; ++step) {
+    const TypedBuffer q = h.seq.Query(10 + step);
+    auto r = h.Step(q);
+    const RetrieverStats st = h.retriever->Stats();
+    EXPECT_EQ(st.corrected_heads, 0);
+    for (int32_t l = 0; l < g.num_layers; ++l) {
+      for (int32_t kh = 0; kh < g.num_kv_heads; ++kh) {
+        std::vector<int32_t> attended;
+        for (int32_t s = o.sink_pages; s < o.sink_pages + o.selected_pages; ++s) {
+          const int32_t page = h.snapshot_tables[l][kh * r.views[l].num_slots + s];
+          if (page >= 0) attended.push_back(page);
+        }
+        std::sort(attended.begin(), attended.end());
+        EXPECT_EQ(attended, h.seq.Select(l, prev, kh, h.seq.tokens(), o));
+        differing += attended != h.seq.Select(l, q, kh, h.seq.tokens(), o);
+      }
+    }
+    prev = q;
+  }
+  EXPECT_GT(differing, 0) << "queries too similar: the test cannot tell the selections apart";
+}
+
+TEST(RetrieverTest, ForcedDriftCorrectsExactlyTheDriftedHeads) {
+  const Geometry g = SmallGeometry();
+  RetrieverOptions o = SmallOptions(RetrievalMode::kSpeculative);
+  o.correction_threshold = 0.9f;
+  Harness h(g, o);
+  h.Append(160);
+  const TypedBuffer q0 = h.seq.Query(3);
+  h.Step(q0);
+  // q1: KV head 0's group keeps its query; head 1's group gets a fresh one.
+  const TypedBuffer fresh = h.seq.Query(4);
+  TypedBuffer q1(g.dtype, int64_t{g.num_q_heads} * g.head_dim);
+  const int32_t G = g.group_size();
+  for (int64_t i = 0; i < q1.size(); ++i) {
+    const bool drifted_head = (i / g.head_dim) / G == 1;
+    q1.Set(i, drifted_head ? fresh.Get(i) : q0.Get(i));
+  }
+  auto r = h.Step(q1, /*end=*/false);
+  for (int32_t l = 0; l < g.num_layers; ++l) {
+    const StepStats st = h.retriever->LastStep(l);
+    EXPECT_EQ(st.step, 1);
+    ASSERT_EQ(st.drifted.size(), 2u);
+    EXPECT_EQ(st.drifted[0], 0);
+    EXPECT_EQ(st.drifted[1], 1);
+    EXPECT_EQ(st.corrected_heads, 1);
+    EXPECT_NEAR(st.group_mean[0], 1.0f, 1e-5f);
+    EXPECT_LT(st.group_mean[1], 0.9f);
+    EXPECT_EQ(SelectedRegion(r.views[l], o, 0), h.seq.Select(l, q0, 0, h.seq.tokens(), o));
+    EXPECT_EQ(SelectedRegion(r.views[l], o, 1), h.seq.Select(l, q1, 1, h.seq.tokens(), o));
+    ExpectWorkingSetConsistent(g, o, h.seq, r.views[l]);
+  }
+  ASSERT_TRUE(h.retriever->Wait().ok());
+  const RetrieverStats st = h.retriever->Stats();
+  EXPECT_EQ(st.checked_heads, g.num_layers * g.num_kv_heads);  // step 0 is not a check
+  EXPECT_EQ(st.corrected_heads, g.num_layers);
+  for (int32_t l = 0; l < g.num_layers; ++l) {
+    EXPECT_EQ(st.corrections[l * g.num_kv_heads + 0], 0);
+    EXPECT_EQ(st.corrections[l * g.num_kv_heads + 1], 1);
+  }
+}
+
+// Queries that drift: mostly the previous query plus noise, with an occasional jump, so
+// speculation is right for some heads and corrected for others.
+class DriftingQuery {
+ public:
+  DriftingQuery(const Sequence& seq, uint64_t seed) : seq_(seq), seed_(seed), q_(seq.Query(seed)) {}
+  const TypedBuffer& Next() {
+    const TypedBuffer noise = seq_.Query(seed_ * 7919 + (++n_));
+    const bool jump = n_ % 7 == 3;
+    for (int64_t i = 0; i < q_.size(); ++i) {
+      q_.Set(i, jump ? noise.Get(i) : 0.9f * q_.Get(i) + 0.5f * noise.Get(i));
+    }
+    return q_;
+  }
+
+ private:
+  const Sequence& seq_;
+  const uint64_t seed_;
+  TypedBuffer q_;
+  uint64_t n_ = 0;
+};
+
+// Runs `steps` decode steps with appends of one token (ten now and then, crossing page
+// boundaries), checking the working sets, and returns every output.
+std::vector<std::vector<float>> RunSteps(Harness& h, int steps, uint64_t qseed) {
+  std::vector<std::vector<float>> outs;
+  DriftingQuery q(h.seq, qseed);
+  for (int step = 0; step < steps; ++step) {
+    auto r = h.Step(q.Next(), /*end=*/true, /*check=*/true);
+    for (auto& o : r.out) outs.push_back(std::move(o));
+    h.Append(1 + (step % 5 == 4 ? 9 : 0));
+  }
+  return outs;
+}
+
+TEST(RetrieverTest, SyncEqualsSpeculativeWithTauOne) {
+  const Geometry g = SmallGeometry(DType::kF16);
+  RetrieverOptions so = SmallOptions(RetrievalMode::kSync);
+  RetrieverOptions po = SmallOptions(RetrievalMode::kSpeculative);
+  po.correction_threshold = 1.0f;
+  Harness sync(g, so), spec(g, po);
+  sync.Append(140);
+  spec.Append(140);
+  const auto a = RunSteps(sync, 12, 50);
+  const auto b = RunSteps(spec, 12, 50);
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i], b[i]) << "output " << i;
+  ASSERT_TRUE(spec.retriever->Wait().ok());
+  EXPECT_NEAR(spec.retriever->Stats().correction_rate(), 1.0, 1e-9);
+}
+
+TEST(RetrieverTest, FullModeEqualsDenseAttention) {
+  const Geometry g = SmallGeometry();
+  Harness h(g, SmallOptions(RetrievalMode::kFull));
+  h.Append(77);
+  for (int step = 0; step < 3; ++step) {
+    const TypedBuffer q = h.seq.Query(70 + step);
+    auto r = h.Step(q);
+    for (int32_t l = 0; l < g.num_layers; ++l) {
+      // Dense attention on the host, in double.
+      const int32_t G = g.group_size();
+      const float scale = 1.0f / std::sqrt(float(g.head_dim));
+      for (int32_t qh = 0; qh < g.num_q_heads; ++qh) {
+        std::vector<double> logit(h.seq.tokens());
+        double mx = -INFINITY;
+        for (int32_t t = 0; t < h.seq.tokens(); ++t) {
+          double s = 0;
+          for (int32_t i = 0; i < g.head_dim; ++i) {
+            s += double(q.Get(int64_t{qh} * g.head_dim + i)) * h.seq.K(l, t, qh / G, i);
+          }
+          logit[t] = s * scale;
+          mx = std::max(mx, logit[t]);
+        }
+        double z = 0;
+        for (double& x : logit) z += (x = std::exp(x - mx));
+        for (int32_t i = 0; i < g.head_dim; ++i) {
+          double o = 0;
+          for (int32_t t = 0; t < h.seq.tokens(); ++t) o += logit[t] * h.seq.V(l, t, qh / G, i);
+          EXPECT_NEAR(r.out[l][qh * g.head_dim + i], o / z, 1e-4) << "layer " << l << " head " << qh;
+        }
+      }
+    }
+    h.Append(5);
+  }
+}
+
+TEST(RetrieverTest, AppendsAcrossPageBoundariesMatchTokenByToken) {
+  const Geometry g = SmallGeometry(DType::kBF16);
+  const RetrieverOptions o = SmallOptions(RetrievalMode::kSync);
+  Harness chunked(g, o, nullptr, 11), single(g, o, nullptr, 11);
+  // Same rows; chunked appends 5, 13, 1, 40, 8, 3 tokens at a time.
+  for (int32_t n : {5, 13, 1, 40, 8, 3}) {
+    auto rows = chunked.seq.Grow(n);
+    single.seq.Grow(n);
+    const int64_t per = int64_t{g.num_kv_heads} * g.head_dim;
+    for (int32_t l = 0; l < g.num_layers; ++l) {
+      ASSERT_TRUE(chunked.retriever->Append(l, rows[l].first.data(), rows[l].second.data(), n).ok());
+      for (int32_t t = 0; t < n; ++t) {
+        const size_t off = static_cast<size_t>(t * per) * DTypeSize(g.dtype);
+        ASSERT_TRUE(single.retriever
+                        ->Append(l, static_cast<uint8_t*>(rows[l].first.data()) + off,
+                                 static_cast<uint8_t*>(rows[l].second.data()) + off, 1)
+                        .ok());
+      }
+    }
+    ASSERT_TRUE(chunked.retriever->Wait().ok());
+    ASSERT_TRUE(single.retriever->Wait().ok());
+  }
+  EXPECT_EQ(chunked.retriever->num_tokens(0), 70);
+  const RetrieverStats a = chunked.retriever->Stats(), b = single.retriever->Stats();
+  EXPECT_EQ(a.offloaded_pages, g.num_layers * (70 / g.page_size));
+  EXPECT_EQ(a.offloaded_pages, b.offloaded_pages);
+  // Host tier: every full page of every layer, HND, bit for bit.
+  for (Harness* h : {&chunked, &single}) {
+    EXPECT_EQ(h->tier->pool->stats().in_use, a.offloaded_pages);
+    const TypedBuffer q = h->seq.Query(5);
+    auto r = h->Step(q);
+    for (int32_t l = 0; l < g.num_layers; ++l) {
+      ExpectWorkingSetConsistent(g, o, h->seq, r.views[l]);
+      EXPECT_EQ(r.views[l].num_tokens, 70);
+    }
+  }
+  auto ra = chunked.Step(chunked.seq.Query(6));
+  auto rb = single.Step(single.seq.Query(6));
+  EXPECT_EQ(ra.out, rb.out);
+}
+
+TEST(RetrieverTest, DropModeKeepsSinksAndSlidingWindow) {
+  const Geometry g = SmallGeometry();
+  const RetrieverOptions o = SmallOptions(RetrievalMode::kDrop);
+  Harness h(g, o);
+  h.Append(100);  // 13 pages: sink 0, then the last 5 pages 8..12 in the ring
+  auto r = h.Step(h.seq.Query(1));
+  for (int32_t l = 0; l < g.num_layers; ++l) {
+    ExpectWorkingSetConsistent(g, o, h.seq, r.views[l]);
+    for (int32_t kh = 0; kh < g.num_kv_heads; ++kh) {
+      std::vector<int32_t> pages(h.snapshot_tables[l].begin() + kh * r.views[l].num_slots,
+                                 h.snapshot_tables[l].begin() + (kh + 1) * r.views[l].num_slots);
+      std::sort(pages.begin(), pages.end());
+      EXPECT_EQ(pages, (std::vector<int32_t>{0, 8, 9, 10, 11, 12}));
+    }
+  }
+  EXPECT_EQ(h.tier->pool->stats().in_use, 0);  // no host tier
+}
+
+TEST(RetrieverTest, StreamedAndFusedRecallAgree) {
+  const Geometry g = SmallGeometry(DType::kF16);
+  RetrieverOptions a = SmallOptions(RetrievalMode::kSpeculative);
+  RetrieverOptions b = a;
+  b.pipeline = RecallPipeline::kFused;
+  Harness ha(g, a), hb(g, b);
+  ha.Append(130);
+  hb.Append(130);
+  EXPECT_EQ(RunSteps(ha, 10, 900), RunSteps(hb, 10, 900));
+}
+
+// Work on every stream is delayed by random amounts, so the streams interleave differently
+// from the plain CPU backend; ordering by events must keep every result identical. With the
+// backend's waits dropped, the same run must come out different (the check can fail).
+TEST(RetrieverTest, DelayedAndReorderedWorkGivesTheSameResults) {
+  const Geometry g = SmallGeometry(DType::kF16);
+  RetrieverOptions o = SmallOptions(RetrievalMode::kSpeculative);
+  o.correction_threshold = 0.5f;  // some heads corrected, some not
+  Harness plain(g, o);
+  plain.Append(150);
+  const auto expected = RunSteps(plain, 8, 300);
+
+  testing::ChaosOptions co;
+  co.seed = 5;
+  co.max_delay = absl::Milliseconds(2);
+  auto chaos = testing::NewChaosBackend(co);
+  Harness delayed(g, o, chaos.get());
+  delayed.Append(150);
+  EXPECT_EQ(RunSteps(delayed, 8, 300), expected);
+  ASSERT_TRUE(delayed.retriever->Wait().ok());
+  const RetrieverStats st = delayed.retriever->Stats();
+  EXPECT_GT(st.corrected_heads, 0);
+  EXPECT_LT(st.corrected_heads, st.checked_heads);  // speculation was used, not bypassed
+}
+
+TEST(RetrieverTest, DroppedWaitsAreCaught) {
+  const Geometry g = SmallGeometry(DType::kF16);
+  RetrieverOptions o = SmallOptions(RetrievalMode::kSpeculative);
+  o.correction_threshold = 0.5f;
+  Harness plain(g, o);
+  plain.Append(150);
+  const auto expected = RunSteps(plain, 4, 300);
+
+  testing::ChaosOptions co;
+  co.seed = 9;
+  co.max_delay = absl::Milliseconds(3);
+  co.drop_waits = true;
+  auto chaos = testing::NewChaosBackend(co);
+  Harness broken(g, o, chaos.get());
+  broken.Append(150);
+  // Without its waits, attention and the checks race the background recall.
+  DriftingQuery queries(broken.seq, 300);
+  bool caught = false;
+  for (int step = 0; step < 4 && !caught; ++step) {
+    auto r = broken.Step(queries.Next());
+    for (int32_t l = 0; l < g.num_layers; ++l) {
+      caught |= r.out[l] != expected[step * g.num_layers + l];
+    }
+    broken.Append(1 + (step % 5 == 4 ? 9 : 0));
+  }
+  EXPECT_TRUE(caught) << "a backend that ignores waits went unnoticed";
+}
+
+// A background recall held up far past the deadline: Wait() returns DEADLINE_EXCEEDED
+// instead of blocking, and the layer's next BeginStep refuses to queue behind it.
+TEST(RetrieverTest, StuckRecallFailsTheStepWithDeadlineExceeded) {
+  const Geometry g = SmallGeometry();
+  RetrieverOptions o = SmallOptions(RetrievalMode::kSpeculative);
+  o.deadline = absl::Milliseconds(100);
+  testing::ChaosOptions co;
+  co.seed = 3;
+  co.max_delay = absl::Microseconds(20);
+  auto chaos = testing::NewChaosBackend(co);
+  Harness h(g, o, chaos.get());
+  h.Append(100);
+  h.Step(h.seq.Query(1));
+  const TypedBuffer q = h.seq.Query(2);
+  ASSERT_TRUE(h.retriever->BeginStep(0, q.data()).ok());
+  // Attention that never seems to end: the background recall waits for it.
+  ASSERT_TRUE(testing::EnqueueStall(*chaos, h.retriever->compute_stream(), absl::Seconds(1)).ok());
+  ASSERT_TRUE(h.retriever->EndStep(0, q.data()).ok());
+  const absl::Time start = absl::Now();
+  absl::Status st = h.retriever->Wait();
+  EXPECT_TRUE(absl::IsDeadlineExceeded(st)) << st;
+  EXPECT_LT(absl::Now() - start, absl::Milliseconds(900));  // did not wait for the stall
+  absl::SleepFor(absl::Milliseconds(20));
+  auto view = h.retriever->BeginStep(0, q.data());
+  EXPECT_TRUE(absl::IsDeadlineExceeded(view.status())) << view.status();
+  EXPECT_NE(view.status().message().find("deadline"), std::string::npos);
+  // The step failed: the sequence refuses further work rather than reading stale slots.
+  EXPECT_TRUE(absl::IsDeadlineExceeded(h.retriever->BeginStep(1, q.data()).status()));
+}
+
+TEST(RetrieverTest, CloseDrainsInFlightWorkAndFreesPages) {
+  const Geometry g = SmallGeometry();
+  RetrieverOptions o = SmallOptions(RetrievalMode::kSpeculative);
+  testing::ChaosOptions co;
+  co.seed = 8;
+  co.max_delay = absl::Microseconds(500);
+  auto chaos = testing::NewChaosBackend(co);
+  Harness h(g, o, chaos.get());
+  h.Append(120);
+  EXPECT_EQ(h.tier->pool->stats().in_use, g.num_layers * (120 / g.page_size));
+  const TypedBuffer q = h.seq.Query(1);
+  for (int32_t l = 0; l < g.num_layers; ++l) {
+    ASSERT_TRUE(h.retriever->BeginStep(l, q.data()).ok());
+    ASSERT_TRUE(h.retriever->EndStep(l, q.data()).ok());  // background recall in flight
+  }
+  ASSERT_TRUE(h.retriever->Close().ok());
+  EXPECT_EQ(h.tier->pool->stats().in_use, 0);
+  EXPECT_TRUE(absl::IsFailedPrecondition(h.retriever->BeginStep(0, q.data()).status()));
+  EXPECT_TRUE(absl::IsFailedPrecondition(h.retriever->Append(0, q.data(), q.data(), 1)));
+  EXPECT_TRUE(h.retriever->Close().ok());  // idempotent
+}
+
+TEST(RetrieverTest, BadInputGetsClearErrors) {
+  const Geometry g = SmallGeometry();
+  Harness h(g, SmallOptions(RetrievalMode::kSpeculative));
+  const TypedBuffer q = h.seq.Query(1);
+  auto st = h.retriever->BeginStep(0, q.data()).status();
+  EXPECT_TRUE(absl::IsFailedPrecondition(st)) << st;  // nothing appended yet
+  st = h.retriever->Append(5, q.data(), q.data(), 1);
+  EXPECT_TRUE(absl::IsInvalidArgument(st)) << st;
+  EXPECT_NE(st.message().find("[0, 2)"), std::string::npos) << st;
+  st = h.retriever->Append(0, nullptr, q.data(), 1);
+  EXPECT_TRUE(absl::IsInvalidArgument(st)) << st;
+  st = h.retriever->Append(0, q.data(), q.data(), 513);
+  EXPECT_TRUE(absl::IsOutOfRange(st)) << st;
+  EXPECT_NE(st.message().find("max_tokens = 512"), std::string::npos) << st;
+  st = h.retriever->EndStep(0, q.data());
+  EXPECT_TRUE(absl::IsFailedPrecondition(st)) << st;
+
+  RetrieverOptions o = SmallOptions(RetrievalMode::kSpeculative);
+  o.recent_pages = 0;
+  auto r = Retriever::Create(g, o, *h.backend, h.tier->pool.get());
+  EXPECT_TRUE(absl::IsInvalidArgument(r.status())) << r.status();
+  o = SmallOptions(RetrievalMode::kSync);
+  r = Retriever::Create(g, o, *h.backend, nullptr);
+  EXPECT_TRUE(absl::IsInvalidArgument(r.status())) << r.status();
+  EXPECT_TRUE(absl::IsInvalidArgument(o.SetBudgetTokens(100, 32)));
+  ASSERT_TRUE(o.SetBudgetTokens(2048, 32).ok());
+  EXPECT_EQ(o.sink_pages, 16);
+  EXPECT_EQ(o.selected_pages, 32);
+  EXPECT_EQ(o.recent_pages, 16);
+}
+
+TEST(RetrieverTest, HostTierFullIsRefusedWithNothingKept) {
+  const Geometry g = SmallGeometry();
+  const RetrieverOptions o = SmallOptions(RetrievalMode::kSync);
+  auto backend = NewCpuBackend(1);
+  HostTier tier(g, 4);
+  auto r = Retriever::Create(g, o, *backend, tier.pool.get()).value();
+  TypedBuffer k(g.dtype, 40 * g.num_kv_heads * g.head_dim);
+  auto st = r->Append(0, k.data(), k.data(), 40);  // 5 pages, 4 free
+  EXPECT_TRUE(absl::IsResourceExhausted(st)) << st;
+  EXPECT_EQ(r->num_tokens(0), 0);
+  EXPECT_TRUE(r->Append(0, k.data(), k.data(), 32).ok());
+  EXPECT_TRUE(r->Wait().ok());
+  EXPECT_EQ(tier.pool->stats().in_use, 4);
+}
+
+// A long run for the sanitizer builds: 1000 layer-steps of speculative decoding with
+// appends and corrections, checking the working set as it goes.
+TEST(RetrieverTest, ThousandStepsStayConsistent) {
+  Geometry g = SmallGeometry(DType::kF16);
+  g.num_layers = 1;
+  RetrieverOptions o = SmallOptions(RetrievalMode::kSpeculative);
+  o.max_tokens = 2048;
+  o.correction_threshold = 0.3f;
+  Harness h(g, o);
+  h.Append(64);
+  std::mt19937_64 rng(1);
+  TypedBuffer q = h.seq.Query(0);
+  for (int step = 0; step < 1000; ++step) {
+    // A drifting query: mostly the previous one, sometimes a jump.
+    const TypedBuffer noise = h.seq.Query(10'000 + step);
+    const bool jump = rng() % 10 == 0;
+    for (int64_t i = 0; i < q.size(); ++i) {
+      q.Set(i, jump ? noise.Get(i) : 0.9f * q.Get(i) + 0.45f * noise.Get(i));
+    }
+    h.Step(q, /*end=*/true, /*check=*/step % 50 == 0);
+    h.Append(1);
+  }
+  ASSERT_TRUE(h.retriever->Wait().ok());
+  const RetrieverStats st = h.retriever->Stats();
+  EXPECT_EQ(st.steps, 1000);
+  EXPECT_GT(st.corrected_heads, 0);
+  EXPECT_LT(st.corrected_heads, st.checked_heads);
+  EXPECT_EQ(h.retriever->num_tokens(0), 1064);
+}
+
+}  // namespace
+}  // namespace kvtier
