@@ -3,6 +3,7 @@
 // (the human report then goes to stderr).
 //
 //   kvtier-bench attention [--context N] [--batch B] [--json] ...
+//   kvtier-bench replay [--context N] [--steps N] [--budget B] [--tau 0.9,0.8] [--json] ...
 //   kvtier-bench devices
 #include <fstream>
 #include <iostream>
@@ -10,6 +11,9 @@
 
 #include "CLI/CLI.hpp"
 #include "bench/attention_bench.h"
+#include "bench/replay_bench.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
 #include "kernels/registry.h"
 
 namespace {
@@ -20,6 +24,17 @@ int RunAttention(const kvtier::bench::AttentionBenchOptions& o, bool json, const
   auto report = kvtier::bench::RunAttentionBench(o, json ? std::cerr : std::cout);
   if (!report.ok()) {
     std::cerr << "kvtier-bench attention: " << report.status() << "\n";
+    return 1;
+  }
+  if (json) std::cout << report->ToString() << "\n";
+  if (!out.empty()) std::ofstream(out) << report->ToString() << "\n";
+  return 0;
+}
+
+int RunReplay(const kvtier::bench::ReplayBenchOptions& o, bool json, const std::string& out) {
+  auto report = kvtier::bench::RunReplayBench(o, json ? std::cerr : std::cout);
+  if (!report.ok()) {
+    std::cerr << "kvtier-bench replay: " << report.status() << "\n";
     return 1;
   }
   if (json) std::cout << report->ToString() << "\n";
@@ -70,10 +85,86 @@ int main(int argc, char** argv) {
   attn->add_flag("--json", json, "print one JSON object on stdout");
   attn->add_option("--out", out, "also write the JSON report to this file");
 
+  kvtier::bench::ReplayBenchOptions ro;
+  std::string taus = "0.9", pipeline = "streamed", write_trace, rdtype = "fp16";
+  bool no_sync = false;
+  auto* replay = app.add_subcommand(
+      "replay", "trace-driven evaluation of the retrieval modes side by side (full, "
+                "speculative per tau, sync): accuracy, recall traffic, critical path");
+  auto& so = ro.synthetic;
+  replay->add_option("--trace", ro.trace_path, "read this trace file instead of the synthetic "
+                     "trace (docs/trace-format.md)");
+  replay->add_option("--write-trace", write_trace, "write the synthetic trace to this file "
+                     "and exit");
+  replay->add_option("--context", so.prefill_tokens, "synthetic: prefill tokens")
+      ->capture_default_str();
+  replay->add_option("--steps", so.num_steps, "synthetic: decode steps")->capture_default_str();
+  replay->add_option("--layers", ro.layers, "replay the first N layers (0 = all)")
+      ->capture_default_str();
+  replay->add_option("--model-layers", so.geometry.num_layers, "synthetic: layers of the shape")
+      ->capture_default_str();
+  replay->add_option("--q-heads", so.geometry.num_q_heads)->capture_default_str();
+  replay->add_option("--kv-heads", so.geometry.num_kv_heads)->capture_default_str();
+  replay->add_option("--head-dim", so.geometry.head_dim)->capture_default_str();
+  replay->add_option("--page-size", so.geometry.page_size)->capture_default_str();
+  replay->add_option("--dtype", rdtype, "fp16, bf16 or fp32")->capture_default_str();
+  replay->add_option("--step-cosine", so.step_cosine, "synthetic: mean cos(q_t, q_t-1)")
+      ->capture_default_str();
+  replay->add_option("--jump-probability", so.jump_probability,
+                     "synthetic: topic jumps per step and KV head")->capture_default_str();
+  replay->add_option("--seed", so.seed)->capture_default_str();
+  replay->add_option("--budget", ro.budget_tokens, "working-set budget in tokens")
+      ->capture_default_str();
+  replay->add_option("--tau", taus, "comma-separated correction thresholds, one speculative "
+                     "mode each; the first is reported as \"speculative\"")->capture_default_str();
+  replay->add_flag("--no-sync", no_sync, "skip sync mode");
+  replay->add_option("--pipeline", pipeline, "recall pipeline: streamed or fused")
+      ->capture_default_str();
+  replay->add_option("--mass-layers", ro.mass_layers, "layers sampled for attn_mass_recall")
+      ->capture_default_str();
+  replay->add_option("--profile-steps", ro.profile_steps, "trailing steps run with profiling "
+                     "for the select/recall/attention split")->capture_default_str();
+  replay->add_option("--threads", ro.threads, "cpu backend threads (0 = all)")
+      ->capture_default_str();
+  replay->add_flag("--json", json, "print one JSON object on stdout");
+  replay->add_option("--out", out, "also write the JSON report to this file");
+
   auto* devices = app.add_subcommand("devices", "list the backends this build can use");
 
   CLI11_PARSE(app, argc, argv);
   if (*devices) return ListDevices();
+  if (*replay) {
+    if (!kvtier::ParseDType(rdtype, &so.geometry.dtype)) {
+      std::cerr << "kvtier-bench replay: --dtype must be fp16, bf16 or fp32\n";
+      return 2;
+    }
+    ro.taus.clear();
+    for (absl::string_view t : absl::StrSplit(taus, ',')) {
+      float v = 0;
+      if (!absl::SimpleAtof(t, &v)) {
+        std::cerr << "kvtier-bench replay: --tau: '" << t << "' is not a number\n";
+        return 2;
+      }
+      ro.taus.push_back(v);
+    }
+    ro.sync = !no_sync;
+    if (pipeline != "streamed" && pipeline != "fused") {
+      std::cerr << "kvtier-bench replay: --pipeline must be streamed or fused\n";
+      return 2;
+    }
+    ro.pipeline = pipeline == "fused" ? kvtier::RecallPipeline::kFused
+                                      : kvtier::RecallPipeline::kStreamed;
+    if (!write_trace.empty()) {
+      auto src = kvtier::bench::MakeSyntheticTrace(so);
+      absl::Status st = src.ok() ? kvtier::bench::WriteTraceFile(**src, write_trace) : src.status();
+      if (!st.ok()) {
+        std::cerr << "kvtier-bench replay: " << st << "\n";
+        return 1;
+      }
+      return 0;
+    }
+    return RunReplay(ro, json, out);
+  }
   if (!kvtier::ParseDType(dtype, &ao.geometry.dtype)) {
     std::cerr << "kvtier-bench: --dtype must be fp16, bf16 or fp32 (got " << dtype << ")\n";
     return 2;

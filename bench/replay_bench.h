@@ -1,0 +1,52 @@
+// `kvtier-bench replay`: the trace-driven evaluator of retrieval modes. One decode trace (a
+// synthetic one, or a trace file: docs/trace-format.md) is fed through one Retriever per
+// mode, in lockstep, on one backend. Per mode it reports:
+//   - attn_mass_recall: the exact softmax mass on the working set's pages over the mass on
+//     the exact top-budget pages (oracle page top-k), mean over query heads, sampled layers
+//     and steps;
+//   - rel_error: ‖out − out_full‖ / ‖out_full‖ of the attention output against full mode
+//     (which is always run: it is the reference), mean over layers and steps;
+//   - correction_rate: corrected / checked KV heads (speculative modes);
+//   - recall_bytes_per_step: recalled K+V bytes per decode step (all layers);
+//   - critical_path_us_per_step: what an engine waits for per decode step (all layers):
+//     append, BeginStep, attention up to its output, EndStep's launch; background work of
+//     speculative mode overlaps it. Averaged over the unprofiled steps;
+//   - select_us / recall_us / attention_us per step: the split, measured on separate
+//     profiled steps (every phase synchronised), so it shows cost, not overlap.
+#ifndef KVTIER_BENCH_REPLAY_BENCH_H_
+#define KVTIER_BENCH_REPLAY_BENCH_H_
+
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "bench/report.h"
+#include "bench/trace.h"
+#include "kernels/backend.h"
+#include "kvtier/retriever.h"
+
+namespace kvtier::bench {
+
+struct ReplayBenchOptions {
+  std::string trace_path;             // empty: the synthetic trace below
+  SyntheticTraceOptions synthetic;    // geometry, context, steps, query process, seed
+  int32_t layers = 0;                 // replay only the first N layers; 0 = all
+  int32_t budget_tokens = 2048;       // working set: 1/4 sinks, 1/2 selected, 1/4 recent
+  std::vector<float> taus = {0.9f};   // speculative mode per τ; the first is "speculative"
+  bool sync = true;                   // also run sync mode
+  RecallPipeline pipeline = RecallPipeline::kStreamed;
+  int32_t mass_layers = 4;            // layers (evenly spaced) for attn_mass_recall
+  int32_t profile_steps = 4;          // trailing steps run with profiling for the split
+  BackendKind backend = BackendKind::kCpu;
+  int threads = 0;                    // cpu backend threads; 0 = all
+};
+
+// Runs the replay, writing a human-readable table to `log`; returns
+// {"modes": {"speculative": {...}, "sync": {...}, "full": {...}, ...}, ...}.
+// INVALID_ARGUMENT for inconsistent options (naming the option and the limit).
+absl::StatusOr<JsonObject> RunReplayBench(const ReplayBenchOptions& o, std::ostream& log);
+
+}  // namespace kvtier::bench
+
+#endif  // KVTIER_BENCH_REPLAY_BENCH_H_
