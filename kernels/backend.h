@@ -34,6 +34,13 @@ namespace kvtier {
 
 enum class BackendKind : uint8_t { kAuto = 0, kCpu = 1, kCuda = 2 };
 
+// Scheduling priority of a stream, as CUDA's stream priorities: work on a low-priority
+// stream yields to normal work, so background recall does not slow attention down. The cpu
+// backend runs a low-priority stream's ops on its own worker thread at the lowest OS
+// priority instead of on the shared thread pool; the cuda backend uses the device's lowest
+// stream priority.
+enum class StreamPriority : uint8_t { kNormal = 0, kLow = 1 };
+
 class Backend;
 
 // Backend memory, move-only; frees itself. The Backend must outlive it.
@@ -96,7 +103,10 @@ class Backend {
 
   // Backend memory of `bytes`, 256-byte aligned. RESOURCE_EXHAUSTED when out of memory.
   virtual absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) = 0;
-  virtual absl::StatusOr<std::unique_ptr<Stream>> CreateStream() = 0;
+  absl::StatusOr<std::unique_ptr<Stream>> CreateStream() {
+    return CreateStream(StreamPriority::kNormal);
+  }
+  virtual absl::StatusOr<std::unique_ptr<Stream>> CreateStream(StreamPriority priority) = 0;
   virtual absl::StatusOr<std::unique_ptr<Event>> CreateEvent() = 0;
 
   // Pins/registers host memory for DMA and zero-copy access (at most kMaxRegisterBytes a

@@ -319,9 +319,10 @@ absl::Status RetrieverImpl::Init() {
     KVTIER_ASSIGN_OR_RETURN(own_compute_, backend_.CreateStream());
     compute_ = own_compute_.get();
   }
-  KVTIER_ASSIGN_OR_RETURN(recall_, backend_.CreateStream());
+  // Background work runs at low priority so it yields to attention.
+  KVTIER_ASSIGN_OR_RETURN(recall_, backend_.CreateStream(StreamPriority::kLow));
   KVTIER_ASSIGN_OR_RETURN(xform_fg_, backend_.CreateStream());
-  KVTIER_ASSIGN_OR_RETURN(xform_bg_, backend_.CreateStream());
+  KVTIER_ASSIGN_OR_RETURN(xform_bg_, backend_.CreateStream(StreamPriority::kLow));
   KVTIER_ASSIGN_OR_RETURN(sync_compute_, backend_.CreateEvent());
   KVTIER_ASSIGN_OR_RETURN(sync_recall_, backend_.CreateEvent());
 

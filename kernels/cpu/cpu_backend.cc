@@ -33,8 +33,9 @@ class CpuBackend final : public Backend {
     return DeviceBuffer(this, p, bytes);
   }
 
-  absl::StatusOr<std::unique_ptr<Stream>> CreateStream() override {
-    return std::unique_ptr<Stream>(std::make_unique<CpuStream>());
+  absl::StatusOr<std::unique_ptr<Stream>> CreateStream(StreamPriority priority) override {
+    return std::unique_ptr<Stream>(
+        std::make_unique<CpuStream>(priority == StreamPriority::kLow));
   }
   absl::StatusOr<std::unique_ptr<Event>> CreateEvent() override {
     return std::unique_ptr<Event>(std::make_unique<CpuEvent>());
@@ -66,35 +67,41 @@ class CpuBackend final : public Backend {
  protected:
   void Free(void* data) override { std::free(data); }
 
+  // Ops of a low-priority stream run on its own (low-priority) worker alone.
+  ThreadPool* PoolFor(Stream& s) {
+    auto* cs = dynamic_cast<CpuStream*>(&s);
+    return cs != nullptr && cs->low_priority() ? nullptr : &pool_;
+  }
+
   absl::Status DoScorePages(Stream& s, const ScorePagesArgs& a) override {
-    return Submit(s, [this, a] { return CpuScorePages(a, &pool_); });
+    return Submit(s, [a, pool = PoolFor(s)] { return CpuScorePages(a, pool); });
   }
   absl::Status DoTopK(Stream& s, const TopKArgs& a) override {
-    return Submit(s, [this, a] { return CpuTopK(a, &pool_); });
+    return Submit(s, [a, pool = PoolFor(s)] { return CpuTopK(a, pool); });
   }
   absl::Status DoQueryCosine(Stream& s, const QueryCosineArgs& a) override {
-    return Submit(s, [this, a] { return CpuQueryCosine(a, &pool_); });
+    return Submit(s, [a, pool = PoolFor(s)] { return CpuQueryCosine(a, pool); });
   }
   absl::Status DoRecall(Stream& s, const RecallArgs& a) override {
-    return Submit(s, [this, a] { return CpuRecall(a, &pool_); });
+    return Submit(s, [a, pool = PoolFor(s)] { return CpuRecall(a, pool); });
   }
   absl::Status DoGatherSlabs(Stream& s, const GatherSlabsArgs& a) override {
-    return Submit(s, [this, a] { return CpuGatherSlabs(a, &pool_); });
+    return Submit(s, [a, pool = PoolFor(s)] { return CpuGatherSlabs(a, pool); });
   }
   absl::Status DoScatterSlabs(Stream& s, const ScatterSlabsArgs& a) override {
-    return Submit(s, [this, a] { return CpuScatterSlabs(a, &pool_); });
+    return Submit(s, [a, pool = PoolFor(s)] { return CpuScatterSlabs(a, pool); });
   }
   absl::Status DoReplace(Stream& s, const ReplaceArgs& a) override {
-    return Submit(s, [this, a] { return CpuReplace(a, &pool_); });
+    return Submit(s, [a, pool = PoolFor(s)] { return CpuReplace(a, pool); });
   }
   absl::Status DoOffload(Stream& s, const OffloadArgs& a) override {
-    return Submit(s, [this, a] { return CpuOffload(a, &pool_); });
+    return Submit(s, [a, pool = PoolFor(s)] { return CpuOffload(a, pool); });
   }
   absl::Status DoSparseAttention(Stream& s, const SparseAttentionArgs& a) override {
-    return Submit(s, [this, a] { return CpuSparseAttention(a, &pool_); });
+    return Submit(s, [a, pool = PoolFor(s)] { return CpuSparseAttention(a, pool); });
   }
   absl::Status DoDenseAttention(Stream& s, const DenseAttentionArgs& a) override {
-    return Submit(s, [this, a] { return CpuDenseAttention(a, &pool_); });
+    return Submit(s, [a, pool = PoolFor(s)] { return CpuDenseAttention(a, pool); });
   }
 
  private:

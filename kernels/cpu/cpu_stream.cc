@@ -1,5 +1,9 @@
 #include "kernels/cpu/cpu_stream.h"
 
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <utility>
 
@@ -52,7 +56,8 @@ absl::Status CpuEvent::WaitFor(uint64_t seq) {
   return status_;
 }
 
-CpuStream::CpuStream() : worker_([this] { WorkerLoop(); }) {}
+CpuStream::CpuStream(bool low_priority)
+    : low_priority_(low_priority), worker_([this] { WorkerLoop(); }) {}
 
 CpuStream::~CpuStream() {
   {
@@ -106,6 +111,8 @@ absl::Status CpuStream::Synchronize() {
 }
 
 void CpuStream::WorkerLoop() {
+  // Best effort: without the right to lower its priority the thread keeps the default.
+  if (low_priority_) (void)setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), 19);
   while (true) {
     Task task;
     bool failed;

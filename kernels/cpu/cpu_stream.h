@@ -48,7 +48,8 @@ class CpuEvent final : public Event {
 
 class CpuStream final : public Stream {
  public:
-  CpuStream();
+  // A low-priority stream's worker runs at the lowest OS priority (nice 19).
+  explicit CpuStream(bool low_priority = false);
   // Runs the work already enqueued, then joins the worker.
   ~CpuStream() override;
 
@@ -59,6 +60,7 @@ class CpuStream final : public Stream {
   // Enqueues a task. Unless the stream has already failed, it runs after every task
   // enqueued before it; its error becomes the stream's sticky status.
   void Enqueue(std::function<absl::Status()> task);
+  bool low_priority() const { return low_priority_; }
 
  private:
   struct Task {
@@ -69,6 +71,7 @@ class CpuStream final : public Stream {
   void WorkerLoop();
   bool Idle() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return queue_.empty() && !busy_; }
 
+  const bool low_priority_;
   Mutex mu_;
   CondVar work_cv_;  // signalled when a task is queued or stopping_ is set
   CondVar idle_cv_;  // signalled when the worker finishes a task

@@ -66,9 +66,10 @@ class CudaBackend final : public Backend {
     return DeviceBuffer(this, data, bytes);
   }
 
-  absl::StatusOr<std::unique_ptr<Stream>> CreateStream() override {
+  absl::StatusOr<std::unique_ptr<Stream>> CreateStream(StreamPriority priority) override {
     KVTIER_CUDA_SCOPED_DEVICE(device_);
-    KVTIER_ASSIGN_OR_RETURN(auto stream, cuda::CudaStream::Create(this, device_, slots_));
+    KVTIER_ASSIGN_OR_RETURN(auto stream, cuda::CudaStream::Create(this, device_, slots_,
+                                                                  priority == StreamPriority::kLow));
     return std::unique_ptr<Stream>(std::move(stream));
   }
 

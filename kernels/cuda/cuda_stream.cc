@@ -210,9 +210,13 @@ ErrorDeps CudaEvent::captured() const {
 // ---- CudaStream ----
 
 absl::StatusOr<std::unique_ptr<CudaStream>> CudaStream::Create(const Backend* owner, int device,
-                                                               ErrorSlotPool& slots) {
+                                                               ErrorSlotPool& slots,
+                                                               bool low_priority) {
+  int least = 0, greatest = 0;  // numerically: least is the lowest priority
+  KVTIER_CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&least, &greatest));
   cudaStream_t stream = nullptr;
-  KVTIER_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  KVTIER_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking,
+                                                           low_priority ? least : 0));
   absl::StatusOr<std::shared_ptr<ErrorSlot>> errors = slots.Acquire(stream);
   if (!errors.ok()) {
     (void)cudaStreamDestroy(stream);

@@ -137,9 +137,10 @@ class CudaEvent final : public Event {
 class CudaStream final : public Stream {
  public:
   // A non-blocking stream on `device` (which must be current), reporting into a slot of
-  // `slots`.
+  // `slots`; low priority uses the device's lowest stream priority.
   static absl::StatusOr<std::unique_ptr<CudaStream>> Create(const Backend* owner, int device,
-                                                            ErrorSlotPool& slots);
+                                                            ErrorSlotPool& slots,
+                                                            bool low_priority = false);
   // Waits for the enqueued work, then destroys the stream.
   ~CudaStream() override;
 

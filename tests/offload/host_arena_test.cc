@@ -70,7 +70,9 @@ class RecordingBackend : public Backend {
   BackendKind kind() const override { return BackendKind::kCpu; }
   std::string Describe() const override { return "recording fake"; }
   absl::StatusOr<DeviceBuffer> Allocate(size_t) override { return Unimplemented(); }
-  absl::StatusOr<std::unique_ptr<Stream>> CreateStream() override { return Unimplemented(); }
+  absl::StatusOr<std::unique_ptr<Stream>> CreateStream(StreamPriority) override {
+    return Unimplemented();
+  }
   absl::StatusOr<std::unique_ptr<Event>> CreateEvent() override { return Unimplemented(); }
   absl::Status RegisterHost(void* data, size_t bytes) override {
     if (static_cast<int>(registered.size()) + 1 == fail_at) {

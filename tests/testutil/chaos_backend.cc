@@ -90,7 +90,9 @@ class ChaosBackend final : public Backend {
     return DeviceBuffer(this, p, bytes);
   }
 
-  absl::StatusOr<std::unique_ptr<Stream>> CreateStream() override {
+  // Priorities are ignored: every stream's ops share the pool, as ordering is what this
+  // backend tests.
+  absl::StatusOr<std::unique_ptr<Stream>> CreateStream(StreamPriority) override {
     return std::unique_ptr<Stream>(std::make_unique<ChaosStream>(
         options_, next_stream_.fetch_add(1, std::memory_order_relaxed), counters_));
   }
