@@ -92,6 +92,7 @@ int main(int argc, char** argv) {
       "replay", "trace-driven evaluation of the retrieval modes side by side (full, "
                 "speculative per tau, sync): accuracy, recall traffic, critical path");
   auto& so = ro.synthetic;
+  so.num_steps = 16;  // modest by default; --steps for longer runs
   replay->add_option("--trace", ro.trace_path, "read this trace file instead of the synthetic "
                      "trace (docs/trace-format.md)");
   replay->add_option("--write-trace", write_trace, "write the synthetic trace to this file "

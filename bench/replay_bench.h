@@ -31,7 +31,9 @@ namespace kvtier::bench {
 struct ReplayBenchOptions {
   std::string trace_path;             // empty: the synthetic trace below
   SyntheticTraceOptions synthetic;    // geometry, context, steps, query process, seed
-  int32_t layers = 0;                 // replay only the first N layers; 0 = all
+  // Replay only the first N layers (modest by default: every layer costs a host tier per
+  // mode); 0 = all.
+  int32_t layers = 4;
   int32_t budget_tokens = 2048;       // working set: 1/4 sinks, 1/2 selected, 1/4 recent
   std::vector<float> taus = {0.9f};   // speculative mode per τ; the first is "speculative"
   bool sync = true;                   // also run sync mode
