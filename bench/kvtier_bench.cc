@@ -87,7 +87,7 @@ int main(int argc, char** argv) {
 
   kvtier::bench::ReplayBenchOptions ro;
   std::string taus = "0.9", pipeline = "streamed", write_trace, rdtype = "fp16";
-  bool no_sync = false;
+  bool no_sync = false, no_drop = false;
   auto* replay = app.add_subcommand(
       "replay", "trace-driven evaluation of the retrieval modes side by side (full, "
                 "speculative per tau, sync): accuracy, recall traffic, critical path");
@@ -119,6 +119,7 @@ int main(int argc, char** argv) {
   replay->add_option("--tau", taus, "comma-separated correction thresholds, one speculative "
                      "mode each; the first is reported as \"speculative\"")->capture_default_str();
   replay->add_flag("--no-sync", no_sync, "skip sync mode");
+  replay->add_flag("--no-drop", no_drop, "skip drop mode (sinks + sliding window)");
   replay->add_option("--pipeline", pipeline, "recall pipeline: streamed or fused")
       ->capture_default_str();
   replay->add_option("--mass-layers", ro.mass_layers, "layers sampled for attn_mass_recall")
@@ -149,6 +150,7 @@ int main(int argc, char** argv) {
       ro.taus.push_back(v);
     }
     ro.sync = !no_sync;
+    ro.drop = !no_drop;
     if (pipeline != "streamed" && pipeline != "fused") {
       std::cerr << "kvtier-bench replay: --pipeline must be streamed or fused\n";
       return 2;

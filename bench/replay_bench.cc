@@ -169,6 +169,7 @@ absl::Status Replay::Setup() {
     KVTIER_RETURN_IF_ERROR(AddMode(name, RetrievalMode::kSpeculative, o_.taus[i]));
   }
   if (o_.sync) KVTIER_RETURN_IF_ERROR(AddMode("sync", RetrievalMode::kSync, 0.0f));
+  if (o_.drop) KVTIER_RETURN_IF_ERROR(AddMode("drop", RetrievalMode::kDrop, 0.0f));
 
   const int32_t nm = std::min(o_.mass_layers, g_.num_layers);
   for (int32_t i = 0; i < nm; ++i) mass_layers_.push_back(i * g_.num_layers / nm);

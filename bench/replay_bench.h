@@ -1,4 +1,5 @@
-// `kvtier-bench replay`: the trace-driven evaluator of retrieval modes. One decode trace (a
+// `kvtier-bench replay`: the trace-driven evaluator of retrieval modes (full, speculative per
+// τ, sync, drop). One decode trace (a
 // synthetic one, or a trace file: docs/trace-format.md) is fed through one Retriever per
 // mode, in lockstep, on one backend. Per mode it reports:
 //   - attn_mass_recall: the exact softmax mass on the working set's pages over the mass on
@@ -37,6 +38,7 @@ struct ReplayBenchOptions {
   int32_t budget_tokens = 2048;       // working set: 1/4 sinks, 1/2 selected, 1/4 recent
   std::vector<float> taus = {0.9f};   // speculative mode per τ; the first is "speculative"
   bool sync = true;                   // also run sync mode
+  bool drop = true;                   // also run drop mode (sinks + sliding window, no host tier)
   RecallPipeline pipeline = RecallPipeline::kStreamed;
   int32_t mass_layers = 4;            // layers (evenly spaced) for attn_mass_recall
   int32_t profile_steps = 4;          // trailing steps run with profiling for the split
