@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "bench/synthetic_kv.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/registry.h"
 #include "kvtier/status.h"
@@ -15,27 +16,6 @@
 
 namespace kvtier::bench {
 namespace {
-
-float Load(const uint8_t* data, DType t, int64_t i) {
-  switch (t) {
-    case DType::kF16: {
-      Half h;
-      std::memcpy(&h, data + i * 2, 2);
-      return HalfToFloat(h);
-    }
-    case DType::kBF16: {
-      BFloat16 b;
-      std::memcpy(&b, data + i * 2, 2);
-      return BFloat16ToFloat(b);
-    }
-    case DType::kF32: {
-      float f;
-      std::memcpy(&f, data + i * 4, 4);
-      return f;
-    }
-  }
-  return 0.0f;
-}
 
 float Dot(const float* a, const float* b, int32_t n) {
   float s[4] = {0, 0, 0, 0};
@@ -55,7 +35,7 @@ struct ModeRun {
   std::unique_ptr<HostArena> arena;
   std::unique_ptr<PagePool> pool;
   std::unique_ptr<Retriever> retriever;
-  std::vector<DeviceBuffer> out;              // per layer [Hq][d]
+  std::vector<DeviceBuffer> out;               // per layer [Hq][d]
   std::vector<std::vector<uint8_t>> out_host;  // per layer
   std::vector<std::vector<int32_t>> tables;    // per layer [Hkv][S], after BeginStep
   std::unique_ptr<Event> done;
@@ -84,13 +64,13 @@ class Replay {
   const ReplayBenchOptions o_;
   std::ostream& log_;
   std::unique_ptr<TraceSource> trace_;
-  Geometry g_;      // the replayed geometry (first `layers` layers of the trace's)
-  int32_t T_ = 0;   // prefill tokens
-  int32_t N_ = 0;   // steps
+  Geometry g_;     // the replayed geometry (first `layers` layers of the trace's)
+  int32_t T_ = 0;  // prefill tokens
+  int32_t N_ = 0;  // steps
   int32_t max_tokens_ = 0;
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<Stream> io_;
-  std::vector<ModeRun> modes_;  // modes_[0] is full: the reference
+  std::vector<ModeRun> modes_;           // modes_[0] is full: the reference
   std::vector<DeviceBuffer> q_, k_, v_;  // per layer, this step's inputs
   std::vector<std::vector<uint8_t>> q_host_;
   std::vector<int32_t> mass_layers_;
@@ -142,9 +122,9 @@ absl::Status Replay::Setup() {
   }
   g_ = trace_->geometry();
   if (o_.layers < 0 || o_.layers > g_.num_layers) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "--layers = %d: must be in [0, %d] (0 = all layers of the trace)", o_.layers,
-        g_.num_layers));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--layers = %d: must be in [0, %d] (0 = all layers of the trace)",
+                        o_.layers, g_.num_layers));
   }
   if (o_.layers > 0) g_.num_layers = o_.layers;
   T_ = trace_->prefill_tokens();
@@ -204,7 +184,7 @@ absl::Status Replay::Prefill() {
     if (it != mass_layers_.end()) {
       std::vector<float>& kf = k_float_[it - mass_layers_.begin()];
       kf.resize(static_cast<size_t>(max_tokens_) * row);
-      for (int64_t i = 0; i < int64_t{T_} * row; ++i) kf[i] = Load(k.data(), g_.dtype, i);
+      for (int64_t i = 0; i < int64_t{T_} * row; ++i) kf[i] = LoadAsFloat(k, g_.dtype, i);
     }
   }
   return absl::OkStatus();
@@ -222,8 +202,8 @@ absl::Status Replay::RunLayer(ModeRun& m, int32_t l, bool timed, double* us) {
   const absl::Time t1 = absl::Now();
   // Not timed: read back the output and the slot tables for the accuracy metrics.
   m.tables[l].resize(static_cast<size_t>(g_.num_kv_heads) * view.num_slots);
-  KVTIER_RETURN_IF_ERROR(backend_->Copy(r.compute_stream(), m.out_host[l].data(),
-                                        m.out[l].data(), m.out_host[l].size()));
+  KVTIER_RETURN_IF_ERROR(backend_->Copy(r.compute_stream(), m.out_host[l].data(), m.out[l].data(),
+                                        m.out_host[l].size()));
   KVTIER_RETURN_IF_ERROR(backend_->Copy(r.compute_stream(), m.tables[l].data(), view.slot_table,
                                         m.tables[l].size() * sizeof(int32_t)));
   KVTIER_RETURN_IF_ERROR(r.compute_stream().Record(*m.done));
@@ -239,14 +219,15 @@ absl::Status Replay::Step(int32_t step, bool profiled) {
   const int64_t row = int64_t{g_.num_kv_heads} * g_.head_dim;
   for (int32_t l = 0; l < g_.num_layers; ++l) {
     KVTIER_RETURN_IF_ERROR(trace_->Step(step, l, &q_host_[l], &k, &v));
-    KVTIER_RETURN_IF_ERROR(backend_->Copy(*io_, q_[l].data(), q_host_[l].data(), q_host_[l].size()));
+    KVTIER_RETURN_IF_ERROR(
+        backend_->Copy(*io_, q_[l].data(), q_host_[l].data(), q_host_[l].size()));
     KVTIER_RETURN_IF_ERROR(backend_->Copy(*io_, k_[l].data(), k.data(), k.size()));
     KVTIER_RETURN_IF_ERROR(backend_->Copy(*io_, v_[l].data(), v.data(), v.size()));
     KVTIER_RETURN_IF_ERROR(io_->Synchronize());
     const auto it = std::find(mass_layers_.begin(), mass_layers_.end(), l);
     if (it != mass_layers_.end()) {
       float* dst = k_float_[it - mass_layers_.begin()].data() + int64_t{T_ + step} * row;
-      for (int64_t i = 0; i < row; ++i) dst[i] = Load(k.data(), g_.dtype, i);
+      for (int64_t i = 0; i < row; ++i) dst[i] = LoadAsFloat(k, g_.dtype, i);
     }
   }
   for (ModeRun& m : modes_) {
@@ -273,11 +254,12 @@ void Replay::Score(int32_t step) {
   for (int32_t l = 0; l < g_.num_layers; ++l) {
     const std::vector<uint8_t>& ref = modes_[0].out_host[l];
     double ref_norm = 0;
-    for (int64_t i = 0; i < n; ++i) ref_norm += std::pow(Load(ref.data(), g_.dtype, i), 2);
+    for (int64_t i = 0; i < n; ++i) ref_norm += std::pow(LoadAsFloat(ref, g_.dtype, i), 2);
     for (ModeRun& m : modes_) {
       double err = 0;
       for (int64_t i = 0; i < n; ++i) {
-        err += std::pow(Load(m.out_host[l].data(), g_.dtype, i) - Load(ref.data(), g_.dtype, i), 2);
+        const float diff = LoadAsFloat(m.out_host[l], g_.dtype, i) - LoadAsFloat(ref, g_.dtype, i);
+        err += static_cast<double>(diff) * diff;
       }
       m.rel_error_sum += ref_norm > 0 ? std::sqrt(err / ref_norm) : 0.0;
       ++m.error_samples;
@@ -298,7 +280,7 @@ void Replay::Score(int32_t step) {
       std::vector<float> q(g_.head_dim), logit(tokens);
       for (int64_t hq = begin; hq < end; ++hq) {
         for (int32_t i = 0; i < g_.head_dim; ++i) {
-          q[i] = Load(q_host_[l].data(), g_.dtype, hq * g_.head_dim + i);
+          q[i] = LoadAsFloat(q_host_[l], g_.dtype, hq * g_.head_dim + i);
         }
         const int32_t h = static_cast<int32_t>(hq) / G;
         float mx = -INFINITY;
@@ -338,8 +320,8 @@ void Replay::Score(int32_t step) {
 
 JsonObject Replay::Report() const {
   JsonObject modes;
-  log_ << absl::StrFormat("%-22s %9s %10s %9s %13s %13s %24s\n", "mode", "mass_rec",
-                          "rel_error", "corr_rate", "recall KiB/st", "critical ms/st",
+  log_ << absl::StrFormat("%-22s %9s %10s %9s %13s %13s %24s\n", "mode", "mass_rec", "rel_error",
+                          "corr_rate", "recall KiB/st", "critical ms/st",
                           "select/recall/attn ms/st");
   const ModeRun* spec = nullptr;
   const ModeRun* sync = nullptr;
@@ -353,7 +335,8 @@ JsonObject Replay::Report() const {
     const double crit = m.critical_steps ? m.critical_us / m.critical_steps : 0.0;
     const double recall_bytes = static_cast<double>(st.recalled_bytes) / steps;
     JsonObject j;
-    j.Add("attn_mass_recall", mass).Add("rel_error", err)
+    j.Add("attn_mass_recall", mass)
+        .Add("rel_error", err)
         .Add("correction_rate", st.correction_rate())
         .Add("recall_bytes_per_step", recall_bytes)
         .Add("critical_path_us_per_step", crit)
@@ -368,16 +351,23 @@ JsonObject Replay::Report() const {
     modes.AddObject(m.name, j);
     log_ << absl::StrFormat("%-22s %9.4f %10.4f %9.3f %13.1f %13.2f %8.2f/%6.2f/%7.2f\n", m.name,
                             mass, err, st.correction_rate(), recall_bytes / 1024, crit / 1000,
-                            st.select_us / profiled_steps / 1000, st.recall_us / profiled_steps / 1000,
+                            st.select_us / profiled_steps / 1000,
+                            st.recall_us / profiled_steps / 1000,
                             st.attention_us / profiled_steps / 1000);
     if (m.name == "speculative") spec = &m;
     if (m.name == "sync") sync = &m;
   }
   JsonObject j;
-  j.Add("bench", "replay").Add("device", backend_->Describe()).Add("host", HostCpu())
-      .Add("commit", Commit()).Add("time", UtcNow()).Add("geometry", g_.ToString())
+  j.Add("bench", "replay")
+      .Add("device", backend_->Describe())
+      .Add("host", HostCpu())
+      .Add("commit", Commit())
+      .Add("time", UtcNow())
+      .Add("geometry", g_.ToString())
       .Add("trace", o_.trace_path.empty() ? std::string("synthetic") : o_.trace_path)
-      .Add("prefill_tokens", T_).Add("steps", N_).Add("layers", g_.num_layers)
+      .Add("prefill_tokens", T_)
+      .Add("steps", N_)
+      .Add("layers", g_.num_layers)
       .Add("budget_tokens", o_.budget_tokens)
       .Add("pipeline", o_.pipeline == RecallPipeline::kStreamed ? "streamed" : "fused")
       .Add("profiled_steps", o_.profile_steps)

@@ -30,20 +30,20 @@
 namespace kvtier::bench {
 
 struct ReplayBenchOptions {
-  std::string trace_path;             // empty: the synthetic trace below
-  SyntheticTraceOptions synthetic;    // geometry, context, steps, query process, seed
+  std::string trace_path;           // empty: the synthetic trace below
+  SyntheticTraceOptions synthetic;  // geometry, context, steps, query process, seed
   // Replay only the first N layers (modest by default: every layer costs a host tier per
   // mode); 0 = all.
   int32_t layers = 4;
-  int32_t budget_tokens = 2048;       // working set: 1/4 sinks, 1/2 selected, 1/4 recent
-  std::vector<float> taus = {0.9f};   // speculative mode per τ; the first is "speculative"
-  bool sync = true;                   // also run sync mode
-  bool drop = true;                   // also run drop mode (sinks + sliding window, no host tier)
+  int32_t budget_tokens = 2048;      // working set: 1/4 sinks, 1/2 selected, 1/4 recent
+  std::vector<float> taus = {0.9f};  // speculative mode per τ; the first is "speculative"
+  bool sync = true;                  // also run sync mode
+  bool drop = true;                  // also run drop mode (sinks + sliding window, no host tier)
   RecallPipeline pipeline = RecallPipeline::kStreamed;
-  int32_t mass_layers = 4;            // layers (evenly spaced) for attn_mass_recall
-  int32_t profile_steps = 4;          // trailing steps run with profiling for the split
+  int32_t mass_layers = 4;    // layers (evenly spaced) for attn_mass_recall
+  int32_t profile_steps = 4;  // trailing steps run with profiling for the split
   BackendKind backend = BackendKind::kCpu;
-  int threads = 0;                    // cpu backend threads; 0 = all
+  int threads = 0;  // cpu backend threads; 0 = all
 };
 
 // Runs the replay, writing a human-readable table to `log`; returns

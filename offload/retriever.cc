@@ -82,10 +82,10 @@ struct StatRecord {
   int32_t layer = 0;
   int64_t step = 0;
   bool background = false;
-  bool checked = false;  // drift flags are meaningful (a correction check ran)
-  std::vector<int32_t> misses;      // [Hkv]
-  std::vector<uint8_t> drifted;     // [Hkv]
-  std::vector<float> group_mean;    // [Hkv]
+  bool checked = false;           // drift flags are meaningful (a correction check ran)
+  std::vector<int32_t> misses;    // [Hkv]
+  std::vector<uint8_t> drifted;   // [Hkv]
+  std::vector<float> group_mean;  // [Hkv]
   std::unique_ptr<Event> done;
 };
 
@@ -193,8 +193,7 @@ class RetrieverImpl final : public Retriever {
   absl::Status Select(Stream& s, Stream* xform, int32_t layer, const void* q,
                       const int32_t* num_pages, const uint8_t* mask, int32_t recent_full);
   absl::Status RecallPlan(Stream& drive, Stream* xform, LayerState& l);
-  absl::Status RecordStats(Stream& s, int32_t layer, int64_t step, bool background,
-                           bool checked);
+  absl::Status RecordStats(Stream& s, int32_t layer, int64_t step, bool background, bool checked);
   absl::Status Collect(bool block);
   // While profiling: waits for `s` and adds the time since *mark to *total_us.
   absl::Status Lap(Stream& s, absl::Time* mark, double* total_us) {
@@ -307,8 +306,8 @@ absl::Status RetrieverImpl::Init() {
   scale_ = o_.softmax_scale > 0 ? o_.softmax_scale : 1.0f / std::sqrt(float(g_.head_dim));
   if (has_host_tier()) {
     if (pool_ == nullptr) {
-      return bad(absl::StrFormat("retriever mode %s needs a host page pool",
-                                 RetrievalModeName(o_.mode)));
+      return bad(
+          absl::StrFormat("retriever mode %s needs a host page pool", RetrievalModeName(o_.mode)));
     }
     KVTIER_ASSIGN_OR_RETURN(offloader_, PageOffloader::Create(g_, backend_, *pool_));
   }
@@ -367,8 +366,7 @@ absl::Status RetrieverImpl::Init() {
     if (select) {
       KVTIER_RETURN_IF_ERROR(
           backend_.Memset(*compute_, l.host_page_of.data(), 0xFF, l.host_page_of.size()));
-      KVTIER_RETURN_IF_ERROR(
-          backend_.Memset(*compute_, l.summaries.data(), 0, l.summaries.size()));
+      KVTIER_RETURN_IF_ERROR(backend_.Memset(*compute_, l.summaries.data(), 0, l.summaries.size()));
     }
     l.table_mirror.assign(hkv * S_, kEmptySlot);
   }
@@ -422,18 +420,18 @@ absl::Status RetrieverImpl::UploadTable(LayerState& l) {
   for (int32_t h = 0; h < g_.num_kv_heads; ++h) {
     const size_t row = static_cast<size_t>(h) * S_;
     if (!selects) {
-      KVTIER_RETURN_IF_ERROR(Upload(*compute_, table + row, &l.table_mirror[row],
-                                    S_ * sizeof(int32_t)));
+      KVTIER_RETURN_IF_ERROR(
+          Upload(*compute_, table + row, &l.table_mirror[row], S_ * sizeof(int32_t)));
       continue;
     }
     // Sinks and the recent ring; the selected region between them belongs to the device.
     if (o_.sink_pages > 0) {
-      KVTIER_RETURN_IF_ERROR(Upload(*compute_, table + row, &l.table_mirror[row],
-                                    o_.sink_pages * sizeof(int32_t)));
+      KVTIER_RETURN_IF_ERROR(
+          Upload(*compute_, table + row, &l.table_mirror[row], o_.sink_pages * sizeof(int32_t)));
     }
     const size_t ring = row + o_.sink_pages + k();
-    KVTIER_RETURN_IF_ERROR(Upload(*compute_, table + ring, &l.table_mirror[ring],
-                                  o_.recent_pages * sizeof(int32_t)));
+    KVTIER_RETURN_IF_ERROR(
+        Upload(*compute_, table + ring, &l.table_mirror[ring], o_.recent_pages * sizeof(int32_t)));
   }
   return absl::OkStatus();
 }
@@ -475,8 +473,7 @@ absl::Status RetrieverImpl::FlushOffloads(int32_t layer) {
   return absl::OkStatus();
 }
 
-absl::Status RetrieverImpl::Append(int32_t layer, const void* k, const void* v,
-                                   int32_t n_tokens) {
+absl::Status RetrieverImpl::Append(int32_t layer, const void* k, const void* v, int32_t n_tokens) {
   KVTIER_RETURN_IF_ERROR(CheckCall(layer, "Append"));
   if (k == nullptr || v == nullptr) {
     return absl::InvalidArgumentError("Append: k and v must be non-null");
@@ -496,9 +493,9 @@ absl::Status RetrieverImpl::Append(int32_t layer, const void* k, const void* v,
     const int64_t filling = (l.tokens + n_tokens) / p - l.tokens / p;
     const PagePoolStats ps = pool_->stats();
     if (filling > ps.capacity - ps.in_use) {
-      return absl::ResourceExhaustedError(absl::StrFormat(
-          "Append: %d pages would fill but the host tier has %d of %d pages free", filling,
-          ps.capacity - ps.in_use, ps.capacity));
+      return absl::ResourceExhaustedError(
+          absl::StrFormat("Append: %d pages would fill but the host tier has %d of %d pages free",
+                          filling, ps.capacity - ps.in_use, ps.capacity));
     }
   }
   // From here on a failure leaves the layer inconsistent: it fails the Retriever.
@@ -652,8 +649,8 @@ absl::Status RetrieverImpl::Select(Stream& s, Stream* xform, int32_t layer, cons
   return Lap(s, &mark, &stats_.recall_us);
 }
 
-absl::Status RetrieverImpl::RecordStats(Stream& s, int32_t layer, int64_t step,
-                                        bool background, bool checked) {
+absl::Status RetrieverImpl::RecordStats(Stream& s, int32_t layer, int64_t step, bool background,
+                                        bool checked) {
   LayerState& l = layers_[layer];
   StatRecord r;
   r.layer = layer;
@@ -662,8 +659,8 @@ absl::Status RetrieverImpl::RecordStats(Stream& s, int32_t layer, int64_t step,
   r.checked = checked;
   const size_t hkv = g_.num_kv_heads;
   r.misses.resize(hkv);
-  KVTIER_RETURN_IF_ERROR(backend_.Copy(s, r.misses.data(), l.num_misses.data(),
-                                       hkv * sizeof(int32_t)));
+  KVTIER_RETURN_IF_ERROR(
+      backend_.Copy(s, r.misses.data(), l.num_misses.data(), hkv * sizeof(int32_t)));
   if (checked) {
     r.drifted.resize(hkv);
     r.group_mean.resize(hkv);
@@ -861,9 +858,9 @@ absl::Status RetrieverImpl::Wait() {
   for (Event* e : {sync_compute_.get(), sync_recall_.get()}) {
     absl::Status st = e->Wait(std::max(end - absl::Now(), absl::ZeroDuration()));
     if (absl::IsDeadlineExceeded(st)) {
-      return absl::DeadlineExceededError(absl::StrFormat(
-          "retriever: work in flight did not complete within the deadline of %s",
-          absl::FormatDuration(o_.deadline)));
+      return absl::DeadlineExceededError(
+          absl::StrFormat("retriever: work in flight did not complete within the deadline of %s",
+                          absl::FormatDuration(o_.deadline)));
     }
     KVTIER_RETURN_IF_ERROR(st);
   }

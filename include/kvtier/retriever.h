@@ -92,7 +92,7 @@ struct RetrieverOptions {
 // per-KV-head slot tables say which logical page each slot holds for each head (−1: empty).
 struct WorkingSetView {
   int32_t layer = 0;
-  const void* k_cache = nullptr;          // [S][p][Hkv][d]
+  const void* k_cache = nullptr;  // [S][p][Hkv][d]
   const void* v_cache = nullptr;
   int32_t num_slots = 0;                  // S
   const int32_t* slot_table = nullptr;    // [Hkv][S]
@@ -106,23 +106,23 @@ struct WorkingSetView {
 
 // What one layer's step did (speculative mode fills all fields; the others what applies).
 struct StepStats {
-  int64_t step = 0;                    // per-layer step index, from 0
-  int32_t corrected_heads = 0;         // KV heads re-selected before attention
-  int64_t correction_pages = 0;        // head-pages recalled before attention
-  int64_t background_pages = 0;        // head-pages recalled after this step's EndStep
-  std::vector<uint8_t> drifted;        // [Hkv] 1 = corrected
-  std::vector<float> group_mean;       // [Hkv] mean cos(q_t, q_{t-1}) over the group
+  int64_t step = 0;               // per-layer step index, from 0
+  int32_t corrected_heads = 0;    // KV heads re-selected before attention
+  int64_t correction_pages = 0;   // head-pages recalled before attention
+  int64_t background_pages = 0;   // head-pages recalled after this step's EndStep
+  std::vector<uint8_t> drifted;   // [Hkv] 1 = corrected
+  std::vector<float> group_mean;  // [Hkv] mean cos(q_t, q_{t-1}) over the group
 };
 
 struct RetrieverStats {
-  int64_t steps = 0;               // layer-steps (BeginStep calls)
-  int64_t appended_tokens = 0;     // per layer, summed over layers
-  int64_t offloaded_pages = 0;     // (layer, page) pairs written to the host tier
-  int64_t recalled_pages = 0;      // head-pages recalled, background + correction
-  int64_t recalled_bytes = 0;      // K+V bytes of those head-pages
-  int64_t correction_pages = 0;    // of which before attention
-  int64_t checked_heads = 0;       // (layer-step, KV head) pairs checked for drift
-  int64_t corrected_heads = 0;     // of which corrected
+  int64_t steps = 0;                 // layer-steps (BeginStep calls)
+  int64_t appended_tokens = 0;       // per layer, summed over layers
+  int64_t offloaded_pages = 0;       // (layer, page) pairs written to the host tier
+  int64_t recalled_pages = 0;        // head-pages recalled, background + correction
+  int64_t recalled_bytes = 0;        // K+V bytes of those head-pages
+  int64_t correction_pages = 0;      // of which before attention
+  int64_t checked_heads = 0;         // (layer-step, KV head) pairs checked for drift
+  int64_t corrected_heads = 0;       // of which corrected
   std::vector<int64_t> corrections;  // [layer][Hkv]: corrected heads per layer and head
   // Wall time of each phase over the layer-steps run while profiling (SetProfiling), µs.
   int64_t profiled_steps = 0;

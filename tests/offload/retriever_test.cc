@@ -160,8 +160,8 @@ std::vector<int32_t> SelectedRegion(const WorkingSetView& view, const RetrieverO
 // Every slot the table names holds that page's K and V for that head, bit for bit, no page
 // appears twice for a head, and every page of the sequence that must be resident (sinks,
 // recent window) is.
-void ExpectWorkingSetConsistent(const Geometry& g, const RetrieverOptions& o,
-                                const Sequence& seq, const WorkingSetView& view) {
+void ExpectWorkingSetConsistent(const Geometry& g, const RetrieverOptions& o, const Sequence& seq,
+                                const WorkingSetView& view) {
   const WorkingSetLayout wl{view.num_slots, g.page_size, g.num_kv_heads, g.head_dim};
   const int32_t p = g.page_size;
   const int32_t total = (view.num_tokens + p - 1) / p;
@@ -294,7 +294,8 @@ TEST(RetrieverTest, SyncWorkingSetEqualsSelection) {
               << "layer " << l << " head " << kh << " step " << step;
         }
       }
-      for (int32_t l = 0; l < g.num_layers; ++l) ASSERT_TRUE(h.retriever->EndStep(l, q.data()).ok());
+      for (int32_t l = 0; l < g.num_layers; ++l)
+        ASSERT_TRUE(h.retriever->EndStep(l, q.data()).ok());
       h.Append(1 + step * 3);
     }
     ASSERT_TRUE(h.retriever->Wait().ok());
@@ -454,7 +455,8 @@ TEST(RetrieverTest, FullModeEqualsDenseAttention) {
         for (int32_t i = 0; i < g.head_dim; ++i) {
           double o = 0;
           for (int32_t t = 0; t < h.seq.tokens(); ++t) o += logit[t] * h.seq.V(l, t, qh / G, i);
-          EXPECT_NEAR(r.out[l][qh * g.head_dim + i], o / z, 1e-4) << "layer " << l << " head " << qh;
+          EXPECT_NEAR(r.out[l][qh * g.head_dim + i], o / z, 1e-4)
+              << "layer " << l << " head " << qh;
         }
       }
     }
@@ -472,7 +474,8 @@ TEST(RetrieverTest, AppendsAcrossPageBoundariesMatchTokenByToken) {
     single.seq.Grow(n);
     const int64_t per = int64_t{g.num_kv_heads} * g.head_dim;
     for (int32_t l = 0; l < g.num_layers; ++l) {
-      ASSERT_TRUE(chunked.retriever->Append(l, rows[l].first.data(), rows[l].second.data(), n).ok());
+      ASSERT_TRUE(
+          chunked.retriever->Append(l, rows[l].first.data(), rows[l].second.data(), n).ok());
       for (int32_t t = 0; t < n; ++t) {
         const size_t off = static_cast<size_t>(t * per) * DTypeSize(g.dtype);
         ASSERT_TRUE(single.retriever
