@@ -70,6 +70,17 @@ namespace {
 
 constexpr int32_t kMaxSlots = 1 << 20;
 
+// The page shape every slab-moving op (Recall, GatherSlabs, ScatterSlabs) takes.
+template <typename Args>
+Args SlabArgs(const Geometry& g) {
+  Args a;
+  a.dtype = g.dtype;
+  a.page_size = g.page_size;
+  a.num_kv_heads = g.num_kv_heads;
+  a.head_dim = g.head_dim;
+  return a;
+}
+
 // Host buffers read or written by enqueued copies, kept until the event after them fires.
 struct Parked {
   std::vector<std::unique_ptr<uint8_t[]>> buffers;
@@ -543,11 +554,7 @@ absl::Status RetrieverImpl::RecallPlan(Stream& drive, Stream* xform_stream, Laye
   const int32_t n = g_.num_kv_heads * k();
   const auto* items = l.items.as<RecallItem>();
   if (xform_stream == nullptr) {
-    RecallArgs a;
-    a.dtype = g_.dtype;
-    a.page_size = g_.page_size;
-    a.num_kv_heads = g_.num_kv_heads;
-    a.head_dim = g_.head_dim;
+    auto a = SlabArgs<RecallArgs>(g_);
     a.host_pages = pool_->base();
     a.num_host_pages = pool_->num_slots();
     a.items = items;
@@ -565,11 +572,7 @@ absl::Status RetrieverImpl::RecallPlan(Stream& drive, Stream* xform_stream, Laye
     const int32_t b = c % 2;
     const int32_t count = std::min(m, n - begin);
     KVTIER_RETURN_IF_ERROR(drive.Wait(*l.freed[b]));
-    GatherSlabsArgs ga;
-    ga.dtype = g_.dtype;
-    ga.page_size = g_.page_size;
-    ga.num_kv_heads = g_.num_kv_heads;
-    ga.head_dim = g_.head_dim;
+    auto ga = SlabArgs<GatherSlabsArgs>(g_);
     ga.host_pages = pool_->base();
     ga.num_host_pages = pool_->num_slots();
     ga.items = items + begin;
@@ -578,11 +581,7 @@ absl::Status RetrieverImpl::RecallPlan(Stream& drive, Stream* xform_stream, Laye
     KVTIER_RETURN_IF_ERROR(backend_.GatherSlabs(drive, ga));
     KVTIER_RETURN_IF_ERROR(drive.Record(*l.staged[b]));
     KVTIER_RETURN_IF_ERROR(xform.Wait(*l.staged[b]));
-    ScatterSlabsArgs sa;
-    sa.dtype = g_.dtype;
-    sa.page_size = g_.page_size;
-    sa.num_kv_heads = g_.num_kv_heads;
-    sa.head_dim = g_.head_dim;
+    auto sa = SlabArgs<ScatterSlabsArgs>(g_);
     sa.staging = l.staging[b].data();
     sa.items = items + begin;
     sa.num_items = count;
