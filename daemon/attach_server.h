@@ -1,0 +1,75 @@
+// AttachServer: the daemon's shared-memory attach socket (DESIGN.md §2). A local engine
+// connects to this Unix socket and sends one length-prefixed kvtier.v1.AttachRequest
+// (tenant, token); the server reads the peer's credentials with SO_PEERCRED, asks the
+// authorizer, and answers one length-prefixed AttachReply — with the tenant arena's memfd
+// attached as SCM_RIGHTS when the answer is OK, or the refusal's code and message (the
+// connection is then closed). Wire format: proto/kvtier/v1/kvtier.proto, AttachRequest.
+//
+// Runs on its own Boost.Asio io_context thread; each connection has a deadline (a client
+// that sends nothing is dropped) and a request-size limit. The server never trusts the
+// request: lengths are checked before reading, bad messages get INVALID_ARGUMENT.
+//
+// Thread-safe. Stop() (or the destructor) closes the socket, unlinks its path, and waits
+// for the thread.
+#ifndef KVTIER_DAEMON_ATTACH_SERVER_H_
+#define KVTIER_DAEMON_ATTACH_SERVER_H_
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace kvtier::daemon {
+
+struct PeerCredentials {
+  pid_t pid = 0;
+  uid_t uid = 0;
+  gid_t gid = 0;
+};
+
+// What an authorised peer receives. `fd` is borrowed: it must stay open until the reply is
+// sent (the tenant's arena outlives the server).
+struct AttachGrant {
+  int fd = -1;
+  uint64_t arena_bytes = 0;
+  std::string arena_name;
+};
+
+// Decides an attach: the grant, or the refusal (PERMISSION_DENIED for a uid or token that
+// may not, NOT_FOUND for an unknown tenant, UNAVAILABLE while draining).
+using AttachAuthorizer = std::function<absl::StatusOr<AttachGrant>(
+    const PeerCredentials& peer, std::string_view tenant, std::string_view token)>;
+
+struct AttachServerOptions {
+  absl::Duration handshake_timeout = absl::Seconds(5);  // per connection
+  uint32_t max_request_bytes = 4096;
+};
+
+class AttachServer {
+ public:
+  // Binds `path` (a stale socket file left by a dead daemon is replaced; a live one, or
+  // any other file, is FAILED_PRECONDITION), mode 0660, and starts serving. INVALID_ARGUMENT
+  // for a path longer than sun_path allows (saying the limit).
+  static absl::StatusOr<std::unique_ptr<AttachServer>> Start(
+      const std::string& path, AttachAuthorizer authorize, const AttachServerOptions& options = {});
+  AttachServer(const AttachServer&) = delete;
+  AttachServer& operator=(const AttachServer&) = delete;
+  virtual ~AttachServer() = default;
+  virtual void Stop() = 0;
+  virtual const std::string& path() const = 0;
+  virtual uint64_t granted() const = 0;  // attaches answered OK
+  virtual uint64_t refused() const = 0;  // attaches refused (any code)
+
+ protected:
+  AttachServer() = default;
+};
+
+}  // namespace kvtier::daemon
+
+#endif  // KVTIER_DAEMON_ATTACH_SERVER_H_

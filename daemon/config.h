@@ -1,0 +1,81 @@
+// DaemonConfig: everything kvtierd can be told, from its embedded default configuration, a
+// TOML file (every key documented in deploy/kvtierd.example.toml) and command-line flags,
+// in that order of precedence (flags win). Plain data; Validate() says what is wrong with
+// the field and the limit.
+//
+// Thread-compatible value type.
+#ifndef KVTIER_DAEMON_CONFIG_H_
+#define KVTIER_DAEMON_CONFIG_H_
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace kvtier::daemon {
+
+// One tenant: an isolated host-memory arena and its sessions.
+struct TenantConfig {
+  std::string name;                 // [A-Za-z0-9_.-]{1,64}
+  std::string token;                // required in x-kvtier-token when not empty
+  uint64_t host_memory_bytes = 0;   // the tenant's arena (quota), > 0
+  int numa_node = -1;               // bind the arena here; -1: from gpu_pci_bus_id, else none
+  std::string gpu_pci_bus_id;       // e.g. "0000:3b:00.0": the node nearest this GPU
+  std::string hugepages = "auto";   // "off" | "auto" | "require"
+  bool lock = true;                 // mlock the arena (best effort)
+  // Uids that may map the arena through the attach socket; empty: the daemon's own uid.
+  std::vector<uint32_t> uids;
+};
+
+struct DaemonConfig {
+  // [server]
+  std::string unix_socket;          // gRPC on this Unix socket; empty: the runtime default
+                                    // ($XDG_RUNTIME_DIR/kvtier/kvtierd.sock or
+                                    // /tmp/kvtier-<uid>/kvtierd.sock)
+  std::string tcp_address;          // optional gRPC on "host:port"; empty: none
+  std::string attach_socket;        // shm attach socket; empty: <unix_socket>.attach
+  bool shm = true;                  // serve the attach socket at all
+  std::string admin_token;          // Drain needs it in x-kvtier-token; empty: Drain refused
+  uint64_t max_message_bytes = 8ull << 20;  // per gRPC message, both directions
+  int32_t rpc_threads = 0;          // gRPC callback threads hint; 0: gRPC's default
+  int32_t cpu_threads = 0;          // the CPU backend of GRPC sessions; 0: all cores
+  absl::Duration shutdown_grace = absl::Seconds(10);  // SIGTERM: finish in-flight calls
+  // [limits]
+  uint32_t max_sessions_per_tenant = 64;
+  uint32_t max_tokens_per_session = 131072;  // per layer
+  uint32_t default_max_tokens = 32768;       // when OpenSession leaves max_tokens 0
+  uint32_t max_layers = 256;
+  uint32_t max_tokens_per_offload = 4096;    // tokens in one OffloadRequest
+  // [log]
+  std::string log_level = "info";   // trace | debug | info | warn | error | off
+  std::string log_format = "text";  // text | json
+  std::string log_file;             // empty: stderr
+  // [[tenant]]
+  std::vector<TenantConfig> tenants;
+
+  // INVALID_ARGUMENT naming the key and the limit.
+  absl::Status Validate() const;
+};
+
+// The configuration kvtierd runs with when given no file: one tenant "default" with no
+// token and 1 GiB of host memory, gRPC on the runtime-default Unix socket, shm attach on.
+DaemonConfig DefaultConfig();
+// The embedded default configuration as TOML text (DefaultConfig() parses it).
+std::string_view DefaultConfigToml();
+
+// Parses TOML text over `base` (keys absent from the text keep base's values; [[tenant]]
+// tables, when present, replace base's tenants). INVALID_ARGUMENT with the key, the line and
+// what was expected, for syntax errors, unknown keys and bad values.
+absl::StatusOr<DaemonConfig> ParseConfigToml(std::string_view text, const DaemonConfig& base);
+absl::StatusOr<DaemonConfig> LoadConfigFile(const std::string& path, const DaemonConfig& base);
+
+// The runtime-default paths described above, resolved now.
+std::string DefaultUnixSocketPath();
+
+}  // namespace kvtier::daemon
+
+#endif  // KVTIER_DAEMON_CONFIG_H_

@@ -1,0 +1,158 @@
+// libkvtier's client: a connection to kvtierd and the sessions opened through it
+// (DESIGN.md §2; protocol in proto/kvtier/v1/kvtier.proto; docs/service.md).
+//
+//   auto client = kvtier::Client::Connect("unix:///run/kvtier/kvtierd.sock", {.tenant = "a"});
+//   auto session = (*client)->OpenSession(options);   // a Retriever (retriever.h)
+//   (*session)->Append(layer, k, v, n); (*session)->BeginStep(layer, q); ...
+//
+// A Session is a Retriever whose host tier lives in the daemon:
+//   - SHM (local engines): the client maps its tenant's arena (the fd comes over the attach
+//     socket) and runs the Retriever in-process, on the engine's backend, over the session's
+//     region of the arena. Pages become visible to the daemon (Fetch, Reattach) when they are
+//     committed: Append and EndStep commit the pages whose offload has finished without
+//     blocking; Flush() waits for the rest. Nothing per step crosses gRPC.
+//   - GRPC (remote engines): Append streams tokens with Offload, BeginStep runs Step on the
+//     daemon's CPU Retriever and returns the slot tables (and, by default, the attention
+//     output, which Attend hands back); the working set's K/V stay in the daemon
+//     (WorkingSetView's k_cache/v_cache are null), FetchPages reads pages back.
+//   Both give the same working sets and outputs for the same inputs on the CPU backend.
+//
+// A Session destroyed without Close() detaches: the daemon keeps its committed pages, and
+// Client::Reattach(id) takes it over again, in this or another process. What survives what
+// is in docs/service.md.
+//
+// Thread-safety: Client is thread-safe; each Session is driven by one thread at a time.
+#ifndef KVTIER_CLIENT_H_
+#define KVTIER_CLIENT_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "kernels/backend.h"
+#include "kvtier/geometry.h"
+#include "kvtier/retriever.h"
+
+namespace kvtier {
+
+inline constexpr uint32_t kProtocolVersion = 1;
+
+enum class Transport : uint8_t { kShm = 0, kGrpc = 1 };
+std::string_view TransportName(Transport t);
+
+struct ClientOptions {
+  std::string tenant = "default";
+  std::string token;                       // the tenant's token, when it has one
+  std::string client_name = "libkvtier";
+  absl::Duration rpc_timeout = absl::Seconds(30);  // deadline of every unary call
+  std::string attach_socket;               // empty: the path Hello reports
+  uint64_t max_message_bytes = 0;          // 0: the daemon's limit from Hello
+};
+
+// What the daemon said in Hello.
+struct Capabilities {
+  uint32_t protocol_version = 0;
+  std::string server_version;
+  std::vector<int32_t> page_sizes;
+  std::vector<DType> dtypes;
+  std::vector<std::string> layouts;
+  std::vector<std::string> backends;
+  std::vector<RetrievalMode> modes;
+  uint64_t max_message_bytes = 0;
+  uint32_t max_sessions_per_tenant = 0;
+  uint32_t max_tokens_per_session = 0;
+  uint32_t max_tokens_per_offload = 0;
+  std::string tenant;
+  bool shm_available = false;
+  std::string attach_socket;
+  uint64_t tenant_quota_bytes = 0;
+};
+
+struct SessionOptions {
+  Geometry geometry;
+  // mode, sink/selected/recent pages (must be a budget split SetBudgetTokens can express),
+  // max_tokens (0 here means the daemon's default), τ; pool, summary, pipeline, deadline
+  // and compute_stream apply to SHM sessions' in-process Retriever.
+  RetrieverOptions retriever;
+  Transport transport = Transport::kShm;
+  // SHM: the engine's backend, which the arena is registered with; null: a CPU backend
+  // owned by the session. GRPC: unused.
+  Backend* backend = nullptr;
+  std::string label;
+  // GRPC: Step also returns the attention output (Attend then needs no round trip).
+  bool remote_attention = true;
+};
+
+// A fetched host page: HND [Hkv][2][p][d] in the session dtype.
+struct FetchedPage {
+  int32_t layer = 0;
+  int64_t page = 0;
+  uint64_t generation = 0;
+  std::vector<uint8_t> data;
+};
+
+// The daemon's view of a session (GetStats / ListSessions).
+struct SessionInfo {
+  std::string id;
+  std::string tenant;
+  std::string label;
+  Transport transport = Transport::kShm;
+  Geometry geometry;
+  uint64_t epoch = 0;
+  std::vector<int64_t> committed_tokens;  // per layer
+  uint64_t region_bytes = 0;
+};
+
+class Session : public Retriever {
+ public:
+  virtual const std::string& id() const = 0;
+  virtual Transport transport() const = 0;
+  virtual uint64_t epoch() const = 0;
+  // SHM: waits (bounded by the deadline) for every offload enqueued so far and commits the
+  // pages; GRPC: OK (Offload commits before it returns).
+  virtual absl::Status Flush() = 0;
+  // Committed pages of `layer` read back (SHM: from the mapped arena; GRPC: Fetch). Empty
+  // `pages`: all committed pages. NOT_FOUND for a page not committed.
+  virtual absl::StatusOr<std::vector<FetchedPage>> FetchPages(
+      int32_t layer, const std::vector<int64_t>& pages) = 0;
+  // The slot table of the layer's last BeginStep, [Hkv][S], in host memory.
+  virtual const std::vector<int32_t>& LastSlotTable(int32_t layer) const = 0;
+  // The daemon's record of the session.
+  virtual absl::StatusOr<SessionInfo> Info() = 0;
+};
+
+class Client {
+ public:
+  // Connects to "unix:///path", "unix:path" or "host:port", says Hello and checks the
+  // protocol version. UNAVAILABLE when nothing answers within rpc_timeout;
+  // FAILED_PRECONDITION for a daemon that does not speak kProtocolVersion;
+  // PERMISSION_DENIED for an unknown tenant or a wrong token.
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(std::string_view target,
+                                                         const ClientOptions& options = {});
+  virtual ~Client() = default;
+  virtual const Capabilities& capabilities() const = 0;
+  // Opens a session for this client's tenant. The daemon's status passes through
+  // (INVALID_ARGUMENT, RESOURCE_EXHAUSTED for the quota, ...); SHM also maps the arena
+  // (PERMISSION_DENIED when this uid may not).
+  virtual absl::StatusOr<std::unique_ptr<Session>> OpenSession(const SessionOptions& options) = 0;
+  // Takes over session `id` after a restart: SHM sessions get their committed pages back
+  // (num_tokens(layer) = committed pages × page size; the engine re-appends the rest);
+  // GRPC sessions continue where the daemon is. `options` must match the session's geometry
+  // (FAILED_PRECONDITION otherwise); its backend and local knobs apply.
+  virtual absl::StatusOr<std::unique_ptr<Session>> Reattach(std::string_view id,
+                                                            const SessionOptions& options) = 0;
+  virtual absl::StatusOr<std::vector<SessionInfo>> ListSessions() = 0;
+  // Closes a session by id (e.g. one whose holder died and will not come back).
+  virtual absl::Status CloseSession(std::string_view id) = 0;
+  // Admin: the daemon stops accepting sessions and drains; needs the admin token as token.
+  virtual absl::Status Drain(absl::Duration timeout) = 0;
+};
+
+}  // namespace kvtier
+
+#endif  // KVTIER_CLIENT_H_
