@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <optional>
@@ -41,6 +42,32 @@ size_t RoundUp(size_t x, size_t multiple) { return (x + multiple - 1) / multiple
 // An errno as a Status with `what` in front. Running out of memory or of descriptors is
 // RESOURCE_EXHAUSTED (abseil's mapping of ENOMEM, ENOSPC, EMFILE, ENFILE).
 absl::Status SysError(int err, const std::string& what) { return absl::ErrnoToStatus(err, what); }
+
+// Maps `bytes` of `fd` MAP_SHARED at a kHugePageBytes-aligned address: every process that maps
+// the arena then sees offsets aligned within it (session regions, hugepages) aligned in its
+// own address space too. Reserves bytes + alignment, maps the file over the aligned part and
+// returns the slack. MAP_FAILED with errno set on failure.
+void* MapShared(int fd, size_t bytes) {
+  constexpr size_t kAlign = HostArena::kHugePageBytes;
+  void* reserved =
+      mmap(nullptr, bytes + kAlign, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (reserved == MAP_FAILED) return MAP_FAILED;
+  const auto start = reinterpret_cast<uintptr_t>(reserved);
+  const uintptr_t aligned = RoundUp(start, kAlign);
+  void* data = mmap(reinterpret_cast<void*>(aligned), bytes, PROT_READ | PROT_WRITE,
+                    MAP_SHARED | MAP_FIXED, fd, 0);
+  if (data == MAP_FAILED) {
+    const int err = errno;
+    munmap(reserved, bytes + kAlign);
+    errno = err;
+    return MAP_FAILED;
+  }
+  if (aligned > start) munmap(reserved, aligned - start);
+  const uintptr_t end = aligned + bytes;
+  const uintptr_t reserved_end = start + bytes + kAlign;
+  if (reserved_end > end) munmap(reinterpret_cast<void*>(end), reserved_end - end);
+  return data;
+}
 
 absl::Status ValidateBytes(size_t bytes) {
   if (bytes == 0 || bytes > HostArena::kMaxBytes) {
@@ -202,7 +229,7 @@ absl::StatusOr<std::unique_ptr<HostArena>> HostArena::CreateWith(const ArenaOpti
     return SysError(errno, absl::StrFormat("sizing the arena memfd to %d bytes", bytes));
   }
   Seal(fd, report);
-  void* data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  void* data = MapShared(fd, bytes);
   if (data == MAP_FAILED) {
     return SysError(errno, absl::StrFormat("mmap of %d arena bytes%s", bytes,
                                            hugetlb ? " on 2 MiB hugepages" : ""));
@@ -323,7 +350,7 @@ absl::StatusOr<std::unique_ptr<HostArena>> HostArena::Map(int fd, size_t bytes) 
   const int dup_fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
   if (dup_fd < 0) return SysError(errno, absl::StrFormat("duplicating arena fd %d", fd));
   std::unique_ptr<HostArena> arena(new HostArena(nullptr, 0, dup_fd));
-  void* data = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, dup_fd, 0);
+  void* data = MapShared(dup_fd, mapped);
   if (data == MAP_FAILED) {
     return SysError(errno, absl::StrFormat("mmap of %d bytes of arena fd %d", mapped, fd));
   }

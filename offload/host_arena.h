@@ -116,6 +116,8 @@ class HostArena {
   // Unregisters from the backend (REQUIRES: it is still alive), then munlock, munmap, close.
   ~HostArena();
 
+  // The mapping starts kHugePageBytes-aligned (Create and Map alike), so an offset aligned
+  // within the arena (up to 2 MiB) is aligned in every process that maps it.
   void* data() const { return data_; }
   size_t size() const { return size_; }  // bytes mapped (report().mapped_bytes)
   int fd() const { return fd_; }         // owned by the arena; dup it to keep it longer

@@ -107,6 +107,34 @@ absl::Status PageOffloader::Offload(Stream& stream, PageTable& table,
   const size_t n = request.logical_pages.size();
   if (n == 0) return absl::OkStatus();
   KVTIER_ASSIGN_OR_RETURN(std::vector<PageHandle> pages, AllocatePages(n));
+  return OffloadPages(stream, table, request, std::move(pages));
+}
+
+absl::Status PageOffloader::OffloadInto(Stream& stream, PageTable& table,
+                                        const OffloadRequest& request,
+                                        std::vector<PageHandle> pages) {
+  Reap();
+  KVTIER_RETURN_IF_ERROR(Validate(table, request));
+  if (pages.size() != request.logical_pages.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("offload: %d pages given for %d logical pages: must be equal", pages.size(),
+                        request.logical_pages.size()));
+  }
+  for (size_t i = 0; i < pages.size(); ++i) {
+    if (!pages[i].valid() || pages[i].pool() != &pool_) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "offload: page %d given for logical page %d is empty or of another page pool", i,
+          request.logical_pages[i]));
+    }
+  }
+  if (pages.empty()) return absl::OkStatus();
+  return OffloadPages(stream, table, request, std::move(pages));
+}
+
+absl::Status PageOffloader::OffloadPages(Stream& stream, PageTable& table,
+                                         const OffloadRequest& request,
+                                         std::vector<PageHandle> pages) {
+  const size_t n = pages.size();
   std::vector<int64_t> host_pages(n);
   for (size_t i = 0; i < n; ++i) host_pages[i] = pages[i].slot();
   Batch batch;

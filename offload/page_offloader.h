@@ -70,6 +70,14 @@ class PageOffloader {
   //   otherwise the backend's error.
   absl::Status Offload(Stream& stream, PageTable& table, const OffloadRequest& request);
 
+  // As Offload, but into `pages` (pages[i] for request.logical_pages[i]) instead of newly
+  // allocated ones: for pages whose bytes are already in their slots, to recompute the
+  // summaries (Retriever::Restore); the op rewrites the same bytes. Also INVALID_ARGUMENT
+  // when the counts differ or a handle is empty or of another pool. On error the handles
+  // are released.
+  absl::Status OffloadInto(Stream& stream, PageTable& table, const OffloadRequest& request,
+                           std::vector<PageHandle> pages);
+
   // Blocks until every upload enqueued so far has run; returns the first error they hit.
   absl::Status Drain();
   // Offloads whose item lists are still held (not yet known to have run).
@@ -88,6 +96,9 @@ class PageOffloader {
 
   absl::Status Validate(const PageTable& table, const OffloadRequest& request) const;
   absl::StatusOr<std::vector<PageHandle>> AllocatePages(size_t count);
+  // Enqueues the offload of a validated request into `pages` and inserts them into `table`.
+  absl::Status OffloadPages(Stream& stream, PageTable& table, const OffloadRequest& request,
+                            std::vector<PageHandle> pages);
   OffloadArgs MakeArgs(const OffloadRequest& request, const Batch& batch) const;
   // Enqueues the upload and the op; parks `batch` whenever the upload was enqueued.
   absl::Status Enqueue(Stream& stream, const OffloadRequest& request, Batch batch);

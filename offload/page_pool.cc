@@ -67,7 +67,9 @@ PagePool::PagePool(void* base, size_t slot_bytes, size_t slot_stride, int64_t nu
   in_use_.assign(n, 0);
   // Slot 0 on top of the stack, so a fresh pool hands out 0, 1, 2, ...
   free_.reserve(n);
+  free_pos_.assign(n, -1);
   for (int64_t slot = num_slots - 1; slot >= 0; --slot) {
+    free_pos_[slot] = static_cast<int32_t>(free_.size());
     free_.push_back(static_cast<int32_t>(slot));
   }
 }
@@ -87,6 +89,7 @@ absl::StatusOr<PageHandle> PagePool::Allocate() {
   }
   const int32_t slot = free_.back();
   free_.pop_back();
+  free_pos_[slot] = -1;
   in_use_[slot] = 1;
   ++allocations_;
   return PageHandle(this, slot, ++generation_[slot]);
@@ -97,7 +100,37 @@ void PagePool::Free(int64_t slot, uint64_t generation) {
   // Handles are move-only, so a slot is freed once, by the allocation that owns it.
   KVTIER_CHECK(in_use_[slot] == 1 && generation_[slot] == generation);
   in_use_[slot] = 0;
+  free_pos_[slot] = static_cast<int32_t>(free_.size());
   free_.push_back(static_cast<int32_t>(slot));
+}
+
+absl::StatusOr<PageHandle> PagePool::Claim(int64_t slot, uint64_t generation) {
+  if (slot < 0 || slot >= num_slots_) {
+    return absl::OutOfRangeError(
+        absl::StrFormat("page pool claim of slot %d: must be in [0, %d)", slot, num_slots_));
+  }
+  MutexLock lock(&mu_);
+  if (generation == 0 || generation < generation_[slot]) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("page pool claim of slot %d with generation %d: must be >= 1 and >= "
+                        "the slot's current generation %d",
+                        slot, generation, generation_[slot]));
+  }
+  if (in_use_[slot] == 1) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("page pool claim of slot %d: the slot is in use", slot));
+  }
+  // Remove the slot from the free stack in O(1): the top entry takes its place.
+  const int32_t pos = free_pos_[slot];
+  KVTIER_CHECK(pos >= 0 && free_[pos] == slot);
+  const int32_t top = free_.back();
+  free_[pos] = top;
+  free_pos_[top] = pos;
+  free_.pop_back();
+  free_pos_[slot] = -1;
+  in_use_[slot] = 1;
+  generation_[slot] = generation;
+  return PageHandle(this, slot, generation);
 }
 
 bool PagePool::IsLive(int64_t slot, uint64_t generation) const {

@@ -92,6 +92,14 @@ class PagePool {
   // A free slot, or RESOURCE_EXHAUSTED "page pool exhausted: all N slots of B bytes in use".
   absl::StatusOr<PageHandle> Allocate() ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Claims the free slot `slot` as if Allocate had handed it out with `generation`: for a
+  // restarted process that re-adopts pages already in shared memory. The slot's generation
+  // becomes `generation`, so the next allocation after the handle is freed gets
+  // generation + 1. Errors: OUT_OF_RANGE unless 0 <= slot < num_slots(); INVALID_ARGUMENT
+  // for generation 0 or one below the slot's current generation; FAILED_PRECONDITION when
+  // the slot is in use. O(1); not counted in stats().allocations.
+  absl::StatusOr<PageHandle> Claim(int64_t slot, uint64_t generation) ABSL_LOCKS_EXCLUDED(mu_);
+
   // True when `slot` is allocated and its current generation is `generation`: a reference
   // taken from a handle is still about the same allocation. False for out-of-range slots.
   bool IsLive(int64_t slot, uint64_t generation) const ABSL_LOCKS_EXCLUDED(mu_);
@@ -121,6 +129,7 @@ class PagePool {
 
   mutable Mutex mu_;
   std::vector<int32_t> free_ ABSL_GUARDED_BY(mu_);         // stack; back() is next
+  std::vector<int32_t> free_pos_ ABSL_GUARDED_BY(mu_);     // per slot: index in free_, or -1
   std::vector<uint64_t> generation_ ABSL_GUARDED_BY(mu_);  // per slot
   std::vector<uint8_t> in_use_ ABSL_GUARDED_BY(mu_);       // per slot, 0 or 1
   uint64_t allocations_ ABSL_GUARDED_BY(mu_) = 0;

@@ -12,12 +12,21 @@
 //     step (compute stream) never race with it.
 //   - Host memory that an enqueued copy reads or writes stays alive until an event recorded
 //     after that copy has fired (Parked).
+//   - Every flushed offload of new pages is one StoredBatch, its event recorded on the
+//     compute stream after the op; batches complete in order (one stream), so the pages of
+//     the completed prefix are reported in offload order. Restore's pages make no batch.
+//   - A restored layer goes through Append's own path (AppendTokens) with the host pages
+//     turned back into NHD, its offloads writing into the given pages: the working set,
+//     mirrors, counts, summaries and host_page_of end up exactly as after the appends.
 #include "kvtier/retriever.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <deque>
+#include <memory>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_format.h"
 #include "kvtier/layout.h"
@@ -87,6 +96,12 @@ struct Parked {
   std::unique_ptr<Event> done;
 };
 
+// Pages of one flushed offload, reported by TakeStoredPages once `done` has fired.
+struct StoredBatch {
+  std::vector<StoredPage> pages;
+  std::unique_ptr<Event> done;
+};
+
 // A device → host copy of one step's selection results, accumulated into the stats once its
 // event has fired.
 struct StatRecord {
@@ -150,6 +165,8 @@ class RetrieverImpl final : public Retriever {
   absl::Status Init();
 
   absl::Status Append(int32_t layer, const void* k, const void* v, int32_t n_tokens) override;
+  absl::StatusOr<std::vector<StoredPage>> TakeStoredPages(bool wait) override;
+  absl::Status Restore(int32_t layer, std::vector<PageHandle> pages) override;
   absl::StatusOr<WorkingSetView> BeginStep(int32_t layer, const void* q) override;
   absl::Status Attend(int32_t layer, const void* q, void* out, float* lse) override;
   absl::Status EndStep(int32_t layer, const void* q) override;
@@ -196,7 +213,13 @@ class RetrieverImpl final : public Retriever {
   absl::Status Park(Stream& s);
   void Reap();
 
-  absl::Status FlushOffloads(int32_t layer);
+  // Appends validated tokens. `restoring`: the host pages that already hold the layer's
+  // logical pages (indexed by logical page), offloaded into instead of new ones (Restore).
+  absl::Status AppendTokens(int32_t layer, const void* k, const void* v, int32_t n_tokens,
+                            std::vector<PageHandle>* restoring);
+  absl::Status FlushOffloads(int32_t layer, std::vector<PageHandle>* restoring);
+  // Moves the pages of completed StoredBatches to stored_ready_.
+  void HarvestStored();
   absl::Status UploadTable(LayerState& l);
   absl::Status UploadCounts(LayerState& l);
   // Score → TopK → Replace → recall of the layer's selected region on `s`.
@@ -233,6 +256,8 @@ class RetrieverImpl final : public Retriever {
   std::vector<std::unique_ptr<uint8_t[]>> staged_;  // not yet parked
   std::deque<Parked> parked_;
   std::deque<StatRecord> records_;
+  std::deque<StoredBatch> stored_;        // offloads not yet known to have run
+  std::vector<StoredPage> stored_ready_;  // completed, not yet taken
   std::vector<std::unique_ptr<Event>> spare_events_;
   RetrieverStats stats_;
   bool closed_ = false;
@@ -453,7 +478,7 @@ absl::Status RetrieverImpl::UploadCounts(LayerState& l) {
   return Upload(*compute_, l.counts.data(), counts, sizeof(counts));
 }
 
-absl::Status RetrieverImpl::FlushOffloads(int32_t layer) {
+absl::Status RetrieverImpl::FlushOffloads(int32_t layer, std::vector<PageHandle>* restoring) {
   LayerState& l = layers_[layer];
   if (l.pending.empty()) return absl::OkStatus();
   std::vector<int64_t> logical, slots;
@@ -471,17 +496,109 @@ absl::Status RetrieverImpl::FlushOffloads(int32_t layer) {
   req.summary_mode = o_.summary;
   req.logical_pages = logical;
   req.src_slots = slots;
-  KVTIER_RETURN_IF_ERROR(offloader_->Offload(*compute_, *l.host, req));
+  if (restoring == nullptr) {
+    KVTIER_RETURN_IF_ERROR(offloader_->Offload(*compute_, *l.host, req));
+  } else {
+    std::vector<PageHandle> pages;
+    for (int64_t page : logical) pages.push_back(std::move((*restoring)[page]));
+    KVTIER_RETURN_IF_ERROR(offloader_->OffloadInto(*compute_, *l.host, req, std::move(pages)));
+  }
+  StoredBatch batch;
   for (int64_t page : logical) {
     KVTIER_ASSIGN_OR_RETURN(PageEntry e, l.host->Lookup(page));
     l.host_page_mirror[page] = e.slot;
+    batch.pages.push_back(StoredPage{layer, page, e.slot, e.generation});
   }
   // The flushed pages are consecutive: one upload of their host_page_of entries.
   const int64_t first = logical.front();
   KVTIER_RETURN_IF_ERROR(Upload(*compute_, l.host_page_of.as<int64_t>() + first,
                                 &l.host_page_mirror[first], logical.size() * sizeof(int64_t)));
+  if (restoring != nullptr) return absl::OkStatus();
   stats_.offloaded_pages += static_cast<int64_t>(logical.size());
-  return absl::OkStatus();
+  HarvestStored();
+  KVTIER_ASSIGN_OR_RETURN(batch.done, TakeEvent());
+  absl::Status st = compute_->Record(*batch.done);
+  if (st.ok()) stored_.push_back(std::move(batch));
+  return st;
+}
+
+void RetrieverImpl::HarvestStored() {
+  while (!stored_.empty() && stored_.front().done->Query()) {
+    StoredBatch& b = stored_.front();
+    stored_ready_.insert(stored_ready_.end(), b.pages.begin(), b.pages.end());
+    spare_events_.push_back(std::move(b.done));
+    stored_.pop_front();
+  }
+}
+
+absl::StatusOr<std::vector<StoredPage>> RetrieverImpl::TakeStoredPages(bool wait) {
+  if (closed_) {
+    return absl::FailedPreconditionError("TakeStoredPages: the sequence is closed");
+  }
+  if (!failed_.ok()) return failed_;
+  if (wait && !stored_.empty()) {
+    // One stream: the last batch done means every batch is.
+    absl::Status st = stored_.back().done->Wait(o_.deadline);
+    if (absl::IsDeadlineExceeded(st)) {
+      return absl::DeadlineExceededError(
+          absl::StrFormat("TakeStoredPages: offloads in flight did not complete within the "
+                          "deadline of %s",
+                          absl::FormatDuration(o_.deadline)));
+    }
+    KVTIER_RETURN_IF_ERROR(st);
+  }
+  HarvestStored();
+  return std::exchange(stored_ready_, {});
+}
+
+absl::Status RetrieverImpl::Restore(int32_t layer, std::vector<PageHandle> pages) {
+  KVTIER_RETURN_IF_ERROR(CheckCall(layer, "Restore"));
+  if (!has_host_tier()) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "Restore: mode %s has no host tier to restore from", RetrievalModeName(o_.mode)));
+  }
+  LayerState& l = layers_[layer];
+  if (l.tokens != 0) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "Restore: layer %d holds %d tokens: only an empty layer can be restored", layer, l.tokens));
+  }
+  const int32_t p = g_.page_size;
+  if (pages.size() > static_cast<size_t>(o_.max_tokens / p)) {
+    return absl::OutOfRangeError(absl::StrFormat(
+        "Restore: %d pages of %d tokens exceed max_tokens = %d", pages.size(), p, o_.max_tokens));
+  }
+  for (size_t i = 0; i < pages.size(); ++i) {
+    if (!pages[i].valid() || pages[i].pool() != pool_) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("Restore: pages[%d] is empty or a slot of another page pool", i));
+    }
+  }
+  if (pages.empty()) return absl::OkStatus();
+  // HND host pages → NHD rows [n·p][Hkv][d] on the host: exact copies of d elements.
+  const int32_t n_tokens = static_cast<int32_t>(pages.size()) * p;
+  const size_t tb = token_bytes();
+  const size_t row = static_cast<size_t>(g_.head_dim) * elem();
+  const HostPageLayout hl{g_.num_kv_heads, p, g_.head_dim};
+  const size_t bytes = pages.size() * static_cast<size_t>(p) * tb;
+  KVTIER_CHECK(bytes <= (size_t{1} << 52));  // ≤ 2^30 tokens of ≤ 2 MiB (validated bounds)
+  auto k = std::make_unique<uint8_t[]>(bytes);
+  auto v = std::make_unique<uint8_t[]>(bytes);
+  for (size_t i = 0; i < pages.size(); ++i) {
+    const auto* src = static_cast<const uint8_t*>(pages[i].data());
+    for (int32_t h = 0; h < g_.num_kv_heads; ++h) {
+      for (int32_t t = 0; t < p; ++t) {
+        const size_t dst = (i * p + t) * tb + h * row;
+        std::memcpy(k.get() + dst, src + hl.Offset(h, kKey, t, 0) * elem(), row);
+        std::memcpy(v.get() + dst, src + hl.Offset(h, kValue, t, 0) * elem(), row);
+      }
+    }
+  }
+  const uint8_t* ks = k.get();
+  const uint8_t* vs = v.get();
+  // The compute stream reads the rows later: they stay alive until the next Park's event.
+  staged_.push_back(std::move(k));
+  staged_.push_back(std::move(v));
+  return AppendTokens(layer, ks, vs, n_tokens, &pages);
 }
 
 absl::Status RetrieverImpl::Append(int32_t layer, const void* k, const void* v, int32_t n_tokens) {
@@ -509,7 +626,14 @@ absl::Status RetrieverImpl::Append(int32_t layer, const void* k, const void* v, 
                           filling, ps.capacity - ps.in_use, ps.capacity));
     }
   }
+  return AppendTokens(layer, k, v, n_tokens, /*restoring=*/nullptr);
+}
+
+absl::Status RetrieverImpl::AppendTokens(int32_t layer, const void* k, const void* v,
+                                         int32_t n_tokens, std::vector<PageHandle>* restoring) {
   // From here on a failure leaves the layer inconsistent: it fails the Retriever.
+  LayerState& l = layers_[layer];
+  const int32_t p = g_.page_size;
   const auto* ks = static_cast<const uint8_t*>(k);
   const auto* vs = static_cast<const uint8_t*>(v);
   const size_t tb = token_bytes();
@@ -537,16 +661,16 @@ absl::Status RetrieverImpl::Append(int32_t layer, const void* k, const void* v, 
       l.pending.push_back({page, slot});
       // Flush before a ring slot holding a pending page is reused.
       if (static_cast<int32_t>(l.pending.size()) >= o_.recent_pages) {
-        if (absl::Status fs = FlushOffloads(layer); !fs.ok()) return Fail(fs);
+        if (absl::Status fs = FlushOffloads(layer, restoring); !fs.ok()) return Fail(fs);
       }
     }
   }
-  absl::Status st = FlushOffloads(layer);
+  absl::Status st = FlushOffloads(layer, restoring);
   if (st.ok()) st = UploadTable(l);
   if (st.ok()) st = UploadCounts(l);
   if (st.ok()) st = Park(*compute_);
   if (!st.ok()) return Fail(st);
-  stats_.appended_tokens += n_tokens;
+  if (restoring == nullptr) stats_.appended_tokens += n_tokens;
   return absl::OkStatus();
 }
 
@@ -880,6 +1004,8 @@ absl::Status RetrieverImpl::Close() {
     if (l.host != nullptr) l.host->Clear();
     l.pending.clear();
   }
+  stored_.clear();  // their pages are freed: nothing left to report
+  stored_ready_.clear();
   return st;
 }
 

@@ -39,8 +39,8 @@ inline constexpr size_t kRegionAlignment = size_t{64} << 10;      // 64 KiB
 struct RegionLayout {
   uint64_t dir_offset = 0;
   uint64_t slots_offset = 0;
-  uint64_t slot_stride = 0;     // host_page_bytes rounded up to PagePool::kSlotAlignment
-  uint64_t total_bytes = 0;     // rounded up to kRegionAlignment
+  uint64_t slot_stride = 0;  // host_page_bytes rounded up to PagePool::kSlotAlignment
+  uint64_t total_bytes = 0;  // rounded up to kRegionAlignment
   int32_t max_pages_per_layer = 0;
   int64_t num_slots = 0;
 };
@@ -59,17 +59,22 @@ struct CommittedPage {
 class SessionRegion {
  public:
   // Formats [base, base + layout.total_bytes) for a new session: header, an empty
-  // directory. Epoch starts at 1. REQUIRES: base is kRegionAlignment-aligned memory of at
-  // least layout.total_bytes, not in use by anyone else.
+  // directory. Epoch starts at 1. INVALID_ARGUMENT for what ComputeRegionLayout refuses,
+  // a null or misaligned base, or bytes < total_bytes. REQUIRES: base is kRegionAlignment-aligned
+  // memory of at least layout.total_bytes, not in use by anyone else.
   static absl::StatusOr<SessionRegion> Format(void* base, size_t bytes, const Geometry& g,
                                               int32_t max_pages_per_layer, int64_t num_slots);
   // Opens a formatted region, checking magic, version, geometry (must equal `expected`) and
-  // that every offset and count fits `bytes`. FAILED_PRECONDITION naming the mismatch.
+  // that every offset is the one ComputeRegionLayout gives for the header's counts and fits
+  // `bytes`. FAILED_PRECONDITION naming the mismatched field; INVALID_ARGUMENT for a null or
+  // misaligned base. The counts (max_pages_per_layer, num_slots) are the header's: a caller
+  // with its own record of them compares it with layout().
+  // Reads the header once: later changes to it by a peer are never looked at.
   static absl::StatusOr<SessionRegion> Open(void* base, size_t bytes, const Geometry& expected);
 
   const RegionLayout& layout() const { return layout_; }
   const Geometry& geometry() const { return geometry_; }
-  void* slots() const;              // first host page slot (PagePool::Create base)
+  void* slots() const;  // first host page slot (PagePool::Create base)
   int64_t num_slots() const { return layout_.num_slots; }
   size_t slot_stride() const { return layout_.slot_stride; }
   const void* SlotData(int64_t slot) const;  // REQUIRES: 0 <= slot < num_slots()
@@ -84,7 +89,9 @@ class SessionRegion {
   // what it will rewrite). OUT_OF_RANGE for bad indices.
   absl::Status Uncommit(int32_t layer, int64_t page);
   // Reader: the committed entry of (layer, page); NOT_FOUND when not committed;
-  // DATA_LOSS when the entry names a slot outside the region (corrupt or hostile writer).
+  // DATA_LOSS when the entry names a slot outside the region (corrupt or hostile writer);
+  // OUT_OF_RANGE for bad indices; ABORTED when a writer kept re-committing the entry
+  // while it was read (16 attempts).
   absl::StatusOr<CommittedPage> Lookup(int32_t layer, int64_t page) const;
   // Reader: pages 0..n-1 of `layer` are all committed, page n is not.
   int64_t CommittedPrefix(int32_t layer) const;

@@ -43,6 +43,7 @@
 
 namespace kvtier {
 
+class PageHandle;
 class PagePool;
 
 enum class RetrievalMode : uint8_t { kSpeculative = 0, kSync = 1, kFull = 2, kDrop = 3 };
@@ -134,6 +135,14 @@ struct RetrieverStats {
   }
 };
 
+// A host page whose offload has completed: its bytes are in `slot` of the pool.
+struct StoredPage {
+  int32_t layer = 0;
+  int64_t page = 0;         // logical page
+  int64_t slot = -1;        // pool slot
+  uint64_t generation = 0;  // the slot's generation (PageHandle::generation)
+};
+
 class Retriever {
  public:
   // INVALID_ARGUMENT for an invalid geometry or options (naming the field and limit);
@@ -175,6 +184,28 @@ class Retriever {
   // DEADLINE_EXCEEDED if the in-flight work did not finish; the pages are then freed when
   // the Retriever is destroyed.
   virtual absl::Status Close() = 0;
+
+  // Pages whose offload to the host tier has completed since the last call, in offload
+  // order (per layer, ascending logical pages). wait = false never blocks (only work already
+  // finished is reported); wait = true blocks, bounded by the deadline (DEADLINE_EXCEEDED),
+  // until every offload enqueued so far has run. Pages that Restore adopted are not
+  // reported. FAILED_PRECONDITION after Close(); the Retriever's first error once it failed.
+  // A page reported here stays in the host tier until Close() or destruction.
+  virtual absl::StatusOr<std::vector<StoredPage>> TakeStoredPages(bool wait) = 0;
+
+  // Rebuilds `layer` of a Retriever that has no tokens in it from host pages that already
+  // hold its logical pages 0..n-1 (pages[i] = page i, HND, slots of this Retriever's pool,
+  // e.g. from PagePool::Claim after a restart). Afterwards num_tokens(layer) = n·p and the
+  // layer is in the state that appending those n·p tokens would have left it in, so later
+  // steps give the same results bit for bit. The Retriever owns the handles from then on
+  // (on error they are released). The pages' bytes are read on the host here and rewritten,
+  // unchanged, by the offload op that recomputes their summaries; nobody else may write
+  // them. Restored tokens count in no statistic.
+  //   FAILED_PRECONDITION: the layer has tokens, the Retriever is closed, or the mode has no
+  //     host tier (drop and full);
+  //   INVALID_ARGUMENT: a bad layer, a handle that is empty or of another pool;
+  //   OUT_OF_RANGE: n·p > max_tokens.
+  virtual absl::Status Restore(int32_t layer, std::vector<PageHandle> pages) = 0;
 
   // Cumulative statistics of the steps whose work is known to have run; after Wait(), all.
   virtual RetrieverStats Stats() = 0;

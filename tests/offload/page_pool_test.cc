@@ -174,6 +174,101 @@ TEST(PagePoolTest, ArenaPoolUsesTheWholeArena) {
   EXPECT_EQ(too_big.status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST(PagePoolTest, ClaimTakesThatSlotWithThatGeneration) {
+  Memory memory(4 * 256);
+  std::unique_ptr<PagePool> pool = MakePool(memory.data(), 256, 4);
+  ASSERT_NE(pool, nullptr);
+  absl::StatusOr<PageHandle> claimed = pool->Claim(2, 7);
+  ASSERT_TRUE(claimed.ok()) << claimed.status();
+  EXPECT_EQ(claimed->slot(), 2);
+  EXPECT_EQ(claimed->generation(), 7u);
+  EXPECT_EQ(claimed->data(), memory.data() + 2 * 256);
+  EXPECT_TRUE(pool->IsLive(2, 7));
+  EXPECT_EQ(pool->CurrentGeneration(2), 7u);
+  EXPECT_EQ(pool->stats().in_use, 1);
+  EXPECT_EQ(pool->stats().allocations, 0u);
+  // Allocate never hands out the claimed slot: the other three, then exhaustion.
+  std::vector<PageHandle> pages;
+  for (int i = 0; i < 3; ++i) {
+    absl::StatusOr<PageHandle> page = pool->Allocate();
+    ASSERT_TRUE(page.ok()) << page.status();
+    EXPECT_NE(page->slot(), 2);
+    pages.push_back(*std::move(page));
+  }
+  EXPECT_EQ(pool->Allocate().status().code(), absl::StatusCode::kResourceExhausted);
+  // Freed, the slot is allocated again with the next generation.
+  claimed->Release();
+  EXPECT_FALSE(pool->IsLive(2, 7));
+  absl::StatusOr<PageHandle> again = pool->Allocate();
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->slot(), 2);
+  EXPECT_EQ(again->generation(), 8u);
+}
+
+TEST(PagePoolTest, ClaimErrors) {
+  Memory memory(4 * 256);
+  std::unique_ptr<PagePool> pool = MakePool(memory.data(), 256, 4);
+  ASSERT_NE(pool, nullptr);
+  EXPECT_EQ(pool->Claim(4, 1).status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(pool->Claim(-1, 1).status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(pool->Claim(0, 0).status().code(), absl::StatusCode::kInvalidArgument);
+  PageHandle page = *pool->Allocate();  // slot 0, generation 1
+  absl::StatusOr<PageHandle> busy = pool->Claim(0, 5);
+  EXPECT_EQ(busy.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(busy.status().message(), HasSubstr("in use"));
+  page.Release();
+  // Generation 1 again is allowed; 0 < 1 is not (checked first: INVALID_ARGUMENT).
+  PageHandle next = *pool->Allocate();  // slot 0, generation 2
+  next.Release();
+  absl::StatusOr<PageHandle> old = pool->Claim(0, 1);
+  EXPECT_EQ(old.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(old.status().message(), HasSubstr("current generation 2"));
+  absl::StatusOr<PageHandle> same = pool->Claim(0, 2);
+  ASSERT_TRUE(same.ok()) << same.status();
+  EXPECT_EQ(same->generation(), 2u);
+  EXPECT_EQ(pool->stats().in_use, 1);
+}
+
+// Claims in any order, interleaved with allocations and frees, keep the free stack exact:
+// every slot is handed out once, and all return to the pool.
+TEST(PagePoolTest, ClaimsKeepTheFreeStackConsistent) {
+  constexpr int64_t kSlots = 64;
+  Memory memory(kSlots * 256);
+  std::unique_ptr<PagePool> pool = MakePool(memory.data(), 256, kSlots);
+  ASSERT_NE(pool, nullptr);
+  std::vector<PageHandle> held;
+  for (int64_t slot : {5, 63, 0, 17, 18, 40}) {
+    absl::StatusOr<PageHandle> page = pool->Claim(slot, 3);
+    ASSERT_TRUE(page.ok()) << page.status();
+    held.push_back(*std::move(page));
+  }
+  for (int i = 0; i < 10; ++i) held.push_back(*pool->Allocate());
+  held.erase(held.begin() + 1, held.begin() + 4);  // frees 63, 0, 17
+  for (int64_t slot : {63, 1, 2}) {
+    absl::StatusOr<PageHandle> page = pool->Claim(slot, 9);
+    ASSERT_TRUE(page.ok()) << slot << ": " << page.status();
+    held.push_back(*std::move(page));
+  }
+  while (true) {
+    absl::StatusOr<PageHandle> page = pool->Allocate();
+    if (!page.ok()) break;
+    held.push_back(*std::move(page));
+  }
+  ASSERT_EQ(static_cast<int64_t>(held.size()), kSlots);
+  std::vector<int> seen(kSlots, 0);
+  for (const PageHandle& page : held) ++seen[page.slot()];
+  for (int64_t slot = 0; slot < kSlots; ++slot) EXPECT_EQ(seen[slot], 1) << slot;
+  held.clear();
+  EXPECT_EQ(pool->stats().in_use, 0);
+  // Every slot can be claimed again now.
+  for (int64_t slot = 0; slot < kSlots; ++slot) {
+    absl::StatusOr<PageHandle> page = pool->Claim(slot, 100);
+    ASSERT_TRUE(page.ok()) << slot << ": " << page.status();
+    held.push_back(*std::move(page));
+  }
+  EXPECT_EQ(pool->Allocate().status().code(), absl::StatusCode::kResourceExhausted);
+}
+
 TEST(PagePoolTest, ConcurrentAllocateAndFreeKeepCountsRight) {
   constexpr int kSlots = 64;
   constexpr int kThreads = 8;

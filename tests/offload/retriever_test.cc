@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <memory>
 #include <numeric>
@@ -687,6 +688,273 @@ TEST(RetrieverTest, HostTierFullIsRefusedWithNothingKept) {
   EXPECT_TRUE(r->Append(0, k.data(), k.data(), 32).ok());
   EXPECT_TRUE(r->Wait().ok());
   EXPECT_EQ(tier.pool->stats().in_use, 4);
+}
+
+// Every full page of every layer, reported once by TakeStoredPages, in offload order, with
+// the pool's slot and generation, and the HND of the appended tokens in the slot.
+TEST(RetrieverTest, TakeStoredPagesReportsEveryFullPageOnce) {
+  const Geometry g = SmallGeometry(DType::kF16);
+  const RetrieverOptions o = SmallOptions(RetrievalMode::kSpeculative);
+  Harness h(g, o);
+  std::vector<StoredPage> stored;
+  const auto take = [&](bool wait) {
+    absl::StatusOr<std::vector<StoredPage>> pages = h.retriever->TakeStoredPages(wait);
+    ASSERT_TRUE(pages.ok()) << pages.status();
+    stored.insert(stored.end(), pages->begin(), pages->end());
+  };
+  h.Append(50);
+  take(false);
+  h.Append(3);
+  take(false);
+  DriftingQuery q(h.seq, 11);
+  for (int step = 0; step < 5; ++step) {
+    h.Step(q.Next());
+    h.Append(7);
+    take(false);
+  }
+  take(true);
+  const int32_t p = g.page_size;
+  const int32_t full = h.seq.tokens() / p;  // 88 tokens: 11 full pages
+  ASSERT_EQ(stored.size(), static_cast<size_t>(g.num_layers * full));
+  std::vector<int64_t> next(g.num_layers, 0);
+  const HostPageLayout hl{g.num_kv_heads, p, g.head_dim};
+  for (const StoredPage& sp : stored) {
+    ASSERT_GE(sp.layer, 0);
+    ASSERT_LT(sp.layer, g.num_layers);
+    EXPECT_EQ(sp.page, next[sp.layer]++) << "layer " << sp.layer;  // in order, once each
+    EXPECT_TRUE(h.tier->pool->IsLive(sp.slot, sp.generation));
+    const void* page = h.tier->pool->SlotData(sp.slot);
+    for (int32_t kh = 0; kh < g.num_kv_heads; ++kh) {
+      for (int32_t t = 0; t < p; ++t) {
+        for (int32_t i = 0; i < g.head_dim; ++i) {
+          const int64_t token = sp.page * p + t;
+          ASSERT_EQ(testing::LoadElement(page, g.dtype, hl.Offset(kh, kKey, t, i)),
+                    h.seq.K(sp.layer, token, kh, i));
+          ASSERT_EQ(testing::LoadElement(page, g.dtype, hl.Offset(kh, kValue, t, i)),
+                    h.seq.V(sp.layer, token, kh, i));
+        }
+      }
+    }
+  }
+  absl::StatusOr<std::vector<StoredPage>> again = h.retriever->TakeStoredPages(true);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_TRUE(again->empty());
+  ASSERT_TRUE(h.retriever->Close().ok());
+  EXPECT_TRUE(absl::IsFailedPrecondition(h.retriever->TakeStoredPages(false).status()));
+}
+
+// With the compute stream held up, TakeStoredPages(false) reports nothing rather than
+// waiting, and TakeStoredPages(true) gives up at the deadline.
+TEST(RetrieverTest, TakeStoredPagesWithoutWaitNeverBlocks) {
+  const Geometry g = SmallGeometry();
+  RetrieverOptions o = SmallOptions(RetrievalMode::kSync);
+  o.deadline = absl::Milliseconds(100);
+  testing::ChaosOptions co;
+  co.max_delay = absl::ZeroDuration();
+  auto chaos = testing::NewChaosBackend(co);
+  Harness h(g, o, chaos.get());
+  ASSERT_TRUE(testing::EnqueueStall(*chaos, h.retriever->compute_stream(), absl::Seconds(2)).ok());
+  h.Append(3 * g.page_size);  // offloads queued behind the stall
+  absl::StatusOr<std::vector<StoredPage>> none = h.retriever->TakeStoredPages(false);
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_TRUE(none->empty());
+  absl::StatusOr<std::vector<StoredPage>> late = h.retriever->TakeStoredPages(true);
+  EXPECT_TRUE(absl::IsDeadlineExceeded(late.status())) << late.status();
+  ASSERT_TRUE(h.retriever->compute_stream().Synchronize().ok());
+  absl::StatusOr<std::vector<StoredPage>> all = h.retriever->TakeStoredPages(false);
+  ASSERT_TRUE(all.ok()) << all.status();
+  EXPECT_EQ(all->size(), static_cast<size_t>(3 * g.num_layers));
+}
+
+// One step of every layer of `r` with q: the outputs, and per layer the slot table and the
+// K/V bytes of every token the table names, snapshotted after attention.
+struct StepSnapshot {
+  std::vector<std::vector<float>> out;
+  std::vector<std::vector<int32_t>> tables;
+  std::vector<std::vector<float>> resident;  // [layer]: K then V of each named token
+  friend bool operator==(const StepSnapshot&, const StepSnapshot&) = default;
+};
+
+StepSnapshot StepAndSnapshot(Retriever& r, Backend& backend, const TypedBuffer& q) {
+  const Geometry& g = r.geometry();
+  StepSnapshot snap;
+  std::vector<WorkingSetView> views;
+  std::vector<TypedBuffer> outs;
+  for (int32_t l = 0; l < g.num_layers; ++l) {
+    absl::StatusOr<WorkingSetView> view = r.BeginStep(l, q.data());
+    EXPECT_TRUE(view.ok()) << view.status();
+    if (!view.ok()) return snap;
+    views.push_back(*view);
+    outs.emplace_back(g.dtype, int64_t{g.num_q_heads} * g.head_dim);
+    EXPECT_TRUE(r.Attend(l, q.data(), outs.back().data(), nullptr).ok());
+  }
+  auto done = backend.CreateEvent().value();
+  EXPECT_TRUE(r.compute_stream().Record(*done).ok());
+  EXPECT_TRUE(done->Wait(absl::Seconds(20)).ok());
+  const int32_t p = g.page_size;
+  for (const WorkingSetView& v : views) {
+    const WorkingSetLayout wl{v.num_slots, p, g.num_kv_heads, g.head_dim};
+    snap.tables.emplace_back(v.slot_table, v.slot_table + g.num_kv_heads * v.num_slots);
+    std::vector<float> resident;
+    for (int32_t kh = 0; kh < g.num_kv_heads; ++kh) {
+      for (int32_t s = 0; s < v.num_slots; ++s) {
+        const int32_t page = v.slot_table[kh * v.num_slots + s];
+        if (page < 0) continue;
+        const int32_t len = std::min(p, v.num_tokens - page * p);
+        for (int32_t t = 0; t < len; ++t) {
+          for (int32_t i = 0; i < g.head_dim; ++i) {
+            resident.push_back(testing::LoadElement(v.k_cache, g.dtype, wl.Offset(s, t, kh, i)));
+            resident.push_back(testing::LoadElement(v.v_cache, g.dtype, wl.Offset(s, t, kh, i)));
+          }
+        }
+      }
+    }
+    snap.resident.push_back(std::move(resident));
+  }
+  for (const TypedBuffer& o : outs) snap.out.push_back(o.ToFloats());
+  for (int32_t l = 0; l < g.num_layers; ++l) EXPECT_TRUE(r.EndStep(l, q.data()).ok());
+  return snap;
+}
+
+// R1 appends T tokens; a copy of its host tier, re-adopted with PagePool::Claim from what
+// TakeStoredPages reported, restores R2. Driven alike from then on, R1 and R2 agree bit
+// for bit: slot tables, resident K/V, attention outputs and recall statistics.
+void ExpectRestoreEquivalent(int32_t T, RecallPipeline pipeline) {
+  const Geometry g = SmallGeometry(DType::kF16);
+  RetrieverOptions o = SmallOptions(RetrievalMode::kSpeculative);
+  o.correction_threshold = 0.5f;  // some heads corrected, some not
+  o.pipeline = pipeline;
+  Harness h1(g, o);
+  const int32_t p = g.page_size;
+  const int32_t n = T / p;
+  h1.Append(n * p);
+  absl::StatusOr<std::vector<StoredPage>> stored = h1.retriever->TakeStoredPages(true);
+  ASSERT_TRUE(stored.ok()) << stored.status();
+  ASSERT_EQ(stored->size(), static_cast<size_t>(g.num_layers * n));
+
+  // The "restarted process": the same host-tier bytes in other memory, slots claimed.
+  const int64_t num_slots = h1.tier->pool->num_slots();
+  auto* mem2 = static_cast<uint8_t*>(std::aligned_alloc(PagePool::kSlotAlignment, h1.tier->bytes));
+  std::memcpy(mem2, h1.tier->mem, h1.tier->bytes);
+  std::unique_ptr<PagePool> pool2 = PagePool::Create(mem2, g.host_page_bytes(), num_slots).value();
+  std::unique_ptr<Backend> backend2 = NewCpuBackend(2);
+  std::unique_ptr<Retriever> r2 = Retriever::Create(g, o, *backend2, pool2.get()).value();
+  std::vector<std::vector<PageHandle>> pages(g.num_layers);
+  for (auto& layer_pages : pages) layer_pages.resize(n);
+  for (const StoredPage& sp : *stored) {
+    absl::StatusOr<PageHandle> page = pool2->Claim(sp.slot, sp.generation);
+    ASSERT_TRUE(page.ok()) << page.status();
+    pages[sp.layer][sp.page] = *std::move(page);
+  }
+  for (int32_t l = 0; l < g.num_layers; ++l) {
+    ASSERT_TRUE(r2->Restore(l, std::move(pages[l])).ok()) << "layer " << l;
+    EXPECT_EQ(r2->num_tokens(l), n * p);
+  }
+  EXPECT_EQ(pool2->stats().in_use, g.num_layers * n);
+  // Restore rewrote the host pages (recomputing their summaries) with the same bytes.
+  ASSERT_TRUE(r2->Wait().ok());
+  for (const StoredPage& sp : *stored) {
+    ASSERT_EQ(std::memcmp(pool2->SlotData(sp.slot), h1.tier->pool->SlotData(sp.slot),
+                          g.host_page_bytes()),
+              0)
+        << "layer " << sp.layer << " page " << sp.page;
+  }
+  // Restored pages are not reported as new ones.
+  absl::StatusOr<std::vector<StoredPage>> none = r2->TakeStoredPages(true);
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_TRUE(none->empty());
+
+  // Further tokens (the remainder of T first) go to both.
+  std::deque<TypedBuffer> keep;
+  const auto append_both = [&](int32_t count) {
+    auto rows = h1.seq.Grow(count);
+    for (int32_t l = 0; l < g.num_layers; ++l) {
+      ASSERT_TRUE(h1.retriever->Append(l, rows[l].first.data(), rows[l].second.data(), count).ok());
+      ASSERT_TRUE(r2->Append(l, rows[l].first.data(), rows[l].second.data(), count).ok());
+    }
+    for (auto& r : rows) {
+      keep.push_back(std::move(r.first));
+      keep.push_back(std::move(r.second));
+    }
+  };
+  if (T % p != 0) append_both(T % p);
+  DriftingQuery queries(h1.seq, 77);
+  for (int step = 0; step < 12; ++step) {
+    keep.push_back(queries.Next());
+    const StepSnapshot a = StepAndSnapshot(*h1.retriever, *h1.backend, keep.back());
+    const StepSnapshot b = StepAndSnapshot(*r2, *backend2, keep.back());
+    ASSERT_EQ(a.tables, b.tables) << "step " << step;
+    ASSERT_EQ(a.resident, b.resident) << "step " << step;
+    ASSERT_EQ(a.out, b.out) << "step " << step;
+    append_both(1 + (step % 4 == 3 ? 9 : 0));
+  }
+  ASSERT_TRUE(h1.retriever->Wait().ok());
+  ASSERT_TRUE(r2->Wait().ok());
+  const RetrieverStats s1 = h1.retriever->Stats(), s2 = r2->Stats();
+  EXPECT_GT(s1.corrected_heads, 0);
+  EXPECT_LT(s1.corrected_heads, s1.checked_heads);
+  EXPECT_EQ(s2.corrected_heads, s1.corrected_heads);
+  EXPECT_EQ(s2.corrections, s1.corrections);
+  EXPECT_EQ(s2.recalled_pages, s1.recalled_pages);
+  r2.reset();
+  pool2.reset();
+  std::free(mem2);
+}
+
+TEST(RetrieverTest, RestoredLayersStepLikeTheOriginal) {
+  // 17 full pages: past the sinks and the recent ring, so the ring has wrapped.
+  ExpectRestoreEquivalent(17 * 8, RecallPipeline::kStreamed);
+}
+
+TEST(RetrieverTest, RestoredFullPagesPlusAppendedRemainderStepLikeTheOriginal) {
+  ExpectRestoreEquivalent(17 * 8 + 5, RecallPipeline::kFused);
+}
+
+TEST(RetrieverTest, RestoreOfFewPagesStepsLikeTheOriginal) {
+  ExpectRestoreEquivalent(2 * 8 + 3, RecallPipeline::kStreamed);  // within sinks and ring
+}
+
+TEST(RetrieverTest, RestoreErrors) {
+  const Geometry g = SmallGeometry();
+  Harness h(g, SmallOptions(RetrievalMode::kSync));
+  PagePool& pool = *h.tier->pool;
+  const auto claim = [&](int64_t slot) { return pool.Claim(slot, 1).value(); };
+  const auto one = [&](PageHandle page) {
+    std::vector<PageHandle> pages;
+    pages.push_back(std::move(page));
+    return pages;
+  };
+  absl::Status st = h.retriever->Restore(2, one(claim(0)));
+  EXPECT_TRUE(absl::IsInvalidArgument(st)) << st;
+  st = h.retriever->Restore(0, one(PageHandle()));
+  EXPECT_TRUE(absl::IsInvalidArgument(st)) << st;
+  EXPECT_NE(st.message().find("pages[0]"), std::string::npos) << st;
+  HostTier other(g, 2);
+  st = h.retriever->Restore(0, one(other.pool->Allocate().value()));
+  EXPECT_TRUE(absl::IsInvalidArgument(st)) << st;
+  std::vector<PageHandle> too_many;
+  for (int64_t slot = 0; slot < 512 / g.page_size + 1; ++slot) too_many.push_back(claim(slot));
+  st = h.retriever->Restore(0, std::move(too_many));
+  EXPECT_TRUE(absl::IsOutOfRange(st)) << st;
+  // Refused handles are released, and the Retriever still works.
+  EXPECT_EQ(pool.stats().in_use, 0);
+  EXPECT_EQ(other.pool->stats().in_use, 0);
+  EXPECT_TRUE(h.retriever->Restore(1, {}).ok());  // nothing to restore
+  EXPECT_EQ(h.retriever->num_tokens(1), 0);
+  h.Append(10);
+  st = h.retriever->Restore(0, one(claim(100)));
+  EXPECT_TRUE(absl::IsFailedPrecondition(st)) << st;
+  EXPECT_NE(st.message().find("holds 10 tokens"), std::string::npos) << st;
+
+  for (RetrievalMode mode : {RetrievalMode::kDrop, RetrievalMode::kFull}) {
+    Harness no_tier(g, SmallOptions(mode));
+    st = no_tier.retriever->Restore(0, one(no_tier.tier->pool->Claim(0, 1).value()));
+    EXPECT_TRUE(absl::IsFailedPrecondition(st)) << RetrievalModeName(mode) << ": " << st;
+  }
+
+  ASSERT_TRUE(h.retriever->Close().ok());
+  st = h.retriever->Restore(0, one(claim(101)));
+  EXPECT_TRUE(absl::IsFailedPrecondition(st)) << st;
 }
 
 // A long run for the sanitizer builds: 1000 layer-steps of speculative decoding with
