@@ -47,20 +47,25 @@ using AttachAuthorizer = std::function<absl::StatusOr<AttachGrant>(
     const PeerCredentials& peer, std::string_view tenant, std::string_view token)>;
 
 struct AttachServerOptions {
-  absl::Duration handshake_timeout = absl::Seconds(5);  // per connection
-  uint32_t max_request_bytes = 4096;
+  absl::Duration handshake_timeout = absl::Seconds(5);  // per connection, > 0
+  uint32_t max_request_bytes = 4096;                    // > 0
+  // Handshakes in progress at once, > 0; a connection beyond them is closed at once (a
+  // flood of silent clients cannot exhaust the daemon's descriptors).
+  uint32_t max_connections = 64;
 };
 
 class AttachServer {
  public:
   // Binds `path` (a stale socket file left by a dead daemon is replaced; a live one, or
   // any other file, is FAILED_PRECONDITION), mode 0660, and starts serving. INVALID_ARGUMENT
-  // for a path longer than sun_path allows (saying the limit).
+  // for a path longer than sun_path allows (saying the limit), an empty authorizer or an
+  // option out of range. The authorizer runs on the server's thread, one call at a time.
   static absl::StatusOr<std::unique_ptr<AttachServer>> Start(
       const std::string& path, AttachAuthorizer authorize, const AttachServerOptions& options = {});
   AttachServer(const AttachServer&) = delete;
   AttachServer& operator=(const AttachServer&) = delete;
   virtual ~AttachServer() = default;
+  // Idempotent. REQUIRES: not called from the authorizer (it runs on the server's thread).
   virtual void Stop() = 0;
   virtual const std::string& path() const = 0;
   virtual uint64_t granted() const = 0;  // attaches answered OK

@@ -29,6 +29,8 @@ struct TenantConfig {
   bool lock = true;                 // mlock the arena (best effort)
   // Uids that may map the arena through the attach socket; empty: the daemon's own uid.
   std::vector<uint32_t> uids;
+
+  friend bool operator==(const TenantConfig&, const TenantConfig&) = default;
 };
 
 struct DaemonConfig {
@@ -59,6 +61,8 @@ struct DaemonConfig {
 
   // INVALID_ARGUMENT naming the key and the limit.
   absl::Status Validate() const;
+
+  friend bool operator==(const DaemonConfig&, const DaemonConfig&) = default;
 };
 
 // The configuration kvtierd runs with when given no file: one tenant "default" with no
@@ -75,6 +79,17 @@ absl::StatusOr<DaemonConfig> LoadConfigFile(const std::string& path, const Daemo
 
 // The runtime-default paths described above, resolved now.
 std::string DefaultUnixSocketPath();
+
+// `config` with the empty socket paths filled in (unix_socket: DefaultUnixSocketPath();
+// attach_socket: unix_socket + ".attach") and the directories that hold them created (mode
+// 0700 when this creates them). FAILED_PRECONDITION when a directory cannot be created, or
+// when the runtime-default directory exists but belongs to another user; INVALID_ARGUMENT
+// when a resolved path is longer than a Unix socket address allows.
+absl::StatusOr<DaemonConfig> ResolvePaths(DaemonConfig config);
+
+// Every key the parser knows, as "table.key" ("server.unix_socket", ..., "tenant.name" for
+// the keys of [[tenant]] tables), in the order deploy/kvtierd.example.toml documents them.
+std::vector<std::string> KnownConfigKeys();
 
 }  // namespace kvtier::daemon
 

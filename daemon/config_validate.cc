@@ -1,0 +1,270 @@
+// DaemonConfig::Validate and the runtime paths (DefaultUnixSocketPath, ResolvePaths).
+//
+// Invariant: every message names the key ("limits.default_max_tokens", "tenant[2].name"), the value
+// and the limit it broke, so an operator can fix the file from the message alone.
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <set>
+#include <string>
+#include <string_view>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "daemon/config.h"
+#include "kvtier/geometry.h"
+#include "kvtier/status.h"
+#include "offload/host_arena.h"
+
+namespace kvtier::daemon {
+namespace {
+
+constexpr uint64_t kMiB = uint64_t{1} << 20;
+constexpr uint64_t kGiB = uint64_t{1} << 30;
+// sun_path holds the path and its terminating NUL.
+constexpr size_t kMaxSocketPathBytes = sizeof(sockaddr_un::sun_path) - 1;
+constexpr size_t kMaxTokenBytes = 1024;
+constexpr int64_t kMaxThreads = 1024;
+constexpr int64_t kMaxTenants = 1024;
+constexpr int64_t kMaxNumaNode = 1023;
+constexpr uint32_t kMaxSessionsPerTenant = 65536;
+constexpr uint32_t kMaxTokensPerSession = uint32_t{1} << 24;
+constexpr absl::Duration kMaxShutdownGrace = absl::Hours(1);
+
+// "key = value is out of range [lo, hi]" when value is outside [lo, hi].
+absl::Status CheckRange(std::string_view key, int64_t value, int64_t lo, int64_t hi,
+                        std::string_view why = "") {
+  if (value >= lo && value <= hi) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrFormat("%s = %d is out of range [%d, %d]%s%s", key,
+                                                    value, lo, hi, why.empty() ? "" : ": ", why));
+}
+
+absl::Status CheckOneOf(std::string_view key, std::string_view value,
+                        std::initializer_list<std::string_view> allowed) {
+  for (std::string_view a : allowed) {
+    if (value == a) return absl::OkStatus();
+  }
+  std::string list;
+  for (std::string_view a : allowed) list += absl::StrFormat("%s%s", list.empty() ? "" : " | ", a);
+  return absl::InvalidArgumentError(
+      absl::StrFormat("%s = \"%s\" is not one of %s", key, value, list));
+}
+
+absl::Status CheckSocketPath(std::string_view key, const std::string& path) {
+  if (path.size() <= kMaxSocketPathBytes) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrFormat("%s \"%s\" is %d bytes, longer than a Unix socket path allows (%d)", key,
+                      path, path.size(), kMaxSocketPathBytes));
+}
+
+// gRPC metadata values must be printable ASCII.
+absl::Status CheckToken(std::string_view key, std::string_view token) {
+  if (token.size() > kMaxTokenBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s is %d bytes, more than %d", key, token.size(), kMaxTokenBytes));
+  }
+  for (char c : token) {
+    if (c < 0x20 || c > 0x7e) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s holds a character outside printable ASCII (0x20-0x7e), which gRPC "
+                          "metadata cannot carry",
+                          key));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// "host:port" or "[v6]:port", port in [0, 65535] (0: any free port).
+absl::Status CheckTcpAddress(std::string_view address) {
+  const size_t colon = address.rfind(':');
+  uint32_t port = 0;
+  if (colon == std::string_view::npos || colon == 0 ||
+      !absl::SimpleAtoi(std::string(address.substr(colon + 1)), &port) || port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("server.tcp_address = \"%s\" is not host:port with a port in [0, 65535] "
+                        "(e.g. \"127.0.0.1:50551\", \"[::]:50551\")",
+                        address));
+  }
+  return absl::OkStatus();
+}
+
+bool IsNameChar(char c) {
+  return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '.' || c == '-';
+}
+
+// [[DDDD:]BB:DD.F] with hex digits, as nvidia-smi and sysfs print it.
+bool IsPciBusId(std::string_view bus_id) {
+  const std::string id = bus_id.size() == 7 ? absl::StrFormat("0000:%s", bus_id)  // BB:DD.F
+                                            : std::string(bus_id);
+  if (id.size() != 12 || id[4] != ':' || id[7] != ':' || id[10] != '.') return false;
+  for (int i : {0, 1, 2, 3, 5, 6, 8, 9, 11}) {
+    if (!absl::ascii_isxdigit(static_cast<unsigned char>(id[i]))) return false;
+  }
+  return true;
+}
+
+absl::Status ValidateTenant(const TenantConfig& tenant, size_t index) {
+  const std::string key = absl::StrCat("tenant[", index, "]");
+  const bool name_ok =
+      !tenant.name.empty() && tenant.name.size() <= 64 &&
+      std::all_of(tenant.name.begin(), tenant.name.end(), [](char c) { return IsNameChar(c); });
+  if (!name_ok) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s.name = \"%s\" must match [A-Za-z0-9_.-]{1,64}", key, tenant.name));
+  }
+  KVTIER_RETURN_IF_ERROR(CheckToken(absl::StrCat(key, ".token"), tenant.token));
+  if (tenant.host_memory_bytes < kMiB || tenant.host_memory_bytes > HostArena::kMaxBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s.host_memory_bytes = %d is out of range [%d, %d] (1 MiB to 4 TiB)", key,
+                        tenant.host_memory_bytes, kMiB, HostArena::kMaxBytes));
+  }
+  KVTIER_RETURN_IF_ERROR(CheckRange(absl::StrCat(key, ".numa_node"), tenant.numa_node, -1,
+                                    kMaxNumaNode, "-1 means no explicit node"));
+  if (!tenant.gpu_pci_bus_id.empty() && !IsPciBusId(tenant.gpu_pci_bus_id)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s.gpu_pci_bus_id = \"%s\" is not a PCI bus id like \"0000:3b:00.0\"", key,
+                        tenant.gpu_pci_bus_id));
+  }
+  KVTIER_RETURN_IF_ERROR(
+      CheckOneOf(absl::StrCat(key, ".hugepages"), tenant.hugepages, {"off", "auto", "require"}));
+  for (size_t i = 0; i < tenant.uids.size(); ++i) {
+    if (tenant.uids[i] == static_cast<uint32_t>(-1)) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s.uids[%d] = 4294967295 is not a valid uid", key, i));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateServer(const DaemonConfig& c) {
+  KVTIER_RETURN_IF_ERROR(CheckSocketPath("server.unix_socket", c.unix_socket));
+  KVTIER_RETURN_IF_ERROR(CheckSocketPath("server.attach_socket", c.attach_socket));
+  if (!c.unix_socket.empty() && c.unix_socket == c.attach_socket) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "server.attach_socket = \"%s\" is the same path as server.unix_socket", c.attach_socket));
+  }
+  if (!c.tcp_address.empty()) KVTIER_RETURN_IF_ERROR(CheckTcpAddress(c.tcp_address));
+  KVTIER_RETURN_IF_ERROR(CheckToken("server.admin_token", c.admin_token));
+  if (c.max_message_bytes < 64 * 1024 || c.max_message_bytes > kGiB) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("server.max_message_bytes = %d is out of range [%d, %d] (64 KiB to 1 GiB)",
+                        c.max_message_bytes, 64 * 1024, kGiB));
+  }
+  KVTIER_RETURN_IF_ERROR(
+      CheckRange("server.rpc_threads", c.rpc_threads, 0, kMaxThreads, "0 means gRPC's default"));
+  KVTIER_RETURN_IF_ERROR(
+      CheckRange("server.cpu_threads", c.cpu_threads, 0, kMaxThreads, "0 means all cores"));
+  return CheckRange("server.shutdown_grace_ms", absl::ToInt64Milliseconds(c.shutdown_grace), 0,
+                    absl::ToInt64Milliseconds(kMaxShutdownGrace));
+}
+
+absl::Status ValidateLimits(const DaemonConfig& c) {
+  KVTIER_RETURN_IF_ERROR(CheckRange("limits.max_sessions_per_tenant", c.max_sessions_per_tenant, 1,
+                                    kMaxSessionsPerTenant));
+  KVTIER_RETURN_IF_ERROR(CheckRange("limits.max_tokens_per_session", c.max_tokens_per_session, 1,
+                                    kMaxTokensPerSession));
+  KVTIER_RETURN_IF_ERROR(CheckRange("limits.default_max_tokens", c.default_max_tokens, 1,
+                                    c.max_tokens_per_session,
+                                    "at most limits.max_tokens_per_session"));
+  KVTIER_RETURN_IF_ERROR(
+      CheckRange("limits.max_layers", c.max_layers, 1, Geometry::kMaxLayers, "Geometry's limit"));
+  return CheckRange("limits.max_tokens_per_offload", c.max_tokens_per_offload, 1,
+                    c.max_tokens_per_session, "at most limits.max_tokens_per_session");
+}
+
+absl::Status ValidateLog(const DaemonConfig& c) {
+  KVTIER_RETURN_IF_ERROR(
+      CheckOneOf("log.level", c.log_level, {"trace", "debug", "info", "warn", "error", "off"}));
+  return CheckOneOf("log.format", c.log_format, {"text", "json"});
+}
+
+// Creates `dir` and its missing parents, mode 0700. `owned_by_us`: an existing `dir` must belong to
+// this uid (a shared /tmp is not to be trusted).
+absl::Status MakeSocketDirectory(const std::string& dir, bool owned_by_us) {
+  if (dir.empty()) return absl::OkStatus();
+  struct stat st;
+  if (::stat(dir.c_str(), &st) == 0) {
+    if (!S_ISDIR(st.st_mode)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("socket directory ", dir, " exists and is not a directory"));
+    }
+    if (owned_by_us && st.st_uid != ::getuid()) {
+      return absl::FailedPreconditionError(
+          absl::StrFormat("socket directory %s belongs to uid %d, not to this user (uid %d); "
+                          "remove it or set server.unix_socket",
+                          dir, st.st_uid, ::getuid()));
+    }
+    return absl::OkStatus();
+  }
+  const size_t slash = dir.rfind('/');
+  if (slash != std::string::npos && slash > 0) {
+    KVTIER_RETURN_IF_ERROR(MakeSocketDirectory(dir.substr(0, slash), /*owned_by_us=*/false));
+  }
+  if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot create socket directory ", dir, ": ", std::strerror(errno)));
+  }
+  return absl::OkStatus();
+}
+
+std::string DirectoryOf(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  if (slash == std::string::npos) return "";
+  return slash == 0 ? "/" : path.substr(0, slash);
+}
+
+}  // namespace
+
+absl::Status DaemonConfig::Validate() const {
+  KVTIER_RETURN_IF_ERROR(ValidateServer(*this));
+  KVTIER_RETURN_IF_ERROR(ValidateLimits(*this));
+  KVTIER_RETURN_IF_ERROR(ValidateLog(*this));
+  if (tenants.empty()) {
+    return absl::InvalidArgumentError("no [[tenant]]: at least one tenant is required");
+  }
+  KVTIER_RETURN_IF_ERROR(CheckRange("number of [[tenant]] tables",
+                                    static_cast<int64_t>(tenants.size()), 1, kMaxTenants));
+  std::set<std::string_view> names;
+  for (size_t i = 0; i < tenants.size(); ++i) {
+    KVTIER_RETURN_IF_ERROR(ValidateTenant(tenants[i], i));
+    if (!names.insert(tenants[i].name).second) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "tenant[%d].name = \"%s\" is used by an earlier tenant; names must be unique", i,
+          tenants[i].name));
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::string DefaultUnixSocketPath() {
+  const char* runtime_dir = std::getenv("XDG_RUNTIME_DIR");
+  if (runtime_dir != nullptr && runtime_dir[0] != '\0' && ::access(runtime_dir, W_OK) == 0) {
+    return absl::StrCat(runtime_dir, "/kvtier/kvtierd.sock");
+  }
+  return absl::StrCat("/tmp/kvtier-", ::getuid(), "/kvtierd.sock");
+}
+
+absl::StatusOr<DaemonConfig> ResolvePaths(DaemonConfig config) {
+  const bool runtime_default = config.unix_socket.empty();
+  if (runtime_default) config.unix_socket = DefaultUnixSocketPath();
+  if (config.attach_socket.empty()) config.attach_socket = config.unix_socket + ".attach";
+  KVTIER_RETURN_IF_ERROR(CheckSocketPath("server.unix_socket", config.unix_socket));
+  KVTIER_RETURN_IF_ERROR(CheckSocketPath("server.attach_socket", config.attach_socket));
+  KVTIER_RETURN_IF_ERROR(MakeSocketDirectory(DirectoryOf(config.unix_socket), runtime_default));
+  if (config.shm) {
+    KVTIER_RETURN_IF_ERROR(MakeSocketDirectory(DirectoryOf(config.attach_socket), false));
+  }
+  return config;
+}
+
+}  // namespace kvtier::daemon

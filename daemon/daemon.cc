@@ -1,0 +1,248 @@
+// Daemon: start-up and graceful shutdown. Invariants: a socket path is unlinked only when it was
+// found stale (connecting was refused) or when this daemon bound it; every member is torn down in
+// Stop(), in the order the header gives, whether Start finished or not.
+#include "daemon/daemon.h"
+
+#include <fcntl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <string>
+#include <string_view>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "daemon/attach_server.h"
+#include "daemon/kvtier_service.h"
+#include "daemon/session_manager.h"
+#include "grpc/support/log.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "kvtier/status.h"
+#include "kvtier/v1/kvtier.grpc.pb.h"
+#include "spdlog/spdlog.h"
+
+namespace kvtier::daemon {
+namespace {
+
+// Makes `path` free to bind: nothing there, or a stale socket (connecting is refused), which is
+// removed. FAILED_PRECONDITION for a live socket or a file that is not a socket.
+absl::Status ClaimSocketPath(std::string_view key, const std::string& path) {
+  struct stat st;
+  if (::lstat(path.c_str(), &st) != 0) return absl::OkStatus();  // nothing there
+  if (!S_ISSOCK(st.st_mode)) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s %s exists and is not a socket; remove it or choose another path", key, path));
+  }
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return absl::InternalError(absl::StrCat("socket(AF_UNIX): ", std::strerror(errno)));
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  path.copy(addr.sun_path, sizeof(addr.sun_path) - 1);
+  const int rc = ::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr));
+  const int error = errno;
+  ::close(fd);
+  if (rc != 0 && error == ECONNREFUSED) {
+    spdlog::info("replacing stale socket {}={}", key, path);
+    if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "%s %s is stale but cannot be removed: %s", key, path, std::strerror(errno)));
+    }
+    return absl::OkStatus();
+  }
+  if (rc == 0 || error == EAGAIN || error == EINPROGRESS) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("%s %s is in use by a running daemon; stop it or choose another path "
+                        "(--unix-socket / --attach-socket)",
+                        key, path));
+  }
+  return absl::FailedPreconditionError(
+      absl::StrFormat("%s %s exists and cannot be probed (%s); remove it or choose another path",
+                      key, path, std::strerror(error)));
+}
+
+// gRPC's own log lines, through the daemon's logger (so JSON logs stay JSON).
+void LogFromGrpc(gpr_log_func_args* args) {
+  const spdlog::level::level_enum level =
+      args->severity == GPR_LOG_SEVERITY_ERROR  ? spdlog::level::err
+      : args->severity == GPR_LOG_SEVERITY_INFO ? spdlog::level::info
+                                                : spdlog::level::debug;
+  spdlog::log(level, "grpc {}:{} {}", args->file, args->line, args->message);
+}
+
+void UnlinkIfPresent(const std::string& path) {
+  if (::unlink(path.c_str()) == 0) spdlog::info("shutdown: removed socket {}", path);
+}
+
+}  // namespace
+
+Daemon::Daemon(DaemonConfig config) : config_(std::move(config)) {}
+
+Daemon::~Daemon() { Shutdown(); }
+
+absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonConfig config) {
+  KVTIER_RETURN_IF_ERROR(config.Validate());
+  KVTIER_ASSIGN_OR_RETURN(config, ResolvePaths(std::move(config)));
+  // Refuse a taken path before the arenas (the slow part) are made.
+  KVTIER_RETURN_IF_ERROR(ClaimSocketPath("server.unix_socket", config.unix_socket));
+  if (config.shm) {
+    KVTIER_RETURN_IF_ERROR(ClaimSocketPath("server.attach_socket", config.attach_socket));
+  }
+  std::unique_ptr<Daemon> daemon(new Daemon(std::move(config)));
+  const DaemonConfig& c = daemon->config_;
+  spdlog::info(
+      "starting kvtierd unix_socket={} tcp_address={} shm={} attach_socket={} tenants={} "
+      "max_message_bytes={} cpu_threads={} rpc_threads={} shutdown_grace_ms={}",
+      c.unix_socket, c.tcp_address.empty() ? "none" : c.tcp_address, c.shm,
+      c.shm ? c.attach_socket : "none", c.tenants.size(), c.max_message_bytes, c.cpu_threads,
+      c.rpc_threads, absl::ToInt64Milliseconds(c.shutdown_grace));
+  spdlog::info(
+      "limits max_sessions_per_tenant={} max_tokens_per_session={} default_max_tokens={} "
+      "max_layers={} max_tokens_per_offload={} admin_token={}",
+      c.max_sessions_per_tenant, c.max_tokens_per_session, c.default_max_tokens, c.max_layers,
+      c.max_tokens_per_offload, c.admin_token.empty() ? "unset (Drain refused)" : "set");
+  KVTIER_ASSIGN_OR_RETURN(daemon->manager_, SessionManager::Create(c));
+  daemon->LogTenants();
+  // The attach socket first: Hello reports it from the first call on.
+  if (c.shm) KVTIER_RETURN_IF_ERROR(daemon->StartAttach());
+  KVTIER_RETURN_IF_ERROR(daemon->StartGrpc());
+  spdlog::info("kvtierd serving unix:{}{}{}", c.unix_socket,
+               daemon->tcp_port_ != 0 ? absl::StrCat(" tcp port ", daemon->tcp_port_) : "",
+               c.shm ? absl::StrCat(" attach ", daemon->attach_socket_) : " (shm off)");
+  return daemon;
+}
+
+void Daemon::LogTenants() const {
+  for (const TenantConfig& t : config_.tenants) {
+    const Tenant& tenant = manager_->tenant(t.name);
+    // The SessionManager has logged each arena's report.
+    spdlog::info("tenant name={} quota_bytes={} token={} uids={}", t.name, tenant.quota_bytes(),
+                 t.token.empty() ? "none" : "set",
+                 t.uids.empty() ? "daemon's own" : absl::StrJoin(t.uids, ","));
+  }
+}
+
+absl::Status Daemon::StartGrpc() {
+  gpr_set_log_function(LogFromGrpc);
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  service_ = std::make_unique<KvTierService>(*manager_, config_);
+  service_->set_shm_endpoint({.available = attach_server_ != nullptr, .path = attach_socket_});
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("unix:" + config_.unix_socket, grpc::InsecureServerCredentials());
+  if (!config_.tcp_address.empty()) {
+    builder.AddListeningPort(config_.tcp_address, grpc::InsecureServerCredentials(), &tcp_port_);
+  }
+  builder.SetMaxReceiveMessageSize(static_cast<int>(config_.max_message_bytes));
+  builder.SetMaxSendMessageSize(static_cast<int>(config_.max_message_bytes));
+  if (config_.rpc_threads > 0) {
+    grpc::ResourceQuota quota("kvtierd");
+    quota.SetMaxThreads(config_.rpc_threads);
+    builder.SetResourceQuota(quota);
+  }
+  builder.RegisterService(service_.get());
+  server_ = builder.BuildAndStart();
+  if (server_ == nullptr) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "gRPC could not listen on unix:%s%s; check that the socket directory is writable%s",
+        config_.unix_socket,
+        config_.tcp_address.empty() ? "" : absl::StrCat(" and ", config_.tcp_address),
+        config_.tcp_address.empty() ? "" : " and the TCP port is free (server.tcp_address)"));
+  }
+  grpc_bound_ = true;
+  // Like the attach socket: the daemon's user and group may connect (engines of other uids
+  // need the group; the tenant token authenticates each call).
+  if (::chmod(config_.unix_socket.c_str(), 0660) != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("chmod 0660 %s: %s", config_.unix_socket, std::strerror(errno)));
+  }
+  grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
+  if (health != nullptr) {
+    health->SetServingStatus(true);
+    health->SetServingStatus(kvtier::v1::KvTier::service_full_name(), true);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Daemon::StartAttach() {
+  SessionManager* manager = manager_.get();
+  KVTIER_ASSIGN_OR_RETURN(
+      attach_server_,
+      AttachServer::Start(
+          config_.attach_socket,
+          [manager](const PeerCredentials& peer, std::string_view tenant, std::string_view token) {
+            return manager->AuthorizeAttach(peer, tenant, token);
+          }));
+  attach_socket_ = attach_server_->path();
+  return absl::OkStatus();
+}
+
+void Daemon::Shutdown() {
+  {
+    MutexLock lock(&mu_);
+    if (state_ != State::kServing) {
+      stopped_.Await(
+          &mu_, [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return state_ == State::kStopped; });
+      return;
+    }
+    state_ = State::kStopping;
+  }
+  Stop();
+  {
+    MutexLock lock(&mu_);
+    state_ = State::kStopped;
+  }
+  stopped_.SignalAll();
+}
+
+void Daemon::Wait() {
+  MutexLock lock(&mu_);
+  stopped_.Await(&mu_,
+                 [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return state_ == State::kStopped; });
+}
+
+void Daemon::Stop() {
+  const absl::Time began = absl::Now();
+  spdlog::info("shutdown: begin grace_ms={} inflight_calls={}",
+               absl::ToInt64Milliseconds(config_.shutdown_grace),
+               service_ != nullptr ? service_->InflightCalls() : 0);
+  if (server_ != nullptr && server_->GetHealthCheckService() != nullptr) {
+    server_->GetHealthCheckService()->SetServingStatus(false);
+  }
+  if (manager_ != nullptr) manager_->StartDrain();
+  if (attach_server_ != nullptr) {
+    attach_server_->Stop();
+    spdlog::info("shutdown: attach socket closed granted={} refused={}", attach_server_->granted(),
+                 attach_server_->refused());
+    attach_server_.reset();
+  }
+  if (server_ != nullptr) {
+    // gRPC lets calls in flight run until the deadline, then cancels them.
+    server_->Shutdown(absl::ToChronoTime(absl::Now() + config_.shutdown_grace));
+    server_->Wait();
+    server_.reset();
+    spdlog::info("shutdown: gRPC stopped after {} ms",
+                 absl::ToInt64Milliseconds(absl::Now() - began));
+  }
+  service_.reset();
+  if (manager_ != nullptr) {
+    const size_t closed = manager_->CloseAllSessions();
+    manager_.reset();
+    spdlog::info("shutdown: closed {} sessions, released {} tenant arenas", closed,
+                 config_.tenants.size());
+  }
+  if (grpc_bound_) UnlinkIfPresent(config_.unix_socket);
+  if (!attach_socket_.empty()) UnlinkIfPresent(attach_socket_);
+  spdlog::info("shutdown: done in {} ms", absl::ToInt64Milliseconds(absl::Now() - began));
+}
+
+}  // namespace kvtier::daemon

@@ -1,0 +1,86 @@
+// Daemon: kvtierd's running parts put together (DESIGN.md §2) — the SessionManager (tenants,
+// arenas, sessions), the gRPC server (kvtier.v1.KvTier, the standard health service and reflection)
+// on a Unix socket and optionally TCP, and the shared-memory attach socket. kvtierd's main() is
+// Start, wait for SIGTERM, Shutdown; tests run it in-process.
+//
+// Start-up order: validate and resolve paths (config.h ResolvePaths), make sure neither socket path
+// belongs to a live daemon (a stale socket file is replaced), create the tenants' arenas, serve
+// the attach socket, serve gRPC (whose Hello reports the attach socket). Shutdown order: health
+// NOT_SERVING, refuse new sessions and attaches (StartDrain), stop the attach socket, let gRPC
+// calls in flight finish until shutdown_grace (then cancel them), close every session, release the
+// arenas, unlink the sockets.
+//
+// Thread-safe: Shutdown and Wait may be called from any thread, any number of times.
+#ifndef KVTIER_DAEMON_DAEMON_H_
+#define KVTIER_DAEMON_DAEMON_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "daemon/config.h"
+#include "kvtier/mutex.h"
+
+namespace grpc {
+class Server;
+}  // namespace grpc
+
+namespace kvtier::daemon {
+
+class AttachServer;
+class KvTierService;
+class SessionManager;
+
+class Daemon {
+ public:
+  // Starts serving `config`. INVALID_ARGUMENT for a bad config (Validate's message);
+  // FAILED_PRECONDITION when a socket path is taken by a live daemon or by a file that is not a
+  // socket, or a listener cannot be bound (the message says which and what to do); the
+  // SessionManager's errors for tenants whose arenas cannot be made. On failure nothing is left
+  // behind but the socket directories.
+  static absl::StatusOr<std::unique_ptr<Daemon>> Start(DaemonConfig config);
+  Daemon(const Daemon&) = delete;
+  Daemon& operator=(const Daemon&) = delete;
+  // Shutdown(), when nobody called it.
+  ~Daemon();
+
+  // Graceful stop (the order above); blocks until done. Later calls wait for the first.
+  void Shutdown() ABSL_LOCKS_EXCLUDED(mu_);
+  // Blocks until a Shutdown (from any thread) has completed.
+  void Wait() ABSL_LOCKS_EXCLUDED(mu_);
+
+  // The configuration as resolved (socket paths filled in).
+  const DaemonConfig& config() const { return config_; }
+  const std::string& unix_socket() const { return config_.unix_socket; }
+  // Empty when the config has shm = false.
+  const std::string& attach_socket() const { return attach_socket_; }
+  // The bound TCP port (the chosen one when tcp_address asked for port 0); 0 without TCP.
+  int tcp_port() const { return tcp_port_; }
+
+ private:
+  explicit Daemon(DaemonConfig config);
+  absl::Status StartGrpc();
+  absl::Status StartAttach();
+  void LogTenants() const;
+  void Stop();
+
+  const DaemonConfig config_;
+  std::string attach_socket_;
+  int tcp_port_ = 0;
+  bool grpc_bound_ = false;  // the Unix socket file is ours to unlink
+  // Destroyed in reverse: the servers go before the service and the manager they call.
+  std::unique_ptr<SessionManager> manager_;
+  std::unique_ptr<KvTierService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<AttachServer> attach_server_;
+
+  enum class State { kServing, kStopping, kStopped };
+  Mutex mu_;
+  CondVar stopped_;  // signalled when state_ becomes kStopped
+  State state_ ABSL_GUARDED_BY(mu_) = State::kServing;
+};
+
+}  // namespace kvtier::daemon
+
+#endif  // KVTIER_DAEMON_DAEMON_H_

@@ -1,0 +1,615 @@
+#include "daemon/session_manager.h"
+
+#include <sys/random.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <utility>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "kernels/registry.h"
+#include "kvtier/status.h"
+#include "spdlog/spdlog.h"
+
+namespace kvtier::daemon {
+namespace {
+
+constexpr size_t kMaxLabelBytes = 256;
+
+// This abseil's string_view is its own type, not std::string_view.
+absl::string_view Sv(std::string_view s) { return absl::string_view(s.data(), s.size()); }
+
+// A client-supplied string, safe to put in a message or a log line.
+std::string Printable(std::string_view s) {
+  constexpr size_t kMax = 64;
+  std::string out = absl::CHexEscape(Sv(s.substr(0, kMax)));
+  if (s.size() > kMax) out += "...";
+  return out;
+}
+
+// Compares in time independent of where the strings differ.
+bool TokensEqual(std::string_view a, std::string_view b) {
+  const size_t n = std::max(a.size(), b.size());
+  unsigned diff = a.size() == b.size() ? 0u : 1u;
+  for (size_t i = 0; i < n; ++i) {
+    const unsigned char x = i < a.size() ? a[i] : 0;
+    const unsigned char y = i < b.size() ? b[i] : 0;
+    diff |= x ^ y;
+  }
+  return diff == 0;
+}
+
+// 128 random bits from the kernel, as 32 lower-case hex digits.
+std::string NewSessionId() {
+  unsigned char bytes[16];
+  size_t got = 0;
+  while (got < sizeof(bytes)) {
+    const ssize_t n = getrandom(bytes + got, sizeof(bytes) - got, 0);
+    KVTIER_CHECK(n > 0 || errno == EINTR);  // getrandom cannot fail for 16 bytes otherwise
+    if (n > 0) got += static_cast<size_t>(n);
+  }
+  return absl::BytesToHexString(
+      absl::string_view(reinterpret_cast<const char*>(bytes), sizeof(bytes)));
+}
+
+bool PageSizeSupported(int32_t p) {
+  return std::find(std::begin(kSupportedPageSizes), std::end(kSupportedPageSizes), p) !=
+         std::end(kSupportedPageSizes);
+}
+
+}  // namespace
+
+// ---- InflightCall -------------------------------------------------------------------------
+
+InflightCall::InflightCall(SessionManager* manager) : manager_(manager) {
+  MutexLock lock(&manager_->mu_);
+  ++manager_->inflight_;
+}
+
+InflightCall& InflightCall::operator=(InflightCall&& other) noexcept {
+  if (this != &other) {
+    if (manager_ != nullptr) manager_->EndCall();
+    manager_ = std::exchange(other.manager_, nullptr);
+  }
+  return *this;
+}
+
+InflightCall::~InflightCall() {
+  if (manager_ != nullptr) manager_->EndCall();
+}
+
+void SessionManager::EndCall() {
+  MutexLock lock(&mu_);
+  if (--inflight_ == 0) idle_.SignalAll();
+}
+
+uint32_t SessionManager::InflightCalls() const {
+  MutexLock lock(&mu_);
+  return inflight_;
+}
+
+// ---- creation, authentication -------------------------------------------------------------
+
+absl::StatusOr<std::unique_ptr<SessionManager>> SessionManager::Create(const DaemonConfig& config) {
+  BackendOptions bo;
+  bo.cpu_threads = config.cpu_threads;
+  KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, CreateBackend(BackendKind::kCpu, bo));
+  spdlog::info("GRPC sessions run on {}", backend->Describe());
+  std::unique_ptr<SessionManager> m(new SessionManager(config, std::move(backend)));
+  for (const TenantConfig& tc : config.tenants) {
+    if (m->tenants_.contains(tc.name)) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("tenant.name = '%s' appears twice", Printable(tc.name)));
+    }
+    KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<Tenant> tenant, Tenant::Create(tc));
+    KVTIER_RETURN_IF_ERROR(tenant->arena().RegisterWith(*m->backend_));
+    m->tenants_.emplace(tc.name, std::move(tenant));
+  }
+  return m;
+}
+
+SessionManager::SessionManager(const DaemonConfig& config, std::unique_ptr<Backend> backend)
+    : config_(config), start_time_(absl::Now()), backend_(std::move(backend)) {}
+
+SessionManager::~SessionManager() { CloseAllSessions(); }
+
+Tenant* SessionManager::FindTenant(std::string_view name) const {
+  auto it = tenants_.find(Sv(name));
+  return it == tenants_.end() ? nullptr : it->second.get();
+}
+
+absl::StatusOr<Caller> SessionManager::Authenticate(std::string_view tenant,
+                                                    std::string_view token) const {
+  if (tenant.empty()) {
+    return absl::UnauthenticatedError("x-kvtier-tenant is missing: every call names its tenant");
+  }
+  const Tenant* t = FindTenant(tenant);
+  if (t == nullptr) {
+    return absl::PermissionDeniedError(
+        absl::StrFormat("x-kvtier-tenant = '%s': no such tenant", Printable(tenant)));
+  }
+  if (!t->config().token.empty() && !TokensEqual(token, t->config().token)) {
+    return absl::PermissionDeniedError(absl::StrFormat(
+        "tenant '%s': x-kvtier-token does not match the tenant's token", t->name()));
+  }
+  return Caller{t->name()};
+}
+
+absl::StatusOr<AttachGrant> SessionManager::AuthorizeAttach(const PeerCredentials& peer,
+                                                            std::string_view tenant,
+                                                            std::string_view token) const {
+  if (draining()) return absl::UnavailableError("kvtierd is draining: attaches are refused");
+  const Tenant* t = FindTenant(tenant);
+  if (t == nullptr) {
+    return absl::NotFoundError(
+        absl::StrFormat("attach: tenant '%s' is not configured", Printable(tenant)));
+  }
+  if (!t->config().token.empty() && !TokensEqual(token, t->config().token)) {
+    return absl::PermissionDeniedError(
+        absl::StrFormat("attach to tenant '%s': the token does not match", t->name()));
+  }
+  const std::vector<uint32_t>& uids = t->config().uids;
+  if (uids.empty() && peer.uid != geteuid()) {
+    return absl::PermissionDeniedError(absl::StrFormat(
+        "attach to tenant '%s': uid %d may not map its arena (tenant.uids is empty: only the "
+        "daemon's uid %d may)",
+        t->name(), peer.uid, geteuid()));
+  }
+  if (!uids.empty() && std::find(uids.begin(), uids.end(), peer.uid) == uids.end()) {
+    return absl::PermissionDeniedError(
+        absl::StrFormat("attach to tenant '%s': uid %d is not in tenant.uids [%s]", t->name(),
+                        peer.uid, absl::StrJoin(uids, ", ")));
+  }
+  AttachGrant grant;
+  grant.fd = t->arena().fd();
+  grant.arena_bytes = t->arena().size();
+  grant.arena_name = t->arena().report().name;
+  return grant;
+}
+
+absl::Status SessionManager::Tally(const Caller& caller, absl::Status status) const {
+  if (!status.ok()) {
+    if (Tenant* t = FindTenant(caller.tenant); t != nullptr) t->CountRefused();
+    spdlog::debug("tenant '{}': {}", caller.tenant, status.ToString());
+  }
+  return status;
+}
+
+absl::StatusOr<std::shared_ptr<TenantSession>> SessionManager::Find(
+    const Caller& caller, std::string_view session_id) const {
+  std::shared_ptr<TenantSession> s;
+  {
+    MutexLock lock(&mu_);
+    auto it = sessions_.find(Sv(session_id));
+    if (it != sessions_.end()) s = it->second.session;
+  }
+  if (s == nullptr) {
+    return absl::NotFoundError(
+        absl::StrFormat("session_id = '%s': no such session", Printable(session_id)));
+  }
+  if (s->tenant() != caller.tenant) {
+    return absl::PermissionDeniedError(
+        absl::StrFormat("session %s belongs to another tenant than '%s'", s->id(), caller.tenant));
+  }
+  return s;
+}
+
+// ---- OpenSession --------------------------------------------------------------------------
+
+absl::StatusOr<SessionSpec> SessionManager::ResolveSpec(const Caller& caller,
+                                                        const OpenSessionParams& p) const {
+  const auto bad = [](std::string msg) { return absl::InvalidArgumentError(std::move(msg)); };
+  if (p.tenant != caller.tenant) {
+    return absl::PermissionDeniedError(
+        absl::StrFormat("tenant = '%s': sessions may be opened only for the caller's tenant '%s'",
+                        Printable(p.tenant), caller.tenant));
+  }
+  const Geometry& g = p.geometry;
+  KVTIER_RETURN_IF_ERROR(g.Validate());
+  if (!PageSizeSupported(g.page_size)) {
+    return bad(absl::StrFormat("geometry.page_size = %d: the daemon serves page sizes %s",
+                               g.page_size, absl::StrJoin(kSupportedPageSizes, ", ")));
+  }
+  if (static_cast<uint32_t>(g.num_layers) > config_.max_layers) {
+    return bad(absl::StrFormat("geometry.num_layers = %d: must be at most max_layers = %d",
+                               g.num_layers, config_.max_layers));
+  }
+  const int64_t max_tokens =
+      p.max_tokens != 0 ? p.max_tokens
+                        : std::min(config_.default_max_tokens, config_.max_tokens_per_session);
+  if (max_tokens < 1 || max_tokens > config_.max_tokens_per_session) {
+    return bad(
+        absl::StrFormat("retrieval.max_tokens = %d: must be in [1, max_tokens_per_session = %d]",
+                        max_tokens, config_.max_tokens_per_session));
+  }
+  // The working set never needs to be larger than the capacity, rounded up to whole budgets.
+  const int64_t quantum = int64_t{4} * g.page_size;
+  const int64_t cap = (max_tokens + quantum - 1) / quantum * quantum;
+  const int64_t budget =
+      p.budget_tokens != 0 ? p.budget_tokens : std::min<int64_t>(kDefaultBudgetTokens, cap);
+  if (budget > cap) {
+    return bad(absl::StrFormat(
+        "retrieval.budget_tokens = %d: must be at most %d (max_tokens = %d rounded up to a "
+        "multiple of 4 × page_size)",
+        budget, cap, max_tokens));
+  }
+  SessionSpec spec;
+  spec.tenant = caller.tenant;
+  spec.label = p.label;
+  spec.geometry = g;
+  spec.transport = p.transport;
+  spec.budget_tokens = static_cast<int32_t>(budget);
+  spec.retriever.mode = p.mode;
+  spec.retriever.max_tokens = static_cast<int32_t>(max_tokens);
+  if (absl::Status st = spec.retriever.SetBudgetTokens(spec.budget_tokens, g.page_size); !st.ok()) {
+    return bad(absl::StrFormat("retrieval.budget_tokens = %d: %s", budget, st.message()));
+  }
+  spec.retriever.correction_threshold =
+      p.correction_threshold.value_or(kDefaultCorrectionThreshold);
+  if (!std::isfinite(spec.retriever.correction_threshold)) {
+    return bad(absl::StrFormat("retrieval.correction_threshold = %f: must be a finite number",
+                               spec.retriever.correction_threshold));
+  }
+  if (!p.budget_policy.empty() && p.budget_policy != "fixed") {
+    return bad(absl::StrFormat(
+        "policy.budget_policy = '%s': unknown; the known policies are \"fixed\" (the default)",
+        Printable(p.budget_policy)));
+  }
+  if (!p.policy_params.empty()) {
+    return bad(absl::StrFormat("policy.params: the fixed policy takes no parameters (got '%s')",
+                               Printable(p.policy_params.begin()->first)));
+  }
+  if (p.label.size() > kMaxLabelBytes) {
+    return bad(absl::StrFormat("label: %d bytes, at most %d", p.label.size(), kMaxLabelBytes));
+  }
+  if (p.transport == Transport::kShm && !config_.shm) {
+    return absl::FailedPreconditionError(
+        "transport = SHM: this daemon serves no attach socket (server.shm = false); use GRPC");
+  }
+  return spec;
+}
+
+absl::Status SessionManager::ReserveSession(const Tenant& tenant) {
+  MutexLock lock(&mu_);
+  uint32_t count = opening_[tenant.name()];
+  for (const auto& [id, e] : sessions_) count += e.session->tenant() == tenant.name();
+  if (count >= config_.max_sessions_per_tenant) {
+    return absl::ResourceExhaustedError(
+        absl::StrFormat("tenant '%s' has %d sessions: max_sessions_per_tenant = %d", tenant.name(),
+                        count, config_.max_sessions_per_tenant));
+  }
+  ++opening_[tenant.name()];
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SessionRecord> SessionManager::OpenSession(const Caller& caller,
+                                                          const OpenSessionParams& params) {
+  InflightCall call(this);
+  return Tally(caller, DoOpenSession(caller, params));
+}
+
+absl::StatusOr<SessionRecord> SessionManager::DoOpenSession(const Caller& caller,
+                                                            const OpenSessionParams& params) {
+  if (draining()) return absl::UnavailableError("kvtierd is draining: no new sessions");
+  KVTIER_ASSIGN_OR_RETURN(SessionSpec spec, ResolveSpec(caller, params));
+  Tenant* tenant = FindTenant(caller.tenant);
+  if (tenant == nullptr) return absl::PermissionDeniedError("unknown tenant");
+  KVTIER_RETURN_IF_ERROR(ReserveSession(*tenant));
+  absl::Cleanup unreserve = [&] {
+    MutexLock lock(&mu_);
+    --opening_[tenant->name()];
+  };
+  const Geometry& g = spec.geometry;
+  const int32_t pages = spec.max_pages();
+  KVTIER_ASSIGN_OR_RETURN(RegionLayout layout,
+                          ComputeRegionLayout(g, pages, int64_t{g.num_layers} * pages));
+  KVTIER_ASSIGN_OR_RETURN(RegionLease lease, tenant->AllocateRegion(layout.total_bytes));
+  std::string id = NewSessionId();
+  KVTIER_ASSIGN_OR_RETURN(
+      std::shared_ptr<TenantSession> session,
+      TenantSession::Create(id, std::move(spec), std::move(lease), backend_.get()));
+  std::move(unreserve).Cancel();
+  {
+    MutexLock lock(&mu_);
+    --opening_[tenant->name()];
+    sessions_.emplace(id, Entry{next_seq_++, session});
+  }
+  SessionRecord r = session->Record();
+  spdlog::info(
+      "session {} opened: tenant '{}', {} {}, {} {} tokens per layer, budget {}, "
+      "region {} bytes at {}",
+      id, r.spec.tenant, g.ToString(), RetrievalModeName(r.spec.retriever.mode),
+      r.spec.transport == Transport::kGrpc ? "GRPC" : "SHM", r.spec.retriever.max_tokens,
+      r.spec.budget_tokens, r.region_bytes, r.region_offset);
+  return r;
+}
+
+// ---- the other calls ----------------------------------------------------------------------
+
+absl::StatusOr<CloseResult> SessionManager::CloseSession(const Caller& caller,
+                                                         std::string_view session_id) {
+  InflightCall call(this);
+  absl::StatusOr<std::shared_ptr<TenantSession>> s = Find(caller, session_id);
+  if (!s.ok()) return Tally(caller, s.status());
+  {
+    MutexLock lock(&mu_);
+    auto it = sessions_.find(Sv(session_id));
+    if (it != sessions_.end() && it->second.session == *s) sessions_.erase(it);
+  }
+  absl::StatusOr<CloseResult> r = (*s)->Close();
+  if (r.ok()) {
+    spdlog::info("session {} closed: {} committed pages, {} bytes freed", (*s)->id(),
+                 r->committed_pages, r->freed_bytes);
+  }
+  return Tally(caller, std::move(r));
+}
+
+std::vector<SessionRecord> SessionManager::ListSessions(const Caller& caller) {
+  InflightCall call(this);
+  std::vector<std::pair<uint64_t, std::shared_ptr<TenantSession>>> mine;
+  {
+    MutexLock lock(&mu_);
+    for (const auto& [id, e] : sessions_) {
+      if (e.session->tenant() == caller.tenant) mine.emplace_back(e.seq, e.session);
+    }
+  }
+  std::sort(mine.begin(), mine.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::vector<SessionRecord> out;
+  out.reserve(mine.size());
+  for (const auto& [seq, s] : mine) out.push_back(s->Record());
+  return out;
+}
+
+absl::StatusOr<SessionRecord> SessionManager::Reattach(const Caller& caller,
+                                                       std::string_view session_id) {
+  InflightCall call(this);
+  absl::StatusOr<std::shared_ptr<TenantSession>> s = Find(caller, session_id);
+  if (!s.ok()) return Tally(caller, s.status());
+  SessionRecord r = (*s)->Reattach();
+  spdlog::info("session {} reattached: epoch {}", r.id, r.epoch);
+  return r;
+}
+
+absl::StatusOr<StepResult> SessionManager::Step(const Caller& caller, std::string_view session_id,
+                                                int64_t layer, std::string_view q,
+                                                bool want_output) {
+  InflightCall call(this);
+  return Tally(caller, DoStep(caller, session_id, layer, q, want_output));
+}
+
+absl::StatusOr<StepResult> SessionManager::DoStep(const Caller& caller, std::string_view session_id,
+                                                  int64_t layer, std::string_view q,
+                                                  bool want_output) {
+  KVTIER_ASSIGN_OR_RETURN(std::shared_ptr<TenantSession> s, Find(caller, session_id));
+  const Geometry& g = s->spec().geometry;
+  if (s->spec().transport != Transport::kGrpc) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "session %s uses SHM: steps run in the engine (Step is for GRPC sessions)", s->id()));
+  }
+  if (layer < 0 || layer >= g.num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("layer = %d: must be < num_layers = %d", layer, g.num_layers));
+  }
+  const size_t q_bytes = static_cast<size_t>(g.num_q_heads) * g.head_dim * g.element_bytes();
+  if (q.size() != q_bytes) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "q: %d bytes; expected %d (num_q_heads %d × head_dim %d × %d-byte %s)", q.size(), q_bytes,
+        g.num_q_heads, g.head_dim, g.element_bytes(), DTypeName(g.dtype)));
+  }
+  return s->Step(static_cast<int32_t>(layer), q, want_output);
+}
+
+absl::StatusOr<StatsReport> SessionManager::GetStats(const Caller& caller,
+                                                     std::string_view session_id) {
+  InflightCall call(this);
+  Tenant* t = FindTenant(caller.tenant);
+  if (t == nullptr) return absl::PermissionDeniedError("unknown tenant");
+  StatsReport r;
+  if (!session_id.empty()) {
+    absl::StatusOr<std::shared_ptr<TenantSession>> s = Find(caller, session_id);
+    if (!s.ok()) return Tally(caller, s.status());
+    absl::StatusOr<SessionStatsRecord> ss = (*s)->Stats();
+    if (!ss.ok()) return Tally(caller, ss.status());
+    r.session = *std::move(ss);
+  }
+  r.tenant.tenant = t->name();
+  r.tenant.quota_bytes = t->quota_bytes();
+  r.tenant.used_bytes = t->used_bytes();
+  r.tenant.refused_requests = t->refused_requests();
+  MutexLock lock(&mu_);
+  for (const auto& [id, e] : sessions_) r.tenant.sessions += e.session->tenant() == t->name();
+  return r;
+}
+
+absl::StatusOr<DrainResult> SessionManager::Drain(std::string_view token, absl::Duration timeout) {
+  if (config_.admin_token.empty()) {
+    return absl::PermissionDeniedError(
+        "Drain: the daemon has no server.admin_token configured, so Drain is refused");
+  }
+  if (!TokensEqual(token, config_.admin_token)) {
+    return absl::PermissionDeniedError("Drain: x-kvtier-token is not the admin token");
+  }
+  StartDrain();
+  DrainResult r;
+  MutexLock lock(&mu_);
+  r.drained = idle_.AwaitWithTimeout(
+      &mu_,
+      [this] {
+        mu_.AssertHeld();
+        return inflight_ == 0;
+      },
+      timeout);
+  r.open_sessions = static_cast<uint32_t>(sessions_.size());
+  r.inflight_calls = inflight_;
+  return r;
+}
+
+void SessionManager::StartDrain() {
+  if (!draining_.exchange(true, std::memory_order_acq_rel)) {
+    spdlog::info("draining: new sessions and attaches are refused from now on");
+  }
+}
+
+size_t SessionManager::CloseAllSessions() {
+  absl::flat_hash_map<std::string, Entry> all;
+  {
+    MutexLock lock(&mu_);
+    all.swap(sessions_);
+  }
+  for (auto& [id, e] : all) (void)e.session->Close();
+  if (!all.empty()) spdlog::info("closed {} sessions", all.size());
+  return all.size();
+}
+
+// ---- Fetch --------------------------------------------------------------------------------
+
+absl::StatusOr<std::unique_ptr<FetchCursor>> SessionManager::StartFetch(
+    const Caller& caller, std::string_view session_id, int64_t layer, std::vector<int64_t> pages) {
+  return Tally(caller, DoStartFetch(caller, session_id, layer, std::move(pages)));
+}
+
+absl::StatusOr<std::unique_ptr<FetchCursor>> SessionManager::DoStartFetch(
+    const Caller& caller, std::string_view session_id, int64_t layer, std::vector<int64_t> pages) {
+  KVTIER_ASSIGN_OR_RETURN(std::shared_ptr<TenantSession> s, Find(caller, session_id));
+  const int32_t num_layers = s->spec().geometry.num_layers;
+  if (layer < 0 || layer >= num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("layer = %d: must be < num_layers = %d", layer, num_layers));
+  }
+  const int32_t l = static_cast<int32_t>(layer);
+  KVTIER_ASSIGN_OR_RETURN(std::vector<int64_t> committed, s->CommittedPages(l, pages));
+  return std::unique_ptr<FetchCursor>(new FetchCursor(this, std::move(s), l, std::move(committed)));
+}
+
+FetchCursor::FetchCursor(SessionManager* manager, std::shared_ptr<TenantSession> session,
+                         int32_t layer, std::vector<int64_t> pages)
+    : inflight_(manager), session_(std::move(session)), layer_(layer), pages_(std::move(pages)) {}
+
+absl::StatusOr<std::vector<PageData>> FetchCursor::Next(uint64_t max_message_bytes) {
+  if (done()) return std::vector<PageData>();
+  const uint64_t per_page =
+      session_->spec().geometry.host_page_bytes() + SessionManager::kPageOverheadBytes;
+  if (per_page > max_message_bytes) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "Fetch: one page takes %d bytes in a message (%d of data) but max_message_bytes = %d",
+        per_page, session_->spec().geometry.host_page_bytes(), max_message_bytes));
+  }
+  const size_t n = std::min<size_t>(pages_.size() - next_, max_message_bytes / per_page);
+  KVTIER_ASSIGN_OR_RETURN(std::vector<PageData> out,
+                          session_->ReadPages(layer_, pages_.data() + next_, n));
+  next_ += n;
+  return out;
+}
+
+// ---- Offload ------------------------------------------------------------------------------
+
+std::unique_ptr<OffloadStream> SessionManager::NewOffloadStream(const Caller& caller) {
+  return std::unique_ptr<OffloadStream>(new OffloadStream(this, caller));
+}
+
+OffloadStream::OffloadStream(SessionManager* manager, Caller caller)
+    : manager_(manager), caller_(std::move(caller)), inflight_(manager) {}
+
+absl::Status OffloadStream::Bind(std::string_view session_id) {
+  KVTIER_ASSIGN_OR_RETURN(session_, manager_->Find(caller_, session_id));
+  if (session_->spec().transport != Transport::kGrpc) {
+    const std::string id = session_->id();
+    session_.reset();
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "session %s uses SHM: its engine writes pages into the arena (Offload is for GRPC "
+        "sessions)",
+        id));
+  }
+  staged_tokens_.assign(session_->spec().geometry.num_layers, 0);
+  return absl::OkStatus();
+}
+
+absl::Status OffloadStream::Validate(const OffloadChunk& c) const {
+  const SessionSpec& spec = session_->spec();
+  const Geometry& g = spec.geometry;
+  if (c.session_id != session_->id()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "session_id = '%s': this stream is about session %s; every message must name it",
+        Printable(c.session_id), session_->id()));
+  }
+  if (c.layer < 0 || c.layer >= g.num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("layer = %d: must be < num_layers = %d", c.layer, g.num_layers));
+  }
+  const uint32_t max_tokens = manager_->config_.max_tokens_per_offload;
+  if (c.num_tokens < 1 || c.num_tokens > max_tokens) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "num_tokens = %d: must be in [1, max_tokens_per_offload = %d]", c.num_tokens, max_tokens));
+  }
+  const uint64_t bytes =
+      static_cast<uint64_t>(c.num_tokens) * g.num_kv_heads * g.head_dim * g.element_bytes();
+  for (const auto& [name, data] : {std::pair<const char*, const std::string*>{"k", &c.k},
+                                   std::pair<const char*, const std::string*>{"v", &c.v}}) {
+    if (data->size() != bytes) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: %d bytes; num_tokens = %d needs %d (num_tokens × num_kv_heads %d × head_dim %d × "
+          "%d-byte %s)",
+          name, data->size(), c.num_tokens, bytes, g.num_kv_heads, g.head_dim, g.element_bytes(),
+          DTypeName(g.dtype)));
+    }
+  }
+  const int32_t l = static_cast<int32_t>(c.layer);
+  const uint64_t after = session_->LayerTokens(l) + staged_tokens_[l] + c.num_tokens;
+  if (after > static_cast<uint64_t>(spec.retriever.max_tokens)) {
+    return absl::OutOfRangeError(
+        absl::StrFormat("layer %d would hold %d tokens: the session's max_tokens is %d", l, after,
+                        spec.retriever.max_tokens));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status OffloadStream::ApplyStaged() {
+  if (staged_.empty()) return absl::OkStatus();
+  KVTIER_ASSIGN_OR_RETURN(result_.layer_tokens, session_->Apply(staged_));
+  for (int64_t& n : staged_tokens_) {
+    result_.committed_tokens += static_cast<uint64_t>(n);
+    n = 0;
+  }
+  staged_.clear();
+  return absl::OkStatus();
+}
+
+absl::Status OffloadStream::Add(OffloadChunk chunk) {
+  if (!failed_.ok()) return failed_;
+  absl::Status st = [&]() -> absl::Status {
+    if (session_ == nullptr) KVTIER_RETURN_IF_ERROR(Bind(chunk.session_id));
+    KVTIER_RETURN_IF_ERROR(Validate(chunk));
+    staged_tokens_[chunk.layer] += chunk.num_tokens;
+    const bool commit = chunk.commit;
+    staged_.push_back(std::move(chunk));
+    return commit ? ApplyStaged() : absl::OkStatus();
+  }();
+  if (!st.ok()) {
+    failed_ = st;
+    staged_.clear();
+    (void)manager_->Tally(caller_, st);
+  }
+  return st;
+}
+
+absl::StatusOr<OffloadResult> OffloadStream::Finish() {
+  if (!failed_.ok()) return failed_;
+  if (absl::Status st = ApplyStaged(); !st.ok()) {
+    failed_ = st;
+    staged_.clear();
+    return manager_->Tally(caller_, st);
+  }
+  if (session_ != nullptr && result_.layer_tokens.empty()) {
+    for (int32_t l = 0; l < session_->spec().geometry.num_layers; ++l) {
+      result_.layer_tokens.push_back(session_->LayerTokens(l));
+    }
+  }
+  return result_;
+}
+
+}  // namespace kvtier::daemon

@@ -1,0 +1,280 @@
+// SessionManager: kvtierd's domain logic (DESIGN.md §2, §7). It owns the tenants (their
+// arenas), the sessions and the CPU backend of GRPC sessions, and has one method per RPC of
+// kvtier.v1.KvTier; the gRPC service (kvtier_service.h) only converts protos and maps
+// statuses, and the attach socket asks AuthorizeAttach.
+//
+// Every call runs as an authenticated Caller (Authenticate), may touch only its own
+// tenant's sessions (PERMISSION_DENIED otherwise, NOT_FOUND for an unknown session id), and
+// is refused with the canonical code and a message naming the field and the limit it broke.
+// Nothing a request can send aborts the daemon.
+//
+// Thread-safe. Calls on different sessions run in parallel; calls on the same session
+// serialize. Expensive work (Step, applying an Offload) runs on the calling thread.
+#ifndef KVTIER_DAEMON_SESSION_MANAGER_H_
+#define KVTIER_DAEMON_SESSION_MANAGER_H_
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "daemon/attach_server.h"
+#include "daemon/config.h"
+#include "daemon/tenant.h"
+#include "daemon/tenant_session.h"
+#include "kernels/backend.h"
+#include "kvtier/mutex.h"
+
+namespace kvtier::daemon {
+
+// Page sizes (tokens per page) the daemon serves, reported by Hello.
+inline constexpr int32_t kSupportedPageSizes[] = {8, 16, 32, 64, 128};
+// The working set when OpenSession leaves budget_tokens 0 (FreeKV's 16 + 32 + 16 pages at
+// p = 32), capped at the session's capacity.
+inline constexpr int32_t kDefaultBudgetTokens = 2048;
+inline constexpr float kDefaultCorrectionThreshold = 0.9f;
+
+// Who is calling: an authenticated tenant.
+struct Caller {
+  std::string tenant;
+};
+
+// OpenSessionRequest, converted. Zero means the default as in the proto.
+struct OpenSessionParams {
+  std::string tenant;  // must be the caller's
+  Geometry geometry;   // page_size 0 is converted to 32 by the adapter
+  RetrievalMode mode = RetrievalMode::kSpeculative;
+  uint32_t budget_tokens = 0;
+  uint32_t max_tokens = 0;
+  std::optional<float> correction_threshold;
+  std::string budget_policy;
+  std::map<std::string, std::string> policy_params;
+  Transport transport = Transport::kShm;
+  std::string label;
+};
+
+struct OffloadResult {
+  uint64_t committed_tokens = 0;       // applied by this stream, over all layers
+  std::vector<uint64_t> layer_tokens;  // per layer, the session's after the stream
+};
+
+struct TenantStatsRecord {
+  std::string tenant;
+  uint64_t quota_bytes = 0;
+  uint64_t used_bytes = 0;
+  uint32_t sessions = 0;
+  uint64_t refused_requests = 0;  // calls of the tenant that ended in an error
+};
+
+struct StatsReport {
+  TenantStatsRecord tenant;
+  std::optional<SessionStatsRecord> session;  // when one was named
+};
+
+struct DrainResult {
+  bool drained = false;  // no call was in flight when Drain returned
+  uint32_t open_sessions = 0;
+  uint32_t inflight_calls = 0;
+};
+
+class SessionManager;
+
+// Counts one call in flight for Drain while it lives. Move-only.
+class InflightCall {
+ public:
+  InflightCall() = default;
+  explicit InflightCall(SessionManager* manager);
+  InflightCall(InflightCall&& other) noexcept : manager_(std::exchange(other.manager_, nullptr)) {}
+  InflightCall& operator=(InflightCall&& other) noexcept;
+  InflightCall(const InflightCall&) = delete;
+  InflightCall& operator=(const InflightCall&) = delete;
+  ~InflightCall();
+
+ private:
+  SessionManager* manager_ = nullptr;
+};
+
+// One Offload stream. The first message binds the session; each Add validates its message
+// and stages it, a message with commit = true applies everything staged, and Finish (the
+// stream's clean end) applies the rest. Destroying the stream without Finish (a broken or
+// cancelled stream) discards what is staged. After an error the stream refuses everything
+// with that error. Thread-compatible; the SessionManager must outlive it.
+class OffloadStream {
+ public:
+  // INVALID_ARGUMENT for a bad layer, token count or K/V size (naming both numbers),
+  // a session id other than the first message's; OUT_OF_RANGE when the layer would exceed
+  // the session's max_tokens; FAILED_PRECONDITION for an SHM session; PERMISSION_DENIED /
+  // NOT_FOUND for another tenant's or an unknown session; the apply's error at a commit.
+  absl::Status Add(OffloadChunk chunk);
+  absl::StatusOr<OffloadResult> Finish();
+  ~OffloadStream() = default;
+
+ private:
+  friend class SessionManager;
+  OffloadStream(SessionManager* manager, Caller caller);
+  absl::Status Bind(std::string_view session_id);
+  absl::Status Validate(const OffloadChunk& chunk) const;
+  absl::Status ApplyStaged();
+
+  SessionManager* const manager_;
+  const Caller caller_;
+  InflightCall inflight_;
+  std::shared_ptr<TenantSession> session_;
+  std::vector<OffloadChunk> staged_;
+  std::vector<int64_t> staged_tokens_;  // per layer
+  OffloadResult result_;
+  absl::Status failed_;
+};
+
+// The pages of one Fetch, read a message at a time. Thread-compatible; the SessionManager
+// must outlive it.
+class FetchCursor {
+ public:
+  bool done() const { return next_ == pages_.size(); }
+  // The next pages, as many as fit a message of `max_message_bytes` (at least one while
+  // not done()). RESOURCE_EXHAUSTED when one page does not fit (naming both sizes);
+  // NOT_FOUND when a page was withdrawn or the session closed meanwhile.
+  absl::StatusOr<std::vector<PageData>> Next(uint64_t max_message_bytes);
+
+ private:
+  friend class SessionManager;
+  FetchCursor(SessionManager* manager, std::shared_ptr<TenantSession> session, int32_t layer,
+              std::vector<int64_t> pages);
+  InflightCall inflight_;
+  std::shared_ptr<TenantSession> session_;
+  int32_t layer_;
+  std::vector<int64_t> pages_;
+  size_t next_ = 0;
+};
+
+class SessionManager {
+ public:
+  // Bytes of framing a Page adds to its data inside a FetchReply (tags, lengths, numbers).
+  static constexpr uint64_t kPageOverheadBytes = 64;
+
+  // Creates every tenant of `config` (their arenas; errors name the tenant) and the CPU
+  // backend of GRPC sessions (config.cpu_threads), and registers each arena with it.
+  // REQUIRES: config.Validate() is OK (tenant names unique).
+  static absl::StatusOr<std::unique_ptr<SessionManager>> Create(const DaemonConfig& config);
+  SessionManager(const SessionManager&) = delete;
+  SessionManager& operator=(const SessionManager&) = delete;
+  // Closes every session left.
+  ~SessionManager();
+
+  // The caller for x-kvtier-tenant / x-kvtier-token: UNAUTHENTICATED for an empty tenant;
+  // PERMISSION_DENIED for an unknown tenant or, when the tenant has a token, another token.
+  absl::StatusOr<Caller> Authenticate(std::string_view tenant, std::string_view token) const;
+
+  // The attach socket's authorizer: UNAVAILABLE while draining; NOT_FOUND for an unknown
+  // tenant; PERMISSION_DENIED for a wrong token, or a uid outside tenant.uids (the
+  // daemon's own uid when uids is empty), naming the uid. The grant's fd is the arena's,
+  // valid while the manager lives.
+  absl::StatusOr<AttachGrant> AuthorizeAttach(const PeerCredentials& peer, std::string_view tenant,
+                                              std::string_view token) const;
+
+  // --- one method per RPC -------------------------------------------------------------
+  // UNAVAILABLE while draining; PERMISSION_DENIED for params.tenant != caller's;
+  // INVALID_ARGUMENT for geometry, page size, layers, max_tokens, budget, τ, policy;
+  // FAILED_PRECONDITION for SHM when the daemon serves no attach socket;
+  // RESOURCE_EXHAUSTED past max_sessions_per_tenant or the tenant's memory.
+  absl::StatusOr<SessionRecord> OpenSession(const Caller& caller, const OpenSessionParams& params);
+  absl::StatusOr<CloseResult> CloseSession(const Caller& caller, std::string_view session_id);
+  // The caller's tenant's sessions, in creation order.
+  std::vector<SessionRecord> ListSessions(const Caller& caller);
+  absl::StatusOr<SessionRecord> Reattach(const Caller& caller, std::string_view session_id);
+  std::unique_ptr<OffloadStream> NewOffloadStream(const Caller& caller);
+  // Checks the request up front: INVALID_ARGUMENT for a bad layer, OUT_OF_RANGE for a page
+  // beyond the session's pages, NOT_FOUND for one not committed.
+  absl::StatusOr<std::unique_ptr<FetchCursor>> StartFetch(const Caller& caller,
+                                                          std::string_view session_id,
+                                                          int64_t layer,
+                                                          std::vector<int64_t> pages);
+  // GRPC sessions: FAILED_PRECONDITION for SHM ones; INVALID_ARGUMENT for a bad layer or q
+  // size; the Retriever's errors.
+  absl::StatusOr<StepResult> Step(const Caller& caller, std::string_view session_id, int64_t layer,
+                                  std::string_view q, bool want_output);
+  // The caller's tenant, plus the session when session_id is not empty.
+  absl::StatusOr<StatsReport> GetStats(const Caller& caller, std::string_view session_id);
+  // Admin: PERMISSION_DENIED unless `token` is the configured admin_token (an empty one
+  // refuses every Drain). Starts draining and waits up to `timeout` for the calls in flight.
+  absl::StatusOr<DrainResult> Drain(std::string_view token, absl::Duration timeout);
+
+  // --- lifecycle ----------------------------------------------------------------------
+  // From now on OpenSession and attaches are refused with UNAVAILABLE.
+  void StartDrain();
+  bool draining() const { return draining_.load(std::memory_order_acquire); }
+  // Calls in flight (streams count while open).
+  uint32_t InflightCalls() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Shutdown: closes every session (their regions return to the tenants). Calls still
+  // holding a session see NOT_FOUND. Returns the number closed.
+  size_t CloseAllSessions() ABSL_LOCKS_EXCLUDED(mu_);
+
+  const DaemonConfig& config() const { return config_; }
+  absl::Time start_time() const { return start_time_; }
+  // REQUIRES: the name of a configured tenant, for the daemon's own use (logs, tests).
+  const Tenant& tenant(const std::string& name) const { return *tenants_.at(name); }
+
+ private:
+  friend class InflightCall;
+  friend class OffloadStream;
+  friend class FetchCursor;
+  SessionManager(const DaemonConfig& config, std::unique_ptr<Backend> backend);
+
+  // The caller's session, or NOT_FOUND / PERMISSION_DENIED.
+  absl::StatusOr<std::shared_ptr<TenantSession>> Find(const Caller& caller,
+                                                      std::string_view session_id) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  Tenant* FindTenant(std::string_view name) const;
+  absl::StatusOr<SessionSpec> ResolveSpec(const Caller& caller,
+                                          const OpenSessionParams& params) const;
+  absl::Status ReserveSession(const Tenant& tenant) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<SessionRecord> DoOpenSession(const Caller& caller,
+                                              const OpenSessionParams& params);
+  absl::StatusOr<StepResult> DoStep(const Caller& caller, std::string_view session_id,
+                                    int64_t layer, std::string_view q, bool want_output);
+  absl::StatusOr<std::unique_ptr<FetchCursor>> DoStartFetch(const Caller& caller,
+                                                            std::string_view session_id,
+                                                            int64_t layer,
+                                                            std::vector<int64_t> pages);
+  // Counts an error against the caller's tenant (refused_requests) and returns it.
+  absl::Status Tally(const Caller& caller, absl::Status status) const;
+  template <typename T>
+  absl::StatusOr<T> Tally(const Caller& caller, absl::StatusOr<T> result) const {
+    if (!result.ok()) (void)Tally(caller, result.status());
+    return result;
+  }
+  void EndCall() ABSL_LOCKS_EXCLUDED(mu_);
+
+  const DaemonConfig config_;
+  const absl::Time start_time_;
+  std::atomic<bool> draining_{false};
+  // Declaration order is destruction order reversed: sessions go before the tenants whose
+  // arenas hold them, and the arenas before the backend they are registered with.
+  const std::unique_ptr<Backend> backend_;
+  absl::flat_hash_map<std::string, std::unique_ptr<Tenant>> tenants_;  // fixed after Create
+
+  mutable Mutex mu_;
+  CondVar idle_;  // signalled when inflight_ drops to 0
+  uint32_t inflight_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t next_seq_ ABSL_GUARDED_BY(mu_) = 0;
+  // Sessions being opened, per tenant: count towards max_sessions_per_tenant.
+  absl::flat_hash_map<std::string, uint32_t> opening_ ABSL_GUARDED_BY(mu_);
+  struct Entry {
+    uint64_t seq = 0;  // creation order, for ListSessions
+    std::shared_ptr<TenantSession> session;
+  };
+  absl::flat_hash_map<std::string, Entry> sessions_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace kvtier::daemon
+
+#endif  // KVTIER_DAEMON_SESSION_MANAGER_H_

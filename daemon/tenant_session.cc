@@ -1,0 +1,255 @@
+#include "daemon/tenant_session.h"
+
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "kvtier/status.h"
+#include "spdlog/spdlog.h"
+
+namespace kvtier::daemon {
+
+absl::StatusOr<std::shared_ptr<TenantSession>> TenantSession::Create(std::string id,
+                                                                     SessionSpec spec,
+                                                                     RegionLease lease,
+                                                                     Backend* backend) {
+  const Geometry& g = spec.geometry;
+  const int32_t pages = spec.max_pages();
+  KVTIER_ASSIGN_OR_RETURN(
+      SessionRegion region,
+      SessionRegion::Format(lease.data(), lease.bytes(), g, pages, int64_t{g.num_layers} * pages));
+  const int64_t now_ms = absl::ToUnixMillis(absl::Now());
+  std::shared_ptr<TenantSession> s(
+      new TenantSession(std::move(id), std::move(spec), std::move(lease), region, backend, now_ms));
+  if (s->spec_.transport == Transport::kGrpc) {
+    MutexLock lock(&s->mu_);
+    KVTIER_ASSIGN_OR_RETURN(
+        s->pool_, PagePool::Create(region.slots(), g.host_page_bytes(), region.num_slots()));
+    KVTIER_ASSIGN_OR_RETURN(s->retriever_,
+                            Retriever::Create(g, s->spec_.retriever, *backend, s->pool_.get()));
+  }
+  return s;
+}
+
+TenantSession::TenantSession(std::string id, SessionSpec spec, RegionLease lease,
+                             SessionRegion region, Backend* backend, int64_t created_unix_ms)
+    : id_(std::move(id)),
+      spec_(std::move(spec)),
+      created_unix_ms_(created_unix_ms),
+      lease_(std::move(lease)),
+      region_(region),
+      backend_(backend),
+      steps_(spec_.geometry.num_layers, 0),
+      grpc_tokens_(spec_.geometry.num_layers, 0) {}
+
+TenantSession::~TenantSession() {
+  // The Retriever holds pool handles and the pool lies in the region: drop them first.
+  MutexLock lock(&mu_);
+  retriever_.reset();
+  pool_.reset();
+}
+
+absl::Status TenantSession::CheckOpen() const {
+  if (closed_) return absl::NotFoundError(absl::StrFormat("session %s was closed", id_));
+  return absl::OkStatus();
+}
+
+SessionRecord TenantSession::Record() const {
+  SessionRecord r;
+  r.id = id_;
+  r.spec = spec_;
+  r.closing = closing();
+  r.region_offset = lease_.offset();
+  r.region_bytes = lease_.bytes();
+  r.epoch = region_.epoch();
+  r.created_unix_ms = created_unix_ms_;
+  r.committed_tokens.resize(spec_.geometry.num_layers);
+  for (int32_t l = 0; l < spec_.geometry.num_layers; ++l) r.committed_tokens[l] = LayerTokens(l);
+  return r;
+}
+
+uint64_t TenantSession::LayerTokens(int32_t layer) const {
+  if (spec_.transport == Transport::kShm) {
+    // The region's directory is written by the engine: CommittedPrefix range-checks it.
+    return static_cast<uint64_t>(region_.CommittedPrefix(layer)) * spec_.geometry.page_size;
+  }
+  MutexLock lock(&info_mu_);
+  return grpc_tokens_[layer];
+}
+
+void TenantSession::PublishTokens() {
+  std::vector<uint64_t> tokens(spec_.geometry.num_layers);
+  for (int32_t l = 0; l < spec_.geometry.num_layers; ++l) tokens[l] = retriever_->num_tokens(l);
+  MutexLock lock(&info_mu_);
+  grpc_tokens_ = std::move(tokens);
+}
+
+absl::Status TenantSession::CommitStoredPages() {
+  KVTIER_ASSIGN_OR_RETURN(std::vector<StoredPage> stored, retriever_->TakeStoredPages(true));
+  for (const StoredPage& p : stored) {
+    KVTIER_RETURN_IF_ERROR(region_.Commit(p.layer, p.page, p.slot, p.generation, region_.epoch()));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<uint64_t>> TenantSession::Apply(
+    const std::vector<OffloadChunk>& chunks) {
+  MutexLock lock(&mu_);
+  KVTIER_RETURN_IF_ERROR(CheckOpen());
+  absl::Status st;
+  for (const OffloadChunk& c : chunks) {
+    st = retriever_->Append(static_cast<int32_t>(c.layer), c.k.data(), c.v.data(),
+                            static_cast<int32_t>(c.num_tokens));
+    if (!st.ok()) break;
+  }
+  // The compute stream copies from the chunks' bytes: it must have run that work before
+  // `chunks` goes away, even after an error (Synchronize has no deadline, unlike Wait).
+  const absl::Status synced = retriever_->compute_stream().Synchronize();
+  if (st.ok()) st = synced;
+  if (st.ok()) st = CommitStoredPages();
+  PublishTokens();
+  KVTIER_RETURN_IF_ERROR(st);
+  MutexLock info(&info_mu_);
+  return grpc_tokens_;
+}
+
+absl::StatusOr<std::vector<int64_t>> TenantSession::CommittedPages(
+    int32_t layer, const std::vector<int64_t>& pages) const {
+  const int64_t max_pages = region_.layout().max_pages_per_layer;
+  std::vector<int64_t> out;
+  if (pages.empty()) {
+    for (int64_t p = 0; p < max_pages; ++p) {
+      if (region_.Lookup(layer, p).ok()) out.push_back(p);
+    }
+    return out;
+  }
+  for (int64_t p : pages) {
+    if (p < 0 || p >= max_pages) {
+      return absl::OutOfRangeError(absl::StrFormat(
+          "pages: page %d is beyond the session's %d pages per layer (max_tokens = %d)", p,
+          max_pages, spec_.retriever.max_tokens));
+    }
+    absl::StatusOr<CommittedPage> c = region_.Lookup(layer, p);
+    if (absl::IsNotFound(c.status())) {
+      return absl::NotFoundError(
+          absl::StrFormat("session %s: layer %d page %d is not committed", id_, layer, p));
+    }
+    KVTIER_RETURN_IF_ERROR(c.status());
+    out.push_back(p);
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<PageData>> TenantSession::ReadPages(int32_t layer, const int64_t* pages,
+                                                               size_t count) {
+  MutexLock lock(&mu_);
+  KVTIER_RETURN_IF_ERROR(CheckOpen());
+  const size_t page_bytes = spec_.geometry.host_page_bytes();
+  std::vector<PageData> out(count);
+  for (size_t i = 0; i < count; ++i) {
+    PageData& d = out[i];
+    d.layer = layer;
+    d.page = pages[i];
+    absl::StatusOr<CommittedPage> c = region_.Lookup(layer, d.page);
+    if (absl::IsNotFound(c.status())) {
+      return absl::NotFoundError(absl::StrFormat(
+          "session %s: layer %d page %d is no longer committed", id_, layer, d.page));
+    }
+    KVTIER_RETURN_IF_ERROR(c.status());
+    d.generation = c->generation;
+    d.data.resize(page_bytes);
+    std::memcpy(d.data.data(), region_.SlotData(c->slot), page_bytes);
+    // An SHM engine may re-commit the entry while it is copied: the copy is good only when
+    // the entry is unchanged afterwards.
+    absl::StatusOr<CommittedPage> after = region_.Lookup(layer, d.page);
+    if (!after.ok() || after->slot != c->slot || after->generation != c->generation) {
+      return absl::AbortedError(absl::StrFormat(
+          "session %s: layer %d page %d was re-committed while it was read; fetch it again", id_,
+          layer, d.page));
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<StepResult> TenantSession::Step(int32_t layer, std::string_view q,
+                                               bool want_output) {
+  MutexLock lock(&mu_);
+  KVTIER_RETURN_IF_ERROR(CheckOpen());
+  const Geometry& g = spec_.geometry;
+  Stream& stream = retriever_->compute_stream();
+  absl::StatusOr<WorkingSetView> view = retriever_->BeginStep(layer, q.data());
+  if (!view.ok()) {
+    (void)stream.Synchronize();  // work enqueued before the error may still read q
+    return view.status();
+  }
+  StepResult r;
+  r.layer = layer;
+  r.num_tokens = view->num_tokens;
+  r.num_slots = view->num_slots;
+  absl::Status st;
+  if (want_output) {
+    r.output.resize(static_cast<size_t>(g.num_q_heads) * g.head_dim * g.element_bytes());
+    r.lse.resize(g.num_q_heads);
+    st = retriever_->Attend(layer, q.data(), r.output.data(), r.lse.data());
+  }
+  // The table as attention saw it: copied on the compute stream before EndStep lets the
+  // background selection change it. Through the backend, so a device table works too.
+  r.slot_table.resize(static_cast<size_t>(g.num_kv_heads) * view->num_slots);
+  if (st.ok()) {
+    st = backend_->Copy(stream, r.slot_table.data(), view->slot_table,
+                        r.slot_table.size() * sizeof(int32_t));
+  }
+  // EndStep even after an error, so the layer is not left between BeginStep and EndStep.
+  const absl::Status ended = retriever_->EndStep(layer, q.data());
+  const int64_t step = steps_[layer]++;
+  if (st.ok()) st = ended;
+  // q, the output and the table are host memory the compute stream reads and writes.
+  const absl::Status synced = stream.Synchronize();
+  if (st.ok()) st = synced;
+  KVTIER_RETURN_IF_ERROR(st);
+  // The step's statistics are collected in the order work was enqueued: another layer's
+  // background recall still running can hold them back. Only then wait for all work.
+  StepStats last = retriever_->LastStep(layer);
+  if (last.step != step) {
+    KVTIER_RETURN_IF_ERROR(retriever_->Wait());
+    last = retriever_->LastStep(layer);
+  }
+  r.corrected_heads = last.step == step ? last.corrected_heads : 0;
+  return r;
+}
+
+SessionRecord TenantSession::Reattach() {
+  region_.BumpEpoch();
+  return Record();
+}
+
+absl::StatusOr<SessionStatsRecord> TenantSession::Stats() {
+  SessionStatsRecord r;
+  r.session_id = id_;
+  r.committed_pages = static_cast<uint64_t>(region_.CommittedPages());
+  MutexLock lock(&mu_);
+  KVTIER_RETURN_IF_ERROR(CheckOpen());
+  if (retriever_ != nullptr) r.retriever = retriever_->Stats();
+  return r;
+}
+
+absl::StatusOr<CloseResult> TenantSession::Close() {
+  closing_.store(true, std::memory_order_release);
+  MutexLock lock(&mu_);
+  KVTIER_RETURN_IF_ERROR(CheckOpen());
+  closed_ = true;
+  CloseResult r;
+  r.freed_bytes = lease_.bytes();
+  r.committed_pages = static_cast<uint64_t>(region_.CommittedPages());
+  if (retriever_ != nullptr) {
+    if (absl::Status st = retriever_->Close(); !st.ok()) {
+      spdlog::warn("session {}: closing its Retriever: {}", id_, st.ToString());
+    }
+  }
+  retriever_.reset();
+  pool_.reset();
+  return r;
+}
+
+}  // namespace kvtier::daemon
