@@ -47,11 +47,12 @@ std::string_view TransportName(Transport t);
 
 struct ClientOptions {
   std::string tenant = "default";
-  std::string token;                       // the tenant's token, when it has one
+  std::string token;        // the tenant's token, when it has one
+  std::string admin_token;  // Drain's token; empty: `token`
   std::string client_name = "libkvtier";
   absl::Duration rpc_timeout = absl::Seconds(30);  // deadline of every unary call
-  std::string attach_socket;               // empty: the path Hello reports
-  uint64_t max_message_bytes = 0;          // 0: the daemon's limit from Hello
+  std::string attach_socket;                       // empty: the path Hello reports
+  uint64_t max_message_bytes = 0;                  // 0: the daemon's limit from Hello
 };
 
 // What the daemon said in Hello.
@@ -81,7 +82,9 @@ struct SessionOptions {
   RetrieverOptions retriever;
   Transport transport = Transport::kShm;
   // SHM: the engine's backend, which the arena is registered with; null: a CPU backend
-  // owned by the session. GRPC: unused.
+  // owned by the Client (shared by its sessions). GRPC: unused. REQUIRES: the backend
+  // outlives every Session opened with it (the arena stays registered with it until the
+  // last of them is gone).
   Backend* backend = nullptr;
   std::string label;
   // GRPC: Step also returns the attention output (Attend then needs no round trip).
@@ -103,11 +106,27 @@ struct SessionInfo {
   std::string label;
   Transport transport = Transport::kShm;
   Geometry geometry;
+  // Retrieval options as the daemon resolved them (defaults filled in).
+  RetrievalMode mode = RetrievalMode::kSpeculative;
+  int32_t budget_tokens = 0;
+  int32_t max_tokens = 0;  // per layer
+  float correction_threshold = 0.9f;
+  bool closing = false;  // CloseSession or Drain in progress
   uint64_t epoch = 0;
   std::vector<int64_t> committed_tokens;  // per layer
+  uint64_t region_offset = 0;             // bytes into the tenant arena
   uint64_t region_bytes = 0;
+  int64_t created_unix_ms = 0;
 };
 
+// As a Retriever: SHM sessions forward to their in-process Retriever, and their
+// TakeStoredPages commits the pages it returns (the engine never needs to call it); GRPC
+// sessions finish every call's work before it returns (compute_stream() is a stream nothing
+// is enqueued on, not a backend stream), take host pointers, report no stored pages and
+// refuse Restore (FAILED_PRECONDITION). Close() flushes (SHM), closes the Retriever and then
+// the session in the daemon; an SHM session whose commits were refused because another holder
+// reattached fails FAILED_PRECONDITION from then on, and its Close() leaves the daemon's
+// session to that holder. After Close(), calls fail FAILED_PRECONDITION.
 class Session : public Retriever {
  public:
   virtual const std::string& id() const = 0;
@@ -120,7 +139,10 @@ class Session : public Retriever {
   // `pages`: all committed pages. NOT_FOUND for a page not committed.
   virtual absl::StatusOr<std::vector<FetchedPage>> FetchPages(
       int32_t layer, const std::vector<int64_t>& pages) = 0;
-  // The slot table of the layer's last BeginStep, [Hkv][S], in host memory.
+  // The slot table of the layer's last BeginStep, [Hkv][S], in host memory (empty before the
+  // first step, for a bad layer, or when the copy failed). SHM: the copy is enqueued at
+  // BeginStep; this waits for it (bounded by the deadline). Valid until the next BeginStep
+  // of the layer.
   virtual const std::vector<int32_t>& LastSlotTable(int32_t layer) const = 0;
   // The daemon's record of the session.
   virtual absl::StatusOr<SessionInfo> Info() = 0;
@@ -149,7 +171,10 @@ class Client {
   virtual absl::StatusOr<std::vector<SessionInfo>> ListSessions() = 0;
   // Closes a session by id (e.g. one whose holder died and will not come back).
   virtual absl::Status CloseSession(std::string_view id) = 0;
-  // Admin: the daemon stops accepting sessions and drains; needs the admin token as token.
+  // Admin: the daemon stops accepting sessions and waits up to `timeout` for the calls in
+  // flight. Sent with ClientOptions.admin_token (or token when that is empty):
+  // PERMISSION_DENIED unless it is the daemon's admin token; DEADLINE_EXCEEDED when calls
+  // were still in flight at the timeout.
   virtual absl::Status Drain(absl::Duration timeout) = 0;
 };
 

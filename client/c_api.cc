@@ -1,0 +1,258 @@
+// The C API (kvtier/c_api.h) over kvtier::Client and kvtier::Session. No exception crosses
+// the boundary: every entry point catches and reports.
+#include "kvtier/c_api.h"
+
+#include <cstring>
+#include <memory>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_format.h"
+#include "kvtier/client.h"
+
+struct kvtier_client {
+  std::unique_ptr<kvtier::Client> client;
+};
+
+struct kvtier_session {
+  std::unique_ptr<kvtier::Session> session;
+};
+
+namespace {
+
+thread_local std::string last_error;
+
+int Report(const absl::Status& st) {
+  if (st.ok()) {
+    last_error.clear();
+  } else {
+    last_error = std::string(st.message());
+  }
+  return static_cast<int>(st.code());
+}
+
+int InvalidArgument(const char* what) { return Report(absl::InvalidArgumentError(what)); }
+
+// Runs `f` (returning absl::Status), turning exceptions into statuses.
+template <typename F>
+int Guard(F&& f) {
+  try {
+    return Report(f());
+  } catch (const std::bad_alloc&) {
+    return Report(absl::ResourceExhaustedError("out of memory"));
+  } catch (const std::exception& e) {
+    return Report(absl::InternalError(e.what()));
+  } catch (...) {
+    return Report(absl::InternalError("unknown exception"));
+  }
+}
+
+// A session's calls return once the compute stream has run their work.
+absl::Status Synced(kvtier::Session& s, absl::Status st) {
+  if (!st.ok()) return st;
+  return s.compute_stream().Synchronize();
+}
+
+kvtier::SessionOptions ToSessionOptions(const kvtier_session_options& o, absl::Status* st) {
+  kvtier::SessionOptions s;
+  kvtier::Geometry& g = s.geometry;
+  g.num_layers = o.geometry.num_layers;
+  g.num_q_heads = o.geometry.num_q_heads;
+  g.num_kv_heads = o.geometry.num_kv_heads;
+  g.head_dim = o.geometry.head_dim;
+  g.page_size = o.geometry.page_size;
+  switch (o.geometry.dtype) {
+    case KVTIER_DTYPE_F16:
+      g.dtype = kvtier::DType::kF16;
+      break;
+    case KVTIER_DTYPE_BF16:
+      g.dtype = kvtier::DType::kBF16;
+      break;
+    case KVTIER_DTYPE_F32:
+      g.dtype = kvtier::DType::kF32;
+      break;
+    default:
+      *st = absl::InvalidArgumentError(
+          absl::StrFormat("geometry.dtype = %d: must be a KVTIER_DTYPE_*", o.geometry.dtype));
+  }
+  if (o.mode < KVTIER_MODE_SPECULATIVE || o.mode > KVTIER_MODE_DROP) {
+    *st = absl::InvalidArgumentError(absl::StrFormat("mode = %d: must be a KVTIER_MODE_*", o.mode));
+  }
+  s.retriever.mode = static_cast<kvtier::RetrievalMode>(o.mode);
+  if (o.budget_tokens != 0) {
+    if (absl::Status b = s.retriever.SetBudgetTokens(o.budget_tokens, g.page_size); !b.ok()) {
+      *st = b;
+    }
+  }
+  s.retriever.max_tokens = o.max_tokens;
+  s.retriever.correction_threshold = o.correction_threshold;
+  if (o.transport != KVTIER_TRANSPORT_SHM && o.transport != KVTIER_TRANSPORT_GRPC) {
+    *st = absl::InvalidArgumentError(
+        absl::StrFormat("transport = %d: must be a KVTIER_TRANSPORT_*", o.transport));
+  }
+  s.transport = static_cast<kvtier::Transport>(o.transport);
+  s.remote_attention = o.remote_attention != 0;
+  if (o.label != nullptr) s.label = o.label;
+  return s;
+}
+
+int OpenOrReattach(kvtier_client* client, const char* session_id,
+                   const kvtier_session_options* options, kvtier_session** out) {
+  if (client == nullptr || options == nullptr || out == nullptr) {
+    return InvalidArgument("client, options and out must be non-null");
+  }
+  *out = nullptr;
+  return Guard([&]() -> absl::Status {
+    absl::Status st;
+    const kvtier::SessionOptions o = ToSessionOptions(*options, &st);
+    if (!st.ok()) return st;
+    absl::StatusOr<std::unique_ptr<kvtier::Session>> s =
+        session_id == nullptr ? client->client->OpenSession(o)
+                              : client->client->Reattach(session_id, o);
+    if (!s.ok()) return s.status();
+    *out = new kvtier_session{*std::move(s)};
+    return absl::OkStatus();
+  });
+}
+
+}  // namespace
+
+extern "C" {
+
+void kvtier_client_options_init(kvtier_client_options* o) {
+  if (o == nullptr) return;
+  std::memset(o, 0, sizeof(*o));
+  o->rpc_timeout_ms = 30000;
+}
+
+void kvtier_session_options_init(kvtier_session_options* o) {
+  if (o == nullptr) return;
+  std::memset(o, 0, sizeof(*o));
+  o->geometry.page_size = 32;
+  o->geometry.dtype = KVTIER_DTYPE_F16;
+  o->mode = KVTIER_MODE_SPECULATIVE;
+  o->budget_tokens = 2048;
+  o->correction_threshold = 0.9f;
+  o->transport = KVTIER_TRANSPORT_SHM;
+  o->remote_attention = 1;
+}
+
+const char* kvtier_version(void) {
+  static const std::string version =
+      absl::StrFormat("%s (protocol %d)", KVTIER_VERSION_STRING, kvtier::kProtocolVersion);
+  return version.c_str();
+}
+
+const char* kvtier_last_error(void) { return last_error.c_str(); }
+
+int kvtier_connect(const char* target, const kvtier_client_options* options, kvtier_client** out) {
+  if (target == nullptr || out == nullptr) {
+    return InvalidArgument("kvtier_connect: target and out must be non-null");
+  }
+  *out = nullptr;
+  return Guard([&]() -> absl::Status {
+    kvtier::ClientOptions o;
+    o.client_name = "libkvtier-c";
+    if (options != nullptr) {
+      if (options->tenant != nullptr) o.tenant = options->tenant;
+      if (options->token != nullptr) o.token = options->token;
+      if (options->client_name != nullptr) o.client_name = options->client_name;
+      if (options->rpc_timeout_ms > 0) o.rpc_timeout = absl::Milliseconds(options->rpc_timeout_ms);
+      if (options->attach_socket != nullptr) o.attach_socket = options->attach_socket;
+      o.max_message_bytes = options->max_message_bytes;
+    }
+    absl::StatusOr<std::unique_ptr<kvtier::Client>> c = kvtier::Client::Connect(target, o);
+    if (!c.ok()) return c.status();
+    *out = new kvtier_client{*std::move(c)};
+    return absl::OkStatus();
+  });
+}
+
+void kvtier_client_free(kvtier_client* client) { delete client; }
+
+int kvtier_open_session(kvtier_client* client, const kvtier_session_options* options,
+                        kvtier_session** out) {
+  return OpenOrReattach(client, nullptr, options, out);
+}
+
+int kvtier_reattach(kvtier_client* client, const char* session_id,
+                    const kvtier_session_options* options, kvtier_session** out) {
+  if (session_id == nullptr) return InvalidArgument("kvtier_reattach: session_id is null");
+  return OpenOrReattach(client, session_id, options, out);
+}
+
+const char* kvtier_session_id(const kvtier_session* session) {
+  return session == nullptr ? "" : session->session->id().c_str();
+}
+
+int32_t kvtier_num_tokens(const kvtier_session* session, int32_t layer) {
+  return session == nullptr ? 0 : session->session->num_tokens(layer);
+}
+
+int kvtier_append(kvtier_session* session, int32_t layer, const void* k, const void* v,
+                  int32_t n_tokens) {
+  if (session == nullptr) return InvalidArgument("kvtier_append: session is null");
+  return Guard([&] {
+    kvtier::Session& s = *session->session;
+    return Synced(s, s.Append(layer, k, v, n_tokens));
+  });
+}
+
+int kvtier_begin_step(kvtier_session* session, int32_t layer, const void* q, int32_t* num_slots,
+                      int32_t* slot_table, size_t slot_table_capacity) {
+  if (session == nullptr) return InvalidArgument("kvtier_begin_step: session is null");
+  return Guard([&]() -> absl::Status {
+    kvtier::Session& s = *session->session;
+    absl::StatusOr<kvtier::WorkingSetView> view = s.BeginStep(layer, q);
+    if (!view.ok()) return view.status();
+    if (absl::Status st = s.compute_stream().Synchronize(); !st.ok()) return st;
+    if (num_slots != nullptr) *num_slots = view->num_slots;
+    if (slot_table == nullptr) return absl::OkStatus();
+    const std::vector<int32_t>& table = s.LastSlotTable(layer);
+    if (slot_table_capacity < table.size()) {
+      return absl::OutOfRangeError(
+          absl::StrFormat("kvtier_begin_step: slot_table_capacity = %d entries; the slot table has "
+                          "num_kv_heads x num_slots = %d",
+                          slot_table_capacity, table.size()));
+    }
+    std::memcpy(slot_table, table.data(), table.size() * sizeof(int32_t));
+    return absl::OkStatus();
+  });
+}
+
+int kvtier_attend(kvtier_session* session, int32_t layer, const void* q, void* out, float* lse) {
+  if (session == nullptr) return InvalidArgument("kvtier_attend: session is null");
+  return Guard([&] {
+    kvtier::Session& s = *session->session;
+    return Synced(s, s.Attend(layer, q, out, lse));
+  });
+}
+
+int kvtier_end_step(kvtier_session* session, int32_t layer, const void* q) {
+  if (session == nullptr) return InvalidArgument("kvtier_end_step: session is null");
+  return Guard([&] {
+    kvtier::Session& s = *session->session;
+    return Synced(s, s.EndStep(layer, q));
+  });
+}
+
+int kvtier_flush(kvtier_session* session) {
+  if (session == nullptr) return InvalidArgument("kvtier_flush: session is null");
+  return Guard([&] { return session->session->Flush(); });
+}
+
+int kvtier_close_session(kvtier_session* session) {
+  if (session == nullptr) return InvalidArgument("kvtier_close_session: session is null");
+  return Guard([&] { return session->session->Close(); });
+}
+
+void kvtier_session_free(kvtier_session* session) {
+  try {
+    delete session;
+  } catch (...) {  // a destructor that threw: nothing to report it to
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,162 @@
+#include "client/connection.h"
+
+#include <algorithm>
+#include <limits>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "client/convert.h"
+#include "client/rpc_util.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "grpcpp/support/channel_arguments.h"
+#include "kernels/registry.h"
+#include "kvtier/status.h"
+#include "offload/session_region.h"
+
+namespace kvtier {
+namespace {
+
+// Used when the daemon reports no message limit (gRPC's own default).
+constexpr uint64_t kFallbackMaxMessageBytes = uint64_t{4} << 20;
+
+int ChannelLimit(uint64_t bytes) {
+  if (bytes == 0 || bytes > static_cast<uint64_t>(std::numeric_limits<int>::max())) return -1;
+  return static_cast<int>(bytes);
+}
+
+}  // namespace
+
+Connection::Connection(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options)
+    : options_(options), channel_(std::move(channel)), stub_(v1::KvTier::NewStub(channel_)) {}
+
+absl::StatusOr<std::shared_ptr<Connection>> Connection::Open(std::string_view target,
+                                                             const ClientOptions& options) {
+  KVTIER_ASSIGN_OR_RETURN(const ParsedTarget parsed, ParseTarget(target));
+  if (options.rpc_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ClientOptions.rpc_timeout = ", absl::FormatDuration(options.rpc_timeout),
+                     ": must be positive"));
+  }
+  if (options.tenant.empty()) {
+    return absl::InvalidArgumentError("ClientOptions.tenant: must not be empty");
+  }
+  grpc::ChannelArguments args;
+  // Sending is bounded by the chunking (max_message_bytes()); receiving trusts the daemon,
+  // whose own limit is not known before Hello.
+  args.SetMaxSendMessageSize(ChannelLimit(options.max_message_bytes));
+  args.SetMaxReceiveMessageSize(-1);
+  auto channel =
+      grpc::CreateCustomChannel(parsed.grpc_target, grpc::InsecureChannelCredentials(), args);
+  std::shared_ptr<Connection> conn(new Connection(std::move(channel), options));
+  if (absl::Status st = conn->Hello(); !st.ok()) {
+    return absl::Status(st.code(), absl::StrFormat("connect to %s: %s", target, st.message()));
+  }
+  return conn;
+}
+
+absl::Status Connection::Hello() {
+  v1::HelloRequest req;
+  req.set_protocol_version(kProtocolVersion);
+  req.set_client_name(options_.client_name);
+  v1::HelloReply reply;
+  auto ctx = Context();
+  absl::Status st = FromGrpcStatus(stub_->Hello(ctx.get(), req, &reply));
+  if (absl::IsDeadlineExceeded(st)) {
+    return absl::UnavailableError(absl::StrCat("no answer to Hello within rpc_timeout = ",
+                                               absl::FormatDuration(options_.rpc_timeout)));
+  }
+  KVTIER_RETURN_IF_ERROR(st);
+  if (reply.protocol_version() < kProtocolVersion ||
+      reply.min_protocol_version() > kProtocolVersion) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("the daemon speaks protocol versions [%d, %d]; this client speaks %d",
+                        reply.min_protocol_version(), reply.protocol_version(), kProtocolVersion));
+  }
+  caps_ = CapabilitiesFromHello(reply);
+  uint64_t limit =
+      caps_.max_message_bytes != 0 ? caps_.max_message_bytes : kFallbackMaxMessageBytes;
+  if (options_.max_message_bytes != 0) limit = std::min(limit, options_.max_message_bytes);
+  max_message_bytes_ = limit;
+  return absl::OkStatus();
+}
+
+std::unique_ptr<grpc::ClientContext> Connection::Context() const {
+  return Context(options_.rpc_timeout);
+}
+
+std::unique_ptr<grpc::ClientContext> Connection::Context(absl::Duration timeout) const {
+  return NewCallContext(options_.tenant, options_.token, timeout);
+}
+
+absl::Status Connection::AttachLocked() {
+  if (attached_.has_value()) return absl::OkStatus();
+  std::string path = options_.attach_socket;
+  if (path.empty()) {
+    if (!caps_.shm_available || caps_.attach_socket.empty()) {
+      return absl::FailedPreconditionError(
+          "the daemon serves no shared-memory attach socket (shm off, or another host): open "
+          "the session with Transport::kGrpc, or set ClientOptions.attach_socket");
+    }
+    path = caps_.attach_socket;
+  }
+  KVTIER_ASSIGN_OR_RETURN(
+      AttachedArena a, AttachToArena(path, options_.tenant, options_.token, options_.rpc_timeout));
+  if (a.region_layout_version != kRegionLayoutVersion) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("the daemon's session region layout is version %d; this client reads %d",
+                        a.region_layout_version, kRegionLayoutVersion));
+  }
+  attached_ = std::move(a);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<ArenaMapping>> Connection::ArenaFor(Backend* backend) {
+  MutexLock lock(&mu_);
+  KVTIER_RETURN_IF_ERROR(AttachLocked());
+  std::shared_ptr<Backend> owned;
+  if (backend == nullptr) {
+    if (cpu_backend_ == nullptr) {
+      KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<Backend> cpu, CreateBackend(BackendKind::kCpu));
+      cpu_backend_ = std::move(cpu);
+    }
+    owned = cpu_backend_;
+    backend = owned.get();
+  }
+  if (auto it = mappings_.find(backend); it != mappings_.end()) {
+    if (std::shared_ptr<ArenaMapping> m = it->second.lock()) return m;
+  }
+  // A mapping of its own per backend: HostArena registers with one backend at a time.
+  const HostArena& base = *attached_->arena;
+  auto m = std::make_shared<ArenaMapping>();
+  m->owned_backend = std::move(owned);
+  m->backend = backend;
+  KVTIER_ASSIGN_OR_RETURN(m->arena, HostArena::Map(base.fd(), base.size()));
+  KVTIER_RETURN_IF_ERROR(m->arena->RegisterWith(*backend));
+  mappings_[backend] = m;
+  return m;
+}
+
+absl::StatusOr<SessionInfo> LookupSessionInfo(Connection& conn, std::string_view id) {
+  v1::ListSessionsReply reply;
+  auto ctx = conn.Context();
+  KVTIER_RETURN_IF_ERROR(
+      FromGrpcStatus(conn.stub().ListSessions(ctx.get(), v1::ListSessionsRequest(), &reply)));
+  for (const v1::SessionInfo& s : reply.sessions()) {
+    if (s.session_id() == id) return SessionInfoFromProto(s);
+  }
+  return absl::NotFoundError(
+      absl::StrFormat("session \"%s\" is not open for tenant \"%s\"", id, conn.options().tenant));
+}
+
+absl::Status CloseSessionById(Connection& conn, std::string_view id) {
+  v1::CloseSessionRequest req;
+  req.set_session_id(std::string(id));
+  v1::CloseSessionReply reply;
+  auto ctx = conn.Context();
+  return FromGrpcStatus(conn.stub().CloseSession(ctx.get(), req, &reply));
+}
+
+}  // namespace kvtier

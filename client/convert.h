@@ -1,0 +1,56 @@
+// Conversions between libkvtier's types (kvtier/client.h, kvtier/retriever.h) and the
+// kvtier.v1 protocol messages. Client-side validation of what the daemon would refuse lives
+// here too, so an engine learns about a bad option before a round trip.
+//
+// Thread-safe: pure functions.
+#ifndef KVTIER_CLIENT_CONVERT_H_
+#define KVTIER_CLIENT_CONVERT_H_
+
+#include <string_view>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kvtier/client.h"
+#include "kvtier/geometry.h"
+#include "kvtier/retriever.h"
+#include "kvtier/v1/kvtier.pb.h"
+
+namespace kvtier {
+
+v1::DType DTypeToProto(DType t);
+// INVALID_ARGUMENT for DTYPE_UNSPECIFIED or an unknown value (naming `field`).
+absl::StatusOr<DType> DTypeFromProto(int t, std::string_view field = "geometry.dtype");
+
+v1::Mode ModeToProto(RetrievalMode m);
+// MODE_UNSPECIFIED means speculative (the protocol's default).
+absl::StatusOr<RetrievalMode> ModeFromProto(int m);
+
+v1::Transport TransportToProto(Transport t);
+// TRANSPORT_UNSPECIFIED means SHM.
+absl::StatusOr<Transport> TransportFromProto(int t);
+
+v1::Geometry GeometryToProto(const Geometry& g);
+// Converts without validating; page_size 0 becomes 32. INVALID_ARGUMENT for a bad dtype or
+// a field beyond int32.
+absl::StatusOr<Geometry> GeometryFromProto(const v1::Geometry& g);
+
+// The OpenSessionRequest for `options` on behalf of `tenant`. INVALID_ARGUMENT (naming the
+// field and limit) for an invalid geometry, a working-set split the protocol's budget_tokens
+// cannot express (sink : selected : recent must be 1 : 2 : 1, budget a multiple of 4·p), a
+// negative max_tokens or a non-finite τ.
+absl::StatusOr<v1::OpenSessionRequest> BuildOpenSessionRequest(std::string_view tenant,
+                                                               const SessionOptions& options);
+
+// The in-process Retriever's options for a session as the daemon resolved it: mode, budget,
+// max_tokens and τ from `info`, everything else from `local`. INTERNAL when the resolved
+// budget cannot be split (a daemon bug, reported as such).
+absl::StatusOr<RetrieverOptions> ResolveRetrieverOptions(const RetrieverOptions& local,
+                                                         const SessionInfo& info);
+
+absl::StatusOr<SessionInfo> SessionInfoFromProto(const v1::SessionInfo& info);
+Capabilities CapabilitiesFromHello(const v1::HelloReply& reply);
+RetrieverStats StatsFromProto(const v1::SessionStats& stats);
+
+}  // namespace kvtier
+
+#endif  // KVTIER_CLIENT_CONVERT_H_

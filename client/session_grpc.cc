@@ -1,0 +1,357 @@
+#include "client/session_grpc.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "client/convert.h"
+#include "client/rpc_util.h"
+#include "kvtier/status.h"
+
+namespace kvtier {
+
+namespace {
+
+// Bytes an OffloadRequest needs beyond K and V: ids, tags and lengths.
+constexpr uint64_t kOffloadOverheadBytes = 1024;
+
+// The compute stream of a session whose work all runs in the daemon: nothing is ever
+// enqueued on it. Not a backend stream: pass it to no backend op.
+class NoWorkStream final : public Stream {
+ public:
+  absl::Status Record(Event&) override { return absl::OkStatus(); }  // nothing to capture
+  absl::Status Wait(Event& event) override { return event.Wait(); }  // later work: none
+  absl::Status Synchronize() override { return absl::OkStatus(); }
+};
+
+class GrpcSession final : public Session {
+ public:
+  GrpcSession(std::shared_ptr<Connection> conn, const SessionInfo& info,
+              const SessionOptions& options, const RetrieverOptions& resolved)
+      : conn_(std::move(conn)), info_(info), options_(options), resolved_(resolved) {
+    const auto layers = static_cast<size_t>(info_.geometry.num_layers);
+    layers_.resize(layers);
+    for (size_t l = 0; l < layers && l < info_.committed_tokens.size(); ++l) {
+      layers_[l].tokens = static_cast<int32_t>(
+          std::min<int64_t>(info_.committed_tokens[l], std::numeric_limits<int32_t>::max()));
+    }
+  }
+
+  // Retriever.
+  absl::Status Append(int32_t layer, const void* k, const void* v, int32_t n_tokens) override;
+  absl::StatusOr<WorkingSetView> BeginStep(int32_t layer, const void* q) override;
+  absl::Status Attend(int32_t layer, const void* q, void* out, float* lse) override;
+  absl::Status EndStep(int32_t layer, const void* q) override;
+  absl::Status Wait() override { return absl::OkStatus(); }  // every call has finished
+  absl::Status Close() override;
+  RetrieverStats Stats() override;
+  StepStats LastStep(int32_t layer) override {
+    return ValidLayer(layer) ? layers_[static_cast<size_t>(layer)].last : StepStats{};
+  }
+  void SetProfiling(bool) override {}
+  absl::StatusOr<std::vector<StoredPage>> TakeStoredPages(bool) override {
+    return std::vector<StoredPage>{};  // Offload commits before it returns
+  }
+  absl::Status Restore(int32_t, std::vector<PageHandle>) override {
+    return absl::FailedPreconditionError(
+        "Restore: a GRPC session's pages live in the daemon; Reattach continues where it is");
+  }
+  Stream& compute_stream() override { return stream_; }
+  const Geometry& geometry() const override { return info_.geometry; }
+  const RetrieverOptions& options() const override { return resolved_; }
+  int32_t num_tokens(int32_t layer) const override {
+    return ValidLayer(layer) ? layers_[static_cast<size_t>(layer)].tokens : 0;
+  }
+
+  // Session.
+  const std::string& id() const override { return info_.id; }
+  Transport transport() const override { return Transport::kGrpc; }
+  uint64_t epoch() const override { return info_.epoch; }
+  absl::Status Flush() override { return CheckOpen("Flush"); }
+  absl::StatusOr<std::vector<FetchedPage>> FetchPages(int32_t layer,
+                                                      const std::vector<int64_t>& pages) override;
+  const std::vector<int32_t>& LastSlotTable(int32_t layer) const override {
+    static const std::vector<int32_t> kEmpty;
+    return ValidLayer(layer) ? layers_[static_cast<size_t>(layer)].table : kEmpty;
+  }
+  absl::StatusOr<SessionInfo> Info() override { return LookupSessionInfo(*conn_, info_.id); }
+
+ private:
+  struct Layer {
+    int32_t tokens = 0;  // as the daemon last reported
+    bool in_step = false;
+    int64_t steps = 0;
+    std::vector<int32_t> table;  // [Hkv][num_slots] of the last Step
+    int32_t num_slots = 0;
+    int32_t partial[2] = {-1, 0};  // logical page being filled and its tokens
+    std::string output;            // [Hq][d] session dtype (remote_attention)
+    std::vector<float> lse;        // [Hq]
+    StepStats last;
+  };
+
+  bool ValidLayer(int32_t layer) const { return layer >= 0 && layer < info_.geometry.num_layers; }
+  absl::Status CheckOpen(std::string_view what) const {
+    if (closed_) {
+      return absl::FailedPreconditionError(
+          absl::StrFormat("%s: session %s is closed", what, info_.id));
+    }
+    return absl::OkStatus();
+  }
+  absl::Status CheckCall(int32_t layer, std::string_view what) const {
+    KVTIER_RETURN_IF_ERROR(CheckOpen(what));
+    if (!ValidLayer(layer)) {
+      return absl::InvalidArgumentError(absl::StrFormat("%s: layer = %d must be in [0, %d)", what,
+                                                        layer, info_.geometry.num_layers));
+    }
+    return absl::OkStatus();
+  }
+  size_t token_bytes() const {
+    const Geometry& g = info_.geometry;
+    return static_cast<size_t>(g.num_kv_heads) * g.head_dim * g.element_bytes();
+  }
+  size_t q_bytes() const {
+    const Geometry& g = info_.geometry;
+    return static_cast<size_t>(g.num_q_heads) * g.head_dim * g.element_bytes();
+  }
+  absl::Status KeepStep(int32_t layer, const v1::StepReply& reply);
+
+  std::shared_ptr<Connection> conn_;
+  const SessionInfo info_;
+  const SessionOptions options_;
+  const RetrieverOptions resolved_;
+  std::vector<Layer> layers_;
+  RetrieverStats stats_;  // as GetStats last said
+  NoWorkStream stream_;
+  bool closed_ = false;
+};
+
+absl::Status GrpcSession::Append(int32_t layer, const void* k, const void* v, int32_t n_tokens) {
+  KVTIER_RETURN_IF_ERROR(CheckCall(layer, "Append"));
+  if (k == nullptr || v == nullptr) {
+    return absl::InvalidArgumentError("Append: k and v must be non-null");
+  }
+  if (n_tokens < 1) {
+    return absl::OutOfRangeError(absl::StrFormat("Append: n_tokens = %d must be >= 1", n_tokens));
+  }
+  Layer& l = layers_[static_cast<size_t>(layer)];
+  if (l.in_step) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("Append: layer %d is between BeginStep and EndStep", layer));
+  }
+  KVTIER_ASSIGN_OR_RETURN(const int32_t chunk,
+                          OffloadChunkTokens(info_.geometry, conn_->max_message_bytes(),
+                                             conn_->capabilities().max_tokens_per_offload,
+                                             kOffloadOverheadBytes + info_.id.size()));
+  const auto* ks = static_cast<const char*>(k);
+  const auto* vs = static_cast<const char*>(v);
+  const size_t tb = token_bytes();
+  auto ctx = conn_->Context();
+  v1::OffloadReply reply;
+  auto writer = conn_->stub().Offload(ctx.get(), &reply);
+  v1::OffloadRequest req;
+  req.set_session_id(info_.id);
+  req.set_layer(static_cast<uint32_t>(layer));
+  int32_t sent = 0;
+  while (sent < n_tokens) {
+    const int32_t m = std::min(chunk, n_tokens - sent);
+    const size_t off = static_cast<size_t>(sent) * tb;
+    req.set_num_tokens(static_cast<uint32_t>(m));
+    req.set_k(ks + off, static_cast<size_t>(m) * tb);
+    req.set_v(vs + off, static_cast<size_t>(m) * tb);
+    req.set_commit(sent + m == n_tokens);
+    if (!writer->Write(req)) break;  // the stream broke: Finish says why
+    sent += m;
+  }
+  writer->WritesDone();
+  KVTIER_RETURN_IF_ERROR(FromGrpcStatus(writer->Finish()));
+  if (sent != n_tokens) {
+    return absl::InternalError(absl::StrFormat(
+        "Append: the Offload stream ended after %d of %d tokens with OK", sent, n_tokens));
+  }
+  if (reply.layer_tokens_size() > layer) {
+    l.tokens = static_cast<int32_t>(
+        std::min<uint64_t>(reply.layer_tokens(layer), std::numeric_limits<int32_t>::max()));
+  } else {
+    l.tokens += n_tokens;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GrpcSession::KeepStep(int32_t layer, const v1::StepReply& reply) {
+  const Geometry& g = info_.geometry;
+  const int64_t slots = reply.num_slots();
+  if (slots < 1 || reply.slot_table_size() != g.num_kv_heads * slots) {
+    return absl::DataLossError(absl::StrFormat(
+        "Step: the reply's slot_table has %d entries; num_kv_heads × num_slots = %d × %d",
+        reply.slot_table_size(), g.num_kv_heads, slots));
+  }
+  if (options_.remote_attention &&
+      (reply.output().size() != q_bytes() || reply.lse_size() != g.num_q_heads)) {
+    return absl::DataLossError(absl::StrFormat(
+        "Step: the reply's output has %d bytes and %d lse values; expected %d and %d",
+        reply.output().size(), reply.lse_size(), q_bytes(), g.num_q_heads));
+  }
+  Layer& l = layers_[static_cast<size_t>(layer)];
+  l.table.assign(reply.slot_table().begin(), reply.slot_table().end());
+  l.num_slots = static_cast<int32_t>(slots);
+  l.tokens = static_cast<int32_t>(reply.num_tokens());
+  const int32_t p = g.page_size;
+  l.partial[0] = l.tokens % p == 0 ? -1 : l.tokens / p;
+  l.partial[1] = l.tokens % p;
+  l.output = reply.output();
+  l.lse.assign(reply.lse().begin(), reply.lse().end());
+  l.last = StepStats{};
+  l.last.step = l.steps++;
+  l.last.corrected_heads = static_cast<int32_t>(reply.corrected_heads());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<WorkingSetView> GrpcSession::BeginStep(int32_t layer, const void* q) {
+  KVTIER_RETURN_IF_ERROR(CheckCall(layer, "BeginStep"));
+  if (q == nullptr) return absl::InvalidArgumentError("BeginStep: q must be non-null");
+  Layer& l = layers_[static_cast<size_t>(layer)];
+  if (l.in_step) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("BeginStep: layer %d: the previous step was not ended", layer));
+  }
+  v1::StepRequest req;
+  req.set_session_id(info_.id);
+  req.set_layer(static_cast<uint32_t>(layer));
+  req.set_q(q, q_bytes());
+  req.set_want_output(options_.remote_attention);
+  v1::StepReply reply;
+  auto ctx = conn_->Context();
+  KVTIER_RETURN_IF_ERROR(FromGrpcStatus(conn_->stub().Step(ctx.get(), req, &reply)));
+  KVTIER_RETURN_IF_ERROR(KeepStep(layer, reply));
+  l.in_step = true;
+  WorkingSetView view;
+  view.layer = layer;
+  view.num_slots = l.num_slots;
+  view.slot_table = l.table.data();
+  view.partial_page = &l.partial[0];
+  view.partial_len = &l.partial[1];
+  view.num_tokens = l.tokens;
+  return view;
+}
+
+absl::Status GrpcSession::Attend(int32_t layer, const void* q, void* out, float* lse) {
+  KVTIER_RETURN_IF_ERROR(CheckCall(layer, "Attend"));
+  if (q == nullptr || out == nullptr) {
+    return absl::InvalidArgumentError("Attend: q and out must be non-null");
+  }
+  const Layer& l = layers_[static_cast<size_t>(layer)];
+  if (!l.in_step) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("Attend: layer %d: call BeginStep first", layer));
+  }
+  if (!options_.remote_attention) {
+    return absl::FailedPreconditionError(
+        "Attend: SessionOptions.remote_attention is off, so the daemon returned no output");
+  }
+  std::memcpy(out, l.output.data(), l.output.size());
+  if (lse != nullptr) std::copy(l.lse.begin(), l.lse.end(), lse);
+  return absl::OkStatus();
+}
+
+absl::Status GrpcSession::EndStep(int32_t layer, const void* q) {
+  KVTIER_RETURN_IF_ERROR(CheckCall(layer, "EndStep"));
+  if (q == nullptr) return absl::InvalidArgumentError("EndStep: q must be non-null");
+  Layer& l = layers_[static_cast<size_t>(layer)];
+  if (!l.in_step) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("EndStep: layer %d: call BeginStep first", layer));
+  }
+  l.in_step = false;  // the daemon's Step ran EndStep already
+  return absl::OkStatus();
+}
+
+absl::Status GrpcSession::Close() {
+  if (closed_) return absl::OkStatus();
+  closed_ = true;
+  return CloseSessionById(*conn_, info_.id);
+}
+
+RetrieverStats GrpcSession::Stats() {
+  if (closed_) return stats_;
+  v1::GetStatsRequest req;
+  req.set_session_id(info_.id);
+  v1::GetStatsReply reply;
+  auto ctx = conn_->Context();
+  if (conn_->stub().GetStats(ctx.get(), req, &reply).ok() && reply.has_session()) {
+    stats_ = StatsFromProto(reply.session());
+  }
+  return stats_;
+}
+
+absl::StatusOr<std::vector<FetchedPage>> GrpcSession::FetchPages(
+    int32_t layer, const std::vector<int64_t>& pages) {
+  KVTIER_RETURN_IF_ERROR(CheckCall(layer, "FetchPages"));
+  v1::FetchRequest req;
+  req.set_session_id(info_.id);
+  req.set_layer(static_cast<uint32_t>(layer));
+  for (int64_t page : pages) {
+    if (page < 0 || page > std::numeric_limits<uint32_t>::max()) {
+      return absl::OutOfRangeError(absl::StrFormat("FetchPages: page = %d is out of range", page));
+    }
+    req.add_pages(static_cast<uint32_t>(page));
+  }
+  auto ctx = conn_->Context();
+  auto reader = conn_->stub().Fetch(ctx.get(), req);
+  std::vector<FetchedPage> out;
+  v1::FetchReply reply;
+  const size_t bytes = info_.geometry.host_page_bytes();
+  absl::Status bad;
+  while (reader->Read(&reply)) {
+    for (v1::Page& p : *reply.mutable_pages()) {
+      if (p.data().size() != bytes && bad.ok()) {
+        bad = absl::DataLossError(absl::StrFormat("Fetch: page %d has %d bytes; a page has %d",
+                                                  p.page(), p.data().size(), bytes));
+      }
+      FetchedPage f;
+      f.layer = static_cast<int32_t>(p.layer());
+      f.page = p.page();
+      f.generation = p.generation();
+      f.data.assign(p.data().begin(), p.data().end());
+      out.push_back(std::move(f));
+    }
+  }
+  KVTIER_RETURN_IF_ERROR(FromGrpcStatus(reader->Finish()));
+  KVTIER_RETURN_IF_ERROR(bad);
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<int32_t> OffloadChunkTokens(const Geometry& g, uint64_t max_message_bytes,
+                                           uint32_t max_tokens_per_offload, uint64_t overhead) {
+  const uint64_t per_token =
+      2 * static_cast<uint64_t>(g.num_kv_heads) * g.head_dim * g.element_bytes();
+  const uint64_t fit =
+      max_message_bytes > overhead ? (max_message_bytes - overhead) / per_token : 0;
+  if (fit < 1) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "max_message_bytes = %d: one token's K and V (%d bytes) plus %d bytes of message "
+        "overhead do not fit",
+        max_message_bytes, per_token, overhead));
+  }
+  uint64_t chunk = std::min<uint64_t>(fit, std::numeric_limits<int32_t>::max());
+  if (max_tokens_per_offload != 0) chunk = std::min<uint64_t>(chunk, max_tokens_per_offload);
+  return static_cast<int32_t>(chunk);
+}
+
+absl::StatusOr<std::unique_ptr<Session>> NewGrpcSession(std::shared_ptr<Connection> conn,
+                                                        const SessionInfo& info,
+                                                        const SessionOptions& options) {
+  KVTIER_ASSIGN_OR_RETURN(const RetrieverOptions resolved,
+                          ResolveRetrieverOptions(options.retriever, info));
+  return std::unique_ptr<Session>(
+      std::make_unique<GrpcSession>(std::move(conn), info, options, resolved));
+}
+
+}  // namespace kvtier

@@ -1,0 +1,150 @@
+/* libkvtier's C API: the client of kvtier/client.h for engines written in C or reached
+ * through an FFI (ctypes, cffi, Rust, Go). Plain C99: opaque handles, POD option structs,
+ * int return codes.
+ *
+ *   kvtier_client* c;  kvtier_session* s;
+ *   kvtier_client_options co;  kvtier_client_options_init(&co);  co.tenant = "a";
+ *   if (kvtier_connect("unix:///run/kvtier/kvtierd.sock", &co, &c) != KVTIER_OK)
+ *     fprintf(stderr, "%s\n", kvtier_last_error());
+ *   kvtier_session_options so;  kvtier_session_options_init(&so);  so.geometry = ...;
+ *   kvtier_open_session(c, &so, &s);
+ *   kvtier_append(s, layer, k, v, n);
+ *   kvtier_begin_step(s, layer, q, &num_slots, table, table_capacity);
+ *   kvtier_attend(s, layer, q, out, lse);  kvtier_end_step(s, layer, q);
+ *   kvtier_close_session(s);  kvtier_session_free(s);  kvtier_client_free(c);
+ *
+ * Every function returning int returns a canonical status code (KVTIER_OK = 0; the codes of
+ * absl and gRPC); on failure kvtier_last_error() says what was wrong. Sessions opened through
+ * the C API run SHM sessions on a CPU backend owned by the client, so every data pointer is
+ * host memory; each call returns after the work that reads or writes the caller's buffers has
+ * run, so buffers may be reused at once.
+ *
+ * Thread-safety: a kvtier_client may be used from many threads; a kvtier_session from one
+ * thread at a time. kvtier_last_error() is per thread. Free a session before its client.
+ */
+#ifndef KVTIER_C_API_H_
+#define KVTIER_C_API_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Canonical status codes. */
+enum {
+  KVTIER_OK = 0,
+  KVTIER_CANCELLED = 1,
+  KVTIER_UNKNOWN = 2,
+  KVTIER_INVALID_ARGUMENT = 3,
+  KVTIER_DEADLINE_EXCEEDED = 4,
+  KVTIER_NOT_FOUND = 5,
+  KVTIER_ALREADY_EXISTS = 6,
+  KVTIER_PERMISSION_DENIED = 7,
+  KVTIER_RESOURCE_EXHAUSTED = 8,
+  KVTIER_FAILED_PRECONDITION = 9,
+  KVTIER_ABORTED = 10,
+  KVTIER_OUT_OF_RANGE = 11,
+  KVTIER_UNIMPLEMENTED = 12,
+  KVTIER_INTERNAL = 13,
+  KVTIER_UNAVAILABLE = 14,
+  KVTIER_DATA_LOSS = 15,
+  KVTIER_UNAUTHENTICATED = 16
+};
+
+/* Element types (kvtier::DType). */
+enum { KVTIER_DTYPE_F16 = 0, KVTIER_DTYPE_BF16 = 1, KVTIER_DTYPE_F32 = 2 };
+/* Retrieval modes (kvtier::RetrievalMode). */
+enum {
+  KVTIER_MODE_SPECULATIVE = 0,
+  KVTIER_MODE_SYNC = 1,
+  KVTIER_MODE_FULL = 2,
+  KVTIER_MODE_DROP = 3
+};
+/* Transports (kvtier::Transport). */
+enum { KVTIER_TRANSPORT_SHM = 0, KVTIER_TRANSPORT_GRPC = 1 };
+
+typedef struct kvtier_client kvtier_client;
+typedef struct kvtier_session kvtier_session;
+
+/* The model shape (kvtier/geometry.h). */
+typedef struct kvtier_geometry {
+  int32_t num_layers;
+  int32_t num_q_heads;
+  int32_t num_kv_heads;
+  int32_t head_dim;  /* elements */
+  int32_t page_size; /* tokens per page */
+  int32_t dtype;     /* KVTIER_DTYPE_* */
+} kvtier_geometry;
+
+typedef struct kvtier_client_options {
+  const char* tenant;         /* NULL: "default" */
+  const char* token;          /* NULL: none */
+  const char* client_name;    /* NULL: "libkvtier-c" */
+  int64_t rpc_timeout_ms;     /* deadline of every unary call; <= 0: 30000 */
+  const char* attach_socket;  /* NULL: the path the daemon reports */
+  uint64_t max_message_bytes; /* 0: the daemon's limit */
+} kvtier_client_options;
+
+typedef struct kvtier_session_options {
+  kvtier_geometry geometry;
+  int32_t mode;               /* KVTIER_MODE_* */
+  int32_t budget_tokens;      /* working set per layer, a multiple of 4 pages; 0: 2048 */
+  int32_t max_tokens;         /* capacity per layer; 0: the daemon's default */
+  float correction_threshold; /* tau */
+  int32_t transport;          /* KVTIER_TRANSPORT_* */
+  int32_t remote_attention;   /* GRPC: Step returns the attention output (0 or 1) */
+  const char* label;          /* NULL: none */
+} kvtier_session_options;
+
+/* Fills the defaults: tenant "default", 30 s timeout; fp16 geometry with page size 32,
+ * speculative mode, budget 2048, tau 0.9, SHM, remote_attention 1. */
+void kvtier_client_options_init(kvtier_client_options* options);
+void kvtier_session_options_init(kvtier_session_options* options);
+
+/* The library version, e.g. "0.1.0 (protocol 1)". Static storage. */
+const char* kvtier_version(void);
+/* The message of the last call on this thread that failed; "" when it succeeded. Valid
+ * until the next kvtier_* call on this thread. */
+const char* kvtier_last_error(void);
+
+/* Connects (kvtier::Client::Connect). options may be NULL (defaults). *out owns the client. */
+int kvtier_connect(const char* target, const kvtier_client_options* options, kvtier_client** out);
+void kvtier_client_free(kvtier_client* client); /* NULL: no-op */
+
+int kvtier_open_session(kvtier_client* client, const kvtier_session_options* options,
+                        kvtier_session** out);
+/* Takes over session `session_id` (kvtier::Client::Reattach): SHM sessions come back with
+ * their committed pages; kvtier_num_tokens says where to re-append from. */
+int kvtier_reattach(kvtier_client* client, const char* session_id,
+                    const kvtier_session_options* options, kvtier_session** out);
+/* The session id, valid while the session lives. */
+const char* kvtier_session_id(const kvtier_session* session);
+/* Tokens of `layer` so far (0 for a bad layer). */
+int32_t kvtier_num_tokens(const kvtier_session* session, int32_t layer);
+
+/* k, v: NHD [n_tokens][num_kv_heads][head_dim] in the session dtype. */
+int kvtier_append(kvtier_session* session, int32_t layer, const void* k, const void* v,
+                  int32_t n_tokens);
+/* q: [num_q_heads][head_dim]. Sets *num_slots (may be NULL) and, when slot_table is not NULL,
+ * copies the per-KV-head slot table [num_kv_heads][num_slots] (logical page per slot, -1
+ * empty) into it: KVTIER_OUT_OF_RANGE when slot_table_capacity (entries) is smaller; the step
+ * has begun all the same. */
+int kvtier_begin_step(kvtier_session* session, int32_t layer, const void* q, int32_t* num_slots,
+                      int32_t* slot_table, size_t slot_table_capacity);
+/* out: [num_q_heads][head_dim] session dtype; lse: [num_q_heads] floats, or NULL. */
+int kvtier_attend(kvtier_session* session, int32_t layer, const void* q, void* out, float* lse);
+int kvtier_end_step(kvtier_session* session, int32_t layer, const void* q);
+/* Waits for every offload so far and commits it (kvtier::Session::Flush). */
+int kvtier_flush(kvtier_session* session);
+/* Closes the session in the daemon; the handle must still be freed. */
+int kvtier_close_session(kvtier_session* session);
+/* Frees the handle; a session not closed is detached (kvtier_reattach takes it over). */
+void kvtier_session_free(kvtier_session* session);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* KVTIER_C_API_H_ */

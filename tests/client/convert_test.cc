@@ -1,0 +1,166 @@
+// SessionOptions → OpenSessionRequest and back (client/convert.h), and the Offload chunking
+// (client/session_grpc.h): what libkvtier refuses before a round trip.
+#include "client/convert.h"
+
+#include <limits>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "client/session_grpc.h"
+#include "gtest/gtest.h"
+
+namespace kvtier {
+namespace {
+
+SessionOptions SmallOptions() {
+  SessionOptions o;
+  o.geometry.num_layers = 2;
+  o.geometry.num_q_heads = 8;
+  o.geometry.num_kv_heads = 2;
+  o.geometry.head_dim = 64;
+  o.geometry.page_size = 32;
+  o.geometry.dtype = DType::kF16;
+  EXPECT_TRUE(o.retriever.SetBudgetTokens(512, 32).ok());
+  o.retriever.max_tokens = 2048;
+  o.retriever.correction_threshold = 0.8f;
+  o.retriever.mode = RetrievalMode::kSync;
+  o.transport = Transport::kGrpc;
+  o.label = "unit";
+  return o;
+}
+
+TEST(BuildOpenSessionRequestTest, CarriesEveryOption) {
+  absl::StatusOr<v1::OpenSessionRequest> req = BuildOpenSessionRequest("a", SmallOptions());
+  ASSERT_TRUE(req.ok()) << req.status();
+  EXPECT_EQ(req->tenant(), "a");
+  EXPECT_EQ(req->geometry().num_layers(), 2u);
+  EXPECT_EQ(req->geometry().num_q_heads(), 8u);
+  EXPECT_EQ(req->geometry().num_kv_heads(), 2u);
+  EXPECT_EQ(req->geometry().head_dim(), 64u);
+  EXPECT_EQ(req->geometry().page_size(), 32u);
+  EXPECT_EQ(req->geometry().dtype(), v1::DTYPE_FP16);
+  EXPECT_EQ(req->retrieval().mode(), v1::MODE_SYNC);
+  EXPECT_EQ(req->retrieval().budget_tokens(), 512u);
+  EXPECT_EQ(req->retrieval().max_tokens(), 2048u);
+  ASSERT_TRUE(req->retrieval().has_correction_threshold());
+  EXPECT_FLOAT_EQ(req->retrieval().correction_threshold(), 0.8f);
+  EXPECT_EQ(req->transport(), v1::TRANSPORT_GRPC);
+  EXPECT_EQ(req->label(), "unit");
+}
+
+TEST(BuildOpenSessionRequestTest, DefaultRetrieverOptionsAreFreeKvsBudget) {
+  SessionOptions o = SmallOptions();
+  o.retriever = RetrieverOptions();
+  absl::StatusOr<v1::OpenSessionRequest> req = BuildOpenSessionRequest("a", o);
+  ASSERT_TRUE(req.ok()) << req.status();
+  EXPECT_EQ(req->retrieval().budget_tokens(), 2048u);
+  EXPECT_EQ(req->retrieval().mode(), v1::MODE_SPECULATIVE);
+}
+
+TEST(BuildOpenSessionRequestTest, BadGeometryIsInvalidArgumentNamingTheField) {
+  SessionOptions o = SmallOptions();
+  o.geometry.head_dim = 100;
+  absl::StatusOr<v1::OpenSessionRequest> req = BuildOpenSessionRequest("a", o);
+  ASSERT_EQ(req.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(req.status().message().find("head_dim"), std::string::npos) << req.status();
+}
+
+TEST(BuildOpenSessionRequestTest, SplitsTheBudgetCannotExpressAreInvalidArgument) {
+  for (auto [sink, selected, recent] :
+       {std::tuple{1, 3, 2}, std::tuple{4, 4, 4}, std::tuple{2, 4, 3}, std::tuple{0, 0, 1}}) {
+    SessionOptions o = SmallOptions();
+    o.retriever.sink_pages = sink;
+    o.retriever.selected_pages = selected;
+    o.retriever.recent_pages = recent;
+    absl::StatusOr<v1::OpenSessionRequest> req = BuildOpenSessionRequest("a", o);
+    ASSERT_EQ(req.status().code(), absl::StatusCode::kInvalidArgument)
+        << sink << "/" << selected << "/" << recent;
+    EXPECT_NE(req.status().message().find("sink_pages"), std::string::npos) << req.status();
+  }
+}
+
+TEST(BuildOpenSessionRequestTest, NegativeMaxTokensAndNonFiniteTauAreInvalidArgument) {
+  SessionOptions o = SmallOptions();
+  o.retriever.max_tokens = -1;
+  EXPECT_EQ(BuildOpenSessionRequest("a", o).status().code(), absl::StatusCode::kInvalidArgument);
+  o = SmallOptions();
+  o.retriever.correction_threshold = std::numeric_limits<float>::quiet_NaN();
+  absl::StatusOr<v1::OpenSessionRequest> req = BuildOpenSessionRequest("a", o);
+  EXPECT_EQ(req.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(req.status().message().find("correction_threshold"), std::string::npos);
+}
+
+TEST(GeometryProtoTest, RoundTripsAndDefaultsThePageSize) {
+  const Geometry g = SmallOptions().geometry;
+  absl::StatusOr<Geometry> back = GeometryFromProto(GeometryToProto(g));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, g);
+  v1::Geometry p = GeometryToProto(g);
+  p.set_page_size(0);
+  EXPECT_EQ(GeometryFromProto(p)->page_size, 32);
+  p.set_dtype(v1::DTYPE_UNSPECIFIED);
+  EXPECT_EQ(GeometryFromProto(p).status().code(), absl::StatusCode::kInvalidArgument);
+  p.set_dtype(v1::DTYPE_BF16);
+  p.set_num_layers(1u << 31);
+  EXPECT_EQ(GeometryFromProto(p).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(ModeProtoTest, UnspecifiedMeansSpeculativeAndEveryModeRoundTrips) {
+  EXPECT_EQ(*ModeFromProto(v1::MODE_UNSPECIFIED), RetrievalMode::kSpeculative);
+  for (RetrievalMode m : {RetrievalMode::kSpeculative, RetrievalMode::kSync, RetrievalMode::kFull,
+                          RetrievalMode::kDrop}) {
+    EXPECT_EQ(*ModeFromProto(ModeToProto(m)), m);
+  }
+  EXPECT_FALSE(ModeFromProto(99).ok());
+  EXPECT_EQ(*TransportFromProto(v1::TRANSPORT_UNSPECIFIED), Transport::kShm);
+  EXPECT_EQ(*TransportFromProto(TransportToProto(Transport::kGrpc)), Transport::kGrpc);
+}
+
+TEST(SessionInfoProtoTest, ResolvedOptionsDriveTheLocalRetriever) {
+  v1::SessionInfo p;
+  p.set_session_id("s1");
+  p.set_tenant("a");
+  *p.mutable_geometry() = GeometryToProto(SmallOptions().geometry);
+  p.mutable_retrieval()->set_mode(v1::MODE_SPECULATIVE);
+  p.mutable_retrieval()->set_budget_tokens(256);
+  p.mutable_retrieval()->set_max_tokens(1024);
+  p.set_transport(v1::TRANSPORT_SHM);
+  p.set_epoch(3);
+  p.add_committed_tokens(64);
+  p.add_committed_tokens(32);
+  p.set_region_offset(65536);
+  p.set_region_bytes(131072);
+  absl::StatusOr<SessionInfo> info = SessionInfoFromProto(p);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->epoch, 3u);
+  EXPECT_EQ(info->committed_tokens, (std::vector<int64_t>{64, 32}));
+  EXPECT_EQ(info->region_offset, 65536u);
+  EXPECT_FLOAT_EQ(info->correction_threshold, 0.9f);  // unset: the protocol's default
+
+  RetrieverOptions local;
+  local.pipeline = RecallPipeline::kFused;
+  absl::StatusOr<RetrieverOptions> o = ResolveRetrieverOptions(local, *info);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->sink_pages, 2);
+  EXPECT_EQ(o->selected_pages, 4);
+  EXPECT_EQ(o->recent_pages, 2);
+  EXPECT_EQ(o->max_tokens, 1024);
+  EXPECT_EQ(o->pipeline, RecallPipeline::kFused);  // local knobs stay
+
+  info->budget_tokens = 100;  // not a multiple of 4 pages: a daemon bug
+  EXPECT_EQ(ResolveRetrieverOptions(local, *info).status().code(), absl::StatusCode::kInternal);
+}
+
+TEST(OffloadChunkTokensTest, BoundedByMessageSizeAndTokenLimit) {
+  const Geometry g = SmallOptions().geometry;  // 2 × 2 × 64 × 2 = 512 bytes of K+V a token
+  EXPECT_EQ(*OffloadChunkTokens(g, (1 << 20) + 1024, 0, 1024), 2048);
+  EXPECT_EQ(*OffloadChunkTokens(g, (1 << 20) + 1024, 100, 1024), 100);
+  EXPECT_EQ(*OffloadChunkTokens(g, 512 + 1024, 0, 1024), 1);
+  absl::StatusOr<int32_t> none = OffloadChunkTokens(g, 511 + 1024, 0, 1024);
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(none.status().message().find("max_message_bytes"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace kvtier
