@@ -4,6 +4,8 @@
 //
 //   kvtier-bench attention [--context N] [--batch B] [--json] ...
 //   kvtier-bench replay [--context N] [--steps N] [--budget B] [--tau 0.9,0.8] [--json] ...
+//   kvtier-bench replay --connect unix:///path/kvtierd.sock   # through kvtierd sessions
+//   kvtier-bench ipc [--bytes N] [--json]
 //   kvtier-bench devices
 #include <fstream>
 #include <iostream>
@@ -11,7 +13,9 @@
 
 #include "CLI/CLI.hpp"
 #include "bench/attention_bench.h"
+#include "bench/ipc_bench.h"
 #include "bench/replay_bench.h"
+#include "bench/replay_session.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "kernels/registry.h"
@@ -35,6 +39,37 @@ int RunReplay(const kvtier::bench::ReplayBenchOptions& o, bool json, const std::
   auto report = kvtier::bench::RunReplayBench(o, json ? std::cerr : std::cout);
   if (!report.ok()) {
     std::cerr << "kvtier-bench replay: " << report.status() << "\n";
+    return 1;
+  }
+  if (json) std::cout << report->ToString() << "\n";
+  if (!out.empty()) std::ofstream(out) << report->ToString() << "\n";
+  return 0;
+}
+
+// The replay through kvtierd: the host-tier modes become Sessions of the daemon at `target`.
+int RunReplayConnected(kvtier::bench::ReplayBenchOptions o, const std::string& target,
+                       const kvtier::ClientOptions& co, kvtier::Transport transport, bool json,
+                       const std::string& out) {
+  std::ostream& log = json ? std::cerr : std::cout;
+  auto sessions = kvtier::bench::ReplaySessions::Connect(target, co, transport, log);
+  if (!sessions.ok()) {
+    std::cerr << "kvtier-bench replay: " << sessions.status() << "\n";
+    return 1;
+  }
+  (*sessions)->Install(o);
+  const int rc = RunReplay(o, json, out);
+  const absl::Status closed = (*sessions)->CloseAll();
+  if (!closed.ok()) {
+    std::cerr << "kvtier-bench replay: closing sessions: " << closed << "\n";
+    return rc == 0 ? 1 : rc;
+  }
+  return rc;
+}
+
+int RunIpc(const kvtier::bench::IpcBenchOptions& o, bool json, const std::string& out) {
+  auto report = kvtier::bench::RunIpcBench(o, json ? std::cerr : std::cout);
+  if (!report.ok()) {
+    std::cerr << "kvtier-bench ipc: " << report.status() << "\n";
     return 1;
   }
   if (json) std::cout << report->ToString() << "\n";
@@ -130,11 +165,41 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   replay->add_flag("--json", json, "print one JSON object on stdout");
   replay->add_option("--out", out, "also write the JSON report to this file");
+  std::string connect, transport = "shm";
+  kvtier::ClientOptions client_options;
+  replay->add_option("--connect", connect, "run speculative and sync modes as sessions of the "
+                     "kvtierd at this target (unix:///path or host:port)");
+  replay->add_option("--tenant", client_options.tenant, "with --connect: the tenant")
+      ->capture_default_str();
+  replay->add_option("--token", client_options.token, "with --connect: the tenant's token");
+  replay->add_option("--transport", transport, "with --connect: shm or grpc")
+      ->capture_default_str();
+
+  kvtier::bench::IpcBenchOptions io;
+  auto* ipc = app.add_subcommand(
+      "ipc", "page movement engine <-> kvtierd on loopback (shared memory, gRPC streams, unary "
+             "round trips) against Redis SET/GET as the peer baseline");
+  ipc->add_option("--bytes", io.bytes_per_run, "bytes moved per throughput measurement")
+      ->capture_default_str();
+  ipc->add_option("--repeats", io.repeats, "runs per measurement (best reported)")
+      ->capture_default_str();
+  ipc->add_option("--unary-calls", io.unary_calls, "Hello calls per transport")
+      ->capture_default_str();
+  ipc->add_option("--redis-pipeline", io.redis_pipeline, "Redis commands in flight")
+      ->capture_default_str();
+  bool no_redis = false;
+  ipc->add_flag("--no-redis", no_redis, "skip the Redis baseline");
+  ipc->add_flag("--json", json, "print one JSON object on stdout");
+  ipc->add_option("--out", out, "also write the JSON report to this file");
 
   auto* devices = app.add_subcommand("devices", "list the backends this build can use");
 
   CLI11_PARSE(app, argc, argv);
   if (*devices) return ListDevices();
+  if (*ipc) {
+    io.redis = !no_redis;
+    return RunIpc(io, json, out);
+  }
   if (*replay) {
     if (!kvtier::ParseDType(rdtype, &so.geometry.dtype)) {
       std::cerr << "kvtier-bench replay: --dtype must be fp16, bf16 or fp32\n";
@@ -165,6 +230,16 @@ int main(int argc, char** argv) {
         return 1;
       }
       return 0;
+    }
+    if (!connect.empty()) {
+      if (transport != "shm" && transport != "grpc") {
+        std::cerr << "kvtier-bench replay: --transport must be shm or grpc\n";
+        return 2;
+      }
+      return RunReplayConnected(ro, connect, client_options,
+                                transport == "grpc" ? kvtier::Transport::kGrpc
+                                                    : kvtier::Transport::kShm,
+                                json, out);
     }
     return RunReplay(ro, json, out);
   }

@@ -90,7 +90,10 @@ absl::Status Replay::AddMode(std::string name, RetrievalMode mode, float tau) {
   ro.correction_threshold = tau;
   ro.pipeline = o_.pipeline;
   ro.deadline = absl::Minutes(5);
-  if (mode == RetrievalMode::kSpeculative || mode == RetrievalMode::kSync) {
+  const bool host_tier = mode == RetrievalMode::kSpeculative || mode == RetrievalMode::kSync;
+  if (host_tier && o_.open_retriever) {
+    KVTIER_ASSIGN_OR_RETURN(m.retriever, o_.open_retriever(m.name, g_, ro, *backend_));
+  } else if (host_tier) {
     const int64_t pages =
         int64_t{g_.num_layers} * ((max_tokens_ + g_.page_size - 1) / g_.page_size);
     ArenaOptions ao;
@@ -101,7 +104,9 @@ absl::Status Replay::AddMode(std::string name, RetrievalMode mode, float tau) {
     KVTIER_RETURN_IF_ERROR(m.arena->RegisterWith(*backend_));
     KVTIER_ASSIGN_OR_RETURN(m.pool, PagePool::CreateInArena(*m.arena, g_.host_page_bytes()));
   }
-  KVTIER_ASSIGN_OR_RETURN(m.retriever, Retriever::Create(g_, ro, *backend_, m.pool.get()));
+  if (m.retriever == nullptr) {
+    KVTIER_ASSIGN_OR_RETURN(m.retriever, Retriever::Create(g_, ro, *backend_, m.pool.get()));
+  }
   const size_t q_bytes = static_cast<size_t>(g_.num_q_heads) * g_.head_dim * g_.element_bytes();
   for (int32_t l = 0; l < g_.num_layers; ++l) {
     KVTIER_ASSIGN_OR_RETURN(DeviceBuffer b, backend_->Allocate(q_bytes));

@@ -17,6 +17,8 @@
 #ifndef KVTIER_BENCH_REPLAY_BENCH_H_
 #define KVTIER_BENCH_REPLAY_BENCH_H_
 
+#include <functional>
+#include <memory>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -44,6 +46,13 @@ struct ReplayBenchOptions {
   int32_t profile_steps = 4;  // trailing steps run with profiling for the split
   BackendKind backend = BackendKind::kCpu;
   int threads = 0;  // cpu backend threads; 0 = all
+  // When set, the modes with a host tier (speculative, sync) get their Retriever from this
+  // instead of a private arena: the demo engine opens kvtierd Sessions here (a Session is a
+  // Retriever whose host tier is the daemon's). Full and drop modes stay local. `name` is
+  // the mode's report name.
+  std::function<absl::StatusOr<std::unique_ptr<Retriever>>(
+      const std::string& name, const Geometry& g, const RetrieverOptions& ro, Backend& backend)>
+      open_retriever;
 };
 
 // Runs the replay, writing a human-readable table to `log`; returns

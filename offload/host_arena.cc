@@ -46,8 +46,10 @@ absl::Status SysError(int err, const std::string& what) { return absl::ErrnoToSt
 // Maps `bytes` of `fd` MAP_SHARED at a kHugePageBytes-aligned address: every process that maps
 // the arena then sees offsets aligned within it (session regions, hugepages) aligned in its
 // own address space too. Reserves bytes + alignment, maps the file over the aligned part and
-// returns the slack. MAP_FAILED with errno set on failure.
-void* MapShared(int fd, size_t bytes) {
+// returns the slack. `populate` fills the page tables now (MAP_POPULATE): right for a mapping
+// of an arena that already holds its memory (Map), wrong for a new one that must first be
+// bound to its NUMA node (Create). MAP_FAILED with errno set on failure.
+void* MapShared(int fd, size_t bytes, bool populate) {
   constexpr size_t kAlign = HostArena::kHugePageBytes;
   void* reserved =
       mmap(nullptr, bytes + kAlign, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -55,7 +57,7 @@ void* MapShared(int fd, size_t bytes) {
   const auto start = reinterpret_cast<uintptr_t>(reserved);
   const uintptr_t aligned = RoundUp(start, kAlign);
   void* data = mmap(reinterpret_cast<void*>(aligned), bytes, PROT_READ | PROT_WRITE,
-                    MAP_SHARED | MAP_FIXED, fd, 0);
+                    MAP_SHARED | MAP_FIXED | (populate ? MAP_POPULATE : 0), fd, 0);
   if (data == MAP_FAILED) {
     const int err = errno;
     munmap(reserved, bytes + kAlign);
@@ -229,7 +231,7 @@ absl::StatusOr<std::unique_ptr<HostArena>> HostArena::CreateWith(const ArenaOpti
     return SysError(errno, absl::StrFormat("sizing the arena memfd to %d bytes", bytes));
   }
   Seal(fd, report);
-  void* data = MapShared(fd, bytes);
+  void* data = MapShared(fd, bytes, /*populate=*/false);
   if (data == MAP_FAILED) {
     return SysError(errno, absl::StrFormat("mmap of %d arena bytes%s", bytes,
                                            hugetlb ? " on 2 MiB hugepages" : ""));
@@ -350,7 +352,7 @@ absl::StatusOr<std::unique_ptr<HostArena>> HostArena::Map(int fd, size_t bytes) 
   const int dup_fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
   if (dup_fd < 0) return SysError(errno, absl::StrFormat("duplicating arena fd %d", fd));
   std::unique_ptr<HostArena> arena(new HostArena(nullptr, 0, dup_fd));
-  void* data = MapShared(dup_fd, mapped);
+  void* data = MapShared(dup_fd, mapped, /*populate=*/true);
   if (data == MAP_FAILED) {
     return SysError(errno, absl::StrFormat("mmap of %d bytes of arena fd %d", mapped, fd));
   }
