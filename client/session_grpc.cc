@@ -62,7 +62,13 @@ class GrpcSession final : public Session {
     return absl::FailedPreconditionError(
         "Restore: a GRPC session's pages live in the daemon; Reattach continues where it is");
   }
-  Stream& compute_stream() override { return stream_; }
+  Stream& compute_stream() override {
+    if (options_.retriever.compute_stream != nullptr) return *options_.retriever.compute_stream;
+    return own_stream_ != nullptr ? *own_stream_ : stream_;
+  }
+  // With a backend, compute_stream() is a real (idle) stream of it, so the engine may enqueue
+  // its own copies of the results there; every call has finished before it returns.
+  void set_own_stream(std::unique_ptr<Stream> s) { own_stream_ = std::move(s); }
   const Geometry& geometry() const override { return info_.geometry; }
   const RetrieverOptions& options() const override { return resolved_; }
   int32_t num_tokens(int32_t layer) const override {
@@ -128,6 +134,7 @@ class GrpcSession final : public Session {
   std::vector<Layer> layers_;
   RetrieverStats stats_;  // as GetStats last said
   NoWorkStream stream_;
+  std::unique_ptr<Stream> own_stream_;
   bool closed_ = false;
 };
 
@@ -350,8 +357,12 @@ absl::StatusOr<std::unique_ptr<Session>> NewGrpcSession(std::shared_ptr<Connecti
                                                         const SessionOptions& options) {
   KVTIER_ASSIGN_OR_RETURN(const RetrieverOptions resolved,
                           ResolveRetrieverOptions(options.retriever, info));
-  return std::unique_ptr<Session>(
-      std::make_unique<GrpcSession>(std::move(conn), info, options, resolved));
+  auto session = std::make_unique<GrpcSession>(std::move(conn), info, options, resolved);
+  if (options.backend != nullptr && options.retriever.compute_stream == nullptr) {
+    KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<Stream> s, options.backend->CreateStream());
+    session->set_own_stream(std::move(s));
+  }
+  return std::unique_ptr<Session>(std::move(session));
 }
 
 }  // namespace kvtier

@@ -82,7 +82,8 @@ struct SessionOptions {
   RetrieverOptions retriever;
   Transport transport = Transport::kShm;
   // SHM: the engine's backend, which the arena is registered with; null: a CPU backend
-  // owned by the Client (shared by its sessions). GRPC: unused. REQUIRES: the backend
+  // owned by the Client (shared by its sessions). GRPC: only compute_stream() comes from it
+  // (an idle stream the engine may enqueue its own work on). REQUIRES: the backend
   // outlives every Session opened with it (the arena stays registered with it until the
   // last of them is gone).
   Backend* backend = nullptr;
@@ -121,8 +122,9 @@ struct SessionInfo {
 
 // As a Retriever: SHM sessions forward to their in-process Retriever, and their
 // TakeStoredPages commits the pages it returns (the engine never needs to call it); GRPC
-// sessions finish every call's work before it returns (compute_stream() is a stream nothing
-// is enqueued on, not a backend stream), take host pointers, report no stored pages and
+// sessions finish every call's work before it returns (compute_stream() is the retriever
+// options' compute_stream, else an idle stream of `backend`, else a stream nothing may be
+// enqueued on), take host pointers, report no stored pages and
 // refuse Restore (FAILED_PRECONDITION). Close() flushes (SHM), closes the Retriever and then
 // the session in the daemon; an SHM session whose commits were refused because another holder
 // reattached fails FAILED_PRECONDITION from then on, and its Close() leaves the daemon's
