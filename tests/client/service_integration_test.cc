@@ -613,5 +613,38 @@ TEST(ServiceShutdownTest, DrainThenSigtermExitsCleanlyAndRemovesTheSockets) {
   EXPECT_EQ((*a)->ListSessions().status().code(), absl::StatusCode::kUnavailable);
 }
 
+// docs/service.md, "What survives what": a daemon restart keeps no session. Arenas are memfds
+// owned by the daemon, so the restarted daemon does not know the old session ids: Reattach
+// answers NOT_FOUND (not a crash, not a hang), and a new session works at once.
+TEST(ServiceShutdownTest, SessionsDoNotSurviveADaemonRestart) {
+  auto first = DaemonProcess::Start(TwoTenants());
+  ASSERT_TRUE(first.ok()) << first.status();
+  ClientOptions o;
+  o.tenant = "a";
+  o.token = "ta";
+  auto a = Client::Connect((*first)->target(), o);
+  ASSERT_TRUE(a.ok()) << a.status();
+  auto shm = (*a)->OpenSession(IntegrationSessionOptions(Transport::kShm));
+  ASSERT_TRUE(shm.ok()) << shm.status();
+  const SyntheticTrace trace(IntegrationTrace());
+  ASSERT_OK(testing::AppendTokens(**shm, trace, 0, 100));
+  ASSERT_OK((*shm)->Flush());
+  const std::string id = (*shm)->id();
+  auto stopped = (*first)->Stop(SIGTERM);
+  ASSERT_TRUE(stopped.ok()) << stopped.status();
+  EXPECT_EQ(WEXITSTATUS(*stopped), 0) << (*first)->Log();
+
+  auto second = DaemonProcess::Start(TwoTenants());
+  ASSERT_TRUE(second.ok()) << second.status();
+  auto again = Client::Connect((*second)->target(), o);
+  ASSERT_TRUE(again.ok()) << again.status();
+  auto lost = (*again)->Reattach(id, IntegrationSessionOptions(Transport::kShm));
+  EXPECT_EQ(lost.status().code(), absl::StatusCode::kNotFound) << lost.status();
+  auto fresh = (*again)->OpenSession(IntegrationSessionOptions(Transport::kShm));
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  ASSERT_OK(testing::AppendTokens(**fresh, trace, 0, 100));
+  ASSERT_OK((*fresh)->Close());
+}
+
 }  // namespace
 }  // namespace kvtier
