@@ -684,9 +684,10 @@ TEST_F(SessionManagerTest, StepMatchesARetrieverRunDirectly) {
       for (int32_t layer = 0; layer < 2; ++layer) {
         OffloadChunk c = Chunk(r.id, layer, rows[layer], t, 1, layer == 1, g);
         ASSERT_TRUE(ref->Append(layer, c.k.data(), c.v.data(), 1).ok());
+        // The reference reads c's bytes on its stream; the commit below frees them.
+        ASSERT_TRUE(ref->Wait().ok());
         ASSERT_TRUE(s->Add(std::move(c)).ok());
       }
-      ASSERT_TRUE(ref->Wait().ok());
       ASSERT_TRUE(s->Finish().ok());
     }
   }
