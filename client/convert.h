@@ -14,25 +14,9 @@
 #include "kvtier/geometry.h"
 #include "kvtier/retriever.h"
 #include "kvtier/v1/kvtier.pb.h"
+#include "proto/convert.h"
 
 namespace kvtier {
-
-v1::DType DTypeToProto(DType t);
-// INVALID_ARGUMENT for DTYPE_UNSPECIFIED or an unknown value (naming `field`).
-absl::StatusOr<DType> DTypeFromProto(int t, std::string_view field = "geometry.dtype");
-
-v1::Mode ModeToProto(RetrievalMode m);
-// MODE_UNSPECIFIED means speculative (the protocol's default).
-absl::StatusOr<RetrievalMode> ModeFromProto(int m);
-
-v1::Transport TransportToProto(Transport t);
-// TRANSPORT_UNSPECIFIED means SHM.
-absl::StatusOr<Transport> TransportFromProto(int t);
-
-v1::Geometry GeometryToProto(const Geometry& g);
-// Converts without validating; page_size 0 becomes 32. INVALID_ARGUMENT for a bad dtype or
-// a field beyond int32.
-absl::StatusOr<Geometry> GeometryFromProto(const v1::Geometry& g);
 
 // The OpenSessionRequest for `options` on behalf of `tenant`. INVALID_ARGUMENT (naming the
 // field and limit) for an invalid geometry, a working-set split the protocol's budget_tokens

@@ -59,17 +59,6 @@ absl::StatusOr<ParsedTarget> ParseTarget(std::string_view target) {
   return t;
 }
 
-absl::Status FromGrpcStatus(const grpc::Status& status) {
-  if (status.ok()) return absl::OkStatus();
-  // The canonical codes have the same values in gRPC and absl (DESIGN.md §7).
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
-}
-
-grpc::Status ToGrpcStatus(const absl::Status& status) {
-  if (status.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
-}
-
 std::unique_ptr<grpc::ClientContext> NewCallContext(std::string_view tenant, std::string_view token,
                                                     absl::Duration timeout) {
   auto ctx = std::make_unique<grpc::ClientContext>();

@@ -15,6 +15,7 @@
 #include "absl/time/time.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/support/status.h"
+#include "proto/convert.h"  // FromGrpcStatus, ToGrpcStatus
 
 namespace kvtier {
 
@@ -36,8 +37,6 @@ absl::StatusOr<ParsedTarget> ParseTarget(std::string_view target);
 
 // gRPC ↔ absl: same canonical code, same message. An OK status maps to OK whatever its
 // message.
-absl::Status FromGrpcStatus(const grpc::Status& status);
-grpc::Status ToGrpcStatus(const absl::Status& status);
 
 // A context for one call of `tenant`: x-kvtier-tenant, x-kvtier-token (when not empty) and a
 // deadline `timeout` from now (none when timeout is infinite).

@@ -19,109 +19,6 @@ namespace {
 
 // ---- proto ⇄ domain -----------------------------------------------------------------------
 
-absl::StatusOr<DType> DTypeFromProto(v1::DType t) {
-  switch (t) {
-    case v1::DTYPE_FP16:
-      return DType::kF16;
-    case v1::DTYPE_BF16:
-      return DType::kBF16;
-    case v1::DTYPE_FP32:
-      return DType::kF32;
-    default:
-      return absl::InvalidArgumentError(
-          absl::StrFormat("geometry.dtype = %d: must be DTYPE_FP16, DTYPE_BF16 or DTYPE_FP32",
-                          static_cast<int>(t)));
-  }
-}
-
-v1::DType DTypeToProto(DType t) {
-  switch (t) {
-    case DType::kF16:
-      return v1::DTYPE_FP16;
-    case DType::kBF16:
-      return v1::DTYPE_BF16;
-    case DType::kF32:
-      return v1::DTYPE_FP32;
-  }
-  return v1::DTYPE_UNSPECIFIED;
-}
-
-absl::StatusOr<RetrievalMode> ModeFromProto(v1::Mode m) {
-  switch (m) {
-    case v1::MODE_UNSPECIFIED:
-    case v1::MODE_SPECULATIVE:
-      return RetrievalMode::kSpeculative;
-    case v1::MODE_SYNC:
-      return RetrievalMode::kSync;
-    case v1::MODE_FULL:
-      return RetrievalMode::kFull;
-    case v1::MODE_DROP:
-      return RetrievalMode::kDrop;
-    default:
-      return absl::InvalidArgumentError(
-          absl::StrFormat("retrieval.mode = %d: unknown mode", static_cast<int>(m)));
-  }
-}
-
-v1::Mode ModeToProto(RetrievalMode m) {
-  switch (m) {
-    case RetrievalMode::kSpeculative:
-      return v1::MODE_SPECULATIVE;
-    case RetrievalMode::kSync:
-      return v1::MODE_SYNC;
-    case RetrievalMode::kFull:
-      return v1::MODE_FULL;
-    case RetrievalMode::kDrop:
-      return v1::MODE_DROP;
-  }
-  return v1::MODE_UNSPECIFIED;
-}
-
-absl::StatusOr<Transport> TransportFromProto(v1::Transport t) {
-  switch (t) {
-    case v1::TRANSPORT_UNSPECIFIED:
-    case v1::TRANSPORT_SHM:
-      return Transport::kShm;
-    case v1::TRANSPORT_GRPC:
-      return Transport::kGrpc;
-    default:
-      return absl::InvalidArgumentError(
-          absl::StrFormat("transport = %d: unknown transport", static_cast<int>(t)));
-  }
-}
-
-absl::StatusOr<int32_t> ToInt32(const char* field, uint32_t value) {
-  if (value > static_cast<uint32_t>(std::numeric_limits<int32_t>::max())) {
-    return absl::InvalidArgumentError(absl::StrFormat("%s = %d: must be at most %d", field, value,
-                                                      std::numeric_limits<int32_t>::max()));
-  }
-  return static_cast<int32_t>(value);
-}
-
-// Converts without validating (Geometry::Validate does, in the manager); page_size 0 → 32.
-absl::StatusOr<Geometry> GeometryFromProto(const v1::Geometry& p) {
-  Geometry g;
-  KVTIER_ASSIGN_OR_RETURN(g.num_layers, ToInt32("geometry.num_layers", p.num_layers()));
-  KVTIER_ASSIGN_OR_RETURN(g.num_q_heads, ToInt32("geometry.num_q_heads", p.num_q_heads()));
-  KVTIER_ASSIGN_OR_RETURN(g.num_kv_heads, ToInt32("geometry.num_kv_heads", p.num_kv_heads()));
-  KVTIER_ASSIGN_OR_RETURN(g.head_dim, ToInt32("geometry.head_dim", p.head_dim()));
-  KVTIER_ASSIGN_OR_RETURN(g.page_size, ToInt32("geometry.page_size", p.page_size()));
-  if (g.page_size == 0) g.page_size = 32;
-  KVTIER_ASSIGN_OR_RETURN(g.dtype, DTypeFromProto(p.dtype()));
-  return g;
-}
-
-v1::Geometry GeometryToProto(const Geometry& g) {
-  v1::Geometry p;
-  p.set_num_layers(g.num_layers);
-  p.set_num_q_heads(g.num_q_heads);
-  p.set_num_kv_heads(g.num_kv_heads);
-  p.set_head_dim(g.head_dim);
-  p.set_page_size(g.page_size);
-  p.set_dtype(DTypeToProto(g.dtype));
-  return p;
-}
-
 absl::StatusOr<OpenSessionParams> ParamsFromProto(const v1::OpenSessionRequest& r) {
   OpenSessionParams p;
   p.tenant = r.tenant();
@@ -181,11 +78,6 @@ std::string Metadata(const grpc::CallbackServerContext* ctx, const char* key) {
 }
 
 }  // namespace
-
-grpc::Status ToGrpcStatus(const absl::Status& status) {
-  // absl::StatusCode and grpc::StatusCode are both the canonical codes, numbered alike.
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
-}
 
 KvTierService::KvTierService(SessionManager& manager, const DaemonConfig& config)
     : manager_(manager), config_(config) {

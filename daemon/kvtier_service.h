@@ -21,6 +21,7 @@
 #include "daemon/session_manager.h"
 #include "grpcpp/grpcpp.h"
 #include "kvtier/v1/kvtier.grpc.pb.h"
+#include "proto/convert.h"
 
 namespace kvtier::daemon {
 
@@ -29,8 +30,8 @@ inline constexpr uint32_t kMinProtocolVersion = 1;
 inline constexpr char kTenantMetadata[] = "x-kvtier-tenant";
 inline constexpr char kTokenMetadata[] = "x-kvtier-token";
 
-// The canonical code and message, unchanged.
-grpc::Status ToGrpcStatus(const absl::Status& status);
+// The canonical code and message, unchanged (shared with the client: proto/convert.h).
+using ::kvtier::ToGrpcStatus;
 
 // What Hello reports about the attach socket.
 struct ShmEndpoint {
