@@ -1,5 +1,8 @@
 #include "kernels/ops.h"
 
+#include <initializer_list>
+#include <string>
+
 #include "absl/strings/str_format.h"
 #include "kvtier/geometry.h"
 #include "kvtier/status.h"
@@ -48,6 +51,29 @@ absl::Status CheckPage(const char* op, int32_t p, int32_t hkv, int32_t d) {
   KVTIER_RETURN_IF_ERROR(CheckRange(op, "page_size", p, 1, Geometry::kMaxPageSize));
   KVTIER_RETURN_IF_ERROR(CheckRange(op, "num_kv_heads", hkv, 1, Geometry::kMaxQueryHeads));
   return CheckRange(op, "head_dim", d, 1, Geometry::kMaxHeadDim);
+}
+
+// INVALID_ARGUMENT unless the pointers of a group are all null or all non-null.
+struct NamedPtr {
+  const char* field;
+  const void* p;
+};
+absl::Status CheckAllOrNone(const char* op, std::initializer_list<NamedPtr> group) {
+  bool any = false, all = true;
+  for (const NamedPtr& f : group) {
+    any = any || f.p != nullptr;
+    all = all && f.p != nullptr;
+  }
+  if (any == all) return absl::OkStatus();
+  std::string names;
+  const char* missing = "";
+  for (const NamedPtr& f : group) {
+    if (!names.empty()) names += ", ";
+    names += f.field;
+    if (f.p == nullptr && *missing == '\0') missing = f.field;
+  }
+  return absl::InvalidArgumentError(absl::StrFormat(
+      "%s: %s must be given together or not at all (%s is null)", op, names, missing));
 }
 
 constexpr int32_t kMaxBatch = 1 << 16;
@@ -175,7 +201,13 @@ absl::Status ValidateArgs(const SparseAttentionArgs& a) {
   KVTIER_RETURN_IF_ERROR(CheckPtr(op, "slot_table", a.slot_table));
   KVTIER_RETURN_IF_ERROR(CheckPtr(op, "partial_page", a.partial_page));
   KVTIER_RETURN_IF_ERROR(CheckPtr(op, "partial_len", a.partial_len));
-  return CheckPtr(op, "out", a.out);
+  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "out", a.out));
+  // query_position, token_prob: null-ok. The INT8 storage is all five buffers or none.
+  return CheckAllOrNone(op, {{"slot_int8", a.slot_int8},
+                             {"k_int8", a.k_int8},
+                             {"v_int8", a.v_int8},
+                             {"k_scale", a.k_scale},
+                             {"v_scale", a.v_scale}});
 }
 
 absl::Status ValidateArgs(const DenseAttentionArgs& a) {
@@ -189,6 +221,39 @@ absl::Status ValidateArgs(const DenseAttentionArgs& a) {
   KVTIER_RETURN_IF_ERROR(CheckPtr(op, "v", a.v));
   KVTIER_RETURN_IF_ERROR(CheckPtr(op, "seq_len", a.seq_len));
   return CheckPtr(op, "out", a.out);
+}
+
+absl::Status ValidateArgs(const QuantizeSlotsArgs& a) {
+  constexpr const char* op = "QuantizeSlots";
+  KVTIER_RETURN_IF_ERROR(CheckDType(op, a.dtype));
+  KVTIER_RETURN_IF_ERROR(CheckPage(op, a.page_size, a.num_kv_heads, a.head_dim));
+  KVTIER_RETURN_IF_ERROR(CheckRange(op, "num_items", a.num_items, 0, INT32_MAX));
+  if (a.num_items == 0) return absl::OkStatus();
+  KVTIER_RETURN_IF_ERROR(CheckRange(op, "num_slots", a.num_slots, 1, INT32_MAX));
+  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "items", a.items));
+  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "k_cache", a.k_cache));
+  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "v_cache", a.v_cache));
+  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "k_int8", a.k_int8));
+  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "v_int8", a.v_int8));
+  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "k_scale", a.k_scale));
+  return CheckPtr(op, "v_scale", a.v_scale);
+}
+
+// Items live in backend memory, so src_slot == dst_slot is found when the op runs.
+absl::Status ValidateArgs(const MoveHeadSlotsArgs& a) {
+  constexpr const char* op = "MoveHeadSlots";
+  KVTIER_RETURN_IF_ERROR(CheckDType(op, a.dtype));
+  KVTIER_RETURN_IF_ERROR(CheckPage(op, a.page_size, a.num_kv_heads, a.head_dim));
+  KVTIER_RETURN_IF_ERROR(CheckRange(op, "num_items", a.num_items, 0, INT32_MAX));
+  KVTIER_RETURN_IF_ERROR(CheckAllOrNone(op, {{"k_int8", a.k_int8},
+                                             {"v_int8", a.v_int8},
+                                             {"k_scale", a.k_scale},
+                                             {"v_scale", a.v_scale}}));
+  if (a.num_items == 0) return absl::OkStatus();
+  KVTIER_RETURN_IF_ERROR(CheckRange(op, "num_slots", a.num_slots, 1, INT32_MAX));
+  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "items", a.items));
+  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "k_cache", a.k_cache));
+  return CheckPtr(op, "v_cache", a.v_cache);
 }
 
 }  // namespace kvtier

@@ -65,7 +65,19 @@ struct TopKArgs {
   int32_t recent_pages = 0;
   int32_t* selected = nullptr;         // [B][Hkv][k] out
   const uint8_t* head_mask = nullptr;  // [B][Hkv]; as ScorePagesArgs::head_mask
+  // [B][Hkv]: per-head budget k_h in [0, k] (policies, offload/policy/policy.h); entries
+  // [k_h, k) of the output are kEmptySlot. Null: k for every head. A value outside [0, k]
+  // fails the stream with OUT_OF_RANGE.
+  const int32_t* head_k = nullptr;
+  // [B][Hkv][P]: kPagePinned candidates rank ahead of every other candidate (by score among
+  // themselves); kPageExcluded pages are never candidates (dropped from the host tier).
+  // Null: every page is kPageNormal.
+  const uint8_t* page_flags = nullptr;
 };
+
+inline constexpr uint8_t kPageNormal = 0;
+inline constexpr uint8_t kPagePinned = 1;
+inline constexpr uint8_t kPageExcluded = 2;
 
 // Cosine of q_t and q_{t-1} per query head, its mean over each KV head's query group, and
 // drift flags (group mean < threshold). A zero vector has cosine 0 with anything, so a
@@ -220,6 +232,73 @@ struct SparseAttentionArgs {
   float softmax_scale = 1.0f;
   void* out = nullptr;                    // [B][Hq][d]
   float* lse = nullptr;                   // [B][Hq] natural log-sum-exp; optional
+  // Causal limit: token t of logical page P has position P·page_size + t; tokens whose
+  // position exceeds query_position[b] are not attended. Null: every token is attended.
+  const int64_t* query_position = nullptr;  // [B]
+  // Optional out: the softmax probability of every token, [B][Hq][S][p]; 0 for tokens not
+  // attended (empty slots, beyond partial_len, masked). Policies read it (offload/policy).
+  float* token_prob = nullptr;
+  // Optional INT8 storage (Conf-KV): where slot_int8[b][h][s] is 1, head h's part of slot
+  // s is read from k_int8/v_int8 (same NHD layout as the caches) times the per-channel
+  // scale of that (slot, head): value = q · scale[b·S + s][h][dim] (QuantizeSlots writes
+  // them). All four buffers and slot_int8 are given together or not at all.
+  const uint8_t* slot_int8 = nullptr;  // [B][Hkv][S]
+  const int8_t* k_int8 = nullptr;      // [B][S][p][Hkv][d]
+  const int8_t* v_int8 = nullptr;
+  const float* k_scale = nullptr;      // [B][S][Hkv][d]
+  const float* v_scale = nullptr;
+};
+
+// One KV head's part of one working-set slot (global slot b·S + s).
+struct HeadSlot {
+  int32_t kv_head;
+  int32_t slot;
+};
+
+// Symmetric INT8 quantisation of head-slots (Conf-KV): for each item, per channel c of K
+// (and of V): scale[slot][h][c] = max over the page's p tokens of |x[t][h][c]| / 127 (fp32),
+// q[t][h][c] = x / scale rounded to nearest (ties to even), clamped to [−127, 127]; a zero
+// scale gives q = 0. So |x − q·scale| ≤ scale / 2 up to float rounding. The FP16/BF16/FP32
+// caches are left as they are.
+struct QuantizeSlotsArgs {
+  DType dtype = DType::kF16;
+  int32_t page_size = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+  const HeadSlot* items = nullptr;
+  int32_t num_items = 0;
+  const void* k_cache = nullptr;  // [num_slots][p][Hkv][d]
+  const void* v_cache = nullptr;
+  int8_t* k_int8 = nullptr;       // [num_slots][p][Hkv][d] out
+  int8_t* v_int8 = nullptr;
+  float* k_scale = nullptr;       // [num_slots][Hkv][d] out
+  float* v_scale = nullptr;
+  int32_t num_slots = 0;          // for range checks
+};
+
+// Moves one KV head's part of a slot to another slot (compaction in drop mode): K and V of
+// head `kv_head`, all p tokens, from src_slot to dst_slot, bit-exact; the INT8 copies and
+// their scales too when those buffers are given. Items run in order; src and dst of one
+// item may not be equal.
+struct HeadSlotMove {
+  int32_t kv_head;
+  int32_t src_slot;
+  int32_t dst_slot;
+};
+struct MoveHeadSlotsArgs {
+  DType dtype = DType::kF16;
+  int32_t page_size = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+  const HeadSlotMove* items = nullptr;
+  int32_t num_items = 0;
+  void* k_cache = nullptr;  // [num_slots][p][Hkv][d]
+  void* v_cache = nullptr;
+  int8_t* k_int8 = nullptr;  // optional, with the scales
+  int8_t* v_int8 = nullptr;
+  float* k_scale = nullptr;
+  float* v_scale = nullptr;
+  int32_t num_slots = 0;
 };
 
 // Dense decode attention over contiguous NHD KV [B][T][Hkv][d] with seq_len[b] ≤ T tokens.
@@ -251,6 +330,8 @@ absl::Status ValidateArgs(const ReplaceArgs& a);
 absl::Status ValidateArgs(const OffloadArgs& a);
 absl::Status ValidateArgs(const SparseAttentionArgs& a);
 absl::Status ValidateArgs(const DenseAttentionArgs& a);
+absl::Status ValidateArgs(const QuantizeSlotsArgs& a);
+absl::Status ValidateArgs(const MoveHeadSlotsArgs& a);
 
 }  // namespace kvtier
 

@@ -2,7 +2,9 @@
 // and dense over contiguous KV (the reference). Both stream blocks of tokens through one
 // online-softmax accumulator per query head (fp32), convert each K/V row once per query
 // group (GQA), and split long contexts into chunks merged afterwards (split-K) so a batch of
-// few heads still uses every thread.
+// few heads still uses every thread. Sparse attention also takes a causal limit, INT8 slots
+// (dequantised to fp32 as they are loaded) and, on request, a second pass that writes every
+// token's softmax probability.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -38,16 +40,51 @@ struct GroupState {
   // Folds in n tokens whose K and V rows start at k and v, `stride` elements apart.
   template <typename T>
   KVTIER_CPU_INLINE void AddBlock(const T* k, const T* v, int64_t stride, int32_t n, float scale) {
-    kf.resize(static_cast<size_t>(n) * d);
-    vf.resize(static_cast<size_t>(n) * d);
+    LoadRows(k, stride, n, kf);
+    LoadRows(v, stride, n, vf);
+    Fold(n, scale);
+  }
+
+  // As AddBlock for INT8 rows: element i of a row is float(q[i]) · scale[i].
+  KVTIER_CPU_INLINE void AddBlockInt8(const int8_t* k, const int8_t* v, const float* k_scale,
+                                      const float* v_scale, int64_t stride, int32_t n,
+                                      float scale) {
+    LoadRowsInt8(k, k_scale, stride, n, kf);
+    LoadRowsInt8(v, v_scale, stride, n, vf);
+    Fold(n, scale);
+  }
+
+  // dst[t][i] = float(src[t·stride + i]) for n rows of d.
+  template <typename T>
+  KVTIER_CPU_INLINE void LoadRows(const T* src, int64_t stride, int32_t n,
+                                  std::vector<float>& dst) const {
+    dst.resize(static_cast<size_t>(n) * d);
+    for (int32_t t = 0; t < n; ++t) cpu::LoadRow(src + t * stride, d, dst.data() + int64_t{t} * d);
+  }
+  KVTIER_CPU_INLINE void LoadRowsInt8(const int8_t* src, const float* row_scale, int64_t stride,
+                                      int32_t n, std::vector<float>& dst) const {
+    dst.resize(static_cast<size_t>(n) * d);
+    for (int32_t t = 0; t < n; ++t) {
+      const int8_t* row = src + t * stride;
+      float* out = dst.data() + int64_t{t} * d;
+      for (int32_t i = 0; i < d; ++i) out[i] = static_cast<float>(row[i]) * row_scale[i];
+    }
+  }
+
+  // The scaled score of query g against loaded key t: the one formula both passes use, so
+  // token_prob reproduces the weights of the output exactly.
+  KVTIER_CPU_INLINE float Score(int32_t g, int32_t t, float scale) const {
+    return scale * cpu::Dot(qf.data() + int64_t{g} * d, kf.data() + int64_t{t} * d, d);
+  }
+
+  // Folds the n tokens loaded in kf/vf into the running state.
+  KVTIER_CPU_INLINE void Fold(int32_t n, float scale) {
     s.resize(static_cast<size_t>(G) * n);
-    for (int32_t t = 0; t < n; ++t) cpu::LoadRow(k + t * stride, d, kf.data() + int64_t{t} * d);
-    for (int32_t t = 0; t < n; ++t) cpu::LoadRow(v + t * stride, d, vf.data() + int64_t{t} * d);
     for (int32_t g = 0; g < G; ++g) {
       float* sg = s.data() + int64_t{g} * n;
       float bm = kNegInf;
       for (int32_t t = 0; t < n; ++t) {
-        sg[t] = scale * cpu::Dot(qf.data() + int64_t{g} * d, kf.data() + int64_t{t} * d, d);
+        sg[t] = Score(g, t, scale);
         bm = std::max(bm, sg[t]);
       }
       const float new_m = std::max(m[g], bm);
@@ -75,11 +112,12 @@ inline float* PartialAt(std::vector<float>& partials, int64_t task, int32_t g, i
 
 // Runs attention for every (batch, kv head) over `source`, which yields blocks of tokens:
 //   int64_t NumBlocks(b) const;
-//   bool Block(b, h, blk, const T** k, const T** v, int32_t* n) const;  // false: skip
-// The source's rows are NHD, Hkv·d elements apart.
+//   void Fold(GroupState& st, b, h, blk, stride, scale) const;  // st.AddBlock*(its tokens)
+// The source's rows are NHD, Hkv·d elements apart. When `final_ml` is not null it gets the
+// final (max, sum) of every (batch, query head), [B][Hq][2]: the token_prob pass needs them.
 template <typename T, typename Source>
 void RunAttention(const Source& src, int32_t B, int32_t Hq, int32_t Hkv, int32_t d, float scale,
-                  const void* q_ptr, void* out_ptr, float* lse, ThreadPool* pool) {
+                  const void* q_ptr, void* out_ptr, float* lse, float* final_ml, ThreadPool* pool) {
   const int32_t G = Hq / Hkv;
   const HeadsLayout ql{Hq, d};
   int64_t max_blocks = 1;
@@ -137,11 +175,17 @@ void RunAttention(const Source& src, int32_t B, int32_t Hq, int32_t Hkv, int32_t
       for (int32_t j = 0; j < d; ++j) acc[static_cast<size_t>(j)] *= inv;
       cpu::StoreRow(acc.data(), d, out + ql.Offset(b, hq, 0));
       if (lse != nullptr) lse[i] = l > 0 ? m + std::log(l) : kNegInf;
+      if (final_ml != nullptr) {
+        final_ml[2 * i] = m;
+        final_ml[2 * i + 1] = l;
+      }
     }
   });
 }
 
-// Blocks of a working set: block = slot; per KV head, only slots holding a page count.
+// Blocks of a working set: block = slot; per KV head, only slots holding a page count, and
+// of those only the tokens at or before the query position. A slot flagged in slot_int8
+// is read from the INT8 copies.
 template <typename T>
 struct SparseSource {
   const SparseAttentionArgs& a;
@@ -149,14 +193,53 @@ struct SparseSource {
   SlotTableLayout tl;
 
   KVTIER_CPU_INLINE int64_t NumBlocks(int32_t) const { return a.num_slots; }
-  KVTIER_CPU_INLINE bool Block(int32_t b, int32_t h, int64_t slot, const T** k, const T** v, int32_t* n) const {
-    const int32_t page = a.slot_table[tl.Offset(b, h, static_cast<int32_t>(slot))];
-    if (page < 0) return false;
-    *n = page == a.partial_page[b] ? a.partial_len[b] : a.page_size;
-    const int64_t off = wl.Offset(b, static_cast<int32_t>(slot), 0, h, 0);
-    *k = static_cast<const T*>(a.k_cache) + off;
-    *v = static_cast<const T*>(a.v_cache) + off;
-    return true;
+
+  // Tokens of `slot` that (b, h) attends, a prefix of the slot: 0 for an empty slot.
+  KVTIER_CPU_INLINE int32_t Tokens(int32_t b, int32_t h, int32_t slot) const {
+    const int32_t page = a.slot_table[tl.Offset(b, h, slot)];
+    if (page < 0) return 0;
+    int32_t n = page == a.partial_page[b] ? a.partial_len[b] : a.page_size;
+    if (a.query_position != nullptr) {
+      const int64_t first = int64_t{page} * a.page_size;  // position of token 0
+      const int64_t qpos = a.query_position[b];
+      if (qpos < first) return 0;
+      if (qpos - first < n) n = static_cast<int32_t>(qpos - first + 1);
+    }
+    return n;
+  }
+  KVTIER_CPU_INLINE bool IsInt8(int32_t b, int32_t h, int32_t slot) const {
+    return a.slot_int8 != nullptr && a.slot_int8[tl.Offset(b, h, slot)] != 0;
+  }
+  // Start of (b, slot, head h)'s per-channel scales, [B·S][Hkv][d].
+  KVTIER_CPU_INLINE int64_t ScaleOffset(int32_t b, int32_t slot, int32_t h) const {
+    return (wl.GlobalSlot(b, slot) * a.num_kv_heads + h) * a.head_dim;
+  }
+
+  KVTIER_CPU_INLINE void Fold(GroupState& st, int32_t b, int32_t h, int64_t blk, int64_t stride,
+                              float scale) const {
+    const auto slot = static_cast<int32_t>(blk);
+    const int32_t n = Tokens(b, h, slot);
+    if (n <= 0) return;
+    const int64_t off = wl.Offset(b, slot, 0, h, 0);
+    if (IsInt8(b, h, slot)) {
+      const int64_t so = ScaleOffset(b, slot, h);
+      st.AddBlockInt8(a.k_int8 + off, a.v_int8 + off, a.k_scale + so, a.v_scale + so, stride, n,
+                      scale);
+    } else {
+      st.AddBlock(static_cast<const T*>(a.k_cache) + off, static_cast<const T*>(a.v_cache) + off,
+                  stride, n, scale);
+    }
+  }
+
+  // Loads the keys of the first n tokens of `slot` for (b, h) into st.kf.
+  KVTIER_CPU_INLINE void LoadKeys(GroupState& st, int32_t b, int32_t h, int32_t slot, int32_t n,
+                                  int64_t stride) const {
+    const int64_t off = wl.Offset(b, slot, 0, h, 0);
+    if (IsInt8(b, h, slot)) {
+      st.LoadRowsInt8(a.k_int8 + off, a.k_scale + ScaleOffset(b, slot, h), stride, n, st.kf);
+    } else {
+      st.LoadRows(static_cast<const T*>(a.k_cache) + off, stride, n, st.kf);
+    }
   }
 };
 
@@ -167,33 +250,29 @@ struct DenseSource {
   DenseKvLayout kl;
 
   KVTIER_CPU_INLINE int64_t NumBlocks(int32_t b) const { return (a.seq_len[b] + kDenseBlock - 1) / kDenseBlock; }
-  KVTIER_CPU_INLINE bool Block(int32_t b, int32_t h, int64_t blk, const T** k, const T** v, int32_t* n) const {
+  KVTIER_CPU_INLINE void Fold(GroupState& st, int32_t b, int32_t h, int64_t blk, int64_t stride,
+                              float scale) const {
     const auto first = static_cast<int32_t>(blk * kDenseBlock);
-    *n = std::min(kDenseBlock, a.seq_len[b] - first);
+    const int32_t n = std::min(kDenseBlock, a.seq_len[b] - first);
+    if (n <= 0) return;
     const int64_t off = kl.Offset(b, first, h, 0);
-    *k = static_cast<const T*>(a.k) + off;
-    *v = static_cast<const T*>(a.v) + off;
-    return true;
+    st.AddBlock(static_cast<const T*>(a.k) + off, static_cast<const T*>(a.v) + off, stride, n,
+                scale);
   }
 };
 
 // Folds blocks [first, last) of (b, h) into `st`: the hot loop of both attentions.
-template <typename T, typename Source>
+template <typename Source>
 KVTIER_CPU_INLINE void AttendBlocks(const Source& src, GroupState& st, int32_t b, int32_t h,
                                     int64_t first, int64_t last, int64_t stride, float scale) {
-  for (int64_t blk = first; blk < last; ++blk) {
-    const T *k, *v;
-    int32_t n;
-    if (src.Block(b, h, blk, &k, &v, &n) && n > 0) st.AddBlock(k, v, stride, n, scale);
-  }
+  for (int64_t blk = first; blk < last; ++blk) src.Fold(st, b, h, blk, stride, scale);
 }
 
 // One multi-versioned entry per (source, dtype): AttendChunk overloads pick them.
-#define KVTIER_ATTEND_CHUNK(Source, T)                                                     \
-  KVTIER_CPU_CLONES void AttendChunk(const Source<T>& src, GroupState& st, int32_t b,      \
-                                     int32_t h, int64_t first, int64_t last, int64_t stride, \
-                                     float scale) {                                        \
-    AttendBlocks<T>(src, st, b, h, first, last, stride, scale);                            \
+#define KVTIER_ATTEND_CHUNK(Source, T)                                                           \
+  KVTIER_CPU_CLONES void AttendChunk(const Source<T>& src, GroupState& st, int32_t b, int32_t h, \
+                                     int64_t first, int64_t last, int64_t stride, float scale) { \
+    AttendBlocks(src, st, b, h, first, last, stride, scale);                                     \
   }
 KVTIER_ATTEND_CHUNK(SparseSource, Half)
 KVTIER_ATTEND_CHUNK(SparseSource, BFloat16)
@@ -202,6 +281,67 @@ KVTIER_ATTEND_CHUNK(DenseSource, Half)
 KVTIER_ATTEND_CHUNK(DenseSource, BFloat16)
 KVTIER_ATTEND_CHUNK(DenseSource, float)
 #undef KVTIER_ATTEND_CHUNK
+
+// token_prob of the (b, h, s) entries [begin, end) of [B][Hkv][S]: recomputes each attended
+// token's score with Score (as Fold did) and normalises it by the final max and sum of its
+// query head; unattended tokens get 0. `st.qf` holds the queries of `*loaded` (b·Hkv + h).
+template <typename T>
+KVTIER_CPU_INLINE void TokenProbRange(const SparseSource<T>& src, GroupState& st,
+                                      const float* final_ml, int64_t begin, int64_t end,
+                                      int64_t* loaded) {
+  const SparseAttentionArgs& a = src.a;
+  const int32_t G = st.G, d = st.d, S = a.num_slots, p = a.page_size, Hq = a.num_q_heads;
+  const int64_t stride = int64_t{a.num_kv_heads} * d;
+  const HeadsLayout ql{Hq, d};
+  const T* q = static_cast<const T*>(a.q);
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t bh = i / S;
+    const auto s = static_cast<int32_t>(i % S);
+    const auto b = static_cast<int32_t>(bh / a.num_kv_heads);
+    const auto h = static_cast<int32_t>(bh % a.num_kv_heads);
+    if (bh != *loaded) {
+      for (int32_t g = 0; g < G; ++g) {
+        cpu::LoadRow(q + ql.Offset(b, h * G + g, 0), d, st.qf.data() + int64_t{g} * d);
+      }
+      *loaded = bh;
+    }
+    const int32_t n = src.Tokens(b, h, s);
+    if (n > 0) src.LoadKeys(st, b, h, s, n, stride);
+    for (int32_t g = 0; g < G; ++g) {
+      const int64_t hq = int64_t{b} * Hq + h * G + g;
+      float* prob = a.token_prob + (hq * S + s) * p;
+      const float m = final_ml[2 * hq], l = final_ml[2 * hq + 1];
+      const float inv = l > 0 ? 1.0f / l : 0.0f;
+      for (int32_t t = 0; t < n; ++t) prob[t] = std::exp(st.Score(g, t, a.softmax_scale) - m) * inv;
+      std::fill(prob + n, prob + p, 0.0f);
+    }
+  }
+}
+
+#define KVTIER_TOKEN_PROBS(T)                                                          \
+  KVTIER_CPU_CLONES void TokenProbs(const SparseSource<T>& src, GroupState& st,        \
+                                    const float* final_ml, int64_t begin, int64_t end, \
+                                    int64_t* loaded) {                                 \
+    TokenProbRange(src, st, final_ml, begin, end, loaded);                             \
+  }
+KVTIER_TOKEN_PROBS(Half)
+KVTIER_TOKEN_PROBS(BFloat16)
+KVTIER_TOKEN_PROBS(float)
+#undef KVTIER_TOKEN_PROBS
+
+// The second pass of sparse attention when token_prob is wanted.
+template <typename T>
+void WriteTokenProbs(const SparseSource<T>& src, const float* final_ml, ThreadPool* pool) {
+  const SparseAttentionArgs& a = src.a;
+  const int32_t G = a.num_q_heads / a.num_kv_heads;
+  ParallelFor(pool, int64_t{a.batch} * a.num_kv_heads * a.num_slots, 16,
+              [&](int64_t begin, int64_t end) {
+                GroupState st(G, a.head_dim);
+                st.qf.resize(static_cast<size_t>(G) * a.head_dim);
+                int64_t loaded = -1;
+                TokenProbs(src, st, final_ml, begin, end, &loaded);
+              });
+}
 
 absl::Status CheckSparse(const SparseAttentionArgs& a) {
   for (int32_t b = 0; b < a.batch; ++b) {
@@ -229,8 +369,11 @@ absl::Status CpuSparseAttention(const SparseAttentionArgs& a, ThreadPool* pool) 
   return cpu::DispatchDType(a.dtype, [&]<typename T>() {
     SparseSource<T> src{a, WorkingSetLayout{a.num_slots, a.page_size, a.num_kv_heads, a.head_dim},
                         SlotTableLayout{a.num_kv_heads, a.num_slots}};
+    std::vector<float> final_ml;  // only for token_prob: the default path pays nothing
+    if (a.token_prob != nullptr) final_ml.resize(size_t{2} * a.batch * a.num_q_heads);
     RunAttention<T>(src, a.batch, a.num_q_heads, a.num_kv_heads, a.head_dim, a.softmax_scale, a.q,
-                    a.out, a.lse, pool);
+                    a.out, a.lse, final_ml.empty() ? nullptr : final_ml.data(), pool);
+    if (a.token_prob != nullptr) WriteTokenProbs(src, final_ml.data(), pool);
     return absl::OkStatus();
   });
 }
@@ -246,7 +389,7 @@ absl::Status CpuDenseAttention(const DenseAttentionArgs& a, ThreadPool* pool) {
   return cpu::DispatchDType(a.dtype, [&]<typename T>() {
     DenseSource<T> src{a, DenseKvLayout{a.max_tokens, a.num_kv_heads, a.head_dim}};
     RunAttention<T>(src, a.batch, a.num_q_heads, a.num_kv_heads, a.head_dim, a.softmax_scale, a.q,
-                    a.out, a.lse, pool);
+                    a.out, a.lse, nullptr, pool);
     return absl::OkStatus();
   });
 }

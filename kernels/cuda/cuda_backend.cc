@@ -124,6 +124,12 @@ class CudaBackend final : public Backend {
   absl::Status DoDenseAttention(Stream&, const DenseAttentionArgs&) override {
     return NotYet("DenseAttention");
   }
+  absl::Status DoQuantizeSlots(Stream&, const QuantizeSlotsArgs&) override {
+    return NotYet("QuantizeSlots");
+  }
+  absl::Status DoMoveHeadSlots(Stream&, const MoveHeadSlotsArgs&) override {
+    return NotYet("MoveHeadSlots");
+  }
 
  private:
   struct Registration {

@@ -108,6 +108,12 @@ class RecordingBackend : public Backend {
   absl::Status DoDenseAttention(Stream&, const DenseAttentionArgs&) override {
     return Unimplemented();
   }
+  absl::Status DoQuantizeSlots(Stream&, const QuantizeSlotsArgs&) override {
+    return Unimplemented();
+  }
+  absl::Status DoMoveHeadSlots(Stream&, const MoveHeadSlotsArgs&) override {
+    return Unimplemented();
+  }
 
  private:
   static absl::Status Unimplemented() { return absl::UnimplementedError("fake"); }
