@@ -31,9 +31,7 @@
 #include "absl/strings/str_format.h"
 #include "kvtier/layout.h"
 #include "kvtier/status.h"
-#include "offload/page_offloader.h"
-#include "offload/page_pool.h"
-#include "offload/page_table.h"
+#include "offload/retriever_impl.h"
 
 namespace kvtier {
 
@@ -75,201 +73,7 @@ absl::Status RetrieverOptions::SetBudgetTokens(int32_t budget_tokens, int32_t pa
   return absl::OkStatus();
 }
 
-namespace {
-
-constexpr int32_t kMaxSlots = 1 << 20;
-
-// The page shape every slab-moving op (Recall, GatherSlabs, ScatterSlabs) takes.
-template <typename Args>
-Args SlabArgs(const Geometry& g) {
-  Args a;
-  a.dtype = g.dtype;
-  a.page_size = g.page_size;
-  a.num_kv_heads = g.num_kv_heads;
-  a.head_dim = g.head_dim;
-  return a;
-}
-
-// Host buffers read or written by enqueued copies, kept until the event after them fires.
-struct Parked {
-  std::vector<std::unique_ptr<uint8_t[]>> buffers;
-  std::unique_ptr<Event> done;
-};
-
-// Pages of one flushed offload, reported by TakeStoredPages once `done` has fired.
-struct StoredBatch {
-  std::vector<StoredPage> pages;
-  std::unique_ptr<Event> done;
-};
-
-// A device → host copy of one step's selection results, accumulated into the stats once its
-// event has fired.
-struct StatRecord {
-  int32_t layer = 0;
-  int64_t step = 0;
-  bool background = false;
-  bool checked = false;           // drift flags are meaningful (a correction check ran)
-  std::vector<int32_t> misses;    // [Hkv]
-  std::vector<uint8_t> drifted;   // [Hkv]
-  std::vector<float> group_mean;  // [Hkv]
-  std::unique_ptr<Event> done;
-};
-
-struct LayerState {
-  DeviceBuffer k_ws, v_ws;     // [S][p][Hkv][d]
-  DeviceBuffer table;          // int32 [Hkv][S]
-  DeviceBuffer summaries;      // [P][Hkv][2][d]
-  DeviceBuffer host_page_of;   // int64 [P]
-  DeviceBuffer counts;         // int32 [4]: full pages, partial page, partial len, snapshot
-  DeviceBuffer q_prev, q_cur;  // [Hq][d]
-  DeviceBuffer pooled;         // float [Hkv][P]
-  DeviceBuffer selected;       // int32 [Hkv][k]
-  DeviceBuffer items;          // RecallItem [Hkv][k]
-  DeviceBuffer num_misses;     // int32 [Hkv]
-  DeviceBuffer drifted;        // uint8 [Hkv]
-  DeviceBuffer group_mean;     // float [Hkv]
-  DeviceBuffer staging[2];     // [chunk][2][p][d]
-  std::unique_ptr<Event> attn_done, recall_done, ready, xform_done, staged[2], freed[2];
-  std::unique_ptr<PageTable> host;  // host tier (speculative, sync)
-
-  int32_t tokens = 0;
-  int64_t step = 0;
-  bool in_step = false;
-  bool recall_in_flight = false;
-  absl::Time recall_launched;
-  std::vector<int32_t> table_mirror;  // [Hkv][S]; host-owned entries are authoritative
-  bool table_dirty = true;
-  std::vector<int64_t> host_page_mirror;  // [P]
-  struct Pending {
-    int64_t logical;
-    int64_t slot;
-  };
-  std::vector<Pending> pending;  // full pages not yet offloaded
-  StepStats last;
-};
-
-class RetrieverImpl final : public Retriever {
- public:
-  RetrieverImpl(const Geometry& g, const RetrieverOptions& o, Backend& backend, PagePool* pool)
-      : g_(g), o_(o), backend_(backend), pool_(pool) {}
-
-  ~RetrieverImpl() override {
-    // Work still queued may touch the buffers below: let it run first.
-    if (compute_ != nullptr) (void)compute_->Synchronize();
-    for (Stream* s : {recall_.get(), xform_fg_.get(), xform_bg_.get()}) {
-      if (s != nullptr) (void)s->Synchronize();
-    }
-    if (offloader_ != nullptr) (void)offloader_->Drain();
-  }
-
-  absl::Status Init();
-
-  absl::Status Append(int32_t layer, const void* k, const void* v, int32_t n_tokens) override;
-  absl::StatusOr<std::vector<StoredPage>> TakeStoredPages(bool wait) override;
-  absl::Status Restore(int32_t layer, std::vector<PageHandle> pages) override;
-  absl::StatusOr<WorkingSetView> BeginStep(int32_t layer, const void* q) override;
-  absl::Status Attend(int32_t layer, const void* q, void* out, float* lse) override;
-  absl::Status EndStep(int32_t layer, const void* q) override;
-  absl::Status Wait() override;
-  absl::Status Close() override;
-  RetrieverStats Stats() override {
-    (void)Collect(/*block=*/false);
-    return stats_;
-  }
-  StepStats LastStep(int32_t layer) override {
-    (void)Collect(/*block=*/false);
-    if (layer < 0 || layer >= g_.num_layers) return {};
-    return layers_[layer].last;
-  }
-  void SetProfiling(bool on) override { profiling_ = on; }
-  Stream& compute_stream() override { return *compute_; }
-  const Geometry& geometry() const override { return g_; }
-  const RetrieverOptions& options() const override { return o_; }
-  int32_t num_tokens(int32_t layer) const override {
-    return layer >= 0 && layer < g_.num_layers ? layers_[layer].tokens : 0;
-  }
-
- private:
-  bool has_host_tier() const {
-    return o_.mode == RetrievalMode::kSpeculative || o_.mode == RetrievalMode::kSync;
-  }
-  size_t elem() const { return DTypeSize(g_.dtype); }
-  size_t token_bytes() const { return static_cast<size_t>(g_.num_kv_heads) * g_.head_dim * elem(); }
-  size_t q_bytes() const { return static_cast<size_t>(g_.num_q_heads) * g_.head_dim * elem(); }
-  int32_t k() const { return o_.selected_pages; }
-  int32_t SlotOf(int64_t logical) const;
-  Stream* Pipeline(Stream& xform) const {
-    return o_.pipeline == RecallPipeline::kStreamed ? &xform : nullptr;
-  }
-  // Full pages of the recent window: excluded from top-k candidates.
-  int32_t RecentFull(const LayerState& l) const;
-
-  absl::Status CheckCall(int32_t layer, std::string_view what) const;
-  absl::Status Allocate(DeviceBuffer* buf, size_t bytes);
-  absl::StatusOr<std::unique_ptr<Event>> TakeEvent();
-  // Copies `bytes` of host data into a parked buffer and enqueues its upload.
-  absl::Status Upload(Stream& s, void* dst, const void* src, size_t bytes);
-  // Parks the buffers staged since the last park behind an event on `s`.
-  absl::Status Park(Stream& s);
-  void Reap();
-
-  // Appends validated tokens. `restoring`: the host pages that already hold the layer's
-  // logical pages (indexed by logical page), offloaded into instead of new ones (Restore).
-  absl::Status AppendTokens(int32_t layer, const void* k, const void* v, int32_t n_tokens,
-                            std::vector<PageHandle>* restoring);
-  absl::Status FlushOffloads(int32_t layer, std::vector<PageHandle>* restoring);
-  // Moves the pages of completed StoredBatches to stored_ready_.
-  void HarvestStored();
-  absl::Status UploadTable(LayerState& l);
-  absl::Status UploadCounts(LayerState& l);
-  // Score → TopK → Replace → recall of the layer's selected region on `s`.
-  // `xform`: the transform stream of the streamed pipeline; null recalls in one fused op.
-  absl::Status Select(Stream& s, Stream* xform, int32_t layer, const void* q,
-                      const int32_t* num_pages, const uint8_t* mask, int32_t recent_full);
-  absl::Status RecallPlan(Stream& drive, Stream* xform, LayerState& l);
-  absl::Status RecordStats(Stream& s, int32_t layer, int64_t step, bool background, bool checked);
-  absl::Status Collect(bool block);
-  // While profiling: waits for `s` and adds the time since *mark to *total_us.
-  absl::Status Lap(Stream& s, absl::Time* mark, double* total_us) {
-    if (!profiling_) return absl::OkStatus();
-    absl::Status st = s.Synchronize();
-    const absl::Time now = absl::Now();
-    if (total_us != nullptr) *total_us += absl::ToDoubleMicroseconds(now - *mark);
-    *mark = now;
-    return st;
-  }
-  absl::Status Fail(absl::Status st) {
-    if (failed_.ok()) failed_ = st;
-    return st;
-  }
-
-  const Geometry g_;
-  const RetrieverOptions o_;
-  Backend& backend_;
-  PagePool* const pool_;
-  int32_t S_ = 0;  // slots per layer
-  int32_t P_ = 0;  // max pages per layer
-  float scale_ = 1.0f;
-
-  std::vector<LayerState> layers_;
-  std::unique_ptr<PageOffloader> offloader_;
-  std::vector<std::unique_ptr<uint8_t[]>> staged_;  // not yet parked
-  std::deque<Parked> parked_;
-  std::deque<StatRecord> records_;
-  std::deque<StoredBatch> stored_;        // offloads not yet known to have run
-  std::vector<StoredPage> stored_ready_;  // completed, not yet taken
-  std::vector<std::unique_ptr<Event>> spare_events_;
-  RetrieverStats stats_;
-  bool closed_ = false;
-  bool profiling_ = false;
-  absl::Status failed_;
-
-  // Streams last: destroyed first, running their queued work while the buffers still exist.
-  std::unique_ptr<Stream> own_compute_;
-  Stream* compute_ = nullptr;
-  std::unique_ptr<Stream> recall_, xform_fg_, xform_bg_;
-  std::unique_ptr<Event> sync_compute_, sync_recall_;
-};
+namespace retriever_internal {
 
 int32_t RetrieverImpl::SlotOf(int64_t logical) const {
   const int32_t s = o_.sink_pages;
@@ -330,6 +134,7 @@ absl::Status RetrieverImpl::Init() {
     }
     S_ = static_cast<int32_t>(s);
   }
+  KVTIER_RETURN_IF_ERROR(InitPolicies());
   if (!(o_.correction_threshold == o_.correction_threshold)) {
     return bad("retriever.correction_threshold is NaN");
   }
@@ -367,10 +172,13 @@ absl::Status RetrieverImpl::Init() {
   const size_t kk = static_cast<size_t>(std::max(k(), 1));
   layers_.resize(g_.num_layers);
   stats_.corrections.assign(static_cast<size_t>(g_.num_layers) * hkv, 0);
+  const bool managed = o_.mode == RetrievalMode::kDrop && policies_on();
   for (LayerState& l : layers_) {
-    KVTIER_RETURN_IF_ERROR(Allocate(&l.k_ws, S_ * slot_bytes));
-    KVTIER_RETURN_IF_ERROR(Allocate(&l.v_ws, S_ * slot_bytes));
-    KVTIER_RETURN_IF_ERROR(Allocate(&l.table, hkv * S_ * sizeof(int32_t)));
+    if (managed) l.managed = std::make_unique<HeadSlotTable>(g_.num_kv_heads, min_capacity_);
+    const int32_t slots = Slots(l);
+    KVTIER_RETURN_IF_ERROR(Allocate(&l.k_ws, slots * slot_bytes));
+    KVTIER_RETURN_IF_ERROR(Allocate(&l.v_ws, slots * slot_bytes));
+    KVTIER_RETURN_IF_ERROR(Allocate(&l.table, hkv * slots * sizeof(int32_t)));
     KVTIER_RETURN_IF_ERROR(Allocate(&l.counts, 4 * sizeof(int32_t)));
     KVTIER_RETURN_IF_ERROR(Allocate(&l.q_cur, q_bytes()));
     KVTIER_RETURN_IF_ERROR(Allocate(&l.q_prev, q_bytes()));
@@ -405,6 +213,7 @@ absl::Status RetrieverImpl::Init() {
       KVTIER_RETURN_IF_ERROR(backend_.Memset(*compute_, l.summaries.data(), 0, l.summaries.size()));
     }
     l.table_mirror.assign(hkv * S_, kEmptySlot);
+    KVTIER_RETURN_IF_ERROR(InitLayerPolicies(l));
   }
   return Wait();
 }
@@ -431,10 +240,12 @@ absl::Status RetrieverImpl::Upload(Stream& s, void* dst, const void* src, size_t
 
 absl::Status RetrieverImpl::Park(Stream& s) {
   Reap();
-  if (staged_.empty()) return absl::OkStatus();
+  if (staged_.empty() && staged_device_.empty()) return absl::OkStatus();
   Parked p;
   p.buffers = std::move(staged_);
   staged_.clear();
+  p.device = std::move(staged_device_);
+  staged_device_.clear();
   KVTIER_ASSIGN_OR_RETURN(p.done, TakeEvent());
   absl::Status st = s.Record(*p.done);
   parked_.push_back(std::move(p));
@@ -452,6 +263,15 @@ absl::Status RetrieverImpl::UploadTable(LayerState& l) {
   if (!l.table_dirty) return absl::OkStatus();
   l.table_dirty = false;
   auto* table = l.table.as<int32_t>();
+  if (l.managed != nullptr) {
+    const std::vector<int32_t>& t = l.managed->table();
+    KVTIER_RETURN_IF_ERROR(Upload(*compute_, table, t.data(), t.size() * sizeof(int32_t)));
+    if (l.slot_int8.size() > 1) {
+      const std::vector<uint8_t>& f = l.managed->int8();
+      KVTIER_RETURN_IF_ERROR(Upload(*compute_, l.slot_int8.data(), f.data(), f.size()));
+    }
+    return absl::OkStatus();
+  }
   const bool selects = has_host_tier();
   for (int32_t h = 0; h < g_.num_kv_heads; ++h) {
     const size_t row = static_cast<size_t>(h) * S_;
@@ -621,9 +441,7 @@ absl::Status RetrieverImpl::Append(int32_t layer, const void* k, const void* v, 
     const int64_t filling = (l.tokens + n_tokens) / p - l.tokens / p;
     const PagePoolStats ps = pool_->stats();
     if (filling > ps.capacity - ps.in_use) {
-      return absl::ResourceExhaustedError(
-          absl::StrFormat("Append: %d pages would fill but the host tier has %d of %d pages free",
-                          filling, ps.capacity - ps.in_use, ps.capacity));
+      KVTIER_RETURN_IF_ERROR(DropHostPages(layer, filling - (ps.capacity - ps.in_use)));
     }
   }
   return AppendTokens(layer, k, v, n_tokens, /*restoring=*/nullptr);
@@ -637,14 +455,25 @@ absl::Status RetrieverImpl::AppendTokens(int32_t layer, const void* k, const voi
   const auto* ks = static_cast<const uint8_t*>(k);
   const auto* vs = static_cast<const uint8_t*>(v);
   const size_t tb = token_bytes();
-  auto* kw = l.k_ws.as<uint8_t>();
-  auto* vw = l.v_ws.as<uint8_t>();
   int32_t done = 0;
   while (done < n_tokens) {
     const int64_t page = l.tokens / p;
     const int32_t off = l.tokens % p;
-    const int32_t slot = SlotOf(page);
-    if (off == 0) {
+    int32_t slot = 0;
+    if (l.managed == nullptr) {
+      slot = SlotOf(page);
+    } else if (off == 0) {
+      absl::StatusOr<int32_t> placed = PlaceManaged(layer, static_cast<int32_t>(page));
+      if (!placed.ok()) return Fail(placed.status());
+      slot = *placed;
+      l.table_dirty = true;
+    } else {
+      slot = l.managed->SlotOf(0, static_cast<int32_t>(page));
+    }
+    // Placing a managed page may have moved the working set: take its address now.
+    auto* kw = l.k_ws.as<uint8_t>();
+    auto* vw = l.v_ws.as<uint8_t>();
+    if (off == 0 && l.managed == nullptr) {
       for (int32_t h = 0; h < g_.num_kv_heads; ++h) {
         l.table_mirror[static_cast<size_t>(h) * S_ + slot] = static_cast<int32_t>(page);
       }
@@ -752,6 +581,10 @@ absl::Status RetrieverImpl::Select(Stream& s, Stream* xform, int32_t layer, cons
   ta.recent_pages = recent_full;
   ta.selected = l.selected.as<int32_t>();
   ta.head_mask = mask;
+  if (policies_on()) {
+    ta.head_k = l.head_k.as<int32_t>();
+    ta.page_flags = l.page_flags.as<uint8_t>();
+  }
   KVTIER_RETURN_IF_ERROR(backend_.TopK(s, ta));
   ReplaceArgs ra;
   ra.batch = 1;
@@ -863,16 +696,22 @@ absl::StatusOr<WorkingSetView> RetrieverImpl::BeginStep(int32_t layer, const voi
   (void)Collect(/*block=*/false);
   Stream& c = *compute_;
   const uint8_t* no_mask = nullptr;
-  absl::Status st = backend_.Copy(c, l.q_cur.data(), q, q_bytes());
   const bool speculative = o_.mode == RetrievalMode::kSpeculative;
-  if (st.ok() && (o_.mode == RetrievalMode::kSync || (speculative && l.step == 0))) {
+  absl::Status st;
+  // The background recall writes the working set and reads the policy buffers: wait for it
+  // before anything below touches them.
+  if (speculative && l.recall_in_flight) st = c.Wait(*l.recall_done);
+  l.recall_in_flight = false;
+  bool reselect = false;
+  if (st.ok()) st = ApplyPolicies(layer, &reselect);
+  if (st.ok()) st = backend_.Copy(c, l.q_cur.data(), q, q_bytes());
+  if (st.ok() &&
+      (o_.mode == RetrievalMode::kSync || (speculative && (l.step == 0 || reselect)))) {
     // Select every head with q_t before attention.
     st = Select(c, Pipeline(*xform_fg_), layer, l.q_cur.data(), l.counts.as<int32_t>(), no_mask,
                 RecentFull(l));
     if (st.ok()) st = RecordStats(c, layer, l.step, /*background=*/false, /*checked=*/false);
   } else if (st.ok() && speculative) {
-    if (l.recall_in_flight) st = c.Wait(*l.recall_done);
-    l.recall_in_flight = false;
     QueryCosineArgs qa;
     qa.dtype = g_.dtype;
     qa.batch = 1;
@@ -903,7 +742,7 @@ absl::StatusOr<WorkingSetView> RetrieverImpl::BeginStep(int32_t layer, const voi
   view.layer = layer;
   view.k_cache = l.k_ws.data();
   view.v_cache = l.v_ws.data();
-  view.num_slots = S_;
+  view.num_slots = Slots(l);
   view.slot_table = l.table.as<int32_t>();
   view.partial_page = l.counts.as<int32_t>() + 1;
   view.partial_len = l.counts.as<int32_t>() + 2;
@@ -912,13 +751,8 @@ absl::StatusOr<WorkingSetView> RetrieverImpl::BeginStep(int32_t layer, const voi
   return view;
 }
 
-absl::Status RetrieverImpl::Attend(int32_t layer, const void* q, void* out, float* lse) {
-  KVTIER_RETURN_IF_ERROR(CheckCall(layer, "Attend"));
-  const LayerState& l = layers_[layer];
-  if (!l.in_step) {
-    return absl::FailedPreconditionError(
-        absl::StrFormat("Attend: layer %d: call BeginStep first", layer));
-  }
+SparseAttentionArgs RetrieverImpl::AttentionArgs(LayerState& l, const void* q, void* out,
+                                                 float* lse) {
   SparseAttentionArgs a;
   a.dtype = g_.dtype;
   a.batch = 1;
@@ -926,7 +760,7 @@ absl::Status RetrieverImpl::Attend(int32_t layer, const void* q, void* out, floa
   a.num_kv_heads = g_.num_kv_heads;
   a.head_dim = g_.head_dim;
   a.page_size = g_.page_size;
-  a.num_slots = S_;
+  a.num_slots = Slots(l);
   a.q = q;
   a.k_cache = l.k_ws.data();
   a.v_cache = l.v_ws.data();
@@ -936,10 +770,24 @@ absl::Status RetrieverImpl::Attend(int32_t layer, const void* q, void* out, floa
   a.softmax_scale = scale_;
   a.out = out;
   a.lse = lse;
+  SetPolicyArgs(l, &a);
+  return a;
+}
+
+absl::Status RetrieverImpl::Attend(int32_t layer, const void* q, void* out, float* lse) {
+  KVTIER_RETURN_IF_ERROR(CheckCall(layer, "Attend"));
+  const LayerState& l = layers_[layer];
+  if (!l.in_step) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("Attend: layer %d: call BeginStep first", layer));
+  }
+  SparseAttentionArgs a = AttentionArgs(layers_[layer], q, out, lse);
   absl::Time mark;
   KVTIER_RETURN_IF_ERROR(Lap(*compute_, &mark, nullptr));
   KVTIER_RETURN_IF_ERROR(backend_.SparseAttention(*compute_, a));
-  return Lap(*compute_, &mark, &stats_.attention_us);
+  KVTIER_RETURN_IF_ERROR(Lap(*compute_, &mark, &stats_.attention_us));
+  if (!reads_attention()) return absl::OkStatus();
+  return TakeProbe(layer, l.step, l.tokens - 1);
 }
 
 absl::Status RetrieverImpl::EndStep(int32_t layer, const void* q) {
@@ -1009,12 +857,12 @@ absl::Status RetrieverImpl::Close() {
   return st;
 }
 
-}  // namespace
+}  // namespace retriever_internal
 
 absl::StatusOr<std::unique_ptr<Retriever>> Retriever::Create(const Geometry& geometry,
                                                              const RetrieverOptions& options,
                                                              Backend& backend, PagePool* pool) {
-  auto r = std::make_unique<RetrieverImpl>(geometry, options, backend, pool);
+  auto r = std::make_unique<retriever_internal::RetrieverImpl>(geometry, options, backend, pool);
   KVTIER_RETURN_IF_ERROR(r->Init());
   return std::unique_ptr<Retriever>(std::move(r));
 }

@@ -40,6 +40,8 @@
 #include "absl/time/time.h"
 #include "kernels/backend.h"
 #include "kvtier/geometry.h"
+#include "offload/policy/config.h"
+#include "offload/policy/policy.h"
 
 namespace kvtier {
 
@@ -81,6 +83,15 @@ struct RetrieverOptions {
   absl::Duration deadline = absl::Seconds(30);
   // The engine's compute stream; null: the Retriever creates its own (compute_stream()).
   Stream* compute_stream = nullptr;
+  // Budget, residency and host-drop policies (offload/policy/config.h, docs/policies.md).
+  // The default (fixed budget, no residency policy, refuse) is the behaviour above. In drop
+  // mode any other policy makes the working set per-head managed: pages are evicted per KV
+  // head by the residency ranking (lowest first; pinned, sink and recent pages never), the
+  // slots compacted and the capacity grown (prefill) and shrunk with use.
+  policy::PolicyConfig policy;
+  // Where XKV allocations are recorded per task type and reused (policy::LayerBudgetStore);
+  // null: each Retriever allocates its own. Must outlive the Retriever.
+  policy::LayerBudgetStore* policy_store = nullptr;
 
   // Sets sink/selected/recent from a budget in tokens, split 1/4 : 1/2 : 1/4 as FreeKV's
   // 16/32/16 pages. INVALID_ARGUMENT unless the budget is a multiple of 4·page_size.
@@ -113,6 +124,8 @@ struct StepStats {
   int64_t background_pages = 0;   // head-pages recalled after this step's EndStep
   std::vector<uint8_t> drifted;   // [Hkv] 1 = corrected
   std::vector<float> group_mean;  // [Hkv] mean cos(q_t, q_{t-1}) over the group
+  std::vector<int32_t> budget;    // [Hkv] pages the budget policy gave each head this step
+  int64_t resident_head_pages = 0;  // the layer's working set after this step's decisions
 };
 
 struct RetrieverStats {
@@ -130,6 +143,15 @@ struct RetrieverStats {
   double select_us = 0;     // scoring, top-k and replacement (foreground and background)
   double recall_us = 0;     // recall of the misses (foreground and background)
   double attention_us = 0;  // Attend
+  // Working-set memory and policy decisions (offload/policy). A head-page is one KV head's
+  // K+V of one page (slab_elements() elements).
+  int64_t resident_head_pages = 0;  // now, all layers: sinks, selected/kept, recent
+  int64_t resident_bytes = 0;       // their K+V bytes (INT8 ones at 1 byte + scales)
+  int64_t int8_head_pages = 0;      // now, stored as INT8
+  int64_t evicted_head_pages = 0;   // drop mode: evicted for good by the policies
+  int64_t budget_changes = 0;       // layer-steps whose budget differed from the previous
+  int64_t host_dropped_pages = 0;   // host tier full, host_drop = evict: dropped for good
+  int64_t host_refusals = 0;        // host tier full, host_drop = refuse
   double correction_rate() const {
     return checked_heads == 0 ? 0.0 : static_cast<double>(corrected_heads) / checked_heads;
   }
@@ -206,6 +228,22 @@ class Retriever {
   //   INVALID_ARGUMENT: a bad layer, a handle that is empty or of another pool;
   //   OUT_OF_RANGE: n·p > max_tokens.
   virtual absl::Status Restore(int32_t layer, std::vector<PageHandle> pages) = 0;
+
+  // What the engine reports for the policies after a forward pass (policy::StepSignals):
+  // logits or their summary, hidden-state changes per layer. Applied from the next
+  // BeginStep on. INVALID_ARGUMENT for inconsistent sizes; OK and ignored when no policy
+  // uses them.
+  virtual absl::Status ReportSignals(const policy::StepSignals& signals) = 0;
+
+  // The observation window of the prompt (XKV, KV-Compress, Conf-KV's ranker): the last n
+  // prompt queries q [n][Hq][d] of `layer`, at positions first_position .. + n − 1, after
+  // the prompt was appended. Each attends causally over the layer's working set (in drop
+  // mode with policies: every prompt page, as eviction waits for the first BeginStep) and
+  // the policies see its token probabilities. Blocks until done (bounded by the deadline).
+  // OK and nothing done when no policy reads attention. FAILED_PRECONDITION inside a step
+  // or before any token; INVALID_ARGUMENT for a bad layer, n or null q.
+  virtual absl::Status ObserveQueries(int32_t layer, const void* q, int32_t n,
+                                      int64_t first_position) = 0;
 
   // Cumulative statistics of the steps whose work is known to have run; after Wait(), all.
   virtual RetrieverStats Stats() = 0;

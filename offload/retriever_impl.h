@@ -1,0 +1,296 @@
+// RetrieverImpl: the Retriever's internals, shared by its source files (retriever.cc: the
+// decode path; retriever_policy.cc: budgets, residency and drop-mode eviction). Not part of
+// the public API. The invariants are stated at the top of retriever.cc.
+#ifndef KVTIER_OFFLOAD_RETRIEVER_IMPL_H_
+#define KVTIER_OFFLOAD_RETRIEVER_IMPL_H_
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <optional>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/clock.h"
+#include "kvtier/layout.h"
+#include "kvtier/retriever.h"
+#include "offload/head_slot_table.h"
+#include "offload/page_offloader.h"
+#include "offload/page_pool.h"
+#include "offload/page_table.h"
+#include "offload/policy/config.h"
+
+namespace kvtier::retriever_internal {
+
+constexpr int32_t kMaxSlots = 1 << 20;
+
+// The page shape every slab-moving op (Recall, GatherSlabs, ScatterSlabs) takes.
+template <typename Args>
+Args SlabArgs(const Geometry& g) {
+  Args a;
+  a.dtype = g.dtype;
+  a.page_size = g.page_size;
+  a.num_kv_heads = g.num_kv_heads;
+  a.head_dim = g.head_dim;
+  return a;
+}
+
+// Host buffers read or written by enqueued copies, kept until the event after them fires.
+struct Parked {
+  std::vector<std::unique_ptr<uint8_t[]>> buffers;
+  std::vector<DeviceBuffer> device;  // backend buffers (op arguments staged per call)
+  std::unique_ptr<Event> done;
+};
+
+// Pages of one flushed offload, reported by TakeStoredPages once `done` has fired.
+struct StoredBatch {
+  std::vector<StoredPage> pages;
+  std::unique_ptr<Event> done;
+};
+
+// A device → host copy of one step's selection results, accumulated into the stats once its
+// event has fired.
+struct StatRecord {
+  int32_t layer = 0;
+  int64_t step = 0;
+  bool background = false;
+  bool checked = false;           // drift flags are meaningful (a correction check ran)
+  std::vector<int32_t> misses;    // [Hkv]
+  std::vector<uint8_t> drifted;   // [Hkv]
+  std::vector<float> group_mean;  // [Hkv]
+  std::unique_ptr<Event> done;
+};
+
+struct LayerState {
+  DeviceBuffer k_ws, v_ws;     // [S][p][Hkv][d]
+  DeviceBuffer table;          // int32 [Hkv][S]
+  DeviceBuffer summaries;      // [P][Hkv][2][d]
+  DeviceBuffer host_page_of;   // int64 [P]
+  DeviceBuffer counts;         // int32 [4]: full pages, partial page, partial len, snapshot
+  DeviceBuffer q_prev, q_cur;  // [Hq][d]
+  DeviceBuffer pooled;         // float [Hkv][P]
+  DeviceBuffer selected;       // int32 [Hkv][k]
+  DeviceBuffer items;          // RecallItem [Hkv][k]
+  DeviceBuffer num_misses;     // int32 [Hkv]
+  DeviceBuffer drifted;        // uint8 [Hkv]
+  DeviceBuffer group_mean;     // float [Hkv]
+  DeviceBuffer staging[2];     // [chunk][2][p][d]
+  std::unique_ptr<Event> attn_done, recall_done, ready, xform_done, staged[2], freed[2];
+  std::unique_ptr<PageTable> host;  // host tier (speculative, sync)
+
+  int32_t tokens = 0;
+  int64_t step = 0;
+  bool in_step = false;
+  bool recall_in_flight = false;
+  absl::Time recall_launched;
+  std::vector<int32_t> table_mirror;  // [Hkv][S]; host-owned entries are authoritative
+  bool table_dirty = true;
+  std::vector<int64_t> host_page_mirror;  // [P]
+  struct Pending {
+    int64_t logical;
+    int64_t slot;
+  };
+  std::vector<Pending> pending;  // full pages not yet offloaded
+  StepStats last;
+
+  // Policies (retriever_policy.cc).
+  std::vector<int32_t> budget;        // [Hkv] pages per head for this step
+  std::vector<int32_t> selected_with; // [Hkv] budget of the device's last selection
+  DeviceBuffer head_k;                // int32 [Hkv] (speculative, sync)
+  DeviceBuffer page_flags;            // uint8 [Hkv][P] (speculative, sync)
+  std::vector<uint8_t> flags_mirror;  // [Hkv][P]
+  bool flags_changed = false;         // since the device's last selection
+  DeviceBuffer token_prob;            // float [Hq][S][p] (policies that read attention)
+  // Drop mode with policies: the per-head slot table (authoritative; table_mirror unused)
+  // and the INT8 copies of pages older than the FP16 window.
+  std::unique_ptr<HeadSlotTable> managed;
+  DeviceBuffer slot_int8;                       // uint8 [Hkv][S]
+  DeviceBuffer k_int8, v_int8, k_scale, v_scale;  // [S][p][Hkv][d] int8, [S][Hkv][d] float
+  std::vector<uint8_t> dropped;  // [P] once a page was dropped from the host tier: 1 = dropped
+  // Attention of the last step, copied to the host for the policies (ConsumeProbe).
+  struct Probe {
+    std::vector<float> prob;     // [Hq][S][p]
+    std::vector<int32_t> table;  // [Hkv][S]
+    int32_t slots = 0;
+    int64_t step = 0;
+    int64_t position = 0;
+    int64_t tokens = 0;
+    std::unique_ptr<Event> done;
+  };
+  std::unique_ptr<Probe> probe;
+};
+
+class RetrieverImpl final : public Retriever {
+ public:
+  RetrieverImpl(const Geometry& g, const RetrieverOptions& o, Backend& backend, PagePool* pool)
+      : g_(g), o_(o), backend_(backend), pool_(pool) {}
+
+  ~RetrieverImpl() override {
+    // Work still queued may touch the buffers below: let it run first.
+    if (compute_ != nullptr) (void)compute_->Synchronize();
+    for (Stream* s : {recall_.get(), xform_fg_.get(), xform_bg_.get()}) {
+      if (s != nullptr) (void)s->Synchronize();
+    }
+    if (offloader_ != nullptr) (void)offloader_->Drain();
+  }
+
+  absl::Status Init();
+
+  absl::Status Append(int32_t layer, const void* k, const void* v, int32_t n_tokens) override;
+  absl::StatusOr<std::vector<StoredPage>> TakeStoredPages(bool wait) override;
+  absl::Status Restore(int32_t layer, std::vector<PageHandle> pages) override;
+  absl::StatusOr<WorkingSetView> BeginStep(int32_t layer, const void* q) override;
+  absl::Status Attend(int32_t layer, const void* q, void* out, float* lse) override;
+  absl::Status EndStep(int32_t layer, const void* q) override;
+  absl::Status Wait() override;
+  absl::Status Close() override;
+  absl::Status ReportSignals(const policy::StepSignals& signals) override;
+  absl::Status ObserveQueries(int32_t layer, const void* q, int32_t n,
+                              int64_t first_position) override;
+  RetrieverStats Stats() override {
+    (void)Collect(/*block=*/false);
+    RetrieverStats st = stats_;
+    FillPolicyStats(&st);
+    return st;
+  }
+  StepStats LastStep(int32_t layer) override {
+    (void)Collect(/*block=*/false);
+    if (layer < 0 || layer >= g_.num_layers) return {};
+    StepStats st = layers_[layer].last;
+    st.budget = layers_[layer].budget;
+    st.resident_head_pages = ResidentHeadPages(layers_[layer]);
+    return st;
+  }
+  void SetProfiling(bool on) override { profiling_ = on; }
+  Stream& compute_stream() override { return *compute_; }
+  const Geometry& geometry() const override { return g_; }
+  const RetrieverOptions& options() const override { return o_; }
+  int32_t num_tokens(int32_t layer) const override {
+    return layer >= 0 && layer < g_.num_layers ? layers_[layer].tokens : 0;
+  }
+
+ private:
+  bool has_host_tier() const {
+    return o_.mode == RetrievalMode::kSpeculative || o_.mode == RetrievalMode::kSync;
+  }
+  size_t elem() const { return DTypeSize(g_.dtype); }
+  size_t token_bytes() const { return static_cast<size_t>(g_.num_kv_heads) * g_.head_dim * elem(); }
+  size_t q_bytes() const { return static_cast<size_t>(g_.num_q_heads) * g_.head_dim * elem(); }
+  int32_t k() const { return o_.selected_pages; }
+  int32_t SlotOf(int64_t logical) const;
+  Stream* Pipeline(Stream& xform) const {
+    return o_.pipeline == RecallPipeline::kStreamed ? &xform : nullptr;
+  }
+  // Full pages of the recent window: excluded from top-k candidates.
+  int32_t RecentFull(const LayerState& l) const;
+  // Slots of the layer's working set (the managed ones change size).
+  int32_t Slots(const LayerState& l) const {
+    return l.managed != nullptr ? l.managed->capacity() : S_;
+  }
+
+  // --- Policies (retriever_policy.cc). ---
+  bool policies_on() const { return pol_.budget != nullptr; }
+  bool reads_attention() const;
+  absl::Status InitPolicies();
+  absl::Status InitLayerPolicies(LayerState& l);
+  // BeginStep: feeds the last step's attention to the policies, takes this step's budget
+  // and pins, and applies them (drop mode: evicts, quantises; selecting modes: uploads
+  // head_k and flags). *reselect: the device's selection is stale (budget or pins changed).
+  absl::Status ApplyPolicies(int32_t layer, bool* reselect);
+  // Attend: sets the policy fields of the attention and enqueues the copy of its token
+  // probabilities for ConsumeProbe.
+  void SetPolicyArgs(LayerState& l, SparseAttentionArgs* a);
+  absl::Status TakeProbe(int32_t layer, int64_t step, int64_t position);
+  absl::Status ConsumeProbe(int32_t layer);
+  absl::Status Evict(int32_t layer);
+  absl::Status QuantizeOld(int32_t layer);
+  absl::Status UpdateFlags(int32_t layer);
+  // The slot for new page `page` of a managed layer (compacting or growing as needed).
+  absl::StatusOr<int32_t> PlaceManaged(int32_t layer, int32_t page);
+  absl::Status ResizeManaged(LayerState& l, int32_t capacity);
+  absl::Status CompactManaged(LayerState& l);
+  // Uploads `bytes` of host data into a new backend buffer parked with the next Park.
+  absl::StatusOr<void*> StageArgs(const void* src, size_t bytes);
+  // The sparse attention of q over the layer's working set, with the policies' fields.
+  SparseAttentionArgs AttentionArgs(LayerState& l, const void* q, void* out, float* lse);
+  // Host tier full: drops `n` of the layer's pages (host_drop = evict) or refuses.
+  absl::Status DropHostPages(int32_t layer, int64_t n);
+  int64_t ResidentHeadPages(const LayerState& l) const;
+  void FillPolicyStats(RetrieverStats* st) const;
+
+  absl::Status CheckCall(int32_t layer, std::string_view what) const;
+  absl::Status Allocate(DeviceBuffer* buf, size_t bytes);
+  absl::StatusOr<std::unique_ptr<Event>> TakeEvent();
+  // Copies `bytes` of host data into a parked buffer and enqueues its upload.
+  absl::Status Upload(Stream& s, void* dst, const void* src, size_t bytes);
+  // Parks the buffers staged since the last park behind an event on `s`.
+  absl::Status Park(Stream& s);
+  void Reap();
+
+  // Appends validated tokens. `restoring`: the host pages that already hold the layer's
+  // logical pages (indexed by logical page), offloaded into instead of new ones (Restore).
+  absl::Status AppendTokens(int32_t layer, const void* k, const void* v, int32_t n_tokens,
+                            std::vector<PageHandle>* restoring);
+  absl::Status FlushOffloads(int32_t layer, std::vector<PageHandle>* restoring);
+  // Moves the pages of completed StoredBatches to stored_ready_.
+  void HarvestStored();
+  absl::Status UploadTable(LayerState& l);
+  absl::Status UploadCounts(LayerState& l);
+  // Score → TopK → Replace → recall of the layer's selected region on `s`.
+  // `xform`: the transform stream of the streamed pipeline; null recalls in one fused op.
+  absl::Status Select(Stream& s, Stream* xform, int32_t layer, const void* q,
+                      const int32_t* num_pages, const uint8_t* mask, int32_t recent_full);
+  absl::Status RecallPlan(Stream& drive, Stream* xform, LayerState& l);
+  absl::Status RecordStats(Stream& s, int32_t layer, int64_t step, bool background, bool checked);
+  absl::Status Collect(bool block);
+  // While profiling: waits for `s` and adds the time since *mark to *total_us.
+  absl::Status Lap(Stream& s, absl::Time* mark, double* total_us) {
+    if (!profiling_) return absl::OkStatus();
+    absl::Status st = s.Synchronize();
+    const absl::Time now = absl::Now();
+    if (total_us != nullptr) *total_us += absl::ToDoubleMicroseconds(now - *mark);
+    *mark = now;
+    return st;
+  }
+  absl::Status Fail(absl::Status st) {
+    if (failed_.ok()) failed_ = st;
+    return st;
+  }
+
+  const Geometry g_;
+  const RetrieverOptions o_;
+  Backend& backend_;
+  PagePool* const pool_;
+  int32_t S_ = 0;  // slots per layer
+  int32_t P_ = 0;  // max pages per layer
+  float scale_ = 1.0f;
+
+  std::vector<LayerState> layers_;
+  policy::Policies pol_;  // empty unless o_.policy is not the default
+  std::unique_ptr<policy::HostDropPolicy> host_drop_;
+  int32_t min_capacity_ = 0;  // managed layers never shrink below it
+  std::unique_ptr<PageOffloader> offloader_;
+  std::vector<std::unique_ptr<uint8_t[]>> staged_;  // not yet parked
+  std::vector<DeviceBuffer> staged_device_;          // not yet parked
+  std::deque<Parked> parked_;
+  std::deque<StatRecord> records_;
+  std::deque<StoredBatch> stored_;        // offloads not yet known to have run
+  std::vector<StoredPage> stored_ready_;  // completed, not yet taken
+  std::vector<std::unique_ptr<Event>> spare_events_;
+  RetrieverStats stats_;
+  bool closed_ = false;
+  bool profiling_ = false;
+  absl::Status failed_;
+
+  // Streams last: destroyed first, running their queued work while the buffers still exist.
+  std::unique_ptr<Stream> own_compute_;
+  Stream* compute_ = nullptr;
+  std::unique_ptr<Stream> recall_, xform_fg_, xform_bg_;
+  std::unique_ptr<Event> sync_compute_, sync_recall_;
+};
+
+}  // namespace kvtier::retriever_internal
+
+#endif  // KVTIER_OFFLOAD_RETRIEVER_IMPL_H_

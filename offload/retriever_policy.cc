@@ -1,0 +1,526 @@
+// The Retriever's policy side (DESIGN.md §6): budgets, pins, drop-mode eviction with
+// per-head compaction, INT8 storage, host-tier drops, and the attention the policies read.
+// Invariants (on top of retriever.cc's):
+//   - Policy buffers the background selection reads (head_k, page_flags) change only on the
+//     compute stream after BeginStep has made it wait for that selection.
+//   - A managed layer's HeadSlotTable is the truth; the device table and slot_int8 flags are
+//     uploaded from it before the next op that reads them (table_dirty).
+//   - A managed page is placed, compacted or resized only at a page boundary, where no page
+//     is partial, so every move is of full pages and the page being filled has one slot.
+//   - The token probabilities of a step reach the policies at the layer's next BeginStep
+//     (ConsumeProbe waits for their copy); the vectors they are copied into live until then.
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <span>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_format.h"
+#include "kvtier/status.h"
+#include "offload/retriever_impl.h"
+
+namespace kvtier::retriever_internal {
+
+bool RetrieverImpl::reads_attention() const {
+  if (!policies_on()) return false;
+  return pol_.budget->needs_attention() ||
+         (pol_.residency != nullptr && pol_.residency->needs_attention());
+}
+
+absl::Status RetrieverImpl::InitPolicies() {
+  if (o_.policy.is_default()) {
+    host_drop_ = std::make_unique<policy::HostDropPolicy>(policy::HostDropMode::kRefuse);
+    return absl::OkStatus();
+  }
+  policy::PolicyContext ctx;
+  ctx.num_layers = g_.num_layers;
+  ctx.num_q_heads = g_.num_q_heads;
+  ctx.num_kv_heads = g_.num_kv_heads;
+  ctx.page_size = g_.page_size;
+  ctx.default_pages = o_.selected_pages;
+  ctx.xkv_store = o_.policy_store;
+  KVTIER_ASSIGN_OR_RETURN(pol_, policy::MakePolicies(o_.policy, ctx));
+  if (pol_.host_drop == policy::HostDropMode::kEvict && !has_host_tier()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "policy.host_drop = evict: mode %s has no host tier (speculative or sync only)",
+        RetrievalModeName(o_.mode)));
+  }
+  if (pol_.int8_window_pages > 0 && o_.mode != RetrievalMode::kDrop) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("int8.window_pages = %d: INT8 storage applies in drop mode only (mode %s)",
+                        pol_.int8_window_pages, RetrievalModeName(o_.mode)));
+  }
+  host_drop_ = std::make_unique<policy::HostDropPolicy>(pol_.host_drop);
+  // Managed drop layers start at the budget plus the page being filled.
+  min_capacity_ = S_ + 1;
+  return absl::OkStatus();
+}
+
+absl::Status RetrieverImpl::InitLayerPolicies(LayerState& l) {
+  const size_t hkv = g_.num_kv_heads;
+  l.budget.assign(hkv, o_.selected_pages);
+  l.selected_with = l.budget;
+  if (!policies_on()) return absl::OkStatus();
+  if (has_host_tier()) {
+    KVTIER_RETURN_IF_ERROR(Allocate(&l.head_k, hkv * sizeof(int32_t)));
+    KVTIER_RETURN_IF_ERROR(Allocate(&l.page_flags, hkv * P_));
+    l.flags_mirror.assign(hkv * P_, kPageNormal);
+    KVTIER_RETURN_IF_ERROR(
+        Upload(*compute_, l.head_k.data(), l.budget.data(), hkv * sizeof(int32_t)));
+    KVTIER_RETURN_IF_ERROR(backend_.Memset(*compute_, l.page_flags.data(), 0, l.page_flags.size()));
+  }
+  const size_t slots = Slots(l);
+  const size_t p = g_.page_size;
+  if (reads_attention()) {
+    KVTIER_RETURN_IF_ERROR(Allocate(&l.token_prob, g_.num_q_heads * slots * p * sizeof(float)));
+  }
+  if (l.managed != nullptr && pol_.int8_window_pages > 0) {
+    const size_t elems = slots * p * hkv * g_.head_dim;
+    KVTIER_RETURN_IF_ERROR(Allocate(&l.slot_int8, hkv * slots));
+    KVTIER_RETURN_IF_ERROR(Allocate(&l.k_int8, elems));
+    KVTIER_RETURN_IF_ERROR(Allocate(&l.v_int8, elems));
+    KVTIER_RETURN_IF_ERROR(Allocate(&l.k_scale, slots * hkv * g_.head_dim * sizeof(float)));
+    KVTIER_RETURN_IF_ERROR(Allocate(&l.v_scale, slots * hkv * g_.head_dim * sizeof(float)));
+    KVTIER_RETURN_IF_ERROR(backend_.Memset(*compute_, l.slot_int8.data(), 0, l.slot_int8.size()));
+  }
+  return Park(*compute_);
+}
+
+absl::StatusOr<void*> RetrieverImpl::StageArgs(const void* src, size_t bytes) {
+  DeviceBuffer buf;
+  KVTIER_RETURN_IF_ERROR(Allocate(&buf, bytes));
+  KVTIER_RETURN_IF_ERROR(Upload(*compute_, buf.data(), src, bytes));
+  void* data = buf.data();
+  staged_device_.push_back(std::move(buf));
+  return data;
+}
+
+void RetrieverImpl::SetPolicyArgs(LayerState& l, SparseAttentionArgs* a) {
+  if (reads_attention()) a->token_prob = l.token_prob.as<float>();
+  if (l.managed != nullptr && l.slot_int8.size() > 1) {
+    a->slot_int8 = l.slot_int8.as<uint8_t>();
+    a->k_int8 = l.k_int8.as<int8_t>();
+    a->v_int8 = l.v_int8.as<int8_t>();
+    a->k_scale = l.k_scale.as<float>();
+    a->v_scale = l.v_scale.as<float>();
+  }
+}
+
+absl::Status RetrieverImpl::TakeProbe(int32_t layer, int64_t step, int64_t position) {
+  LayerState& l = layers_[layer];
+  // One probe in flight per layer: an earlier one is handed over first.
+  KVTIER_RETURN_IF_ERROR(ConsumeProbe(layer));
+  auto pr = std::make_unique<LayerState::Probe>();
+  pr->slots = Slots(l);
+  pr->step = step;
+  pr->position = position;
+  pr->tokens = l.tokens;
+  pr->prob.resize(static_cast<size_t>(g_.num_q_heads) * pr->slots * g_.page_size);
+  pr->table.resize(static_cast<size_t>(g_.num_kv_heads) * pr->slots);
+  absl::Status st = backend_.Copy(*compute_, pr->prob.data(), l.token_prob.data(),
+                                  pr->prob.size() * sizeof(float));
+  if (st.ok()) {
+    st = backend_.Copy(*compute_, pr->table.data(), l.table.data(),
+                       pr->table.size() * sizeof(int32_t));
+  }
+  absl::StatusOr<std::unique_ptr<Event>> ev = TakeEvent();
+  if (st.ok() && !ev.ok()) st = ev.status();
+  if (st.ok()) {
+    pr->done = std::move(*ev);
+    st = compute_->Record(*pr->done);
+  }
+  if (!st.ok()) {
+    // Copies may be queued into pr's vectors: keep them until the stream has run.
+    (void)compute_->Synchronize();
+    return Fail(st);
+  }
+  l.probe = std::move(pr);
+  return absl::OkStatus();
+}
+
+absl::Status RetrieverImpl::ConsumeProbe(int32_t layer) {
+  LayerState& l = layers_[layer];
+  if (l.probe == nullptr) return absl::OkStatus();
+  std::unique_ptr<LayerState::Probe> pr = std::move(l.probe);
+  absl::Status st = pr->done->Wait(o_.deadline);
+  if (absl::IsDeadlineExceeded(st)) {
+    (void)compute_->Synchronize();  // the copies write into pr
+    return Fail(absl::DeadlineExceededError(
+        absl::StrFormat("layer %d: the attention of step %d did not complete within the "
+                        "deadline of %s",
+                        layer, pr->step, absl::FormatDuration(o_.deadline))));
+  }
+  if (!st.ok()) return Fail(st);
+  policy::AttentionObservation obs;
+  obs.layer = layer;
+  obs.step = pr->step;
+  obs.query_position = pr->position;
+  obs.num_q_heads = g_.num_q_heads;
+  obs.num_kv_heads = g_.num_kv_heads;
+  obs.num_slots = pr->slots;
+  obs.page_size = g_.page_size;
+  obs.slot_table = pr->table;
+  obs.token_prob = pr->prob;
+  obs.num_tokens = pr->tokens;
+  if (pol_.budget->needs_attention()) pol_.budget->OnAttention(obs);
+  if (pol_.residency != nullptr && pol_.residency->needs_attention()) {
+    pol_.residency->OnAttention(obs);
+  }
+  spare_events_.push_back(std::move(pr->done));
+  return absl::OkStatus();
+}
+
+absl::Status RetrieverImpl::ApplyPolicies(int32_t layer, bool* reselect) {
+  *reselect = false;
+  if (!policies_on()) return absl::OkStatus();
+  LayerState& l = layers_[layer];
+  KVTIER_RETURN_IF_ERROR(ConsumeProbe(layer));
+  // The selected region bounds a selecting mode's budget; a managed drop layer grows.
+  const int32_t max_pages = l.managed != nullptr ? P_ : o_.selected_pages;
+  std::vector<int32_t> budget(g_.num_kv_heads, o_.selected_pages);
+  pol_.budget->Budget(layer, max_pages, std::span<int32_t>(budget));
+  for (int32_t& b : budget) b = std::clamp(b, 0, max_pages);
+  if (budget != l.budget) ++stats_.budget_changes;
+  l.budget = std::move(budget);
+  absl::Status st;
+  if (l.managed != nullptr) {
+    st = Evict(layer);
+    if (st.ok()) st = QuantizeOld(layer);
+    if (st.ok()) st = UploadTable(l);
+  } else if (has_host_tier()) {
+    st = UpdateFlags(layer);
+    if (st.ok() && l.budget != l.selected_with) {
+      st = Upload(*compute_, l.head_k.data(), l.budget.data(), l.budget.size() * sizeof(int32_t));
+      l.selected_with = l.budget;
+      *reselect = true;
+    }
+    if (l.flags_changed) *reselect = true;
+    l.flags_changed = false;
+  }
+  if (st.ok()) st = Park(*compute_);
+  return st.ok() ? st : Fail(st);
+}
+
+absl::Status RetrieverImpl::UpdateFlags(int32_t layer) {
+  LayerState& l = layers_[layer];
+  policy::ResidencyPolicy* r = pol_.residency.get();
+  if (r == nullptr && l.dropped.empty()) return absl::OkStatus();
+  const int32_t full = l.tokens / g_.page_size;
+  for (int32_t h = 0; h < g_.num_kv_heads; ++h) {
+    uint8_t* row = &l.flags_mirror[static_cast<size_t>(h) * P_];
+    bool changed = false;
+    for (int32_t page = 0; page < full; ++page) {
+      uint8_t f = kPageNormal;
+      if (!l.dropped.empty() && l.dropped[page] != 0) {
+        f = kPageExcluded;
+      } else if (r != nullptr && r->Pinned(layer, h, page)) {
+        f = kPagePinned;
+      }
+      changed |= row[page] != f;
+      row[page] = f;
+    }
+    if (!changed) continue;
+    l.flags_changed = true;
+    KVTIER_RETURN_IF_ERROR(
+        Upload(*compute_, l.page_flags.as<uint8_t>() + static_cast<size_t>(h) * P_, row, full));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RetrieverImpl::Evict(int32_t layer) {
+  LayerState& l = layers_[layer];
+  HeadSlotTable& t = *l.managed;
+  policy::ResidencyPolicy* r = pol_.residency.get();
+  const int32_t p = g_.page_size;
+  const int32_t total = (l.tokens + p - 1) / p;
+  const int32_t recent_lo = std::max(o_.sink_pages, total - o_.recent_pages);
+  struct Cand {
+    float score;
+    int32_t page;
+  };
+  std::vector<Cand> cand;
+  for (int32_t h = 0; h < g_.num_kv_heads; ++h) {
+    cand.clear();
+    for (int32_t page : t.Pages(h)) {
+      if (page < o_.sink_pages || page >= recent_lo) continue;
+      if (r != nullptr && r->Pinned(layer, h, page)) continue;
+      // Without a ranker the oldest goes first: a sliding window.
+      const float score = r != nullptr ? r->Score(layer, h, page) : static_cast<float>(page);
+      cand.push_back({score != score ? -std::numeric_limits<float>::infinity() : score, page});
+    }
+    const int32_t keep = l.budget[h];
+    if (static_cast<int32_t>(cand.size()) <= keep) continue;
+    const auto n = static_cast<ptrdiff_t>(cand.size()) - keep;
+    std::partial_sort(cand.begin(), cand.begin() + n, cand.end(), [](const Cand& a, const Cand& b) {
+      return a.score != b.score ? a.score < b.score : a.page < b.page;
+    });
+    for (ptrdiff_t i = 0; i < n; ++i) {
+      KVTIER_CHECK(t.Evict(h, cand[i].page));
+      if (r != nullptr) r->OnEvicted(layer, h, cand[i].page);
+    }
+    stats_.evicted_head_pages += n;
+    l.table_dirty = true;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RetrieverImpl::QuantizeOld(int32_t layer) {
+  LayerState& l = layers_[layer];
+  if (l.slot_int8.size() <= 1) return absl::OkStatus();
+  HeadSlotTable& t = *l.managed;
+  // Full pages older than the FP16 window of the newest int8.window_pages full pages; sinks
+  // stay FP16.
+  const int32_t older_than = l.tokens / g_.page_size - pol_.int8_window_pages;
+  std::vector<HeadSlot> items;
+  for (int32_t h = 0; h < g_.num_kv_heads; ++h) {
+    for (int32_t s = 0; s < t.capacity(); ++s) {
+      const int32_t page = t.at(h, s);
+      if (page < o_.sink_pages || page >= older_than || t.is_int8(h, s)) continue;
+      items.push_back({h, s});
+      t.set_int8(h, s);
+    }
+  }
+  if (items.empty()) return absl::OkStatus();
+  KVTIER_ASSIGN_OR_RETURN(void* dev_items, StageArgs(items.data(), items.size() * sizeof(HeadSlot)));
+  QuantizeSlotsArgs a;
+  a.dtype = g_.dtype;
+  a.page_size = g_.page_size;
+  a.num_kv_heads = g_.num_kv_heads;
+  a.head_dim = g_.head_dim;
+  a.items = static_cast<const HeadSlot*>(dev_items);
+  a.num_items = static_cast<int32_t>(items.size());
+  a.k_cache = l.k_ws.data();
+  a.v_cache = l.v_ws.data();
+  a.k_int8 = l.k_int8.as<int8_t>();
+  a.v_int8 = l.v_int8.as<int8_t>();
+  a.k_scale = l.k_scale.as<float>();
+  a.v_scale = l.v_scale.as<float>();
+  a.num_slots = t.capacity();
+  l.table_dirty = true;  // the slot_int8 flags
+  return backend_.QuantizeSlots(*compute_, a);
+}
+
+absl::StatusOr<int32_t> RetrieverImpl::PlaceManaged(int32_t layer, int32_t page) {
+  LayerState& l = layers_[layer];
+  HeadSlotTable& t = *l.managed;
+  int32_t most = 0;
+  for (int32_t h = 0; h < g_.num_kv_heads; ++h) most = std::max(most, t.CountOf(h));
+  // Give memory back once at most half of it is in use (after the first step evicted the
+  // prompt down to the budget, say).
+  if (t.capacity() > min_capacity_ && most + 1 <= t.capacity() / 2) {
+    KVTIER_RETURN_IF_ERROR(CompactManaged(l));
+    KVTIER_RETURN_IF_ERROR(ResizeManaged(l, std::max(min_capacity_, t.used() + 1)));
+  }
+  int32_t s = t.PlaceInFreeSlot(page);
+  if (s < 0) {
+    KVTIER_RETURN_IF_ERROR(CompactManaged(l));
+    s = t.PlaceInFreeSlot(page);
+  }
+  if (s < 0) {
+    KVTIER_RETURN_IF_ERROR(
+        ResizeManaged(l, std::max(min_capacity_, std::min(2 * t.capacity(), P_ + 1))));
+    s = t.PlaceInFreeSlot(page);
+  }
+  KVTIER_CHECK(s >= 0);
+  return s;
+}
+
+absl::Status RetrieverImpl::CompactManaged(LayerState& l) {
+  std::vector<HeadSlotMove> moves = l.managed->Compact(/*fixed=*/-1);
+  if (moves.empty()) return absl::OkStatus();
+  KVTIER_ASSIGN_OR_RETURN(void* dev_moves,
+                          StageArgs(moves.data(), moves.size() * sizeof(HeadSlotMove)));
+  MoveHeadSlotsArgs a;
+  a.dtype = g_.dtype;
+  a.page_size = g_.page_size;
+  a.num_kv_heads = g_.num_kv_heads;
+  a.head_dim = g_.head_dim;
+  a.items = static_cast<const HeadSlotMove*>(dev_moves);
+  a.num_items = static_cast<int32_t>(moves.size());
+  a.k_cache = l.k_ws.data();
+  a.v_cache = l.v_ws.data();
+  if (l.slot_int8.size() > 1) {
+    a.k_int8 = l.k_int8.as<int8_t>();
+    a.v_int8 = l.v_int8.as<int8_t>();
+    a.k_scale = l.k_scale.as<float>();
+    a.v_scale = l.v_scale.as<float>();
+  }
+  a.num_slots = l.managed->capacity();
+  l.table_dirty = true;
+  return backend_.MoveHeadSlots(*compute_, a);
+}
+
+absl::Status RetrieverImpl::ResizeManaged(LayerState& l, int32_t capacity) {
+  const int32_t old_cap = l.managed->capacity();
+  if (capacity == old_cap) return absl::OkStatus();
+  const size_t keep = std::min(old_cap, capacity);
+  const size_t hkv = g_.num_kv_heads;
+  const size_t slot_elems = static_cast<size_t>(g_.page_size) * hkv * g_.head_dim;
+  const size_t scale_bytes = hkv * g_.head_dim * sizeof(float);
+  // New buffers; the kept prefix of slots is copied on the compute stream.
+  auto grow = [&](DeviceBuffer* buf, size_t per_slot, bool copy) -> absl::Status {
+    DeviceBuffer fresh;
+    KVTIER_RETURN_IF_ERROR(Allocate(&fresh, per_slot * capacity));
+    if (copy) {
+      KVTIER_RETURN_IF_ERROR(
+          backend_.Copy(*compute_, fresh.data(), buf->data(), per_slot * keep));
+    }
+    staged_device_.push_back(std::exchange(*buf, std::move(fresh)));
+    return absl::OkStatus();
+  };
+  KVTIER_RETURN_IF_ERROR(grow(&l.k_ws, slot_elems * elem(), true));
+  KVTIER_RETURN_IF_ERROR(grow(&l.v_ws, slot_elems * elem(), true));
+  KVTIER_RETURN_IF_ERROR(grow(&l.table, hkv * sizeof(int32_t), false));
+  if (l.token_prob.data() != nullptr) {
+    KVTIER_RETURN_IF_ERROR(
+        grow(&l.token_prob, static_cast<size_t>(g_.num_q_heads) * g_.page_size * sizeof(float),
+             false));
+  }
+  if (l.slot_int8.data() != nullptr) {
+    KVTIER_RETURN_IF_ERROR(grow(&l.slot_int8, hkv, false));
+    KVTIER_RETURN_IF_ERROR(grow(&l.k_int8, slot_elems, true));
+    KVTIER_RETURN_IF_ERROR(grow(&l.v_int8, slot_elems, true));
+    KVTIER_RETURN_IF_ERROR(grow(&l.k_scale, scale_bytes, true));
+    KVTIER_RETURN_IF_ERROR(grow(&l.v_scale, scale_bytes, true));
+  }
+  l.managed->Resize(capacity);
+  l.table_dirty = true;
+  // The old buffers go once the copies out of them (and any attention still reading them)
+  // have run: parked behind the next event on the compute stream.
+  return Park(*compute_);
+}
+
+absl::Status RetrieverImpl::DropHostPages(int32_t layer, int64_t n) {
+  const PagePoolStats ps = pool_->stats();
+  const std::string full = absl::StrFormat(
+      "Append: layer %d: %d more pages would fill but the host tier has %d of %d pages free",
+      layer, n + (ps.capacity - ps.in_use), ps.capacity - ps.in_use, ps.capacity);
+  if (pol_.host_drop != policy::HostDropMode::kEvict) {
+    (void)host_drop_->PickVictim({});  // counts the refusal
+    return absl::ResourceExhaustedError(full + " (host_drop = refuse)");
+  }
+  const int32_t p = g_.page_size;
+  for (int64_t i = 0; i < n; ++i) {
+    std::vector<policy::HostCandidate> cand;
+    for (int32_t li = 0; li < g_.num_layers; ++li) {
+      const LayerState& c = layers_[li];
+      const int32_t total = (c.tokens + p - 1) / p;
+      const int32_t recent_lo = std::max(o_.sink_pages, total - o_.recent_pages);
+      for (int32_t page = o_.sink_pages; page < recent_lo; ++page) {
+        if (c.host_page_mirror[page] < 0) continue;
+        cand.push_back({li, page,
+                        policy::HostScore(pol_.residency.get(), li, page, g_.num_kv_heads),
+                        policy::HostPinned(pol_.residency.get(), li, page, g_.num_kv_heads)});
+      }
+    }
+    absl::StatusOr<size_t> victim = host_drop_->PickVictim(cand);
+    if (!victim.ok()) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat(full, ": nothing left to drop (", victim.status().message(), ")"));
+    }
+    const policy::HostCandidate v = cand[*victim];
+    LayerState& vl = layers_[v.layer];
+    // A background recall may be reading the page: let it finish before the slot is reused.
+    if (vl.recall_in_flight) KVTIER_RETURN_IF_ERROR(vl.recall_done->Wait(o_.deadline));
+    KVTIER_RETURN_IF_ERROR(vl.host->Erase(v.page));
+    vl.host_page_mirror[v.page] = -1;
+    if (vl.dropped.empty()) vl.dropped.assign(P_, 0);
+    vl.dropped[v.page] = 1;
+    KVTIER_RETURN_IF_ERROR(Upload(*compute_, vl.host_page_of.as<int64_t>() + v.page,
+                                  &vl.host_page_mirror[v.page], sizeof(int64_t)));
+  }
+  return Park(*compute_);
+}
+
+int64_t RetrieverImpl::ResidentHeadPages(const LayerState& l) const {
+  if (l.managed != nullptr) return l.managed->resident();
+  const int32_t p = g_.page_size;
+  const int64_t hkv = g_.num_kv_heads;
+  const int32_t total = (l.tokens + p - 1) / p;
+  switch (o_.mode) {
+    case RetrievalMode::kFull:
+      return total * hkv;
+    case RetrievalMode::kDrop:
+      return std::min(total, S_) * hkv;
+    case RetrievalMode::kSpeculative:
+    case RetrievalMode::kSync:
+      break;
+  }
+  const int32_t sinks = std::min(total, o_.sink_pages);
+  const int32_t recent = std::min(total - sinks, o_.recent_pages);
+  const int32_t cand = total - sinks - recent;
+  int64_t selected = 0;
+  for (int32_t b : l.budget) selected += std::min(b, cand);
+  return (sinks + recent) * hkv + selected;
+}
+
+void RetrieverImpl::FillPolicyStats(RetrieverStats* st) const {
+  int64_t resident = 0;
+  int64_t int8 = 0;
+  for (const LayerState& l : layers_) {
+    resident += ResidentHeadPages(l);
+    if (l.managed != nullptr) int8 += l.managed->int8_resident();
+  }
+  const int64_t slab = g_.slab_elements();
+  st->resident_head_pages = resident;
+  st->int8_head_pages = int8;
+  st->resident_bytes = (resident - int8) * slab * static_cast<int64_t>(elem()) +
+                       int8 * (slab + 2 * int64_t{g_.head_dim} * int64_t{sizeof(float)});
+  if (host_drop_ != nullptr) {
+    st->host_dropped_pages = host_drop_->dropped();
+    st->host_refusals = host_drop_->refused();
+  }
+}
+
+absl::Status RetrieverImpl::ReportSignals(const policy::StepSignals& s) {
+  if (closed_) return absl::FailedPreconditionError("ReportSignals: the sequence is closed");
+  if (s.num_tokens < 1 || s.first_position < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("ReportSignals: num_tokens = %d must be >= 1 and first_position = %d >= 0",
+                        s.num_tokens, s.first_position));
+  }
+  if (!s.hidden_delta.empty() &&
+      (s.num_layers < 1 ||
+       s.hidden_delta.size() != static_cast<size_t>(s.num_tokens) * s.num_layers)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "ReportSignals: hidden_delta has %d values; it must hold num_tokens × num_layers = %d × "
+        "%d",
+        s.hidden_delta.size(), s.num_tokens, s.num_layers));
+  }
+  if (!policies_on()) return absl::OkStatus();
+  pol_.budget->OnSignals(s);
+  if (pol_.residency != nullptr) pol_.residency->OnSignals(s);
+  return absl::OkStatus();
+}
+
+absl::Status RetrieverImpl::ObserveQueries(int32_t layer, const void* q, int32_t n,
+                                           int64_t first_position) {
+  KVTIER_RETURN_IF_ERROR(CheckCall(layer, "ObserveQueries"));
+  if (q == nullptr || n < 1 || n > 4096 || first_position < 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "ObserveQueries: q must be non-null, n = %d in [1, 4096] and first_position = %d >= 0",
+        n, first_position));
+  }
+  LayerState& l = layers_[layer];
+  if (l.tokens == 0 || l.in_step) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "ObserveQueries: layer %d must hold tokens and be outside a step", layer));
+  }
+  if (!reads_attention()) return absl::OkStatus();
+  DeviceBuffer out;
+  KVTIER_RETURN_IF_ERROR(Allocate(&out, q_bytes()));
+  for (int32_t i = 0; i < n; ++i) {
+    const int64_t position = first_position + i;
+    KVTIER_ASSIGN_OR_RETURN(void* qpos, StageArgs(&position, sizeof(position)));
+    SparseAttentionArgs a =
+        AttentionArgs(l, static_cast<const uint8_t*>(q) + i * q_bytes(), out.data(), nullptr);
+    a.query_position = static_cast<const int64_t*>(qpos);
+    KVTIER_RETURN_IF_ERROR(backend_.SparseAttention(*compute_, a));
+    KVTIER_RETURN_IF_ERROR(TakeProbe(layer, /*step=*/-1, position));
+    KVTIER_RETURN_IF_ERROR(ConsumeProbe(layer));
+  }
+  return Park(*compute_);
+}
+
+}  // namespace kvtier::retriever_internal
