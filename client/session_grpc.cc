@@ -49,6 +49,17 @@ class GrpcSession final : public Session {
   absl::Status Attend(int32_t layer, const void* q, void* out, float* lse) override;
   absl::Status EndStep(int32_t layer, const void* q) override;
   absl::Status Wait() override { return absl::OkStatus(); }  // every call has finished
+  // The protocol carries no policy inputs yet: policies of GRPC sessions run on what the
+  // daemon's Retriever sees itself (attention, keys), never on engine signals.
+  absl::Status ReportSignals(const policy::StepSignals&) override {
+    return absl::UnimplementedError(
+        "ReportSignals: GRPC sessions cannot carry policy signals yet; use an SHM session");
+  }
+  absl::Status ObserveQueries(int32_t, const void*, int32_t, int64_t) override {
+    return absl::UnimplementedError(
+        "ObserveQueries: GRPC sessions cannot carry observation queries yet; use an SHM "
+        "session");
+  }
   absl::Status Close() override;
   RetrieverStats Stats() override;
   StepStats LastStep(int32_t layer) override {

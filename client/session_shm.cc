@@ -54,6 +54,13 @@ class ShmSession final : public Session {
     return CommitStored(/*wait=*/false).status();
   }
   absl::Status Wait() override { return retriever_->Wait(); }
+  absl::Status ReportSignals(const policy::StepSignals& signals) override {
+    return retriever_->ReportSignals(signals);
+  }
+  absl::Status ObserveQueries(int32_t layer, const void* q, int32_t n,
+                              int64_t first_position) override {
+    return retriever_->ObserveQueries(layer, q, n, first_position);
+  }
   absl::Status Close() override;
   RetrieverStats Stats() override { return retriever_->Stats(); }
   StepStats LastStep(int32_t layer) override { return retriever_->LastStep(layer); }

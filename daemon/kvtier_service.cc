@@ -30,6 +30,8 @@ absl::StatusOr<OpenSessionParams> ParamsFromProto(const v1::OpenSessionRequest& 
     p.correction_threshold = r.retrieval().correction_threshold();
   }
   p.budget_policy = r.policy().budget_policy();
+  p.residency_policy = r.policy().residency_policy();
+  p.host_drop = r.policy().host_drop();
   p.policy_params.insert(r.policy().params().begin(), r.policy().params().end());
   KVTIER_ASSIGN_OR_RETURN(p.transport, TransportFromProto(r.transport()));
   p.label = r.label();

@@ -10,6 +10,7 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_format.h"
+#include "offload/policy/config.h"
 #include "absl/strings/str_join.h"
 #include "kernels/registry.h"
 #include "kvtier/status.h"
@@ -254,14 +255,24 @@ absl::StatusOr<SessionSpec> SessionManager::ResolveSpec(const Caller& caller,
     return bad(absl::StrFormat("retrieval.correction_threshold = %f: must be a finite number",
                                spec.retriever.correction_threshold));
   }
-  if (!p.budget_policy.empty() && p.budget_policy != "fixed") {
-    return bad(absl::StrFormat(
-        "policy.budget_policy = '%s': unknown; the known policies are \"fixed\" (the default)",
-        Printable(p.budget_policy)));
+  policy::PolicyConfig& pc = spec.retriever.policy;
+  if (!p.budget_policy.empty()) pc.budget = p.budget_policy;
+  if (!p.residency_policy.empty()) pc.residency = p.residency_policy;
+  if (!p.host_drop.empty()) pc.host_drop = p.host_drop;
+  pc.params = p.policy_params;
+  if (absl::Status st = policy::ValidatePolicyConfig(pc); !st.ok()) {
+    // The message quotes what the client sent: keep it, minus control characters.
+    std::string msg(st.message());
+    for (char& ch : msg) {
+      if (static_cast<unsigned char>(ch) < 0x20 || ch == 0x7f) ch = '?';
+    }
+    return bad(std::move(msg));
   }
-  if (!p.policy_params.empty()) {
-    return bad(absl::StrFormat("policy.params: the fixed policy takes no parameters (got '%s')",
-                               Printable(p.policy_params.begin()->first)));
+  if (pc.host_drop != "refuse") {
+    // A session's stored pages are committed to its region's directory, which a drop would
+    // have to take back: not offered until the commit protocol has a decommit.
+    return bad("policy.host_drop = 'evict': sessions only refuse when the tenant arena is "
+               "full (host_drop = refuse)");
   }
   if (p.label.size() > kMaxLabelBytes) {
     return bad(absl::StrFormat("label: %d bytes, at most %d", p.label.size(), kMaxLabelBytes));

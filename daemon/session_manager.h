@@ -57,6 +57,8 @@ struct OpenSessionParams {
   uint32_t max_tokens = 0;
   std::optional<float> correction_threshold;
   std::string budget_policy;
+  std::string residency_policy;
+  std::string host_drop;
   std::map<std::string, std::string> policy_params;
   Transport transport = Transport::kShm;
   std::string label;

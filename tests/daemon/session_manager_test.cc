@@ -269,9 +269,20 @@ INSTANTIATE_TEST_SUITE_P(
                               absl::StatusCode::kInvalidArgument,
                               {"correction_threshold"}},
                       BadOpen{"Policy",
-                              [](OpenSessionParams* p) { p->budget_policy = "confidence"; },
+                              [](OpenSessionParams* p) { p->budget_policy = "greedy"; },
                               absl::StatusCode::kInvalidArgument,
-                              {"budget_policy = 'confidence'", "fixed"}},
+                              {"policy.budget = 'greedy'", "fixed", "confidence"}},
+                      BadOpen{"PolicyRange",
+                              [](OpenSessionParams* p) {
+                                p->budget_policy = "confidence";
+                                p->policy_params["confidence.enter_tight"] = "2";
+                              },
+                              absl::StatusCode::kInvalidArgument,
+                              {"confidence.enter_tight", "[0, 1]"}},
+                      BadOpen{"HostDropEvict",
+                              [](OpenSessionParams* p) { p->host_drop = "evict"; },
+                              absl::StatusCode::kInvalidArgument,
+                              {"host_drop = 'evict'", "refuse"}},
                       BadOpen{"PolicyParams",
                               [](OpenSessionParams* p) { p->policy_params["alpha"] = "1"; },
                               absl::StatusCode::kInvalidArgument,
