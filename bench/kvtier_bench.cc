@@ -5,6 +5,7 @@
 //   kvtier-bench attention [--context N] [--batch B] [--json] ...
 //   kvtier-bench replay [--context N] [--steps N] [--budget B] [--tau 0.9,0.8] [--json] ...
 //   kvtier-bench replay --connect unix:///path/kvtierd.sock   # through kvtierd sessions
+//   kvtier-bench replay --policies [--budgets 512,1024] [--policy-list window,h2o] [--plot F]
 //   kvtier-bench ipc [--bytes N] [--json]
 //   kvtier-bench devices
 #include <fstream>
@@ -14,9 +15,11 @@
 #include "CLI/CLI.hpp"
 #include "bench/attention_bench.h"
 #include "bench/ipc_bench.h"
+#include "bench/policy_replay.h"
 #include "bench/replay_bench.h"
 #include "bench/replay_session.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "kernels/registry.h"
 
@@ -64,6 +67,17 @@ int RunReplayConnected(kvtier::bench::ReplayBenchOptions o, const std::string& t
     return rc == 0 ? 1 : rc;
   }
   return rc;
+}
+
+int RunPolicies(const kvtier::bench::PolicyReplayOptions& o, bool json, const std::string& out) {
+  auto report = kvtier::bench::RunPolicyReplay(o, json ? std::cerr : std::cout);
+  if (!report.ok()) {
+    std::cerr << "kvtier-bench replay --policies: " << report.status() << "\n";
+    return 1;
+  }
+  if (json) std::cout << report->ToString() << "\n";
+  if (!out.empty()) std::ofstream(out) << report->ToString() << "\n";
+  return 0;
 }
 
 int RunIpc(const kvtier::bench::IpcBenchOptions& o, bool json, const std::string& out) {
@@ -174,6 +188,20 @@ int main(int argc, char** argv) {
   replay->add_option("--token", client_options.token, "with --connect: the tenant's token");
   replay->add_option("--transport", transport, "with --connect: shm or grpc")
       ->capture_default_str();
+  // The policy sweep (bench/policy_replay.h): its own defaults for --context and --steps.
+  kvtier::bench::PolicyReplayOptions po;
+  bool policies = false;
+  std::string policy_list = absl::StrJoin(kvtier::bench::PolicyReplayNames(), ","),
+              budgets = "512,1024,2048,4096";
+  replay->add_flag("--policies", policies,
+                   "run the policy sweep instead: memory vs attention error vs full KV per "
+                   "policy and budget, drop mode (default --context 8192 --steps 40)");
+  replay->add_option("--policy-list", policy_list, "with --policies: the runs")
+      ->capture_default_str();
+  replay->add_option("--budgets", budgets, "with --policies: working-set budgets in tokens "
+                     "(those not below the context are skipped)")->capture_default_str();
+  replay->add_option("--plot", po.plot_path, "with --policies: write a PNG of rel_error vs "
+                     "memory fraction here");
 
   kvtier::bench::IpcBenchOptions io;
   auto* ipc = app.add_subcommand(
@@ -230,6 +258,34 @@ int main(int argc, char** argv) {
         return 1;
       }
       return 0;
+    }
+    if (policies) {
+      if (!connect.empty()) {
+        std::cerr << "kvtier-bench replay: --policies runs locally; drop --connect\n";
+        return 2;
+      }
+      po.trace_path = ro.trace_path;
+      po.synthetic = so;
+      if (replay->get_option("--context")->count() == 0) po.synthetic.prefill_tokens = 8192;
+      if (replay->get_option("--steps")->count() == 0) po.synthetic.num_steps = 40;
+      po.layers = ro.layers;
+      po.threads = ro.threads;
+      po.pipeline = ro.pipeline;
+      po.policies.clear();
+      for (absl::string_view p : absl::StrSplit(policy_list, ',', absl::SkipEmpty())) {
+        po.policies.push_back(std::string(p));
+      }
+      po.budgets.clear();
+      for (absl::string_view b : absl::StrSplit(budgets, ',', absl::SkipEmpty())) {
+        int32_t v = 0;
+        if (!absl::SimpleAtoi(b, &v)) {
+          std::cerr << "kvtier-bench replay: --budgets: '" << std::string(b)
+                    << "' is not an integer\n";
+          return 2;
+        }
+        po.budgets.push_back(v);
+      }
+      return RunPolicies(po, json, out);
     }
     if (!connect.empty()) {
       if (transport != "shm" && transport != "grpc") {

@@ -83,6 +83,15 @@ JsonObject& JsonObject::AddObject(std::string_view key, const JsonObject& value)
   return *this;
 }
 
+JsonObject& JsonObject::AddArray(std::string_view key, const std::vector<JsonObject>& values) {
+  std::string out = "[";
+  for (size_t i = 0; i < values.size(); ++i) {
+    absl::StrAppend(&out, i ? ", " : "", values[i].ToString());
+  }
+  fields_.emplace_back(std::string(key), out + "]");
+  return *this;
+}
+
 std::string JsonObject::ToString() const {
   std::string out = "{";
   for (size_t i = 0; i < fields_.size(); ++i) {

@@ -26,6 +26,7 @@ class JsonObject {
   JsonObject& Add(std::string_view key, int32_t value) { return Add(key, int64_t{value}); }
   JsonObject& Add(std::string_view key, bool value);
   JsonObject& AddObject(std::string_view key, const JsonObject& value);
+  JsonObject& AddArray(std::string_view key, const std::vector<JsonObject>& values);
   std::string ToString() const;
 
  private:
