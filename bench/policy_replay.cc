@@ -13,6 +13,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "bench/plot.h"
+#include "bench/replay_bench.h"
 #include "bench/synthetic_kv.h"
 #include "kernels/registry.h"
 #include "kvtier/status.h"
@@ -171,18 +172,7 @@ class PolicyReplay {
 };
 
 absl::Status PolicyReplay::Setup() {
-  if (o_.trace_path.empty()) {
-    KVTIER_ASSIGN_OR_RETURN(trace_, MakeSyntheticTrace(o_.synthetic));
-  } else {
-    KVTIER_ASSIGN_OR_RETURN(trace_, OpenTraceFile(o_.trace_path));
-  }
-  g_ = trace_->geometry();
-  if (o_.layers < 0 || o_.layers > g_.num_layers) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("--layers = %d: must be in [0, %d] (0 = all layers of the trace)",
-                        o_.layers, g_.num_layers));
-  }
-  if (o_.layers > 0) g_.num_layers = o_.layers;
+  KVTIER_RETURN_IF_ERROR(OpenReplayTrace(o_.trace_path, o_.synthetic, o_.layers, &trace_, &g_));
   T_ = trace_->prefill_tokens();
   N_ = trace_->num_steps();
   w_ = o_.observation_tokens;

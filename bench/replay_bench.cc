@@ -15,6 +15,22 @@
 #include "offload/page_pool.h"
 
 namespace kvtier::bench {
+
+absl::Status OpenReplayTrace(const std::string& path, const SyntheticTraceOptions& synthetic,
+                             int32_t layers, std::unique_ptr<TraceSource>* trace, Geometry* g) {
+  if (path.empty()) {
+    KVTIER_ASSIGN_OR_RETURN(*trace, MakeSyntheticTrace(synthetic));
+  } else {
+    KVTIER_ASSIGN_OR_RETURN(*trace, OpenTraceFile(path));
+  }
+  *g = (*trace)->geometry();
+  if (layers < 0 || layers > g->num_layers) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--layers = %d: must be in [0, %d] (0 = all layers of the trace)", layers, g->num_layers));
+  }
+  if (layers > 0) g->num_layers = layers;
+  return absl::OkStatus();
+}
 namespace {
 
 float Dot(const float* a, const float* b, int32_t n) {
@@ -120,18 +136,7 @@ absl::Status Replay::AddMode(std::string name, RetrievalMode mode, float tau) {
 }
 
 absl::Status Replay::Setup() {
-  if (o_.trace_path.empty()) {
-    KVTIER_ASSIGN_OR_RETURN(trace_, MakeSyntheticTrace(o_.synthetic));
-  } else {
-    KVTIER_ASSIGN_OR_RETURN(trace_, OpenTraceFile(o_.trace_path));
-  }
-  g_ = trace_->geometry();
-  if (o_.layers < 0 || o_.layers > g_.num_layers) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("--layers = %d: must be in [0, %d] (0 = all layers of the trace)",
-                        o_.layers, g_.num_layers));
-  }
-  if (o_.layers > 0) g_.num_layers = o_.layers;
+  KVTIER_RETURN_IF_ERROR(OpenReplayTrace(o_.trace_path, o_.synthetic, o_.layers, &trace_, &g_));
   T_ = trace_->prefill_tokens();
   N_ = trace_->num_steps();
   if (N_ < 1) return absl::InvalidArgumentError("replay: the trace has no decode steps");

@@ -55,6 +55,12 @@ struct ReplayBenchOptions {
       open_retriever;
 };
 
+// Opens the trace of a replay: the file at `path`, or the synthetic one when it is empty;
+// *g is its geometry cut to the first `layers` layers (0: all). INVALID_ARGUMENT for layers
+// out of range; the trace's own errors otherwise.
+absl::Status OpenReplayTrace(const std::string& path, const SyntheticTraceOptions& synthetic,
+                             int32_t layers, std::unique_ptr<TraceSource>* trace, Geometry* g);
+
 // Runs the replay, writing a human-readable table to `log`; returns
 // {"modes": {"speculative": {...}, "sync": {...}, "full": {...}, ...}, ...}.
 // INVALID_ARGUMENT for inconsistent options (naming the option and the limit).

@@ -37,6 +37,15 @@ Args SlabArgs(const Geometry& g) {
   return a;
 }
 
+// Sets an op's INT8 storage fields (k_int8, v_int8, k_scale, v_scale) to a layer's buffers.
+template <typename Args, typename Layer>
+void SetInt8Buffers(const Layer& l, Args* a) {
+  a->k_int8 = l.k_int8.template as<int8_t>();
+  a->v_int8 = l.v_int8.template as<int8_t>();
+  a->k_scale = l.k_scale.template as<float>();
+  a->v_scale = l.v_scale.template as<float>();
+}
+
 // Host buffers read or written by enqueued copies, kept until the event after them fires.
 struct Parked {
   std::vector<std::unique_ptr<uint8_t[]>> buffers;
@@ -96,17 +105,17 @@ struct LayerState {
   StepStats last;
 
   // Policies (retriever_policy.cc).
-  std::vector<int32_t> budget;        // [Hkv] pages per head for this step
-  std::vector<int32_t> selected_with; // [Hkv] budget of the device's last selection
-  DeviceBuffer head_k;                // int32 [Hkv] (speculative, sync)
-  DeviceBuffer page_flags;            // uint8 [Hkv][P] (speculative, sync)
-  std::vector<uint8_t> flags_mirror;  // [Hkv][P]
-  bool flags_changed = false;         // since the device's last selection
-  DeviceBuffer token_prob;            // float [Hq][S][p] (policies that read attention)
+  std::vector<int32_t> budget;         // [Hkv] pages per head for this step
+  std::vector<int32_t> selected_with;  // [Hkv] budget of the device's last selection
+  DeviceBuffer head_k;                 // int32 [Hkv] (speculative, sync)
+  DeviceBuffer page_flags;             // uint8 [Hkv][P] (speculative, sync)
+  std::vector<uint8_t> flags_mirror;   // [Hkv][P]
+  bool flags_changed = false;          // since the device's last selection
+  DeviceBuffer token_prob;             // float [Hq][S][p] (policies that read attention)
   // Drop mode with policies: the per-head slot table (authoritative; table_mirror unused)
   // and the INT8 copies of pages older than the FP16 window.
   std::unique_ptr<HeadSlotTable> managed;
-  DeviceBuffer slot_int8;                       // uint8 [Hkv][S]
+  DeviceBuffer slot_int8;                         // uint8 [Hkv][S]
   DeviceBuffer k_int8, v_int8, k_scale, v_scale;  // [S][p][Hkv][d] int8, [S][Hkv][d] float
   std::vector<uint8_t> dropped;  // [P] once a page was dropped from the host tier: 1 = dropped
   // Attention of the last step, copied to the host for the policies (ConsumeProbe).
@@ -273,7 +282,7 @@ class RetrieverImpl final : public Retriever {
   int32_t min_capacity_ = 0;  // managed layers never shrink below it
   std::unique_ptr<PageOffloader> offloader_;
   std::vector<std::unique_ptr<uint8_t[]>> staged_;  // not yet parked
-  std::vector<DeviceBuffer> staged_device_;          // not yet parked
+  std::vector<DeviceBuffer> staged_device_;         // not yet parked
   std::deque<Parked> parked_;
   std::deque<StatRecord> records_;
   std::deque<StoredBatch> stored_;        // offloads not yet known to have run

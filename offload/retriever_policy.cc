@@ -100,10 +100,7 @@ void RetrieverImpl::SetPolicyArgs(LayerState& l, SparseAttentionArgs* a) {
   if (reads_attention()) a->token_prob = l.token_prob.as<float>();
   if (l.managed != nullptr && l.slot_int8.size() > 1) {
     a->slot_int8 = l.slot_int8.as<uint8_t>();
-    a->k_int8 = l.k_int8.as<int8_t>();
-    a->v_int8 = l.v_int8.as<int8_t>();
-    a->k_scale = l.k_scale.as<float>();
-    a->v_scale = l.v_scale.as<float>();
+    SetInt8Buffers(l, a);
   }
 }
 
@@ -282,20 +279,14 @@ absl::Status RetrieverImpl::QuantizeOld(int32_t layer) {
     }
   }
   if (items.empty()) return absl::OkStatus();
-  KVTIER_ASSIGN_OR_RETURN(void* dev_items, StageArgs(items.data(), items.size() * sizeof(HeadSlot)));
-  QuantizeSlotsArgs a;
-  a.dtype = g_.dtype;
-  a.page_size = g_.page_size;
-  a.num_kv_heads = g_.num_kv_heads;
-  a.head_dim = g_.head_dim;
+  KVTIER_ASSIGN_OR_RETURN(void* dev_items,
+                          StageArgs(items.data(), items.size() * sizeof(HeadSlot)));
+  auto a = SlabArgs<QuantizeSlotsArgs>(g_);
   a.items = static_cast<const HeadSlot*>(dev_items);
   a.num_items = static_cast<int32_t>(items.size());
   a.k_cache = l.k_ws.data();
   a.v_cache = l.v_ws.data();
-  a.k_int8 = l.k_int8.as<int8_t>();
-  a.v_int8 = l.v_int8.as<int8_t>();
-  a.k_scale = l.k_scale.as<float>();
-  a.v_scale = l.v_scale.as<float>();
+  SetInt8Buffers(l, &a);
   a.num_slots = t.capacity();
   l.table_dirty = true;  // the slot_int8 flags
   return backend_.QuantizeSlots(*compute_, a);
@@ -331,21 +322,12 @@ absl::Status RetrieverImpl::CompactManaged(LayerState& l) {
   if (moves.empty()) return absl::OkStatus();
   KVTIER_ASSIGN_OR_RETURN(void* dev_moves,
                           StageArgs(moves.data(), moves.size() * sizeof(HeadSlotMove)));
-  MoveHeadSlotsArgs a;
-  a.dtype = g_.dtype;
-  a.page_size = g_.page_size;
-  a.num_kv_heads = g_.num_kv_heads;
-  a.head_dim = g_.head_dim;
+  auto a = SlabArgs<MoveHeadSlotsArgs>(g_);
   a.items = static_cast<const HeadSlotMove*>(dev_moves);
   a.num_items = static_cast<int32_t>(moves.size());
   a.k_cache = l.k_ws.data();
   a.v_cache = l.v_ws.data();
-  if (l.slot_int8.size() > 1) {
-    a.k_int8 = l.k_int8.as<int8_t>();
-    a.v_int8 = l.v_int8.as<int8_t>();
-    a.k_scale = l.k_scale.as<float>();
-    a.v_scale = l.v_scale.as<float>();
-  }
+  if (l.slot_int8.size() > 1) SetInt8Buffers(l, &a);
   a.num_slots = l.managed->capacity();
   l.table_dirty = true;
   return backend_.MoveHeadSlots(*compute_, a);
@@ -363,8 +345,7 @@ absl::Status RetrieverImpl::ResizeManaged(LayerState& l, int32_t capacity) {
     DeviceBuffer fresh;
     KVTIER_RETURN_IF_ERROR(Allocate(&fresh, per_slot * capacity));
     if (copy) {
-      KVTIER_RETURN_IF_ERROR(
-          backend_.Copy(*compute_, fresh.data(), buf->data(), per_slot * keep));
+      KVTIER_RETURN_IF_ERROR(backend_.Copy(*compute_, fresh.data(), buf->data(), per_slot * keep));
     }
     staged_device_.push_back(std::exchange(*buf, std::move(fresh)));
     return absl::OkStatus();
@@ -373,9 +354,8 @@ absl::Status RetrieverImpl::ResizeManaged(LayerState& l, int32_t capacity) {
   KVTIER_RETURN_IF_ERROR(grow(&l.v_ws, slot_elems * elem(), true));
   KVTIER_RETURN_IF_ERROR(grow(&l.table, hkv * sizeof(int32_t), false));
   if (l.token_prob.data() != nullptr) {
-    KVTIER_RETURN_IF_ERROR(
-        grow(&l.token_prob, static_cast<size_t>(g_.num_q_heads) * g_.page_size * sizeof(float),
-             false));
+    KVTIER_RETURN_IF_ERROR(grow(
+        &l.token_prob, static_cast<size_t>(g_.num_q_heads) * g_.page_size * sizeof(float), false));
   }
   if (l.slot_int8.data() != nullptr) {
     KVTIER_RETURN_IF_ERROR(grow(&l.slot_int8, hkv, false));
@@ -394,32 +374,33 @@ absl::Status RetrieverImpl::ResizeManaged(LayerState& l, int32_t capacity) {
 absl::Status RetrieverImpl::DropHostPages(int32_t layer, int64_t n) {
   const PagePoolStats ps = pool_->stats();
   const std::string full = absl::StrFormat(
-      "Append: layer %d: %d more pages would fill but the host tier has %d of %d pages free",
-      layer, n + (ps.capacity - ps.in_use), ps.capacity - ps.in_use, ps.capacity);
+      "Append: layer %d: %d more pages would fill but the host tier has %d of %d pages free", layer,
+      n + (ps.capacity - ps.in_use), ps.capacity - ps.in_use, ps.capacity);
   if (pol_.host_drop != policy::HostDropMode::kEvict) {
     (void)host_drop_->PickVictim({});  // counts the refusal
     return absl::ResourceExhaustedError(full + " (host_drop = refuse)");
   }
+  // The candidates: every host page of the sequence outside the sinks and recent windows.
   const int32_t p = g_.page_size;
-  for (int64_t i = 0; i < n; ++i) {
-    std::vector<policy::HostCandidate> cand;
-    for (int32_t li = 0; li < g_.num_layers; ++li) {
-      const LayerState& c = layers_[li];
-      const int32_t total = (c.tokens + p - 1) / p;
-      const int32_t recent_lo = std::max(o_.sink_pages, total - o_.recent_pages);
-      for (int32_t page = o_.sink_pages; page < recent_lo; ++page) {
-        if (c.host_page_mirror[page] < 0) continue;
-        cand.push_back({li, page,
-                        policy::HostScore(pol_.residency.get(), li, page, g_.num_kv_heads),
-                        policy::HostPinned(pol_.residency.get(), li, page, g_.num_kv_heads)});
-      }
+  std::vector<policy::HostCandidate> cand;
+  for (int32_t li = 0; li < g_.num_layers; ++li) {
+    const LayerState& c = layers_[li];
+    const int32_t total = (c.tokens + p - 1) / p;
+    const int32_t recent_lo = std::max(o_.sink_pages, total - o_.recent_pages);
+    for (int32_t page = o_.sink_pages; page < recent_lo; ++page) {
+      if (c.host_page_mirror[page] < 0) continue;
+      cand.push_back({li, page, policy::HostScore(pol_.residency.get(), li, page, g_.num_kv_heads),
+                      policy::HostPinned(pol_.residency.get(), li, page, g_.num_kv_heads)});
     }
+  }
+  for (int64_t i = 0; i < n; ++i) {
     absl::StatusOr<size_t> victim = host_drop_->PickVictim(cand);
     if (!victim.ok()) {
       return absl::ResourceExhaustedError(
           absl::StrCat(full, ": nothing left to drop (", victim.status().message(), ")"));
     }
     const policy::HostCandidate v = cand[*victim];
+    cand.erase(cand.begin() + static_cast<ptrdiff_t>(*victim));
     LayerState& vl = layers_[v.layer];
     // A background recall may be reading the page: let it finish before the slot is reused.
     if (vl.recall_in_flight) KVTIER_RETURN_IF_ERROR(vl.recall_done->Wait(o_.deadline));
@@ -499,13 +480,13 @@ absl::Status RetrieverImpl::ObserveQueries(int32_t layer, const void* q, int32_t
   KVTIER_RETURN_IF_ERROR(CheckCall(layer, "ObserveQueries"));
   if (q == nullptr || n < 1 || n > 4096 || first_position < 0) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "ObserveQueries: q must be non-null, n = %d in [1, 4096] and first_position = %d >= 0",
-        n, first_position));
+        "ObserveQueries: q must be non-null, n = %d in [1, 4096] and first_position = %d >= 0", n,
+        first_position));
   }
   LayerState& l = layers_[layer];
   if (l.tokens == 0 || l.in_step) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "ObserveQueries: layer %d must hold tokens and be outside a step", layer));
+    return absl::FailedPreconditionError(
+        absl::StrFormat("ObserveQueries: layer %d must hold tokens and be outside a step", layer));
   }
   if (!reads_attention()) return absl::OkStatus();
   DeviceBuffer out;

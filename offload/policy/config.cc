@@ -156,8 +156,7 @@ absl::Status ReadEpiphany(ParamReader& r, EpiphanyOptions* o) {
       r.Choice("epiphany.signal", {"hidden_delta", "key_variance", "lag_kv"}, &signal));
   o->signal = static_cast<EpiphanyOptions::Signal>(signal);
   KVTIER_RETURN_IF_ERROR(r.Float("epiphany.pin_threshold", -1e6, 1e6, &o->pin_threshold));
-  KVTIER_RETURN_IF_ERROR(
-      r.Int32("epiphany.max_pinned_pages", 0, 1 << 20, &o->max_pinned_pages));
+  KVTIER_RETURN_IF_ERROR(r.Int32("epiphany.max_pinned_pages", 0, 1 << 20, &o->max_pinned_pages));
   return o->Validate();
 }
 
@@ -239,8 +238,8 @@ absl::StatusOr<Policies> Build(const PolicyConfig& c, const PolicyContext* ctx) 
   if (c.budget == "confidence") {
     out.budget = std::make_unique<ConfidenceBudget>(conf, x.default_pages);
   } else if (c.budget == "xkv") {
-    out.budget =
-        std::make_unique<XkvBudget>(xkv, x.num_layers, x.num_kv_heads, x.default_pages, x.xkv_store);
+    out.budget = std::make_unique<XkvBudget>(xkv, x.num_layers, x.num_kv_heads, x.default_pages,
+                                             x.xkv_store);
   } else if (c.budget == "kv_compress") {
     out.budget = std::move(kv.budget);
   } else {

@@ -119,8 +119,8 @@ TEST_P(ConfidenceBudgetTest, DropInConfidenceWidensAndConfidentStretchNarrows) {
         v.slot_table = h.snapshot_tables[l].data();
         RetrieverOptions ok = o;
         ok.selected_pages = want[step];
-        const bool fresh = GetParam() == RetrievalMode::kSync || step == 0 ||
-                           want[step] != want[step - 1];
+        const bool fresh =
+            GetParam() == RetrievalMode::kSync || step == 0 || want[step] != want[step - 1];
         if (fresh) {
           EXPECT_EQ(SelectedRegion(v, o, kh), h.seq.Select(l, q, kh, h.seq.tokens(), ok))
               << "step " << step << " layer " << l << " head " << kh;
@@ -176,7 +176,8 @@ TEST_P(PinnedPageTest, PinnedPageIsNeverEvictedWhilePinned) {
   std::vector<float> buf;
   constexpr int64_t kSpike = 21;  // page 2
   h.Append(40);
-  ASSERT_TRUE(h.retriever->ReportSignals(Hidden(0, 40, g.num_layers, spike ? kSpike : -1, &buf)).ok());
+  ASSERT_TRUE(
+      h.retriever->ReportSignals(Hidden(0, 40, g.num_layers, spike ? kSpike : -1, &buf)).ok());
   bool evicted_any = false;
   for (int32_t step = 0; step < 60; ++step) {
     auto r = h.Step(h.seq.Query(step), /*end=*/true, /*check=*/true);
@@ -193,15 +194,16 @@ TEST_P(PinnedPageTest, PinnedPageIsNeverEvictedWhilePinned) {
       }
     }
     h.Append(1);
-    ASSERT_TRUE(h.retriever->ReportSignals(
-                    Hidden(h.seq.tokens() - 1, 1, g.num_layers, -1, &buf)).ok());
+    ASSERT_TRUE(
+        h.retriever->ReportSignals(Hidden(h.seq.tokens() - 1, 1, g.num_layers, -1, &buf)).ok());
   }
   EXPECT_EQ(evicted_any, !spike);
   EXPECT_GT(h.retriever->Stats().evicted_head_pages, 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Spike, PinnedPageTest, ::testing::Bool(),
-                         [](const auto& param_info) { return param_info.param ? "Spike" : "NoSpike"; });
+INSTANTIATE_TEST_SUITE_P(Spike, PinnedPageTest, ::testing::Bool(), [](const auto& param_info) {
+  return param_info.param ? "Spike" : "NoSpike";
+});
 
 // In speculative mode a pinned page is always in the selected region, whatever the query
 // scores say.
@@ -256,8 +258,8 @@ TEST(RetrieverPolicyTest, DropModeEvictsPerHeadCompactsAndMatchesReference) {
     auto r = h.Step(q, /*end=*/true, /*check=*/true);
     int32_t kept = 0;
     for (int32_t l = 0; l < g.num_layers; ++l) {
-      const std::vector<float> want = AttentionOverTable(
-          g, h.seq, l, q, h.snapshot_tables[l], r.views[l].num_slots, h.seq.tokens());
+      const std::vector<float> want = AttentionOverTable(g, h.seq, l, q, h.snapshot_tables[l],
+                                                         r.views[l].num_slots, h.seq.tokens());
       for (size_t i = 0; i < want.size(); ++i) {
         ASSERT_NEAR(r.out[l][i], want[i], 1e-4) << "step " << step << " layer " << l;
       }
@@ -283,16 +285,16 @@ TEST(RetrieverPolicyTest, DropModeEvictsPerHeadCompactsAndMatchesReference) {
 // dequantised, within the quantisation error of the reference.
 TEST(RetrieverPolicyTest, Int8PagesAreDequantisedInsideAttention) {
   const Geometry g = SmallGeometry();
-  const RetrieverOptions o = WithPolicy(SmallOptions(RetrievalMode::kDrop), "fixed", "h2o",
-                                        {{"int8.window_pages", "1"}});
+  const RetrieverOptions o =
+      WithPolicy(SmallOptions(RetrievalMode::kDrop), "fixed", "h2o", {{"int8.window_pages", "1"}});
   Harness h(g, o);
   h.Append(100);
   for (int32_t step = 0; step < 10; ++step) {
     const TypedBuffer q = h.seq.Query(step);
     auto r = h.Step(q);
     for (int32_t l = 0; l < g.num_layers; ++l) {
-      const std::vector<float> want = AttentionOverTable(
-          g, h.seq, l, q, h.snapshot_tables[l], r.views[l].num_slots, h.seq.tokens());
+      const std::vector<float> want = AttentionOverTable(g, h.seq, l, q, h.snapshot_tables[l],
+                                                         r.views[l].num_slots, h.seq.tokens());
       double err = 0, norm = 0;
       for (size_t i = 0; i < want.size(); ++i) {
         err += (r.out[l][i] - want[i]) * (r.out[l][i] - want[i]);
@@ -336,8 +338,6 @@ TEST(RetrieverPolicyTest, FullHostTierDropsPagesWhenAskedAndRefusesOtherwise) {
         ASSERT_TRUE(view.ok()) << view.status();
         ASSERT_TRUE(r->Attend(l, q.data(), out.data(), nullptr).ok());
         ASSERT_TRUE(r->Wait().ok());
-        std::vector<int32_t> table(view->slot_table,
-                                   view->slot_table + g.num_kv_heads * view->num_slots);
         ExpectWorkingSetConsistent(g, o, seq, *view);
         ASSERT_TRUE(r->EndStep(l, q.data()).ok());
       }
@@ -369,14 +369,30 @@ TEST(RetrieverPolicyTest, BadPolicyConfigurationsGetClearErrors) {
       {RetrievalMode::kSync, "greedy", "none", "refuse", {}, "policy.budget = 'greedy'"},
       {RetrievalMode::kSync, "fixed", "lru", "refuse", {}, "policy.residency = 'lru'"},
       {RetrievalMode::kSync, "fixed", "none", "spill", {}, "policy.host_drop = 'spill'"},
-      {RetrievalMode::kSync, "confidence", "none", "refuse",
-       {{"confidence.enter_tight", "1.5"}}, "confidence.enter_tight"},
-      {RetrievalMode::kSync, "fixed", "none", "refuse", {{"confidence.top_m", "3"}},
+      {RetrievalMode::kSync,
+       "confidence",
+       "none",
+       "refuse",
+       {{"confidence.enter_tight", "1.5"}},
+       "confidence.enter_tight"},
+      {RetrievalMode::kSync,
+       "fixed",
+       "none",
+       "refuse",
+       {{"confidence.top_m", "3"}},
        "confidence.top_m"},
-      {RetrievalMode::kSync, "fixed", "h2o", "refuse", {{"int8.window_pages", "2"}},
+      {RetrievalMode::kSync,
+       "fixed",
+       "h2o",
+       "refuse",
+       {{"int8.window_pages", "2"}},
        "drop mode only"},
       {RetrievalMode::kDrop, "fixed", "h2o", "evict", {}, "no host tier"},
-      {RetrievalMode::kDrop, "fixed", "epiphany", "refuse", {{"epiphany.signal", "vibes"}},
+      {RetrievalMode::kDrop,
+       "fixed",
+       "epiphany",
+       "refuse",
+       {{"epiphany.signal", "vibes"}},
        "epiphany.signal"},
   };
   for (const Case& c : cases) {
