@@ -24,6 +24,16 @@ void DeviceBuffer::Reset() {
   bytes_ = 0;
 }
 
+absl::Status Backend::CopyBatch(Stream& s, const CopyRange* ranges, size_t n) {
+  if (n > 0 && ranges == nullptr) {
+    return absl::InvalidArgumentError("CopyBatch: ranges must be non-null when n > 0");
+  }
+  for (size_t i = 0; i < n; ++i) {
+    KVTIER_RETURN_IF_ERROR(Copy(s, ranges[i].dst, ranges[i].src, ranges[i].bytes));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Backend::ScorePages(Stream& s, const ScorePagesArgs& a) {
   KVTIER_RETURN_IF_ERROR(ValidateArgs(a));
   return DoScorePages(s, a);

@@ -43,6 +43,13 @@ enum class StreamPriority : uint8_t { kNormal = 0, kLow = 1 };
 
 class Backend;
 
+// One contiguous copy of a batch (Backend::CopyBatch).
+struct CopyRange {
+  void* dst;
+  const void* src;
+  size_t bytes;
+};
+
 // Backend memory, move-only; frees itself. The Backend must outlive it.
 class DeviceBuffer {
  public:
@@ -119,6 +126,16 @@ class Backend {
   // op, it runs later: a host `src` or `dst` must stay valid until the stream has run it.
   virtual absl::Status Copy(Stream& stream, void* dst, const void* src, size_t bytes) = 0;
   virtual absl::Status Memset(Stream& stream, void* dst, int value, size_t bytes) = 0;
+  // `n` independent copies (no range written by one is read or written by another), ordered
+  // on `stream` as one op: they run after the work enqueued before and before the work
+  // enqueued after, in any order among themselves. The range list is read during the call.
+  // The cuda backend issues one cudaMemcpyBatchAsync where the runtime has it (one
+  // cudaMemcpyAsync per range otherwise); this default issues one Copy per range.
+  virtual absl::Status CopyBatch(Stream& stream, const CopyRange* ranges, size_t n);
+
+  // The PCI bus id of the device ("0000:3b:00.0"), for NUMA-local host placement
+  // (offload/numa_topology.h); empty when the backend has none (cpu).
+  virtual std::string PciBusId() const { return {}; }
 
   // The compute ops (kernels/ops.h). Each validates shapes, then enqueues.
   absl::Status ScorePages(Stream& s, const ScorePagesArgs& a);
