@@ -135,7 +135,7 @@ int main(int argc, char** argv) {
   attn->add_option("--out", out, "also write the JSON report to this file");
 
   kvtier::bench::ReplayBenchOptions ro;
-  std::string taus = "0.9", pipeline = "streamed", write_trace, rdtype = "fp16";
+  std::string taus = "0.9", recall = "auto", write_trace, rdtype = "fp16";
   bool no_sync = false, no_drop = false;
   auto* replay = app.add_subcommand(
       "replay", "trace-driven evaluation of the retrieval modes side by side (full, "
@@ -169,7 +169,7 @@ int main(int argc, char** argv) {
                      "mode each; the first is reported as \"speculative\"")->capture_default_str();
   replay->add_flag("--no-sync", no_sync, "skip sync mode");
   replay->add_flag("--no-drop", no_drop, "skip drop mode (sinks + sliding window)");
-  replay->add_option("--pipeline", pipeline, "recall pipeline: streamed or fused")
+  replay->add_option("--recall", recall, "recall strategy: auto, slab_dma, batched_dma or zero_copy")
       ->capture_default_str();
   replay->add_option("--mass-layers", ro.mass_layers, "layers sampled for attn_mass_recall")
       ->capture_default_str();
@@ -244,12 +244,11 @@ int main(int argc, char** argv) {
     }
     ro.sync = !no_sync;
     ro.drop = !no_drop;
-    if (pipeline != "streamed" && pipeline != "fused") {
-      std::cerr << "kvtier-bench replay: --pipeline must be streamed or fused\n";
+    if (!kvtier::ParseRecallStrategy(recall, &ro.recall)) {
+      std::cerr << "kvtier-bench replay: --recall must be auto, slab_dma, batched_dma or "
+                   "zero_copy\n";
       return 2;
     }
-    ro.pipeline = pipeline == "fused" ? kvtier::RecallPipeline::kFused
-                                      : kvtier::RecallPipeline::kStreamed;
     if (!write_trace.empty()) {
       auto src = kvtier::bench::MakeSyntheticTrace(so);
       absl::Status st = src.ok() ? kvtier::bench::WriteTraceFile(**src, write_trace) : src.status();
@@ -270,7 +269,7 @@ int main(int argc, char** argv) {
       if (replay->get_option("--steps")->count() == 0) po.synthetic.num_steps = 40;
       po.layers = ro.layers;
       po.threads = ro.threads;
-      po.pipeline = ro.pipeline;
+      po.recall = ro.recall;
       po.policies.clear();
       for (absl::string_view p : absl::StrSplit(policy_list, ',', absl::SkipEmpty())) {
         po.policies.push_back(std::string(p));

@@ -307,7 +307,7 @@ absl::StatusOr<RunResult> PolicyReplay::RunOne(const RunSpec& spec) {
     KVTIER_RETURN_IF_ERROR(ro.SetBudgetTokens(spec.budget_tokens, g_.page_size));
   }
   ro.max_tokens = T_ + N_;
-  ro.pipeline = o_.pipeline;
+  ro.recall = o_.recall;
   ro.deadline = absl::Minutes(5);
   ro.policy = spec.config;
   // Declared before the Retriever, so they outlive it.

@@ -70,7 +70,7 @@ struct PolicyReplayOptions {
   std::vector<int32_t> budgets = {512, 1024, 2048, 4096};  // tokens; those ≥ context skipped
   std::vector<std::string> policies = PolicyReplayNames();
   int32_t vocab = 1024;                                 // synthetic logits
-  RecallPipeline pipeline = RecallPipeline::kStreamed;  // speculative+conf
+  RecallStrategy recall = RecallStrategy::kAuto;  // speculative+conf
   BackendKind backend = BackendKind::kCpu;
   int threads = 0;        // cpu backend threads; 0 = all
   std::string plot_path;  // non-empty: write the memory / error plot (PNG) here

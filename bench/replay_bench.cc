@@ -104,7 +104,7 @@ absl::Status Replay::AddMode(std::string name, RetrievalMode mode, float tau) {
   KVTIER_RETURN_IF_ERROR(ro.SetBudgetTokens(o_.budget_tokens, g_.page_size));
   ro.max_tokens = max_tokens_;
   ro.correction_threshold = tau;
-  ro.pipeline = o_.pipeline;
+  ro.recall = o_.recall;
   ro.deadline = absl::Minutes(5);
   const bool host_tier = mode == RetrievalMode::kSpeculative || mode == RetrievalMode::kSync;
   if (host_tier && o_.open_retriever) {
@@ -379,7 +379,7 @@ JsonObject Replay::Report() const {
       .Add("steps", N_)
       .Add("layers", g_.num_layers)
       .Add("budget_tokens", o_.budget_tokens)
-      .Add("pipeline", o_.pipeline == RecallPipeline::kStreamed ? "streamed" : "fused")
+      .Add("recall", std::string(RecallStrategyName(o_.recall)))
       .Add("profiled_steps", o_.profile_steps)
       .Add("mass_layers", static_cast<int32_t>(mass_layers_.size()));
   if (o_.trace_path.empty()) {

@@ -41,7 +41,7 @@ struct ReplayBenchOptions {
   std::vector<float> taus = {0.9f};  // speculative mode per τ; the first is "speculative"
   bool sync = true;                  // also run sync mode
   bool drop = true;                  // also run drop mode (sinks + sliding window, no host tier)
-  RecallPipeline pipeline = RecallPipeline::kStreamed;
+  RecallStrategy recall = RecallStrategy::kAuto;
   int32_t mass_layers = 4;    // layers (evenly spaced) for attn_mass_recall
   int32_t profile_steps = 4;  // trailing steps run with profiling for the split
   BackendKind backend = BackendKind::kCpu;

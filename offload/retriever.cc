@@ -28,8 +28,11 @@
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "kvtier/layout.h"
+#include "kvtier/mutex.h"
 #include "kvtier/status.h"
 #include "offload/retriever_impl.h"
 
@@ -163,8 +166,14 @@ absl::Status RetrieverImpl::Init() {
   KVTIER_ASSIGN_OR_RETURN(recall_, backend_.CreateStream(StreamPriority::kLow));
   KVTIER_ASSIGN_OR_RETURN(xform_fg_, backend_.CreateStream());
   KVTIER_ASSIGN_OR_RETURN(xform_bg_, backend_.CreateStream(StreamPriority::kLow));
+  KVTIER_ASSIGN_OR_RETURN(dma_, backend_.CreateStream(StreamPriority::kLow));
   KVTIER_ASSIGN_OR_RETURN(sync_compute_, backend_.CreateEvent());
   KVTIER_ASSIGN_OR_RETURN(sync_recall_, backend_.CreateEvent());
+  KVTIER_ASSIGN_OR_RETURN(sync_dma_, backend_.CreateEvent());
+  if (has_host_tier()) {
+    KVTIER_ASSIGN_OR_RETURN(strategy_, ResolveStrategy());
+  }
+  stats_.recall_strategy = strategy_;
 
   const size_t hkv = g_.num_kv_heads;
   const size_t slot_bytes = static_cast<size_t>(g_.page_size) * token_bytes();
@@ -191,16 +200,16 @@ absl::Status RetrieverImpl::Init() {
       KVTIER_RETURN_IF_ERROR(Allocate(&l.num_misses, hkv * sizeof(int32_t)));
       KVTIER_RETURN_IF_ERROR(Allocate(&l.drifted, hkv));
       KVTIER_RETURN_IF_ERROR(Allocate(&l.group_mean, hkv * sizeof(float)));
-      if (o_.pipeline == RecallPipeline::kStreamed) {
-        const size_t chunk = static_cast<size_t>(o_.stream_chunk_items) *
-                             static_cast<size_t>(g_.slab_elements()) * elem();
-        for (DeviceBuffer& b : l.staging) KVTIER_RETURN_IF_ERROR(Allocate(&b, chunk));
+      if (dma()) {
+        KVTIER_ASSIGN_OR_RETURN(l.recaller,
+                                SlabRecaller::Create(backend_, g_, strategy_,
+                                                     static_cast<int32_t>(hkv * kk),
+                                                     o_.stream_chunk_items));
       }
       l.host = std::make_unique<PageTable>(*pool_);
       l.host_page_mirror.assign(P_, -1);
     }
-    for (auto* e : {&l.attn_done, &l.recall_done, &l.ready, &l.xform_done, &l.staged[0],
-                    &l.staged[1], &l.freed[0], &l.freed[1]}) {
+    for (auto* e : {&l.attn_done, &l.recall_done, &l.ready, &l.plan_ready}) {
       KVTIER_ASSIGN_OR_RETURN(*e, backend_.CreateEvent());
     }
     // Empty slot tables (0xFF bytes = −1), zero counts, zero previous query (cosine 0).
@@ -256,6 +265,10 @@ void RetrieverImpl::Reap() {
   while (!parked_.empty() && parked_.front().done->Query()) {
     spare_events_.push_back(std::move(parked_.front().done));
     parked_.pop_front();
+  }
+  while (!retired_events_.empty() && retired_events_.front()->Query()) {
+    spare_events_.push_back(std::move(retired_events_.front()));
+    retired_events_.pop_front();
   }
 }
 
@@ -426,6 +439,7 @@ absl::Status RetrieverImpl::Append(int32_t layer, const void* k, const void* v, 
   if (k == nullptr || v == nullptr) {
     return absl::InvalidArgumentError("Append: k and v must be non-null");
   }
+  if (absl::Status ps = Pump(-1); !ps.ok()) return Fail(ps);  // background DMAs, if ready
   LayerState& l = layers_[layer];
   if (n_tokens < 1 || n_tokens > o_.max_tokens - l.tokens) {
     return absl::OutOfRangeError(absl::StrFormat(
@@ -503,52 +517,107 @@ absl::Status RetrieverImpl::AppendTokens(int32_t layer, const void* k, const voi
   return absl::OkStatus();
 }
 
-absl::Status RetrieverImpl::RecallPlan(Stream& drive, Stream* xform_stream, LayerState& l) {
+absl::Status RetrieverImpl::RecallPlan(Stream& s, RecallPath path, LayerState& l) {
   const int32_t n = g_.num_kv_heads * k();
-  const auto* items = l.items.as<RecallItem>();
-  if (xform_stream == nullptr) {
+  if (path == RecallPath::kGather || !dma()) {
     auto a = SlabArgs<RecallArgs>(g_);
     a.host_pages = pool_->base();
     a.num_host_pages = pool_->num_slots();
-    a.items = items;
+    a.items = l.items.as<RecallItem>();
     a.num_items = n;
     a.k_cache = l.k_ws.data();
     a.v_cache = l.v_ws.data();
     a.num_slots = S_;
-    return backend_.Recall(drive, a);
+    return backend_.Recall(s, a);
   }
-  // Double-buffered: gather chunk c into staging[c % 2] on `drive` once the transform of
-  // chunk c − 2 has freed it; transform it on `xform` once it is staged.
-  Stream& xform = *xform_stream;
-  const int32_t m = o_.stream_chunk_items;
-  for (int32_t c = 0, begin = 0; begin < n; ++c, begin += m) {
-    const int32_t b = c % 2;
-    const int32_t count = std::min(m, n - begin);
-    KVTIER_RETURN_IF_ERROR(drive.Wait(*l.freed[b]));
-    auto ga = SlabArgs<GatherSlabsArgs>(g_);
-    ga.host_pages = pool_->base();
-    ga.num_host_pages = pool_->num_slots();
-    ga.items = items + begin;
-    ga.num_items = count;
-    ga.staging = l.staging[b].data();
-    KVTIER_RETURN_IF_ERROR(backend_.GatherSlabs(drive, ga));
-    KVTIER_RETURN_IF_ERROR(drive.Record(*l.staged[b]));
-    KVTIER_RETURN_IF_ERROR(xform.Wait(*l.staged[b]));
-    auto sa = SlabArgs<ScatterSlabsArgs>(g_);
-    sa.staging = l.staging[b].data();
-    sa.items = items + begin;
-    sa.num_items = count;
-    sa.k_cache = l.k_ws.data();
-    sa.v_cache = l.v_ws.data();
-    sa.num_slots = S_;
-    KVTIER_RETURN_IF_ERROR(backend_.ScatterSlabs(xform, sa));
-    KVTIER_RETURN_IF_ERROR(xform.Record(*l.freed[b]));
+  // The copy engines are driven from the host: the plan goes to the layer's host plan buffer.
+  KVTIER_RETURN_IF_ERROR(
+      backend_.Copy(s, l.recaller->plan(), l.items.data(), n * sizeof(RecallItem)));
+  KVTIER_RETURN_IF_ERROR(s.Record(*l.plan_ready));
+  if (path == RecallPath::kBackground) {
+    l.plan_pending = true;  // Pump issues the DMAs once the plan is on the host
+    return absl::OkStatus();
   }
-  KVTIER_RETURN_IF_ERROR(xform.Record(*l.xform_done));
-  return drive.Wait(*l.xform_done);
+  // Sync mode: the host waits for its plan (this is the synchronous baseline).
+  absl::Status st = l.plan_ready->Wait(o_.deadline);
+  if (absl::IsDeadlineExceeded(st)) {
+    return absl::DeadlineExceededError(absl::StrFormat(
+        "sync recall: the selection did not reach the host within the deadline of %s",
+        absl::FormatDuration(o_.deadline)));
+  }
+  KVTIER_RETURN_IF_ERROR(st);
+  return l.recaller->Enqueue(s, *xform_fg_, n, Target(l)).status();
 }
 
-absl::Status RetrieverImpl::Select(Stream& s, Stream* xform, int32_t layer, const void* q,
+RecallTarget RetrieverImpl::Target(const LayerState& l) const {
+  return RecallTarget{pool_->base(), pool_->num_slots(), l.k_ws.data(), l.v_ws.data(), S_};
+}
+
+absl::Status RetrieverImpl::LaunchPlanned(LayerState& l) {
+  // The plan is on the host (plan_ready has fired); the DMAs run on their own stream, after
+  // the plan's selection on the recall stream, and recall_done covers the whole recall.
+  KVTIER_RETURN_IF_ERROR(dma_->Wait(*l.plan_ready));
+  KVTIER_RETURN_IF_ERROR(
+      l.recaller->Enqueue(*dma_, *xform_bg_, g_.num_kv_heads * k(), Target(l)).status());
+  l.plan_pending = false;
+  return dma_->Record(*l.recall_done);
+}
+
+absl::Status RetrieverImpl::Pump(int32_t layer) {
+  if (!dma()) return absl::OkStatus();
+  for (int32_t i = 0; i < g_.num_layers; ++i) {
+    LayerState& l = layers_[i];
+    if (!l.plan_pending || (layer >= 0 && i != layer)) continue;
+    if (i == layer) {
+      // This layer's step needs its recall now: wait for the plan, within the deadline.
+      const absl::Duration left = o_.deadline - (absl::Now() - l.recall_launched);
+      absl::Status st = l.plan_ready->Wait(std::max(left, absl::ZeroDuration()));
+      if (absl::IsDeadlineExceeded(st)) {
+        return absl::DeadlineExceededError(absl::StrFormat(
+            "layer %d: the background selection launched %s ago has not reached the host "
+            "within the deadline of %s",
+            i, absl::FormatDuration(absl::Now() - l.recall_launched),
+            absl::FormatDuration(o_.deadline)));
+      }
+      KVTIER_RETURN_IF_ERROR(st);
+    } else if (!l.plan_ready->Query()) {
+      continue;
+    }
+    KVTIER_RETURN_IF_ERROR(LaunchPlanned(l));
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+// Calibrations made in this process, by backend device and recall shape: every Retriever of
+// the same shape on the same device takes the same strategy without measuring again.
+Mutex calibration_mu;
+absl::flat_hash_map<std::string, RecallStrategy>& Calibrations()
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(calibration_mu) {
+  static auto* cache = new absl::flat_hash_map<std::string, RecallStrategy>();
+  return *cache;
+}
+
+}  // namespace
+
+absl::StatusOr<RecallStrategy> RetrieverImpl::ResolveStrategy() {
+  if (o_.recall != RecallStrategy::kAuto) return o_.recall;
+  const int32_t n = g_.num_kv_heads * k();
+  if (n == 0) return RecallStrategy::kZeroCopy;  // nothing is ever recalled
+  const std::string key = absl::StrCat(backend_.Describe(), "|", g_.ToString(), "|", n, "|",
+                                       o_.stream_chunk_items);
+  MutexLock lock(&calibration_mu);
+  auto it = Calibrations().find(key);
+  if (it != Calibrations().end()) return it->second;
+  KVTIER_ASSIGN_OR_RETURN(RecallCalibration cal,
+                          CalibrateRecall(backend_, g_, pool_->base(), pool_->num_slots(), n,
+                                          o_.stream_chunk_items, /*repeats=*/3));
+  Calibrations()[key] = cal.best;
+  return cal.best;
+}
+
+absl::Status RetrieverImpl::Select(Stream& s, RecallPath path, int32_t layer, const void* q,
                                    const int32_t* num_pages, const uint8_t* mask,
                                    int32_t recent_full) {
   LayerState& l = layers_[layer];
@@ -601,7 +670,7 @@ absl::Status RetrieverImpl::Select(Stream& s, Stream* xform, int32_t layer, cons
   ra.num_misses = l.num_misses.as<int32_t>();
   KVTIER_RETURN_IF_ERROR(backend_.Replace(s, ra));
   KVTIER_RETURN_IF_ERROR(Lap(s, &mark, &stats_.select_us));
-  KVTIER_RETURN_IF_ERROR(RecallPlan(s, xform, l));
+  KVTIER_RETURN_IF_ERROR(RecallPlan(s, path, l));
   return Lap(s, &mark, &stats_.recall_us);
 }
 
@@ -684,6 +753,7 @@ absl::StatusOr<WorkingSetView> RetrieverImpl::BeginStep(int32_t layer, const voi
     return absl::FailedPreconditionError(
         absl::StrFormat("BeginStep: layer %d: the previous step was not ended", layer));
   }
+  if (absl::Status ps = Pump(layer); !ps.ok()) return Fail(ps);
   if (l.recall_in_flight && !l.recall_done->Query()) {
     const absl::Duration age = absl::Now() - l.recall_launched;
     if (age > o_.deadline) {
@@ -708,8 +778,11 @@ absl::StatusOr<WorkingSetView> RetrieverImpl::BeginStep(int32_t layer, const voi
   if (st.ok() &&
       (o_.mode == RetrievalMode::kSync || (speculative && (l.step == 0 || reselect)))) {
     // Select every head with q_t before attention.
-    st = Select(c, Pipeline(*xform_fg_), layer, l.q_cur.data(), l.counts.as<int32_t>(), no_mask,
-                RecentFull(l));
+    // Sync mode recalls with its strategy; speculative mode's first (and re-)selection is on
+    // the critical path and planned on the device, so it gathers zero-copy.
+    st = Select(c,
+                o_.mode == RetrievalMode::kSync ? RecallPath::kForeground : RecallPath::kGather,
+                layer, l.q_cur.data(), l.counts.as<int32_t>(), no_mask, RecentFull(l));
     if (st.ok()) st = RecordStats(c, layer, l.step, /*background=*/false, /*checked=*/false);
   } else if (st.ok() && speculative) {
     QueryCosineArgs qa;
@@ -728,7 +801,7 @@ absl::StatusOr<WorkingSetView> RetrieverImpl::BeginStep(int32_t layer, const voi
     if (st.ok()) {
       // The correction recall is a few pages on the critical path: one fused op, no
       // pipeline hand-offs.
-      st = Select(c, nullptr, layer, l.q_cur.data(), l.counts.as<int32_t>(),
+      st = Select(c, RecallPath::kGather, layer, l.q_cur.data(), l.counts.as<int32_t>(),
                   l.drifted.as<uint8_t>(), RecentFull(l));
     }
     if (st.ok()) st = RecordStats(c, layer, l.step, /*background=*/false, /*checked=*/true);
@@ -801,6 +874,14 @@ absl::Status RetrieverImpl::EndStep(int32_t layer, const void* q) {
   l.in_step = false;
   const int64_t step = l.step++;
   if (o_.mode != RetrievalMode::kSpeculative) return absl::OkStatus();
+  // Fresh events for this step (FreeKV re-records one event per layer, which is only safe
+  // while nobody can still be about to wait on the old record): the previous step's are
+  // retired and reused only once they have fired.
+  for (std::unique_ptr<Event>* e : {&l.attn_done, &l.recall_done, &l.plan_ready}) {
+    absl::StatusOr<std::unique_ptr<Event>> fresh = TakeEvent();
+    if (!fresh.ok()) return Fail(fresh.status());
+    retired_events_.push_back(std::exchange(*e, *std::move(fresh)));
+  }
   // On the compute stream, after attention: remember q_t and snapshot the page count.
   Stream& c = *compute_;
   auto* counts = l.counts.as<int32_t>();
@@ -811,14 +892,16 @@ absl::Status RetrieverImpl::EndStep(int32_t layer, const void* q) {
   // recall the misses into the slots of evicted pages.
   if (st.ok()) st = recall_->Wait(*l.attn_done);
   if (st.ok()) {
-    st = Select(*recall_, Pipeline(*xform_bg_), layer, l.q_prev.data(), counts + 3, nullptr,
+    st = Select(*recall_, RecallPath::kBackground, layer, l.q_prev.data(), counts + 3, nullptr,
                 RecentFull(l));
   }
   if (st.ok()) st = RecordStats(*recall_, layer, step, /*background=*/true, /*checked=*/false);
-  if (st.ok()) st = recall_->Record(*l.recall_done);
+  // A DMA plan's recall_done is recorded when Pump issues its copies.
+  if (st.ok() && !l.plan_pending) st = recall_->Record(*l.recall_done);
   if (!st.ok()) return Fail(st);
   l.recall_in_flight = true;
   l.recall_launched = absl::Now();
+  if (absl::Status ps = Pump(-1); !ps.ok()) return Fail(ps);
   return absl::OkStatus();
 }
 
@@ -826,15 +909,21 @@ absl::Status RetrieverImpl::Wait() {
   const absl::Time end = absl::Now() + o_.deadline;
   KVTIER_RETURN_IF_ERROR(compute_->Record(*sync_compute_));
   KVTIER_RETURN_IF_ERROR(recall_->Record(*sync_recall_));
-  for (Event* e : {sync_compute_.get(), sync_recall_.get()}) {
-    absl::Status st = e->Wait(std::max(end - absl::Now(), absl::ZeroDuration()));
+  const auto wait = [&](Event& e) -> absl::Status {
+    absl::Status st = e.Wait(std::max(end - absl::Now(), absl::ZeroDuration()));
     if (absl::IsDeadlineExceeded(st)) {
       return absl::DeadlineExceededError(
           absl::StrFormat("retriever: work in flight did not complete within the deadline of %s",
                           absl::FormatDuration(o_.deadline)));
     }
-    KVTIER_RETURN_IF_ERROR(st);
-  }
+    return st;
+  };
+  KVTIER_RETURN_IF_ERROR(wait(*sync_compute_));
+  KVTIER_RETURN_IF_ERROR(wait(*sync_recall_));
+  // Every background plan is on the host now: issue its DMAs and wait for them too.
+  for (int32_t i = 0; i < g_.num_layers; ++i) KVTIER_RETURN_IF_ERROR(Pump(i));
+  KVTIER_RETURN_IF_ERROR(dma_->Record(*sync_dma_));
+  KVTIER_RETURN_IF_ERROR(wait(*sync_dma_));
   for (LayerState& l : layers_) {
     if (l.recall_in_flight && l.recall_done->Query()) l.recall_in_flight = false;
   }

@@ -21,6 +21,7 @@
 #include "offload/page_pool.h"
 #include "offload/page_table.h"
 #include "offload/policy/config.h"
+#include "offload/recall_strategy.h"
 
 namespace kvtier::retriever_internal {
 
@@ -85,8 +86,11 @@ struct LayerState {
   DeviceBuffer num_misses;     // int32 [Hkv]
   DeviceBuffer drifted;        // uint8 [Hkv]
   DeviceBuffer group_mean;     // float [Hkv]
-  DeviceBuffer staging[2];     // [chunk][2][p][d]
-  std::unique_ptr<Event> attn_done, recall_done, ready, xform_done, staged[2], freed[2];
+  // DMA strategies: the layer's own staging and host plan, and the background plan that
+  // awaits its DMAs (plan_ready fires once the device's plan has reached the host).
+  std::unique_ptr<SlabRecaller> recaller;
+  bool plan_pending = false;
+  std::unique_ptr<Event> attn_done, recall_done, ready, plan_ready;
   std::unique_ptr<PageTable> host;  // host tier (speculative, sync)
 
   int32_t tokens = 0;
@@ -139,7 +143,7 @@ class RetrieverImpl final : public Retriever {
   ~RetrieverImpl() override {
     // Work still queued may touch the buffers below: let it run first.
     if (compute_ != nullptr) (void)compute_->Synchronize();
-    for (Stream* s : {recall_.get(), xform_fg_.get(), xform_bg_.get()}) {
+    for (Stream* s : {recall_.get(), dma_.get(), xform_fg_.get(), xform_bg_.get()}) {
       if (s != nullptr) (void)s->Synchronize();
     }
     if (offloader_ != nullptr) (void)offloader_->Drain();
@@ -189,8 +193,8 @@ class RetrieverImpl final : public Retriever {
   size_t q_bytes() const { return static_cast<size_t>(g_.num_q_heads) * g_.head_dim * elem(); }
   int32_t k() const { return o_.selected_pages; }
   int32_t SlotOf(int64_t logical) const;
-  Stream* Pipeline(Stream& xform) const {
-    return o_.pipeline == RecallPipeline::kStreamed ? &xform : nullptr;
+  bool dma() const {
+    return strategy_ == RecallStrategy::kSlabDma || strategy_ == RecallStrategy::kBatchedDma;
   }
   // Full pages of the recent window: excluded from top-k candidates.
   int32_t RecentFull(const LayerState& l) const;
@@ -247,11 +251,24 @@ class RetrieverImpl final : public Retriever {
   void HarvestStored();
   absl::Status UploadTable(LayerState& l);
   absl::Status UploadCounts(LayerState& l);
+  // How Select recalls the misses of its plan (made on the device by Replace).
+  enum class RecallPath : uint8_t {
+    kGather,      // the zero-copy gather op on the same stream, reading the device plan
+    kBackground,  // the strategy: a DMA plan goes to the host, its DMAs are issued by Pump
+    kForeground,  // the strategy, now: a DMA plan is waited for on the host (sync mode)
+  };
   // Score → TopK → Replace → recall of the layer's selected region on `s`.
-  // `xform`: the transform stream of the streamed pipeline; null recalls in one fused op.
-  absl::Status Select(Stream& s, Stream* xform, int32_t layer, const void* q,
+  absl::Status Select(Stream& s, RecallPath path, int32_t layer, const void* q,
                       const int32_t* num_pages, const uint8_t* mask, int32_t recent_full);
-  absl::Status RecallPlan(Stream& drive, Stream* xform, LayerState& l);
+  absl::Status RecallPlan(Stream& s, RecallPath path, LayerState& l);
+  // Issues the DMAs of background plans that have reached the host: of every layer whose
+  // plan is ready (layer < 0), or of `layer`, waiting for its plan (bounded by the
+  // deadline) when it is not there yet. Never blocks for other layers.
+  absl::Status Pump(int32_t layer);
+  absl::Status LaunchPlanned(LayerState& l);
+  RecallTarget Target(const LayerState& l) const;
+  // kAuto → the calibrated strategy (cached per backend device and shape).
+  absl::StatusOr<RecallStrategy> ResolveStrategy();
   absl::Status RecordStats(Stream& s, int32_t layer, int64_t step, bool background, bool checked);
   absl::Status Collect(bool block);
   // While profiling: waits for `s` and adds the time since *mark to *total_us.
@@ -275,6 +292,7 @@ class RetrieverImpl final : public Retriever {
   int32_t S_ = 0;  // slots per layer
   int32_t P_ = 0;  // max pages per layer
   float scale_ = 1.0f;
+  RecallStrategy strategy_ = RecallStrategy::kZeroCopy;  // resolved (never kAuto)
 
   std::vector<LayerState> layers_;
   policy::Policies pol_;  // empty unless o_.policy is not the default
@@ -288,6 +306,7 @@ class RetrieverImpl final : public Retriever {
   std::deque<StoredBatch> stored_;        // offloads not yet known to have run
   std::vector<StoredPage> stored_ready_;  // completed, not yet taken
   std::vector<std::unique_ptr<Event>> spare_events_;
+  std::deque<std::unique_ptr<Event>> retired_events_;  // per-step events, until they fire
   RetrieverStats stats_;
   bool closed_ = false;
   bool profiling_ = false;
@@ -296,8 +315,8 @@ class RetrieverImpl final : public Retriever {
   // Streams last: destroyed first, running their queued work while the buffers still exist.
   std::unique_ptr<Stream> own_compute_;
   Stream* compute_ = nullptr;
-  std::unique_ptr<Stream> recall_, xform_fg_, xform_bg_;
-  std::unique_ptr<Event> sync_compute_, sync_recall_;
+  std::unique_ptr<Stream> recall_, xform_fg_, xform_bg_, dma_;
+  std::unique_ptr<Event> sync_compute_, sync_recall_, sync_dma_;
 };
 
 }  // namespace kvtier::retriever_internal

@@ -42,6 +42,7 @@
 #include "kvtier/geometry.h"
 #include "offload/policy/config.h"
 #include "offload/policy/policy.h"
+#include "offload/recall_strategy.h"
 
 namespace kvtier {
 
@@ -51,16 +52,6 @@ class PagePool;
 enum class RetrievalMode : uint8_t { kSpeculative = 0, kSync = 1, kFull = 2, kDrop = 3 };
 std::string_view RetrievalModeName(RetrievalMode mode);
 bool ParseRetrievalMode(std::string_view name, RetrievalMode* out);
-
-// How recalled head-pages reach the working set in the background and in sync mode. The
-// speculative correction recall (a few pages, on the critical path) is always one fused op.
-enum class RecallPipeline : uint8_t {
-  // Double-buffered: chunk n+1 of the recall plan is gathered into one staging buffer (on
-  // the driving stream) while chunk n is transformed HND → NHD from the other (on the
-  // transform stream), ordered by per-layer events.
-  kStreamed = 0,
-  kFused = 1,  // one Recall op: gather and transform in one pass
-};
 
 struct RetrieverOptions {
   RetrievalMode mode = RetrievalMode::kSpeculative;
@@ -76,8 +67,13 @@ struct RetrieverOptions {
   PoolMode pool = PoolMode::kSoftmaxMean;
   SummaryMode summary = SummaryMode::kMinMax;
   float softmax_scale = 0.0f;  // 0: 1/sqrt(head_dim)
-  RecallPipeline pipeline = RecallPipeline::kStreamed;
-  int32_t stream_chunk_items = 64;  // head-pages per staging buffer (kStreamed)
+  // How background recalls (and sync mode's) move slabs (offload/recall_strategy.h); kAuto
+  // calibrates the three strategies on the backend and host tier at Create (once per
+  // backend device and shape in a process) and takes the fastest; RetrieverStats says which.
+  // The speculative correction recall (a few pages, on the critical path, planned on the
+  // device) is always the zero-copy gather, so it never waits for the host.
+  RecallStrategy recall = RecallStrategy::kAuto;
+  int32_t stream_chunk_items = 64;  // head-pages per staging buffer (DMA strategies)
   // Longest a background recall or Wait() may take before the step fails with
   // DEADLINE_EXCEEDED.
   absl::Duration deadline = absl::Seconds(30);
@@ -139,6 +135,7 @@ struct RetrieverStats {
   int64_t corrected_heads = 0;       // of which corrected
   std::vector<int64_t> corrections;  // [layer][Hkv]: corrected heads per layer and head
   // Wall time of each phase over the layer-steps run while profiling (SetProfiling), µs.
+  RecallStrategy recall_strategy = RecallStrategy::kAuto;  // the one in use (after calibration)
   int64_t profiled_steps = 0;
   double select_us = 0;     // scoring, top-k and replacement (foreground and background)
   double recall_us = 0;     // recall of the misses (foreground and background)

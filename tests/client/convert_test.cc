@@ -139,14 +139,14 @@ TEST(SessionInfoProtoTest, ResolvedOptionsDriveTheLocalRetriever) {
   EXPECT_FLOAT_EQ(info->correction_threshold, 0.9f);  // unset: the protocol's default
 
   RetrieverOptions local;
-  local.pipeline = RecallPipeline::kFused;
+  local.recall = RecallStrategy::kBatchedDma;
   absl::StatusOr<RetrieverOptions> o = ResolveRetrieverOptions(local, *info);
   ASSERT_TRUE(o.ok()) << o.status();
   EXPECT_EQ(o->sink_pages, 2);
   EXPECT_EQ(o->selected_pages, 4);
   EXPECT_EQ(o->recent_pages, 2);
   EXPECT_EQ(o->max_tokens, 1024);
-  EXPECT_EQ(o->pipeline, RecallPipeline::kFused);  // local knobs stay
+  EXPECT_EQ(o->recall, RecallStrategy::kBatchedDma);  // local knobs stay
 
   info->budget_tokens = 100;  // not a multiple of 4 pages: a daemon bug
   EXPECT_EQ(ResolveRetrieverOptions(local, *info).status().code(), absl::StatusCode::kInternal);

@@ -29,10 +29,10 @@ using namespace retriever_test;  // NOLINT: the harness is this test's vocabular
 using testing::TypedBuffer;
 
 TEST(RetrieverTest, SyncWorkingSetEqualsSelection) {
-  for (RecallPipeline pipe : {RecallPipeline::kStreamed, RecallPipeline::kFused}) {
+  for (RecallStrategy strategy : kRecallStrategies) {
     const Geometry g = SmallGeometry();
     RetrieverOptions o = SmallOptions(RetrievalMode::kSync);
-    o.pipeline = pipe;
+    o.recall = strategy;
     Harness h(g, o);
     h.Append(150);  // 18 full pages + a partial one
     for (int step = 0; step < 6; ++step) {
@@ -275,15 +275,23 @@ TEST(RetrieverTest, DropModeKeepsSinksAndSlidingWindow) {
   EXPECT_EQ(h.tier->pool->stats().in_use, 0);  // no host tier
 }
 
-TEST(RetrieverTest, StreamedAndFusedRecallAgree) {
+// The three recall strategies move the same bytes: speculative outputs agree bit for bit.
+TEST(RetrieverTest, RecallStrategiesAgree) {
   const Geometry g = SmallGeometry(DType::kF16);
   RetrieverOptions a = SmallOptions(RetrievalMode::kSpeculative);
-  RetrieverOptions b = a;
-  b.pipeline = RecallPipeline::kFused;
-  Harness ha(g, a), hb(g, b);
+  a.recall = RecallStrategy::kZeroCopy;
+  Harness ha(g, a);
   ha.Append(130);
-  hb.Append(130);
-  EXPECT_EQ(RunSteps(ha, 10, 900), RunSteps(hb, 10, 900));
+  const auto expected = RunSteps(ha, 10, 900);
+  for (RecallStrategy strategy : {RecallStrategy::kSlabDma, RecallStrategy::kBatchedDma}) {
+    RetrieverOptions b = a;
+    b.recall = strategy;
+    Harness hb(g, b);
+    hb.Append(130);
+    EXPECT_EQ(RunSteps(hb, 10, 900), expected) << RecallStrategyName(strategy);
+    EXPECT_EQ(hb.retriever->Stats().recall_strategy, strategy);
+    EXPECT_GT(hb.retriever->Stats().recalled_pages, 0);
+  }
 }
 
 // Work on every stream is delayed by random amounts, so the streams interleave differently
@@ -569,11 +577,11 @@ StepSnapshot StepAndSnapshot(Retriever& r, Backend& backend, const TypedBuffer& 
 // R1 appends T tokens; a copy of its host tier, re-adopted with PagePool::Claim from what
 // TakeStoredPages reported, restores R2. Driven alike from then on, R1 and R2 agree bit
 // for bit: slot tables, resident K/V, attention outputs and recall statistics.
-void ExpectRestoreEquivalent(int32_t T, RecallPipeline pipeline) {
+void ExpectRestoreEquivalent(int32_t T, RecallStrategy strategy) {
   const Geometry g = SmallGeometry(DType::kF16);
   RetrieverOptions o = SmallOptions(RetrievalMode::kSpeculative);
   o.correction_threshold = 0.5f;  // some heads corrected, some not
-  o.pipeline = pipeline;
+  o.recall = strategy;
   Harness h1(g, o);
   const int32_t p = g.page_size;
   const int32_t n = T / p;
@@ -653,15 +661,15 @@ void ExpectRestoreEquivalent(int32_t T, RecallPipeline pipeline) {
 
 TEST(RetrieverTest, RestoredLayersStepLikeTheOriginal) {
   // 17 full pages: past the sinks and the recent ring, so the ring has wrapped.
-  ExpectRestoreEquivalent(17 * 8, RecallPipeline::kStreamed);
+  ExpectRestoreEquivalent(17 * 8, RecallStrategy::kSlabDma);
 }
 
 TEST(RetrieverTest, RestoredFullPagesPlusAppendedRemainderStepLikeTheOriginal) {
-  ExpectRestoreEquivalent(17 * 8 + 5, RecallPipeline::kFused);
+  ExpectRestoreEquivalent(17 * 8 + 5, RecallStrategy::kZeroCopy);
 }
 
 TEST(RetrieverTest, RestoreOfFewPagesStepsLikeTheOriginal) {
-  ExpectRestoreEquivalent(2 * 8 + 3, RecallPipeline::kStreamed);  // within sinks and ring
+  ExpectRestoreEquivalent(2 * 8 + 3, RecallStrategy::kBatchedDma);  // within sinks and ring
 }
 
 TEST(RetrieverTest, RestoreErrors) {

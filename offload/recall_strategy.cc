@@ -1,0 +1,305 @@
+#include "offload/recall_strategy.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <unordered_set>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "kvtier/status.h"
+
+namespace kvtier {
+namespace {
+
+constexpr size_t kHostPage = 4096;
+
+size_t RoundUp(size_t bytes, size_t to) { return (bytes + to - 1) / to * to; }
+
+absl::Status CheckItem(const RecallItem& it, int32_t i, const Geometry& g, const RecallTarget& t) {
+  if (it.host_page < 0 || it.host_page >= t.num_host_pages) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "recall plan: items[%d].host_page = %d must be in [0, %d)", i, it.host_page,
+        t.num_host_pages));
+  }
+  if (it.kv_head < 0 || it.kv_head >= g.num_kv_heads) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "recall plan: items[%d].kv_head = %d must be in [0, %d)", i, it.kv_head, g.num_kv_heads));
+  }
+  if (it.dst_slot < 0 || it.dst_slot >= t.num_slots) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "recall plan: items[%d].dst_slot = %d must be in [0, %d)", i, it.dst_slot, t.num_slots));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::string_view RecallStrategyName(RecallStrategy strategy) {
+  switch (strategy) {
+    case RecallStrategy::kAuto:
+      return "auto";
+    case RecallStrategy::kSlabDma:
+      return "slab_dma";
+    case RecallStrategy::kBatchedDma:
+      return "batched_dma";
+    case RecallStrategy::kZeroCopy:
+      return "zero_copy";
+  }
+  return "unknown";
+}
+
+bool ParseRecallStrategy(std::string_view name, RecallStrategy* out) {
+  for (RecallStrategy s : {RecallStrategy::kAuto, RecallStrategy::kSlabDma,
+                           RecallStrategy::kBatchedDma, RecallStrategy::kZeroCopy}) {
+    if (name == RecallStrategyName(s)) {
+      *out = s;
+      return true;
+    }
+  }
+  return false;
+}
+
+// ---- SlabRecaller ----
+
+SlabRecaller::SlabRecaller(Backend& backend, const Geometry& g, RecallStrategy strategy,
+                           int32_t max_items, int32_t chunk_items)
+    : backend_(backend),
+      g_(g),
+      strategy_(strategy),
+      max_items_(max_items),
+      chunk_items_(std::min(chunk_items, max_items)) {}
+
+SlabRecaller::~SlabRecaller() {
+  // Work still queued may read the plans or write the staging buffers: callers synchronise
+  // their streams before destroying a recaller (the Retriever does in its destructor).
+  RecallItem* buffers[2] = {plan_, ordered_};
+  for (int i = 0; i < 2; ++i) {
+    if (registered_[i]) (void)backend_.UnregisterHost(buffers[i]);
+    std::free(buffers[i]);
+  }
+}
+
+absl::StatusOr<std::unique_ptr<SlabRecaller>> SlabRecaller::Create(Backend& backend,
+                                                                   const Geometry& g,
+                                                                   RecallStrategy strategy,
+                                                                   int32_t max_items,
+                                                                   int32_t chunk_items) {
+  if (strategy == RecallStrategy::kAuto) {
+    return absl::InvalidArgumentError(
+        "SlabRecaller: name a strategy (slab_dma, batched_dma or zero_copy); kAuto is resolved "
+        "by CalibrateRecall");
+  }
+  if (max_items < 1 || chunk_items < 1) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "SlabRecaller: max_items = %d and chunk_items = %d must be ≥ 1", max_items, chunk_items));
+  }
+  std::unique_ptr<SlabRecaller> r(new SlabRecaller(backend, g, strategy, max_items, chunk_items));
+  KVTIER_RETURN_IF_ERROR(r->Init());
+  return r;
+}
+
+absl::Status SlabRecaller::Init() {
+  plan_bytes_ = RoundUp(static_cast<size_t>(max_items_) * sizeof(RecallItem), kHostPage);
+  RecallItem** buffers[2] = {&plan_, &ordered_};
+  for (int i = 0; i < 2; ++i) {
+    *buffers[i] = static_cast<RecallItem*>(std::aligned_alloc(kHostPage, plan_bytes_));
+    if (*buffers[i] == nullptr) {
+      return absl::ResourceExhaustedError(
+          absl::StrFormat("SlabRecaller: cannot allocate %d bytes of plan", plan_bytes_));
+    }
+    std::memset(*buffers[i], 0xFF, plan_bytes_);  // every item a skip item
+    KVTIER_RETURN_IF_ERROR(backend_.RegisterHost(*buffers[i], plan_bytes_));
+    registered_[i] = true;
+  }
+  if (strategy_ == RecallStrategy::kZeroCopy) return absl::OkStatus();
+  const size_t chunk_bytes =
+      static_cast<size_t>(chunk_items_) * g_.slab_elements() * g_.element_bytes();
+  for (int b = 0; b < 2; ++b) {
+    KVTIER_ASSIGN_OR_RETURN(staging_[b], backend_.Allocate(chunk_bytes));
+    KVTIER_ASSIGN_OR_RETURN(staged_[b], backend_.CreateEvent());
+    KVTIER_ASSIGN_OR_RETURN(freed_[b], backend_.CreateEvent());
+  }
+  KVTIER_ASSIGN_OR_RETURN(done_, backend_.CreateEvent());
+  ranges_.reserve(chunk_items_);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> SlabRecaller::Enqueue(Stream& drive, Stream& xform, int32_t n,
+                                              const RecallTarget& t) {
+  if (n < 0 || n > max_items_) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("SlabRecaller: n = %d must be in [0, %d]", n, max_items_));
+  }
+  if (n == 0) return 0;
+  if (strategy_ == RecallStrategy::kZeroCopy) {
+    RecallArgs a;
+    a.dtype = g_.dtype;
+    a.page_size = g_.page_size;
+    a.num_kv_heads = g_.num_kv_heads;
+    a.head_dim = g_.head_dim;
+    a.host_pages = t.host_pages;
+    a.num_host_pages = t.num_host_pages;
+    a.items = plan_;
+    a.num_items = n;
+    a.k_cache = t.k_cache;
+    a.v_cache = t.v_cache;
+    a.num_slots = t.num_slots;
+    KVTIER_RETURN_IF_ERROR(backend_.Recall(drive, a));
+    return 0;
+  }
+
+  // The DMA strategies read the plan here: drop skips, check ranges, and (batched) order by
+  // host address so that adjacent slabs become one range.
+  int32_t m = 0;
+  for (int32_t i = 0; i < n; ++i) {
+    const RecallItem& it = plan_[i];
+    if (it.host_page == kSkipItem) continue;
+    KVTIER_RETURN_IF_ERROR(CheckItem(it, i, g_, t));
+    ordered_[m++] = it;
+  }
+  if (m == 0) return 0;
+  if (strategy_ == RecallStrategy::kBatchedDma) {
+    std::sort(ordered_, ordered_ + m, [](const RecallItem& a, const RecallItem& b) {
+      return a.host_page != b.host_page ? a.host_page < b.host_page : a.kv_head < b.kv_head;
+    });
+  }
+  const size_t slab_bytes = static_cast<size_t>(g_.slab_elements()) * g_.element_bytes();
+  const size_t page_bytes = g_.host_page_bytes();
+  const auto* host = static_cast<const uint8_t*>(t.host_pages);
+  int64_t issued = 0;
+  // Double-buffered: chunk c is copied into staging[c % 2] on `drive` once the transform of
+  // chunk c − 2 has freed it, and transformed on `xform` once staged.
+  for (int32_t c = 0, begin = 0; begin < m; ++c, begin += chunk_items_) {
+    const int b = c % 2;
+    const int32_t count = std::min(chunk_items_, m - begin);
+    KVTIER_RETURN_IF_ERROR(drive.Wait(*freed_[b]));
+    auto* stage = staging_[b].as<uint8_t>();
+    ranges_.clear();
+    for (int32_t j = 0; j < count; ++j) {
+      const RecallItem& it = ordered_[begin + j];
+      const uint8_t* src = host + static_cast<size_t>(it.host_page) * page_bytes +
+                           static_cast<size_t>(it.kv_head) * slab_bytes;
+      uint8_t* dst = stage + static_cast<size_t>(j) * slab_bytes;
+      if (strategy_ == RecallStrategy::kBatchedDma && !ranges_.empty()) {
+        CopyRange& last = ranges_.back();
+        if (static_cast<const uint8_t*>(last.src) + last.bytes == src &&
+            static_cast<uint8_t*>(last.dst) + last.bytes == dst) {
+          last.bytes += slab_bytes;
+          continue;
+        }
+      }
+      ranges_.push_back(CopyRange{dst, src, slab_bytes});
+    }
+    if (strategy_ == RecallStrategy::kBatchedDma) {
+      KVTIER_RETURN_IF_ERROR(backend_.CopyBatch(drive, ranges_.data(), ranges_.size()));
+    } else {
+      for (const CopyRange& r : ranges_) {
+        KVTIER_RETURN_IF_ERROR(backend_.Copy(drive, r.dst, r.src, r.bytes));
+      }
+    }
+    issued += static_cast<int64_t>(ranges_.size());
+    KVTIER_RETURN_IF_ERROR(drive.Record(*staged_[b]));
+    KVTIER_RETURN_IF_ERROR(xform.Wait(*staged_[b]));
+    ScatterSlabsArgs sa;
+    sa.dtype = g_.dtype;
+    sa.page_size = g_.page_size;
+    sa.num_kv_heads = g_.num_kv_heads;
+    sa.head_dim = g_.head_dim;
+    sa.staging = stage;
+    sa.items = ordered_ + begin;
+    sa.num_items = count;
+    sa.k_cache = t.k_cache;
+    sa.v_cache = t.v_cache;
+    sa.num_slots = t.num_slots;
+    KVTIER_RETURN_IF_ERROR(backend_.ScatterSlabs(xform, sa));
+    KVTIER_RETURN_IF_ERROR(xform.Record(*freed_[b]));
+  }
+  KVTIER_RETURN_IF_ERROR(xform.Record(*done_));
+  KVTIER_RETURN_IF_ERROR(drive.Wait(*done_));
+  return issued;
+}
+
+// ---- Calibration ----
+
+std::string RecallCalibration::Summary() const {
+  std::string s;
+  for (size_t i = 0; i < kRecallStrategies.size(); ++i) {
+    absl::StrAppend(&s, i == 0 ? "" : ", ", std::string(RecallStrategyName(kRecallStrategies[i])), " ",
+                    absl::StrFormat("%.1f", us[i]), " us");
+  }
+  absl::StrAppend(&s, " for ", num_items, " slabs → ", std::string(RecallStrategyName(best)));
+  return s;
+}
+
+absl::StatusOr<RecallCalibration> CalibrateRecall(Backend& backend, const Geometry& g,
+                                                  const void* host_pages, int64_t num_host_pages,
+                                                  int32_t num_items, int32_t chunk_items,
+                                                  int32_t repeats) {
+  if (host_pages == nullptr || num_host_pages < 1 || num_items < 1 || chunk_items < 1 ||
+      repeats < 1) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "CalibrateRecall: need host pages (got %d), num_items (%d), chunk_items (%d) and "
+        "repeats (%d) ≥ 1",
+        num_host_pages, num_items, chunk_items, repeats));
+  }
+  const int64_t slabs = num_host_pages * g.num_kv_heads;
+  const int32_t n = static_cast<int32_t>(std::min<int64_t>(num_items, slabs));
+  // Distinct random (page, head) slabs, each into the next free slot of its head.
+  std::mt19937_64 rng(0x6b767469ULL);
+  std::vector<RecallItem> plan;
+  plan.reserve(n);
+  std::vector<int32_t> next_slot(g.num_kv_heads, 0);
+  if (n == slabs) {
+    for (int64_t s = 0; s < slabs; ++s) {
+      const auto h = static_cast<int32_t>(s % g.num_kv_heads);
+      plan.push_back(RecallItem{s / g.num_kv_heads, h, next_slot[h]++});
+    }
+    std::shuffle(plan.begin(), plan.end(), rng);
+  } else {
+    std::unordered_set<int64_t> used;
+    std::uniform_int_distribution<int64_t> pick(0, slabs - 1);
+    while (static_cast<int32_t>(plan.size()) < n) {
+      const int64_t s = pick(rng);
+      if (!used.insert(s).second) continue;
+      const auto h = static_cast<int32_t>(s % g.num_kv_heads);
+      plan.push_back(RecallItem{s / g.num_kv_heads, h, next_slot[h]++});
+    }
+  }
+  const int32_t num_slots = *std::max_element(next_slot.begin(), next_slot.end());
+  const size_t cache_bytes =
+      static_cast<size_t>(num_slots) * g.page_size * g.num_kv_heads * g.head_dim *
+      g.element_bytes();
+  KVTIER_ASSIGN_OR_RETURN(DeviceBuffer k_cache, backend.Allocate(cache_bytes));
+  KVTIER_ASSIGN_OR_RETURN(DeviceBuffer v_cache, backend.Allocate(cache_bytes));
+  KVTIER_ASSIGN_OR_RETURN(auto drive, backend.CreateStream());
+  KVTIER_ASSIGN_OR_RETURN(auto xform, backend.CreateStream());
+  RecallTarget t{host_pages, num_host_pages, k_cache.data(), v_cache.data(), num_slots};
+
+  RecallCalibration cal;
+  cal.num_items = n;
+  for (size_t i = 0; i < kRecallStrategies.size(); ++i) {
+    KVTIER_ASSIGN_OR_RETURN(
+        auto recaller, SlabRecaller::Create(backend, g, kRecallStrategies[i], n, chunk_items));
+    std::copy(plan.begin(), plan.end(), recaller->plan());
+    std::vector<double> times;
+    for (int32_t r = 0; r <= repeats; ++r) {  // run 0 warms up
+      const absl::Time start = absl::Now();
+      KVTIER_RETURN_IF_ERROR(recaller->Enqueue(*drive, *xform, n, t).status());
+      KVTIER_RETURN_IF_ERROR(drive->Synchronize());
+      if (r > 0) times.push_back(absl::ToDoubleMicroseconds(absl::Now() - start));
+    }
+    std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
+    cal.us[i] = times[times.size() / 2];
+  }
+  const size_t best = static_cast<size_t>(
+      std::min_element(cal.us.begin(), cal.us.end()) - cal.us.begin());
+  cal.best = kRecallStrategies[best];
+  return cal;
+}
+
+}  // namespace kvtier

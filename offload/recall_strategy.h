@@ -1,0 +1,132 @@
+// Recall strategies (DESIGN.md §5): three ways of moving selected (page, KV head) slabs from
+// the host tier (HND pages in registered host memory) into a layer's NHD working set, all
+// bit-exact and interchangeable:
+//
+//   kSlabDma     one DMA per (page, head) K+V slab (16 KiB at p = 32, d = 128, fp16) into a
+//                double-buffered staging buffer; the HND → NHD transform (ScatterSlabs) of
+//                chunk n runs on a second stream while chunk n+1 is copied (FreeKV's way).
+//   kBatchedDma  as kSlabDma, but the plan is sorted by host address, runs of adjacent slabs
+//                are merged into one range, and each chunk's ranges go out as one batched
+//                copy (Backend::CopyBatch: cudaMemcpyBatchAsync where the runtime has it).
+//   kZeroCopy    one gather kernel (the Recall op) reads the registered host arena and
+//                writes NHD in one pass; no staging, no copy engine.
+//
+// The DMA strategies need the plan on the host (the copy engines are driven by the host);
+// the zero-copy gather reads it wherever it is, so a plan made on the device never comes
+// back. Which is fastest depends on the GPU, the PCIe link, the slab size and the number of
+// slabs: CalibrateRecall times all three on the real backend and host memory, and the
+// Retriever picks the fastest at start-up unless told which to use (RetrieverOptions).
+#ifndef KVTIER_OFFLOAD_RECALL_STRATEGY_H_
+#define KVTIER_OFFLOAD_RECALL_STRATEGY_H_
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/backend.h"
+#include "kvtier/geometry.h"
+
+namespace kvtier {
+
+enum class RecallStrategy : uint8_t {
+  kAuto = 0,  // calibrated at start-up (CalibrateRecall)
+  kSlabDma = 1,
+  kBatchedDma = 2,
+  kZeroCopy = 3,
+};
+inline constexpr std::array<RecallStrategy, 3> kRecallStrategies = {
+    RecallStrategy::kSlabDma, RecallStrategy::kBatchedDma, RecallStrategy::kZeroCopy};
+// "auto", "slab_dma", "batched_dma", "zero_copy".
+std::string_view RecallStrategyName(RecallStrategy strategy);
+bool ParseRecallStrategy(std::string_view name, RecallStrategy* out);
+
+// Where a recall reads and writes: the host tier's page area (host page i is the HND page at
+// host_pages + i · host_page_bytes) and a working set of num_slots NHD slots.
+struct RecallTarget {
+  const void* host_pages = nullptr;
+  int64_t num_host_pages = 0;
+  void* k_cache = nullptr;  // [num_slots][p][Hkv][d]
+  void* v_cache = nullptr;
+  int32_t num_slots = 0;
+};
+
+// Executes recall plans held on the host with one strategy. Owns its staging buffers (two
+// chunks), events and plan buffers (host memory registered with the backend, so kernels can
+// read them), so one instance per layer keeps layers in flight from sharing anything.
+//
+// Thread-compatible. Not reentrant per instance: a plan buffer may be rewritten, and
+// Enqueue called again, only once the previous recall has run (an event recorded on `drive`
+// after Enqueue has fired, or a later stream waited on one).
+class SlabRecaller {
+ public:
+  // INVALID_ARGUMENT for kAuto, max_items < 1 or chunk_items < 1.
+  static absl::StatusOr<std::unique_ptr<SlabRecaller>> Create(Backend& backend,
+                                                              const Geometry& g,
+                                                              RecallStrategy strategy,
+                                                              int32_t max_items,
+                                                              int32_t chunk_items);
+  ~SlabRecaller();
+  SlabRecaller(const SlabRecaller&) = delete;
+  SlabRecaller& operator=(const SlabRecaller&) = delete;
+
+  RecallStrategy strategy() const { return strategy_; }
+  int32_t max_items() const { return max_items_; }
+  // The plan buffer: max_items RecallItems in registered host memory. Write the plan here
+  // (or copy a device plan into it) before Enqueue.
+  RecallItem* plan() { return plan_; }
+
+  // Enqueues the recall of plan()[0, n) into `t`. Skip items (host_page == kSkipItem) are
+  // dropped; an item out of range is INVALID_ARGUMENT here for the DMA strategies (they read
+  // the plan on the host) and fails the stream for kZeroCopy. Work starts on `drive` after
+  // what was enqueued there before; when this returns, later work on `drive` runs after the
+  // whole recall, transform included. `xform` runs the transforms of the DMA strategies.
+  // Returns the number of copy ranges issued (DMA strategies; 0 for kZeroCopy).
+  absl::StatusOr<int64_t> Enqueue(Stream& drive, Stream& xform, int32_t n,
+                                  const RecallTarget& t);
+
+ private:
+  SlabRecaller(Backend& backend, const Geometry& g, RecallStrategy strategy, int32_t max_items,
+               int32_t chunk_items);
+  absl::Status Init();
+
+  Backend& backend_;
+  const Geometry g_;
+  const RecallStrategy strategy_;
+  const int32_t max_items_;
+  const int32_t chunk_items_;
+  // Page-aligned host buffers of max_items items each, registered with the backend (a
+  // registration never shares a page with another): the caller's plan, and the plan in
+  // staging order that ScatterSlabs reads.
+  RecallItem* plan_ = nullptr;
+  RecallItem* ordered_ = nullptr;
+  size_t plan_bytes_ = 0;
+  bool registered_[2] = {false, false};
+  DeviceBuffer staging_[2];  // [chunk][2][p][d]
+  std::unique_ptr<Event> staged_[2], freed_[2], done_;
+  std::vector<CopyRange> ranges_;  // scratch
+};
+
+// Start-up calibration: the time of one recall of `num_items` scattered slabs (distinct
+// random (page, head) pairs of the host area into distinct slots) per strategy, the median
+// of `repeats` runs after one warm-up, on `backend` and the host memory given (which must be
+// registered with the backend, as the host tier is). The scratch working set is allocated
+// here. Reads host memory only.
+struct RecallCalibration {
+  std::array<double, 3> us = {0, 0, 0};  // per kRecallStrategies entry
+  RecallStrategy best = RecallStrategy::kZeroCopy;
+  int32_t num_items = 0;
+  std::string Summary() const;  // "slab_dma 812.3 us, batched_dma 640.1 us, zero_copy ... → x"
+};
+absl::StatusOr<RecallCalibration> CalibrateRecall(Backend& backend, const Geometry& g,
+                                                  const void* host_pages, int64_t num_host_pages,
+                                                  int32_t num_items, int32_t chunk_items,
+                                                  int32_t repeats = 5);
+
+}  // namespace kvtier
+
+#endif  // KVTIER_OFFLOAD_RECALL_STRATEGY_H_
