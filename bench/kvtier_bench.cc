@@ -7,6 +7,8 @@
 //   kvtier-bench replay --connect unix:///path/kvtierd.sock   # through kvtierd sessions
 //   kvtier-bench replay --policies [--budgets 512,1024] [--policy-list window,h2o] [--plot F]
 //   kvtier-bench ipc [--bytes N] [--json]
+//   kvtier-bench pcie [--backend cuda] [--json] [--plot F]   # host↔device transfers, recall
+//   kvtier-bench step [--backend cuda] [--context N] [--json]  # per-layer decode step times
 //   kvtier-bench devices
 #include <fstream>
 #include <iostream>
@@ -15,9 +17,11 @@
 #include "CLI/CLI.hpp"
 #include "bench/attention_bench.h"
 #include "bench/ipc_bench.h"
+#include "bench/pcie_bench.h"
 #include "bench/policy_replay.h"
 #include "bench/replay_bench.h"
 #include "bench/replay_session.h"
+#include "bench/step_bench.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -220,10 +224,16 @@ int main(int argc, char** argv) {
   ipc->add_flag("--json", json, "print one JSON object on stdout");
   ipc->add_option("--out", out, "also write the JSON report to this file");
 
+  int pcie_rc = 0, step_rc = 0;
+  auto* pcie = kvtier::bench::AddPcieCommand(app, &pcie_rc);
+  auto* step = kvtier::bench::AddStepCommand(app, &step_rc);
+
   auto* devices = app.add_subcommand("devices", "list the backends this build can use");
 
   CLI11_PARSE(app, argc, argv);
   if (*devices) return ListDevices();
+  if (*pcie) return pcie_rc;
+  if (*step) return step_rc;
   if (*ipc) {
     io.redis = !no_redis;
     return RunIpc(io, json, out);

@@ -1,0 +1,45 @@
+# kvtier-bench step end to end at a tiny size on the cpu backend (cmake -P script, so the check
+# needs nothing but CMake): every mode is timed for every batch size, and the JSON has the keys
+# the report promises.
+#   -DBENCH=<kvtier-bench>
+cmake_minimum_required(VERSION 3.19)  # string(JSON)
+execute_process(
+  COMMAND "${BENCH}" step --backend cpu --threads 2 --context 512 --budget 256 --batch 1,2
+    --layers 2 --steps 4 --warmup 1 --q-heads 4 --kv-heads 2 --head-dim 32 --page-size 16
+    --json
+  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "kvtier-bench step failed (${rc}):\n${err}")
+endif()
+message("${err}")
+
+foreach(key device commit recall_strategy)
+  string(JSON value ERROR_VARIABLE json_error GET "${out}" ${key})
+  if(json_error OR value STREQUAL "")
+    message(FATAL_ERROR "the JSON has no \"${key}\":\n${out}")
+  endif()
+endforeach()
+string(JSON context GET "${out}" sizes context)
+if(NOT context EQUAL 512)
+  message(FATAL_ERROR "sizes.context = ${context}, want 512")
+endif()
+foreach(batch 1 2)
+  foreach(mode dense_us resident_us resident_per_seq_us speculative_us sync_us
+          dense_median_us speculative_median_us correction_rate)
+    string(JSON type ERROR_VARIABLE json_error TYPE "${out}" ${mode} ${batch})
+    if(json_error OR NOT type STREQUAL "NUMBER")
+      message(FATAL_ERROR "${mode}.${batch} is not a number (${json_error}):\n${out}")
+    endif()
+  endforeach()
+  foreach(ratio speculative_over_resident sync_over_speculative dense_over_speculative)
+    string(JSON type ERROR_VARIABLE json_error TYPE "${out}" ratios ${batch} ${ratio})
+    if(json_error OR NOT type STREQUAL "NUMBER")
+      message(FATAL_ERROR "ratios.${batch}.${ratio} is not a number (${json_error}):\n${out}")
+    endif()
+  endforeach()
+  string(JSON steps GET "${out}" retriever_stats ${batch} speculative layer_steps)
+  math(EXPR want "${batch} * 2 * 4")  # sequences × layers × timed steps
+  if(NOT steps EQUAL want)
+    message(FATAL_ERROR "speculative ran ${steps} layer-steps at batch ${batch}, want ${want}")
+  endif()
+endforeach()
