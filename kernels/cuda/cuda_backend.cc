@@ -1,6 +1,7 @@
 // The CUDA backend (DESIGN.md §5): device memory, non-blocking streams and events, host
-// registration for DMA and zero-copy kernels, copies, and the copy kernels (recall.cu,
-// slabs.cu, offload.cu). The arithmetic ops answer UNIMPLEMENTED until their kernels land.
+// registration for DMA and zero-copy kernels, copies (single and batched), the copy kernels
+// (recall.cu, slabs.cu, offload.cu) and the arithmetic kernels (select.cu, attention.cu,
+// policy_ops.cu).
 //
 // Every method first makes this backend's device current (restoring the caller's device
 // afterwards), so one process may drive several GPUs through several backends.
@@ -12,11 +13,13 @@
 #include <map>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
+#include "kernels/cuda/compute_kernels.h"
 #include "kernels/cuda/copy_kernels.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_stream.h"
@@ -40,12 +43,6 @@ absl::StatusOr<std::string> DescribeDevice(int device) {
   return absl::StrFormat("cuda: %s (sm_%d%d), %d GiB, driver %d.%d, runtime %d.%d", prop.name,
                          prop.major, prop.minor, gib, driver / 1000, driver % 1000 / 10,
                          runtime / 1000, runtime % 1000 / 10);
-}
-
-absl::Status NotYet(absl::string_view op) {
-  return absl::UnimplementedError(absl::StrCat(
-      "cuda backend: ", op,
-      " has no CUDA kernel yet; it lands with the CUDA-backend work (use the cpu backend)"));
 }
 
 class CudaBackend final : public Backend {
@@ -91,6 +88,14 @@ class CudaBackend final : public Backend {
                       absl::StrFormat("cudaMemcpyAsync(%d bytes)", bytes));
   }
 
+  absl::Status CopyBatch(Stream& s, const CopyRange* ranges, size_t n) override;
+
+  std::string PciBusId() const override {
+    char id[32] = {};
+    if (cudaDeviceGetPCIBusId(id, sizeof(id), device_) != cudaSuccess) return {};
+    return id;
+  }
+
   absl::Status Memset(Stream& s, void* dst, int value, size_t bytes) override {
     KVTIER_ASSIGN_OR_RETURN(cuda::CudaStream * stream, cuda::AsCudaStream(s, this, "Memset"));
     if (bytes == 0) return absl::OkStatus();
@@ -110,26 +115,14 @@ class CudaBackend final : public Backend {
   absl::Status DoScatterSlabs(Stream& s, const ScatterSlabsArgs& a) override;
   absl::Status DoOffload(Stream& s, const OffloadArgs& a) override;
 
-  absl::Status DoScorePages(Stream&, const ScorePagesArgs&) override {
-    return NotYet("ScorePages");
-  }
-  absl::Status DoTopK(Stream&, const TopKArgs&) override { return NotYet("TopK"); }
-  absl::Status DoReplace(Stream&, const ReplaceArgs&) override { return NotYet("Replace"); }
-  absl::Status DoQueryCosine(Stream&, const QueryCosineArgs&) override {
-    return NotYet("QueryCosine");
-  }
-  absl::Status DoSparseAttention(Stream&, const SparseAttentionArgs&) override {
-    return NotYet("SparseAttention");
-  }
-  absl::Status DoDenseAttention(Stream&, const DenseAttentionArgs&) override {
-    return NotYet("DenseAttention");
-  }
-  absl::Status DoQuantizeSlots(Stream&, const QuantizeSlotsArgs&) override {
-    return NotYet("QuantizeSlots");
-  }
-  absl::Status DoMoveHeadSlots(Stream&, const MoveHeadSlotsArgs&) override {
-    return NotYet("MoveHeadSlots");
-  }
+  absl::Status DoScorePages(Stream& s, const ScorePagesArgs& a) override;
+  absl::Status DoTopK(Stream& s, const TopKArgs& a) override;
+  absl::Status DoReplace(Stream& s, const ReplaceArgs& a) override;
+  absl::Status DoQueryCosine(Stream& s, const QueryCosineArgs& a) override;
+  absl::Status DoSparseAttention(Stream& s, const SparseAttentionArgs& a) override;
+  absl::Status DoDenseAttention(Stream& s, const DenseAttentionArgs& a) override;
+  absl::Status DoQuantizeSlots(Stream& s, const QuantizeSlotsArgs& a) override;
+  absl::Status DoMoveHeadSlots(Stream& s, const MoveHeadSlotsArgs& a) override;
 
  private:
   struct Registration {
@@ -247,6 +240,115 @@ absl::Status CudaBackend::DoOffload(Stream& s, const OffloadArgs& a) {
   return CudaStatus(cuda::LaunchOffload(d, stream->NextOp(), stream->handle()),
                     "Offload kernel launch");
 }
+
+absl::Status CudaBackend::CopyBatch(Stream& s, const CopyRange* ranges, size_t n) {
+  KVTIER_ASSIGN_OR_RETURN(cuda::CudaStream * stream, cuda::AsCudaStream(s, this, "CopyBatch"));
+  if (n == 0) return absl::OkStatus();
+  if (ranges == nullptr) {
+    return absl::InvalidArgumentError("CopyBatch: ranges must be non-null when n > 0");
+  }
+  KVTIER_CUDA_SCOPED_DEVICE(device_);
+#if CUDART_VERSION >= 12080
+  std::vector<void*> dsts(n);
+  std::vector<const void*> srcs(n);
+  std::vector<size_t> sizes(n);
+  for (size_t i = 0; i < n; ++i) {
+    dsts[i] = ranges[i].dst;
+    srcs[i] = ranges[i].src;
+    sizes[i] = ranges[i].bytes;
+  }
+  // One attribute for every copy: stream-ordered sources (they may have been written by
+  // earlier work on the stream), copies overlapping compute where the hardware can.
+  cudaMemcpyAttributes attr{};
+  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+  size_t attr_index = 0;
+#if CUDART_VERSION >= 13000
+  return CudaStatus(cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), n, &attr,
+                                         &attr_index, 1, stream->handle()),
+                    absl::StrFormat("cudaMemcpyBatchAsync(%d copies)", n));
+#else
+  size_t fail_index = 0;
+  return CudaStatus(cudaMemcpyBatchAsync(const_cast<void**>(dsts.data()),
+                                         const_cast<void**>(srcs.data()), sizes.data(), n, &attr,
+                                         &attr_index, 1, &fail_index, stream->handle()),
+                    absl::StrFormat("cudaMemcpyBatchAsync(%d copies)", n));
+#endif
+#else
+  for (size_t i = 0; i < n; ++i) {
+    KVTIER_RETURN_IF_ERROR(
+        CudaStatus(cudaMemcpyAsync(ranges[i].dst, ranges[i].src, ranges[i].bytes,
+                                   cudaMemcpyDefault, stream->handle()),
+                   absl::StrFormat("cudaMemcpyAsync(%d bytes)", ranges[i].bytes)));
+  }
+  return absl::OkStatus();
+#endif
+}
+
+// The arithmetic ops: every pointer argument is translated to its device view, then the
+// kernel is launched on the stream with the stream's error sink.
+#define KVTIER_CUDA_LAUNCH_OP(Name, Launcher, ...)                                            \
+  KVTIER_ASSIGN_OR_RETURN(cuda::CudaStream * stream, cuda::AsCudaStream(s, this, #Name)); \
+  KVTIER_CUDA_SCOPED_DEVICE(device_);                                                     \
+  auto d = a;                                                                             \
+  __VA_ARGS__;                                                                            \
+  return CudaStatus(cuda::Launcher(d, stream->NextOp(), stream->handle()), #Name " kernel launch")
+
+#define KVTIER_VIEW(field) d.field = DeviceView(a.field)
+
+absl::Status CudaBackend::DoScorePages(Stream& s, const ScorePagesArgs& a) {
+  KVTIER_CUDA_LAUNCH_OP(ScorePages, LaunchScorePages, KVTIER_VIEW(q), KVTIER_VIEW(summaries),
+                        KVTIER_VIEW(num_pages), KVTIER_VIEW(scores), KVTIER_VIEW(pooled),
+                        KVTIER_VIEW(head_mask));
+}
+
+absl::Status CudaBackend::DoTopK(Stream& s, const TopKArgs& a) {
+  KVTIER_CUDA_LAUNCH_OP(TopK, LaunchTopK, KVTIER_VIEW(pooled), KVTIER_VIEW(num_pages),
+                        KVTIER_VIEW(selected), KVTIER_VIEW(head_mask), KVTIER_VIEW(head_k),
+                        KVTIER_VIEW(page_flags));
+}
+
+absl::Status CudaBackend::DoQueryCosine(Stream& s, const QueryCosineArgs& a) {
+  KVTIER_CUDA_LAUNCH_OP(QueryCosine, LaunchQueryCosine, KVTIER_VIEW(q), KVTIER_VIEW(q_prev),
+                        KVTIER_VIEW(cosine), KVTIER_VIEW(group_mean), KVTIER_VIEW(drifted));
+}
+
+absl::Status CudaBackend::DoReplace(Stream& s, const ReplaceArgs& a) {
+  KVTIER_CUDA_LAUNCH_OP(Replace, LaunchReplace, KVTIER_VIEW(selected), KVTIER_VIEW(slot_table),
+                        KVTIER_VIEW(host_page_of), KVTIER_VIEW(head_mask), KVTIER_VIEW(items),
+                        KVTIER_VIEW(num_misses));
+}
+
+absl::Status CudaBackend::DoSparseAttention(Stream& s, const SparseAttentionArgs& a) {
+  KVTIER_CUDA_LAUNCH_OP(SparseAttention, LaunchSparseAttention, KVTIER_VIEW(q),
+                        KVTIER_VIEW(k_cache), KVTIER_VIEW(v_cache), KVTIER_VIEW(slot_table),
+                        KVTIER_VIEW(partial_page), KVTIER_VIEW(partial_len), KVTIER_VIEW(out),
+                        KVTIER_VIEW(lse), KVTIER_VIEW(query_position), KVTIER_VIEW(token_prob),
+                        KVTIER_VIEW(slot_int8), KVTIER_VIEW(k_int8), KVTIER_VIEW(v_int8),
+                        KVTIER_VIEW(k_scale), KVTIER_VIEW(v_scale));
+}
+
+absl::Status CudaBackend::DoDenseAttention(Stream& s, const DenseAttentionArgs& a) {
+  KVTIER_CUDA_LAUNCH_OP(DenseAttention, LaunchDenseAttention, KVTIER_VIEW(q), KVTIER_VIEW(k),
+                        KVTIER_VIEW(v), KVTIER_VIEW(seq_len), KVTIER_VIEW(out), KVTIER_VIEW(lse));
+}
+
+absl::Status CudaBackend::DoQuantizeSlots(Stream& s, const QuantizeSlotsArgs& a) {
+  if (a.num_items == 0) return absl::OkStatus();
+  KVTIER_CUDA_LAUNCH_OP(QuantizeSlots, LaunchQuantizeSlots, KVTIER_VIEW(items),
+                        KVTIER_VIEW(k_cache), KVTIER_VIEW(v_cache), KVTIER_VIEW(k_int8),
+                        KVTIER_VIEW(v_int8), KVTIER_VIEW(k_scale), KVTIER_VIEW(v_scale));
+}
+
+absl::Status CudaBackend::DoMoveHeadSlots(Stream& s, const MoveHeadSlotsArgs& a) {
+  if (a.num_items == 0) return absl::OkStatus();
+  KVTIER_CUDA_LAUNCH_OP(MoveHeadSlots, LaunchMoveHeadSlots, KVTIER_VIEW(items),
+                        KVTIER_VIEW(k_cache), KVTIER_VIEW(v_cache), KVTIER_VIEW(k_int8),
+                        KVTIER_VIEW(v_int8), KVTIER_VIEW(k_scale), KVTIER_VIEW(v_scale));
+}
+
+#undef KVTIER_VIEW
+#undef KVTIER_CUDA_LAUNCH_OP
 
 }  // namespace
 

@@ -25,6 +25,22 @@ absl::string_view OpName(KernelOp op) {
       return "GatherSlabs";
     case KernelOp::kScatterSlabs:
       return "ScatterSlabs";
+    case KernelOp::kScorePages:
+      return "ScorePages";
+    case KernelOp::kTopK:
+      return "TopK";
+    case KernelOp::kQueryCosine:
+      return "QueryCosine";
+    case KernelOp::kReplace:
+      return "Replace";
+    case KernelOp::kSparseAttention:
+      return "SparseAttention";
+    case KernelOp::kDenseAttention:
+      return "DenseAttention";
+    case KernelOp::kQuantizeSlots:
+      return "QuantizeSlots";
+    case KernelOp::kMoveHeadSlots:
+      return "MoveHeadSlots";
   }
   return "kernel";
 }
@@ -41,6 +57,20 @@ absl::string_view FieldName(ItemField field) {
       return "src_slot";
     case ItemField::kSummaryPage:
       return "summary_page";
+    case ItemField::kNumPages:
+      return "num_pages";
+    case ItemField::kHeadK:
+      return "head_k";
+    case ItemField::kSelectedPage:
+      return "selected";
+    case ItemField::kPartialLen:
+      return "partial_len";
+    case ItemField::kSlotTable:
+      return "slot_table";
+    case ItemField::kSeqLen:
+      return "seq_len";
+    case ItemField::kSlot:
+      return "slot";
   }
   return "index";
 }
@@ -59,6 +89,13 @@ absl::Status ErrorSlot::FailureUpTo(uint64_t seq) const {
   if (failed_seq == 0 || failed_seq > seq) return absl::OkStatus();
   // op_seq is written last (after a system fence), so the fields below are complete.
   const DeviceErrorRecord& r = *host_record_;
+  const auto field = static_cast<ItemField>(r.field);
+  if (field >= ItemField::kNumPages && field != ItemField::kSlot) {  // an array entry
+    return absl::OutOfRangeError(
+        absl::StrFormat("%s: %s[%d] = %d must be in [0, %d) (found by the CUDA kernel)",
+                        OpName(static_cast<KernelOp>(r.op)), FieldName(field), r.item, r.value,
+                        r.limit));
+  }
   return absl::OutOfRangeError(
       absl::StrFormat("%s: items[%d].%s = %d must be in [0, %d) (found by the CUDA kernel)",
                       OpName(static_cast<KernelOp>(r.op)), r.item,

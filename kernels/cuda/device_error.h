@@ -17,7 +17,20 @@
 namespace kvtier::cuda {
 
 // Which op failed.
-enum class KernelOp : int32_t { kRecall = 1, kOffload = 2, kGatherSlabs = 3, kScatterSlabs = 4 };
+enum class KernelOp : int32_t {
+  kRecall = 1,
+  kOffload = 2,
+  kGatherSlabs = 3,
+  kScatterSlabs = 4,
+  kScorePages = 5,
+  kTopK = 6,
+  kQueryCosine = 7,
+  kReplace = 8,
+  kSparseAttention = 9,
+  kDenseAttention = 10,
+  kQuantizeSlots = 11,
+  kMoveHeadSlots = 12,
+};
 
 // Which field of the failing item was out of range.
 enum class ItemField : int32_t {
@@ -26,6 +39,15 @@ enum class ItemField : int32_t {
   kDstSlot = 3,
   kSrcSlot = 4,
   kSummaryPage = 5,
+  // Fields of the arithmetic ops' arrays (item = the array index; the range is [0, limit),
+  // so an inclusive bound b is reported as limit b + 1).
+  kNumPages = 6,      // num_pages[b]
+  kHeadK = 7,         // head_k[b·Hkv + h]
+  kSelectedPage = 8,  // selected[...]: a page with no host page (host_page_of < 0)
+  kPartialLen = 9,    // partial_len[b]
+  kSlotTable = 10,    // slot_table[i]: a page ≥ 0 or -1
+  kSeqLen = 11,       // seq_len[b]
+  kSlot = 12,         // items[i].slot / src_slot / dst_slot of the policy ops
 };
 
 struct DeviceErrorRecord {

@@ -1,0 +1,1101 @@
+// Decode attention on the GPU: sparse paged attention over per-KV-head slot tables and dense
+// attention over contiguous KV, one split-K ("flash-decoding") design for both. Semantics
+// are the CPU reference's (kernels/cpu/attention.cc): fp32 accumulation, online softmax,
+// output rounded (nearest even) into the dtype, lse = m + log(l), -inf and zeros for a head
+// that attends nothing.
+//
+// Main kernel, grid (B · splits, Hkv · head blocks), kThreads threads. A block owns one
+// (sequence, KV head), up to 8 query heads of its group (GQA: every K/V row is read once per
+// group; a group of more than 8 heads takes ceil(G / 8) blocks) and one contiguous range of
+// the sequence's token indices: the flattened [S][p] index of the working set (sparse) or
+// the token (dense; the host does not know seq_len, so ranges cover max_tokens and empty
+// ones exit early). Inside the block every "row group" of L lanes (8, 16 or 32: one 16-byte
+// load per lane per row for d = 64 .. 256, fp16/bf16) is an independent online-softmax
+// stream that takes U consecutive tokens per step (4, or 2 for the widest shapes): it loads
+// their K and V rows first (memory-level parallelism), then computes the scores (per-lane
+// partial dot products and a butterfly over the row group), and rescales its accumulators
+// once per step. Sparse tokens are resolved per token (slot table, partial page, causal
+// limit, INT8 flag); a step where no token of the warp is attended is skipped, and a step
+// holding INT8 slots goes token by token, dequantising as it loads (q · scale, as the CPU).
+// At the end the streams merge: within a warp by shuffles, across warps through shared
+// memory in a fixed order, so results are deterministic. Head dims that are not a multiple
+// of the 16-byte vector (or misaligned buffers) take a scalar path with the same structure,
+// one query head per block.
+//
+// Splits: enough that B · Hkv · head blocks · splits ≈ kBlocksPerSm blocks per SM (the SM
+// count is cached per device), with at least kMinTilesPerSplit tiles of tokens per split,
+// so batch 1 still fills the GPU. With one split the main kernel writes out and lse itself;
+// otherwise it writes per-split partials (m, l, unnormalised acc) and a combine kernel
+// merges them exactly as the CPU merges its chunks.
+//
+// token_prob (sparse only): the final (m, l) of every query head is kept (by the main
+// kernel with one split, else by the combine), then a third kernel walks the same tokens
+// with the same code, recomputes each score bit for bit and writes exp(s − m) · (1 / l), 0
+// for tokens not attended, as the CPU's second pass.
+//
+// Scratch. Launchers never allocate op buffers, but split partials and final (m, l) need
+// workspace that the op's arguments do not provide. This file owns it: one grow-only
+// device buffer per (device, stream) (per calling thread as well for cudaStreamPerThread),
+// created lazily with cudaMalloc and never freed before process exit. Keying by stream
+// makes concurrent launches on different streams safe; each entry has its own mutex, held
+// while an op enqueues its kernels, so two threads sharing one stream cannot interleave one
+// op's kernels with another's. A buffer is never freed when it grows (the old one is kept),
+// so a CUDA graph captured with it stays valid; growth during stream capture switches the
+// thread to relaxed capture mode for the cudaMalloc. A captured graph uses the scratch of
+// its capture stream: replaying it concurrently with direct launches on that stream, or
+// with another replay of itself, is not supported. With one split and no token_prob no
+// scratch is used at all.
+//
+// Data-dependent errors (OUT_OF_RANGE on the CPU) are reported through the error sink:
+// partial_len[b] outside [0, p] and seq_len[b] outside [0, T] skip sequence b entirely
+// (its outputs are not written); a slot table entry below -1 is reported (limit INT32_MAX:
+// entries are -1 or a page) and the slot is treated as empty.
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <thread>
+#include <tuple>
+
+#include "kernels/cuda/compute_kernels.h"
+#include "kernels/cuda/kernel_util.cuh"
+#include "kvtier/layout.h"
+#include "kvtier/mutex.h"
+
+namespace kvtier::cuda {
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxGroupBlock = 8;      // query heads per block
+constexpr int kBlocksPerSm = 4;        // split target: about one wave of resident blocks
+constexpr int64_t kMinTilesPerSplit = 2;
+constexpr int64_t kMaxSplits = 1024;
+constexpr int kCombineThreads = 128;
+constexpr unsigned kFullMask = 0xffffffffu;
+
+__device__ __forceinline__ float NegInf() { return __uint_as_float(0xff800000u); }
+
+// ---- Vector words ----
+
+// The unsigned word of kBytes bytes: one load of W elements.
+template <int kBytes>
+struct WordOf;
+template <>
+struct WordOf<1> {
+  using type = uint8_t;
+};
+template <>
+struct WordOf<2> {
+  using type = uint16_t;
+};
+template <>
+struct WordOf<4> {
+  using type = uint32_t;
+};
+template <>
+struct WordOf<8> {
+  using type = uint2;
+};
+template <>
+struct WordOf<16> {
+  using type = uint4;
+};
+
+// 32-bit word i of a loaded word (i is a compile-time constant after unrolling).
+__device__ __forceinline__ uint32_t WordAt(uint8_t u, int) { return u; }
+__device__ __forceinline__ uint32_t WordAt(uint16_t u, int) { return u; }
+__device__ __forceinline__ uint32_t WordAt(uint32_t u, int) { return u; }
+__device__ __forceinline__ uint32_t WordAt(const uint2& u, int i) { return i == 0 ? u.x : u.y; }
+__device__ __forceinline__ uint32_t WordAt(const uint4& u, int i) {
+  return i == 0 ? u.x : (i == 1 ? u.y : (i == 2 ? u.z : u.w));
+}
+
+// Exact widening of one element's bits (the low 16 bits for fp16/bf16).
+template <typename T>
+__device__ __forceinline__ float BitsToValue(uint32_t bits);
+template <>
+__device__ __forceinline__ float BitsToValue<Half>(uint32_t bits) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(bits & 0xffffu)));
+}
+template <>
+__device__ __forceinline__ float BitsToValue<BFloat16>(uint32_t bits) {
+  return __uint_as_float(bits << 16);
+}
+template <>
+__device__ __forceinline__ float BitsToValue<float>(uint32_t bits) {
+  return __uint_as_float(bits);
+}
+
+// Element e of a word holding W consecutive elements of T.
+template <typename T, typename U>
+__device__ __forceinline__ float ElementOf(const U& u, int e) {
+  if constexpr (sizeof(T) == 2) {
+    const uint32_t w = WordAt(u, e / 2);
+    return BitsToValue<T>((e & 1) != 0 ? w >> 16 : w);
+  } else {
+    return BitsToValue<T>(WordAt(u, e));
+  }
+}
+
+// Element e of a word holding INT8 values, as float.
+template <typename U>
+__device__ __forceinline__ float Int8Of(const U& u, int e) {
+  const uint32_t byte = (WordAt(u, e / 4) >> (8 * (e % 4))) & 0xffu;
+  return static_cast<float>(static_cast<int8_t>(byte));
+}
+
+template <typename U>
+__device__ __forceinline__ U LoadWord(const void* p) {
+  return __ldg(static_cast<const U*>(p));
+}
+
+// ---- Shapes ----
+
+// One kernel configuration: element T; W elements per vector load (16 bytes, or 1 for the
+// scalar path); NV vectors per lane; L lanes per row group (a stream); GM query heads per
+// block. A row of d ≤ NV·L·W elements is spread over the L lanes of a row group: lane r
+// holds vectors j·L + r, j < NV, masked beyond d. A stream takes U consecutive tokens per
+// step: 4, or 2 where q and the accumulators already take many registers.
+template <typename T_, int kW, int kNV, int kL, int kGM>
+struct Shape {
+  using T = T_;
+  static constexpr int W = kW;
+  static constexpr int NV = kNV;
+  static constexpr int L = kL;
+  static constexpr int GM = kGM;
+  static constexpr int kPerLane = NV * W;        // dims per lane
+  static constexpr int U = GM * kPerLane >= 64 || kPerLane >= 16 ? 2 : 4;
+  static constexpr int kSpw = 32 / L;            // streams per warp
+  static constexpr int kTile = kThreads / L * U;  // tokens per block step
+  static constexpr int kDimCap = NV * L * W;
+  using Word = typename WordOf<W * static_cast<int>(sizeof(T))>::type;
+  using Int8Word = typename WordOf<W>::type;
+  static_assert(L >= 1 && L <= 32 && (L & (L - 1)) == 0, "L: a power of two ≤ 32");
+};
+
+// ---- Parameters ----
+
+struct AttnParams {
+  const void* q;  // [B][Hq][d]
+  const void* k;  // sparse: [B][S][p][Hkv][d]; dense: [B][T][Hkv][d]
+  const void* v;
+  void* out;      // [B][Hq][d]
+  float* lse;     // [B][Hq]; optional
+  int32_t num_q_heads;
+  int32_t num_kv_heads;
+  int32_t head_dim;
+  int32_t group;        // G = Hq / Hkv
+  int32_t head_blocks;  // blocks per KV head: ceil(G / GM)
+  int32_t splits;
+  int64_t tokens;        // token indices per sequence: S·p (sparse) or T (dense)
+  int64_t split_tokens;  // per split, a multiple of the tile
+  float scale;
+  float* part_ml;   // [B][Hq][splits][2] (m, l); null with one split
+  float* part_acc;  // [B][Hq][splits][d] unnormalised
+  float* final_ml;  // [B][Hq][2]; null unless token_prob is wanted
+  // Sparse only.
+  int32_t page_size;
+  int32_t num_slots;
+  const int32_t* slot_table;
+  const int32_t* partial_page;
+  const int32_t* partial_len;
+  const int64_t* query_position;
+  float* token_prob;
+  const uint8_t* slot_int8;
+  const int8_t* k_int8;
+  const int8_t* v_int8;
+  const float* k_scale;
+  const float* v_scale;
+  // Dense only.
+  int32_t max_tokens;
+  const int32_t* seq_len;
+  DeviceErrorSink sink;
+};
+
+// What one block works on.
+struct BlockWork {
+  int32_t b;
+  int32_t split;
+  int32_t h;        // KV head
+  int32_t gb;       // head block within the group
+  int32_t g0;       // first query head of the group this block owns
+  int32_t gcount;   // query heads it owns, ≤ GM
+  int64_t begin;    // first token index of the split
+  int64_t stop;     // end of the attended range (exclusive)
+  int32_t partial_page;
+  int32_t partial_len;
+  int64_t qpos;     // causal limit (INT64_MAX: none)
+};
+
+template <int GM>
+__device__ __forceinline__ BlockWork WorkOf(const AttnParams& p) {
+  BlockWork w;
+  w.b = static_cast<int32_t>(blockIdx.x / static_cast<unsigned>(p.splits));
+  w.split = static_cast<int32_t>(blockIdx.x) - w.b * p.splits;
+  w.h = static_cast<int32_t>(blockIdx.y) / p.head_blocks;
+  w.gb = static_cast<int32_t>(blockIdx.y) - w.h * p.head_blocks;
+  w.g0 = w.gb * GM;
+  w.gcount = min(GM, p.group - w.g0);
+  w.begin = int64_t{w.split} * p.split_tokens;
+  w.stop = min(p.tokens, w.begin + p.split_tokens);
+  w.partial_page = -1;
+  w.partial_len = 0;
+  w.qpos = INT64_MAX;
+  return w;
+}
+
+// Reads sequence b's bounds into `w`. False when its partial_len / seq_len is out of range:
+// the sequence is skipped (and reported once, by its first block, when `report`).
+template <bool kSparse>
+__device__ __forceinline__ bool SequenceOk(const AttnParams& p, bool report, BlockWork* w) {
+  if constexpr (kSparse) {
+    const int32_t n = p.partial_len[w->b];
+    if (n < 0 || n > p.page_size) {
+      if (report) {
+        ReportItemError(p.sink, KernelOp::kSparseAttention, ItemField::kPartialLen, w->b, n,
+                        int64_t{p.page_size} + 1);
+      }
+      return false;
+    }
+    w->partial_len = n;
+    w->partial_page = p.partial_page[w->b];
+    if (p.query_position != nullptr) w->qpos = p.query_position[w->b];
+  } else {
+    const int32_t n = p.seq_len[w->b];
+    if (n < 0 || n > p.max_tokens) {
+      if (report) {
+        ReportItemError(p.sink, KernelOp::kDenseAttention, ItemField::kSeqLen, w->b, n,
+                        int64_t{p.max_tokens} + 1);
+      }
+      return false;
+    }
+    w->stop = min(w->stop, int64_t{n});
+  }
+  return true;
+}
+
+// q of the block's heads, this lane's dims, as float (0 beyond d and gcount).
+template <class S>
+__device__ __forceinline__ void LoadQuery(const AttnParams& p, const BlockWork& w, int r,
+                                          float (&q)[S::GM][S::kPerLane]) {
+  const int32_t d = p.head_dim;
+  const auto* src = static_cast<const typename S::T*>(p.q) +
+                    (int64_t{w.b} * p.num_q_heads + int64_t{w.h} * p.group + w.g0) * d;
+#pragma unroll
+  for (int g = 0; g < S::GM; ++g) {
+#pragma unroll
+    for (int j = 0; j < S::NV; ++j) {
+#pragma unroll
+      for (int e = 0; e < S::W; ++e) {
+        const int dim = (j * S::L + r) * S::W + e;
+        q[g][j * S::W + e] = g < w.gcount && dim < d ? ToFloat(src[int64_t{g} * d + dim]) : 0.0f;
+      }
+    }
+  }
+}
+
+// ---- Token walk ----
+
+// The U tokens of one stream step.
+template <int U>
+struct StepTokens {
+  bool valid[U];    // attended
+  bool int8[U];     // read from the INT8 copies
+  int64_t row[U];   // element offset of the token's row of the KV head
+  int64_t sc[U];    // element offset of the slot's per-channel scales (INT8 only)
+};
+
+// Position of a stream in the flattened [S][p] index: slot and token within it.
+struct SlotCursor {
+  int32_t slot;
+  int32_t tok;
+  int32_t step_slot;  // one block step (kTile tokens) = step_slot slots + step_tok tokens
+  int32_t step_tok;
+
+  __device__ void Init(int64_t t, int32_t page_size, int32_t tile) {
+    slot = static_cast<int32_t>(t / page_size);
+    tok = static_cast<int32_t>(t - int64_t{slot} * page_size);
+    step_slot = tile / page_size;
+    step_tok = tile - step_slot * page_size;
+  }
+  __device__ void Advance(int32_t page_size) {
+    slot += step_slot;
+    tok += step_tok;
+    if (tok >= page_size) {
+      tok -= page_size;
+      ++slot;
+    }
+  }
+};
+
+// Sparse: tokens t0 .. t0 + U − 1, starting at slot/tok. Entries below -1 are reported
+// (once per slot: by the lane that meets its token 0, when `report`).
+template <int U>
+__device__ __forceinline__ void ResolveSparse(const AttnParams& p, const BlockWork& w,
+                                              int64_t t0, int32_t slot, int32_t tok,
+                                              bool report, StepTokens<U>* st) {
+  const int64_t table = (int64_t{w.b} * p.num_kv_heads + w.h) * p.num_slots;
+  const int64_t row_stride = int64_t{p.num_kv_heads} * p.head_dim;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    st->valid[u] = false;
+    st->int8[u] = false;
+    st->row[u] = 0;
+    st->sc[u] = 0;
+    if (t0 + u < w.stop) {
+      const int64_t ti = table + slot;
+      const int32_t page = __ldg(p.slot_table + ti);
+      if (page < kEmptySlot && tok == 0 && report) {
+        ReportItemError(p.sink, KernelOp::kSparseAttention, ItemField::kSlotTable, ti, page,
+                        INT32_MAX);
+      }
+      if (page >= 0) {
+        const int32_t n = page == w.partial_page ? w.partial_len : p.page_size;
+        if (tok < n && int64_t{page} * p.page_size + tok <= w.qpos) {
+          const int64_t gs = int64_t{w.b} * p.num_slots + slot;
+          st->valid[u] = true;
+          st->row[u] = (gs * p.page_size + tok) * row_stride + int64_t{w.h} * p.head_dim;
+          if (p.slot_int8 != nullptr && __ldg(p.slot_int8 + ti) != 0) {
+            st->int8[u] = true;
+            st->sc[u] = (gs * p.num_kv_heads + w.h) * p.head_dim;
+          }
+        }
+      }
+    }
+    if (++tok == p.page_size) {
+      tok = 0;
+      ++slot;
+    }
+  }
+}
+
+// Dense: tokens t0 .. t0 + U − 1 of [B][T][Hkv][d].
+template <int U>
+__device__ __forceinline__ void ResolveDense(const AttnParams& p, const BlockWork& w, int64_t t0,
+                                             StepTokens<U>* st) {
+  const int64_t row_stride = int64_t{p.num_kv_heads} * p.head_dim;
+  const int64_t first = (int64_t{w.b} * p.max_tokens + t0) * row_stride + int64_t{w.h} * p.head_dim;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    st->valid[u] = t0 + u < w.stop;
+    st->int8[u] = false;
+    st->row[u] = first + u * row_stride;
+    st->sc[u] = 0;
+  }
+}
+
+// Raw vectors of the step's rows in `base` (zero where not attended or beyond d).
+template <class S>
+__device__ __forceinline__ void LoadRaw(const void* base, const StepTokens<S::U>& st, int r,
+                                        const bool (&vok)[S::NV],
+                                        typename S::Word (&out)[S::U][S::NV]) {
+  const auto* src = static_cast<const typename S::T*>(base);
+#pragma unroll
+  for (int u = 0; u < S::U; ++u) {
+#pragma unroll
+    for (int j = 0; j < S::NV; ++j) {
+      out[u][j] = typename S::Word{};
+      if (st.valid[u] && vok[j]) {
+        out[u][j] = LoadWord<typename S::Word>(src + st.row[u] + (j * S::L + r) * S::W);
+      }
+    }
+  }
+}
+
+// Row u of the step as float, an INT8 row dequantised (q · scale, as the CPU); zero where
+// not attended or beyond d. Steps with INT8 rows go one token at a time: fewer registers.
+template <class S>
+__device__ __forceinline__ void LoadMixedRow(const void* base, const int8_t* base8,
+                                             const float* scales, const StepTokens<S::U>& st,
+                                             int u, int r, const bool (&vok)[S::NV],
+                                             float (&out)[1][S::kPerLane]) {
+  const auto* src = static_cast<const typename S::T*>(base);
+#pragma unroll
+  for (int j = 0; j < S::NV; ++j) {
+    const int dim0 = (j * S::L + r) * S::W;
+#pragma unroll
+    for (int e = 0; e < S::W; ++e) out[0][j * S::W + e] = 0.0f;
+    if (!st.valid[u] || !vok[j]) continue;
+    if (st.int8[u]) {
+      const auto word = LoadWord<typename S::Int8Word>(base8 + st.row[u] + dim0);
+      float scale[S::W];
+      if constexpr (S::W % 4 == 0) {
+#pragma unroll
+        for (int c = 0; c < S::W / 4; ++c) {
+          const float4 f = __ldg(reinterpret_cast<const float4*>(scales + st.sc[u] + dim0) + c);
+          scale[4 * c] = f.x;
+          scale[4 * c + 1] = f.y;
+          scale[4 * c + 2] = f.z;
+          scale[4 * c + 3] = f.w;
+        }
+      } else {
+#pragma unroll
+        for (int e = 0; e < S::W; ++e) scale[e] = __ldg(scales + st.sc[u] + dim0 + e);
+      }
+#pragma unroll
+      for (int e = 0; e < S::W; ++e) out[0][j * S::W + e] = Int8Of(word, e) * scale[e];
+    } else {
+      const auto word = LoadWord<typename S::Word>(src + st.row[u] + dim0);
+#pragma unroll
+      for (int e = 0; e < S::W; ++e) out[0][j * S::W + e] = ElementOf<typename S::T>(word, e);
+    }
+  }
+}
+
+// ---- Arithmetic ----
+
+// s[u][g] = scale · (q_g · k_u) for N rows, identical on every lane of the row group (the
+// butterfly only adds, and addition commutes). kget(u, i): element i of this lane's part of
+// row u. The one formula of both the output and token_prob, as on the CPU: each score is
+// computed the same way whatever N is.
+template <class S, int N, class KGet>
+__device__ __forceinline__ void RowScores(const float (&q)[S::GM][S::kPerLane], KGet kget,
+                                          float scale, float (&s)[N][S::GM]) {
+#pragma unroll
+  for (int u = 0; u < N; ++u) {
+#pragma unroll
+    for (int g = 0; g < S::GM; ++g) {
+      float dot = 0.0f;
+#pragma unroll
+      for (int i = 0; i < S::kPerLane; ++i) dot = fmaf(q[g][i], kget(u, i), dot);
+      s[u][g] = dot;
+    }
+  }
+#pragma unroll
+  for (int off = S::L / 2; off > 0; off /= 2) {
+#pragma unroll
+    for (int u = 0; u < N; ++u) {
+#pragma unroll
+      for (int g = 0; g < S::GM; ++g) s[u][g] += __shfl_xor_sync(kFullMask, s[u][g], off);
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < N; ++u) {
+#pragma unroll
+    for (int g = 0; g < S::GM; ++g) s[u][g] *= scale;
+  }
+}
+
+// Online-softmax state of one stream: per query head the running max, sum and this lane's
+// part of the unnormalised output.
+template <class S>
+struct StreamState {
+  float m[S::GM];
+  float l[S::GM];
+  float acc[S::GM][S::kPerLane];
+};
+
+// Folds N rows (those with valid[u]) into `st`: one rescale per call.
+template <class S, int N, class KGet, class VGet>
+__device__ __forceinline__ void Fold(StreamState<S>& st, const float (&q)[S::GM][S::kPerLane],
+                                     const bool (&valid)[N], float scale, KGet kget,
+                                     VGet vget) {
+  float s[N][S::GM];
+  RowScores<S, N>(q, kget, scale, s);
+#pragma unroll
+  for (int g = 0; g < S::GM; ++g) {
+    float block_max = NegInf();
+#pragma unroll
+    for (int u = 0; u < N; ++u) {
+      if (valid[u]) block_max = fmaxf(block_max, s[u][g]);
+    }
+    const float new_m = fmaxf(st.m[g], block_max);
+    if (new_m == NegInf()) continue;  // nothing attended yet
+    const float corr = expf(st.m[g] - new_m);  // 0 when m was -inf
+    float w[N];
+    float sum = st.l[g] * corr;
+#pragma unroll
+    for (int u = 0; u < N; ++u) {
+      w[u] = valid[u] ? expf(s[u][g] - new_m) : 0.0f;
+      sum += w[u];
+    }
+    st.l[g] = sum;
+    st.m[g] = new_m;
+#pragma unroll
+    for (int i = 0; i < S::kPerLane; ++i) {
+      float a = st.acc[g][i] * corr;
+#pragma unroll
+      for (int u = 0; u < N; ++u) a = fmaf(w[u], vget(u, i), a);
+      st.acc[g][i] = a;
+    }
+  }
+}
+
+// Merges the streams of the block and writes the result: out/lse (and final (m, l)) with
+// one split, else this split's partial. Called by every thread.
+template <class S>
+__device__ __forceinline__ void FinishBlock(const AttnParams& p, const BlockWork& w,
+                                            StreamState<S>& st) {
+  constexpr int GM = S::GM;
+  __shared__ float s_ml[kWarps][GM][2];
+  __shared__ float s_final[GM][2];
+  __shared__ float s_acc[GM][S::kDimCap];
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int warp = static_cast<int>(threadIdx.x) >> 5;
+  const int r = lane & (S::L - 1);
+
+  // Streams of a warp: a butterfly over the row groups (lanes r, r ± L, ... hold the same
+  // dims). Afterwards lanes 0 .. L−1 hold the warp's state.
+#pragma unroll
+  for (int off = S::L; off < 32; off *= 2) {
+#pragma unroll
+    for (int g = 0; g < GM; ++g) {
+      const float om = __shfl_xor_sync(kFullMask, st.m[g], off);
+      const float ol = __shfl_xor_sync(kFullMask, st.l[g], off);
+      const float nm = fmaxf(st.m[g], om);
+      const float ca = nm == NegInf() ? 0.0f : expf(st.m[g] - nm);
+      const float cb = nm == NegInf() ? 0.0f : expf(om - nm);
+      st.l[g] = st.l[g] * ca + ol * cb;
+      st.m[g] = nm;
+#pragma unroll
+      for (int i = 0; i < S::kPerLane; ++i) {
+        const float oa = __shfl_xor_sync(kFullMask, st.acc[g][i], off);
+        st.acc[g][i] = st.acc[g][i] * ca + oa * cb;
+      }
+    }
+  }
+
+  // Across warps, in warp order.
+  if (lane == 0) {
+#pragma unroll
+    for (int g = 0; g < GM; ++g) {
+      s_ml[warp][g][0] = st.m[g];
+      s_ml[warp][g][1] = st.l[g];
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < GM) {
+    const int g = static_cast<int>(threadIdx.x);
+    float mx = NegInf();
+    for (int k = 0; k < kWarps; ++k) mx = fmaxf(mx, s_ml[k][g][0]);
+    float sum = 0.0f;
+    if (mx != NegInf()) {
+      for (int k = 0; k < kWarps; ++k) sum += s_ml[k][g][1] * expf(s_ml[k][g][0] - mx);
+    }
+    s_final[g][0] = mx;
+    s_final[g][1] = sum;
+  }
+  float coef[GM];
+#pragma unroll
+  for (int g = 0; g < GM; ++g) {
+    float mx = NegInf();
+    for (int k = 0; k < kWarps; ++k) mx = fmaxf(mx, s_ml[k][g][0]);
+    coef[g] = mx == NegInf() ? 0.0f : expf(s_ml[warp][g][0] - mx);
+  }
+  for (int k = 0; k < kWarps; ++k) {
+    if (warp == k && lane < S::L) {
+#pragma unroll
+      for (int g = 0; g < GM; ++g) {
+#pragma unroll
+        for (int j = 0; j < S::NV; ++j) {
+#pragma unroll
+          for (int e = 0; e < S::W; ++e) {
+            const int dim = (j * S::L + r) * S::W + e;
+            const float x = st.acc[g][j * S::W + e] * coef[g];
+            s_acc[g][dim] = k == 0 ? x : s_acc[g][dim] + x;
+          }
+        }
+      }
+    }
+    __syncthreads();
+  }
+
+  const int32_t d = p.head_dim;
+  const int64_t bh0 = int64_t{w.b} * p.num_q_heads + int64_t{w.h} * p.group + w.g0;
+  for (int idx = static_cast<int>(threadIdx.x); idx < w.gcount * d; idx += kThreads) {
+    const int g = idx / d;
+    const int dim = idx - g * d;
+    const int64_t bh = bh0 + g;
+    const float m = s_final[g][0];
+    const float l = s_final[g][1];
+    if (p.splits == 1) {
+      const float inv = l > 0 ? 1.0f / l : 0.0f;
+      static_cast<typename S::T*>(p.out)[bh * d + dim] =
+          FromFloat<typename S::T>(s_acc[g][dim] * inv);
+      if (dim == 0) {
+        if (p.lse != nullptr) p.lse[bh] = l > 0 ? m + logf(l) : NegInf();
+        if (p.final_ml != nullptr) {
+          p.final_ml[2 * bh] = m;
+          p.final_ml[2 * bh + 1] = l;
+        }
+      }
+    } else {
+      const int64_t pi = bh * p.splits + w.split;
+      p.part_acc[pi * d + dim] = s_acc[g][dim];
+      if (dim == 0) {
+        p.part_ml[2 * pi] = m;
+        p.part_ml[2 * pi + 1] = l;
+      }
+    }
+  }
+}
+
+// ---- Kernels ----
+
+// The main kernel (see the header): sparse or dense, the same walk over a token source.
+template <class S, bool kSparse>
+__global__ void __launch_bounds__(kThreads) AttentionKernel(const AttnParams p) {
+  BlockWork w = WorkOf<S::GM>(p);
+  const bool first_block = w.split == 0 && blockIdx.y == 0 && threadIdx.x == 0;
+  if (!SequenceOk<kSparse>(p, first_block, &w)) return;
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int warp = static_cast<int>(threadIdx.x) >> 5;
+  const int r = lane & (S::L - 1);
+  const int stream = static_cast<int>(threadIdx.x) / S::L;
+  const int sub = lane / S::L;  // stream within the warp
+
+  float q[S::GM][S::kPerLane];
+  LoadQuery<S>(p, w, r, q);
+  bool vok[S::NV];
+#pragma unroll
+  for (int j = 0; j < S::NV; ++j) vok[j] = (j * S::L + r) * S::W < p.head_dim;
+
+  StreamState<S> st;
+#pragma unroll
+  for (int g = 0; g < S::GM; ++g) {
+    st.m[g] = NegInf();
+    st.l[g] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < S::kPerLane; ++i) st.acc[g][i] = 0.0f;
+  }
+
+  SlotCursor cur{};
+  if constexpr (kSparse) {
+    cur.Init(w.begin + int64_t{stream} * S::U, p.page_size, S::kTile);
+  }
+  const bool report_slots = w.gb == 0 && r == 0;
+  // The loop bound is the warp's first token, so shuffles see the whole warp.
+  for (int64_t wt = w.begin + int64_t{warp} * S::kSpw * S::U; wt < w.stop; wt += S::kTile) {
+    const int64_t t0 = wt + sub * S::U;
+    StepTokens<S::U> tok;
+    if constexpr (kSparse) {
+      ResolveSparse<S::U>(p, w, t0, cur.slot, cur.tok, report_slots, &tok);
+      cur.Advance(p.page_size);
+    } else {
+      ResolveDense<S::U>(p, w, t0, &tok);
+    }
+    bool any = false;
+    bool any8 = false;
+#pragma unroll
+    for (int u = 0; u < S::U; ++u) {
+      any = any || tok.valid[u];
+      any8 = any8 || tok.int8[u];
+    }
+    if (!__any_sync(kFullMask, any)) continue;
+    if constexpr (kSparse) {
+      if (__any_sync(kFullMask, any8)) {
+#pragma unroll
+        for (int u = 0; u < S::U; ++u) {
+          float kf[1][S::kPerLane];
+          float vf[1][S::kPerLane];
+          LoadMixedRow<S>(p.k, p.k_int8, p.k_scale, tok, u, r, vok, kf);
+          LoadMixedRow<S>(p.v, p.v_int8, p.v_scale, tok, u, r, vok, vf);
+          const bool valid[1] = {tok.valid[u]};
+          Fold<S, 1>(
+              st, q, valid, p.scale, [&](int, int i) { return kf[0][i]; },
+              [&](int, int i) { return vf[0][i]; });
+        }
+        continue;
+      }
+    }
+    typename S::Word kr[S::U][S::NV];
+    typename S::Word vr[S::U][S::NV];
+    LoadRaw<S>(p.k, tok, r, vok, kr);
+    LoadRaw<S>(p.v, tok, r, vok, vr);
+    Fold<S, S::U>(
+        st, q, tok.valid, p.scale,
+        [&](int u, int i) { return ElementOf<typename S::T>(kr[u][i / S::W], i % S::W); },
+        [&](int u, int i) { return ElementOf<typename S::T>(vr[u][i / S::W], i % S::W); });
+  }
+  FinishBlock<S>(p, w, st);
+}
+
+// Merges the splits of one (sequence, query head), as the CPU merges its chunks. Dynamic
+// shared memory: one weight per split.
+template <typename T, bool kSparse>
+__global__ void __launch_bounds__(kCombineThreads) CombineKernel(const AttnParams p) {
+  extern __shared__ float s_weight[];
+  const int64_t bh = blockIdx.x;
+  BlockWork w{};
+  w.b = static_cast<int32_t>(bh / p.num_q_heads);
+  w.stop = p.tokens;
+  if (!SequenceOk<kSparse>(p, /*report=*/false, &w)) return;
+  const int32_t splits = p.splits;
+  const float* ml = p.part_ml + bh * splits * 2;
+  float mx = NegInf();
+  for (int32_t c = 0; c < splits; ++c) mx = fmaxf(mx, ml[2 * c]);
+  for (int32_t c = static_cast<int32_t>(threadIdx.x); c < splits; c += kCombineThreads) {
+    // A split that attended nothing (l = 0) is skipped: weight 0.
+    s_weight[c] = mx != NegInf() && ml[2 * c + 1] != 0 ? expf(ml[2 * c] - mx) : 0.0f;
+  }
+  __syncthreads();
+  float l = 0.0f;
+  for (int32_t c = 0; c < splits; ++c) {
+    if (s_weight[c] != 0) l += ml[2 * c + 1] * s_weight[c];
+  }
+  const float inv = l > 0 ? 1.0f / l : 0.0f;
+  const int32_t d = p.head_dim;
+  const float* acc = p.part_acc + bh * splits * d;
+  for (int32_t dim = static_cast<int32_t>(threadIdx.x); dim < d; dim += kCombineThreads) {
+    float a = 0.0f;
+    for (int32_t c = 0; c < splits; ++c) {
+      if (s_weight[c] != 0) a += acc[int64_t{c} * d + dim] * s_weight[c];
+    }
+    static_cast<T*>(p.out)[bh * d + dim] = FromFloat<T>(a * inv);
+  }
+  if (threadIdx.x == 0) {
+    if (p.lse != nullptr) p.lse[bh] = l > 0 ? mx + logf(l) : NegInf();
+    if (p.final_ml != nullptr) {
+      p.final_ml[2 * bh] = mx;
+      p.final_ml[2 * bh + 1] = l;
+    }
+  }
+}
+
+// token_prob of every token index of the block's range: the main kernel's walk and score
+// formula, normalised by the final (m, l) of each query head; 0 where not attended.
+template <class S>
+__global__ void __launch_bounds__(kThreads) TokenProbKernel(const AttnParams p) {
+  BlockWork w = WorkOf<S::GM>(p);
+  if (!SequenceOk<true>(p, /*report=*/false, &w)) return;
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int warp = static_cast<int>(threadIdx.x) >> 5;
+  const int r = lane & (S::L - 1);
+  const int stream = static_cast<int>(threadIdx.x) / S::L;
+  const int sub = lane / S::L;
+
+  float q[S::GM][S::kPerLane];
+  LoadQuery<S>(p, w, r, q);
+  bool vok[S::NV];
+#pragma unroll
+  for (int j = 0; j < S::NV; ++j) vok[j] = (j * S::L + r) * S::W < p.head_dim;
+  const int64_t bh0 = int64_t{w.b} * p.num_q_heads + int64_t{w.h} * p.group + w.g0;
+  float fm[S::GM];
+  float finv[S::GM];
+#pragma unroll
+  for (int g = 0; g < S::GM; ++g) {
+    fm[g] = 0.0f;
+    finv[g] = 0.0f;
+    if (g < w.gcount) {
+      fm[g] = p.final_ml[2 * (bh0 + g)];
+      const float l = p.final_ml[2 * (bh0 + g) + 1];
+      finv[g] = l > 0 ? 1.0f / l : 0.0f;
+    }
+  }
+
+  SlotCursor cur{};
+  cur.Init(w.begin + int64_t{stream} * S::U, p.page_size, S::kTile);
+  for (int64_t wt = w.begin + int64_t{warp} * S::kSpw * S::U; wt < w.stop; wt += S::kTile) {
+    const int64_t t0 = wt + sub * S::U;
+    StepTokens<S::U> tok;
+    ResolveSparse<S::U>(p, w, t0, cur.slot, cur.tok, /*report=*/false, &tok);
+    cur.Advance(p.page_size);
+    bool any = false;
+    bool any8 = false;
+#pragma unroll
+    for (int u = 0; u < S::U; ++u) {
+      any = any || tok.valid[u];
+      any8 = any8 || tok.int8[u];
+    }
+    float s[S::U][S::GM];
+#pragma unroll
+    for (int u = 0; u < S::U; ++u) {
+#pragma unroll
+      for (int g = 0; g < S::GM; ++g) s[u][g] = 0.0f;
+    }
+    if (__any_sync(kFullMask, any)) {
+      if (__any_sync(kFullMask, any8)) {
+#pragma unroll
+        for (int u = 0; u < S::U; ++u) {
+          float kf[1][S::kPerLane];
+          float s1[1][S::GM];
+          LoadMixedRow<S>(p.k, p.k_int8, p.k_scale, tok, u, r, vok, kf);
+          RowScores<S, 1>(q, [&](int, int i) { return kf[0][i]; }, p.scale, s1);
+#pragma unroll
+          for (int g = 0; g < S::GM; ++g) s[u][g] = s1[0][g];
+        }
+      } else {
+        typename S::Word kr[S::U][S::NV];
+        LoadRaw<S>(p.k, tok, r, vok, kr);
+        RowScores<S, S::U>(
+            q, [&](int u, int i) { return ElementOf<typename S::T>(kr[u][i / S::W], i % S::W); },
+            p.scale, s);
+      }
+    }
+    // Every lane of the row group holds every score: lane r writes the (u, g) pairs ≡ r.
+#pragma unroll
+    for (int u = 0; u < S::U; ++u) {
+#pragma unroll
+      for (int g = 0; g < S::GM; ++g) {
+        if ((u * S::GM + g) % S::L != r || g >= w.gcount || t0 + u >= w.stop) continue;
+        const float prob = tok.valid[u] ? expf(s[u][g] - fm[g]) * finv[g] : 0.0f;
+        p.token_prob[(bh0 + g) * p.tokens + t0 + u] = prob;
+      }
+    }
+  }
+}
+
+// ---- Host side ----
+
+// Calls fn(Shape<T, W, NV, L, GM>{}) with GM the smallest of 1, 2, 4, 8 that holds `group`
+// (8 for larger groups, which take several blocks).
+template <typename T, int W, int NV, int L, typename Fn>
+cudaError_t DispatchGroup(int32_t group, Fn&& fn) {
+  if (group <= 1) return fn(Shape<T, W, NV, L, 1>{});
+  if (group <= 2) return fn(Shape<T, W, NV, L, 2>{});
+  if (group <= 4) return fn(Shape<T, W, NV, L, 4>{});
+  return fn(Shape<T, W, NV, L, kMaxGroupBlock>{});
+}
+
+// The shape for head dim d. With 16-byte vectors (`vector_ok`: d a multiple of a vector,
+// buffers aligned), fp16/bf16 with d ≤ 128 (the hot path) get a group size fitted to G;
+// larger d and fp32 (whose lanes hold few dims) use 8 (4 at d > 256, to bound registers).
+// Otherwise the scalar path: any d ≤ 512, one query head per block. Few shapes keep the
+// number of kernels (and the compile time) down.
+template <typename T, typename Fn>
+cudaError_t DispatchShape(int32_t d, bool vector_ok, int32_t group, Fn&& fn) {
+  if (vector_ok) {
+    if constexpr (sizeof(T) == 2) {
+      if (d <= 64) return DispatchGroup<T, 8, 1, 8>(group, fn);
+      if (d <= 128) return DispatchGroup<T, 8, 1, 16>(group, fn);
+      if (d <= 256) return fn(Shape<T, 8, 1, 32, kMaxGroupBlock>{});
+      return fn(Shape<T, 8, 2, 32, 4>{});
+    } else {
+      if (d <= 128) return fn(Shape<T, 4, 1, 32, kMaxGroupBlock>{});
+      if (d <= 256) return fn(Shape<T, 4, 2, 32, kMaxGroupBlock>{});
+      return fn(Shape<T, 4, 4, 32, 4>{});
+    }
+  }
+  return fn(Shape<T, 1, 16, 32, 1>{});
+}
+
+bool Aligned(const void* ptr, size_t bytes) {
+  return reinterpret_cast<uintptr_t>(ptr) % bytes == 0;
+}
+
+struct SplitPlan {
+  int32_t splits;
+  int64_t split_tokens;
+};
+
+// Splits of `tokens` token indices in tiles of `tile`, for `blocks_per_split` blocks each.
+SplitPlan PlanSplits(int64_t tokens, int tile, int64_t blocks_per_split, int sm_count) {
+  const int64_t tiles = std::max<int64_t>(1, (tokens + tile - 1) / tile);
+  const int64_t target = int64_t{kBlocksPerSm} * std::max(sm_count, 1);
+  int64_t splits = (target + blocks_per_split - 1) / blocks_per_split;
+  const int64_t most = std::min(kMaxSplits, std::max<int64_t>(1, tiles / kMinTilesPerSplit));
+  splits = std::clamp<int64_t>(splits, 1, most);
+  const int64_t per_split = (tiles + splits - 1) / splits;
+  return SplitPlan{static_cast<int32_t>((tiles + per_split - 1) / per_split), per_split * tile};
+}
+
+// The scratch of one (device, stream): see the header comment.
+struct ScratchEntry {
+  Mutex mu;  // held while an op enqueues its kernels
+  void* ptr ABSL_GUARDED_BY(mu) = nullptr;
+  size_t bytes ABSL_GUARDED_BY(mu) = 0;
+};
+
+class ScratchRegistry {
+ public:
+  // Multiprocessor count of `device`, cached.
+  cudaError_t SmCount(int device, int* out) {
+    MutexLock lock(&mu_);
+    auto it = sm_count_.find(device);
+    if (it == sm_count_.end()) {
+      int n = 0;
+      const cudaError_t err = cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
+      if (err != cudaSuccess) return err;
+      it = sm_count_.emplace(device, n).first;
+    }
+    *out = it->second;
+    return cudaSuccess;
+  }
+
+  // Runs fn(float* scratch) with at least `bytes` of the (device, stream) scratch, holding
+  // its lock; grows it first when needed. Returns fn's result or the allocation's error.
+  template <typename Fn>
+  cudaError_t WithScratch(int device, cudaStream_t stream, size_t bytes, Fn&& fn) {
+    ScratchEntry* entry = nullptr;
+    {
+      const std::thread::id thread =
+          stream == cudaStreamPerThread ? std::this_thread::get_id() : std::thread::id();
+      const Key key{device, reinterpret_cast<uintptr_t>(stream), thread};
+      MutexLock lock(&mu_);
+      std::unique_ptr<ScratchEntry>& slot = entries_[key];
+      if (slot == nullptr) slot = std::make_unique<ScratchEntry>();
+      entry = slot.get();  // entries live until process exit
+    }
+    MutexLock lock(&entry->mu);
+    if (entry->bytes < bytes) {
+      const size_t grown = std::max(bytes, 2 * entry->bytes);
+      const size_t rounded = (grown + (size_t{1} << 20) - 1) & ~((size_t{1} << 20) - 1);
+      void* ptr = nullptr;
+      if (const cudaError_t err = Allocate(stream, rounded, &ptr); err != cudaSuccess) {
+        return err;
+      }
+      // The old buffer stays allocated: work already enqueued (or a captured graph) may
+      // still use it.
+      entry->ptr = ptr;
+      entry->bytes = rounded;
+    }
+    return fn(static_cast<float*>(entry->ptr));
+  }
+
+ private:
+  using Key = std::tuple<int, uintptr_t, std::thread::id>;
+
+  // cudaMalloc, in relaxed capture mode when `stream` is being captured (cudaMalloc is not
+  // a stream operation; the default global mode would refuse it).
+  static cudaError_t Allocate(cudaStream_t stream, size_t bytes, void** out) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    cudaError_t err = cudaStreamIsCapturing(stream, &capture);
+    if (err != cudaSuccess) return err;
+    const bool capturing = capture != cudaStreamCaptureStatusNone;
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    if (capturing) {
+      err = cudaThreadExchangeStreamCaptureMode(&mode);
+      if (err != cudaSuccess) return err;
+    }
+    err = cudaMalloc(out, bytes);
+    if (capturing) {
+      const cudaError_t restore = cudaThreadExchangeStreamCaptureMode(&mode);
+      if (err == cudaSuccess) err = restore;
+    }
+    return err;
+  }
+
+  Mutex mu_;
+  std::map<int, int> sm_count_ ABSL_GUARDED_BY(mu_);
+  std::map<Key, std::unique_ptr<ScratchEntry>> entries_ ABSL_GUARDED_BY(mu_);
+};
+
+ScratchRegistry& Registry() {
+  static ScratchRegistry* const registry = new ScratchRegistry();  // never destroyed
+  return *registry;
+}
+
+// Plans the splits, takes the scratch and enqueues the main kernel, the combine (more than
+// one split) and the token_prob pass (sparse, when wanted). `p` has every argument field
+// set; this fills the shape-dependent ones.
+template <bool kSparse>
+cudaError_t LaunchAttention(AttnParams p, DType dtype, int32_t batch, bool vector_ok,
+                            cudaStream_t stream) {
+  int device = 0;
+  if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
+  int sm_count = 0;
+  if (const cudaError_t err = Registry().SmCount(device, &sm_count); err != cudaSuccess) {
+    return err;
+  }
+  const bool want_prob = kSparse && p.token_prob != nullptr;
+  return DispatchElement(dtype, [&](auto element_tag) {
+    using T = typename decltype(element_tag)::type;
+    return DispatchShape<T>(p.head_dim, vector_ok, p.group, [&](auto shape) {
+      using S = decltype(shape);
+      p.head_blocks = (p.group + S::GM - 1) / S::GM;
+      const int64_t y_blocks = int64_t{p.num_kv_heads} * p.head_blocks;
+      const SplitPlan plan = PlanSplits(p.tokens, S::kTile, int64_t{batch} * y_blocks, sm_count);
+      p.splits = plan.splits;
+      p.split_tokens = plan.split_tokens;
+      const int64_t heads = int64_t{batch} * p.num_q_heads;
+      const int64_t final_floats = want_prob ? 2 * heads : 0;
+      const int64_t part_floats = p.splits > 1 ? heads * p.splits * (int64_t{p.head_dim} + 2) : 0;
+      const dim3 grid(static_cast<unsigned>(int64_t{batch} * p.splits),
+                      static_cast<unsigned>(y_blocks));
+      auto enqueue = [&](float* scratch) -> cudaError_t {
+        p.final_ml = want_prob ? scratch : nullptr;
+        p.part_ml = p.splits > 1 ? scratch + final_floats : nullptr;
+        p.part_acc = p.splits > 1 ? p.part_ml + heads * p.splits * 2 : nullptr;
+        AttentionKernel<S, kSparse><<<grid, kThreads, 0, stream>>>(p);
+        if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+        if (p.splits > 1) {
+          const size_t smem = sizeof(float) * static_cast<size_t>(p.splits);
+          CombineKernel<T, kSparse>
+              <<<static_cast<unsigned>(heads), kCombineThreads, smem, stream>>>(p);
+          if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+        }
+        if constexpr (kSparse) {
+          if (want_prob) {
+            TokenProbKernel<S><<<grid, kThreads, 0, stream>>>(p);
+            if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+          }
+        }
+        return cudaSuccess;
+      };
+      const int64_t floats = final_floats + part_floats;
+      if (floats == 0) return enqueue(nullptr);
+      return Registry().WithScratch(device, stream, sizeof(float) * static_cast<size_t>(floats),
+                                    enqueue);
+    });
+  });
+}
+
+AttnParams CommonParams(const void* q, const void* k, const void* v, void* out, float* lse,
+                        int32_t hq, int32_t hkv, int32_t d, float scale,
+                        const DeviceErrorSink& sink) {
+  AttnParams p{};
+  p.q = q;
+  p.k = k;
+  p.v = v;
+  p.out = out;
+  p.lse = lse;
+  p.num_q_heads = hq;
+  p.num_kv_heads = hkv;
+  p.head_dim = d;
+  p.group = hq / hkv;
+  p.scale = scale;
+  p.sink = sink;
+  return p;
+}
+
+}  // namespace
+
+cudaError_t LaunchSparseAttention(const SparseAttentionArgs& a, const DeviceErrorSink& sink,
+                                  cudaStream_t stream) {
+  AttnParams p = CommonParams(a.q, a.k_cache, a.v_cache, a.out, a.lse, a.num_q_heads,
+                              a.num_kv_heads, a.head_dim, a.softmax_scale, sink);
+  p.tokens = int64_t{a.num_slots} * a.page_size;
+  p.page_size = a.page_size;
+  p.num_slots = a.num_slots;
+  p.slot_table = a.slot_table;
+  p.partial_page = a.partial_page;
+  p.partial_len = a.partial_len;
+  p.query_position = a.query_position;
+  p.token_prob = a.token_prob;
+  p.slot_int8 = a.slot_int8;
+  p.k_int8 = a.k_int8;
+  p.v_int8 = a.v_int8;
+  p.k_scale = a.k_scale;
+  p.v_scale = a.v_scale;
+  const size_t elem = DTypeSize(a.dtype);
+  if (elem == 0) return cudaErrorInvalidValue;
+  const int32_t vec = static_cast<int32_t>(16 / elem);  // elements per 16-byte vector
+  bool vector_ok = a.head_dim % vec == 0 && Aligned(a.k_cache, 16) && Aligned(a.v_cache, 16);
+  if (a.slot_int8 != nullptr) {
+    vector_ok = vector_ok && Aligned(a.k_int8, static_cast<size_t>(vec)) &&
+                Aligned(a.v_int8, static_cast<size_t>(vec)) && Aligned(a.k_scale, 16) &&
+                Aligned(a.v_scale, 16);
+  }
+  return LaunchAttention<true>(p, a.dtype, a.batch, vector_ok, stream);
+}
+
+cudaError_t LaunchDenseAttention(const DenseAttentionArgs& a, const DeviceErrorSink& sink,
+                                 cudaStream_t stream) {
+  AttnParams p = CommonParams(a.q, a.k, a.v, a.out, a.lse, a.num_q_heads, a.num_kv_heads,
+                              a.head_dim, a.softmax_scale, sink);
+  p.tokens = a.max_tokens;
+  p.max_tokens = a.max_tokens;
+  p.seq_len = a.seq_len;
+  const size_t elem = DTypeSize(a.dtype);
+  if (elem == 0) return cudaErrorInvalidValue;
+  const int32_t vec = static_cast<int32_t>(16 / elem);
+  const bool vector_ok = a.head_dim % vec == 0 && Aligned(a.k, 16) && Aligned(a.v, 16);
+  return LaunchAttention<false>(p, a.dtype, a.batch, vector_ok, stream);
+}
+
+}  // namespace kvtier::cuda
