@@ -15,6 +15,9 @@
 #include <string>
 
 #include "CLI/CLI.hpp"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "bench/attention_bench.h"
 #include "bench/ipc_bench.h"
 #include "bench/pcie_bench.h"
@@ -22,9 +25,6 @@
 #include "bench/replay_bench.h"
 #include "bench/replay_session.h"
 #include "bench/step_bench.h"
-#include "absl/strings/numbers.h"
-#include "absl/strings/str_join.h"
-#include "absl/strings/str_split.h"
 #include "kernels/registry.h"
 
 namespace {
@@ -127,7 +127,8 @@ int main(int argc, char** argv) {
   attn->add_option("--kv-heads", ao.geometry.num_kv_heads)->capture_default_str();
   attn->add_option("--head-dim", ao.geometry.head_dim)->capture_default_str();
   attn->add_option("--dtype", dtype, "fp16, bf16 or fp32")->capture_default_str();
-  attn->add_option("--iters", ao.iters, "timed repetitions (median reported)")->capture_default_str();
+  attn->add_option("--iters", ao.iters, "timed repetitions (median reported)")
+      ->capture_default_str();
   attn->add_option("--threads", ao.threads, "cpu backend threads (0 = all)")->capture_default_str();
   attn->add_option("--backend", backend, "cpu, cuda or auto")->capture_default_str();
   attn->add_option("--heavy-logit", ao.heavy_logit, "synthetic KV: logit boost of heavy pages")
@@ -141,14 +142,17 @@ int main(int argc, char** argv) {
   kvtier::bench::ReplayBenchOptions ro;
   std::string taus = "0.9", recall = "auto", write_trace, rdtype = "fp16";
   bool no_sync = false, no_drop = false;
-  auto* replay = app.add_subcommand(
-      "replay", "trace-driven evaluation of the retrieval modes side by side (full, "
-                "speculative per tau, sync): accuracy, recall traffic, critical path");
+  auto* replay =
+      app.add_subcommand("replay",
+                         "trace-driven evaluation of the retrieval modes side by side (full, "
+                         "speculative per tau, sync): accuracy, recall traffic, critical path");
   auto& so = ro.synthetic;
   so.num_steps = 16;  // modest by default; --steps for longer runs
-  replay->add_option("--trace", ro.trace_path, "read this trace file instead of the synthetic "
+  replay->add_option("--trace", ro.trace_path,
+                     "read this trace file instead of the synthetic "
                      "trace (docs/trace-format.md)");
-  replay->add_option("--write-trace", write_trace, "write the synthetic trace to this file "
+  replay->add_option("--write-trace", write_trace,
+                     "write the synthetic trace to this file "
                      "and exit");
   replay->add_option("--context", so.prefill_tokens, "synthetic: prefill tokens")
       ->capture_default_str();
@@ -164,28 +168,38 @@ int main(int argc, char** argv) {
   replay->add_option("--dtype", rdtype, "fp16, bf16 or fp32")->capture_default_str();
   replay->add_option("--step-cosine", so.step_cosine, "synthetic: mean cos(q_t, q_t-1)")
       ->capture_default_str();
-  replay->add_option("--jump-probability", so.jump_probability,
-                     "synthetic: topic jumps per step and KV head")->capture_default_str();
+  replay
+      ->add_option("--jump-probability", so.jump_probability,
+                   "synthetic: topic jumps per step and KV head")
+      ->capture_default_str();
   replay->add_option("--seed", so.seed)->capture_default_str();
   replay->add_option("--budget", ro.budget_tokens, "working-set budget in tokens")
       ->capture_default_str();
-  replay->add_option("--tau", taus, "comma-separated correction thresholds, one speculative "
-                     "mode each; the first is reported as \"speculative\"")->capture_default_str();
+  replay
+      ->add_option("--tau", taus,
+                   "comma-separated correction thresholds, one speculative "
+                   "mode each; the first is reported as \"speculative\"")
+      ->capture_default_str();
   replay->add_flag("--no-sync", no_sync, "skip sync mode");
   replay->add_flag("--no-drop", no_drop, "skip drop mode (sinks + sliding window)");
-  replay->add_option("--recall", recall, "recall strategy: auto, slab_dma, batched_dma or zero_copy")
+  replay
+      ->add_option("--recall", recall, "recall strategy: auto, slab_dma, batched_dma or zero_copy")
       ->capture_default_str();
   replay->add_option("--mass-layers", ro.mass_layers, "layers sampled for attn_mass_recall")
       ->capture_default_str();
-  replay->add_option("--profile-steps", ro.profile_steps, "trailing steps run with profiling "
-                     "for the select/recall/attention split")->capture_default_str();
+  replay
+      ->add_option("--profile-steps", ro.profile_steps,
+                   "trailing steps run with profiling "
+                   "for the select/recall/attention split")
+      ->capture_default_str();
   replay->add_option("--threads", ro.threads, "cpu backend threads (0 = all)")
       ->capture_default_str();
   replay->add_flag("--json", json, "print one JSON object on stdout");
   replay->add_option("--out", out, "also write the JSON report to this file");
   std::string connect, transport = "shm";
   kvtier::ClientOptions client_options;
-  replay->add_option("--connect", connect, "run speculative and sync modes as sessions of the "
+  replay->add_option("--connect", connect,
+                     "run speculative and sync modes as sessions of the "
                      "kvtierd at this target (unix:///path or host:port)");
   replay->add_option("--tenant", client_options.tenant, "with --connect: the tenant")
       ->capture_default_str();
@@ -202,15 +216,20 @@ int main(int argc, char** argv) {
                    "policy and budget, drop mode (default --context 8192 --steps 40)");
   replay->add_option("--policy-list", policy_list, "with --policies: the runs")
       ->capture_default_str();
-  replay->add_option("--budgets", budgets, "with --policies: working-set budgets in tokens "
-                     "(those not below the context are skipped)")->capture_default_str();
-  replay->add_option("--plot", po.plot_path, "with --policies: write a PNG of rel_error vs "
+  replay
+      ->add_option("--budgets", budgets,
+                   "with --policies: working-set budgets in tokens "
+                   "(those not below the context are skipped)")
+      ->capture_default_str();
+  replay->add_option("--plot", po.plot_path,
+                     "with --policies: write a PNG of rel_error vs "
                      "memory fraction here");
 
   kvtier::bench::IpcBenchOptions io;
   auto* ipc = app.add_subcommand(
-      "ipc", "page movement engine <-> kvtierd on loopback (shared memory, gRPC streams, unary "
-             "round trips) against Redis SET/GET as the peer baseline");
+      "ipc",
+      "page movement engine <-> kvtierd on loopback (shared memory, gRPC streams, unary "
+      "round trips) against Redis SET/GET as the peer baseline");
   ipc->add_option("--bytes", io.bytes_per_run, "bytes moved per throughput measurement")
       ->capture_default_str();
   ipc->add_option("--repeats", io.repeats, "runs per measurement (best reported)")
@@ -301,10 +320,9 @@ int main(int argc, char** argv) {
         std::cerr << "kvtier-bench replay: --transport must be shm or grpc\n";
         return 2;
       }
-      return RunReplayConnected(ro, connect, client_options,
-                                transport == "grpc" ? kvtier::Transport::kGrpc
-                                                    : kvtier::Transport::kShm,
-                                json, out);
+      return RunReplayConnected(
+          ro, connect, client_options,
+          transport == "grpc" ? kvtier::Transport::kGrpc : kvtier::Transport::kShm, json, out);
     }
     return RunReplay(ro, json, out);
   }

@@ -69,7 +69,7 @@ struct PolicyReplayOptions {
   int32_t observation_tokens = 8;  // w: trace steps appended as the prompt's tail
   std::vector<int32_t> budgets = {512, 1024, 2048, 4096};  // tokens; those ≥ context skipped
   std::vector<std::string> policies = PolicyReplayNames();
-  int32_t vocab = 1024;                                 // synthetic logits
+  int32_t vocab = 1024;                           // synthetic logits
   RecallStrategy recall = RecallStrategy::kAuto;  // speculative+conf
   BackendKind backend = BackendKind::kCpu;
   int threads = 0;        // cpu backend threads; 0 = all

@@ -22,9 +22,9 @@ size_t RoundUp(size_t bytes, size_t to) { return (bytes + to - 1) / to * to; }
 
 absl::Status CheckItem(const RecallItem& it, int32_t i, const Geometry& g, const RecallTarget& t) {
   if (it.host_page < 0 || it.host_page >= t.num_host_pages) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "recall plan: items[%d].host_page = %d must be in [0, %d)", i, it.host_page,
-        t.num_host_pages));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("recall plan: items[%d].host_page = %d must be in [0, %d)", i, it.host_page,
+                        t.num_host_pages));
   }
   if (it.kv_head < 0 || it.kv_head >= g.num_kv_heads) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -229,8 +229,8 @@ absl::StatusOr<int64_t> SlabRecaller::Enqueue(Stream& drive, Stream& xform, int3
 std::string RecallCalibration::Summary() const {
   std::string s;
   for (size_t i = 0; i < kRecallStrategies.size(); ++i) {
-    absl::StrAppend(&s, i == 0 ? "" : ", ", std::string(RecallStrategyName(kRecallStrategies[i])), " ",
-                    absl::StrFormat("%.1f", us[i]), " us");
+    absl::StrAppend(&s, i == 0 ? "" : ", ", std::string(RecallStrategyName(kRecallStrategies[i])),
+                    " ", absl::StrFormat("%.1f", us[i]), " us");
   }
   absl::StrAppend(&s, " for ", num_items, " slabs → ", std::string(RecallStrategyName(best)));
   return s;
@@ -271,9 +271,8 @@ absl::StatusOr<RecallCalibration> CalibrateRecall(Backend& backend, const Geomet
     }
   }
   const int32_t num_slots = *std::max_element(next_slot.begin(), next_slot.end());
-  const size_t cache_bytes =
-      static_cast<size_t>(num_slots) * g.page_size * g.num_kv_heads * g.head_dim *
-      g.element_bytes();
+  const size_t cache_bytes = static_cast<size_t>(num_slots) * g.page_size * g.num_kv_heads *
+                             g.head_dim * g.element_bytes();
   KVTIER_ASSIGN_OR_RETURN(DeviceBuffer k_cache, backend.Allocate(cache_bytes));
   KVTIER_ASSIGN_OR_RETURN(DeviceBuffer v_cache, backend.Allocate(cache_bytes));
   KVTIER_ASSIGN_OR_RETURN(auto drive, backend.CreateStream());
@@ -283,8 +282,8 @@ absl::StatusOr<RecallCalibration> CalibrateRecall(Backend& backend, const Geomet
   RecallCalibration cal;
   cal.num_items = n;
   for (size_t i = 0; i < kRecallStrategies.size(); ++i) {
-    KVTIER_ASSIGN_OR_RETURN(
-        auto recaller, SlabRecaller::Create(backend, g, kRecallStrategies[i], n, chunk_items));
+    KVTIER_ASSIGN_OR_RETURN(auto recaller,
+                            SlabRecaller::Create(backend, g, kRecallStrategies[i], n, chunk_items));
     std::copy(plan.begin(), plan.end(), recaller->plan());
     std::vector<double> times;
     for (int32_t r = 0; r <= repeats; ++r) {  // run 0 warms up
@@ -296,8 +295,8 @@ absl::StatusOr<RecallCalibration> CalibrateRecall(Backend& backend, const Geomet
     std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
     cal.us[i] = times[times.size() / 2];
   }
-  const size_t best = static_cast<size_t>(
-      std::min_element(cal.us.begin(), cal.us.end()) - cal.us.begin());
+  const size_t best =
+      static_cast<size_t>(std::min_element(cal.us.begin(), cal.us.end()) - cal.us.begin());
   cal.best = kRecallStrategies[best];
   return cal;
 }

@@ -65,8 +65,7 @@ struct RecallTarget {
 class SlabRecaller {
  public:
   // INVALID_ARGUMENT for kAuto, max_items < 1 or chunk_items < 1.
-  static absl::StatusOr<std::unique_ptr<SlabRecaller>> Create(Backend& backend,
-                                                              const Geometry& g,
+  static absl::StatusOr<std::unique_ptr<SlabRecaller>> Create(Backend& backend, const Geometry& g,
                                                               RecallStrategy strategy,
                                                               int32_t max_items,
                                                               int32_t chunk_items);
@@ -86,8 +85,7 @@ class SlabRecaller {
   // what was enqueued there before; when this returns, later work on `drive` runs after the
   // whole recall, transform included. `xform` runs the transforms of the DMA strategies.
   // Returns the number of copy ranges issued (DMA strategies; 0 for kZeroCopy).
-  absl::StatusOr<int64_t> Enqueue(Stream& drive, Stream& xform, int32_t n,
-                                  const RecallTarget& t);
+  absl::StatusOr<int64_t> Enqueue(Stream& drive, Stream& xform, int32_t n, const RecallTarget& t);
 
  private:
   SlabRecaller(Backend& backend, const Geometry& g, RecallStrategy strategy, int32_t max_items,

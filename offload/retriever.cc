@@ -201,10 +201,9 @@ absl::Status RetrieverImpl::Init() {
       KVTIER_RETURN_IF_ERROR(Allocate(&l.drifted, hkv));
       KVTIER_RETURN_IF_ERROR(Allocate(&l.group_mean, hkv * sizeof(float)));
       if (dma()) {
-        KVTIER_ASSIGN_OR_RETURN(l.recaller,
-                                SlabRecaller::Create(backend_, g_, strategy_,
-                                                     static_cast<int32_t>(hkv * kk),
-                                                     o_.stream_chunk_items));
+        KVTIER_ASSIGN_OR_RETURN(l.recaller, SlabRecaller::Create(backend_, g_, strategy_,
+                                                                 static_cast<int32_t>(hkv * kk),
+                                                                 o_.stream_chunk_items));
       }
       l.host = std::make_unique<PageTable>(*pool_);
       l.host_page_mirror.assign(P_, -1);
@@ -605,8 +604,8 @@ absl::StatusOr<RecallStrategy> RetrieverImpl::ResolveStrategy() {
   if (o_.recall != RecallStrategy::kAuto) return o_.recall;
   const int32_t n = g_.num_kv_heads * k();
   if (n == 0) return RecallStrategy::kZeroCopy;  // nothing is ever recalled
-  const std::string key = absl::StrCat(backend_.Describe(), "|", g_.ToString(), "|", n, "|",
-                                       o_.stream_chunk_items);
+  const std::string key =
+      absl::StrCat(backend_.Describe(), "|", g_.ToString(), "|", n, "|", o_.stream_chunk_items);
   MutexLock lock(&calibration_mu);
   auto it = Calibrations().find(key);
   if (it != Calibrations().end()) return it->second;
@@ -775,13 +774,11 @@ absl::StatusOr<WorkingSetView> RetrieverImpl::BeginStep(int32_t layer, const voi
   bool reselect = false;
   if (st.ok()) st = ApplyPolicies(layer, &reselect);
   if (st.ok()) st = backend_.Copy(c, l.q_cur.data(), q, q_bytes());
-  if (st.ok() &&
-      (o_.mode == RetrievalMode::kSync || (speculative && (l.step == 0 || reselect)))) {
+  if (st.ok() && (o_.mode == RetrievalMode::kSync || (speculative && (l.step == 0 || reselect)))) {
     // Select every head with q_t before attention.
     // Sync mode recalls with its strategy; speculative mode's first (and re-)selection is on
     // the critical path and planned on the device, so it gathers zero-copy.
-    st = Select(c,
-                o_.mode == RetrievalMode::kSync ? RecallPath::kForeground : RecallPath::kGather,
+    st = Select(c, o_.mode == RetrievalMode::kSync ? RecallPath::kForeground : RecallPath::kGather,
                 layer, l.q_cur.data(), l.counts.as<int32_t>(), no_mask, RecentFull(l));
     if (st.ok()) st = RecordStats(c, layer, l.step, /*background=*/false, /*checked=*/false);
   } else if (st.ok() && speculative) {

@@ -114,13 +114,13 @@ struct WorkingSetView {
 
 // What one layer's step did (speculative mode fills all fields; the others what applies).
 struct StepStats {
-  int64_t step = 0;               // per-layer step index, from 0
-  int32_t corrected_heads = 0;    // KV heads re-selected before attention
-  int64_t correction_pages = 0;   // head-pages recalled before attention
-  int64_t background_pages = 0;   // head-pages recalled after this step's EndStep
-  std::vector<uint8_t> drifted;   // [Hkv] 1 = corrected
-  std::vector<float> group_mean;  // [Hkv] mean cos(q_t, q_{t-1}) over the group
-  std::vector<int32_t> budget;    // [Hkv] pages the budget policy gave each head this step
+  int64_t step = 0;                 // per-layer step index, from 0
+  int32_t corrected_heads = 0;      // KV heads re-selected before attention
+  int64_t correction_pages = 0;     // head-pages recalled before attention
+  int64_t background_pages = 0;     // head-pages recalled after this step's EndStep
+  std::vector<uint8_t> drifted;     // [Hkv] 1 = corrected
+  std::vector<float> group_mean;    // [Hkv] mean cos(q_t, q_{t-1}) over the group
+  std::vector<int32_t> budget;      // [Hkv] pages the budget policy gave each head this step
   int64_t resident_head_pages = 0;  // the layer's working set after this step's decisions
 };
 

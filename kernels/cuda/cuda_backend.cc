@@ -65,8 +65,9 @@ class CudaBackend final : public Backend {
 
   absl::StatusOr<std::unique_ptr<Stream>> CreateStream(StreamPriority priority) override {
     KVTIER_CUDA_SCOPED_DEVICE(device_);
-    KVTIER_ASSIGN_OR_RETURN(auto stream, cuda::CudaStream::Create(this, device_, slots_,
-                                                                  priority == StreamPriority::kLow));
+    KVTIER_ASSIGN_OR_RETURN(
+        auto stream,
+        cuda::CudaStream::Create(this, device_, slots_, priority == StreamPriority::kLow));
     return std::unique_ptr<Stream>(std::move(stream));
   }
 
@@ -269,16 +270,16 @@ absl::Status CudaBackend::CopyBatch(Stream& s, const CopyRange* ranges, size_t n
                     absl::StrFormat("cudaMemcpyBatchAsync(%d copies)", n));
 #else
   size_t fail_index = 0;
-  return CudaStatus(cudaMemcpyBatchAsync(const_cast<void**>(dsts.data()),
-                                         const_cast<void**>(srcs.data()), sizes.data(), n, &attr,
-                                         &attr_index, 1, &fail_index, stream->handle()),
-                    absl::StrFormat("cudaMemcpyBatchAsync(%d copies)", n));
+  return CudaStatus(
+      cudaMemcpyBatchAsync(const_cast<void**>(dsts.data()), const_cast<void**>(srcs.data()),
+                           sizes.data(), n, &attr, &attr_index, 1, &fail_index, stream->handle()),
+      absl::StrFormat("cudaMemcpyBatchAsync(%d copies)", n));
 #endif
 #else
   for (size_t i = 0; i < n; ++i) {
     KVTIER_RETURN_IF_ERROR(
-        CudaStatus(cudaMemcpyAsync(ranges[i].dst, ranges[i].src, ranges[i].bytes,
-                                   cudaMemcpyDefault, stream->handle()),
+        CudaStatus(cudaMemcpyAsync(ranges[i].dst, ranges[i].src, ranges[i].bytes, cudaMemcpyDefault,
+                                   stream->handle()),
                    absl::StrFormat("cudaMemcpyAsync(%d bytes)", ranges[i].bytes)));
   }
   return absl::OkStatus();
@@ -287,11 +288,11 @@ absl::Status CudaBackend::CopyBatch(Stream& s, const CopyRange* ranges, size_t n
 
 // The arithmetic ops: every pointer argument is translated to its device view, then the
 // kernel is launched on the stream with the stream's error sink.
-#define KVTIER_CUDA_LAUNCH_OP(Name, Launcher, ...)                                            \
-  KVTIER_ASSIGN_OR_RETURN(cuda::CudaStream * stream, cuda::AsCudaStream(s, this, #Name)); \
-  KVTIER_CUDA_SCOPED_DEVICE(device_);                                                     \
-  auto d = a;                                                                             \
-  __VA_ARGS__;                                                                            \
+#define KVTIER_CUDA_LAUNCH_OP(Name, Launcher, ...)                                       \
+  KVTIER_ASSIGN_OR_RETURN(cuda::CudaStream* stream, cuda::AsCudaStream(s, this, #Name)); \
+  KVTIER_CUDA_SCOPED_DEVICE(device_);                                                    \
+  auto d = a;                                                                            \
+  __VA_ARGS__;                                                                           \
   return CudaStatus(cuda::Launcher(d, stream->NextOp(), stream->handle()), #Name " kernel launch")
 
 #define KVTIER_VIEW(field) d.field = DeviceView(a.field)

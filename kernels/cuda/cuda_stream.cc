@@ -91,10 +91,9 @@ absl::Status ErrorSlot::FailureUpTo(uint64_t seq) const {
   const DeviceErrorRecord& r = *host_record_;
   const auto field = static_cast<ItemField>(r.field);
   if (field >= ItemField::kNumPages && field != ItemField::kSlot) {  // an array entry
-    return absl::OutOfRangeError(
-        absl::StrFormat("%s: %s[%d] = %d must be in [0, %d) (found by the CUDA kernel)",
-                        OpName(static_cast<KernelOp>(r.op)), FieldName(field), r.item, r.value,
-                        r.limit));
+    return absl::OutOfRangeError(absl::StrFormat(
+        "%s: %s[%d] = %d must be in [0, %d) (found by the CUDA kernel)",
+        OpName(static_cast<KernelOp>(r.op)), FieldName(field), r.item, r.value, r.limit));
   }
   return absl::OutOfRangeError(
       absl::StrFormat("%s: items[%d].%s = %d must be in [0, %d) (found by the CUDA kernel)",
@@ -252,8 +251,8 @@ absl::StatusOr<std::unique_ptr<CudaStream>> CudaStream::Create(const Backend* ow
   int least = 0, greatest = 0;  // numerically: least is the lowest priority
   KVTIER_CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&least, &greatest));
   cudaStream_t stream = nullptr;
-  KVTIER_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking,
-                                                           low_priority ? least : 0));
+  KVTIER_CUDA_RETURN_IF_ERROR(
+      cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, low_priority ? least : 0));
   absl::StatusOr<std::shared_ptr<ErrorSlot>> errors = slots.Acquire(stream);
   if (!errors.ok()) {
     (void)cudaStreamDestroy(stream);

@@ -77,8 +77,8 @@ class RecallStrategyTest : public ::testing::Test {
       a.num_slots = slots;
       EXPECT_TRUE(backend_->Recall(*drive_, a).ok());
     } else {
-      auto r = SlabRecaller::Create(*backend_, g_, strategy, static_cast<int32_t>(plan.size()),
-                                    chunk);
+      auto r =
+          SlabRecaller::Create(*backend_, g_, strategy, static_cast<int32_t>(plan.size()), chunk);
       EXPECT_TRUE(r.ok()) << r.status();
       recaller = *std::move(r);
       std::copy(plan.begin(), plan.end(), recaller->plan());
@@ -114,8 +114,7 @@ TEST_F(RecallStrategyTest, EveryStrategyEqualsTheRecallOp) {
   const std::vector<uint8_t> expected = Run(RecallStrategy::kAuto, plan, 30, 1);
   for (int32_t chunk : {1, 4, 7, 64}) {
     for (RecallStrategy s : kRecallStrategies) {
-      EXPECT_EQ(Run(s, plan, 30, chunk), expected)
-          << RecallStrategyName(s) << " chunk " << chunk;
+      EXPECT_EQ(Run(s, plan, 30, chunk), expected) << RecallStrategyName(s) << " chunk " << chunk;
     }
   }
 }
@@ -147,8 +146,7 @@ TEST_F(RecallStrategyTest, PlanErrorsNameTheItemAndTheLimit) {
     r->plan()[1] = RecallItem{pages_.num, 0, 1};  // one past the last host page
     const auto st = r->Enqueue(*drive_, *xform_, 2, t).status();
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_NE(st.message().find("items[1].host_page = 40 must be in [0, 40)"),
-              std::string::npos)
+    EXPECT_NE(st.message().find("items[1].host_page = 40 must be in [0, 40)"), std::string::npos)
         << st;
     r->plan()[1] = RecallItem{2, 0, 4};  // slot out of range
     EXPECT_EQ(r->Enqueue(*drive_, *xform_, 2, t).status().code(),

@@ -18,8 +18,8 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "kvtier/layout.h"
 #include "offload/page_pool.h"
-#include "tests/testutil/chaos_backend.h"
 #include "tests/offload/retriever_harness.h"
+#include "tests/testutil/chaos_backend.h"
 #include "tests/testutil/random_fill.h"
 
 namespace kvtier {
