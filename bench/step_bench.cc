@@ -41,20 +41,6 @@ constexpr int32_t kMaxBatch = 1024;
 
 double Us(Clock::duration d) { return std::chrono::duration<double, std::micro>(d).count(); }
 
-void StoreAs(std::vector<uint8_t>& data, DType t, int64_t i, float v) {
-  switch (t) {
-    case DType::kF16:
-      reinterpret_cast<Half*>(data.data())[i] = FloatToHalf(v);
-      return;
-    case DType::kBF16:
-      reinterpret_cast<BFloat16*>(data.data())[i] = FloatToBFloat16(v);
-      return;
-    case DType::kF32:
-      reinterpret_cast<float*>(data.data())[i] = v;
-      return;
-  }
-}
-
 // MemAvailable of /proc/meminfo in bytes; -1 when unknown.
 int64_t HostMemAvailable() {
   std::ifstream in("/proc/meminfo");
@@ -326,7 +312,7 @@ absl::Status StepBench::Setup(std::ostream& log) {
         }
         const int64_t base = ((int64_t{s} * L + l) * Bmax_ + b) * Hq * d;
         for (int64_t i = 0; i < int64_t{Hq} * d; ++i) {
-          StoreAs(q_host, g_.dtype, base + i, cur[static_cast<size_t>(i)]);
+          StoreElement(q_host, g_.dtype, base + i, cur[static_cast<size_t>(i)]);
         }
       }
     }
@@ -337,7 +323,7 @@ absl::Status StepBench::Setup(std::ostream& log) {
   for (DeviceBuffer* buf : {&tok_k_, &tok_v_}) {
     std::vector<uint8_t> rows(static_cast<size_t>(N_) * L * Bmax_ * row_bytes_);
     const int64_t n = static_cast<int64_t>(rows.size() / e);
-    for (int64_t i = 0; i < n; ++i) StoreAs(rows, g_.dtype, i, normal(rng));
+    for (int64_t i = 0; i < n; ++i) StoreElement(rows, g_.dtype, i, normal(rng));
     KVTIER_ASSIGN_OR_RETURN(*buf, be_->Allocate(rows.size()));
     KVTIER_RETURN_IF_ERROR(Upload(buf->data(), rows));
   }

@@ -8,9 +8,8 @@
 #include "kvtier/layout.h"
 
 namespace kvtier::bench {
-namespace {
 
-void Store(std::vector<uint8_t>& data, DType t, int64_t i, float v) {
+void StoreElement(std::vector<uint8_t>& data, DType t, int64_t i, float v) {
   switch (t) {
     case DType::kF16:
       reinterpret_cast<Half*>(data.data())[i] = FloatToHalf(v);
@@ -24,7 +23,7 @@ void Store(std::vector<uint8_t>& data, DType t, int64_t i, float v) {
   }
 }
 
-}  // namespace
+namespace {}  // namespace
 
 float LoadAsFloat(const std::vector<uint8_t>& data, DType t, int64_t i) {
   switch (t) {
@@ -46,7 +45,8 @@ SyntheticKv MakeSyntheticKv(const Geometry& g, const SyntheticKvOptions& o) {
   kv.q.resize(static_cast<size_t>(B) * Hq * d * elem);
   kv.k.resize(static_cast<size_t>(B) * T * Hkv * d * elem);
   kv.v.resize(kv.k.size());
-  kv.heavy.assign(static_cast<size_t>(B), std::vector<std::vector<int32_t>>(static_cast<size_t>(Hkv)));
+  kv.heavy.assign(static_cast<size_t>(B),
+                  std::vector<std::vector<int32_t>>(static_cast<size_t>(Hkv)));
   std::mt19937_64 rng(o.seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::uniform_real_distribution<float> unit(0.5f, 1.0f);
@@ -64,7 +64,8 @@ SyntheticKv MakeSyntheticKv(const Geometry& g, const SyntheticKvOptions& o) {
       norm = std::sqrt(norm);
       for (int32_t gq = 0; gq < G; ++gq) {
         for (int32_t i = 0; i < d; ++i) {
-          Store(kv.q, g.dtype, ql.Offset(b, h * G + gq, i), dir[static_cast<size_t>(i)] + 0.5f * normal(rng));
+          StoreElement(kv.q, g.dtype, ql.Offset(b, h * G + gq, i),
+                       dir[static_cast<size_t>(i)] + 0.5f * normal(rng));
         }
       }
       // Logit boost per token: sink page, recent pages, and the heavy pages.
@@ -76,17 +77,20 @@ SyntheticKv MakeSyntheticKv(const Geometry& g, const SyntheticKvOptions& o) {
       std::sort(cand.begin(), cand.end());
       kv.heavy[static_cast<size_t>(b)][static_cast<size_t>(h)] = cand;
       for (int32_t t = 0; t < std::min(p, T); ++t) boost[static_cast<size_t>(t)] = o.heavy_logit;
-      for (int32_t t = std::max(0, T - o.recent_pages * p); t < T; ++t) boost[static_cast<size_t>(t)] = o.heavy_logit / 2;
+      for (int32_t t = std::max(0, T - o.recent_pages * p); t < T; ++t)
+        boost[static_cast<size_t>(t)] = o.heavy_logit / 2;
       for (int32_t page : cand) {
-        for (int32_t t = page * p; t < std::min(T, (page + 1) * p); ++t) boost[static_cast<size_t>(t)] = o.heavy_logit * unit(rng);
+        for (int32_t t = page * p; t < std::min(T, (page + 1) * p); ++t)
+          boost[static_cast<size_t>(t)] = o.heavy_logit * unit(rng);
       }
       // k = noise + boost·√d/|dir| · dir/|dir| adds ≈ boost to q·k/√d for the group's queries.
       const float gain = std::sqrt(static_cast<float>(d)) / (norm * norm);
       for (int32_t t = 0; t < T; ++t) {
         const float s = boost[static_cast<size_t>(t)] * gain;
         for (int32_t i = 0; i < d; ++i) {
-          Store(kv.k, g.dtype, kl.Offset(b, t, h, i), normal(rng) + s * dir[static_cast<size_t>(i)]);
-          Store(kv.v, g.dtype, kl.Offset(b, t, h, i), normal(rng));
+          StoreElement(kv.k, g.dtype, kl.Offset(b, t, h, i),
+                       normal(rng) + s * dir[static_cast<size_t>(i)]);
+          StoreElement(kv.v, g.dtype, kl.Offset(b, t, h, i), normal(rng));
         }
       }
     }

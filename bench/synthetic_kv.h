@@ -14,6 +14,9 @@
 
 namespace kvtier::bench {
 
+// Element i of `data` (an array of dtype `t`) set to v, rounded to nearest even.
+void StoreElement(std::vector<uint8_t>& data, DType t, int64_t i, float v);
+
 struct SyntheticKvOptions {
   int32_t batch = 1;
   int32_t tokens = 32768;

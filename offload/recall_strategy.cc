@@ -64,6 +64,23 @@ bool ParseRecallStrategy(std::string_view name, RecallStrategy* out) {
   return false;
 }
 
+RecallArgs ZeroCopyRecallArgs(const Geometry& g, const RecallTarget& t, const RecallItem* items,
+                              int32_t n) {
+  RecallArgs a;
+  a.dtype = g.dtype;
+  a.page_size = g.page_size;
+  a.num_kv_heads = g.num_kv_heads;
+  a.head_dim = g.head_dim;
+  a.host_pages = t.host_pages;
+  a.num_host_pages = t.num_host_pages;
+  a.items = items;
+  a.num_items = n;
+  a.k_cache = t.k_cache;
+  a.v_cache = t.v_cache;
+  a.num_slots = t.num_slots;
+  return a;
+}
+
 // ---- SlabRecaller ----
 
 SlabRecaller::SlabRecaller(Backend& backend, const Geometry& g, RecallStrategy strategy,
@@ -137,19 +154,7 @@ absl::StatusOr<int64_t> SlabRecaller::Enqueue(Stream& drive, Stream& xform, int3
   }
   if (n == 0) return 0;
   if (strategy_ == RecallStrategy::kZeroCopy) {
-    RecallArgs a;
-    a.dtype = g_.dtype;
-    a.page_size = g_.page_size;
-    a.num_kv_heads = g_.num_kv_heads;
-    a.head_dim = g_.head_dim;
-    a.host_pages = t.host_pages;
-    a.num_host_pages = t.num_host_pages;
-    a.items = plan_;
-    a.num_items = n;
-    a.k_cache = t.k_cache;
-    a.v_cache = t.v_cache;
-    a.num_slots = t.num_slots;
-    KVTIER_RETURN_IF_ERROR(backend_.Recall(drive, a));
+    KVTIER_RETURN_IF_ERROR(backend_.Recall(drive, ZeroCopyRecallArgs(g_, t, plan_, n)));
     return 0;
   }
 

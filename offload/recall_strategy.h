@@ -55,6 +55,10 @@ struct RecallTarget {
   int32_t num_slots = 0;
 };
 
+// The zero-copy gather's (Recall op's) arguments: `n` items at `items` into `t`.
+RecallArgs ZeroCopyRecallArgs(const Geometry& g, const RecallTarget& t, const RecallItem* items,
+                              int32_t n);
+
 // Executes recall plans held on the host with one strategy. Owns its staging buffers (two
 // chunks), events and plan buffers (host memory registered with the backend, so kernels can
 // read them), so one instance per layer keeps layers in flight from sharing anything.

@@ -519,15 +519,7 @@ absl::Status RetrieverImpl::AppendTokens(int32_t layer, const void* k, const voi
 absl::Status RetrieverImpl::RecallPlan(Stream& s, RecallPath path, LayerState& l) {
   const int32_t n = g_.num_kv_heads * k();
   if (path == RecallPath::kGather || !dma()) {
-    auto a = SlabArgs<RecallArgs>(g_);
-    a.host_pages = pool_->base();
-    a.num_host_pages = pool_->num_slots();
-    a.items = l.items.as<RecallItem>();
-    a.num_items = n;
-    a.k_cache = l.k_ws.data();
-    a.v_cache = l.v_ws.data();
-    a.num_slots = S_;
-    return backend_.Recall(s, a);
+    return backend_.Recall(s, ZeroCopyRecallArgs(g_, Target(l), l.items.as<RecallItem>(), n));
   }
   // The copy engines are driven from the host: the plan goes to the layer's host plan buffer.
   KVTIER_RETURN_IF_ERROR(

@@ -63,19 +63,10 @@ class RecallStrategyTest : public ::testing::Test {
     RecallTarget t{pages_.data.get(), pages_.num, k.data(), v.data(), slots};
     std::unique_ptr<SlabRecaller> recaller;  // alive until the streams have run its work
     if (strategy == RecallStrategy::kAuto) {
-      RecallArgs a;
-      a.dtype = g_.dtype;
-      a.page_size = g_.page_size;
-      a.num_kv_heads = g_.num_kv_heads;
-      a.head_dim = g_.head_dim;
-      a.host_pages = t.host_pages;
-      a.num_host_pages = t.num_host_pages;
-      a.items = plan.data();
-      a.num_items = static_cast<int32_t>(plan.size());
-      a.k_cache = k.data();
-      a.v_cache = v.data();
-      a.num_slots = slots;
-      EXPECT_TRUE(backend_->Recall(*drive_, a).ok());
+      EXPECT_TRUE(backend_
+                      ->Recall(*drive_, ZeroCopyRecallArgs(g_, t, plan.data(),
+                                                           static_cast<int32_t>(plan.size())))
+                      .ok());
     } else {
       auto r =
           SlabRecaller::Create(*backend_, g_, strategy, static_cast<int32_t>(plan.size()), chunk);
