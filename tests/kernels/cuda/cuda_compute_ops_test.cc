@@ -307,6 +307,18 @@ std::vector<float> RandomFloats(std::mt19937& rng, int64_t n, float lo, float hi
 // ---- Shapes ----
 
 // The head-shape sweep of the query-side ops: Hkv = 2 KV heads, G query heads per KV head.
+// The shape fields every per-head op (scoring, cosine, attention) takes.
+template <typename Args>
+Args HeadOpArgs(DType dtype, int32_t batch, int32_t q_heads, int32_t kv_heads, int32_t d) {
+  Args a;
+  a.dtype = dtype;
+  a.batch = batch;
+  a.num_q_heads = q_heads;
+  a.num_kv_heads = kv_heads;
+  a.head_dim = d;
+  return a;
+}
+
 struct HeadShape {
   DType dtype;
   int32_t group;
@@ -380,12 +392,7 @@ TEST_P(CudaHeadOpsTest, ScorePagesMatchesCpu) {
     ASSERT_NO_FATAL_FAILURE(RunBothOk(
         in,
         [&](Backend& be, Stream& s, const OpPtrs& p) {
-          ScorePagesArgs a;
-          a.dtype = c.dtype;
-          a.batch = B;
-          a.num_q_heads = Hq;
-          a.num_kv_heads = kHkv;
-          a.head_dim = d;
+          auto a = HeadOpArgs<ScorePagesArgs>(c.dtype, B, Hq, kHkv, d);
           a.max_pages = P;
           a.q = p.get(iq);
           a.summaries = p.get(isum);
@@ -447,12 +454,7 @@ TEST_P(CudaHeadOpsTest, QueryCosineMatchesCpu) {
     ASSERT_NO_FATAL_FAILURE(RunBothOk(
         in,
         [&](Backend& be, Stream& s, const OpPtrs& p) {
-          QueryCosineArgs a;
-          a.dtype = c.dtype;
-          a.batch = B;
-          a.num_q_heads = Hq;
-          a.num_kv_heads = kHkv;
-          a.head_dim = d;
+          auto a = HeadOpArgs<QueryCosineArgs>(c.dtype, B, Hq, kHkv, d);
           a.q = p.get(iq);
           a.q_prev = p.get(iqp);
           a.threshold = kThreshold;
@@ -562,12 +564,7 @@ TEST_P(CudaHeadOpsTest, SparseAttentionMatchesCpu) {
     ASSERT_NO_FATAL_FAILURE(RunBothOk(
         in,
         [&](Backend& be, Stream& s, const OpPtrs& p) {
-          SparseAttentionArgs a;
-          a.dtype = c.dtype;
-          a.batch = B;
-          a.num_q_heads = Hq;
-          a.num_kv_heads = kHkv;
-          a.head_dim = d;
+          auto a = HeadOpArgs<SparseAttentionArgs>(c.dtype, B, Hq, kHkv, d);
           a.page_size = kP;
           a.num_slots = kS;
           a.q = p.get(iq);
@@ -628,12 +625,7 @@ TEST_P(CudaHeadOpsTest, DenseAttentionMatchesCpu) {
     ASSERT_NO_FATAL_FAILURE(RunBothOk(
         in,
         [&](Backend& be, Stream& s, const OpPtrs& p) {
-          DenseAttentionArgs a;
-          a.dtype = c.dtype;
-          a.batch = B;
-          a.num_q_heads = Hq;
-          a.num_kv_heads = kHkv;
-          a.head_dim = d;
+          auto a = HeadOpArgs<DenseAttentionArgs>(c.dtype, B, Hq, kHkv, d);
           a.max_tokens = kT;
           a.q = p.get(iq);
           a.k = p.get(ik);
@@ -900,6 +892,17 @@ struct SlotCase {
   int32_t kv_heads;
 };
 
+// The shape fields every slot op takes, from the case.
+template <typename Args>
+Args SlotShape(const SlotCase& c) {
+  Args a;
+  a.dtype = c.dtype;
+  a.page_size = c.page_size;
+  a.num_kv_heads = c.kv_heads;
+  a.head_dim = c.head_dim;
+  return a;
+}
+
 std::string SlotCaseName(const ::testing::TestParamInfo<SlotCase>& info) {
   const SlotCase& c = info.param;
   return absl::StrFormat("%s_p%d_d%d_hkv%d", DTypeName(c.dtype), c.page_size, c.head_dim,
@@ -971,11 +974,7 @@ TEST_P(CudaSlotOpsTest, QuantizeSlotsMatchesCpuBitForBit) {
   ASSERT_NO_FATAL_FAILURE(RunBothOk(
       in,
       [&](Backend& be, Stream& s, const OpPtrs& p) {
-        QuantizeSlotsArgs a;
-        a.dtype = c.dtype;
-        a.page_size = c.page_size;
-        a.num_kv_heads = c.kv_heads;
-        a.head_dim = c.head_dim;
+        auto a = SlotShape<QuantizeSlotsArgs>(c);
         a.items = p.get<HeadSlot>(iitems);
         a.num_items = static_cast<int32_t>(items.size());
         a.k_cache = p.get(ik);
@@ -1038,11 +1037,7 @@ TEST_P(CudaSlotOpsTest, MoveHeadSlotsMatchesCpuBitForBit) {
     ASSERT_NO_FATAL_FAILURE(RunBothOk(
         in,
         [&](Backend& be, Stream& s, const OpPtrs& p) {
-          MoveHeadSlotsArgs a;
-          a.dtype = c.dtype;
-          a.page_size = c.page_size;
-          a.num_kv_heads = c.kv_heads;
-          a.head_dim = c.head_dim;
+          auto a = SlotShape<MoveHeadSlotsArgs>(c);
           a.items = p.get<HeadSlotMove>(iitems);
           a.num_items = static_cast<int32_t>(items.size());
           a.k_cache = p.get(ik);
