@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 #include "absl/strings/str_format.h"
@@ -315,10 +316,21 @@ uint64_t SessionRegion::epoch() const {
   return Atomic(reinterpret_cast<RegionHeader*>(base_)->epoch).load(std::memory_order_acquire);
 }
 
-uint64_t SessionRegion::BumpEpoch() {
-  return Atomic(reinterpret_cast<RegionHeader*>(base_)->epoch)
-             .fetch_add(1, std::memory_order_acq_rel) +
-         1;
+absl::StatusOr<uint64_t> SessionRegion::BumpEpoch(uint64_t at_least) {
+  auto epoch = Atomic(reinterpret_cast<RegionHeader*>(base_)->epoch);
+  uint64_t current = epoch.load(std::memory_order_acquire);
+  for (;;) {
+    const uint64_t base = std::max(current, at_least);
+    if (base == std::numeric_limits<uint64_t>::max()) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "the session region's epoch is %d, the largest value: it cannot advance to fence the "
+          "previous holder (the region header was overwritten); open a new session",
+          base));
+    }
+    if (epoch.compare_exchange_weak(current, base + 1, std::memory_order_acq_rel)) {
+      return base + 1;
+    }
+  }
 }
 
 }  // namespace kvtier

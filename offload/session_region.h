@@ -99,8 +99,11 @@ class SessionRegion {
   int64_t CommittedPages() const;
 
   uint64_t epoch() const;
-  // Takes the region over: epoch + 1, returned. Commits fenced with older epochs fail.
-  uint64_t BumpEpoch();
+  // Takes the region over: the epoch becomes max(epoch, at_least) + 1, returned, so it never
+  // goes back below a value its owner recorded even when a writer of the shared header
+  // lowered it. Commits fenced with older epochs fail. FAILED_PRECONDITION instead of
+  // wrapping to 0 when the epoch is at its largest value (only a hostile writer gets there).
+  absl::StatusOr<uint64_t> BumpEpoch(uint64_t at_least = 0);
 
  private:
   SessionRegion(char* base, const RegionLayout& layout, const Geometry& g)

@@ -3,6 +3,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <new>
 #include <random>
 #include <thread>
@@ -142,7 +143,7 @@ TEST_F(SessionRegionTest, FormatThenOpenRoundTrips) {
   EXPECT_EQ(r->slots(), w.slots());
   // Both views share the memory: a commit and an epoch bump are visible through the other.
   ASSERT_TRUE(w.Commit(1, 2, 4, 9, 1).ok());
-  EXPECT_EQ(r->BumpEpoch(), 2u);
+  EXPECT_EQ(r->BumpEpoch().value(), 2u);
   EXPECT_EQ(w.epoch(), 2u);
   absl::StatusOr<CommittedPage> c = r->Lookup(1, 2);
   ASSERT_TRUE(c.ok()) << c.status();
@@ -312,7 +313,7 @@ TEST_F(SessionRegionTest, CommittedPrefixStopsAtAGap) {
 TEST_F(SessionRegionTest, CommitsWithAnOlderEpochAreFenced) {
   SessionRegion r = Formatted();
   ASSERT_TRUE(r.Commit(0, 0, 0, 1, 1).ok());
-  EXPECT_EQ(r.BumpEpoch(), 2u);
+  EXPECT_EQ(r.BumpEpoch().value(), 2u);
   absl::Status fenced = r.Commit(0, 1, 1, 1, 1);
   EXPECT_EQ(fenced.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(fenced.message(), HasSubstr("epoch 2"));
@@ -320,6 +321,23 @@ TEST_F(SessionRegionTest, CommitsWithAnOlderEpochAreFenced) {
   ASSERT_TRUE(r.Commit(0, 1, 1, 1, 2).ok());
   EXPECT_EQ(r.Lookup(0, 1)->epoch, 2u);
   EXPECT_EQ(r.Lookup(0, 0)->epoch, 1u);  // older commits stay readable
+}
+
+// A writer of the shared header can set the epoch to anything: the bump never wraps to 0
+// (which would let every fenced holder commit again) and never goes below what the owner
+// recorded.
+TEST_F(SessionRegionTest, EpochNeverWrapsNorGoesBelowTheOwnersRecord) {
+  SessionRegion r = Formatted();
+  Poke<uint64_t>(memory_.data(), kHeaderEpochOffset, std::numeric_limits<uint64_t>::max());
+  absl::StatusOr<uint64_t> wrapped = r.BumpEpoch();
+  EXPECT_EQ(wrapped.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(wrapped.status().message(), HasSubstr("largest value"));
+  EXPECT_EQ(r.epoch(), std::numeric_limits<uint64_t>::max());
+
+  Poke<uint64_t>(memory_.data(), kHeaderEpochOffset, 1);  // lowered behind the owner's back
+  EXPECT_EQ(r.BumpEpoch(/*at_least=*/7).value(), 8u);
+  EXPECT_EQ(r.epoch(), 8u);
+  EXPECT_EQ(r.BumpEpoch(/*at_least=*/3).value(), 9u);
 }
 
 TEST_F(SessionRegionTest, CorruptSlotIndexIsDataLoss) {
