@@ -8,6 +8,9 @@
 //    open during the call.
 //  - Nothing the peer sends can make a handler throw or read out of bounds: the length is
 //    checked before the body is read, and every error closes the connection.
+//  - A connection is in its peer's list (by_peer_) from Start until it closes; live_ counts
+//    the connections in those lists. A closed connection is never counted or replaced again,
+//    though its handlers may still hold it for a moment.
 #include "daemon/attach_server.h"
 
 #include <fcntl.h>
@@ -27,6 +30,8 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <list>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -36,7 +41,6 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_format.h"
-#include "kvtier/client.h"
 #include "kvtier/mutex.h"
 #include "kvtier/status.h"
 #include "kvtier/v1/kvtier.pb.h"
@@ -118,28 +122,43 @@ std::string EncodeReply(const v1::AttachReply& reply) {
   return out + body;
 }
 
+// The peer's credentials (pid 0 when the kernel cannot say).
+PeerCredentials PeerOf(int fd) {
+  ucred cred{};
+  socklen_t len = sizeof(cred);
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) return PeerCredentials{};
+  return PeerCredentials{.pid = cred.pid, .uid = cred.uid, .gid = cred.gid};
+}
+
 class AttachServerImpl;
+class Connection;
+using PeerConnections = std::list<Connection*>;  // oldest first
 
 // One handshake: read the request, answer, close. Owned by its pending handlers.
 class Connection : public std::enable_shared_from_this<Connection> {
  public:
-  Connection(AttachServerImpl& server, Local::socket socket);
+  Connection(AttachServerImpl& server, Local::socket socket, const PeerCredentials& peer);
   ~Connection();
   Connection(const Connection&) = delete;
   Connection& operator=(const Connection&) = delete;
 
   void Start();
+  // Closes the socket (pending reads end with operation_aborted) and leaves the peer's list.
+  void Close();
 
  private:
+  friend class AttachServerImpl;
   void ReadBody();
   void Decide();
   void Refuse(const absl::Status& status);
   void Send(const v1::AttachReply& reply, int owned_fd);
   void TrySend();
-  void Close();
 
   AttachServerImpl& server_;
   Local::socket socket_;
+  const PeerCredentials peer_;
+  std::optional<PeerConnections::iterator> listed_;  // in server_.by_peer_[peer_.pid]
+  bool answered_ = false;
   asio::steady_timer deadline_;
   unsigned char header_[kLengthBytes] = {};
   std::string body_;
@@ -208,6 +227,7 @@ class AttachServerImpl final : public AttachServer {
   const std::string& path() const override { return path_; }
   uint64_t granted() const override { return granted_.load(); }
   uint64_t refused() const override { return refused_.load(); }
+  uint64_t dropped() const override { return dropped_.load(); }
 
  private:
   friend class Connection;
@@ -235,11 +255,44 @@ class AttachServerImpl final : public AttachServer {
         });
         return;
       }
-      if (connections_ < options_.max_connections) {
-        std::make_shared<Connection>(*this, std::move(socket))->Start();
-      }  // else the socket closes here: the client sees the connection end without a reply
+      Admit(std::move(socket));
       Accept();
     });
+  }
+
+  // Serves `socket` unless its peer holds its share already; makes room at the global
+  // limit by closing the oldest connection of the peer that holds the most.
+  void Admit(Local::socket socket) {
+    const PeerCredentials peer = PeerOf(socket.native_handle());
+    auto mine = by_peer_.find(peer.pid);
+    if (mine != by_peer_.end() && mine->second.size() >= options_.max_connections_per_peer) {
+      ++dropped_;  // the socket closes here: the client sees the end without a reply
+      return;
+    }
+    if (live_ >= options_.max_connections) {
+      auto heaviest = by_peer_.begin();
+      for (auto it = by_peer_.begin(); it != by_peer_.end(); ++it) {
+        if (it->second.size() > heaviest->second.size()) heaviest = it;
+      }
+      if (heaviest == by_peer_.end()) return;  // cannot happen while live_ > 0
+      ++dropped_;
+      heaviest->second.front()->Close();
+    }
+    std::make_shared<Connection>(*this, std::move(socket), peer)->Start();
+  }
+
+  void List(Connection* c) {
+    PeerConnections& list = by_peer_[c->peer_.pid];
+    c->listed_ = list.insert(list.end(), c);
+    ++live_;
+  }
+  void Unlist(Connection* c) {
+    if (!c->listed_.has_value()) return;
+    auto it = by_peer_.find(c->peer_.pid);
+    it->second.erase(*c->listed_);
+    if (it->second.empty()) by_peer_.erase(it);
+    c->listed_.reset();
+    --live_;
   }
 
   const std::string path_;
@@ -251,27 +304,32 @@ class AttachServerImpl final : public AttachServer {
   std::optional<asio::steady_timer> retry_;
   std::thread thread_;
   std::optional<std::pair<dev_t, ino_t>> bound_;  // the socket file we created
-  uint32_t connections_ = 0;                      // io thread only
+  // io thread only: the open connections of each peer process, and how many in all.
+  std::map<pid_t, PeerConnections> by_peer_;
+  uint32_t live_ = 0;
   std::atomic<uint64_t> granted_{0};
   std::atomic<uint64_t> refused_{0};
+  std::atomic<uint64_t> dropped_{0};
   Mutex stop_mu_;
   bool stopped_ ABSL_GUARDED_BY(stop_mu_) = false;
 };
 
-Connection::Connection(AttachServerImpl& server, Local::socket socket)
-    : server_(server), socket_(std::move(socket)), deadline_(*server.io_) {
-  ++server_.connections_;
-}
+Connection::Connection(AttachServerImpl& server, Local::socket socket,
+                       const PeerCredentials& peer)
+    : server_(server), socket_(std::move(socket)), peer_(peer), deadline_(*server.io_) {}
 
 Connection::~Connection() {
   if (send_fd_ >= 0) close(send_fd_);
-  --server_.connections_;
+  server_.Unlist(this);
 }
 
 void Connection::Start() {
+  server_.List(this);
   deadline_.expires_after(absl::ToChronoNanoseconds(server_.options_.handshake_timeout));
   deadline_.async_wait([self = shared_from_this()](boost::system::error_code ec) {
-    if (!ec) self->Close();  // the client took too long: drop it, no reply
+    if (ec) return;
+    if (!self->answered_) ++self->server_.dropped_;  // too slow: drop it, no reply
+    self->Close();
   });
   asio::async_read(socket_, asio::buffer(header_),
                    [self = shared_from_this()](boost::system::error_code ec, size_t) {
@@ -303,17 +361,24 @@ void Connection::Decide() {
     return Refuse(absl::InvalidArgumentError(
         absl::StrFormat("AttachRequest of %d bytes does not parse", body_.size())));
   }
+  const AttachServerOptions& o = server_.options_;
   if (request.protocol_version() == 0) {
-    return Refuse(absl::InvalidArgumentError(absl::StrFormat(
-        "AttachRequest.protocol_version is 0 (unset); this daemon speaks %d", kProtocolVersion)));
+    return Refuse(absl::InvalidArgumentError(
+        absl::StrFormat("AttachRequest.protocol_version is 0 (unset); this daemon speaks "
+                        "protocol versions %d to %d",
+                        o.min_protocol_version, o.max_protocol_version)));
   }
-  ucred cred{};
-  socklen_t len = sizeof(cred);
-  if (getsockopt(socket_.native_handle(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
-    return Refuse(absl::InternalError("SO_PEERCRED of the attach peer: " + ErrnoText(errno)));
+  if (request.protocol_version() < o.min_protocol_version ||
+      request.protocol_version() > o.max_protocol_version) {
+    return Refuse(absl::FailedPreconditionError(absl::StrFormat(
+        "AttachRequest.protocol_version = %d: this daemon speaks protocol versions %d to %d",
+        request.protocol_version(), o.min_protocol_version, o.max_protocol_version)));
   }
-  const PeerCredentials peer{.pid = cred.pid, .uid = cred.uid, .gid = cred.gid};
-  absl::StatusOr<AttachGrant> grant = server_.authorize_(peer, request.tenant(), request.token());
+  if (peer_.pid == 0) {
+    return Refuse(absl::InternalError("SO_PEERCRED of the attach peer failed: uid unknown"));
+  }
+  absl::StatusOr<AttachGrant> grant =
+      server_.authorize_(peer_, request.tenant(), request.token());
   if (!grant.ok()) return Refuse(grant.status());
   const int fd = grant->fd < 0 ? -1 : fcntl(grant->fd, F_DUPFD_CLOEXEC, 0);
   if (fd < 0) {
@@ -339,6 +404,7 @@ void Connection::Refuse(const absl::Status& status) {
 }
 
 void Connection::Send(const v1::AttachReply& reply, int owned_fd) {
+  answered_ = true;
   out_ = EncodeReply(reply);
   sent_ = 0;
   send_fd_ = owned_fd;
@@ -386,6 +452,7 @@ void Connection::TrySend() {
 }
 
 void Connection::Close() {
+  server_.Unlist(this);
   boost::system::error_code ec;
   socket_.close(ec);   // pending reads complete with operation_aborted
   deadline_.cancel();  // releases the deadline handler's reference
@@ -406,6 +473,18 @@ absl::StatusOr<std::unique_ptr<AttachServer>> AttachServer::Start(
     return absl::InvalidArgumentError(
         absl::StrFormat("max_request_bytes (%d) and max_connections (%d) must be > 0",
                         options.max_request_bytes, options.max_connections));
+  }
+  if (options.max_connections_per_peer == 0 ||
+      options.max_connections_per_peer > options.max_connections) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("max_connections_per_peer = %d must be in [1, max_connections = %d]",
+                        options.max_connections_per_peer, options.max_connections));
+  }
+  if (options.min_protocol_version == 0 ||
+      options.min_protocol_version > options.max_protocol_version) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "protocol versions [%d, %d]: need 1 <= min <= max", options.min_protocol_version,
+        options.max_protocol_version));
   }
   KVTIER_RETURN_IF_ERROR(ClearStaleSocket(path));
   auto server = std::make_unique<AttachServerImpl>(path, std::move(authorize), options);

@@ -7,7 +7,14 @@
 //
 // Runs on its own Boost.Asio io_context thread; each connection has a deadline (a client
 // that sends nothing is dropped) and a request-size limit. The server never trusts the
-// request: lengths are checked before reading, bad messages get INVALID_ARGUMENT.
+// request: lengths are checked before reading, bad messages get INVALID_ARGUMENT, a
+// protocol version outside the daemon's range FAILED_PRECONDITION.
+//
+// Fairness: the peer's credentials are read at accept. One peer process may hold at most
+// max_connections_per_peer handshakes (further connections are closed at once), and when
+// max_connections are taken, a new connection replaces the oldest one of the process that
+// holds the most: a flood of silent connections from one client cannot keep another
+// client's attach from being answered.
 //
 // Thread-safe. Stop() (or the destructor) closes the socket, unlinks its path, and waits
 // for the thread.
@@ -47,11 +54,15 @@ using AttachAuthorizer = std::function<absl::StatusOr<AttachGrant>(
     const PeerCredentials& peer, std::string_view tenant, std::string_view token)>;
 
 struct AttachServerOptions {
-  absl::Duration handshake_timeout = absl::Seconds(5);  // per connection, > 0
+  absl::Duration handshake_timeout = absl::Seconds(2);  // per connection, > 0
   uint32_t max_request_bytes = 4096;                    // > 0
-  // Handshakes in progress at once, > 0; a connection beyond them is closed at once (a
-  // flood of silent clients cannot exhaust the daemon's descriptors).
-  uint32_t max_connections = 64;
+  // Handshakes in progress at once, > 0 (a flood of silent clients cannot exhaust the
+  // daemon's descriptors), and per peer process, in [1, max_connections].
+  uint32_t max_connections = 256;
+  uint32_t max_connections_per_peer = 8;
+  // AttachRequest.protocol_version must lie in [min, max].
+  uint32_t min_protocol_version = 1;
+  uint32_t max_protocol_version = 1;
 };
 
 class AttachServer {
@@ -70,6 +81,9 @@ class AttachServer {
   virtual const std::string& path() const = 0;
   virtual uint64_t granted() const = 0;  // attaches answered OK
   virtual uint64_t refused() const = 0;  // attaches refused (any code)
+  // Connections closed unanswered: over a peer's limit, replaced at the global limit, or
+  // silent past the handshake timeout.
+  virtual uint64_t dropped() const = 0;
 
  protected:
   AttachServer() = default;

@@ -8,6 +8,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdint>
@@ -336,14 +337,68 @@ TEST_F(AttachServerTest, SilentClientIsDroppedAfterTheHandshakeTimeout) {
   ExpectServes();
 }
 
-TEST_F(AttachServerTest, ConnectionsBeyondTheLimitAreClosed) {
-  auto server = StartServer(GrantAll(arena_.get()), {.max_connections = 1});
+TEST_F(AttachServerTest, ConnectionsBeyondThePeerLimitAreClosed) {
+  auto server =
+      StartServer(GrantAll(arena_.get()), {.max_connections = 8, .max_connections_per_peer = 1});
   ASSERT_NE(server, nullptr);
-  const int holder = RawConnect(path_);  // accepted first, holds the only handshake
+  const int holder = RawConnect(path_);  // accepted first, holds this process's only handshake
   const int extra = RawConnect(path_);
   EXPECT_TRUE(ClosedWithoutReply(extra));
   close(extra);
+  EXPECT_GE(server->dropped(), 1u);
   close(holder);
+}
+
+// Another process holds every handshake the server allows; an attach from this process
+// still gets its answer, by replacing the flooder's oldest connection.
+TEST_F(AttachServerTest, AtTheGlobalLimitTheHeaviestPeerMakesRoom) {
+  auto server =
+      StartServer(GrantAll(arena_.get()), {.max_connections = 2, .max_connections_per_peer = 2});
+  ASSERT_NE(server, nullptr);
+  int ready[2], release[2];
+  ASSERT_EQ(pipe2(ready, O_CLOEXEC), 0);
+  ASSERT_EQ(pipe2(release, O_CLOEXEC), 0);
+  const sockaddr_un addr = Address(path_);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {  // the flooder: only async-signal-safe calls from here on
+    for (int i = 0; i < 2; ++i) {
+      const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      if (fd < 0 || connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
+        _exit(1);
+      }
+    }
+    char byte = 1;
+    if (write(ready[1], &byte, 1) != 1) _exit(1);
+    (void)!read(release[0], &byte, 1);  // hold the silent connections until told
+    _exit(0);
+  }
+  char byte = 0;
+  ASSERT_EQ(read(ready[0], &byte, 1), 1);
+  ExpectServes();
+  EXPECT_GE(server->dropped(), 1u);  // one of the flooder's connections made room
+  ASSERT_EQ(write(release[1], &byte, 1), 1);
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  for (int fd : {ready[0], ready[1], release[0], release[1]}) close(fd);
+}
+
+TEST_F(AttachServerTest, ProtocolVersionOutsideTheRangeIsFailedPrecondition) {
+  auto server = StartServer(GrantAll(arena_.get()),
+                            {.min_protocol_version = 1, .max_protocol_version = 1});
+  ASSERT_NE(server, nullptr);
+  v1::AttachRequest request;
+  request.set_protocol_version(999);
+  request.set_tenant("t0");
+  const std::string body = request.SerializeAsString();
+  RawResult raw = RawExchange(path_, LengthPrefixed(static_cast<uint32_t>(body.size()), body),
+                              false);
+  ASSERT_TRUE(raw.reply.has_value());
+  EXPECT_EQ(raw.reply->code(), static_cast<int>(absl::StatusCode::kFailedPrecondition));
+  EXPECT_THAT(raw.reply->message(), HasSubstr("protocol_version = 999"));
+  EXPECT_EQ(raw.num_fds, 0);
+  EXPECT_EQ(server->granted(), 0u);
 }
 
 TEST_F(AttachServerTest, StaleSocketFileIsReplaced) {
