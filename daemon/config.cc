@@ -128,6 +128,12 @@ constexpr ConfigField kServerFields[] = {
     {"rpc_threads", [](const toml::node& n, std::string_view k, DaemonConfig* c) { return ReadInt(n, k, &c->rpc_threads); }},
     {"cpu_threads", [](const toml::node& n, std::string_view k, DaemonConfig* c) { return ReadInt(n, k, &c->cpu_threads); }},
     {"shutdown_grace_ms", [](const toml::node& n, std::string_view k, DaemonConfig* c) { return ReadMillis(n, k, &c->shutdown_grace); }},
+    {"deadline_margin_ms", [](const toml::node& n, std::string_view k, DaemonConfig* c) { return ReadMillis(n, k, &c->deadline_margin); }},
+    {"work_threads", [](const toml::node& n, std::string_view k, DaemonConfig* c) { return ReadInt(n, k, &c->work_threads); }},
+    {"max_queued_calls", [](const toml::node& n, std::string_view k, DaemonConfig* c) { return ReadInt(n, k, &c->max_queued_calls); }},
+    {"attach_handshake_timeout_ms", [](const toml::node& n, std::string_view k, DaemonConfig* c) { return ReadMillis(n, k, &c->attach_handshake_timeout); }},
+    {"attach_max_connections", [](const toml::node& n, std::string_view k, DaemonConfig* c) { return ReadInt(n, k, &c->attach_max_connections); }},
+    {"attach_max_connections_per_peer", [](const toml::node& n, std::string_view k, DaemonConfig* c) { return ReadInt(n, k, &c->attach_max_connections_per_peer); }},
 };
 constexpr ConfigField kLimitsFields[] = {
     {"max_sessions_per_tenant", [](const toml::node& n, std::string_view k, DaemonConfig* c) { return ReadInt(n, k, &c->max_sessions_per_tenant); }},
@@ -135,6 +141,7 @@ constexpr ConfigField kLimitsFields[] = {
     {"default_max_tokens", [](const toml::node& n, std::string_view k, DaemonConfig* c) { return ReadInt(n, k, &c->default_max_tokens); }},
     {"max_layers", [](const toml::node& n, std::string_view k, DaemonConfig* c) { return ReadInt(n, k, &c->max_layers); }},
     {"max_tokens_per_offload", [](const toml::node& n, std::string_view k, DaemonConfig* c) { return ReadInt(n, k, &c->max_tokens_per_offload); }},
+    {"max_inflight_calls_per_tenant", [](const toml::node& n, std::string_view k, DaemonConfig* c) { return ReadInt(n, k, &c->max_inflight_calls_per_tenant); }},
 };
 constexpr ConfigField kLogFields[] = {
     {"level", [](const toml::node& n, std::string_view k, DaemonConfig* c) { return ReadString(n, k, &c->log_level); }},

@@ -46,12 +46,20 @@ struct DaemonConfig {
   int32_t rpc_threads = 0;          // gRPC callback threads hint; 0: gRPC's default
   int32_t cpu_threads = 0;          // the CPU backend of GRPC sessions; 0: all cores
   absl::Duration shutdown_grace = absl::Seconds(10);  // SIGTERM: finish in-flight calls
+  // Work starts or commits only while at least this much of the call's deadline is left.
+  absl::Duration deadline_margin = absl::Milliseconds(2);
+  int32_t work_threads = 0;          // workers running OpenSession, Step, commits; 0: cores (≥ 2)
+  uint32_t max_queued_calls = 256;   // calls waiting for a worker, all tenants together
+  absl::Duration attach_handshake_timeout = absl::Seconds(2);  // per attach connection
+  uint32_t attach_max_connections = 256;         // attach handshakes in progress at once
+  uint32_t attach_max_connections_per_peer = 8;  // ... per peer process
   // [limits]
   uint32_t max_sessions_per_tenant = 64;
   uint32_t max_tokens_per_session = 131072;  // per layer
   uint32_t default_max_tokens = 32768;       // when OpenSession leaves max_tokens 0
   uint32_t max_layers = 256;
   uint32_t max_tokens_per_offload = 4096;    // tokens in one OffloadRequest
+  uint32_t max_inflight_calls_per_tenant = 64;  // calls (streams included) at once
   // [log]
   std::string log_level = "info";   // trace | debug | info | warn | error | off
   std::string log_format = "text";  // text | json

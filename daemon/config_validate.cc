@@ -40,6 +40,11 @@ constexpr int64_t kMaxNumaNode = 1023;
 constexpr uint32_t kMaxSessionsPerTenant = 65536;
 constexpr uint32_t kMaxTokensPerSession = uint32_t{1} << 24;
 constexpr absl::Duration kMaxShutdownGrace = absl::Hours(1);
+constexpr int64_t kMaxDeadlineMarginMs = 10000;
+constexpr int64_t kMaxQueuedCalls = 1 << 20;
+constexpr int64_t kMaxHandshakeMs = 60000;
+constexpr int64_t kMaxAttachConnections = 65536;
+constexpr int64_t kMaxInflightCallsPerTenant = 1 << 20;
 
 // "key = value is out of range [lo, hi]" when value is outside [lo, hi].
 absl::Status CheckRange(std::string_view key, int64_t value, int64_t lo, int64_t hi,
@@ -164,8 +169,23 @@ absl::Status ValidateServer(const DaemonConfig& c) {
       CheckRange("server.rpc_threads", c.rpc_threads, 0, kMaxThreads, "0 means gRPC's default"));
   KVTIER_RETURN_IF_ERROR(
       CheckRange("server.cpu_threads", c.cpu_threads, 0, kMaxThreads, "0 means all cores"));
-  return CheckRange("server.shutdown_grace_ms", absl::ToInt64Milliseconds(c.shutdown_grace), 0,
-                    absl::ToInt64Milliseconds(kMaxShutdownGrace));
+  KVTIER_RETURN_IF_ERROR(CheckRange("server.shutdown_grace_ms",
+                                    absl::ToInt64Milliseconds(c.shutdown_grace), 0,
+                                    absl::ToInt64Milliseconds(kMaxShutdownGrace)));
+  KVTIER_RETURN_IF_ERROR(CheckRange("server.deadline_margin_ms",
+                                    absl::ToInt64Milliseconds(c.deadline_margin), 0,
+                                    kMaxDeadlineMarginMs));
+  KVTIER_RETURN_IF_ERROR(CheckRange("server.work_threads", c.work_threads, 0, kMaxThreads,
+                                    "0 means one per core, at least 2"));
+  KVTIER_RETURN_IF_ERROR(
+      CheckRange("server.max_queued_calls", c.max_queued_calls, 1, kMaxQueuedCalls));
+  KVTIER_RETURN_IF_ERROR(CheckRange("server.attach_handshake_timeout_ms",
+                                    absl::ToInt64Milliseconds(c.attach_handshake_timeout), 1,
+                                    kMaxHandshakeMs));
+  KVTIER_RETURN_IF_ERROR(CheckRange("server.attach_max_connections", c.attach_max_connections, 1,
+                                    kMaxAttachConnections));
+  return CheckRange("server.attach_max_connections_per_peer", c.attach_max_connections_per_peer, 1,
+                    c.attach_max_connections, "at most server.attach_max_connections");
 }
 
 absl::Status ValidateLimits(const DaemonConfig& c) {
@@ -178,8 +198,11 @@ absl::Status ValidateLimits(const DaemonConfig& c) {
                                     "at most limits.max_tokens_per_session"));
   KVTIER_RETURN_IF_ERROR(
       CheckRange("limits.max_layers", c.max_layers, 1, Geometry::kMaxLayers, "Geometry's limit"));
-  return CheckRange("limits.max_tokens_per_offload", c.max_tokens_per_offload, 1,
-                    c.max_tokens_per_session, "at most limits.max_tokens_per_session");
+  KVTIER_RETURN_IF_ERROR(CheckRange("limits.max_tokens_per_offload", c.max_tokens_per_offload, 1,
+                                    c.max_tokens_per_session,
+                                    "at most limits.max_tokens_per_session"));
+  return CheckRange("limits.max_inflight_calls_per_tenant", c.max_inflight_calls_per_tenant, 1,
+                    kMaxInflightCallsPerTenant);
 }
 
 absl::Status ValidateLog(const DaemonConfig& c) {

@@ -9,10 +9,12 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <string>
 #include <string_view>
+#include <thread>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -22,7 +24,11 @@
 #include "absl/time/time.h"
 #include "daemon/attach_server.h"
 #include "daemon/kvtier_service.h"
+#include "daemon/logging.h"
+#include "daemon/reflection_v1.h"
 #include "daemon/session_manager.h"
+#include "daemon/work_queue.h"
+#include "grpc/grpc.h"
 #include "grpc/support/log.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
@@ -70,13 +76,19 @@ absl::Status ClaimSocketPath(std::string_view key, const std::string& path) {
                       key, path, std::strerror(error)));
 }
 
-// gRPC's own log lines, through the daemon's logger (so JSON logs stay JSON).
+// gRPC's own log lines, through the daemon's logger (so JSON logs stay JSON), rate-limited:
+// a client sending garbage can make gRPC log a line per connection.
 void LogFromGrpc(gpr_log_func_args* args) {
   const spdlog::level::level_enum level =
       args->severity == GPR_LOG_SEVERITY_ERROR  ? spdlog::level::err
       : args->severity == GPR_LOG_SEVERITY_INFO ? spdlog::level::info
                                                 : spdlog::level::debug;
-  spdlog::log(level, "grpc {}:{} {}", args->file, args->line, args->message);
+  LogLimited(level, "grpc", "grpc {}:{} {}", args->file, args->line, args->message);
+}
+
+int WorkThreads(const DaemonConfig& c) {
+  if (c.work_threads > 0) return c.work_threads;
+  return std::max(2, static_cast<int>(std::thread::hardware_concurrency()));
 }
 
 void UnlinkIfPresent(const std::string& path) {
@@ -112,6 +124,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonConfig config) {
       c.max_tokens_per_offload, c.admin_token.empty() ? "unset (Drain refused)" : "set");
   KVTIER_ASSIGN_OR_RETURN(daemon->manager_, SessionManager::Create(c));
   daemon->LogTenants();
+  KVTIER_ASSIGN_OR_RETURN(daemon->work_, WorkQueue::Create({.threads = WorkThreads(c),
+                                                            .max_queued = c.max_queued_calls}));
   // The attach socket first: Hello reports it from the first call on.
   if (c.shm) KVTIER_RETURN_IF_ERROR(daemon->StartAttach());
   KVTIER_RETURN_IF_ERROR(daemon->StartGrpc());
@@ -133,10 +147,14 @@ void Daemon::LogTenants() const {
 
 absl::Status Daemon::StartGrpc() {
   gpr_set_log_function(LogFromGrpc);
+  RouteProtobufLogs();
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  service_ = std::make_unique<KvTierService>(*manager_, config_);
+  service_ = std::make_unique<KvTierService>(*manager_, *work_, config_);
   service_->set_shm_endpoint({.available = attach_server_ != nullptr, .path = attach_socket_});
+  reflection_v1_ = NewReflectionV1Service(
+      {kvtier::v1::KvTier::service_full_name(), "grpc.health.v1.Health",
+       "grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"});
   grpc::ServerBuilder builder;
   builder.AddListeningPort("unix:" + config_.unix_socket, grpc::InsecureServerCredentials());
   if (!config_.tcp_address.empty()) {
@@ -150,6 +168,7 @@ absl::Status Daemon::StartGrpc() {
     builder.SetResourceQuota(quota);
   }
   builder.RegisterService(service_.get());
+  builder.RegisterService(reflection_v1_.get());
   server_ = builder.BuildAndStart();
   if (server_ == nullptr) {
     return absl::FailedPreconditionError(absl::StrFormat(
@@ -169,19 +188,31 @@ absl::Status Daemon::StartGrpc() {
   if (health != nullptr) {
     health->SetServingStatus(true);
     health->SetServingStatus(kvtier::v1::KvTier::service_full_name(), true);
+    // A drained daemon takes no new sessions: load balancers and probes must see it.
+    manager_->set_drain_listener([health] {
+      health->SetServingStatus(false);
+      spdlog::info("health: NOT_SERVING (draining)");
+    });
   }
   return absl::OkStatus();
 }
 
 absl::Status Daemon::StartAttach() {
   SessionManager* manager = manager_.get();
+  AttachServerOptions options;
+  options.handshake_timeout = config_.attach_handshake_timeout;
+  options.max_connections = config_.attach_max_connections;
+  options.max_connections_per_peer = config_.attach_max_connections_per_peer;
+  options.min_protocol_version = kMinProtocolVersion;
+  options.max_protocol_version = kServerProtocolVersion;
   KVTIER_ASSIGN_OR_RETURN(
       attach_server_,
       AttachServer::Start(
           config_.attach_socket,
           [manager](const PeerCredentials& peer, std::string_view tenant, std::string_view token) {
             return manager->AuthorizeAttach(peer, tenant, token);
-          }));
+          },
+          options));
   attach_socket_ = attach_server_->path();
   return absl::OkStatus();
 }
@@ -210,6 +241,23 @@ void Daemon::Wait() {
                  [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return state_ == State::kStopped; });
 }
 
+// gRPC's Shutdown stops accepting calls and lets those in flight run until the deadline, then
+// cancels them; but it also waits for every connection to close, and an idle client closes its
+// connection only once it notices the server's goaway, which can take seconds (a client's
+// backup poller runs every 5 s). So once no call is in flight, every connection is closed at
+// once: nothing is left that a client could lose.
+void Daemon::StopGrpc() {
+  const absl::Time deadline = absl::Now() + config_.shutdown_grace;
+  std::thread shutdown([this, deadline] { server_->Shutdown(absl::ToChronoTime(deadline)); });
+  const bool idle = service_->AwaitIdle(deadline);
+  grpc_server_cancel_all_calls(server_->c_server());
+  shutdown.join();
+  server_->Wait();
+  manager_->set_drain_listener(nullptr);  // it names the server's health service
+  server_.reset();
+  if (!idle) spdlog::warn("shutdown: calls still in flight after the grace period were cancelled");
+}
+
 void Daemon::Stop() {
   const absl::Time began = absl::Now();
   spdlog::info("shutdown: begin grace_ms={} inflight_calls={}",
@@ -226,14 +274,14 @@ void Daemon::Stop() {
     attach_server_.reset();
   }
   if (server_ != nullptr) {
-    // gRPC lets calls in flight run until the deadline, then cancels them.
-    server_->Shutdown(absl::ToChronoTime(absl::Now() + config_.shutdown_grace));
-    server_->Wait();
-    server_.reset();
+    StopGrpc();
     spdlog::info("shutdown: gRPC stopped after {} ms",
                  absl::ToInt64Milliseconds(absl::Now() - began));
   }
+  if (work_ != nullptr) work_->Shutdown();
   service_.reset();
+  reflection_v1_.reset();
+  work_.reset();
   if (manager_ != nullptr) {
     const size_t closed = manager_->CloseAllSessions();
     manager_.reset();

@@ -5,10 +5,12 @@
 //
 // Start-up order: validate and resolve paths (config.h ResolvePaths), make sure neither socket path
 // belongs to a live daemon (a stale socket file is replaced), create the tenants' arenas, serve
-// the attach socket, serve gRPC (whose Hello reports the attach socket). Shutdown order: health
-// NOT_SERVING, refuse new sessions and attaches (StartDrain), stop the attach socket, let gRPC
-// calls in flight finish until shutdown_grace (then cancel them), close every session, release the
-// arenas, unlink the sockets.
+// the attach socket, start the work queue, serve gRPC (kvtier.v1.KvTier, health, reflection v1
+// and v1alpha; Hello reports the attach socket). Shutdown order: health NOT_SERVING, refuse new
+// sessions and attaches (StartDrain), stop the attach socket, stop accepting gRPC calls and let
+// the calls in flight finish until shutdown_grace (then cancel them); as soon as none is left,
+// close every connection (idle clients are not waited for), stop the work queue, close every
+// session, release the arenas, unlink the sockets. A Drain call turns health NOT_SERVING too.
 //
 // Thread-safe: Shutdown and Wait may be called from any thread, any number of times.
 #ifndef KVTIER_DAEMON_DAEMON_H_
@@ -24,6 +26,7 @@
 
 namespace grpc {
 class Server;
+class Service;
 }  // namespace grpc
 
 namespace kvtier::daemon {
@@ -31,6 +34,7 @@ namespace kvtier::daemon {
 class AttachServer;
 class KvTierService;
 class SessionManager;
+class WorkQueue;
 
 class Daemon {
  public:
@@ -64,14 +68,18 @@ class Daemon {
   absl::Status StartAttach();
   void LogTenants() const;
   void Stop();
+  void StopGrpc();
 
   const DaemonConfig config_;
   std::string attach_socket_;
   int tcp_port_ = 0;
   bool grpc_bound_ = false;  // the Unix socket file is ours to unlink
-  // Destroyed in reverse: the servers go before the service and the manager they call.
+  // Destroyed in reverse: the servers go before the services, the work queue and the manager
+  // they call.
   std::unique_ptr<SessionManager> manager_;
+  std::unique_ptr<WorkQueue> work_;
   std::unique_ptr<KvTierService> service_;
+  std::unique_ptr<grpc::Service> reflection_v1_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<AttachServer> attach_server_;
 

@@ -29,6 +29,12 @@ max_message_bytes = 8388608
 rpc_threads = 0
 cpu_threads = 0
 shutdown_grace_ms = 10000
+deadline_margin_ms = 2
+work_threads = 0          # 0: one per core, at least 2
+max_queued_calls = 256
+attach_handshake_timeout_ms = 2000
+attach_max_connections = 256
+attach_max_connections_per_peer = 8
 
 [limits]
 max_sessions_per_tenant = 64
@@ -36,6 +42,7 @@ max_tokens_per_session = 131072
 default_max_tokens = 32768
 max_layers = 256
 max_tokens_per_offload = 4096
+max_inflight_calls_per_tenant = 64
 
 [log]
 level = "info"

@@ -3,9 +3,11 @@
 // holds.
 #include "daemon/logging.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -88,6 +90,29 @@ std::string JsonEscape(std::string_view text) {
     }
   }
   return out;
+}
+
+bool LogLimiter::Allow(std::string_view key, absl::Time now, uint64_t* suppressed) {
+  MutexLock lock(&mu_);
+  auto it = buckets_.find(key);
+  if (it == buckets_.end()) {
+    it = buckets_.emplace(std::string(key), Bucket{burst_, now, 0}).first;
+  }
+  Bucket& b = it->second;
+  b.tokens = std::min(burst_, b.tokens + absl::ToDoubleSeconds(now - b.last) * per_second_);
+  b.last = now;
+  if (b.tokens < 1.0) {
+    ++b.suppressed;
+    return false;
+  }
+  b.tokens -= 1.0;
+  *suppressed = std::exchange(b.suppressed, 0);
+  return true;
+}
+
+LogLimiter& RequestLogLimiter() {
+  static LogLimiter* limiter = new LogLimiter(/*per_second=*/5, /*burst=*/20);
+  return *limiter;
 }
 
 absl::Status SetUpLogging(const DaemonConfig& config) {

@@ -8,10 +8,12 @@
 #include <utility>
 
 #include "absl/cleanup/cleanup.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_format.h"
 #include "offload/policy/config.h"
 #include "absl/strings/str_join.h"
+#include "daemon/logging.h"
 #include "kernels/registry.h"
 #include "kvtier/status.h"
 #include "spdlog/spdlog.h"
@@ -64,7 +66,42 @@ bool PageSizeSupported(int32_t p) {
 
 }  // namespace
 
-// ---- InflightCall -------------------------------------------------------------------------
+// ---- CallSlot, InflightCall --------------------------------------------------------------
+
+CallSlot& CallSlot::operator=(CallSlot&& other) noexcept {
+  if (this != &other) {
+    if (manager_ != nullptr) manager_->EndTenantCall(tenant_);
+    manager_ = std::exchange(other.manager_, nullptr);
+    tenant_ = std::move(other.tenant_);
+  }
+  return *this;
+}
+
+CallSlot::~CallSlot() {
+  if (manager_ != nullptr) manager_->EndTenantCall(tenant_);
+}
+
+absl::StatusOr<CallSlot> SessionManager::Admit(const Caller& caller) {
+  MutexLock lock(&mu_);
+  uint32_t& calls = tenant_calls_[caller.tenant];
+  if (calls >= config_.max_inflight_calls_per_tenant) {
+    absl::Status busy = absl::ResourceExhaustedError(absl::StrFormat(
+        "tenant '%s' has %d calls in flight (limits.max_inflight_calls_per_tenant = %d); retry "
+        "when one has finished",
+        caller.tenant, calls, config_.max_inflight_calls_per_tenant));
+    SetRetryAfter(busy, absl::Milliseconds(10));
+    if (Tenant* t = FindTenant(caller.tenant); t != nullptr) t->CountRefused();
+    return busy;
+  }
+  ++calls;
+  return CallSlot(this, caller.tenant);
+}
+
+void SessionManager::EndTenantCall(const std::string& tenant) {
+  MutexLock lock(&mu_);
+  auto it = tenant_calls_.find(tenant);
+  if (it != tenant_calls_.end() && it->second > 0) --it->second;
+}
 
 InflightCall::InflightCall(SessionManager* manager) : manager_(manager) {
   MutexLock lock(&manager_->mu_);
@@ -137,7 +174,9 @@ absl::StatusOr<Caller> SessionManager::Authenticate(std::string_view tenant,
     return absl::PermissionDeniedError(absl::StrFormat(
         "tenant '%s': x-kvtier-token does not match the tenant's token", t->name()));
   }
-  return Caller{t->name()};
+  Caller caller;
+  caller.tenant = t->name();
+  return caller;
 }
 
 absl::StatusOr<AttachGrant> SessionManager::AuthorizeAttach(const PeerCredentials& peer,
@@ -188,13 +227,11 @@ absl::StatusOr<std::shared_ptr<TenantSession>> SessionManager::Find(
     auto it = sessions_.find(Sv(session_id));
     if (it != sessions_.end()) s = it->second.session;
   }
-  if (s == nullptr) {
-    return absl::NotFoundError(
-        absl::StrFormat("session_id = '%s': no such session", Printable(session_id)));
-  }
-  if (s->tenant() != caller.tenant) {
-    return absl::PermissionDeniedError(
-        absl::StrFormat("session %s belongs to another tenant than '%s'", s->id(), caller.tenant));
+  // Another tenant's session is answered exactly like an unknown id: the answer must not
+  // tell whether an id exists.
+  if (s == nullptr || s->tenant() != caller.tenant) {
+    return absl::NotFoundError(absl::StrFormat("session_id = '%s': tenant '%s' has no such session",
+                                               Printable(session_id), caller.tenant));
   }
   return s;
 }
@@ -210,11 +247,12 @@ absl::StatusOr<SessionSpec> SessionManager::ResolveSpec(const Caller& caller,
                         Printable(p.tenant), caller.tenant));
   }
   const Geometry& g = p.geometry;
-  KVTIER_RETURN_IF_ERROR(g.Validate());
+  // Before Validate, whose range is the library's, not what this daemon serves.
   if (!PageSizeSupported(g.page_size)) {
     return bad(absl::StrFormat("geometry.page_size = %d: the daemon serves page sizes %s",
                                g.page_size, absl::StrJoin(kSupportedPageSizes, ", ")));
   }
+  KVTIER_RETURN_IF_ERROR(g.Validate());
   if (static_cast<uint32_t>(g.num_layers) > config_.max_layers) {
     return bad(absl::StrFormat("geometry.num_layers = %d: must be at most max_layers = %d",
                                g.num_layers, config_.max_layers));
@@ -249,11 +287,26 @@ absl::StatusOr<SessionSpec> SessionManager::ResolveSpec(const Caller& caller,
   if (absl::Status st = spec.retriever.SetBudgetTokens(spec.budget_tokens, g.page_size); !st.ok()) {
     return bad(absl::StrFormat("retrieval.budget_tokens = %d: %s", budget, st.message()));
   }
+  const bool selects =
+      p.mode == RetrievalMode::kSpeculative || p.mode == RetrievalMode::kSync;
+  if (selects && spec.retriever.selected_pages > spec.max_pages()) {
+    return bad(absl::StrFormat(
+        "retrieval.budget_tokens = %d%s selects %d pages a step, but the session holds at most "
+        "%d pages per layer (max_tokens = %d at page_size %d): lower the budget, raise max_tokens "
+        "to at least %d, or use mode FULL",
+        budget, p.budget_tokens == 0 ? " (the default)" : "", spec.retriever.selected_pages,
+        spec.max_pages(), max_tokens, g.page_size,
+        int64_t{spec.retriever.selected_pages} * g.page_size));
+  }
   spec.retriever.correction_threshold =
       p.correction_threshold.value_or(kDefaultCorrectionThreshold);
-  if (!std::isfinite(spec.retriever.correction_threshold)) {
-    return bad(absl::StrFormat("retrieval.correction_threshold = %f: must be a finite number",
-                               spec.retriever.correction_threshold));
+  // τ is compared with a mean cosine, which lies in [-1, 1]: -1 never corrects, 1 always.
+  const float tau = spec.retriever.correction_threshold;
+  if (!(tau >= -1.0f && tau <= 1.0f)) {
+    return bad(absl::StrFormat(
+        "retrieval.correction_threshold = %g: must be in [-1, 1] (τ is compared with a mean "
+        "cosine similarity; -1 never corrects, 1 always)",
+        tau));
   }
   policy::PolicyConfig& pc = spec.retriever.policy;
   if (!p.budget_policy.empty()) pc.budget = p.budget_policy;
@@ -276,6 +329,12 @@ absl::StatusOr<SessionSpec> SessionManager::ResolveSpec(const Caller& caller,
   }
   if (p.label.size() > kMaxLabelBytes) {
     return bad(absl::StrFormat("label: %d bytes, at most %d", p.label.size(), kMaxLabelBytes));
+  }
+  if (p.request_id.size() > kMaxRequestIdBytes ||
+      !std::all_of(p.request_id.begin(), p.request_id.end(),
+                   [](char c) { return c >= 0x20 && c <= 0x7e; })) {
+    return bad(absl::StrFormat("request_id = '%s': at most %d bytes of printable ASCII",
+                               Printable(p.request_id), kMaxRequestIdBytes));
   }
   if (p.transport == Transport::kShm && !config_.shm) {
     return absl::FailedPreconditionError(
@@ -303,12 +362,65 @@ absl::StatusOr<SessionRecord> SessionManager::OpenSession(const Caller& caller,
   return Tally(caller, DoOpenSession(caller, params));
 }
 
+namespace {
+
+// Everything that defines a session but its label, for comparing a retried request.
+std::string RequestFingerprint(const OpenSessionParams& p) {
+  std::string f = absl::StrFormat(
+      "%s|%s|%d|%d|%d|%g|%s|%s|%s|%d", p.geometry.ToString(), RetrievalModeName(p.mode),
+      p.budget_tokens, p.max_tokens, p.correction_threshold.has_value(),
+      p.correction_threshold.value_or(0.0f), p.budget_policy, p.residency_policy, p.host_drop,
+      static_cast<int>(p.transport));
+  for (const auto& [k, v] : p.policy_params) absl::StrAppend(&f, "|", k, "=", v);
+  return f;
+}
+
+}  // namespace
+
+absl::StatusOr<std::optional<SessionRecord>> SessionManager::ClaimRequestId(
+    const std::string& key, const std::string& fingerprint) {
+  std::shared_ptr<TenantSession> existing;
+  {
+    MutexLock lock(&mu_);
+    auto [it, fresh] = requests_.try_emplace(key, RequestEntry{"", fingerprint});
+    if (fresh) return std::optional<SessionRecord>();
+    if (it->second.session_id.empty()) {
+      return absl::AbortedError(
+          "an OpenSession with this request_id is in progress; retry when it has answered");
+    }
+    if (it->second.fingerprint != fingerprint) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "request_id opened session %s with other parameters; a retry must repeat the request "
+          "(only the label may differ)",
+          it->second.session_id));
+    }
+    auto s = sessions_.find(it->second.session_id);
+    if (s != sessions_.end()) existing = s->second.session;
+  }
+  if (existing == nullptr) return std::optional<SessionRecord>();  // closed meanwhile
+  return std::optional<SessionRecord>(existing->Record());
+}
+
 absl::StatusOr<SessionRecord> SessionManager::DoOpenSession(const Caller& caller,
                                                             const OpenSessionParams& params) {
   if (draining()) return absl::UnavailableError("kvtierd is draining: no new sessions");
   KVTIER_ASSIGN_OR_RETURN(SessionSpec spec, ResolveSpec(caller, params));
   Tenant* tenant = FindTenant(caller.tenant);
   if (tenant == nullptr) return absl::PermissionDeniedError("unknown tenant");
+  const std::string request_key =
+      params.request_id.empty() ? "" : absl::StrCat(caller.tenant, "/", params.request_id);
+  if (!request_key.empty()) {
+    KVTIER_ASSIGN_OR_RETURN(std::optional<SessionRecord> again,
+                            ClaimRequestId(request_key, RequestFingerprint(params)));
+    if (again.has_value()) return *std::move(again);
+  }
+  absl::Cleanup unclaim = [&] {
+    if (request_key.empty()) return;
+    MutexLock lock(&mu_);
+    auto it = requests_.find(request_key);
+    if (it != requests_.end() && it->second.session_id.empty()) requests_.erase(it);
+  };
+  KVTIER_RETURN_IF_ERROR(caller.CheckLive("OpenSession"));
   KVTIER_RETURN_IF_ERROR(ReserveSession(*tenant));
   absl::Cleanup unreserve = [&] {
     MutexLock lock(&mu_);
@@ -322,18 +434,28 @@ absl::StatusOr<SessionRecord> SessionManager::DoOpenSession(const Caller& caller
   std::string id = NewSessionId();
   KVTIER_ASSIGN_OR_RETURN(
       std::shared_ptr<TenantSession> session,
-      TenantSession::Create(id, std::move(spec), std::move(lease), backend_.get()));
+      TenantSession::Create(id, std::move(spec), std::move(lease), backend_.get(), tenant));
+  // The point of no return is the table below: a caller that is no longer live gets no
+  // session, and the one made for it goes away with this reference.
+  if (absl::Status live = caller.CheckLive("OpenSession"); !live.ok()) {
+    (void)session->Close();
+    return absl::Status(live.code(),
+                        absl::StrCat(live.message(), "; the session it made was closed again"));
+  }
   std::move(unreserve).Cancel();
+  std::move(unclaim).Cancel();
   {
     MutexLock lock(&mu_);
     --opening_[tenant->name()];
-    sessions_.emplace(id, Entry{next_seq_++, session});
+    sessions_.emplace(id, Entry{next_seq_++, session, request_key});
+    if (!request_key.empty()) requests_[request_key].session_id = id;
   }
   SessionRecord r = session->Record();
-  spdlog::info(
+  LogLimited(
+      spdlog::level::info, "session opened",
       "session {} opened: tenant '{}', {} {}, {} {} tokens per layer, budget {}, "
       "region {} bytes at {}",
-      id, r.spec.tenant, g.ToString(), RetrievalModeName(r.spec.retriever.mode),
+      id, r.spec.tenant, r.spec.geometry.ToString(), RetrievalModeName(r.spec.retriever.mode),
       r.spec.transport == Transport::kGrpc ? "GRPC" : "SHM", r.spec.retriever.max_tokens,
       r.spec.budget_tokens, r.region_bytes, r.region_offset);
   return r;
@@ -346,15 +468,18 @@ absl::StatusOr<CloseResult> SessionManager::CloseSession(const Caller& caller,
   InflightCall call(this);
   absl::StatusOr<std::shared_ptr<TenantSession>> s = Find(caller, session_id);
   if (!s.ok()) return Tally(caller, s.status());
-  {
-    MutexLock lock(&mu_);
-    auto it = sessions_.find(Sv(session_id));
-    if (it != sessions_.end() && it->second.session == *s) sessions_.erase(it);
+  if (absl::Status live = caller.CheckLive("CloseSession"); !live.ok()) {
+    return Tally(caller, live);
+  }
+  if (Remove(session_id) != *s) {
+    return Tally(caller, absl::NotFoundError(absl::StrFormat(
+                             "session %s was closed meanwhile by another call", (*s)->id())));
   }
   absl::StatusOr<CloseResult> r = (*s)->Close();
   if (r.ok()) {
-    spdlog::info("session {} closed: {} committed pages, {} bytes freed", (*s)->id(),
-                 r->committed_pages, r->freed_bytes);
+    LogLimited(spdlog::level::info, "session closed",
+               "session {} closed: {} committed pages, {} bytes freed", (*s)->id(),
+               r->committed_pages, r->freed_bytes);
   }
   return Tally(caller, std::move(r));
 }
@@ -381,21 +506,24 @@ absl::StatusOr<SessionRecord> SessionManager::Reattach(const Caller& caller,
   InflightCall call(this);
   absl::StatusOr<std::shared_ptr<TenantSession>> s = Find(caller, session_id);
   if (!s.ok()) return Tally(caller, s.status());
-  SessionRecord r = (*s)->Reattach();
-  spdlog::info("session {} reattached: epoch {}", r.id, r.epoch);
+  if (absl::Status live = caller.CheckLive("Reattach"); !live.ok()) return Tally(caller, live);
+  absl::StatusOr<SessionRecord> r = (*s)->Reattach();
+  if (!r.ok()) return Tally(caller, r.status());
+  LogLimited(spdlog::level::info, "session reattached", "session {} reattached: epoch {}", r->id,
+             r->epoch);
   return r;
 }
 
 absl::StatusOr<StepResult> SessionManager::Step(const Caller& caller, std::string_view session_id,
                                                 int64_t layer, std::string_view q,
-                                                bool want_output) {
+                                                bool want_output, uint64_t step) {
   InflightCall call(this);
-  return Tally(caller, DoStep(caller, session_id, layer, q, want_output));
+  return Tally(caller, DoStep(caller, session_id, layer, q, want_output, step));
 }
 
 absl::StatusOr<StepResult> SessionManager::DoStep(const Caller& caller, std::string_view session_id,
                                                   int64_t layer, std::string_view q,
-                                                  bool want_output) {
+                                                  bool want_output, uint64_t step) {
   KVTIER_ASSIGN_OR_RETURN(std::shared_ptr<TenantSession> s, Find(caller, session_id));
   const Geometry& g = s->spec().geometry;
   if (s->spec().transport != Transport::kGrpc) {
@@ -412,7 +540,7 @@ absl::StatusOr<StepResult> SessionManager::DoStep(const Caller& caller, std::str
         "q: %d bytes; expected %d (num_q_heads %d × head_dim %d × %d-byte %s)", q.size(), q_bytes,
         g.num_q_heads, g.head_dim, g.element_bytes(), DTypeName(g.dtype)));
   }
-  return s->Step(static_cast<int32_t>(layer), q, want_output);
+  return s->Step(static_cast<int32_t>(layer), q, want_output, step, caller);
 }
 
 absl::StatusOr<StatsReport> SessionManager::GetStats(const Caller& caller,
@@ -463,7 +591,18 @@ absl::StatusOr<DrainResult> SessionManager::Drain(std::string_view token, absl::
 void SessionManager::StartDrain() {
   if (!draining_.exchange(true, std::memory_order_acq_rel)) {
     spdlog::info("draining: new sessions and attaches are refused from now on");
+    if (drain_listener_) drain_listener_();
   }
+}
+
+std::shared_ptr<TenantSession> SessionManager::Remove(std::string_view id) {
+  MutexLock lock(&mu_);
+  auto it = sessions_.find(Sv(id));
+  if (it == sessions_.end()) return nullptr;
+  std::shared_ptr<TenantSession> s = std::move(it->second.session);
+  if (!it->second.request_key.empty()) requests_.erase(it->second.request_key);
+  sessions_.erase(it);
+  return s;
 }
 
 size_t SessionManager::CloseAllSessions() {
@@ -471,6 +610,7 @@ size_t SessionManager::CloseAllSessions() {
   {
     MutexLock lock(&mu_);
     all.swap(sessions_);
+    requests_.clear();
   }
   for (auto& [id, e] : all) (void)e.session->Close();
   if (!all.empty()) spdlog::info("closed {} sessions", all.size());
@@ -493,6 +633,12 @@ absl::StatusOr<std::unique_ptr<FetchCursor>> SessionManager::DoStartFetch(
         absl::StrFormat("layer = %d: must be < num_layers = %d", layer, num_layers));
   }
   const int32_t l = static_cast<int32_t>(layer);
+  // A page named twice is sent once: a request cannot make the daemon copy more pages than
+  // the layer has.
+  absl::flat_hash_set<int64_t> seen;
+  pages.erase(std::remove_if(pages.begin(), pages.end(),
+                             [&seen](int64_t p) { return !seen.insert(p).second; }),
+              pages.end());
   KVTIER_ASSIGN_OR_RETURN(std::vector<int64_t> committed, s->CommittedPages(l, pages));
   return std::unique_ptr<FetchCursor>(new FetchCursor(this, std::move(s), l, std::move(committed)));
 }
@@ -525,6 +671,8 @@ std::unique_ptr<OffloadStream> SessionManager::NewOffloadStream(const Caller& ca
 
 OffloadStream::OffloadStream(SessionManager* manager, Caller caller)
     : manager_(manager), caller_(std::move(caller)), inflight_(manager) {}
+
+OffloadStream::~OffloadStream() { Discard(); }
 
 absl::Status OffloadStream::Bind(std::string_view session_id) {
   KVTIER_ASSIGN_OR_RETURN(session_, manager_->Find(caller_, session_id));
@@ -570,50 +718,85 @@ absl::Status OffloadStream::Validate(const OffloadChunk& c) const {
     }
   }
   const int32_t l = static_cast<int32_t>(c.layer);
-  const uint64_t after = session_->LayerTokens(l) + staged_tokens_[l] + c.num_tokens;
-  if (after > static_cast<uint64_t>(spec.retriever.max_tokens)) {
+  const uint64_t end = session_->LayerTokens(l) + staged_tokens_[l];
+  if (c.start_token.has_value() && *c.start_token != end) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "start_token = %d: layer %d ends at token %d (%d held, %d staged by this stream); a "
+        "chunk must start there",
+        *c.start_token, l, end, session_->LayerTokens(l), staged_tokens_[l]));
+  }
+  if (end + c.num_tokens > static_cast<uint64_t>(spec.retriever.max_tokens)) {
     return absl::OutOfRangeError(
-        absl::StrFormat("layer %d would hold %d tokens: the session's max_tokens is %d", l, after,
-                        spec.retriever.max_tokens));
+        absl::StrFormat("layer %d would hold %d tokens: the session's max_tokens is %d", l,
+                        end + c.num_tokens, spec.retriever.max_tokens));
   }
   return absl::OkStatus();
 }
 
-absl::Status OffloadStream::ApplyStaged() {
-  if (staged_.empty()) return absl::OkStatus();
-  KVTIER_ASSIGN_OR_RETURN(result_.layer_tokens, session_->Apply(staged_));
-  for (int64_t& n : staged_tokens_) {
-    result_.committed_tokens += static_cast<uint64_t>(n);
-    n = 0;
-  }
+void OffloadStream::Discard() {
   staged_.clear();
+  std::fill(staged_tokens_.begin(), staged_tokens_.end(), 0);
+  if (staged_bytes_ > 0) {
+    if (Tenant* t = manager_->FindTenant(caller_.tenant); t != nullptr) t->Release(staged_bytes_);
+    staged_bytes_ = 0;
+  }
+}
+
+absl::Status OffloadStream::ApplyStaged() {
+  commit_due_ = false;
+  if (staged_.empty()) return absl::OkStatus();
+  absl::StatusOr<std::vector<uint64_t>> tokens = session_->Apply(
+      staged_, caller_, absl::StrFormat("the commit at message %d", messages_));
+  if (!tokens.ok()) return tokens.status();
+  result_.layer_tokens = *std::move(tokens);
+  for (int64_t n : staged_tokens_) result_.committed_tokens += static_cast<uint64_t>(n);
+  Discard();  // applied: the Retriever holds the tokens now, and the bytes go back
   return absl::OkStatus();
+}
+
+absl::Status OffloadStream::Fail(const absl::Status& st, std::string_view where) {
+  uint64_t staged = 0;
+  for (int64_t n : staged_tokens_) staged += static_cast<uint64_t>(n);
+  Discard();
+  failed_ = absl::Status(
+      st.code(), absl::StrFormat("Offload %s: %s (this stream's commits before it, %d tokens, "
+                                 "stand; its %d uncommitted tokens were discarded)",
+                                 where, st.message(), result_.committed_tokens, staged));
+  st.ForEachPayload(
+      [this](absl::string_view url, const absl::Cord& payload) { failed_.SetPayload(url, payload); });
+  (void)manager_->Tally(caller_, failed_);
+  return failed_;
 }
 
 absl::Status OffloadStream::Add(OffloadChunk chunk) {
   if (!failed_.ok()) return failed_;
+  ++messages_;
   absl::Status st = [&]() -> absl::Status {
     if (session_ == nullptr) KVTIER_RETURN_IF_ERROR(Bind(chunk.session_id));
     KVTIER_RETURN_IF_ERROR(Validate(chunk));
+    const uint64_t bytes = chunk.k.size() + chunk.v.size();
+    Tenant* tenant = manager_->FindTenant(caller_.tenant);
+    if (tenant == nullptr) return absl::PermissionDeniedError("unknown tenant");
+    KVTIER_RETURN_IF_ERROR(tenant->Charge(bytes));
+    staged_bytes_ += bytes;
     staged_tokens_[chunk.layer] += chunk.num_tokens;
-    const bool commit = chunk.commit;
+    commit_due_ = chunk.commit;
     staged_.push_back(std::move(chunk));
-    return commit ? ApplyStaged() : absl::OkStatus();
+    return absl::OkStatus();
   }();
-  if (!st.ok()) {
-    failed_ = st;
-    staged_.clear();
-    (void)manager_->Tally(caller_, st);
-  }
-  return st;
+  return st.ok() ? st : Fail(st, absl::StrFormat("message %d", messages_));
+}
+
+absl::Status OffloadStream::Commit() {
+  if (!failed_.ok()) return failed_;
+  absl::Status st = ApplyStaged();
+  return st.ok() ? st : Fail(st, absl::StrFormat("message %d", messages_));
 }
 
 absl::StatusOr<OffloadResult> OffloadStream::Finish() {
   if (!failed_.ok()) return failed_;
   if (absl::Status st = ApplyStaged(); !st.ok()) {
-    failed_ = st;
-    staged_.clear();
-    return manager_->Tally(caller_, st);
+    return Fail(st, absl::StrFormat("stream end (after message %d)", messages_));
   }
   if (session_ != nullptr && result_.layer_tokens.empty()) {
     for (int32_t l = 0; l < session_->spec().geometry.num_layers; ++l) {
@@ -621,6 +804,12 @@ absl::StatusOr<OffloadResult> OffloadStream::Finish() {
     }
   }
   return result_;
+}
+
+absl::Status OffloadStream::Break(const absl::Status& why, bool at_next_message) {
+  if (!failed_.ok()) return failed_;
+  return Fail(why, at_next_message ? absl::StrFormat("message %d", messages_ + 1)
+                                   : absl::StrFormat("stream (after message %d)", messages_));
 }
 
 }  // namespace kvtier::daemon

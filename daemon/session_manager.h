@@ -3,23 +3,29 @@
 // kvtier.v1.KvTier; the gRPC service (kvtier_service.h) only converts protos and maps
 // statuses, and the attach socket asks AuthorizeAttach.
 //
-// Every call runs as an authenticated Caller (Authenticate), may touch only its own
-// tenant's sessions (PERMISSION_DENIED otherwise, NOT_FOUND for an unknown session id), and
-// is refused with the canonical code and a message naming the field and the limit it broke.
-// Nothing a request can send aborts the daemon.
+// Every call runs as an authenticated Caller (Authenticate; caller.h), holds one of its
+// tenant's in-flight call slots while it runs (Admit), may touch only its own tenant's
+// sessions (another tenant's session id is NOT_FOUND, exactly like an unknown one, so ids
+// cannot be probed), and is refused with the canonical code and a message naming the field
+// and the limit it broke. Work starts and commits only while the caller is live (its
+// deadline has not passed, it did not cancel): a call that started either completes or is
+// rolled back (docs/service.md, "Deadlines"). Nothing a request can send aborts the daemon.
 //
 // Thread-safe. Calls on different sessions run in parallel; calls on the same session
-// serialize. Expensive work (Step, applying an Offload) runs on the calling thread.
+// serialize. Expensive work (OpenSession, Step, an Offload commit) runs on the calling
+// thread: the gRPC service calls them from its WorkQueue.
 #ifndef KVTIER_DAEMON_SESSION_MANAGER_H_
 #define KVTIER_DAEMON_SESSION_MANAGER_H_
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -28,6 +34,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "daemon/attach_server.h"
+#include "daemon/caller.h"
 #include "daemon/config.h"
 #include "daemon/tenant.h"
 #include "daemon/tenant_session.h"
@@ -43,11 +50,6 @@ inline constexpr int32_t kSupportedPageSizes[] = {8, 16, 32, 64, 128};
 inline constexpr int32_t kDefaultBudgetTokens = 2048;
 inline constexpr float kDefaultCorrectionThreshold = 0.9f;
 
-// Who is calling: an authenticated tenant.
-struct Caller {
-  std::string tenant;
-};
-
 // OpenSessionRequest, converted. Zero means the default as in the proto.
 struct OpenSessionParams {
   std::string tenant;  // must be the caller's
@@ -62,7 +64,12 @@ struct OpenSessionParams {
   std::map<std::string, std::string> policy_params;
   Transport transport = Transport::kShm;
   std::string label;
+  // Idempotency key (OpenSessionRequest.request_id): at most kMaxRequestIdBytes of
+  // printable ASCII; empty: none.
+  std::string request_id;
 };
+
+inline constexpr size_t kMaxRequestIdBytes = 64;
 
 struct OffloadResult {
   uint64_t committed_tokens = 0;       // applied by this stream, over all layers
@@ -90,6 +97,26 @@ struct DrainResult {
 
 class SessionManager;
 
+// One of a tenant's in-flight call slots (limits.max_inflight_calls_per_tenant), held from
+// the call's start to its end. Move-only; gives the slot back when destroyed.
+class CallSlot {
+ public:
+  CallSlot() = default;
+  CallSlot(CallSlot&& other) noexcept
+      : manager_(std::exchange(other.manager_, nullptr)), tenant_(std::move(other.tenant_)) {}
+  CallSlot& operator=(CallSlot&& other) noexcept;
+  CallSlot(const CallSlot&) = delete;
+  CallSlot& operator=(const CallSlot&) = delete;
+  ~CallSlot();
+
+ private:
+  friend class SessionManager;
+  CallSlot(SessionManager* manager, std::string tenant)
+      : manager_(manager), tenant_(std::move(tenant)) {}
+  SessionManager* manager_ = nullptr;
+  std::string tenant_;
+};
+
 // Counts one call in flight for Drain while it lives. Move-only.
 class InflightCall {
  public:
@@ -106,19 +133,35 @@ class InflightCall {
 };
 
 // One Offload stream. The first message binds the session; each Add validates its message
-// and stages it, a message with commit = true applies everything staged, and Finish (the
-// stream's clean end) applies the rest. Destroying the stream without Finish (a broken or
-// cancelled stream) discards what is staged. After an error the stream refuses everything
-// with that error. Thread-compatible; the SessionManager must outlive it.
+// and stages it (its bytes charged to the tenant's quota until applied or discarded); after
+// a message with commit = true, Commit applies everything staged, and Finish (the stream's
+// clean end) applies the rest. Commit and Finish do the work only while the caller is live.
+// Break (a message that does not parse, a cancel, the client gone) and destroying the
+// stream without Finish discard what is staged; the commits applied before stand. Every
+// error names the message that broke the stream (counted from 1) and what the stream had
+// committed; after one, the stream refuses everything with it. Thread-compatible; the
+// SessionManager must outlive it.
 class OffloadStream {
  public:
   // INVALID_ARGUMENT for a bad layer, token count or K/V size (naming both numbers),
-  // a session id other than the first message's; OUT_OF_RANGE when the layer would exceed
-  // the session's max_tokens; FAILED_PRECONDITION for an SHM session; PERMISSION_DENIED /
-  // NOT_FOUND for another tenant's or an unknown session; the apply's error at a commit.
+  // a session id other than the first message's; FAILED_PRECONDITION for a start_token
+  // other than the layer's end, or an SHM session; OUT_OF_RANGE when the layer would exceed
+  // the session's max_tokens; NOT_FOUND for another tenant's or an unknown session;
+  // RESOURCE_EXHAUSTED when the staged bytes do not fit the tenant's quota.
   absl::Status Add(OffloadChunk chunk);
+  // Whether the last message asked for a commit (Commit is due before the next Add).
+  bool commit_due() const { return commit_due_; }
+  // Applies what is staged (the caller's DEADLINE_EXCEEDED / CANCELLED instead when it is
+  // no longer live, discarding it).
+  absl::Status Commit();
   absl::StatusOr<OffloadResult> Finish();
-  ~OffloadStream() = default;
+  // The stream broke with `why` before its clean end: discards what is staged and returns
+  // `why` naming where (the message after the last one added when `at_next_message`, e.g.
+  // one that did not parse) with the stream's account appended.
+  absl::Status Break(const absl::Status& why, bool at_next_message);
+  // Messages added so far (Add calls).
+  int64_t messages() const { return messages_; }
+  ~OffloadStream();
 
  private:
   friend class SessionManager;
@@ -126,6 +169,9 @@ class OffloadStream {
   absl::Status Bind(std::string_view session_id);
   absl::Status Validate(const OffloadChunk& chunk) const;
   absl::Status ApplyStaged();
+  void Discard();
+  // Records `st` as the stream's error, at `where` ("message 3").
+  absl::Status Fail(const absl::Status& st, std::string_view where);
 
   SessionManager* const manager_;
   const Caller caller_;
@@ -133,6 +179,9 @@ class OffloadStream {
   std::shared_ptr<TenantSession> session_;
   std::vector<OffloadChunk> staged_;
   std::vector<int64_t> staged_tokens_;  // per layer
+  uint64_t staged_bytes_ = 0;           // charged to the tenant
+  int64_t messages_ = 0;
+  bool commit_due_ = false;
   OffloadResult result_;
   absl::Status failed_;
 };
@@ -172,9 +221,13 @@ class SessionManager {
   // Closes every session left.
   ~SessionManager();
 
-  // The caller for x-kvtier-tenant / x-kvtier-token: UNAUTHENTICATED for an empty tenant;
-  // PERMISSION_DENIED for an unknown tenant or, when the tenant has a token, another token.
+  // The caller for x-kvtier-tenant / x-kvtier-token (deadline and cancellation unset):
+  // UNAUTHENTICATED for an empty tenant; PERMISSION_DENIED for an unknown tenant or, when
+  // the tenant has a token, another token.
   absl::StatusOr<Caller> Authenticate(std::string_view tenant, std::string_view token) const;
+  // One of the caller's tenant's in-flight call slots: RESOURCE_EXHAUSTED (with a retry
+  // hint) when limits.max_inflight_calls_per_tenant calls of the tenant are in flight.
+  absl::StatusOr<CallSlot> Admit(const Caller& caller) ABSL_LOCKS_EXCLUDED(mu_);
 
   // The attach socket's authorizer: UNAVAILABLE while draining; NOT_FOUND for an unknown
   // tenant; PERMISSION_DENIED for a wrong token, or a uid outside tenant.uids (the
@@ -185,9 +238,12 @@ class SessionManager {
 
   // --- one method per RPC -------------------------------------------------------------
   // UNAVAILABLE while draining; PERMISSION_DENIED for params.tenant != caller's;
-  // INVALID_ARGUMENT for geometry, page size, layers, max_tokens, budget, τ, policy;
-  // FAILED_PRECONDITION for SHM when the daemon serves no attach socket;
-  // RESOURCE_EXHAUSTED past max_sessions_per_tenant or the tenant's memory.
+  // INVALID_ARGUMENT for geometry, page size, layers, max_tokens, budget, τ, policy,
+  // request_id; FAILED_PRECONDITION for SHM when the daemon serves no attach socket, or a
+  // request_id of an open session whose parameters differ; ABORTED while another call
+  // with the same request_id is opening; RESOURCE_EXHAUSTED past max_sessions_per_tenant
+  // or the tenant's memory; the caller's DEADLINE_EXCEEDED / CANCELLED when it is no longer
+  // live before the session is made, or after (the session is then closed again).
   absl::StatusOr<SessionRecord> OpenSession(const Caller& caller, const OpenSessionParams& params);
   absl::StatusOr<CloseResult> CloseSession(const Caller& caller, std::string_view session_id);
   // The caller's tenant's sessions, in creation order.
@@ -195,15 +251,16 @@ class SessionManager {
   absl::StatusOr<SessionRecord> Reattach(const Caller& caller, std::string_view session_id);
   std::unique_ptr<OffloadStream> NewOffloadStream(const Caller& caller);
   // Checks the request up front: INVALID_ARGUMENT for a bad layer, OUT_OF_RANGE for a page
-  // beyond the session's pages, NOT_FOUND for one not committed.
+  // beyond the session's pages, NOT_FOUND for one not committed. A page named more than
+  // once is sent once, in the order it was first named.
   absl::StatusOr<std::unique_ptr<FetchCursor>> StartFetch(const Caller& caller,
                                                           std::string_view session_id,
                                                           int64_t layer,
                                                           std::vector<int64_t> pages);
   // GRPC sessions: FAILED_PRECONDITION for SHM ones; INVALID_ARGUMENT for a bad layer or q
-  // size; the Retriever's errors.
+  // size; TenantSession::Step's numbering and liveness errors; the Retriever's errors.
   absl::StatusOr<StepResult> Step(const Caller& caller, std::string_view session_id, int64_t layer,
-                                  std::string_view q, bool want_output);
+                                  std::string_view q, bool want_output, uint64_t step = 0);
   // The caller's tenant, plus the session when session_id is not empty.
   absl::StatusOr<StatsReport> GetStats(const Caller& caller, std::string_view session_id);
   // Admin: PERMISSION_DENIED unless `token` is the configured admin_token (an empty one
@@ -211,8 +268,11 @@ class SessionManager {
   absl::StatusOr<DrainResult> Drain(std::string_view token, absl::Duration timeout);
 
   // --- lifecycle ----------------------------------------------------------------------
-  // From now on OpenSession and attaches are refused with UNAVAILABLE.
+  // From now on OpenSession and attaches are refused with UNAVAILABLE. The first call runs
+  // the drain listener (the daemon turns its health NOT_SERVING there).
   void StartDrain();
+  // Set before any call; runs once, on the thread of the first StartDrain.
+  void set_drain_listener(std::function<void()> listener) { drain_listener_ = std::move(listener); }
   bool draining() const { return draining_.load(std::memory_order_acquire); }
   // Calls in flight (streams count while open).
   uint32_t InflightCalls() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -226,6 +286,7 @@ class SessionManager {
   const Tenant& tenant(const std::string& name) const { return *tenants_.at(name); }
 
  private:
+  friend class CallSlot;
   friend class InflightCall;
   friend class OffloadStream;
   friend class FetchCursor;
@@ -241,8 +302,16 @@ class SessionManager {
   absl::Status ReserveSession(const Tenant& tenant) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<SessionRecord> DoOpenSession(const Caller& caller,
                                               const OpenSessionParams& params);
+  // The open session of (tenant, request_id), or nullopt; ABORTED while one is opening,
+  // FAILED_PRECONDITION when its parameters differ from `fingerprint`'s.
+  absl::StatusOr<std::optional<SessionRecord>> ClaimRequestId(const std::string& key,
+                                                              const std::string& fingerprint)
+      ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<StepResult> DoStep(const Caller& caller, std::string_view session_id,
-                                    int64_t layer, std::string_view q, bool want_output);
+                                    int64_t layer, std::string_view q, bool want_output,
+                                    uint64_t step);
+  // Removes `id` from the table; the session it was (or null).
+  std::shared_ptr<TenantSession> Remove(std::string_view id) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<std::unique_ptr<FetchCursor>> DoStartFetch(const Caller& caller,
                                                             std::string_view session_id,
                                                             int64_t layer,
@@ -255,10 +324,12 @@ class SessionManager {
     return result;
   }
   void EndCall() ABSL_LOCKS_EXCLUDED(mu_);
+  void EndTenantCall(const std::string& tenant) ABSL_LOCKS_EXCLUDED(mu_);
 
   const DaemonConfig config_;
   const absl::Time start_time_;
   std::atomic<bool> draining_{false};
+  std::function<void()> drain_listener_;
   // Declaration order is destruction order reversed: sessions go before the tenants whose
   // arenas hold them, and the arenas before the backend they are registered with.
   const std::unique_ptr<Backend> backend_;
@@ -270,11 +341,21 @@ class SessionManager {
   uint64_t next_seq_ ABSL_GUARDED_BY(mu_) = 0;
   // Sessions being opened, per tenant: count towards max_sessions_per_tenant.
   absl::flat_hash_map<std::string, uint32_t> opening_ ABSL_GUARDED_BY(mu_);
+  // Calls in flight per tenant (CallSlots).
+  absl::flat_hash_map<std::string, uint32_t> tenant_calls_ ABSL_GUARDED_BY(mu_);
   struct Entry {
     uint64_t seq = 0;  // creation order, for ListSessions
     std::shared_ptr<TenantSession> session;
+    std::string request_key;  // key of requests_, or empty
   };
   absl::flat_hash_map<std::string, Entry> sessions_ ABSL_GUARDED_BY(mu_);
+  // OpenSession idempotency: tenant + NUL + request_id → the session it opened (empty while
+  // it is being opened) and the request's parameters.
+  struct RequestEntry {
+    std::string session_id;
+    std::string fingerprint;
+  };
+  absl::flat_hash_map<std::string, RequestEntry> requests_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvtier::daemon

@@ -148,12 +148,18 @@ Tenant::Tenant(const TenantConfig& config, std::unique_ptr<HostArena> arena)
 
 absl::StatusOr<RegionLease> Tenant::AllocateRegion(uint64_t bytes) {
   MutexLock lock(&mu_);
-  std::optional<uint64_t> offset = allocator_.Allocate(bytes);
+  const uint64_t need = allocator_.RoundUp(bytes);
+  const uint64_t free = allocator_.free_bytes() - charged_;
+  // Charged daemon memory takes quota but no address range: a region must fit both.
+  std::optional<uint64_t> offset =
+      need <= free ? allocator_.Allocate(bytes) : std::optional<uint64_t>();
   if (!offset.has_value()) {
-    const uint64_t need = allocator_.RoundUp(bytes);
     std::string msg = absl::StrFormat("tenant '%s': session needs %d bytes, %d of %d bytes free",
-                                      name(), need, allocator_.free_bytes(), quota_bytes());
-    if (allocator_.free_bytes() >= need) {
+                                      name(), need, free, quota_bytes());
+    if (charged_ > 0) {
+      absl::StrAppendFormat(&msg, " (%d bytes are daemon memory of GRPC sessions)", charged_);
+    }
+    if (free >= need) {
       absl::StrAppendFormat(&msg, " (the largest free range is %d bytes)",
                             allocator_.largest_free());
     }
@@ -164,7 +170,31 @@ absl::StatusOr<RegionLease> Tenant::AllocateRegion(uint64_t bytes) {
 
 uint64_t Tenant::used_bytes() const {
   MutexLock lock(&mu_);
-  return allocator_.used_bytes();
+  return allocator_.used_bytes() + charged_;
+}
+
+uint64_t Tenant::charged_bytes() const {
+  MutexLock lock(&mu_);
+  return charged_;
+}
+
+absl::Status Tenant::Charge(size_t bytes) {
+  MutexLock lock(&mu_);
+  const uint64_t free = allocator_.free_bytes() - charged_;
+  if (bytes > free) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "tenant '%s': daemon memory of a GRPC session needs %d more bytes, %d of %d bytes of "
+        "the tenant's quota (tenant.host_memory_bytes) free",
+        name(), bytes, free, quota_bytes()));
+  }
+  charged_ += bytes;
+  return absl::OkStatus();
+}
+
+void Tenant::Release(size_t bytes) {
+  MutexLock lock(&mu_);
+  KVTIER_CHECK(bytes <= charged_);
+  charged_ -= bytes;
 }
 
 void Tenant::FreeRegion(uint64_t offset, uint64_t bytes) {

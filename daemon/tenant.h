@@ -1,7 +1,10 @@
 // Tenant: one isolated slice of kvtierd's host tier (DESIGN.md §2): a shared-memory arena
 // (memfd, hugepages and NUMA binding per its TenantConfig) and a first-fit allocator that
-// carves session regions out of it. The arena's size is the tenant's quota: a region that
-// does not fit is refused with RESOURCE_EXHAUSTED saying what it needed and what is free.
+// carves session regions out of it. The arena's size is the tenant's quota, and it covers
+// both the session regions and the memory the daemon itself uses for the tenant's GRPC
+// sessions (their Retrievers' working sets and summaries, staged Offload chunks), which is
+// charged through the MemoryBudget interface. A region or a charge that does not fit is
+// refused with RESOURCE_EXHAUSTED saying what it needed and what is free.
 //
 // Regions come back as move-only RegionLeases that return their range when destroyed.
 //
@@ -21,6 +24,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "daemon/config.h"
+#include "kernels/budgeted_backend.h"
 #include "kvtier/mutex.h"
 #include "offload/host_arena.h"
 
@@ -83,7 +87,7 @@ class RegionLease {
   uint64_t bytes_ = 0;
 };
 
-class Tenant {
+class Tenant final : public MemoryBudget {
  public:
   // Creates the tenant's arena: config.host_memory_bytes, hugepages per config.hugepages,
   // bound to config.numa_node (or, when -1 and gpu_pci_bus_id is set, the node hwloc finds
@@ -93,7 +97,7 @@ class Tenant {
   static absl::StatusOr<std::unique_ptr<Tenant>> Create(const TenantConfig& config);
   Tenant(const Tenant&) = delete;
   Tenant& operator=(const Tenant&) = delete;
-  ~Tenant() = default;
+  ~Tenant() override = default;
 
   const TenantConfig& config() const { return config_; }
   const std::string& name() const { return config_.name; }
@@ -104,7 +108,15 @@ class Tenant {
   // "tenant 'a': session needs N bytes, M of Q bytes free" (adding the largest free range
   // when fragmentation is what refuses it).
   absl::StatusOr<RegionLease> AllocateRegion(uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  // Regions plus charged daemon memory.
   uint64_t used_bytes() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Daemon memory charged now (included in used_bytes).
+  uint64_t charged_bytes() const ABSL_LOCKS_EXCLUDED(mu_);
+
+  // MemoryBudget: daemon memory of this tenant's GRPC sessions. RESOURCE_EXHAUSTED
+  // "tenant 'a': daemon memory of a GRPC session needs N bytes, M of Q bytes free".
+  absl::Status Charge(size_t bytes) override ABSL_LOCKS_EXCLUDED(mu_);
+  void Release(size_t bytes) override ABSL_LOCKS_EXCLUDED(mu_);
 
   // Requests of this tenant's callers that ended in an error (GetStats' refused_requests).
   void CountRefused() { refused_.fetch_add(1, std::memory_order_relaxed); }
@@ -121,6 +133,7 @@ class Tenant {
   std::atomic<uint64_t> refused_{0};
   mutable Mutex mu_;
   RegionAllocator allocator_ ABSL_GUARDED_BY(mu_);
+  uint64_t charged_ ABSL_GUARDED_BY(mu_) = 0;  // bytes, ≤ allocator_.free_bytes() when taken
 };
 
 }  // namespace kvtier::daemon

@@ -3,8 +3,10 @@
 #include <cstring>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "kernels/budgeted_backend.h"
 #include "kvtier/status.h"
 #include "spdlog/spdlog.h"
 
@@ -13,35 +15,40 @@ namespace kvtier::daemon {
 absl::StatusOr<std::shared_ptr<TenantSession>> TenantSession::Create(std::string id,
                                                                      SessionSpec spec,
                                                                      RegionLease lease,
-                                                                     Backend* backend) {
+                                                                     Backend* backend,
+                                                                     MemoryBudget* budget) {
   const Geometry& g = spec.geometry;
   const int32_t pages = spec.max_pages();
   KVTIER_ASSIGN_OR_RETURN(
       SessionRegion region,
       SessionRegion::Format(lease.data(), lease.bytes(), g, pages, int64_t{g.num_layers} * pages));
   const int64_t now_ms = absl::ToUnixMillis(absl::Now());
+  const bool grpc = spec.transport == Transport::kGrpc;
   std::shared_ptr<TenantSession> s(
-      new TenantSession(std::move(id), std::move(spec), std::move(lease), region, backend, now_ms));
-  if (s->spec_.transport == Transport::kGrpc) {
+      new TenantSession(std::move(id), std::move(spec), std::move(lease), region,
+                        grpc ? NewBudgetedBackend(*backend, *budget) : nullptr, now_ms));
+  if (grpc) {
     MutexLock lock(&s->mu_);
     KVTIER_ASSIGN_OR_RETURN(
         s->pool_, PagePool::Create(region.slots(), g.host_page_bytes(), region.num_slots()));
-    KVTIER_ASSIGN_OR_RETURN(s->retriever_,
-                            Retriever::Create(g, s->spec_.retriever, *backend, s->pool_.get()));
+    KVTIER_ASSIGN_OR_RETURN(s->retriever_, Retriever::Create(g, s->spec_.retriever, *s->backend_,
+                                                             s->pool_.get()));
   }
   return s;
 }
 
 TenantSession::TenantSession(std::string id, SessionSpec spec, RegionLease lease,
-                             SessionRegion region, Backend* backend, int64_t created_unix_ms)
+                             SessionRegion region, std::unique_ptr<Backend> backend,
+                             int64_t created_unix_ms)
     : id_(std::move(id)),
       spec_(std::move(spec)),
       created_unix_ms_(created_unix_ms),
       lease_(std::move(lease)),
       region_(region),
-      backend_(backend),
-      steps_(spec_.geometry.num_layers, 0),
-      grpc_tokens_(spec_.geometry.num_layers, 0) {}
+      backend_(std::move(backend)),
+      steps_(spec_.geometry.num_layers),
+      grpc_tokens_(spec_.geometry.num_layers, 0),
+      steps_run_(spec_.geometry.num_layers, 0) {}
 
 TenantSession::~TenantSession() {
   // The Retriever holds pool handles and the pool lies in the region: drop them first.
@@ -66,6 +73,10 @@ SessionRecord TenantSession::Record() const {
   r.created_unix_ms = created_unix_ms_;
   r.committed_tokens.resize(spec_.geometry.num_layers);
   for (int32_t l = 0; l < spec_.geometry.num_layers; ++l) r.committed_tokens[l] = LayerTokens(l);
+  if (spec_.transport == Transport::kGrpc) {
+    MutexLock lock(&info_mu_);
+    r.steps_run = steps_run_;
+  }
   return r;
 }
 
@@ -94,9 +105,11 @@ absl::Status TenantSession::CommitStoredPages() {
 }
 
 absl::StatusOr<std::vector<uint64_t>> TenantSession::Apply(
-    const std::vector<OffloadChunk>& chunks) {
+    const std::vector<OffloadChunk>& chunks, const Caller& caller, std::string_view what) {
   MutexLock lock(&mu_);
   KVTIER_RETURN_IF_ERROR(CheckOpen());
+  // Checked with the session held: waiting for it may have used up the deadline.
+  KVTIER_RETURN_IF_ERROR(caller.CheckLive(what));
   absl::Status st;
   for (const OffloadChunk& c : chunks) {
     st = retriever_->Append(static_cast<int32_t>(c.layer), c.k.data(), c.v.data(),
@@ -173,9 +186,57 @@ absl::StatusOr<std::vector<PageData>> TenantSession::ReadPages(int32_t layer, co
 }
 
 absl::StatusOr<StepResult> TenantSession::Step(int32_t layer, std::string_view q,
-                                               bool want_output) {
+                                               bool want_output, uint64_t step,
+                                               const Caller& caller) {
   MutexLock lock(&mu_);
   KVTIER_RETURN_IF_ERROR(CheckOpen());
+  LayerSteps& done = steps_[layer];
+  if (step != 0 && step != done.run + 1) {
+    if (step == done.run && q == done.q && (done.want_output || !want_output)) {
+      StepResult again = done.reply;
+      again.replayed = true;
+      if (!want_output) {
+        again.output.clear();
+        again.lse.clear();
+      }
+      return again;
+    }
+    absl::Status refused = absl::FailedPreconditionError(
+        step == done.run
+            ? absl::StrFormat("step = %d: layer %d ran step %d already with another q%s; send "
+                              "step %d for a new step",
+                              step, layer, step,
+                              done.want_output || !want_output ? "" : " (and no output)",
+                              done.run + 1)
+            : absl::StrFormat("step = %d: layer %d has run %d steps, so the next is %d (or %d "
+                              "again, with the same q, for its reply)",
+                              step, layer, done.run, done.run + 1, done.run));
+    SetTrailer(refused, kStepsRunTrailer, absl::StrCat(done.run));
+    return refused;
+  }
+  // Checked with the session held: waiting for it may have used up the deadline.
+  KVTIER_RETURN_IF_ERROR(caller.CheckLive(absl::StrFormat("step %d of layer %d", done.run + 1,
+                                                          layer)));
+  absl::StatusOr<StepResult> r = RunStep(layer, q, want_output);
+  done.run += 1;  // the Retriever ran EndStep, even after an error
+  {
+    MutexLock info(&info_mu_);
+    steps_run_[layer] = done.run;
+  }
+  if (!r.ok()) {
+    done.q.clear();  // nothing to replay
+    done.reply = StepResult{};
+    return r;
+  }
+  r->step = done.run;
+  done.q.assign(q.data(), q.size());
+  done.want_output = want_output;
+  done.reply = *r;
+  return r;
+}
+
+absl::StatusOr<StepResult> TenantSession::RunStep(int32_t layer, std::string_view q,
+                                                  bool want_output) {
   const Geometry& g = spec_.geometry;
   Stream& stream = retriever_->compute_stream();
   absl::StatusOr<WorkingSetView> view = retriever_->BeginStep(layer, q.data());
@@ -202,7 +263,7 @@ absl::StatusOr<StepResult> TenantSession::Step(int32_t layer, std::string_view q
   }
   // EndStep even after an error, so the layer is not left between BeginStep and EndStep.
   const absl::Status ended = retriever_->EndStep(layer, q.data());
-  const int64_t step = steps_[layer]++;
+  const int64_t step = static_cast<int64_t>(steps_[layer].run);
   if (st.ok()) st = ended;
   // q, the output and the table are host memory the compute stream reads and writes.
   const absl::Status synced = stream.Synchronize();
@@ -219,8 +280,17 @@ absl::StatusOr<StepResult> TenantSession::Step(int32_t layer, std::string_view q
   return r;
 }
 
-SessionRecord TenantSession::Reattach() {
-  region_.BumpEpoch();
+absl::StatusOr<SessionRecord> TenantSession::Reattach() {
+  {
+    MutexLock lock(&mu_);
+    KVTIER_RETURN_IF_ERROR(CheckOpen());
+    absl::StatusOr<uint64_t> epoch = region_.BumpEpoch(epoch_);
+    if (!epoch.ok()) {
+      return absl::Status(epoch.status().code(),
+                          absl::StrFormat("session %s: %s", id_, epoch.status().message()));
+    }
+    epoch_ = *epoch;
+  }
   return Record();
 }
 

@@ -24,6 +24,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "daemon/caller.h"
 #include "daemon/tenant.h"
 #include "kernels/backend.h"
 #include "kvtier/client.h"
@@ -60,6 +61,7 @@ struct SessionRecord {
   // Per layer. SHM: the committed prefix of the region's directory × page size. GRPC: the
   // tokens the daemon's Retriever holds (including the partial page's).
   std::vector<uint64_t> committed_tokens;
+  std::vector<uint64_t> steps_run;  // GRPC: per layer, steps the daemon's Retriever ran
   int64_t created_unix_ms = 0;
 };
 
@@ -71,6 +73,7 @@ struct OffloadChunk {
   std::string k;
   std::string v;
   bool commit = false;
+  std::optional<uint64_t> start_token;  // the layer's index of the first token, when given
 };
 
 // A committed host page read back: HND [Hkv][2][p][d].
@@ -90,7 +93,12 @@ struct StepResult {
   std::string output;               // [Hq][d], session dtype; empty without want_output
   std::vector<float> lse;           // [Hq]; empty without want_output
   int32_t corrected_heads = 0;
+  uint64_t step = 0;      // the layer's count of steps run, this one included
+  bool replayed = false;  // an earlier run's reply, sent again (nothing ran)
 };
+
+// Trailing metadata of a refused numbered Step: the layer's count of steps run.
+inline constexpr char kStepsRunTrailer[] = "x-kvtier-steps-run";
 
 struct SessionStatsRecord {
   std::string session_id;
@@ -106,11 +114,13 @@ struct CloseResult {
 class TenantSession {
  public:
   // Formats `lease` as the session's region and, for GRPC sessions, creates the Retriever on
-  // `backend` (REQUIRES: non-null for GRPC; the tenant arena is registered with it; it
-  // outlives the session). REQUIRES: spec is validated; lease holds the ComputeRegionLayout
-  // of spec.
+  // `backend` with every allocation charged to `budget` (REQUIRES: both non-null for GRPC;
+  // the tenant arena is registered with the backend; both outlive the session); the
+  // budget's RESOURCE_EXHAUSTED when the Retriever does not fit. REQUIRES: spec is
+  // validated; lease holds the ComputeRegionLayout of spec.
   static absl::StatusOr<std::shared_ptr<TenantSession>> Create(std::string id, SessionSpec spec,
-                                                               RegionLease lease, Backend* backend);
+                                                               RegionLease lease, Backend* backend,
+                                                               MemoryBudget* budget);
   TenantSession(const TenantSession&) = delete;
   TenantSession& operator=(const TenantSession&) = delete;
   ~TenantSession();
@@ -125,9 +135,12 @@ class TenantSession {
   uint64_t LayerTokens(int32_t layer) const ABSL_LOCKS_EXCLUDED(info_mu_);
 
   // GRPC: appends every chunk to the Retriever, layer by layer in order, waits for the work,
-  // and commits the pages that were stored. Returns the tokens per layer afterwards.
-  // REQUIRES: every chunk was validated against this session. NOT_FOUND once closed.
-  absl::StatusOr<std::vector<uint64_t>> Apply(const std::vector<OffloadChunk>& chunks)
+  // and commits the pages that were stored. Returns the tokens per layer afterwards. Starts
+  // only while `caller` is live (its error otherwise, nothing applied); once started it
+  // completes. REQUIRES: every chunk was validated against this session. NOT_FOUND once
+  // closed.
+  absl::StatusOr<std::vector<uint64_t>> Apply(const std::vector<OffloadChunk>& chunks,
+                                              const Caller& caller, std::string_view what)
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // The committed pages among `pages` of `layer` (all of them when empty): OUT_OF_RANGE
@@ -140,11 +153,18 @@ class TenantSession {
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // GRPC: one step of `layer` with q [Hq][d] (REQUIRES: layer and q size validated).
-  absl::StatusOr<StepResult> Step(int32_t layer, std::string_view q, bool want_output)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // `step` numbers it (StepRequest.step; 0: unnumbered): step n runs when the layer has run
+  // n − 1, and when it has run n with the same q the kept reply comes back (replayed)
+  // without running; otherwise FAILED_PRECONDITION with the kStepsRunTrailer. A step starts
+  // only while `caller` is live (its error otherwise, nothing run); once started it
+  // completes and its reply is kept for a retry, even when the caller's deadline passes.
+  absl::StatusOr<StepResult> Step(int32_t layer, std::string_view q, bool want_output,
+                                  uint64_t step, const Caller& caller) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Bumps the region's epoch and returns the session's record.
-  SessionRecord Reattach();
+  // Bumps the region's epoch past every epoch it had and returns the session's record;
+  // FAILED_PRECONDITION when the epoch cannot advance (the shared header was overwritten
+  // with the largest value).
+  absl::StatusOr<SessionRecord> Reattach() ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<SessionStatsRecord> Stats() ABSL_LOCKS_EXCLUDED(mu_);
 
   // Closes the Retriever and frees the pool; the region returns to the tenant when the last
@@ -153,8 +173,11 @@ class TenantSession {
 
  private:
   TenantSession(std::string id, SessionSpec spec, RegionLease lease, SessionRegion region,
-                Backend* backend, int64_t created_unix_ms);
+                std::unique_ptr<Backend> backend, int64_t created_unix_ms);
   absl::Status CheckOpen() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Runs a step the numbering admitted (REQUIRES: mu_ held, open, GRPC).
+  absl::StatusOr<StepResult> RunStep(int32_t layer, std::string_view q, bool want_output)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CommitStoredPages() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PublishTokens() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) ABSL_LOCKS_EXCLUDED(info_mu_);
 
@@ -164,18 +187,29 @@ class TenantSession {
   // The region stays leased until the session is destroyed, so readers that hold a
   // reference never read memory another session was given.
   const RegionLease lease_;
-  SessionRegion region_;    // its methods are safe to call from any thread
-  Backend* const backend_;  // GRPC only
+  SessionRegion region_;  // its methods are safe to call from any thread
+  // GRPC only: the daemon's backend, charging the tenant for every allocation.
+  const std::unique_ptr<Backend> backend_;
   std::atomic<bool> closing_{false};
+
+  // Per layer: steps run (EndStep calls) and the last one's request and reply.
+  struct LayerSteps {
+    uint64_t run = 0;
+    std::string q;
+    bool want_output = false;
+    StepResult reply;
+  };
 
   mutable Mutex mu_;  // serializes the calls that drive the session
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 1;  // the last epoch Reattach gave out
   std::unique_ptr<PagePool> pool_ ABSL_GUARDED_BY(mu_);  // GRPC only
   std::unique_ptr<Retriever> retriever_ ABSL_GUARDED_BY(mu_);
-  std::vector<int64_t> steps_ ABSL_GUARDED_BY(mu_);  // per layer: steps run (EndStep calls)
+  std::vector<LayerSteps> steps_ ABSL_GUARDED_BY(mu_);
 
   mutable Mutex info_mu_;
   std::vector<uint64_t> grpc_tokens_ ABSL_GUARDED_BY(info_mu_);  // GRPC: per layer
+  std::vector<uint64_t> steps_run_ ABSL_GUARDED_BY(info_mu_);    // GRPC: steps_[l].run
 };
 
 }  // namespace kvtier::daemon
