@@ -1,15 +1,31 @@
 #include "client/convert.h"
 
+#include <sys/random.h>
+
+#include <cerrno>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <string>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "kvtier/status.h"
 
 namespace kvtier {
+
+std::string RandomRequestId() {
+  unsigned char bytes[16];
+  size_t got = 0;
+  while (got < sizeof(bytes)) {
+    const ssize_t n = getrandom(bytes + got, sizeof(bytes) - got, 0);
+    KVTIER_CHECK(n > 0 || errno == EINTR);  // getrandom cannot fail for 16 bytes otherwise
+    if (n > 0) got += static_cast<size_t>(n);
+  }
+  return absl::BytesToHexString(
+      absl::string_view(reinterpret_cast<const char*>(bytes), sizeof(bytes)));
+}
 
 absl::StatusOr<v1::OpenSessionRequest> BuildOpenSessionRequest(std::string_view tenant,
                                                                const SessionOptions& options) {
@@ -47,6 +63,7 @@ absl::StatusOr<v1::OpenSessionRequest> BuildOpenSessionRequest(std::string_view 
   ro->set_correction_threshold(r.correction_threshold);
   req.set_transport(TransportToProto(options.transport));
   req.set_label(options.label);
+  req.set_request_id(options.request_id.empty() ? RandomRequestId() : options.request_id);
   return req;
 }
 
@@ -89,6 +106,12 @@ absl::StatusOr<SessionInfo> SessionInfoFromProto(const v1::SessionInfo& p) {
       return absl::InvalidArgumentError(absl::StrCat("committed_tokens = ", t, ": out of range"));
     }
     info.committed_tokens.push_back(static_cast<int64_t>(t));
+  }
+  for (uint64_t n : p.steps_run()) {
+    if (n > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+      return absl::InvalidArgumentError(absl::StrCat("steps_run = ", n, ": out of range"));
+    }
+    info.steps_run.push_back(static_cast<int64_t>(n));
   }
   info.region_offset = p.region_offset();
   info.region_bytes = p.region_bytes();

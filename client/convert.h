@@ -18,10 +18,13 @@
 
 namespace kvtier {
 
-// The OpenSessionRequest for `options` on behalf of `tenant`. INVALID_ARGUMENT (naming the
-// field and limit) for an invalid geometry, a working-set split the protocol's budget_tokens
-// cannot express (sink : selected : recent must be 1 : 2 : 1, budget a multiple of 4·p), a
-// negative max_tokens or a non-finite τ.
+// 128 random bits as 32 hex digits: an OpenSession request_id.
+std::string RandomRequestId();
+
+// The OpenSessionRequest for `options` on behalf of `tenant` (request_id: options' or a
+// random one). INVALID_ARGUMENT (naming the field and limit) for an invalid geometry, a
+// working-set split the protocol's budget_tokens cannot express (sink : selected : recent
+// must be 1 : 2 : 1, budget a multiple of 4·p), a negative max_tokens or a non-finite τ.
 absl::StatusOr<v1::OpenSessionRequest> BuildOpenSessionRequest(std::string_view tenant,
                                                                const SessionOptions& options);
 

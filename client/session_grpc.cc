@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/convert.h"
@@ -40,6 +41,10 @@ class GrpcSession final : public Session {
     for (size_t l = 0; l < layers && l < info_.committed_tokens.size(); ++l) {
       layers_[l].tokens = static_cast<int32_t>(
           std::min<int64_t>(info_.committed_tokens[l], std::numeric_limits<int32_t>::max()));
+    }
+    // A reattached session continues the daemon's step numbering.
+    for (size_t l = 0; l < layers && l < info_.steps_run.size(); ++l) {
+      layers_[l].steps = info_.steps_run[l];
     }
   }
 
@@ -137,6 +142,9 @@ class GrpcSession final : public Session {
     return static_cast<size_t>(g.num_q_heads) * g.head_dim * g.element_bytes();
   }
   absl::Status KeepStep(int32_t layer, const v1::StepReply& reply);
+  // Step on the daemon, numbered; resynchronises the count once when the daemon says the
+  // step this session thought lost did run.
+  absl::StatusOr<v1::StepReply> RunStep(int32_t layer, const void* q);
 
   std::shared_ptr<Connection> conn_;
   const SessionInfo info_;
@@ -179,6 +187,8 @@ absl::Status GrpcSession::Append(int32_t layer, const void* k, const void* v, in
   while (sent < n_tokens) {
     const int32_t m = std::min(chunk, n_tokens - sent);
     const size_t off = static_cast<size_t>(sent) * tb;
+    // The daemon refuses a chunk that does not continue the layer: never a token twice.
+    req.set_start_token(static_cast<uint64_t>(l.tokens) + static_cast<uint64_t>(sent));
     req.set_num_tokens(static_cast<uint32_t>(m));
     req.set_k(ks + off, static_cast<size_t>(m) * tb);
     req.set_v(vs + off, static_cast<size_t>(m) * tb);
@@ -187,7 +197,16 @@ absl::Status GrpcSession::Append(int32_t layer, const void* k, const void* v, in
     sent += m;
   }
   writer->WritesDone();
-  KVTIER_RETURN_IF_ERROR(FromGrpcStatus(writer->Finish()));
+  if (absl::Status st = FromGrpcStatus(writer->Finish()); !st.ok()) {
+    // The commits the stream made before it broke stand: learn how far the layer got, so
+    // num_tokens() says where the engine resumes.
+    if (absl::StatusOr<SessionInfo> now = Info();
+        now.ok() && static_cast<size_t>(layer) < now->committed_tokens.size()) {
+      l.tokens = static_cast<int32_t>(std::min<int64_t>(now->committed_tokens[layer],
+                                                        std::numeric_limits<int32_t>::max()));
+    }
+    return st;
+  }
   if (sent != n_tokens) {
     return absl::InternalError(absl::StrFormat(
         "Append: the Offload stream ended after %d of %d tokens with OK", sent, n_tokens));
@@ -225,9 +244,45 @@ absl::Status GrpcSession::KeepStep(int32_t layer, const v1::StepReply& reply) {
   l.output = reply.output();
   l.lse.assign(reply.lse().begin(), reply.lse().end());
   l.last = StepStats{};
-  l.last.step = l.steps++;
+  l.last.step = l.steps;  // 0-based, as the Retriever counts
+  l.steps = static_cast<int64_t>(reply.step());
   l.last.corrected_heads = static_cast<int32_t>(reply.corrected_heads());
   return absl::OkStatus();
+}
+
+absl::StatusOr<v1::StepReply> GrpcSession::RunStep(int32_t layer, const void* q) {
+  Layer& l = layers_[static_cast<size_t>(layer)];
+  v1::StepRequest req;
+  req.set_session_id(info_.id);
+  req.set_layer(static_cast<uint32_t>(layer));
+  req.set_q(q, q_bytes());
+  req.set_want_output(options_.remote_attention);
+  // Numbered, so a retry of a step whose reply was lost (DEADLINE_EXCEEDED, UNAVAILABLE)
+  // gets that step's reply instead of running another.
+  req.set_step(static_cast<uint64_t>(l.steps) + 1);
+  v1::StepReply reply;
+  auto ctx = conn_->Context();
+  absl::Status st = FromGrpcStatus(conn_->stub().Step(ctx.get(), req, &reply));
+  if (st.ok() || st.code() != absl::StatusCode::kFailedPrecondition) {
+    KVTIER_RETURN_IF_ERROR(st);
+    return reply;
+  }
+  // The step this session thought lost did run (with the q of the failed call), and the
+  // engine has moved on with another q: count it, and run this one as the next.
+  const auto& trailers = ctx->GetServerTrailingMetadata();
+  auto it = trailers.find("x-kvtier-steps-run");
+  int64_t run = 0;
+  if (it == trailers.end() ||
+      !absl::SimpleAtoi(absl::string_view(it->second.data(), it->second.size()), &run) ||
+      run != l.steps + 1) {
+    return st;
+  }
+  l.steps = run;
+  req.set_step(static_cast<uint64_t>(run) + 1);
+  reply.Clear();
+  auto retry = conn_->Context();
+  KVTIER_RETURN_IF_ERROR(FromGrpcStatus(conn_->stub().Step(retry.get(), req, &reply)));
+  return reply;
 }
 
 absl::StatusOr<WorkingSetView> GrpcSession::BeginStep(int32_t layer, const void* q) {
@@ -238,14 +293,7 @@ absl::StatusOr<WorkingSetView> GrpcSession::BeginStep(int32_t layer, const void*
     return absl::FailedPreconditionError(
         absl::StrFormat("BeginStep: layer %d: the previous step was not ended", layer));
   }
-  v1::StepRequest req;
-  req.set_session_id(info_.id);
-  req.set_layer(static_cast<uint32_t>(layer));
-  req.set_q(q, q_bytes());
-  req.set_want_output(options_.remote_attention);
-  v1::StepReply reply;
-  auto ctx = conn_->Context();
-  KVTIER_RETURN_IF_ERROR(FromGrpcStatus(conn_->stub().Step(ctx.get(), req, &reply)));
+  KVTIER_ASSIGN_OR_RETURN(const v1::StepReply reply, RunStep(layer, q));
   KVTIER_RETURN_IF_ERROR(KeepStep(layer, reply));
   l.in_step = true;
   WorkingSetView view;

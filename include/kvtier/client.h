@@ -90,6 +90,10 @@ struct SessionOptions {
   std::string label;
   // GRPC: Step also returns the attention output (Attend then needs no round trip).
   bool remote_attention = true;
+  // OpenSession's idempotency key (at most 64 bytes of printable ASCII); empty: a random one
+  // per call. An engine that retries an OpenSession that failed (say DEADLINE_EXCEEDED) with
+  // the same key gets the session the first call opened, if it did, instead of a second.
+  std::string request_id;
 };
 
 // A fetched host page: HND [Hkv][2][p][d] in the session dtype.
@@ -115,6 +119,7 @@ struct SessionInfo {
   bool closing = false;  // CloseSession or Drain in progress
   uint64_t epoch = 0;
   std::vector<int64_t> committed_tokens;  // per layer
+  std::vector<int64_t> steps_run;         // GRPC: per layer, Steps the daemon ran
   uint64_t region_offset = 0;             // bytes into the tenant arena
   uint64_t region_bytes = 0;
   int64_t created_unix_ms = 0;
