@@ -66,6 +66,7 @@ std::string DaemonConfigToml(const DaemonProcessOptions& o) {
   if (o.max_message_bytes != 0) {
     absl::StrAppend(&t, "max_message_bytes = ", o.max_message_bytes, "\n");
   }
+  absl::StrAppend(&t, o.server_toml);
   absl::StrAppend(&t, "\n[log]\nlevel = \"info\"\n\n", o.extra_toml, "\n");
   for (const DaemonTenant& tenant : o.tenants) {
     absl::StrAppend(&t, "[[tenant]]\nname = \"", tenant.name, "\"\ntoken = \"", tenant.token,

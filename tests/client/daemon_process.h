@@ -34,6 +34,8 @@ struct DaemonProcessOptions {
   std::string admin_token;
   int cpu_threads = 0;             // [server] cpu_threads: the GRPC sessions' CPU backend
   uint64_t max_message_bytes = 0;  // 0: the daemon's default
+  // TOML lines added to the [server] table (e.g. "work_threads = 1\n").
+  std::string server_toml;
   // TOML appended verbatim (e.g. a [limits] table).
   std::string extra_toml;
   absl::Duration start_timeout = absl::Seconds(60);

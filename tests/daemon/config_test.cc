@@ -348,7 +348,7 @@ TEST(LoadConfigFileTest, ErrorsNameTheFileAndLine) {
 TEST(KnownConfigKeysTest, AreUniqueAndQualified) {
   const std::vector<std::string> keys = KnownConfigKeys();
   EXPECT_EQ(std::set<std::string>(keys.begin(), keys.end()).size(), keys.size());
-  EXPECT_EQ(keys.size(), 25u);  // 9 server, 5 limits, 3 log, 8 tenant
+  EXPECT_EQ(keys.size(), 32u);  // 15 server, 6 limits, 3 log, 8 tenant
   for (const std::string& key : keys) EXPECT_NE(key.find('.'), std::string::npos) << key;
 }
 

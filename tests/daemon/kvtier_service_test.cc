@@ -8,9 +8,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -73,7 +75,10 @@ class KvTierServiceTest : public ::testing::Test {
     absl::StatusOr<std::unique_ptr<SessionManager>> m = SessionManager::Create(config_);
     ASSERT_TRUE(m.ok()) << m.status();
     manager_ = *std::move(m);
-    service_ = std::make_unique<KvTierService>(*manager_, config_);
+    absl::StatusOr<std::unique_ptr<WorkQueue>> work = WorkQueue::Create(WorkOptions());
+    ASSERT_TRUE(work.ok()) << work.status();
+    work_ = *std::move(work);
+    service_ = std::make_unique<KvTierService>(*manager_, *work_, config_);
     char dir[] = "/tmp/kvtier-service-test-XXXXXX";
     ASSERT_NE(mkdtemp(dir), nullptr);
     dir_ = dir;
@@ -92,11 +97,15 @@ class KvTierServiceTest : public ::testing::Test {
   void TearDown() override {
     if (server_ != nullptr) server_->Shutdown();
     server_.reset();
+    if (work_ != nullptr) work_->Shutdown();
     service_.reset();
+    work_.reset();
     manager_.reset();
     unlink(socket_.c_str());
     rmdir(dir_.c_str());
   }
+
+  virtual WorkQueueOptions WorkOptions() const { return {.threads = 2}; }
 
   static void As(grpc::ClientContext* ctx, const std::string& tenant, const std::string& token) {
     if (!tenant.empty()) ctx->AddMetadata(kTenantMetadata, tenant);
@@ -176,6 +185,7 @@ class KvTierServiceTest : public ::testing::Test {
 
   DaemonConfig config_;
   std::unique_ptr<SessionManager> manager_;
+  std::unique_ptr<WorkQueue> work_;
   std::unique_ptr<KvTierService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<v1::KvTier::Stub> stub_;
@@ -367,8 +377,7 @@ TEST_F(KvTierServiceTest, ErrorsKeepTheirCodesOverTheWire) {
     v1::CloseSessionRequest req;
     req.set_session_id(s.session_id());
     v1::CloseSessionReply reply;
-    EXPECT_EQ(stub_->CloseSession(&ctx, req, &reply).error_code(),
-              grpc::StatusCode::PERMISSION_DENIED);
+    EXPECT_EQ(stub_->CloseSession(&ctx, req, &reply).error_code(), grpc::StatusCode::NOT_FOUND);
   }
   {
     grpc::ClientContext ctx;
@@ -381,7 +390,7 @@ TEST_F(KvTierServiceTest, ErrorsKeepTheirCodesOverTheWire) {
   {
     grpc::Status st;
     Fetch(s.session_id(), 0, &st, "b");
-    EXPECT_EQ(st.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::NOT_FOUND);
     v1::OffloadReply reply;
     ASSERT_TRUE(Offload(s.session_id(), 8, &reply).ok());
     grpc::ClientContext ctx;
@@ -532,6 +541,142 @@ TEST(ToGrpcStatusTest, KeepsCodeAndMessage) {
     EXPECT_EQ(static_cast<int>(g.error_code()), code);
     EXPECT_EQ(g.error_message(), std::string(st.message()));
   }
+}
+
+}  // namespace
+}  // namespace kvtier::daemon
+
+namespace kvtier::daemon {
+namespace {
+
+// One worker, two places in the queue, and a gate the test holds the worker with: calls that
+// do work wait in the queue, deterministically.
+class KvTierServiceQueueTest : public KvTierServiceTest {
+ protected:
+  WorkQueueOptions WorkOptions() const override { return {.threads = 1, .max_queued = 2}; }
+
+  // Occupies the only worker until Open() is called on the returned gate.
+  struct Gate {
+    Mutex mu;
+    CondVar cv;
+    bool open ABSL_GUARDED_BY(mu) = false;
+    bool entered ABSL_GUARDED_BY(mu) = false;
+    void Open() {
+      MutexLock lock(&mu);
+      open = true;
+      cv.SignalAll();
+    }
+  };
+  std::shared_ptr<Gate> HoldTheWorker() {
+    auto gate = std::make_shared<Gate>();
+    EXPECT_TRUE(work_->Submit("gate", [gate](absl::Status) {
+                       MutexLock lock(&gate->mu);
+                       gate->entered = true;
+                       gate->cv.SignalAll();
+                       gate->cv.Await(&gate->mu, [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(gate->mu) {
+                         return gate->open;
+                       });
+                     }).ok());
+    MutexLock lock(&gate->mu);
+    gate->cv.Await(&gate->mu,
+                   [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(gate->mu) { return gate->entered; });
+    return gate;
+  }
+  // Blocks until `n` jobs wait in the queue.
+  void AwaitQueued(size_t n) {
+    while (work_->queued() < n) std::this_thread::yield();
+  }
+
+  v1::StepRequest StepRequest(const std::string& id, uint64_t step) {
+    TypedBuffer q(DType::kF32, 4 * 16);
+    q.FillNormal(5);
+    v1::StepRequest req;
+    req.set_session_id(id);
+    req.set_layer(0);
+    req.set_q(std::string(static_cast<const char*>(q.data()), q.bytes()));
+    req.set_want_output(true);
+    req.set_step(step);
+    return req;
+  }
+  uint64_t StepsRun(const std::string& id) {
+    grpc::ClientContext ctx;
+    As(&ctx, "a", "tok-a");
+    v1::ListSessionsReply reply;
+    EXPECT_TRUE(stub_->ListSessions(&ctx, v1::ListSessionsRequest(), &reply).ok());
+    for (const v1::SessionInfo& s : reply.sessions()) {
+      if (s.session_id() == id) return s.steps_run(0);
+    }
+    return ~uint64_t{0};
+  }
+};
+
+// A call whose deadline passes while it waits for a worker does nothing when its turn comes,
+// and cheap calls are answered meanwhile: one slow call cannot hold the server.
+TEST_F(KvTierServiceQueueTest, CallsWhoseDeadlinePassedInTheQueueDoNothing) {
+  const v1::SessionInfo s = Open();
+  v1::OffloadReply offload;
+  ASSERT_TRUE(Offload(s.session_id(), 100, &offload).ok());
+  std::shared_ptr<Gate> gate = HoldTheWorker();
+
+  std::thread late_step([&] {
+    grpc::ClientContext ctx;
+    As(&ctx, "a", "tok-a");
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
+    v1::StepReply reply;
+    EXPECT_EQ(stub_->Step(&ctx, StepRequest(s.session_id(), 1), &reply).error_code(),
+              grpc::StatusCode::DEADLINE_EXCEEDED);
+  });
+  AwaitQueued(1);
+  std::thread late_open([&] {
+    grpc::ClientContext ctx;
+    As(&ctx, "a", "tok-a");
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
+    v1::OpenSessionRequest req;
+    req.set_tenant("a");
+    *req.mutable_geometry() = SmallGeometry();
+    req.mutable_retrieval()->set_budget_tokens(64);
+    req.mutable_retrieval()->set_max_tokens(256);
+    req.set_transport(v1::TRANSPORT_GRPC);
+    v1::OpenSessionReply reply;
+    EXPECT_EQ(stub_->OpenSession(&ctx, req, &reply).error_code(),
+              grpc::StatusCode::DEADLINE_EXCEEDED);
+  });
+  AwaitQueued(2);
+  {  // The queue is full: a third call is refused at once, with a retry hint.
+    grpc::ClientContext ctx;
+    As(&ctx, "a", "tok-a");
+    v1::StepReply reply;
+    EXPECT_EQ(stub_->Step(&ctx, StepRequest(s.session_id(), 1), &reply).error_code(),
+              grpc::StatusCode::RESOURCE_EXHAUSTED);
+    const auto& trailers = ctx.GetServerTrailingMetadata();
+    EXPECT_NE(trailers.find("grpc-retry-pushback-ms"), trailers.end());
+  }
+  {  // Cheap calls do not wait for the worker.
+    grpc::ClientContext ctx;
+    As(&ctx, "b", "tok-b");
+    v1::HelloRequest req;
+    req.set_protocol_version(1);
+    v1::HelloReply reply;
+    EXPECT_TRUE(stub_->Hello(&ctx, req, &reply).ok());
+  }
+  late_step.join();  // both deadlines have passed now, in the queue
+  late_open.join();
+  gate->Open();
+  // The next step is queued behind the expired ones: when it answers, they have had their
+  // turn. It is step 1 and it runs: the expired step 1 ran nothing.
+  grpc::ClientContext ctx;
+  As(&ctx, "a", "tok-a");
+  v1::StepReply reply;
+  grpc::Status st = stub_->Step(&ctx, StepRequest(s.session_id(), 1), &reply);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_FALSE(reply.replayed());
+  EXPECT_EQ(reply.step(), 1u);
+  EXPECT_EQ(StepsRun(s.session_id()), 1u);
+  grpc::ClientContext list_ctx;
+  As(&list_ctx, "a", "tok-a");
+  v1::ListSessionsReply sessions;
+  ASSERT_TRUE(stub_->ListSessions(&list_ctx, v1::ListSessionsRequest(), &sessions).ok());
+  EXPECT_EQ(sessions.sessions_size(), 1);  // the expired OpenSession opened nothing
 }
 
 }  // namespace

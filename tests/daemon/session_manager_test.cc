@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_replace.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/registry.h"
@@ -188,12 +189,16 @@ TEST_F(SessionManagerTest, OpenResolvesDefaultsAndCloseFreesTheRegion) {
   EXPECT_EQ(r.committed_tokens, std::vector<uint64_t>(2, 0));
   EXPECT_EQ(r.region_offset % kRegionAlignment, 0u);
   EXPECT_GT(r.region_bytes, 0u);
-  EXPECT_EQ(manager_->tenant("a").used_bytes(), r.region_bytes);
+  // A GRPC session's Retriever lives in the daemon: its memory is charged to the tenant too.
+  EXPECT_GT(manager_->tenant("a").charged_bytes(), 0u);
+  EXPECT_EQ(manager_->tenant("a").used_bytes(),
+            r.region_bytes + manager_->tenant("a").charged_bytes());
 
   absl::StatusOr<CloseResult> c = manager_->CloseSession(Caller{"a"}, r.id);
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->freed_bytes, r.region_bytes);
   EXPECT_EQ(manager_->tenant("a").used_bytes(), 0u);
+  EXPECT_EQ(manager_->tenant("a").charged_bytes(), 0u);
   ExpectError(manager_->CloseSession(Caller{"a"}, r.id).status(), absl::StatusCode::kNotFound,
               {"no such session"});
   EXPECT_TRUE(manager_->ListSessions(Caller{"a"}).empty());
@@ -369,10 +374,17 @@ TEST_F(SessionManagerTest, AuthenticateChecksTenantAndToken) {
               {"x-kvtier-tenant"});
 }
 
+// Another tenant's session id is answered exactly like an unknown one (same code, same
+// message but for the id): the answers cannot tell which ids exist.
 TEST_F(SessionManagerTest, AnotherTenantCannotTouchASession) {
   const SessionRecord r = Open(GrpcParams("a"));
   const Caller b{"b"};
-  const absl::StatusCode denied = absl::StatusCode::kPermissionDenied;
+  const absl::StatusCode denied = absl::StatusCode::kNotFound;
+  const std::string unknown(r.id.size(), '0');
+  const absl::Status theirs = manager_->CloseSession(b, r.id).status();
+  const absl::Status nobodys = manager_->CloseSession(b, unknown).status();
+  EXPECT_EQ(theirs.code(), nobodys.code());
+  EXPECT_EQ(absl::StrReplaceAll(theirs.message(), {{r.id, unknown}}), nobodys.message());
   ExpectError(manager_->CloseSession(b, r.id).status(), denied, {r.id, "'b'"});
   ExpectError(manager_->StartFetch(b, r.id, 0, {}).status(), denied, {r.id});
   ExpectError(manager_->Step(b, r.id, 0, std::string(256, '\0'), true).status(), denied, {r.id});
@@ -385,7 +397,7 @@ TEST_F(SessionManagerTest, AnotherTenantCannotTouchASession) {
   // Still A's, untouched.
   ASSERT_THAT(manager_->ListSessions(Caller{"a"}), SizeIs(1));
   EXPECT_EQ(manager_->ListSessions(Caller{"a"})[0].epoch, 1u);
-  EXPECT_EQ(manager_->tenant("b").refused_requests(), 6u);
+  EXPECT_EQ(manager_->tenant("b").refused_requests(), 8u);
 }
 
 TEST_F(SessionManagerTest, UnknownSessionIsNotFound) {
@@ -481,7 +493,7 @@ TEST_F(SessionManagerTest, OffloadCommitsPagesThatFetchReadsBackAsHnd) {
   EXPECT_EQ(stats->session->committed_pages, 10u);
   EXPECT_EQ(stats->session->retriever.appended_tokens, 80);
   EXPECT_EQ(stats->tenant.sessions, 1u);
-  EXPECT_EQ(stats->tenant.used_bytes, r.region_bytes);
+  EXPECT_EQ(stats->tenant.used_bytes, r.region_bytes + manager_->tenant("a").charged_bytes());
 
   // More tokens later extend the same pages.
   std::vector<Rows> more = {Rows(g, 48, 10), Rows(g, 48, 20)};  // same seeds: same prefix
@@ -536,7 +548,9 @@ TEST_F(SessionManagerTest, BrokenStreamLeavesNothingOfItsUncommittedChunks) {
   {
     std::unique_ptr<OffloadStream> s = manager_->NewOffloadStream(Caller{"a"});
     ASSERT_TRUE(s->Add(Chunk(r.id, 0, rows, 0, 16, false, g)).ok());
-    ASSERT_TRUE(s->Add(Chunk(r.id, 0, rows, 16, 8, true, g)).ok());  // applies 24 tokens
+    ASSERT_TRUE(s->Add(Chunk(r.id, 0, rows, 16, 8, true, g)).ok());
+    ASSERT_TRUE(s->commit_due());
+    ASSERT_TRUE(s->Commit().ok());  // applies 24 tokens
     ASSERT_TRUE(s->Add(Chunk(r.id, 0, rows, 24, 16, false, g)).ok());
   }
   EXPECT_EQ(manager_->ListSessions(Caller{"a"})[0].committed_tokens,
