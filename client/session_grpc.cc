@@ -202,8 +202,8 @@ absl::Status GrpcSession::Append(int32_t layer, const void* k, const void* v, in
     // num_tokens() says where the engine resumes.
     if (absl::StatusOr<SessionInfo> now = Info();
         now.ok() && static_cast<size_t>(layer) < now->committed_tokens.size()) {
-      l.tokens = static_cast<int32_t>(std::min<int64_t>(now->committed_tokens[layer],
-                                                        std::numeric_limits<int32_t>::max()));
+      l.tokens = static_cast<int32_t>(
+          std::min<int64_t>(now->committed_tokens[layer], std::numeric_limits<int32_t>::max()));
     }
     return st;
   }

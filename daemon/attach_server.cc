@@ -314,8 +314,7 @@ class AttachServerImpl final : public AttachServer {
   bool stopped_ ABSL_GUARDED_BY(stop_mu_) = false;
 };
 
-Connection::Connection(AttachServerImpl& server, Local::socket socket,
-                       const PeerCredentials& peer)
+Connection::Connection(AttachServerImpl& server, Local::socket socket, const PeerCredentials& peer)
     : server_(server), socket_(std::move(socket)), peer_(peer), deadline_(*server.io_) {}
 
 Connection::~Connection() {
@@ -377,8 +376,7 @@ void Connection::Decide() {
   if (peer_.pid == 0) {
     return Refuse(absl::InternalError("SO_PEERCRED of the attach peer failed: uid unknown"));
   }
-  absl::StatusOr<AttachGrant> grant =
-      server_.authorize_(peer_, request.tenant(), request.token());
+  absl::StatusOr<AttachGrant> grant = server_.authorize_(peer_, request.tenant(), request.token());
   if (!grant.ok()) return Refuse(grant.status());
   const int fd = grant->fd < 0 ? -1 : fcntl(grant->fd, F_DUPFD_CLOEXEC, 0);
   if (fd < 0) {
@@ -482,9 +480,9 @@ absl::StatusOr<std::unique_ptr<AttachServer>> AttachServer::Start(
   }
   if (options.min_protocol_version == 0 ||
       options.min_protocol_version > options.max_protocol_version) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "protocol versions [%d, %d]: need 1 <= min <= max", options.min_protocol_version,
-        options.max_protocol_version));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("protocol versions [%d, %d]: need 1 <= min <= max",
+                        options.min_protocol_version, options.max_protocol_version));
   }
   KVTIER_RETURN_IF_ERROR(ClearStaleSocket(path));
   auto server = std::make_unique<AttachServerImpl>(path, std::move(authorize), options);

@@ -20,13 +20,13 @@ namespace kvtier::daemon {
 
 // One tenant: an isolated host-memory arena and its sessions.
 struct TenantConfig {
-  std::string name;                 // [A-Za-z0-9_.-]{1,64}
-  std::string token;                // required in x-kvtier-token when not empty
-  uint64_t host_memory_bytes = 0;   // the tenant's arena (quota), > 0
-  int numa_node = -1;               // bind the arena here; -1: from gpu_pci_bus_id, else none
-  std::string gpu_pci_bus_id;       // e.g. "0000:3b:00.0": the node nearest this GPU
-  std::string hugepages = "auto";   // "off" | "auto" | "require"
-  bool lock = true;                 // mlock the arena (best effort)
+  std::string name;                // [A-Za-z0-9_.-]{1,64}
+  std::string token;               // required in x-kvtier-token when not empty
+  uint64_t host_memory_bytes = 0;  // the tenant's arena (quota), > 0
+  int numa_node = -1;              // bind the arena here; -1: from gpu_pci_bus_id, else none
+  std::string gpu_pci_bus_id;      // e.g. "0000:3b:00.0": the node nearest this GPU
+  std::string hugepages = "auto";  // "off" | "auto" | "require"
+  bool lock = true;                // mlock the arena (best effort)
   // Uids that may map the arena through the attach socket; empty: the daemon's own uid.
   std::vector<uint32_t> uids;
 
@@ -35,21 +35,21 @@ struct TenantConfig {
 
 struct DaemonConfig {
   // [server]
-  std::string unix_socket;          // gRPC on this Unix socket; empty: the runtime default
-                                    // ($XDG_RUNTIME_DIR/kvtier/kvtierd.sock or
-                                    // /tmp/kvtier-<uid>/kvtierd.sock)
-  std::string tcp_address;          // optional gRPC on "host:port"; empty: none
-  std::string attach_socket;        // shm attach socket; empty: <unix_socket>.attach
-  bool shm = true;                  // serve the attach socket at all
-  std::string admin_token;          // Drain needs it in x-kvtier-token; empty: Drain refused
+  std::string unix_socket;    // gRPC on this Unix socket; empty: the runtime default
+                              // ($XDG_RUNTIME_DIR/kvtier/kvtierd.sock or
+                              // /tmp/kvtier-<uid>/kvtierd.sock)
+  std::string tcp_address;    // optional gRPC on "host:port"; empty: none
+  std::string attach_socket;  // shm attach socket; empty: <unix_socket>.attach
+  bool shm = true;            // serve the attach socket at all
+  std::string admin_token;    // Drain needs it in x-kvtier-token; empty: Drain refused
   uint64_t max_message_bytes = 8ull << 20;  // per gRPC message, both directions
-  int32_t rpc_threads = 0;          // gRPC callback threads hint; 0: gRPC's default
-  int32_t cpu_threads = 0;          // the CPU backend of GRPC sessions; 0: all cores
+  int32_t rpc_threads = 0;                  // gRPC callback threads hint; 0: gRPC's default
+  int32_t cpu_threads = 0;                  // the CPU backend of GRPC sessions; 0: all cores
   absl::Duration shutdown_grace = absl::Seconds(10);  // SIGTERM: finish in-flight calls
   // Work starts or commits only while at least this much of the call's deadline is left.
   absl::Duration deadline_margin = absl::Milliseconds(2);
-  int32_t work_threads = 0;          // workers running OpenSession, Step, commits; 0: cores (≥ 2)
-  uint32_t max_queued_calls = 256;   // calls waiting for a worker, all tenants together
+  int32_t work_threads = 0;         // workers running OpenSession, Step, commits; 0: cores (≥ 2)
+  uint32_t max_queued_calls = 256;  // calls waiting for a worker, all tenants together
   absl::Duration attach_handshake_timeout = absl::Seconds(2);  // per attach connection
   uint32_t attach_max_connections = 256;         // attach handshakes in progress at once
   uint32_t attach_max_connections_per_peer = 8;  // ... per peer process
@@ -58,7 +58,7 @@ struct DaemonConfig {
   uint32_t max_tokens_per_session = 131072;  // per layer
   uint32_t default_max_tokens = 32768;       // when OpenSession leaves max_tokens 0
   uint32_t max_layers = 256;
-  uint32_t max_tokens_per_offload = 4096;    // tokens in one OffloadRequest
+  uint32_t max_tokens_per_offload = 4096;       // tokens in one OffloadRequest
   uint32_t max_inflight_calls_per_tenant = 64;  // calls (streams included) at once
   // [log]
   std::string log_level = "info";   // trace | debug | info | warn | error | off

@@ -40,10 +40,10 @@ void ProtobufLogHandler(google::protobuf::LogLevel level, const char* file, int 
     if (parse_log->empty()) *parse_log = message;
     return;
   }
-  const spdlog::level::level_enum lvl = level >= google::protobuf::LOGLEVEL_ERROR ? spdlog::level::err
-                                        : level == google::protobuf::LOGLEVEL_WARNING
-                                            ? spdlog::level::warn
-                                            : spdlog::level::info;
+  const spdlog::level::level_enum lvl =
+      level >= google::protobuf::LOGLEVEL_ERROR     ? spdlog::level::err
+      : level == google::protobuf::LOGLEVEL_WARNING ? spdlog::level::warn
+                                                    : spdlog::level::info;
   LogLimited(lvl, "protobuf", "protobuf {}:{} {}", file, line, message);
 }
 
@@ -510,8 +510,7 @@ class KvTierService::OffloadReactor final : public grpc::ServerReadReactor<Raw> 
   std::unique_ptr<OffloadStream> stream_;
 };
 
-grpc::ServerReadReactor<Raw>* KvTierService::Offload(grpc::CallbackServerContext* ctx,
-                                                      Raw* reply) {
+grpc::ServerReadReactor<Raw>* KvTierService::Offload(grpc::CallbackServerContext* ctx, Raw* reply) {
   return new OffloadReactor(this, ctx, reply);
 }
 
@@ -588,7 +587,7 @@ class KvTierService::FetchReactor final : public grpc::ServerWriteReactor<Raw> {
 };
 
 grpc::ServerWriteReactor<Raw>* KvTierService::Fetch(grpc::CallbackServerContext* ctx,
-                                                     const Raw* request) {
+                                                    const Raw* request) {
   return new FetchReactor(this, ctx, request);
 }
 

@@ -24,8 +24,8 @@
 #include <string>
 #include <string_view>
 
-#include "absl/status/status.h"
 #include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "daemon/config.h"
@@ -126,9 +126,10 @@ class KvTierService final : public RawKvTierService {
   // Parses `in` as a Request, authenticates (unless `tenant` is false: Drain), admits and
   // runs `handler` where it belongs, then finishes the call with its status and reply.
   template <typename Request, typename Reply>
-  grpc::ServerUnaryReactor* Serve(
-      grpc::CallbackServerContext* ctx, const Raw* in, Raw* out, Where where, bool tenant,
-      absl::Status (KvTierService::*handler)(const Caller&, const Request&, Reply*));
+  grpc::ServerUnaryReactor* Serve(grpc::CallbackServerContext* ctx, const Raw* in, Raw* out,
+                                  Where where, bool tenant,
+                                  absl::Status (KvTierService::*handler)(const Caller&,
+                                                                         const Request&, Reply*));
 
   absl::Status DoHello(const Caller& caller, const v1::HelloRequest& request,
                        v1::HelloReply* reply);

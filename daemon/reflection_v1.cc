@@ -29,7 +29,8 @@ void AddFileWithDeps(const pb::FileDescriptor* file, std::set<std::string>* sent
   pb::FileDescriptorProto proto;
   file->CopyTo(&proto);
   out->add_file_descriptor_proto(proto.SerializeAsString());
-  for (int i = 0; i < file->dependency_count(); ++i) AddFileWithDeps(file->dependency(i), sent, out);
+  for (int i = 0; i < file->dependency_count(); ++i)
+    AddFileWithDeps(file->dependency(i), sent, out);
 }
 
 rv1::ServerReflectionResponse Answer(const rv1::ServerReflectionRequest& req,

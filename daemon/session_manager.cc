@@ -11,11 +11,11 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_format.h"
-#include "offload/policy/config.h"
 #include "absl/strings/str_join.h"
 #include "daemon/logging.h"
 #include "kernels/registry.h"
 #include "kvtier/status.h"
+#include "offload/policy/config.h"
 #include "spdlog/spdlog.h"
 
 namespace kvtier::daemon {
@@ -287,8 +287,7 @@ absl::StatusOr<SessionSpec> SessionManager::ResolveSpec(const Caller& caller,
   if (absl::Status st = spec.retriever.SetBudgetTokens(spec.budget_tokens, g.page_size); !st.ok()) {
     return bad(absl::StrFormat("retrieval.budget_tokens = %d: %s", budget, st.message()));
   }
-  const bool selects =
-      p.mode == RetrievalMode::kSpeculative || p.mode == RetrievalMode::kSync;
+  const bool selects = p.mode == RetrievalMode::kSpeculative || p.mode == RetrievalMode::kSync;
   if (selects && spec.retriever.selected_pages > spec.max_pages()) {
     return bad(absl::StrFormat(
         "retrieval.budget_tokens = %d%s selects %d pages a step, but the session holds at most "
@@ -324,8 +323,9 @@ absl::StatusOr<SessionSpec> SessionManager::ResolveSpec(const Caller& caller,
   if (pc.host_drop != "refuse") {
     // A session's stored pages are committed to its region's directory, which a drop would
     // have to take back: not offered until the commit protocol has a decommit.
-    return bad("policy.host_drop = 'evict': sessions only refuse when the tenant arena is "
-               "full (host_drop = refuse)");
+    return bad(
+        "policy.host_drop = 'evict': sessions only refuse when the tenant arena is "
+        "full (host_drop = refuse)");
   }
   if (p.label.size() > kMaxLabelBytes) {
     return bad(absl::StrFormat("label: %d bytes, at most %d", p.label.size(), kMaxLabelBytes));
@@ -366,11 +366,11 @@ namespace {
 
 // Everything that defines a session but its label, for comparing a retried request.
 std::string RequestFingerprint(const OpenSessionParams& p) {
-  std::string f = absl::StrFormat(
-      "%s|%s|%d|%d|%d|%g|%s|%s|%s|%d", p.geometry.ToString(), RetrievalModeName(p.mode),
-      p.budget_tokens, p.max_tokens, p.correction_threshold.has_value(),
-      p.correction_threshold.value_or(0.0f), p.budget_policy, p.residency_policy, p.host_drop,
-      static_cast<int>(p.transport));
+  std::string f = absl::StrFormat("%s|%s|%d|%d|%d|%g|%s|%s|%s|%d", p.geometry.ToString(),
+                                  RetrievalModeName(p.mode), p.budget_tokens, p.max_tokens,
+                                  p.correction_threshold.has_value(),
+                                  p.correction_threshold.value_or(0.0f), p.budget_policy,
+                                  p.residency_policy, p.host_drop, static_cast<int>(p.transport));
   for (const auto& [k, v] : p.policy_params) absl::StrAppend(&f, "|", k, "=", v);
   return f;
 }
@@ -451,13 +451,13 @@ absl::StatusOr<SessionRecord> SessionManager::DoOpenSession(const Caller& caller
     if (!request_key.empty()) requests_[request_key].session_id = id;
   }
   SessionRecord r = session->Record();
-  LogLimited(
-      spdlog::level::info, "session opened",
-      "session {} opened: tenant '{}', {} {}, {} {} tokens per layer, budget {}, "
-      "region {} bytes at {}",
-      id, r.spec.tenant, r.spec.geometry.ToString(), RetrievalModeName(r.spec.retriever.mode),
-      r.spec.transport == Transport::kGrpc ? "GRPC" : "SHM", r.spec.retriever.max_tokens,
-      r.spec.budget_tokens, r.region_bytes, r.region_offset);
+  LogLimited(spdlog::level::info, "session opened",
+             "session {} opened: tenant '{}', {} {}, {} {} tokens per layer, budget {}, "
+             "region {} bytes at {}",
+             id, r.spec.tenant, r.spec.geometry.ToString(),
+             RetrievalModeName(r.spec.retriever.mode),
+             r.spec.transport == Transport::kGrpc ? "GRPC" : "SHM", r.spec.retriever.max_tokens,
+             r.spec.budget_tokens, r.region_bytes, r.region_offset);
   return r;
 }
 
@@ -515,8 +515,8 @@ absl::StatusOr<SessionRecord> SessionManager::Reattach(const Caller& caller,
 }
 
 absl::StatusOr<StepResult> SessionManager::Step(const Caller& caller, std::string_view session_id,
-                                                int64_t layer, std::string_view q,
-                                                bool want_output, uint64_t step) {
+                                                int64_t layer, std::string_view q, bool want_output,
+                                                uint64_t step) {
   InflightCall call(this);
   return Tally(caller, DoStep(caller, session_id, layer, q, want_output, step));
 }
@@ -745,8 +745,8 @@ void OffloadStream::Discard() {
 absl::Status OffloadStream::ApplyStaged() {
   commit_due_ = false;
   if (staged_.empty()) return absl::OkStatus();
-  absl::StatusOr<std::vector<uint64_t>> tokens = session_->Apply(
-      staged_, caller_, absl::StrFormat("the commit at message %d", messages_));
+  absl::StatusOr<std::vector<uint64_t>> tokens =
+      session_->Apply(staged_, caller_, absl::StrFormat("the commit at message %d", messages_));
   if (!tokens.ok()) return tokens.status();
   result_.layer_tokens = *std::move(tokens);
   for (int64_t n : staged_tokens_) result_.committed_tokens += static_cast<uint64_t>(n);
@@ -762,8 +762,9 @@ absl::Status OffloadStream::Fail(const absl::Status& st, std::string_view where)
       st.code(), absl::StrFormat("Offload %s: %s (this stream's commits before it, %d tokens, "
                                  "stand; its %d uncommitted tokens were discarded)",
                                  where, st.message(), result_.committed_tokens, staged));
-  st.ForEachPayload(
-      [this](absl::string_view url, const absl::Cord& payload) { failed_.SetPayload(url, payload); });
+  st.ForEachPayload([this](absl::string_view url, const absl::Cord& payload) {
+    failed_.SetPayload(url, payload);
+  });
   (void)manager_->Tally(caller_, failed_);
   return failed_;
 }

@@ -12,11 +12,8 @@
 
 namespace kvtier::daemon {
 
-absl::StatusOr<std::shared_ptr<TenantSession>> TenantSession::Create(std::string id,
-                                                                     SessionSpec spec,
-                                                                     RegionLease lease,
-                                                                     Backend* backend,
-                                                                     MemoryBudget* budget) {
+absl::StatusOr<std::shared_ptr<TenantSession>> TenantSession::Create(
+    std::string id, SessionSpec spec, RegionLease lease, Backend* backend, MemoryBudget* budget) {
   const Geometry& g = spec.geometry;
   const int32_t pages = spec.max_pages();
   KVTIER_ASSIGN_OR_RETURN(
@@ -31,8 +28,8 @@ absl::StatusOr<std::shared_ptr<TenantSession>> TenantSession::Create(std::string
     MutexLock lock(&s->mu_);
     KVTIER_ASSIGN_OR_RETURN(
         s->pool_, PagePool::Create(region.slots(), g.host_page_bytes(), region.num_slots()));
-    KVTIER_ASSIGN_OR_RETURN(s->retriever_, Retriever::Create(g, s->spec_.retriever, *s->backend_,
-                                                             s->pool_.get()));
+    KVTIER_ASSIGN_OR_RETURN(s->retriever_,
+                            Retriever::Create(g, s->spec_.retriever, *s->backend_, s->pool_.get()));
   }
   return s;
 }
@@ -104,8 +101,9 @@ absl::Status TenantSession::CommitStoredPages() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<uint64_t>> TenantSession::Apply(
-    const std::vector<OffloadChunk>& chunks, const Caller& caller, std::string_view what) {
+absl::StatusOr<std::vector<uint64_t>> TenantSession::Apply(const std::vector<OffloadChunk>& chunks,
+                                                           const Caller& caller,
+                                                           std::string_view what) {
   MutexLock lock(&mu_);
   KVTIER_RETURN_IF_ERROR(CheckOpen());
   // Checked with the session held: waiting for it may have used up the deadline.
@@ -185,9 +183,8 @@ absl::StatusOr<std::vector<PageData>> TenantSession::ReadPages(int32_t layer, co
   return out;
 }
 
-absl::StatusOr<StepResult> TenantSession::Step(int32_t layer, std::string_view q,
-                                               bool want_output, uint64_t step,
-                                               const Caller& caller) {
+absl::StatusOr<StepResult> TenantSession::Step(int32_t layer, std::string_view q, bool want_output,
+                                               uint64_t step, const Caller& caller) {
   MutexLock lock(&mu_);
   KVTIER_RETURN_IF_ERROR(CheckOpen());
   LayerSteps& done = steps_[layer];
@@ -215,8 +212,8 @@ absl::StatusOr<StepResult> TenantSession::Step(int32_t layer, std::string_view q
     return refused;
   }
   // Checked with the session held: waiting for it may have used up the deadline.
-  KVTIER_RETURN_IF_ERROR(caller.CheckLive(absl::StrFormat("step %d of layer %d", done.run + 1,
-                                                          layer)));
+  KVTIER_RETURN_IF_ERROR(
+      caller.CheckLive(absl::StrFormat("step %d of layer %d", done.run + 1, layer)));
   absl::StatusOr<StepResult> r = RunStep(layer, q, want_output);
   done.run += 1;  // the Retriever ran EndStep, even after an error
   {

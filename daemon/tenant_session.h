@@ -202,7 +202,7 @@ class TenantSession {
 
   mutable Mutex mu_;  // serializes the calls that drive the session
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
-  uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 1;  // the last epoch Reattach gave out
+  uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 1;              // the last epoch Reattach gave out
   std::unique_ptr<PagePool> pool_ ABSL_GUARDED_BY(mu_);  // GRPC only
   std::unique_ptr<Retriever> retriever_ ABSL_GUARDED_BY(mu_);
   std::vector<LayerSteps> steps_ ABSL_GUARDED_BY(mu_);

@@ -22,8 +22,8 @@ constexpr absl::Duration kMaxRetryHint = absl::Seconds(5);
 
 absl::StatusOr<std::unique_ptr<WorkQueue>> WorkQueue::Create(const WorkQueueOptions& options) {
   if (options.threads < 1 || options.threads > kMaxThreads) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "work queue threads = %d: must be in [1, %d]", options.threads, kMaxThreads));
+    return absl::InvalidArgumentError(absl::StrFormat("work queue threads = %d: must be in [1, %d]",
+                                                      options.threads, kMaxThreads));
   }
   if (options.max_queued < 1) {
     return absl::InvalidArgumentError("work queue max_queued must be > 0");
@@ -82,9 +82,8 @@ void WorkQueue::Work() {
     Job job;
     {
       MutexLock lock(&mu_);
-      wake_.Await(&mu_, [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return stopping_ || queued_ > 0;
-      });
+      wake_.Await(&mu_,
+                  [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || queued_ > 0; });
       if (queued_ == 0) return;  // stopping, nothing left: Shutdown hands out the rest
       if (stopping_) return;
       job = TakeNext();

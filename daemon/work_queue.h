@@ -55,7 +55,7 @@ class WorkQueue {
   // Idempotent; see the header comment. REQUIRES: not called from a job.
   void Shutdown() ABSL_LOCKS_EXCLUDED(mu_);
 
-  size_t queued() const ABSL_LOCKS_EXCLUDED(mu_);   // waiting jobs
+  size_t queued() const ABSL_LOCKS_EXCLUDED(mu_);     // waiting jobs
   uint64_t refused() const ABSL_LOCKS_EXCLUDED(mu_);  // Submit calls refused as full
   int threads() const { return options_.threads; }
 

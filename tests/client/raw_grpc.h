@@ -20,9 +20,9 @@ namespace kvtier::testing {
 
 struct RawCallResult {
   grpc::Status status;
-  std::vector<std::string> replies;                 // every message the server sent
+  std::vector<std::string> replies;                  // every message the server sent
   std::multimap<std::string, std::string> trailers;  // the server's trailing metadata
-  size_t written = 0;                               // request messages the transport took
+  size_t written = 0;                                // request messages the transport took
 };
 
 // One call of `method` ("/kvtier.v1.KvTier/Offload"): sends `requests` as its messages (one

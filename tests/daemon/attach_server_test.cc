@@ -385,15 +385,15 @@ TEST_F(AttachServerTest, AtTheGlobalLimitTheHeaviestPeerMakesRoom) {
 }
 
 TEST_F(AttachServerTest, ProtocolVersionOutsideTheRangeIsFailedPrecondition) {
-  auto server = StartServer(GrantAll(arena_.get()),
-                            {.min_protocol_version = 1, .max_protocol_version = 1});
+  auto server =
+      StartServer(GrantAll(arena_.get()), {.min_protocol_version = 1, .max_protocol_version = 1});
   ASSERT_NE(server, nullptr);
   v1::AttachRequest request;
   request.set_protocol_version(999);
   request.set_tenant("t0");
   const std::string body = request.SerializeAsString();
-  RawResult raw = RawExchange(path_, LengthPrefixed(static_cast<uint32_t>(body.size()), body),
-                              false);
+  RawResult raw =
+      RawExchange(path_, LengthPrefixed(static_cast<uint32_t>(body.size()), body), false);
   ASSERT_TRUE(raw.reply.has_value());
   EXPECT_EQ(raw.reply->code(), static_cast<int>(absl::StatusCode::kFailedPrecondition));
   EXPECT_THAT(raw.reply->message(), HasSubstr("protocol_version = 999"));

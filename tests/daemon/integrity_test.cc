@@ -42,10 +42,10 @@
 namespace kvtier {
 namespace {
 
-using ::testing::HasSubstr;
-using ::testing::Not;
 using testing::DaemonProcess;
 using testing::DaemonProcessOptions;
+using ::testing::HasSubstr;
+using ::testing::Not;
 using testing::RawCall;
 using testing::RawCallResult;
 
@@ -170,8 +170,7 @@ class IntegrityTest : public ::testing::Test {
   }
 
   void Offload(const std::string& id, uint32_t layer, uint64_t first, uint32_t n) {
-    const RawCallResult r =
-        Raw("Offload", {Chunk(id, layer, first, n, true).SerializeAsString()});
+    const RawCallResult r = Raw("Offload", {Chunk(id, layer, first, n, true).SerializeAsString()});
     ASSERT_TRUE(r.status.ok()) << r.status.error_message();
   }
 
@@ -642,7 +641,8 @@ TEST_F(IntegrityTest, OpenSessionLimitsNameWhatTheDaemonServes) {
   tau.mutable_retrieval()->set_correction_threshold(5.0f);
   st = stub_->OpenSession(Ctx("a").get(), tau, &reply);
   EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_THAT(st.error_message(), AllOf(HasSubstr("correction_threshold = 5"), HasSubstr("[-1, 1]")));
+  EXPECT_THAT(st.error_message(),
+              AllOf(HasSubstr("correction_threshold = 5"), HasSubstr("[-1, 1]")));
 
   // A working set that selects more pages than the session can ever hold is refused when
   // the session is opened, naming the budget, not at its first step.

@@ -569,14 +569,16 @@ class KvTierServiceQueueTest : public KvTierServiceTest {
   };
   std::shared_ptr<Gate> HoldTheWorker() {
     auto gate = std::make_shared<Gate>();
-    EXPECT_TRUE(work_->Submit("gate", [gate](absl::Status) {
-                       MutexLock lock(&gate->mu);
-                       gate->entered = true;
-                       gate->cv.SignalAll();
-                       gate->cv.Await(&gate->mu, [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(gate->mu) {
-                         return gate->open;
-                       });
-                     }).ok());
+    EXPECT_TRUE(work_
+                    ->Submit("gate",
+                             [gate](absl::Status) {
+                               MutexLock lock(&gate->mu);
+                               gate->entered = true;
+                               gate->cv.SignalAll();
+                               gate->cv.Await(&gate->mu, [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(
+                                                             gate->mu) { return gate->open; });
+                             })
+                    .ok());
     MutexLock lock(&gate->mu);
     gate->cv.Await(&gate->mu,
                    [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(gate->mu) { return gate->entered; });
