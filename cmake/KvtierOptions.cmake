@@ -30,6 +30,14 @@ elseif(NOT KVTIER_SANITIZE STREQUAL "")
   message(FATAL_ERROR "KVTIER_SANITIZE must be '', address or thread (got '${KVTIER_SANITIZE}')")
 endif()
 
+# libFuzzer: every target gets coverage instrumentation; the fuzzer binary links the engine.
+if(KVTIER_LIBFUZZER)
+  if(NOT CMAKE_CXX_COMPILER_ID STREQUAL "Clang")
+    message(FATAL_ERROR "KVTIER_LIBFUZZER needs clang (CMAKE_CXX_COMPILER=clang++)")
+  endif()
+  add_compile_options($<$<COMPILE_LANGUAGE:CXX>:-fsanitize=fuzzer-no-link>)
+endif()
+
 # The first line of `git describe`, baked into binaries so every benchmark names its commit.
 execute_process(COMMAND git describe --always --dirty --abbrev=12
   WORKING_DIRECTORY ${CMAKE_SOURCE_DIR} OUTPUT_VARIABLE KVTIER_GIT_COMMIT

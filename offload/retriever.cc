@@ -137,6 +137,16 @@ absl::Status RetrieverImpl::Init() {
     }
     S_ = static_cast<int32_t>(s);
   }
+  // Selection picks k pages of the P a layer can hold: more than P could never be chosen,
+  // and would fail at the first step inside TopK instead of here.
+  if (has_host_tier() && o_.selected_pages > P_) {
+    return bad(absl::StrFormat(
+        "retriever selected_pages = %d (budget %d tokens: sink %d + selected %d + recent %d "
+        "pages) exceeds the %d pages a layer holds (max_tokens = %d at page_size %d)",
+        o_.selected_pages,
+        (int64_t{o_.sink_pages} + o_.selected_pages + o_.recent_pages) * g_.page_size,
+        o_.sink_pages, o_.selected_pages, o_.recent_pages, P_, o_.max_tokens, g_.page_size));
+  }
   KVTIER_RETURN_IF_ERROR(InitPolicies());
   if (!(o_.correction_threshold == o_.correction_threshold)) {
     return bad("retriever.correction_threshold is NaN");

@@ -426,6 +426,13 @@ TEST(RetrieverTest, BadInputGetsClearErrors) {
   o = SmallOptions(RetrievalMode::kSync);
   r = Retriever::Create(g, o, *h.backend, nullptr);
   EXPECT_TRUE(absl::IsInvalidArgument(r.status())) << r.status();
+  // More selected pages than a layer can hold: refused at creation, naming the budget.
+  o = SmallOptions(RetrievalMode::kSpeculative);
+  o.max_tokens = (o.selected_pages - 1) * g.page_size;
+  r = Retriever::Create(g, o, *h.backend, h.tier->pool.get());
+  EXPECT_TRUE(absl::IsInvalidArgument(r.status())) << r.status();
+  EXPECT_NE(r.status().message().find("selected_pages"), std::string::npos) << r.status();
+  EXPECT_NE(r.status().message().find("budget"), std::string::npos) << r.status();
   EXPECT_TRUE(absl::IsInvalidArgument(o.SetBudgetTokens(100, 32)));
   ASSERT_TRUE(o.SetBudgetTokens(2048, 32).ok());
   EXPECT_EQ(o.sink_pages, 16);
