@@ -1,14 +1,11 @@
 #include "client/convert.h"
 
-#include <sys/random.h>
-
-#include <cerrno>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <string>
 
-#include "absl/strings/escaping.h"
+#include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "kvtier/status.h"
@@ -16,15 +13,9 @@
 namespace kvtier {
 
 std::string RandomRequestId() {
-  unsigned char bytes[16];
-  size_t got = 0;
-  while (got < sizeof(bytes)) {
-    const ssize_t n = getrandom(bytes + got, sizeof(bytes) - got, 0);
-    KVTIER_CHECK(n > 0 || errno == EINTR);  // getrandom cannot fail for 16 bytes otherwise
-    if (n > 0) got += static_cast<size_t>(n);
-  }
-  return absl::BytesToHexString(
-      absl::string_view(reinterpret_cast<const char*>(bytes), sizeof(bytes)));
+  absl::BitGen bits;
+  return absl::StrFormat("%016x%016x", absl::Uniform<uint64_t>(bits),
+                         absl::Uniform<uint64_t>(bits));
 }
 
 absl::StatusOr<v1::OpenSessionRequest> BuildOpenSessionRequest(std::string_view tenant,

@@ -37,6 +37,7 @@
 #include "gtest/gtest.h"
 #include "kvtier/v1/kvtier.grpc.pb.h"
 #include "tests/client/daemon_process.h"
+#include "tests/client/raw_attach.h"
 #include "tests/client/raw_grpc.h"
 
 namespace kvtier {
@@ -379,7 +380,7 @@ TEST_F(IntegrityTest, UnparseableRequestsAreInvalidArgumentNamingTheMessage) {
 
 // ---- 5, 6: the attach handshake --------------------------------------------------------
 
-// One length-prefixed AttachRequest; the reply's code, and whether a descriptor came.
+// An AttachRequest of tenant a; the reply's code and message, and whether a descriptor came.
 struct AttachOutcome {
   int code = -1;
   std::string message;
@@ -391,48 +392,14 @@ AttachOutcome RawAttach(const std::string& path, uint32_t version) {
   req.set_protocol_version(version);
   req.set_tenant("a");
   req.set_token("ta");
-  const std::string body = req.SerializeAsString();
-  std::string bytes(4, '\0');
-  for (int i = 0; i < 4; ++i) bytes[i] = static_cast<char>((body.size() >> (8 * i)) & 0xff);
-  bytes += body;
+  const testing::RawAttachResult r =
+      testing::RawAttachExchange(path, testing::FramedAttachRequest(req));
   AttachOutcome out;
-  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  path.copy(addr.sun_path, sizeof(addr.sun_path) - 1);
-  timeval tv{.tv_sec = 30, .tv_usec = 0};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  if (connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(bytes.size())) {
-    close(fd);
-    return out;
+  if (r.reply.has_value()) {
+    out.code = r.reply->code();
+    out.message = r.reply->message();
   }
-  std::string reply;
-  char buf[4096];
-  for (;;) {
-    iovec iov{.iov_base = buf, .iov_len = sizeof(buf)};
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control;
-    msg.msg_controllen = sizeof(control);
-    const ssize_t n = recvmsg(fd, &msg, MSG_CMSG_CLOEXEC);
-    if (n <= 0) break;
-    if (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr && c->cmsg_type == SCM_RIGHTS) {
-      int passed = -1;
-      std::memcpy(&passed, CMSG_DATA(c), sizeof(int));
-      close(passed);
-      out.fd = true;
-    }
-    reply.append(buf, static_cast<size_t>(n));
-  }
-  close(fd);
-  v1::AttachReply parsed;
-  if (reply.size() >= 4 && parsed.ParseFromString(reply.substr(4))) {
-    out.code = parsed.code();
-    out.message = parsed.message();
-  }
+  out.fd = r.descriptors > 0;
   return out;
 }
 

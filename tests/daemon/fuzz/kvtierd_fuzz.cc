@@ -4,8 +4,6 @@
 #include "tests/daemon/fuzz/kvtierd_fuzz.h"
 
 #include <stdlib.h>
-#include <sys/socket.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -29,6 +27,7 @@
 #include "grpcpp/create_channel.h"
 #include "kvtier/v1/kvtier.grpc.pb.h"
 #include "spdlog/spdlog.h"
+#include "tests/client/raw_attach.h"
 #include "tests/client/raw_grpc.h"
 
 namespace kvtier::fuzz {
@@ -603,52 +602,20 @@ bool Harness::RunAttach(const std::string& payload, std::string* why) {
                                               (req.tenant() == "b" && req.token() == kTokenB));
     }
   }
-  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  daemon_->attach_socket().copy(addr.sun_path, sizeof(addr.sun_path) - 1);
-  timeval tv{.tv_sec = 10, .tv_usec = 0};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  if (connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
-    close(fd);
+  const testing::RawAttachResult r =
+      testing::RawAttachExchange(daemon_->attach_socket(), payload, absl::Seconds(10));
+  if (!r.connected) {
     *why = "the attach socket refused a connection";
     return false;
   }
-  (void)!send(fd, payload.data(), payload.size(), MSG_NOSIGNAL);
-  shutdown(fd, SHUT_WR);
-  std::string reply;
-  int fds = 0;
-  for (;;) {
-    char buf[4096];
-    iovec iov{.iov_base = buf, .iov_len = sizeof(buf)};
-    alignas(cmsghdr) char control[CMSG_SPACE(4 * sizeof(int))] = {};
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control;
-    msg.msg_controllen = sizeof(control);
-    const ssize_t got = recvmsg(fd, &msg, MSG_CMSG_CLOEXEC);
-    if (got <= 0) break;
-    for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
-      const size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-      for (size_t i = 0; i < k; ++i) {
-        int passed = -1;
-        std::memcpy(&passed, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
-        close(passed);
-        ++fds;
-      }
-    }
-    reply.append(buf, static_cast<size_t>(got));
-  }
-  close(fd);
-  v1::AttachReply parsed;
-  const bool answered = reply.size() >= 4 && parsed.ParseFromString(reply.substr(4));
-  const bool granted = answered && parsed.code() == 0;
+  const bool answered = r.reply.has_value();
+  const bool granted = answered && r.reply->code() == 0;
+  const int fds = r.descriptors;
   (granted ? counts_.ok_replies : counts_.error_replies)++;
   if (granted != grant || (granted ? fds != 1 : fds != 0)) {
     *why = absl::StrFormat("attach: expected %s, got code %d (%s) with %d descriptors",
-                           grant ? "a grant" : "a refusal", answered ? parsed.code() : -1,
-                           answered ? parsed.message() : "no reply", fds);
+                           grant ? "a grant" : "a refusal", answered ? r.reply->code() : -1,
+                           answered ? r.reply->message() : "no reply", fds);
     return false;
   }
   return true;

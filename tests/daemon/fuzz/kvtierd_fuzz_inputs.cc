@@ -10,6 +10,7 @@
 #include "google/protobuf/message.h"
 #include "google/protobuf/reflection.h"
 #include "kvtier/v1/kvtier.pb.h"
+#include "tests/client/raw_attach.h"
 #include "tests/daemon/fuzz/kvtierd_fuzz.h"
 
 namespace kvtier::fuzz {
@@ -425,10 +426,7 @@ std::vector<std::string> SeedCorpus() {
     r.set_protocol_version(version);
     r.set_tenant("a");
     r.set_token("ta");
-    const std::string body = r.SerializeAsString();
-    std::string framed(4, '\0');
-    for (int i = 0; i < 4; ++i) framed[i] = static_cast<char>((body.size() >> (8 * i)) & 0xff);
-    c.push_back(Case(kAttach, framed + body));
+    c.push_back(Case(kAttach, testing::FramedAttachRequest(r)));
   }
   return c;
 }
