@@ -134,6 +134,39 @@ struct Boundary {
   std::vector<uint64_t> tokens;
 };
 
+// The commit boundaries of `msgs` sent to session `m` when it held `start`: the daemon stops
+// at one of them. Messages count up to the first one the daemon must refuse (`all_valid`
+// says whether there was none and every frame parsed); the stream's clean end is a boundary
+// only when the call answered OK.
+std::vector<Boundary> Boundaries(const SessionModel& m, const std::vector<uint64_t>& start,
+                                 const std::vector<v1::OffloadRequest>& msgs, bool ok,
+                                 bool all_parsed, bool* all_valid) {
+  std::vector<Boundary> out = {{0, start}};
+  std::vector<uint64_t> cur = start, staged(m.layout.layers, 0);
+  *all_valid = all_parsed;
+  for (size_t i = 0; i < msgs.size(); ++i) {
+    const v1::OffloadRequest& q = msgs[i];
+    const uint64_t bytes = uint64_t{q.num_tokens()} * m.layout.token_bytes();
+    const bool valid =
+        q.session_id() == msgs[0].session_id() &&
+        q.layer() < static_cast<uint32_t>(m.layout.layers) && q.num_tokens() >= 1 &&
+        q.num_tokens() <= kMaxTokensPerOffload && q.k().size() == bytes && q.v().size() == bytes &&
+        (!q.has_start_token() || q.start_token() == cur[q.layer()] + staged[q.layer()]) &&
+        cur[q.layer()] + staged[q.layer()] + q.num_tokens() <= m.layout.max_tokens;
+    if (!valid) {
+      *all_valid = false;
+      break;
+    }
+    staged[q.layer()] += q.num_tokens();
+    if (q.commit() || (i + 1 == msgs.size() && ok)) {
+      for (int32_t l = 0; l < m.layout.layers; ++l) cur[l] += staged[l];
+      std::fill(staged.begin(), staged.end(), 0);
+      out.push_back({i + 1, cur});
+    }
+  }
+  return out;
+}
+
 class Harness {
  public:
   Harness() {
@@ -511,83 +544,75 @@ bool Harness::RunOffload(const CallerChoice& caller, const std::string& payload,
     }
     return CheckSessions(why);
   }
-  SessionModel& m = it->second;
-  // The commit boundaries the daemon may have stopped at, as long as every message is one it
-  // must accept.
-  std::vector<Boundary> boundaries = {{0, m.tokens}};
-  std::vector<uint64_t> cur = m.tokens, staged(m.layout.layers, 0);
-  bool all_valid = msgs.size() == frames.size();
-  for (size_t i = 0; i < msgs.size(); ++i) {
-    const v1::OffloadRequest& q = msgs[i];
-    const uint64_t bytes = uint64_t{q.num_tokens()} * m.layout.token_bytes();
-    const bool valid =
-        q.session_id() == msgs[0].session_id() &&
-        q.layer() < static_cast<uint32_t>(m.layout.layers) && q.num_tokens() >= 1 &&
-        q.num_tokens() <= kMaxTokensPerOffload && q.k().size() == bytes && q.v().size() == bytes &&
-        (!q.has_start_token() || q.start_token() == cur[q.layer()] + staged[q.layer()]) &&
-        cur[q.layer()] + staged[q.layer()] + q.num_tokens() <= m.layout.max_tokens;
-    if (!valid) {
-      all_valid = false;
-      break;
-    }
-    staged[q.layer()] += q.num_tokens();
-    if (q.commit() || i + 1 == msgs.size()) {
-      // A commit, or the clean end (which counts only when the call answered OK).
-      std::vector<uint64_t> next = cur;
-      for (int32_t l = 0; l < m.layout.layers; ++l) next[l] += staged[l];
-      if (q.commit() || r.status.ok()) {
-        cur = next;
-        std::fill(staged.begin(), staged.end(), 0);
-        boundaries.push_back({i + 1, cur});
-      }
-    }
-  }
-  if (r.status.ok() && !all_valid) {
-    *why = "an Offload stream with a message the daemon must refuse answered OK";
-    return false;
-  }
   // What the daemon holds now.
   v1::ListSessionsReply list;
-  CallerChoice owner = caller;
-  if (!stub_->ListSessions(Context(owner, kLongDeadline).get(), v1::ListSessionsRequest(), &list)
+  if (!stub_->ListSessions(Context(caller, kLongDeadline).get(), v1::ListSessionsRequest(), &list)
            .ok()) {
     *why = "ListSessions failed after an Offload stream";
     return false;
   }
   std::vector<uint64_t> now;
   for (const v1::SessionInfo& s : list.sessions()) {
-    if (s.session_id() == it->first)
+    if (s.session_id() == it->first) {
       now.assign(s.committed_tokens().begin(), s.committed_tokens().end());
-  }
-  const Boundary* hit = nullptr;
-  for (const Boundary& b : boundaries) {
-    if (b.tokens == now) hit = &b;
-  }
-  if (hit == nullptr || (r.status.ok() && hit != &boundaries.back())) {
-    *why = absl::StrFormat(
-        "after an Offload stream (%s, %d messages) session %s holds %s tokens per layer: not a "
-        "commit boundary of what the stream sent",
-        r.status.ok() ? "OK" : r.status.error_message(), frames.size(), it->first,
-        absl::StrJoin(now, ","));
-    return false;
-  }
-  // A stream the client gave up on may still finish a commit it started: the later
-  // boundaries stay acceptable until the next check settles it.
-  const bool late = r.status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED ||
-                    r.status.error_code() == grpc::StatusCode::CANCELLED;
-  late_commits_.erase(it->first);
-  if (late) {
-    LateCommit pending;
-    pending.seen_applied = hit->applied;
-    for (const Boundary& b : boundaries) {
-      if (b.applied > hit->applied) pending.boundaries.push_back(b);
     }
-    pending.msgs = msgs;
-    if (!pending.boundaries.empty()) late_commits_[it->first] = std::move(pending);
   }
-  Apply(m, msgs, 0, hit->applied);
-  m.tokens = hit->tokens;
-  return CheckSessions(why) && (hit->applied == 0 || CheckPages(it->first, why));
+  // Where the stream started: the model, or a later boundary of an earlier stream the client
+  // gave up on, whose started commit may have completed since.
+  std::vector<std::pair<std::vector<uint64_t>, size_t>> starts = {{it->second.tokens, 0}};
+  auto late = late_commits_.find(it->first);
+  if (late != late_commits_.end()) {
+    for (const Boundary& b : late->second.boundaries) starts.push_back({b.tokens, b.applied});
+  }
+  const bool ok = r.status.ok();
+  const bool gave_up = r.status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED ||
+                       r.status.error_code() == grpc::StatusCode::CANCELLED;
+  const SessionModel before = it->second;
+  for (const auto& [start, late_applied] : starts) {
+    bool all_valid = false;
+    const std::vector<Boundary> boundaries =
+        Boundaries(before, start, msgs, ok, msgs.size() == frames.size(), &all_valid);
+    if (ok && !all_valid) continue;  // the daemon accepted what it must refuse, from here
+    const Boundary* hit = nullptr;
+    for (const Boundary& b : boundaries) {
+      if (b.tokens == now) hit = &b;
+    }
+    if (hit == nullptr || (ok && hit != &boundaries.back())) continue;
+    // Candidate found: the earlier late stream's messages, then this one's.
+    SessionModel& m = it->second;
+    m = before;
+    if (late_applied > 0) {
+      Apply(m, late->second.msgs, late->second.seen_applied, late_applied);
+    }
+    Apply(m, msgs, 0, hit->applied);
+    m.tokens = hit->tokens;
+    std::string page_why;
+    if (hit->applied + late_applied > 0 && !CheckPages(it->first, &page_why)) {
+      *why = page_why;
+      continue;  // another start may explain the same counts with the right bytes
+    }
+    late_commits_.erase(it->first);
+    if (gave_up) {
+      // This stream may still finish a commit it started: its later boundaries stay
+      // acceptable until a later check settles it.
+      LateCommit pending;
+      pending.seen_applied = hit->applied;
+      for (const Boundary& b : boundaries) {
+        if (b.applied > hit->applied) pending.boundaries.push_back(b);
+      }
+      pending.msgs = msgs;
+      if (!pending.boundaries.empty()) late_commits_[it->first] = std::move(pending);
+    }
+    why->clear();
+    return CheckSessions(why);
+  }
+  it->second = before;
+  *why = absl::StrFormat(
+      "after an Offload stream (%s, %d messages) session %s holds %s tokens per layer: not a "
+      "commit boundary of what the stream sent%s%s",
+      ok ? "OK" : r.status.error_message(), frames.size(), it->first, absl::StrJoin(now, ","),
+      why->empty() ? "" : "; ", *why);
+  return false;
 }
 
 bool Harness::RunAttach(const std::string& payload, std::string* why) {
