@@ -214,7 +214,9 @@ absl::StatusOr<StepResult> TenantSession::Step(int32_t layer, std::string_view q
   // Checked with the session held: waiting for it may have used up the deadline.
   KVTIER_RETURN_IF_ERROR(
       caller.CheckLive(absl::StrFormat("step %d of layer %d", done.run + 1, layer)));
-  absl::StatusOr<StepResult> r = RunStep(layer, q, want_output);
+  bool advanced = false;
+  absl::StatusOr<StepResult> r = RunStep(layer, q, want_output, &advanced);
+  if (!advanced) return r;  // BeginStep refused: the layer did not move
   done.run += 1;  // the Retriever ran EndStep, even after an error
   {
     MutexLock info(&info_mu_);
@@ -233,14 +235,16 @@ absl::StatusOr<StepResult> TenantSession::Step(int32_t layer, std::string_view q
 }
 
 absl::StatusOr<StepResult> TenantSession::RunStep(int32_t layer, std::string_view q,
-                                                  bool want_output) {
+                                                  bool want_output, bool* advanced) {
   const Geometry& g = spec_.geometry;
   Stream& stream = retriever_->compute_stream();
+  *advanced = false;
   absl::StatusOr<WorkingSetView> view = retriever_->BeginStep(layer, q.data());
   if (!view.ok()) {
     (void)stream.Synchronize();  // work enqueued before the error may still read q
     return view.status();
   }
+  *advanced = true;  // EndStep runs below whatever happens
   StepResult r;
   r.layer = layer;
   r.num_tokens = view->num_tokens;

@@ -175,9 +175,10 @@ class TenantSession {
   TenantSession(std::string id, SessionSpec spec, RegionLease lease, SessionRegion region,
                 std::unique_ptr<Backend> backend, int64_t created_unix_ms);
   absl::Status CheckOpen() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Runs a step the numbering admitted (REQUIRES: mu_ held, open, GRPC).
-  absl::StatusOr<StepResult> RunStep(int32_t layer, std::string_view q, bool want_output)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Runs a step the numbering admitted (REQUIRES: mu_ held, open, GRPC). *advanced: whether
+  // the Retriever moved to the next step (it ran EndStep), even when the step failed.
+  absl::StatusOr<StepResult> RunStep(int32_t layer, std::string_view q, bool want_output,
+                                     bool* advanced) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CommitStoredPages() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PublishTokens() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) ABSL_LOCKS_EXCLUDED(info_mu_);
 

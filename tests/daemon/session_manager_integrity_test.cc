@@ -180,6 +180,18 @@ TEST_F(StepTest, NumberedStepsRunOnceAndAreReplayedOnRetry) {
   EXPECT_EQ(StepsRun(), 3u);
 }
 
+TEST_F(IntegrityTest, AStepTheRetrieverRefusesDoesNotCount) {
+  const Geometry g = SmallGeometry();
+  const SessionRecord r = Open(GrpcParams("a"));  // nothing appended: BeginStep refuses
+  absl::Status st = manager_->Step(Caller("a"), r.id, 0, Q(g, 1), true, 1).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  EXPECT_EQ(manager_->ListSessions(Caller("a"))[0].steps_run[0], 0u);
+  OffloadAll("a", r.id, {Rows(g, 16, 1), Rows(g, 16, 2)}, 0, 16, 16);
+  absl::StatusOr<StepResult> again = manager_->Step(Caller("a"), r.id, 0, Q(g, 1), true, 1);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_FALSE(again->replayed);
+}
+
 TEST_F(StepTest, AStepWithASpentDeadlineRunsNothing) {
   const Geometry g = SmallGeometry();
   ExpectError(Step(1, Q(g, 1), Expired("a")).status(), absl::StatusCode::kDeadlineExceeded,
