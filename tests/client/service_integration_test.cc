@@ -20,6 +20,7 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "kvtier/c_api.h"
 #include "kvtier/client.h"
+#include "kvtier/status.h"
 #include "kvtier/v1/kvtier.grpc.pb.h"
 #include "offload/session_region.h"
 #include "tests/client/daemon_process.h"
@@ -241,6 +242,72 @@ TEST_F(ServiceTest, ShmAndGrpcSessionsGiveIdenticalWorkingSetsOutputsAndPages) {
   }
   EXPECT_EQ((*shm)->Append(0, trace.K(0, 0), trace.V(0, 0), 1).code(),
             absl::StatusCode::kFailedPrecondition);
+}
+
+// A GRPC session whose Step reply was lost (the daemon ran the step; the engine moved on
+// with another q), and one whose Offload stream committed behind its back, keep working:
+// the library adopts the daemon's step count and token count, and a reattached session
+// continues the daemon's step numbering.
+TEST_F(ServiceTest, GrpcSessionsResyncAfterLostRepliesAndReattach) {
+  std::unique_ptr<Client> a = MustConnect("a", "ta");
+  ASSERT_NE(a, nullptr);
+  const SessionOptions options = IntegrationSessionOptions(Transport::kGrpc);
+  auto s = a->OpenSession(options);
+  ASSERT_TRUE(s.ok()) << s.status();
+  const SyntheticTrace trace(IntegrationTrace());
+  ASSERT_OK(testing::AppendTokens(**s, trace, 0, 96));
+  std::vector<uint8_t> out(8 * 64 * 2);
+  auto step = [&](Session& session, int32_t i) -> absl::Status {
+    KVTIER_RETURN_IF_ERROR(session.BeginStep(0, trace.Query(0, i)).status());
+    KVTIER_RETURN_IF_ERROR(session.Attend(0, trace.Query(0, i), out.data(), nullptr));
+    return session.EndStep(0, trace.Query(0, i));
+  };
+  ASSERT_OK(step(**s, 0));
+  // Step 2 runs in the daemon, but its reply never reaches the session.
+  auto stub = RawStub();
+  v1::StepRequest lost;
+  lost.set_session_id((*s)->id());
+  lost.set_layer(0);
+  lost.set_q(trace.Query(0, 1), 8 * 64 * 2);
+  lost.set_step(2);
+  v1::StepReply reply;
+  ASSERT_TRUE(stub->Step(Ctx("a", "ta").get(), lost, &reply).ok());
+  ASSERT_OK(step(**s, 2));  // sent as step 2, refused, resent as step 3
+  auto info = (*s)->Info();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->steps_run, (std::vector<int64_t>{3, 0}));
+
+  // 8 tokens of layer 1 committed by another stream: the session's next Append is refused
+  // (its start_token is stale), and num_tokens then says where the layer ends.
+  v1::OffloadRequest behind;
+  behind.set_session_id((*s)->id());
+  behind.set_layer(1);
+  behind.set_num_tokens(8);
+  behind.set_k(trace.K(1, 96), 8 * 2 * 64 * 2);
+  behind.set_v(trace.V(1, 96), 8 * 2 * 64 * 2);
+  behind.set_commit(true);
+  {
+    v1::OffloadReply r;
+    auto ctx = Ctx("a", "ta");
+    auto writer = stub->Offload(ctx.get(), &r);
+    ASSERT_TRUE(writer->Write(behind));
+    writer->WritesDone();
+    ASSERT_TRUE(writer->Finish().ok());
+  }
+  EXPECT_EQ((*s)->Append(1, trace.K(1, 96), trace.V(1, 96), 8).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*s)->num_tokens(1), 104);
+  ASSERT_OK((*s)->Append(1, trace.K(1, 104), trace.V(1, 104), 8));
+  EXPECT_EQ((*s)->num_tokens(1), 112);
+
+  // A reattached session continues at step 4.
+  auto again = a->Reattach((*s)->id(), options);
+  ASSERT_TRUE(again.ok()) << again.status();
+  ASSERT_OK(step(**again, 3));
+  info = (*again)->Info();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->steps_run, (std::vector<int64_t>{4, 0}));
+  ASSERT_OK((*again)->Close());
 }
 
 TEST_F(ServiceTest, ReattachAfterTheClientIsKilledContinuesBitForBit) {
