@@ -660,7 +660,11 @@ void ExpectRestoreEquivalent(int32_t T, RecallStrategy strategy) {
   EXPECT_LT(s1.corrected_heads, s1.checked_heads);
   EXPECT_EQ(s2.corrected_heads, s1.corrected_heads);
   EXPECT_EQ(s2.corrections, s1.corrections);
-  EXPECT_EQ(s2.recalled_pages, s1.recalled_pages);
+  EXPECT_EQ(s2.correction_pages, s1.correction_pages);
+  // Not recalled_pages: its background part depends on timing. Under load the two were seen
+  // to differ by 1 to 4 background pages while every table, resident K/V and output above
+  // agreed (a flake of this test since it was written; noted for the Retriever's owners).
+  EXPECT_GT(s2.recalled_pages, s2.correction_pages);
   r2.reset();
   pool2.reset();
   std::free(mem2);
