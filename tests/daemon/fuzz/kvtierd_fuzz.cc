@@ -237,12 +237,23 @@ class Harness {
   std::unique_ptr<daemon::Daemon> daemon_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::KvTier::Stub> stub_;
-  // Outcomes a call the client gave up on may still reach (docs/service.md, "Deadlines").
-  struct LateCommit {
-    size_t seen_applied = 0;           // messages applied at the boundary seen
-    std::vector<Boundary> boundaries;  // past it, oldest first
+  // An Offload stream its client gave up on: a commit it started may still complete after
+  // the client saw the error (docs/service.md, "Deadlines"), so its later commit boundaries
+  // stay possible until a check settles them.
+  struct LateStream {
     std::vector<v1::OffloadRequest> msgs;
+    size_t seen = 0;           // messages applied when last seen
+    std::vector<size_t> more;  // later commit boundaries (message counts), ascending
   };
+  // One way the pending late streams of a session may have completed: per stream, the
+  // messages applied; and the session's tokens then.
+  struct Settlement {
+    std::vector<size_t> upto;
+    std::vector<uint64_t> tokens;
+  };
+  static constexpr size_t kMaxLateStreams = 4;  // per session, the latest
+  std::vector<Settlement> Settlements(const std::string& id) const;
+  void Settle(const std::string& id, const Settlement& s);
   void AdoptLateCommit(const std::string& id, const std::vector<uint64_t>& committed);
   static void Apply(SessionModel& m, const std::vector<v1::OffloadRequest>& msgs, size_t from,
                     size_t to);
@@ -251,7 +262,7 @@ class Harness {
   std::map<std::string, SessionModel> sessions_;
   std::map<std::string, std::vector<std::string>> order_;  // tenant → ids, oldest first
   std::set<std::string> late_closes_;
-  std::map<std::string, LateCommit> late_commits_;
+  std::map<std::string, std::vector<LateStream>> late_commits_;  // per session, oldest first
   FuzzCounts counts_;
 };
 
@@ -264,14 +275,57 @@ void Harness::Apply(SessionModel& m, const std::vector<v1::OffloadRequest>& msgs
   }
 }
 
-void Harness::AdoptLateCommit(const std::string& id, const std::vector<uint64_t>& committed) {
+std::vector<Harness::Settlement> Harness::Settlements(const std::string& id) const {
+  const SessionModel& m = sessions_.at(id);
+  std::vector<Settlement> out = {{{}, m.tokens}};
+  auto late = late_commits_.find(id);
+  if (late == late_commits_.end()) return out;
+  for (const LateStream& ls : late->second) {
+    std::vector<Settlement> next;
+    for (const Settlement& base : out) {
+      Settlement none = base;
+      none.upto.push_back(ls.seen);
+      next.push_back(none);
+      std::vector<uint64_t> tokens = base.tokens;
+      size_t applied = ls.seen;
+      for (size_t b : ls.more) {
+        for (; applied < b; ++applied)
+          tokens[ls.msgs[applied].layer()] += ls.msgs[applied].num_tokens();
+        Settlement some = base;
+        some.upto.push_back(b);
+        some.tokens = tokens;
+        next.push_back(std::move(some));
+      }
+    }
+    out = std::move(next);
+  }
+  return out;
+}
+
+void Harness::Settle(const std::string& id, const Settlement& s) {
+  SessionModel& m = sessions_.at(id);
+  m.tokens = s.tokens;
   auto late = late_commits_.find(id);
   if (late == late_commits_.end()) return;
-  for (const Boundary& b : late->second.boundaries) {
-    if (b.tokens != committed) continue;
-    Apply(sessions_.at(id), late->second.msgs, late->second.seen_applied, b.applied);
-    sessions_.at(id).tokens = committed;
+  std::vector<LateStream> still;
+  for (size_t i = 0; i < late->second.size() && i < s.upto.size(); ++i) {
+    LateStream& ls = late->second[i];
+    Apply(m, ls.msgs, ls.seen, s.upto[i]);
+    ls.seen = s.upto[i];
+    std::erase_if(ls.more, [&](size_t b) { return b <= ls.seen; });
+    if (!ls.more.empty()) still.push_back(std::move(ls));
+  }
+  if (still.empty()) {
     late_commits_.erase(late);
+  } else {
+    late->second = std::move(still);
+  }
+}
+
+void Harness::AdoptLateCommit(const std::string& id, const std::vector<uint64_t>& committed) {
+  for (const Settlement& s : Settlements(id)) {
+    if (s.tokens != committed) continue;
+    Settle(id, s);
     return;
   }
 }
@@ -557,54 +611,60 @@ bool Harness::RunOffload(const CallerChoice& caller, const std::string& payload,
       now.assign(s.committed_tokens().begin(), s.committed_tokens().end());
     }
   }
-  // Where the stream started: the model, or a later boundary of an earlier stream the client
-  // gave up on, whose started commit may have completed since.
-  std::vector<std::pair<std::vector<uint64_t>, size_t>> starts = {{it->second.tokens, 0}};
-  auto late = late_commits_.find(it->first);
-  if (late != late_commits_.end()) {
-    for (const Boundary& b : late->second.boundaries) starts.push_back({b.tokens, b.applied});
-  }
+  // Where the stream started: the model, or later, where commits of earlier streams their
+  // clients gave up on, started before and completed since, left it.
   const bool ok = r.status.ok();
   const bool gave_up = r.status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED ||
                        r.status.error_code() == grpc::StatusCode::CANCELLED;
   const SessionModel before = it->second;
-  for (const auto& [start, late_applied] : starts) {
+  const auto late_before = late_commits_.find(it->first) == late_commits_.end()
+                               ? std::vector<LateStream>()
+                               : late_commits_.at(it->first);
+  for (const Settlement& start : Settlements(it->first)) {
     bool all_valid = false;
     const std::vector<Boundary> boundaries =
-        Boundaries(before, start, msgs, ok, msgs.size() == frames.size(), &all_valid);
+        Boundaries(before, start.tokens, msgs, ok, msgs.size() == frames.size(), &all_valid);
     if (ok && !all_valid) continue;  // the daemon accepted what it must refuse, from here
     const Boundary* hit = nullptr;
     for (const Boundary& b : boundaries) {
       if (b.tokens == now) hit = &b;
     }
     if (hit == nullptr || (ok && hit != &boundaries.back())) continue;
-    // Candidate found: the earlier late stream's messages, then this one's.
-    SessionModel& m = it->second;
-    m = before;
-    if (late_applied > 0) {
-      Apply(m, late->second.msgs, late->second.seen_applied, late_applied);
+    // Candidate found: the earlier late streams' messages, then this one's.
+    it->second = before;
+    if (late_before.empty()) {
+      late_commits_.erase(it->first);
+    } else {
+      late_commits_[it->first] = late_before;
     }
-    Apply(m, msgs, 0, hit->applied);
-    m.tokens = hit->tokens;
+    Settle(it->first, start);
+    Apply(it->second, msgs, 0, hit->applied);
+    it->second.tokens = hit->tokens;
     std::string page_why;
-    if (hit->applied + late_applied > 0 && !CheckPages(it->first, &page_why)) {
+    if (it->second.tokens != before.tokens && !CheckPages(it->first, &page_why)) {
       *why = page_why;
       continue;  // another start may explain the same counts with the right bytes
     }
-    late_commits_.erase(it->first);
     if (gave_up) {
-      // This stream may still finish a commit it started: its later boundaries stay
-      // acceptable until a later check settles it.
-      LateCommit pending;
-      pending.seen_applied = hit->applied;
-      for (const Boundary& b : boundaries) {
-        if (b.applied > hit->applied) pending.boundaries.push_back(b);
-      }
+      LateStream pending;
       pending.msgs = msgs;
-      if (!pending.boundaries.empty()) late_commits_[it->first] = std::move(pending);
+      pending.seen = hit->applied;
+      for (const Boundary& b : boundaries) {
+        if (b.applied > hit->applied) pending.more.push_back(b.applied);
+      }
+      if (!pending.more.empty()) {
+        std::vector<LateStream>& pending_list = late_commits_[it->first];
+        pending_list.push_back(std::move(pending));
+        if (pending_list.size() > kMaxLateStreams) pending_list.erase(pending_list.begin());
+      }
     }
     why->clear();
     return CheckSessions(why);
+  }
+  if (late_before.empty()) {
+    late_commits_.erase(it->first);
+  } else {
+    late_commits_[it->first] = late_before;
   }
   it->second = before;
   *why = absl::StrFormat(
