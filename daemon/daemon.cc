@@ -193,6 +193,8 @@ absl::Status Daemon::StartGrpc() {
       health->SetServingStatus(false);
       spdlog::info("health: NOT_SERVING (draining)");
     });
+    // A Drain that came before the listener was set (the server was already serving).
+    if (manager_->draining()) health->SetServingStatus(false);
   }
   return absl::OkStatus();
 }

@@ -591,8 +591,18 @@ absl::StatusOr<DrainResult> SessionManager::Drain(std::string_view token, absl::
 void SessionManager::StartDrain() {
   if (!draining_.exchange(true, std::memory_order_acq_rel)) {
     spdlog::info("draining: new sessions and attaches are refused from now on");
-    if (drain_listener_) drain_listener_();
+    std::function<void()> listener;
+    {
+      MutexLock lock(&mu_);
+      listener = drain_listener_;
+    }
+    if (listener) listener();
   }
+}
+
+void SessionManager::set_drain_listener(std::function<void()> listener) {
+  MutexLock lock(&mu_);
+  drain_listener_ = std::move(listener);
 }
 
 std::shared_ptr<TenantSession> SessionManager::Remove(std::string_view id) {

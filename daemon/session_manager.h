@@ -271,8 +271,8 @@ class SessionManager {
   // From now on OpenSession and attaches are refused with UNAVAILABLE. The first call runs
   // the drain listener (the daemon turns its health NOT_SERVING there).
   void StartDrain();
-  // Set before any call; runs once, on the thread of the first StartDrain.
-  void set_drain_listener(std::function<void()> listener) { drain_listener_ = std::move(listener); }
+  // Runs once, on the thread of the first StartDrain (not at all when that came before).
+  void set_drain_listener(std::function<void()> listener) ABSL_LOCKS_EXCLUDED(mu_);
   bool draining() const { return draining_.load(std::memory_order_acquire); }
   // Calls in flight (streams count while open).
   uint32_t InflightCalls() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -329,7 +329,7 @@ class SessionManager {
   const DaemonConfig config_;
   const absl::Time start_time_;
   std::atomic<bool> draining_{false};
-  std::function<void()> drain_listener_;
+
   // Declaration order is destruction order reversed: sessions go before the tenants whose
   // arenas hold them, and the arenas before the backend they are registered with.
   const std::unique_ptr<Backend> backend_;
@@ -343,6 +343,7 @@ class SessionManager {
   absl::flat_hash_map<std::string, uint32_t> opening_ ABSL_GUARDED_BY(mu_);
   // Calls in flight per tenant (CallSlots).
   absl::flat_hash_map<std::string, uint32_t> tenant_calls_ ABSL_GUARDED_BY(mu_);
+  std::function<void()> drain_listener_ ABSL_GUARDED_BY(mu_);
   struct Entry {
     uint64_t seq = 0;  // creation order, for ListSessions
     std::shared_ptr<TenantSession> session;
