@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
+import uuid
 from typing import Any, Callable, Iterable, Iterator, List, Mapping, Optional, Sequence, Union
 
 import grpc
@@ -48,12 +49,25 @@ _MESSAGE_OVERHEAD_BYTES = 4096
 
 
 class KvtierError(Exception):
-    """A failed call: the gRPC status code and the daemon's message."""
+    """A failed call: the gRPC status code, the daemon's message and its trailing metadata
+    (e.g. x-kvtier-steps-run, grpc-retry-pushback-ms)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(
+        self, code: grpc.StatusCode, message: str, trailers: Optional[Mapping[str, str]] = None
+    ) -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+        self.trailers = dict(trailers or {})
+
+
+def _error(e: grpc.RpcError) -> KvtierError:
+    trailers = {}
+    try:
+        trailers = {k: v for k, v in (e.trailing_metadata() or ()) if isinstance(v, str)}
+    except Exception:  # pylint: disable=broad-except  (not every RpcError has them)
+        pass
+    return KvtierError(e.code(), e.details() or "", trailers)
 
 
 def pack_fp16(values: Iterable[float]) -> bytes:
@@ -145,6 +159,8 @@ class StepResult:
     output: bytes = dataclasses.field(repr=False)  # [Hq][d], session dtype (want_output)
     lse: List[float]  # [Hq]; empty without want_output
     corrected_heads: int
+    step: int = 0  # the layer's count of steps run, this one included
+    replayed: bool = False  # an earlier run's reply, sent again (nothing ran)
 
     def slots_of_head(self, kv_head: int) -> List[int]:
         """The slot table row of one KV head."""
@@ -217,7 +233,7 @@ class Client:
                 **kw,
             )
         except grpc.RpcError as e:
-            raise KvtierError(e.code(), e.details() or "") from None
+            raise _error(e) from None
 
     def health(
         self, service: str = "", wait_for_ready: bool = False, timeout: Optional[float] = None
@@ -267,11 +283,14 @@ class Client:
         correction_threshold: Optional[float] = None,
         budget_policy: str = "",
         policy_params: Optional[Mapping[str, str]] = None,
+        request_id: Optional[str] = None,
     ) -> "Session":
         """Opens a session. `geometry`: a Geometry or a dict of its fields. Zero
         budget_tokens / max_tokens take the daemon's defaults; `mode` is one of
         speculative, sync, full, drop; `transport` grpc or shm (shm sessions need
-        libkvtier's in-process Retriever: this client only drives grpc ones)."""
+        libkvtier's in-process Retriever: this client only drives grpc ones).
+        `request_id` makes a retry safe: while the session it opened is open, opening with
+        the same id returns that session (default: a fresh random id per call)."""
         if not isinstance(geometry, Geometry):
             geometry = Geometry(**geometry)
         if mode not in _MODES:
@@ -290,6 +309,7 @@ class Client:
             policy=pb.PolicyOptions(budget_policy=budget_policy, params=dict(policy_params or {})),
             transport=_TRANSPORTS[transport],
             label=label,
+            request_id=request_id or uuid.uuid4().hex,
         )
         reply = self._call(self._stub.OpenSession, request)
         return Session(self, reply.session)
@@ -316,6 +336,20 @@ class Session:
         self.info = info
         self.id: str = info.session_id
         self.geometry = Geometry.from_proto(info.geometry)
+        layers = self.geometry.num_layers
+        # Per layer: the tokens the daemon holds (where the next offload starts) and the
+        # steps it ran (the next step's number), as the daemon last said.
+        self._tokens = (list(info.committed_tokens) + [0] * layers)[:layers]
+        self._steps = (list(info.steps_run) + [0] * layers)[:layers]
+
+    def num_tokens(self, layer: int) -> int:
+        """The tokens of `layer` the daemon holds, as it last said."""
+        return self._tokens[layer]
+
+    def _refresh_tokens(self) -> None:
+        for s in self._client.list_sessions():
+            if s.session_id == self.id:
+                self._tokens = list(s.committed_tokens)
 
     def __enter__(self) -> "Session":
         return self
@@ -369,7 +403,8 @@ class Session:
         Chunk, sent as given. Chunks become visible at a committing message or the stream's
         clean end; a broken stream leaves nothing uncommitted behind.
         """
-        if isinstance(k, (bytes, bytearray, memoryview)):
+        numbered = isinstance(k, (bytes, bytearray, memoryview))
+        if numbered:
             if v is None:
                 raise ValueError("offload: v is required with k bytes")
             chunks: Iterable[Chunk] = self._split(bytes(k), bytes(v), num_tokens, commit)
@@ -377,8 +412,9 @@ class Session:
             chunks = k
 
         def requests() -> Iterator[pb.OffloadRequest]:
+            start = self._tokens[layer] if 0 <= layer < len(self._tokens) else 0
             for c in chunks:
-                yield pb.OffloadRequest(
+                request = pb.OffloadRequest(
                     session_id=self.id,
                     layer=layer,
                     num_tokens=c.num_tokens,
@@ -386,18 +422,52 @@ class Session:
                     v=c.v,
                     commit=c.commit,
                 )
+                # The daemon refuses a chunk that does not continue the layer: a retried
+                # offload can never append a token twice.
+                if numbered:
+                    request.start_token = start
+                start += c.num_tokens
+                yield request
 
-        reply = self._client._call(self._client._stub.Offload, requests())
+        try:
+            reply = self._client._call(self._client._stub.Offload, requests())
+        except KvtierError:
+            # The commits made before the stream broke stand: learn where the layer ends.
+            self._refresh_tokens()
+            raise
+        if len(reply.layer_tokens) == len(self._tokens):
+            self._tokens = list(reply.layer_tokens)
         return OffloadResult(
             committed_tokens=reply.committed_tokens, layer_tokens=list(reply.layer_tokens)
         )
 
-    def step(self, layer: int, q: bytes, want_output: bool = True) -> StepResult:
-        """One decode step of `layer` on the daemon's Retriever with q [Hq][d]."""
-        r = self._client._call(
-            self._client._stub.Step,
-            pb.StepRequest(session_id=self.id, layer=layer, q=bytes(q), want_output=want_output),
+    def step(
+        self, layer: int, q: bytes, want_output: bool = True, step: Optional[int] = None
+    ) -> StepResult:
+        """One decode step of `layer` on the daemon's Retriever with q [Hq][d].
+
+        Steps are numbered per layer (`step`, default: the next). Calling again with the
+        number of a step whose reply was lost (a deadline, a broken connection) and the same
+        q returns that step's reply (`replayed`) without running it twice; when the step the
+        session thought lost did run and a new q comes, the next number is used."""
+        number = step if step is not None else self._steps[layer] + 1
+        request = pb.StepRequest(
+            session_id=self.id, layer=layer, q=bytes(q), want_output=want_output, step=number
         )
+        try:
+            r = self._client._call(self._client._stub.Step, request)
+        except KvtierError as e:
+            ran = e.trailers.get("x-kvtier-steps-run")
+            if (
+                step is not None
+                or e.code != grpc.StatusCode.FAILED_PRECONDITION
+                or ran != str(number)
+            ):
+                raise
+            self._steps[layer] = number  # it ran with the q of the lost call
+            request.step = number + 1
+            r = self._client._call(self._client._stub.Step, request)
+        self._steps[layer] = max(self._steps[layer], r.step)
         return StepResult(
             layer=r.layer,
             num_tokens=r.num_tokens,
@@ -406,6 +476,8 @@ class Session:
             output=r.output,
             lse=list(r.lse),
             corrected_heads=r.corrected_heads,
+            step=r.step,
+            replayed=r.replayed,
         )
 
     def fetch(self, layer: int, pages: Optional[Sequence[int]] = None) -> List[FetchedPage]:
@@ -419,7 +491,7 @@ class Session:
                     for p in reply.pages
                 )
         except grpc.RpcError as e:  # raised while iterating the stream
-            raise KvtierError(e.code(), e.details() or "") from None
+            raise _error(e) from None
         return out
 
     def stats(self) -> pb.SessionStats:

@@ -299,6 +299,54 @@ class ClientTest(unittest.TestCase):
         self.assertEqual(result.committed_tokens, sum(sizes))
         self.assertEqual(list(result.layer_tokens), [0, sum(sizes)])
 
+    def test_open_with_the_same_request_id_is_the_same_session(self) -> None:
+        first = self.open(request_id="python-retry-1")
+        again = self.open(request_id="python-retry-1")
+        self.assertEqual(first.id, again.id)
+        other = self.open()
+        self.assertNotEqual(other.id, first.id)
+
+    def test_steps_are_numbered_and_a_retry_replays(self) -> None:
+        session = self.open()
+        g = session.geometry
+        rng = random.Random(11)
+        k, _ = random_fp16(rng, NUM_TOKENS * g.num_kv_heads * g.head_dim)
+        v, _ = random_fp16(rng, NUM_TOKENS * g.num_kv_heads * g.head_dim)
+        session.offload(0, k, v, NUM_TOKENS)
+        q, _ = random_fp16(rng, g.num_q_heads * g.head_dim)
+        first = session.step(0, q)
+        self.assertEqual((first.step, first.replayed), (1, False))
+        again = session.step(0, q, step=1)  # a retry of a step whose reply was lost
+        self.assertEqual((again.step, again.replayed), (1, True))
+        self.assertEqual(again.output, first.output)
+        self.assertEqual(again.slot_table, first.slot_table)
+        with self.assertRaises(KvtierError) as ctx:
+            session.step(0, q, step=3)
+        self.assertEqual(ctx.exception.code, grpc.StatusCode.FAILED_PRECONDITION)
+        self.assertEqual(ctx.exception.trailers.get("x-kvtier-steps-run"), "1")
+        q2, _ = random_fp16(rng, g.num_q_heads * g.head_dim)
+        self.assertEqual(session.step(0, q2).step, 2)
+        self.assertEqual(session.stats().steps, 2)
+
+    def test_offload_never_appends_a_token_twice(self) -> None:
+        session = self.open()
+        g = session.geometry
+        rng = random.Random(12)
+        k, _ = random_fp16(rng, 64 * g.num_kv_heads * g.head_dim)
+        v, _ = random_fp16(rng, 64 * g.num_kv_heads * g.head_dim)
+        session.offload(0, k, v, 64)
+        # Another holder appends behind this session's back: its next offload (which starts
+        # at token 64) is refused, and it learns where the layer ends.
+        other = self.client.reattach(session.id)
+        self.assertEqual(other.num_tokens(0), 64)
+        other.offload(0, k[: 8 * g.token_bytes], v[: 8 * g.token_bytes], 8)
+        with self.assertRaises(KvtierError) as ctx:
+            session.offload(0, k[: 8 * g.token_bytes], v[: 8 * g.token_bytes], 8)
+        self.assertEqual(ctx.exception.code, grpc.StatusCode.FAILED_PRECONDITION)
+        self.assertEqual(session.num_tokens(0), 72)
+        session.offload(0, k[: 8 * g.token_bytes], v[: 8 * g.token_bytes], 8)
+        self.assertEqual(session.num_tokens(0), 80)
+
     def test_step_with_wrong_q_size_is_invalid_argument(self) -> None:
         session = self.open()
         with self.assertRaises(KvtierError) as ctx:
