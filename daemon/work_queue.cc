@@ -84,8 +84,7 @@ void WorkQueue::Work() {
       MutexLock lock(&mu_);
       wake_.Await(&mu_,
                   [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || queued_ > 0; });
-      if (queued_ == 0) return;  // stopping, nothing left: Shutdown hands out the rest
-      if (stopping_) return;
+      if (stopping_) return;  // Shutdown hands out what is left
       job = TakeNext();
     }
     const absl::Time start = absl::Now();
