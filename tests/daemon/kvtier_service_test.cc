@@ -664,8 +664,9 @@ TEST_F(KvTierServiceQueueTest, CallsWhoseDeadlinePassedInTheQueueDoNothing) {
   late_step.join();  // both deadlines have passed now, in the queue
   late_open.join();
   gate->Open();
-  // The next step is queued behind the expired ones: when it answers, they have had their
-  // turn. It is step 1 and it runs: the expired step 1 ran nothing.
+  // Once the one worker has taken both expired calls, the next step runs after them. It is
+  // step 1 and it runs: the expired step 1 ran nothing.
+  while (work_->queued() > 0) std::this_thread::yield();
   grpc::ClientContext ctx;
   As(&ctx, "a", "tok-a");
   v1::StepReply reply;
