@@ -1,5 +1,5 @@
 // The gRPC edge of libkvtier: target parsing, the one status mapping between gRPC and absl
-// (DESIGN.md §7: canonical codes map one-to-one), and the per-call context every request
+// (docs/architecture.md#errors-and-integrity: canonical codes map one-to-one), and the per-call context every request
 // carries (tenant metadata and a deadline).
 //
 // Thread-safe: pure functions.

@@ -1,4 +1,4 @@
-// AttachServer: the daemon's shared-memory attach socket (DESIGN.md §2). A local engine
+// AttachServer: the daemon's shared-memory attach socket (docs/architecture.md#processes). A local engine
 // connects to this Unix socket and sends one length-prefixed kvtier.v1.AttachRequest
 // (tenant, token); the server reads the peer's credentials with SO_PEERCRED, asks the
 // authorizer, and answers one length-prefixed AttachReply — with the tenant arena's memfd

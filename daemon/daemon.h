@@ -1,4 +1,4 @@
-// Daemon: kvtierd's running parts put together (DESIGN.md §2) — the SessionManager (tenants,
+// Daemon: kvtierd's running parts put together (docs/architecture.md#processes) — the SessionManager (tenants,
 // arenas, sessions), the gRPC server (kvtier.v1.KvTier, the standard health service and reflection)
 // on a Unix socket and optionally TCP, and the shared-memory attach socket. kvtierd's main() is
 // Start, wait for SIGTERM, Shutdown; tests run it in-process.

@@ -1,4 +1,4 @@
-// SessionManager: kvtierd's domain logic (DESIGN.md §2, §7). It owns the tenants (their
+// SessionManager: kvtierd's domain logic (docs/architecture.md#processes, docs/architecture.md#errors-and-integrity). It owns the tenants (their
 // arenas), the sessions and the CPU backend of GRPC sessions, and has one method per RPC of
 // kvtier.v1.KvTier; the gRPC service (kvtier_service.h) only converts protos and maps
 // statuses, and the attach socket asks AuthorizeAttach.

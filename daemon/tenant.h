@@ -1,4 +1,4 @@
-// Tenant: one isolated slice of kvtierd's host tier (DESIGN.md §2): a shared-memory arena
+// Tenant: one isolated slice of kvtierd's host tier (docs/architecture.md#processes): a shared-memory arena
 // (memfd, hugepages and NUMA binding per its TenantConfig) and a first-fit allocator that
 // carves session regions out of it. The arena's size is the tenant's quota, and it covers
 // both the session regions and the memory the daemon itself uses for the tenant's GRPC

@@ -1,4 +1,4 @@
-// TenantSession: one session of kvtierd (DESIGN.md §2) — its region of the tenant arena
+// TenantSession: one session of kvtierd (docs/architecture.md#processes) — its region of the tenant arena
 // (offload/session_region.h) and, for GRPC sessions, the daemon-side Retriever on the CPU
 // backend over a PagePool of the region's slots. The SessionManager validates requests,
 // resolves the parameters and checks who may call; this class runs the session's share of

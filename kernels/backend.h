@@ -1,5 +1,5 @@
 // The backend interface: the one narrow door through which kvtier does device work
-// (DESIGN.md §5). Two implementations: cpu (always built; host memory plays device
+// (docs/architecture.md#backends). Two implementations: cpu (always built; host memory plays device
 // memory, a stream is an ordered work queue on its own thread) and cuda (built when the
 // toolkit is found; a stub returning UNIMPLEMENTED otherwise). Pick one with CreateBackend
 // in kernels/registry.h; pass it in, never reach for a global.

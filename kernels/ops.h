@@ -1,4 +1,4 @@
-// Arguments of the backend's compute ops (DESIGN.md §4, §5). Kernels are framework-free:
+// Arguments of the backend's compute ops (docs/architecture.md#the-decode-step, docs/architecture.md#backends). Kernels are framework-free:
 // raw pointers into backend memory, sizes, and the layouts of kvtier/layout.h. Ops never
 // allocate; callers own every buffer. The structs carry no CUDA types, so the CPU reference
 // and the CUDA kernels take the same arguments.

@@ -1,5 +1,5 @@
 // HeadSlotTable: the host-side bookkeeping of a drop-mode working set whose pages policies
-// evict per KV head (DESIGN.md §6; KV-Compress's per-head blocks). A slot holds one page of
+// evict per KV head (docs/architecture.md#policies; KV-Compress's per-head blocks). A slot holds one page of
 // p tokens for every KV head, but each head's part of a slot may hold a different logical
 // page (the slot table is per head), so heads keep different pages and different numbers of
 // pages. A new page needs a slot that is free in every head (Append writes all heads of a

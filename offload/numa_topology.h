@@ -1,6 +1,6 @@
 // NUMA topology queries through hwloc: how many NUMA nodes the host has and which node a
 // PCI device (a GPU, a NIC) is attached to, so the host tier can bind a tenant's arena to
-// the node nearest its GPU (DESIGN.md §2).
+// the node nearest its GPU (docs/architecture.md#processes).
 //
 // Each call loads the topology afresh (milliseconds: call at start-up, not per request), so
 // the functions share no state and are thread-safe. Node numbers are OS indexes, the ones

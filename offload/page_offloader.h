@@ -1,4 +1,4 @@
-// Offload of full pages from the engine's NHD KV buffers into the host tier (DESIGN.md §4
+// Offload of full pages from the engine's NHD KV buffers into the host tier (docs/architecture.md#the-decode-step
 // step 1): host pages are allocated from a PagePool, the NHD → HND transpose and the key
 // summaries run as Backend::Offload, and the pages enter the sequence's PageTable.
 //

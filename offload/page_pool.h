@@ -1,5 +1,5 @@
 // PagePool: a fixed-size slot allocator over a range of memory (normally a HostArena), the
-// storage of host pages (DESIGN.md §2, §3). Allocation and free are O(1) through a free
+// storage of host pages (docs/architecture.md#processes, docs/architecture.md#geometry-and-layouts). Allocation and free are O(1) through a free
 // stack; freed slots are reused LIFO (the most recently freed slot is still warm in cache
 // and TLB). Every allocation increments the slot's generation, so a stale reference to a
 // slot that was freed and reused can be detected (IsLive).

@@ -1,5 +1,5 @@
 // PageTable: the host-tier page table of one (sequence, layer): logical page index → the
-// pool slot holding that page (HND, DESIGN.md §3) and the slot's generation. The table owns
+// pool slot holding that page (HND, docs/architecture.md#geometry-and-layouts) and the slot's generation. The table owns
 // the pages' PageHandles, so erasing an entry, clearing or destroying the table frees its
 // slots. Entries are plain integers, no device types.
 //

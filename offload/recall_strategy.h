@@ -1,4 +1,4 @@
-// Recall strategies (DESIGN.md §5): three ways of moving selected (page, KV head) slabs from
+// Recall strategies (docs/architecture.md#backends): three ways of moving selected (page, KV head) slabs from
 // the host tier (HND pages in registered host memory) into a layer's NHD working set, all
 // bit-exact and interchangeable:
 //

@@ -1,4 +1,4 @@
-// The Retriever's policy side (DESIGN.md §6): budgets, pins, drop-mode eviction with
+// The Retriever's policy side (docs/architecture.md#policies): budgets, pins, drop-mode eviction with
 // per-head compaction, INT8 storage, host-tier drops, and the attention the policies read.
 // Invariants (on top of retriever.cc's):
 //   - Policy buffers the background selection reads (head_k, page_flags) change only on the

@@ -1,5 +1,5 @@
 // SessionRegion: the part of a tenant's shared-memory arena that holds one session's host
-// tier, and the commit protocol that makes its pages visible (DESIGN.md §2, §7;
+// tier, and the commit protocol that makes its pages visible (docs/architecture.md#processes, docs/architecture.md#errors-and-integrity;
 // docs/service.md). The daemon carves the region out of the arena and formats it at
 // OpenSession; whoever writes the session's pages (the engine's libkvtier for SHM sessions,
 // the daemon's own Retriever for GRPC sessions) runs a PagePool over slots() and, once a

@@ -1,7 +1,7 @@
 // Conversions between kvtier's own types (geometry, dtype, retrieval mode, transport,
 // status) and the kvtier.v1 protocol, shared by the daemon's service and the client library
 // so both sides read the wire the same way. Status codes map one-to-one: absl's and gRPC's
-// canonical codes have the same values (DESIGN.md §7).
+// canonical codes have the same values (docs/architecture.md#errors-and-integrity).
 //
 // Thread-safe: pure functions.
 #ifndef KVTIER_PROTO_CONVERT_H_

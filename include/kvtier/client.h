@@ -1,5 +1,5 @@
 // libkvtier's client: a connection to kvtierd and the sessions opened through it
-// (DESIGN.md §2; protocol in proto/kvtier/v1/kvtier.proto; docs/service.md).
+// (docs/architecture.md#processes; protocol in proto/kvtier/v1/kvtier.proto; docs/service.md).
 //
 //   auto client = kvtier::Client::Connect("unix:///run/kvtier/kvtierd.sock", {.tenant = "a"});
 //   auto session = (*client)->OpenSession(options);   // a Retriever (retriever.h)

@@ -1,4 +1,4 @@
-// Every index formula of kvtier's memory layouts (DESIGN.md §3), in one place. The CPU
+// Every index formula of kvtier's memory layouts (docs/architecture.md#geometry-and-layouts), in one place. The CPU
 // reference backend and the CUDA kernels both index through these structs; a test checks
 // each formula by hand. Offsets are in elements unless a name says bytes.
 //

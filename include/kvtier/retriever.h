@@ -1,4 +1,4 @@
-// Retriever: the KV working set of one sequence, all layers (DESIGN.md §4). The full KV
+// Retriever: the KV working set of one sequence, all layers (docs/architecture.md#the-decode-step). The full KV
 // cache lives in the host tier (HND pages in a PagePool, with per-page key summaries on the
 // backend); each layer keeps a working set of S = sink + selected + recent page slots in NHD
 // on the backend, which attention reads.
@@ -96,7 +96,7 @@ struct RetrieverOptions {
 };
 
 // Everything attention needs for one layer, in backend memory. A standard paged decode
-// kernel reads it with the slot list [0, num_slots) as its page table (DESIGN.md §3); the
+// kernel reads it with the slot list [0, num_slots) as its page table (docs/architecture.md#geometry-and-layouts); the
 // per-KV-head slot tables say which logical page each slot holds for each head (−1: empty).
 struct WorkingSetView {
   int32_t layer = 0;

@@ -1,4 +1,4 @@
-// The CUDA backend (DESIGN.md §5): device memory, non-blocking streams and events, host
+// The CUDA backend (docs/architecture.md#backends): device memory, non-blocking streams and events, host
 // registration for DMA and zero-copy kernels, copies (single and batched), the copy kernels
 // (recall.cu, slabs.cu, offload.cu) and the arithmetic kernels (select.cu, attention.cu,
 // policy_ops.cu).

@@ -5,7 +5,7 @@
 // claim word in device memory. A kernel that finds a bad item skips it, and the first
 // thread that wins atomicCAS(claim, 0, 1) fills the record and publishes it by writing
 // op_seq last. The host never waits for this: Stream::Synchronize and Event::Wait read the
-// record after the work they waited for has completed (DESIGN.md §7). Only the first
+// record after the work they waited for has completed (docs/architecture.md#errors-and-integrity). Only the first
 // failure of a stream is recorded; it is sticky.
 //
 // Plain structs shared by host code and kernels; no CUDA includes.

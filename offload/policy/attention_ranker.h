@@ -1,4 +1,4 @@
-// Attention ranker (Conf-KV's ranker, DESIGN.md §6; H2O as its cumulative baseline): ranks
+// Attention ranker (Conf-KV's ranker, docs/architecture.md#policies; H2O as its cumulative baseline): ranks
 // each (layer, KV head)'s pages by the attention mass they received, blended with recency,
 // and pins the sequence's newest pages.
 //

@@ -1,4 +1,4 @@
-// Confidence budget (Conf-KV, DESIGN.md §1, §6): the engine reports the next-token
+// Confidence budget (Conf-KV, docs/architecture.md#background, docs/architecture.md#policies): the engine reports the next-token
 // distribution (its logits or a LogitSummary) after every step; a confident model gets a
 // tight page budget, an uncertain one a loose budget, with hysteresis so the budget does
 // not flap.

@@ -1,4 +1,4 @@
-// Epiphany scores (EpiKV, DESIGN.md §1, §6): tokens where the model's hidden state moves a
+// Epiphany scores (EpiKV, docs/architecture.md#background, docs/architecture.md#policies): tokens where the model's hidden state moves a
 // lot in the middle layers (the positive band, ≈ layers 7–13 of 32) but not in the later
 // ones (the negative band, ≈ 18–25) matter later; their pages are pinned resident. No
 // attention matrix is needed.

@@ -1,4 +1,4 @@
-// What a full host tier does (DESIGN.md §6): refuse the new page, or evict an existing page
+// What a full host tier does (docs/architecture.md#policies): refuse the new page, or evict an existing page
 // permanently, chosen by the residency scores. Every refusal and every drop is counted:
 // losing KV data is never silent.
 //

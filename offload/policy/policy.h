@@ -1,4 +1,4 @@
-// Policies that decide the GPU working set (DESIGN.md §6). Plain C++ bookkeeping with no
+// Policies that decide the GPU working set (docs/architecture.md#policies). Plain C++ bookkeeping with no
 // device types: the Retriever gathers their inputs (what the engine reports, the attention
 // of each step, the appended keys and values) and applies their decisions every step.
 //

@@ -1,4 +1,4 @@
-// XKV per-layer budgets (DESIGN.md §1, §6): every layer gets its own page budget, sized by
+// XKV per-layer budgets (docs/architecture.md#background, docs/architecture.md#policies): every layer gets its own page budget, sized by
 // how much of its attention importance the budget retains.
 //
 // The importance of a prompt token in layer l is the softmax probability it receives from
