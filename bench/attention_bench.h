@@ -22,7 +22,7 @@ struct AttentionBenchOptions {
   int32_t selected_pages = 32;
   int32_t recent_pages = 16;  // includes the partial page when context % page_size != 0
   int32_t iters = 5;          // timed repetitions; the median is reported
-  BackendKind backend = BackendKind::kCpu;
+  DeviceKind backend = DeviceKind::kCpu;
   int threads = 0;            // cpu backend threads; 0 = all
   float heavy_logit = 8.0f;
   int32_t heavy_pages = 24;

@@ -18,7 +18,7 @@
 #include "daemon/config.h"
 #include "daemon/daemon.h"
 #include "daemon/logging.h"
-#include "kvtier/status.h"
+#include "core/status.h"
 #include "kvtier/v1/kvtier.grpc.pb.h"
 #include "offload/session_region.h"
 

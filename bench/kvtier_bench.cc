@@ -29,7 +29,7 @@
 
 namespace {
 
-using kvtier::BackendKind;
+using kvtier::DeviceKind;
 
 int RunAttention(const kvtier::bench::AttentionBenchOptions& o, bool json, const std::string& out) {
   auto report = kvtier::bench::RunAttentionBench(o, json ? std::cerr : std::cout);
@@ -98,9 +98,9 @@ int RunIpc(const kvtier::bench::IpcBenchOptions& o, bool json, const std::string
 int ListDevices() {
   std::cout << "cuda backend built: " << (kvtier::CudaBackendBuilt() ? "yes" : "no")
             << ", usable cuda devices: " << kvtier::CudaDeviceCount() << "\n";
-  for (BackendKind k : {BackendKind::kCpu, BackendKind::kCuda}) {
+  for (DeviceKind k : {DeviceKind::kCpu, DeviceKind::kCuda}) {
     auto b = kvtier::CreateBackend(k);
-    std::cout << "  " << kvtier::BackendKindName(k) << ": "
+    std::cout << "  " << kvtier::DeviceKindName(k) << ": "
               << (b.ok() ? (*b)->Describe() : b.status().ToString()) << "\n";
   }
   return 0;
@@ -330,7 +330,7 @@ int main(int argc, char** argv) {
     std::cerr << "kvtier-bench: --dtype must be fp16, bf16 or fp32 (got " << dtype << ")\n";
     return 2;
   }
-  if (!kvtier::ParseBackendKind(backend, &ao.backend)) {
+  if (!kvtier::ParseDeviceKind(backend, &ao.backend)) {
     std::cerr << "kvtier-bench: --backend must be cpu, cuda or auto (got " << backend << ")\n";
     return 2;
   }

@@ -23,7 +23,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "bench/plot.h"
-#include "kvtier/status.h"
+#include "core/status.h"
 #include "offload/host_arena.h"
 #include "offload/numa_topology.h"
 #include "offload/recall_strategy.h"
@@ -222,12 +222,12 @@ absl::Status PcieBench::Setup() {
   }
 
   KVTIER_ASSIGN_OR_RETURN(backend_,
-                          CreateBackend(o_.backend, BackendOptions{.cpu_threads = o_.threads,
+                          CreateBackend(o_.backend, DeviceOptions{.cpu_threads = o_.threads,
                                                                    .cuda_device = o_.cuda_device}));
   KVTIER_ASSIGN_OR_RETURN(drive_, backend_->CreateStream());
   KVTIER_ASSIGN_OR_RETURN(xform_, backend_->CreateStream());
   host_pages_ = o_.host_pages > 0                        ? o_.host_pages
-                : backend_->kind() == BackendKind::kCuda ? 4096
+                : backend_->kind() == DeviceKind::kCuda ? 4096
                                                          : 1024;
   if (host_pages_ < max_pages) {
     return bad(
@@ -532,7 +532,7 @@ absl::Status PcieBench::Numa() {
   } else {
     if (bus.empty()) {
       return skip(
-          absl::StrFormat("the %s backend has no PCI bus id", BackendKindName(backend_->kind())));
+          absl::StrFormat("the %s backend has no PCI bus id", DeviceKindName(backend_->kind())));
     }
     if (nodes < 2) return skip(absl::StrFormat("the host has %d NUMA node", nodes));
     const absl::StatusOr<int> node = NumaNodeOfPciDevice(bus);
@@ -648,7 +648,7 @@ absl::Status PcieBench::Plot() const {
       PlotSeries{"NHD token copies", {static_cast<double>(nhd_.bytes)}, {nhd_.nhd}, false});
   PlotOptions po;
   po.title = absl::StrFormat("kvtier pcie: bandwidth vs transfer size (%s)",
-                             BackendKindName(backend_->kind()));
+                             DeviceKindName(backend_->kind()));
   po.x_label = absl::StrFormat("bytes per copy; recall & HND/NHD: bytes per plan (%s slabs)",
                                Bytes(static_cast<int64_t>(slab_bytes())));
   po.y_label = "GB/s";
@@ -659,7 +659,7 @@ absl::Status PcieBench::Plot() const {
 
 JsonObject PcieBench::Report() const {
   const std::string describe = backend_->Describe();
-  const bool cuda = backend_->kind() == BackendKind::kCuda;
+  const bool cuda = backend_->kind() == DeviceKind::kCuda;
   std::vector<JsonObject> copies;
   for (const CopyRow& r : copies_) {
     JsonObject j;
@@ -812,7 +812,7 @@ int RunPcieCommand(PcieFlags& f) {
   absl::Status st = ParseList("--budgets", f.budgets, &f.o.budgets);
   if (st.ok()) st = ParseList("--churn", f.churn, &f.o.churn_percent);
   if (st.ok()) st = ParseList("--numa-nodes", f.numa_nodes, &f.o.numa_nodes);
-  if (st.ok() && !ParseBackendKind(f.backend, &f.o.backend)) {
+  if (st.ok() && !ParseDeviceKind(f.backend, &f.o.backend)) {
     st = absl::InvalidArgumentError("--backend must be cpu, cuda or auto (got " + f.backend + ")");
   }
   if (st.ok() && !ParseDType(f.dtype, &f.o.geometry.dtype)) {

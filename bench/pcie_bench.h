@@ -30,7 +30,7 @@
 namespace kvtier::bench {
 
 struct PcieBenchOptions {
-  BackendKind backend = BackendKind::kCpu;
+  DeviceKind backend = DeviceKind::kCpu;
   int threads = 0;      // cpu backend threads; 0 = all
   int cuda_device = 0;  // cuda device ordinal
   int64_t min_bytes = 256;

@@ -15,7 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "kvtier/status.h"
+#include "core/status.h"
 
 namespace kvtier::bench {
 namespace {

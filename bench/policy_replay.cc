@@ -16,7 +16,7 @@
 #include "bench/replay_bench.h"
 #include "bench/synthetic_kv.h"
 #include "kernels/registry.h"
-#include "kvtier/status.h"
+#include "core/status.h"
 #include "offload/host_arena.h"
 #include "offload/page_pool.h"
 
@@ -64,7 +64,7 @@ struct RunSpec {
   std::string policy;         // a PolicyReplayNames() entry, or "full"
   int32_t budget_tokens = 0;  // 0: full (every token resident)
   RetrievalMode mode = RetrievalMode::kDrop;
-  policy::PolicyConfig config;
+  PolicyConfig config;
 };
 
 struct RunResult {
@@ -74,17 +74,17 @@ struct RunResult {
   double rel_error = 0;        // mean over (measured step, layer)
   double rel_error_p95 = 0;
   double rel_error_max = 0;
-  RetrieverStats stats;  // at the end of the run
+  SequenceStats stats;  // at the end of the run
   double seconds = 0;
 };
 
 // The policy configuration of a run name at a working set of `ro`'s shape.
 absl::StatusOr<RunSpec> MakeSpec(const std::string& name, int32_t budget_tokens,
-                                 const RetrieverOptions& ro) {
+                                 const SequenceOptions& ro) {
   RunSpec s;
   s.policy = name;
   s.budget_tokens = budget_tokens;
-  policy::PolicyConfig& c = s.config;
+  PolicyConfig& c = s.config;
   if (name == "window") {
     // The defaults: sinks + sliding window.
   } else if (name == "h2o") {
@@ -187,7 +187,7 @@ absl::Status PolicyReplay::Setup() {
   }
   if (o_.vocab < 2) return absl::InvalidArgumentError("vocab: must be >= 2");
   for (const std::string& p : o_.policies) {
-    KVTIER_RETURN_IF_ERROR(MakeSpec(p, 0, RetrieverOptions{}).status());
+    KVTIER_RETURN_IF_ERROR(MakeSpec(p, 0, SequenceOptions{}).status());
   }
   if (o_.policies.empty()) return absl::InvalidArgumentError("--policy-list: give at least one");
   const int32_t quantum = 4 * g_.page_size;
@@ -210,7 +210,7 @@ absl::Status PolicyReplay::Setup() {
   }
   std::sort(budgets_.begin(), budgets_.end());
   budgets_.erase(std::unique(budgets_.begin(), budgets_.end()), budgets_.end());
-  BackendOptions bo;
+  DeviceOptions bo;
   bo.cpu_threads = o_.threads;
   KVTIER_ASSIGN_OR_RETURN(backend_, CreateBackend(o_.backend, bo));
   KVTIER_ASSIGN_OR_RETURN(io_, backend_->CreateStream());
@@ -301,7 +301,7 @@ absl::StatusOr<RunResult> PolicyReplay::RunOne(const RunSpec& spec) {
   const absl::Time start = absl::Now();
   RunResult res;
   res.spec = spec;
-  RetrieverOptions ro;
+  SequenceOptions ro;
   ro.mode = spec.mode;
   if (spec.budget_tokens > 0) {
     KVTIER_RETURN_IF_ERROR(ro.SetBudgetTokens(spec.budget_tokens, g_.page_size));
@@ -335,7 +335,7 @@ absl::StatusOr<RunResult> PolicyReplay::RunOne(const RunSpec& spec) {
   for (int32_t l = 0; l < L(); ++l) {
     KVTIER_RETURN_IF_ERROR(r->ObserveQueries(l, obs_q_[l].data(), w_, T_));
   }
-  policy::StepSignals prompt;
+  StepSignals prompt;
   prompt.first_position = T_;
   prompt.num_tokens = w_;
   prompt.logits = logits_[w_ - 1];
@@ -381,13 +381,13 @@ absl::StatusOr<RunResult> PolicyReplay::RunOne(const RunSpec& spec) {
       }
       errors.push_back(norm > 0 ? std::sqrt(err / norm) : 0.0);
     }
-    const RetrieverStats st = r->Stats();
+    const SequenceStats st = r->Stats();
     const double bytes = static_cast<double>(st.resident_bytes);
     if (reference) full_bytes_.push_back(bytes);
     bytes_sum += bytes;
     fraction_sum += full_bytes_[m] > 0 ? bytes / full_bytes_[m] : 0.0;
 
-    policy::StepSignals sig;
+    StepSignals sig;
     sig.first_position = int64_t{T_} + s;
     sig.num_tokens = 1;
     sig.logits = logits_[s];
@@ -446,7 +446,7 @@ absl::Status PolicyReplay::Plot() const {
 JsonObject PolicyReplay::Report(double wall_seconds) const {
   std::vector<JsonObject> runs;
   for (const RunResult& r : results_) {
-    const RetrieverStats& st = r.stats;
+    const SequenceStats& st = r.stats;
     JsonObject j;
     j.Add("policy", r.spec.policy)
         .Add("mode", std::string(RetrievalModeName(r.spec.mode)))
@@ -536,7 +536,7 @@ absl::StatusOr<JsonObject> PolicyReplay::Run() {
   results_.push_back(std::move(ref));
   for (const std::string& p : o_.policies) {
     for (int32_t b : budgets_) {
-      RetrieverOptions ro;
+      SequenceOptions ro;
       KVTIER_RETURN_IF_ERROR(ro.SetBudgetTokens(b, g_.page_size));
       KVTIER_ASSIGN_OR_RETURN(RunSpec spec, MakeSpec(p, b, ro));
       absl::StatusOr<RunResult> r = RunOne(spec);

@@ -2,7 +2,7 @@
 // synthetic one by default, or a trace file) is replayed through one Retriever per
 // (policy, budget), each on its own, and every run is scored against full mode (all KV
 // resident, the reference) on
-//   - memory: the working set's resident K+V bytes (RetrieverStats::resident_bytes) after
+//   - memory: the working set's resident K+V bytes (SequenceStats::resident_bytes) after
 //     each measured step, mean over the steps, also as a fraction of full mode's at that
 //     step (all KV of the sequence);
 //   - rel_error: ‖out − out_full‖ / ‖out_full‖ of the attention output per (step, layer):
@@ -49,7 +49,7 @@
 #include "bench/report.h"
 #include "bench/trace.h"
 #include "kernels/backend.h"
-#include "kvtier/retriever.h"
+#include "offload/retriever.h"
 
 namespace kvtier::bench {
 
@@ -71,7 +71,7 @@ struct PolicyReplayOptions {
   std::vector<std::string> policies = PolicyReplayNames();
   int32_t vocab = 1024;                           // synthetic logits
   RecallStrategy recall = RecallStrategy::kAuto;  // speculative+conf
-  BackendKind backend = BackendKind::kCpu;
+  DeviceKind backend = DeviceKind::kCpu;
   int threads = 0;        // cpu backend threads; 0 = all
   std::string plot_path;  // non-empty: write the memory / error plot (PNG) here
 };

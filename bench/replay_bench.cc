@@ -10,9 +10,7 @@
 #include "bench/synthetic_kv.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/registry.h"
-#include "kvtier/status.h"
-#include "offload/host_arena.h"
-#include "offload/page_pool.h"
+#include "core/status.h"
 
 namespace kvtier::bench {
 
@@ -43,14 +41,14 @@ float Dot(const float* a, const float* b, int32_t n) {
   return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
-// One retrieval mode under test, with its own host tier and Retriever.
+// One retrieval mode under test: a local sequence with its own host tier, or a session's.
 struct ModeRun {
   std::string name;
   RetrievalMode mode = RetrievalMode::kFull;
   float tau = 0.0f;
-  std::unique_ptr<HostArena> arena;
-  std::unique_ptr<PagePool> pool;
-  std::unique_ptr<Retriever> retriever;
+  std::unique_ptr<Session> session;      // with ReplayBenchOptions::open_session
+  std::unique_ptr<LocalSequence> local;  // otherwise
+  Sequence* seq = nullptr;
   std::vector<DeviceBuffer> out;               // per layer [Hq][d]
   std::vector<std::vector<uint8_t>> out_host;  // per layer
   std::vector<std::vector<int32_t>> tables;    // per layer [Hkv][S], after BeginStep
@@ -99,7 +97,7 @@ absl::Status Replay::AddMode(std::string name, RetrievalMode mode, float tau) {
   m.name = std::move(name);
   m.mode = mode;
   m.tau = tau;
-  RetrieverOptions ro;
+  SequenceOptions ro;
   ro.mode = mode;
   KVTIER_RETURN_IF_ERROR(ro.SetBudgetTokens(o_.budget_tokens, g_.page_size));
   ro.max_tokens = max_tokens_;
@@ -107,21 +105,12 @@ absl::Status Replay::AddMode(std::string name, RetrievalMode mode, float tau) {
   ro.recall = o_.recall;
   ro.deadline = absl::Minutes(5);
   const bool host_tier = mode == RetrievalMode::kSpeculative || mode == RetrievalMode::kSync;
-  if (host_tier && o_.open_retriever) {
-    KVTIER_ASSIGN_OR_RETURN(m.retriever, o_.open_retriever(m.name, g_, ro, *backend_));
-  } else if (host_tier) {
-    const int64_t pages =
-        int64_t{g_.num_layers} * ((max_tokens_ + g_.page_size - 1) / g_.page_size);
-    ArenaOptions ao;
-    ao.bytes = static_cast<size_t>(pages) * g_.host_page_bytes();
-    ao.name = "kvtier-replay-" + m.name;
-    ao.lock = false;
-    KVTIER_ASSIGN_OR_RETURN(m.arena, HostArena::Create(ao));
-    KVTIER_RETURN_IF_ERROR(m.arena->RegisterWith(*backend_));
-    KVTIER_ASSIGN_OR_RETURN(m.pool, PagePool::CreateInArena(*m.arena, g_.host_page_bytes()));
-  }
-  if (m.retriever == nullptr) {
-    KVTIER_ASSIGN_OR_RETURN(m.retriever, Retriever::Create(g_, ro, *backend_, m.pool.get()));
+  if (host_tier && o_.open_session) {
+    KVTIER_ASSIGN_OR_RETURN(m.session, o_.open_session(m.name, g_, ro, *backend_));
+    m.seq = &m.session->sequence();
+  } else {
+    KVTIER_ASSIGN_OR_RETURN(m.local, NewLocalSequence(g_, ro, *backend_));
+    m.seq = m.local.get();
   }
   const size_t q_bytes = static_cast<size_t>(g_.num_q_heads) * g_.head_dim * g_.element_bytes();
   for (int32_t l = 0; l < g_.num_layers; ++l) {
@@ -147,7 +136,7 @@ absl::Status Replay::Setup() {
   }
   if (o_.mass_layers < 0) return absl::InvalidArgumentError("--mass-layers must be >= 0");
   max_tokens_ = T_ + N_;
-  BackendOptions bo;
+  DeviceOptions bo;
   bo.cpu_threads = o_.threads;
   KVTIER_ASSIGN_OR_RETURN(backend_, CreateBackend(o_.backend, bo));
   KVTIER_ASSIGN_OR_RETURN(io_, backend_->CreateStream());
@@ -187,9 +176,9 @@ absl::Status Replay::Prefill() {
     KVTIER_RETURN_IF_ERROR(backend_->Copy(*io_, dv.data(), v.data(), v.size()));
     KVTIER_RETURN_IF_ERROR(io_->Synchronize());
     for (ModeRun& m : modes_) {
-      KVTIER_RETURN_IF_ERROR(m.retriever->Append(l, dk.data(), dv.data(), T_));
+      KVTIER_RETURN_IF_ERROR(m.seq->Append(l, dk.data(), dv.data(), T_));
     }
-    for (ModeRun& m : modes_) KVTIER_RETURN_IF_ERROR(m.retriever->Wait());
+    for (ModeRun& m : modes_) KVTIER_RETURN_IF_ERROR(m.seq->Wait());
     const auto it = std::find(mass_layers_.begin(), mass_layers_.end(), l);
     if (it != mass_layers_.end()) {
       std::vector<float>& kf = k_float_[it - mass_layers_.begin()];
@@ -201,25 +190,34 @@ absl::Status Replay::Prefill() {
 }
 
 absl::Status Replay::RunLayer(ModeRun& m, int32_t l, bool timed, double* us) {
-  Retriever& r = *m.retriever;
+  LocalSequence* r = m.seq->local();
+  if (r == nullptr) {
+    // A remote sequence: one call runs the whole step and returns the output on the host.
+    const absl::Time t0 = absl::Now();
+    KVTIER_RETURN_IF_ERROR(m.seq->Append(l, k_[l].data(), v_[l].data(), 1));
+    KVTIER_RETURN_IF_ERROR(m.seq->Decode(l, q_[l].data(), m.out_host[l].data(), nullptr));
+    if (timed) *us += absl::ToDoubleMicroseconds(absl::Now() - t0);
+    m.tables[l] = m.seq->LastStep(l).slot_table;
+    return absl::OkStatus();
+  }
   const absl::Time t0 = absl::Now();
-  KVTIER_RETURN_IF_ERROR(r.Append(l, k_[l].data(), v_[l].data(), 1));
-  KVTIER_ASSIGN_OR_RETURN(WorkingSetView view, r.BeginStep(l, q_[l].data()));
-  KVTIER_RETURN_IF_ERROR(r.Attend(l, q_[l].data(), m.out[l].data(), nullptr));
+  KVTIER_RETURN_IF_ERROR(r->Append(l, k_[l].data(), v_[l].data(), 1));
+  KVTIER_ASSIGN_OR_RETURN(WorkingSetView view, r->BeginStep(l, q_[l].data()));
+  KVTIER_RETURN_IF_ERROR(r->Attend(l, q_[l].data(), m.out[l].data(), nullptr));
   // The engine needs the attention output before the layer's next op.
-  KVTIER_RETURN_IF_ERROR(r.compute_stream().Record(*m.done));
+  KVTIER_RETURN_IF_ERROR(r->compute_stream().Record(*m.done));
   KVTIER_RETURN_IF_ERROR(m.done->Wait(absl::Minutes(5)));
   const absl::Time t1 = absl::Now();
   // Not timed: read back the output and the slot tables for the accuracy metrics.
   m.tables[l].resize(static_cast<size_t>(g_.num_kv_heads) * view.num_slots);
-  KVTIER_RETURN_IF_ERROR(backend_->Copy(r.compute_stream(), m.out_host[l].data(), m.out[l].data(),
-                                        m.out_host[l].size()));
-  KVTIER_RETURN_IF_ERROR(backend_->Copy(r.compute_stream(), m.tables[l].data(), view.slot_table,
+  KVTIER_RETURN_IF_ERROR(backend_->Copy(r->compute_stream(), m.out_host[l].data(),
+                                        m.out[l].data(), m.out_host[l].size()));
+  KVTIER_RETURN_IF_ERROR(backend_->Copy(r->compute_stream(), m.tables[l].data(), view.slot_table,
                                         m.tables[l].size() * sizeof(int32_t)));
-  KVTIER_RETURN_IF_ERROR(r.compute_stream().Record(*m.done));
+  KVTIER_RETURN_IF_ERROR(r->compute_stream().Record(*m.done));
   KVTIER_RETURN_IF_ERROR(m.done->Wait(absl::Minutes(5)));
   const absl::Time t2 = absl::Now();
-  KVTIER_RETURN_IF_ERROR(r.EndStep(l, q_[l].data()));
+  KVTIER_RETURN_IF_ERROR(r->EndStep(l, q_[l].data()));
   if (timed) *us += absl::ToDoubleMicroseconds((t1 - t0) + (absl::Now() - t2));
   return absl::OkStatus();
 }
@@ -241,14 +239,14 @@ absl::Status Replay::Step(int32_t step, bool profiled) {
     }
   }
   for (ModeRun& m : modes_) {
-    m.retriever->SetProfiling(profiled);
+    if (LocalSequence* local = m.seq->local(); local != nullptr) local->SetProfiling(profiled);
     double us = 0;
     for (int32_t l = 0; l < g_.num_layers; ++l) {
       KVTIER_RETURN_IF_ERROR(RunLayer(m, l, !profiled, &us));
     }
     // Drain the background work before the next mode runs (not timed: in an engine the last
     // layers' recalls overlap the next step's first layers).
-    KVTIER_RETURN_IF_ERROR(m.retriever->Wait());
+    KVTIER_RETURN_IF_ERROR(m.seq->Wait());
     if (!profiled) {
       m.critical_us += us;
       ++m.critical_steps;
@@ -336,7 +334,7 @@ JsonObject Replay::Report() const {
   const ModeRun* spec = nullptr;
   const ModeRun* sync = nullptr;
   for (const ModeRun& m : modes_) {
-    const RetrieverStats st = m.retriever->Stats();
+    const SequenceStats st = m.seq->Stats();
     const double steps = N_;
     const double profiled_steps =
         std::max<double>(1.0, static_cast<double>(st.profiled_steps) / g_.num_layers);

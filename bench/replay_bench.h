@@ -27,7 +27,8 @@
 #include "bench/report.h"
 #include "bench/trace.h"
 #include "kernels/backend.h"
-#include "kvtier/retriever.h"
+#include "kvtier/client.h"
+#include "kvtier/sequence.h"
 
 namespace kvtier::bench {
 
@@ -44,15 +45,15 @@ struct ReplayBenchOptions {
   RecallStrategy recall = RecallStrategy::kAuto;
   int32_t mass_layers = 4;    // layers (evenly spaced) for attn_mass_recall
   int32_t profile_steps = 4;  // trailing steps run with profiling for the split
-  BackendKind backend = BackendKind::kCpu;
+  DeviceKind backend = DeviceKind::kCpu;
   int threads = 0;  // cpu backend threads; 0 = all
-  // When set, the modes with a host tier (speculative, sync) get their Retriever from this
-  // instead of a private arena: the demo engine opens kvtierd Sessions here (a Session is a
-  // Retriever whose host tier is the daemon's). Full and drop modes stay local. `name` is
-  // the mode's report name.
-  std::function<absl::StatusOr<std::unique_ptr<Retriever>>(
-      const std::string& name, const Geometry& g, const RetrieverOptions& ro, Backend& backend)>
-      open_retriever;
+  // When set, the modes with a host tier (speculative, sync) run the sequence of a Session
+  // this opens instead of a local sequence with a private host tier: the demo engine opens
+  // kvtierd Sessions here (SHM: a local sequence over the daemon's arena; GRPC: a remote
+  // one). Full and drop modes stay local. `name` is the mode's report name.
+  std::function<absl::StatusOr<std::unique_ptr<Session>>(
+      const std::string& name, const Geometry& g, const SequenceOptions& ro, Device& device)>
+      open_session;
 };
 
 // Opens the trace of a replay: the file at `path`, or the synthetic one when it is empty;

@@ -1,7 +1,7 @@
 #include "bench/replay_session.h"
 
 #include "absl/strings/str_cat.h"
-#include "kvtier/status.h"
+#include "core/status.h"
 
 namespace kvtier::bench {
 
@@ -18,20 +18,19 @@ absl::StatusOr<std::unique_ptr<ReplaySessions>> ReplaySessions::Connect(
 }
 
 void ReplaySessions::Install(ReplayBenchOptions& o) {
-  o.open_retriever = [this](const std::string& name, const Geometry& g,
-                            const RetrieverOptions& ro,
-                            Backend& backend) -> absl::StatusOr<std::unique_ptr<Retriever>> {
+  o.open_session = [this](const std::string& name, const Geometry& g, const SequenceOptions& ro,
+                          Device& device) -> absl::StatusOr<std::unique_ptr<Session>> {
     SessionOptions so;
     so.geometry = g;
-    so.retriever = ro;
+    so.sequence = ro;
     so.transport = transport_;
-    so.backend = &backend;
+    so.device = &device;
     so.label = absl::StrCat("replay ", name);
     KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<Session> s, client_->OpenSession(so));
     log_ << "  mode " << name << ": session " << s->id() << " (" << TransportName(transport_)
          << ")\n";
     ids_.push_back(s->id());
-    return std::unique_ptr<Retriever>(std::move(s));
+    return s;
   };
 }
 

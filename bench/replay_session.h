@@ -1,7 +1,7 @@
 // The demo engine's link to kvtierd: makes `kvtier-bench replay --connect TARGET` open its
 // host-tier modes (speculative, sync) as Sessions of a running daemon instead of private
 // arenas, so the replay trace runs through the service exactly as an engine would drive it
-// (SHM: the tenant arena mapped through the attach socket, the Retriever in this process;
+// (SHM: the tenant arena mapped through the attach socket, the sequence in this process;
 // GRPC: pages and steps over gRPC).
 //
 // Thread-compatible.
@@ -26,9 +26,9 @@ class ReplaySessions {
                                                                  const ClientOptions& options,
                                                                  Transport transport,
                                                                  std::ostream& log);
-  // Installs the session factory into `o` (ReplayBenchOptions::open_retriever).
+  // Installs the session factory into `o` (ReplayBenchOptions::open_session).
   void Install(ReplayBenchOptions& o);
-  // Closes every session opened (the replay's Retrievers must be gone). Logs each.
+  // Closes every session opened (the replay and its sessions must be gone). Logs each.
   absl::Status CloseAll();
   const Capabilities& capabilities() const { return client_->capabilities(); }
 

@@ -9,7 +9,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "kvtier/status.h"
+#include "core/status.h"
 
 namespace kvtier::bench {
 

@@ -25,7 +25,7 @@
 #include "absl/time/time.h"
 #include "bench/synthetic_kv.h"
 #include "kvtier/dtype.h"
-#include "kvtier/status.h"
+#include "core/status.h"
 #include "offload/host_arena.h"
 #include "offload/page_pool.h"
 
@@ -85,7 +85,7 @@ struct Counters {
   int64_t correction_pages = 0;
   int64_t checked_heads = 0;
   int64_t corrected_heads = 0;
-  void Add(const RetrieverStats& s, int64_t sign) {
+  void Add(const SequenceStats& s, int64_t sign) {
     steps += sign * s.steps;
     recalled_pages += sign * s.recalled_pages;
     recalled_bytes += sign * s.recalled_bytes;
@@ -101,7 +101,7 @@ struct Counters {
 struct RetrieverRun {
   Timing timing;
   Counters counters;
-  std::set<std::string> strategies;  // RetrieverStats::recall_strategy of the sequences
+  std::set<std::string> strategies;  // SequenceStats::recall_strategy of the sequences
 };
 
 struct BatchResult {
@@ -148,7 +148,7 @@ class StepBench {
   int32_t Bmax_ = 0, T_ = 0, S_ = 0, N_ = 0, max_tokens_ = 0;
   size_t q_bytes_ = 0, row_bytes_ = 0, kv_seq_bytes_ = 0, ws_seq_bytes_ = 0;
   size_t pool_bytes_ = 0, device_bytes_ = 0;
-  RetrieverOptions ro_;  // shape of the working set (SetBudgetTokens)
+  SequenceOptions ro_;  // shape of the working set (SetBudgetTokens)
   std::set<std::string> strategies_;
   std::unique_ptr<Backend> be_;
   std::unique_ptr<Stream> compute_;
@@ -217,18 +217,18 @@ absl::Status StepBench::Setup(std::ostream& log) {
   const size_t staging =
       3 * kv_seq_bytes_ + size_t{1} * N_ * L * Bmax_ * (q_bytes_ + 2 * row_bytes_);
 
-  BackendOptions bo;
+  DeviceOptions bo;
   bo.cpu_threads = o_.threads;
   KVTIER_ASSIGN_OR_RETURN(be_, CreateBackend(o_.backend, bo));
   const size_t host_need =
-      pool_bytes_ + staging + (be_->kind() == BackendKind::kCpu ? device_bytes_ : 0);
+      pool_bytes_ + staging + (be_->kind() == DeviceKind::kCpu ? device_bytes_ : 0);
   const int64_t avail = HostMemAvailable();
   if (avail > 0 && static_cast<double>(host_need) > 0.9 * static_cast<double>(avail)) {
     return absl::ResourceExhaustedError(absl::StrFormat(
         "step bench: needs about %s of host memory (host tier %s%s), %s available; lower "
         "--context, --batch or --layers",
         Bytes(double(host_need)), Bytes(double(pool_bytes_)),
-        be_->kind() == BackendKind::kCpu ? ", cpu backend buffers " + Bytes(double(device_bytes_))
+        be_->kind() == DeviceKind::kCpu ? ", cpu backend buffers " + Bytes(double(device_bytes_))
                                          : std::string(),
         Bytes(double(avail))));
   }
@@ -416,7 +416,7 @@ absl::Status StepBench::Resident(int32_t step, int32_t B, bool per_sequence) {
 }
 
 absl::StatusOr<RetrieverRun> StepBench::Retrievers(int32_t B, RetrievalMode mode) {
-  RetrieverOptions ro = ro_;
+  SequenceOptions ro = ro_;
   ro.mode = mode;
   ro.max_tokens = max_tokens_;
   ro.correction_threshold = o_.tau;
@@ -461,7 +461,7 @@ absl::StatusOr<RetrieverRun> StepBench::Retrievers(int32_t B, RetrievalMode mode
   KVTIER_ASSIGN_OR_RETURN(run.timing, TimeSteps(step, drain));
   for (auto& r : rs) {
     KVTIER_RETURN_IF_ERROR(r->Wait());
-    const RetrieverStats st = r->Stats();
+    const SequenceStats st = r->Stats();
     run.counters.Add(st, +1);
     run.strategies.insert(std::string(RecallStrategyName(st.recall_strategy)));
   }
@@ -472,7 +472,7 @@ absl::StatusOr<RetrieverRun> StepBench::Retrievers(int32_t B, RetrievalMode mode
 JsonObject StepBench::Report(const std::vector<BatchResult>& results, std::ostream& log) const {
   const std::string device = be_->Describe();
   std::string driver, cuda;
-  if (be_->kind() == BackendKind::kCuda) ParseCudaVersions(device, &driver, &cuda);
+  if (be_->kind() == DeviceKind::kCuda) ParseCudaVersions(device, &driver, &cuda);
   const std::string strategy = strategies_.empty() ? std::string(RecallStrategyName(o_.recall))
                                                    : absl::StrJoin(strategies_, "+");
   const int64_t layer_steps = int64_t{o_.steps} * g_.num_layers;
@@ -669,7 +669,7 @@ int RunStepCommand(StepFlags& f) {
     std::cerr << "kvtier-bench step: --dtype must be fp16, bf16 or fp32\n";
     return 2;
   }
-  if (!ParseBackendKind(f.backend, &o.backend)) {
+  if (!ParseDeviceKind(f.backend, &o.backend)) {
     std::cerr << "kvtier-bench step: --backend must be cpu, cuda or auto\n";
     return 2;
   }

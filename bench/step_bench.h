@@ -30,7 +30,7 @@
 #include "bench/report.h"
 #include "kernels/registry.h"
 #include "kvtier/geometry.h"
-#include "kvtier/retriever.h"
+#include "offload/retriever.h"
 
 namespace kvtier::bench {
 
@@ -42,7 +42,7 @@ struct StepBenchOptions {
     return g;
   }();
   int32_t context = 32768;                // prefill tokens per sequence and layer
-  int32_t budget_tokens = 2048;           // working set (RetrieverOptions::SetBudgetTokens)
+  int32_t budget_tokens = 2048;           // working set (SequenceOptions::SetBudgetTokens)
   std::vector<int32_t> batches = {1, 8};  // decode batch sizes, each measured in turn
   int32_t steps = 32;                     // timed decode steps
   int32_t warmup = 4;                     // untimed decode steps before them
@@ -51,7 +51,7 @@ struct StepBenchOptions {
   float tau = 0.9f;                       // correction threshold (speculative mode)
   RecallStrategy recall = RecallStrategy::kAuto;
   bool sync = true;  // measure sync mode
-  BackendKind backend = BackendKind::kCpu;
+  DeviceKind backend = DeviceKind::kCpu;
   int threads = 0;  // cpu backend threads; 0 = all
   uint64_t seed = 1;
 };

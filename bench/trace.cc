@@ -14,7 +14,7 @@
 
 #include "absl/strings/str_format.h"
 #include "kvtier/dtype.h"
-#include "kvtier/status.h"
+#include "core/status.h"
 
 namespace kvtier::bench {
 namespace {

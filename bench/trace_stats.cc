@@ -7,7 +7,7 @@
 #include "absl/strings/str_format.h"
 #include "bench/synthetic_kv.h"
 #include "bench/trace.h"
-#include "kvtier/status.h"
+#include "core/status.h"
 
 namespace kvtier::bench {
 namespace {

@@ -50,9 +50,10 @@ int Guard(F&& f) {
 }
 
 // A session's calls return once the compute stream has run their work.
+// Every call returns after its work has run: the caller's buffers may be reused at once.
 absl::Status Synced(kvtier::Session& s, absl::Status st) {
   if (!st.ok()) return st;
-  return s.compute_stream().Synchronize();
+  return s.sequence().Wait();
 }
 
 kvtier::SessionOptions ToSessionOptions(const kvtier_session_options& o, absl::Status* st) {
@@ -80,20 +81,19 @@ kvtier::SessionOptions ToSessionOptions(const kvtier_session_options& o, absl::S
   if (o.mode < KVTIER_MODE_SPECULATIVE || o.mode > KVTIER_MODE_DROP) {
     *st = absl::InvalidArgumentError(absl::StrFormat("mode = %d: must be a KVTIER_MODE_*", o.mode));
   }
-  s.retriever.mode = static_cast<kvtier::RetrievalMode>(o.mode);
+  s.sequence.mode = static_cast<kvtier::RetrievalMode>(o.mode);
   if (o.budget_tokens != 0) {
-    if (absl::Status b = s.retriever.SetBudgetTokens(o.budget_tokens, g.page_size); !b.ok()) {
+    if (absl::Status b = s.sequence.SetBudgetTokens(o.budget_tokens, g.page_size); !b.ok()) {
       *st = b;
     }
   }
-  s.retriever.max_tokens = o.max_tokens;
-  s.retriever.correction_threshold = o.correction_threshold;
+  s.sequence.max_tokens = o.max_tokens;
+  s.sequence.correction_threshold = o.correction_threshold;
   if (o.transport != KVTIER_TRANSPORT_SHM && o.transport != KVTIER_TRANSPORT_GRPC) {
     *st = absl::InvalidArgumentError(
         absl::StrFormat("transport = %d: must be a KVTIER_TRANSPORT_*", o.transport));
   }
   s.transport = static_cast<kvtier::Transport>(o.transport);
-  s.remote_attention = o.remote_attention != 0;
   if (o.label != nullptr) s.label = o.label;
   return s;
 }
@@ -130,13 +130,12 @@ void kvtier_client_options_init(kvtier_client_options* o) {
 void kvtier_session_options_init(kvtier_session_options* o) {
   if (o == nullptr) return;
   std::memset(o, 0, sizeof(*o));
-  o->geometry.page_size = 32;
+  o->geometry.page_size = kvtier::kDefaultPageSize;
   o->geometry.dtype = KVTIER_DTYPE_F16;
   o->mode = KVTIER_MODE_SPECULATIVE;
-  o->budget_tokens = 2048;
-  o->correction_threshold = 0.9f;
+  o->budget_tokens = kvtier::kDefaultBudgetTokens;
+  o->correction_threshold = kvtier::kDefaultCorrectionThreshold;
   o->transport = KVTIER_TRANSPORT_SHM;
-  o->remote_attention = 1;
 }
 
 const char* kvtier_version(void) {
@@ -188,7 +187,7 @@ const char* kvtier_session_id(const kvtier_session* session) {
 }
 
 int32_t kvtier_num_tokens(const kvtier_session* session, int32_t layer) {
-  return session == nullptr ? 0 : session->session->num_tokens(layer);
+  return session == nullptr ? 0 : session->session->sequence().num_tokens(layer);
 }
 
 int kvtier_append(kvtier_session* session, int32_t layer, const void* k, const void* v,
@@ -196,45 +195,27 @@ int kvtier_append(kvtier_session* session, int32_t layer, const void* k, const v
   if (session == nullptr) return InvalidArgument("kvtier_append: session is null");
   return Guard([&] {
     kvtier::Session& s = *session->session;
-    return Synced(s, s.Append(layer, k, v, n_tokens));
+    return Synced(s, s.sequence().Append(layer, k, v, n_tokens));
   });
 }
 
-int kvtier_begin_step(kvtier_session* session, int32_t layer, const void* q, int32_t* num_slots,
-                      int32_t* slot_table, size_t slot_table_capacity) {
-  if (session == nullptr) return InvalidArgument("kvtier_begin_step: session is null");
+int kvtier_decode(kvtier_session* session, int32_t layer, const void* q, void* out, float* lse,
+                  int32_t* num_slots, int32_t* slot_table, size_t slot_table_capacity) {
+  if (session == nullptr) return InvalidArgument("kvtier_decode: session is null");
   return Guard([&]() -> absl::Status {
     kvtier::Session& s = *session->session;
-    absl::StatusOr<kvtier::WorkingSetView> view = s.BeginStep(layer, q);
-    if (!view.ok()) return view.status();
-    if (absl::Status st = s.compute_stream().Synchronize(); !st.ok()) return st;
-    if (num_slots != nullptr) *num_slots = view->num_slots;
+    if (absl::Status st = Synced(s, s.sequence().Decode(layer, q, out, lse)); !st.ok()) return st;
+    const kvtier::StepStats step = s.sequence().LastStep(layer);
+    if (num_slots != nullptr) *num_slots = step.num_slots;
     if (slot_table == nullptr) return absl::OkStatus();
-    const std::vector<int32_t>& table = s.LastSlotTable(layer);
-    if (slot_table_capacity < table.size()) {
+    if (slot_table_capacity < step.slot_table.size()) {
       return absl::OutOfRangeError(
-          absl::StrFormat("kvtier_begin_step: slot_table_capacity = %d entries; the slot table has "
+          absl::StrFormat("kvtier_decode: slot_table_capacity = %d entries; the slot table has "
                           "num_kv_heads x num_slots = %d",
-                          slot_table_capacity, table.size()));
+                          slot_table_capacity, step.slot_table.size()));
     }
-    std::memcpy(slot_table, table.data(), table.size() * sizeof(int32_t));
+    std::memcpy(slot_table, step.slot_table.data(), step.slot_table.size() * sizeof(int32_t));
     return absl::OkStatus();
-  });
-}
-
-int kvtier_attend(kvtier_session* session, int32_t layer, const void* q, void* out, float* lse) {
-  if (session == nullptr) return InvalidArgument("kvtier_attend: session is null");
-  return Guard([&] {
-    kvtier::Session& s = *session->session;
-    return Synced(s, s.Attend(layer, q, out, lse));
-  });
-}
-
-int kvtier_end_step(kvtier_session* session, int32_t layer, const void* q) {
-  if (session == nullptr) return InvalidArgument("kvtier_end_step: session is null");
-  return Guard([&] {
-    kvtier::Session& s = *session->session;
-    return Synced(s, s.EndStep(layer, q));
   });
 }
 

@@ -15,19 +15,10 @@
 #include "client/rpc_util.h"
 #include "client/session_grpc.h"
 #include "client/session_shm.h"
-#include "kvtier/status.h"
+#include "core/status.h"
+#include "kernels/registry.h"
 
 namespace kvtier {
-
-std::string_view TransportName(Transport t) {
-  switch (t) {
-    case Transport::kShm:
-      return "shm";
-    case Transport::kGrpc:
-      return "grpc";
-  }
-  return "unknown";
-}
 
 namespace {
 
@@ -46,6 +37,8 @@ class ClientImpl final : public Client {
 
  private:
   // The session object for the daemon's record `info`; `restore`: take over its pages.
+  // The tenant arena mapped for `options.device` (null: the client's CPU device).
+  absl::StatusOr<std::shared_ptr<ArenaMapping>> MapArena(const SessionOptions& options);
   absl::StatusOr<std::unique_ptr<Session>> MakeSession(const SessionInfo& info,
                                                        const SessionOptions& options,
                                                        std::shared_ptr<ArenaMapping> mapping,
@@ -66,13 +59,21 @@ absl::StatusOr<std::unique_ptr<Session>> ClientImpl::MakeSession(
   return absl::InternalError("unknown transport");
 }
 
+absl::StatusOr<std::shared_ptr<ArenaMapping>> ClientImpl::MapArena(const SessionOptions& options) {
+  Backend* backend = nullptr;
+  if (options.device != nullptr) {
+    KVTIER_ASSIGN_OR_RETURN(backend, BackendOf(*options.device, "SessionOptions.device"));
+  }
+  return conn_->ArenaFor(backend);
+}
+
 absl::StatusOr<std::unique_ptr<Session>> ClientImpl::OpenSession(const SessionOptions& options) {
   KVTIER_ASSIGN_OR_RETURN(const v1::OpenSessionRequest req,
                           BuildOpenSessionRequest(conn_->options().tenant, options));
   // Map the arena first: a session the client cannot use must not be opened.
   std::shared_ptr<ArenaMapping> mapping;
   if (options.transport == Transport::kShm) {
-    KVTIER_ASSIGN_OR_RETURN(mapping, conn_->ArenaFor(options.backend));
+    KVTIER_ASSIGN_OR_RETURN(mapping, MapArena(options));
   }
   v1::OpenSessionReply reply;
   auto ctx = conn_->Context();
@@ -104,7 +105,7 @@ absl::StatusOr<std::unique_ptr<Session>> ClientImpl::Reattach(std::string_view i
   // The transport is the session's, whatever options.transport says.
   std::shared_ptr<ArenaMapping> mapping;
   if (info.transport == Transport::kShm) {
-    KVTIER_ASSIGN_OR_RETURN(mapping, conn_->ArenaFor(options.backend));
+    KVTIER_ASSIGN_OR_RETURN(mapping, MapArena(options));
   }
   return MakeSession(info, options, std::move(mapping), /*restore=*/true);
 }

@@ -13,7 +13,7 @@
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
 #include "kernels/registry.h"
-#include "kvtier/status.h"
+#include "core/status.h"
 #include "offload/session_region.h"
 
 namespace kvtier {
@@ -119,7 +119,7 @@ absl::StatusOr<std::shared_ptr<ArenaMapping>> Connection::ArenaFor(Backend* back
   std::shared_ptr<Backend> owned;
   if (backend == nullptr) {
     if (cpu_backend_ == nullptr) {
-      KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<Backend> cpu, CreateBackend(BackendKind::kCpu));
+      KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<Backend> cpu, CreateBackend(DeviceKind::kCpu));
       cpu_backend_ = std::move(cpu);
     }
     owned = cpu_backend_;

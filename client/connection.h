@@ -21,7 +21,7 @@
 #include "grpcpp/client_context.h"
 #include "kernels/backend.h"
 #include "kvtier/client.h"
-#include "kvtier/mutex.h"
+#include "core/mutex.h"
 #include "kvtier/v1/kvtier.grpc.pb.h"
 #include "offload/host_arena.h"
 

@@ -8,7 +8,7 @@
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "kvtier/status.h"
+#include "core/status.h"
 
 namespace kvtier {
 
@@ -22,27 +22,27 @@ absl::StatusOr<v1::OpenSessionRequest> BuildOpenSessionRequest(std::string_view 
                                                                const SessionOptions& options) {
   const Geometry& g = options.geometry;
   KVTIER_RETURN_IF_ERROR(g.Validate());
-  const RetrieverOptions& r = options.retriever;
+  const SequenceOptions& r = options.sequence;
   const int64_t budget_tokens = int64_t{r.budget_pages()} * g.page_size;
-  RetrieverOptions split;
+  SequenceOptions split;
   if (budget_tokens > std::numeric_limits<int32_t>::max() ||
       !split.SetBudgetTokens(static_cast<int32_t>(budget_tokens), g.page_size).ok() ||
       split.sink_pages != r.sink_pages || split.selected_pages != r.selected_pages ||
       split.recent_pages != r.recent_pages) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "retriever sink_pages = %d, selected_pages = %d, recent_pages = %d: the protocol "
+        "sequence sink_pages = %d, selected_pages = %d, recent_pages = %d: the protocol "
         "carries a budget in tokens split 1/4 : 1/2 : 1/4, so sink and recent must be equal, "
         "selected twice that, and the budget (%d tokens) a positive multiple of 4 pages (%d "
-        "tokens at p = %d); use RetrieverOptions::SetBudgetTokens",
+        "tokens at p = %d); use SequenceOptions::SetBudgetTokens",
         r.sink_pages, r.selected_pages, r.recent_pages, budget_tokens, 4 * g.page_size,
         g.page_size));
   }
   if (r.max_tokens < 0) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "retriever.max_tokens = %d: must be >= 0 (0: the daemon's default)", r.max_tokens));
+        "sequence.max_tokens = %d: must be >= 0 (0: the daemon's default)", r.max_tokens));
   }
   if (!std::isfinite(r.correction_threshold)) {
-    return absl::InvalidArgumentError("retriever.correction_threshold: must be finite");
+    return absl::InvalidArgumentError("sequence.correction_threshold: must be finite");
   }
   v1::OpenSessionRequest req;
   req.set_tenant(std::string(tenant));
@@ -58,9 +58,9 @@ absl::StatusOr<v1::OpenSessionRequest> BuildOpenSessionRequest(std::string_view 
   return req;
 }
 
-absl::StatusOr<RetrieverOptions> ResolveRetrieverOptions(const RetrieverOptions& local,
+absl::StatusOr<SequenceOptions> ResolveSequenceOptions(const SequenceOptions& local,
                                                          const SessionInfo& info) {
-  RetrieverOptions o = local;
+  SequenceOptions o = local;
   o.mode = info.mode;
   if (info.budget_tokens != 0) {
     if (absl::Status st = o.SetBudgetTokens(info.budget_tokens, info.geometry.page_size);
@@ -135,8 +135,8 @@ Capabilities CapabilitiesFromHello(const v1::HelloReply& r) {
   return c;
 }
 
-RetrieverStats StatsFromProto(const v1::SessionStats& s) {
-  RetrieverStats r;
+SequenceStats StatsFromProto(const v1::SessionStats& s) {
+  SequenceStats r;
   r.steps = s.steps();
   r.appended_tokens = s.appended_tokens();
   r.offloaded_pages = s.offloaded_pages();

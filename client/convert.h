@@ -1,4 +1,4 @@
-// Conversions between libkvtier's types (kvtier/client.h, kvtier/retriever.h) and the
+// Conversions between libkvtier's types (kvtier/client.h, kvtier/sequence.h) and the
 // kvtier.v1 protocol messages. Client-side validation of what the daemon would refuse lives
 // here too, so an engine learns about a bad option before a round trip.
 //
@@ -12,7 +12,6 @@
 #include "absl/status/statusor.h"
 #include "kvtier/client.h"
 #include "kvtier/geometry.h"
-#include "kvtier/retriever.h"
 #include "kvtier/v1/kvtier.pb.h"
 #include "proto/convert.h"
 
@@ -28,15 +27,15 @@ std::string RandomRequestId();
 absl::StatusOr<v1::OpenSessionRequest> BuildOpenSessionRequest(std::string_view tenant,
                                                                const SessionOptions& options);
 
-// The in-process Retriever's options for a session as the daemon resolved it: mode, budget,
+// The local sequence's options for a session as the daemon resolved it: mode, budget,
 // max_tokens and τ from `info`, everything else from `local`. INTERNAL when the resolved
 // budget cannot be split (a daemon bug, reported as such).
-absl::StatusOr<RetrieverOptions> ResolveRetrieverOptions(const RetrieverOptions& local,
+absl::StatusOr<SequenceOptions> ResolveSequenceOptions(const SequenceOptions& local,
                                                          const SessionInfo& info);
 
 absl::StatusOr<SessionInfo> SessionInfoFromProto(const v1::SessionInfo& info);
 Capabilities CapabilitiesFromHello(const v1::HelloReply& reply);
-RetrieverStats StatsFromProto(const v1::SessionStats& stats);
+SequenceStats StatsFromProto(const v1::SessionStats& stats);
 
 }  // namespace kvtier
 

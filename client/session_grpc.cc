@@ -13,7 +13,7 @@
 #include "absl/strings/str_format.h"
 #include "client/convert.h"
 #include "client/rpc_util.h"
-#include "kvtier/status.h"
+#include "core/status.h"
 
 namespace kvtier {
 
@@ -22,20 +22,13 @@ namespace {
 // Bytes an OffloadRequest needs beyond K and V: ids, tags and lengths.
 constexpr uint64_t kOffloadOverheadBytes = 1024;
 
-// The compute stream of a session whose work all runs in the daemon: nothing is ever
-// enqueued on it. Not a backend stream: pass it to no backend op.
-class NoWorkStream final : public Stream {
+// The sequence of a GRPC session: its host tier, working set and attention are in the
+// daemon. Every call has finished its work when it returns.
+class RemoteSequence final : public Sequence {
  public:
-  absl::Status Record(Event&) override { return absl::OkStatus(); }  // nothing to capture
-  absl::Status Wait(Event& event) override { return event.Wait(); }  // later work: none
-  absl::Status Synchronize() override { return absl::OkStatus(); }
-};
-
-class GrpcSession final : public Session {
- public:
-  GrpcSession(std::shared_ptr<Connection> conn, const SessionInfo& info,
-              const SessionOptions& options, const RetrieverOptions& resolved)
-      : conn_(std::move(conn)), info_(info), options_(options), resolved_(resolved) {
+  RemoteSequence(std::shared_ptr<Connection> conn, const SessionInfo& info,
+                 const SequenceOptions& resolved)
+      : conn_(std::move(conn)), info_(info), resolved_(resolved) {
     const auto layers = static_cast<size_t>(info_.geometry.num_layers);
     layers_.resize(layers);
     for (size_t l = 0; l < layers && l < info_.committed_tokens.size(); ++l) {
@@ -48,76 +41,24 @@ class GrpcSession final : public Session {
     }
   }
 
-  // Retriever.
   absl::Status Append(int32_t layer, const void* k, const void* v, int32_t n_tokens) override;
-  absl::StatusOr<WorkingSetView> BeginStep(int32_t layer, const void* q) override;
-  absl::Status Attend(int32_t layer, const void* q, void* out, float* lse) override;
-  absl::Status EndStep(int32_t layer, const void* q) override;
-  absl::Status Wait() override { return absl::OkStatus(); }  // every call has finished
-  // The protocol carries no policy inputs yet: policies of GRPC sessions run on what the
-  // daemon's Retriever sees itself (attention, keys), never on engine signals.
-  absl::Status ReportSignals(const policy::StepSignals&) override {
-    return absl::UnimplementedError(
-        "ReportSignals: GRPC sessions cannot carry policy signals yet; use an SHM session");
+  absl::Status Decode(int32_t layer, const void* q, void* out, float* lse) override;
+  absl::Status Wait() override { return CheckOpen("Wait"); }  // every call has finished
+  // The daemon's session stays open: Session::Close closes it.
+  absl::Status Close() override {
+    closed_ = true;
+    return absl::OkStatus();
   }
-  absl::Status ObserveQueries(int32_t, const void*, int32_t, int64_t) override {
-    return absl::UnimplementedError(
-        "ObserveQueries: GRPC sessions cannot carry observation queries yet; use an SHM "
-        "session");
-  }
-  absl::Status Close() override;
-  RetrieverStats Stats() override;
+  SequenceStats Stats() override;
   StepStats LastStep(int32_t layer) override {
     return ValidLayer(layer) ? layers_[static_cast<size_t>(layer)].last : StepStats{};
   }
-  void SetProfiling(bool) override {}
-  absl::StatusOr<std::vector<StoredPage>> TakeStoredPages(bool) override {
-    return std::vector<StoredPage>{};  // Offload commits before it returns
-  }
-  absl::Status Restore(int32_t, std::vector<PageHandle>) override {
-    return absl::FailedPreconditionError(
-        "Restore: a GRPC session's pages live in the daemon; Reattach continues where it is");
-  }
-  Stream& compute_stream() override {
-    if (options_.retriever.compute_stream != nullptr) return *options_.retriever.compute_stream;
-    return own_stream_ != nullptr ? *own_stream_ : stream_;
-  }
-  // With a backend, compute_stream() is a real (idle) stream of it, so the engine may enqueue
-  // its own copies of the results there; every call has finished before it returns.
-  void set_own_stream(std::unique_ptr<Stream> s) { own_stream_ = std::move(s); }
   const Geometry& geometry() const override { return info_.geometry; }
-  const RetrieverOptions& options() const override { return resolved_; }
+  const SequenceOptions& options() const override { return resolved_; }
   int32_t num_tokens(int32_t layer) const override {
     return ValidLayer(layer) ? layers_[static_cast<size_t>(layer)].tokens : 0;
   }
 
-  // Session.
-  const std::string& id() const override { return info_.id; }
-  Transport transport() const override { return Transport::kGrpc; }
-  uint64_t epoch() const override { return info_.epoch; }
-  absl::Status Flush() override { return CheckOpen("Flush"); }
-  absl::StatusOr<std::vector<FetchedPage>> FetchPages(int32_t layer,
-                                                      const std::vector<int64_t>& pages) override;
-  const std::vector<int32_t>& LastSlotTable(int32_t layer) const override {
-    static const std::vector<int32_t> kEmpty;
-    return ValidLayer(layer) ? layers_[static_cast<size_t>(layer)].table : kEmpty;
-  }
-  absl::StatusOr<SessionInfo> Info() override { return LookupSessionInfo(*conn_, info_.id); }
-
- private:
-  struct Layer {
-    int32_t tokens = 0;  // as the daemon last reported
-    bool in_step = false;
-    int64_t steps = 0;
-    std::vector<int32_t> table;  // [Hkv][num_slots] of the last Step
-    int32_t num_slots = 0;
-    int32_t partial[2] = {-1, 0};  // logical page being filled and its tokens
-    std::string output;            // [Hq][d] session dtype (remote_attention)
-    std::vector<float> lse;        // [Hq]
-    StepStats last;
-  };
-
-  bool ValidLayer(int32_t layer) const { return layer >= 0 && layer < info_.geometry.num_layers; }
   absl::Status CheckOpen(std::string_view what) const {
     if (closed_) {
       return absl::FailedPreconditionError(
@@ -133,6 +74,15 @@ class GrpcSession final : public Session {
     }
     return absl::OkStatus();
   }
+
+ private:
+  struct Layer {
+    int32_t tokens = 0;  // as the daemon last reported
+    int64_t steps = 0;
+    StepStats last;
+  };
+
+  bool ValidLayer(int32_t layer) const { return layer >= 0 && layer < info_.geometry.num_layers; }
   size_t token_bytes() const {
     const Geometry& g = info_.geometry;
     return static_cast<size_t>(g.num_kv_heads) * g.head_dim * g.element_bytes();
@@ -141,23 +91,56 @@ class GrpcSession final : public Session {
     const Geometry& g = info_.geometry;
     return static_cast<size_t>(g.num_q_heads) * g.head_dim * g.element_bytes();
   }
-  absl::Status KeepStep(int32_t layer, const v1::StepReply& reply);
+  absl::Status KeepStep(int32_t layer, const v1::StepReply& reply, bool want_output);
   // Step on the daemon, numbered; resynchronises the count once when the daemon says the
   // step this session thought lost did run.
-  absl::StatusOr<v1::StepReply> RunStep(int32_t layer, const void* q);
+  absl::StatusOr<v1::StepReply> RunStep(int32_t layer, const void* q, bool want_output);
 
   std::shared_ptr<Connection> conn_;
   const SessionInfo info_;
-  const SessionOptions options_;
-  const RetrieverOptions resolved_;
+  const SequenceOptions resolved_;
   std::vector<Layer> layers_;
-  RetrieverStats stats_;  // as GetStats last said
-  NoWorkStream stream_;
-  std::unique_ptr<Stream> own_stream_;
+  SequenceStats stats_;  // as GetStats last said
   bool closed_ = false;
 };
 
-absl::Status GrpcSession::Append(int32_t layer, const void* k, const void* v, int32_t n_tokens) {
+class GrpcSession final : public Session {
+ public:
+  GrpcSession(std::shared_ptr<Connection> conn, const SessionInfo& info,
+              const SequenceOptions& resolved)
+      : conn_(conn), info_(info), sequence_(std::move(conn), info, resolved) {}
+
+  const std::string& id() const override { return info_.id; }
+  Transport transport() const override { return Transport::kGrpc; }
+  uint64_t epoch() const override { return info_.epoch; }
+  Sequence& sequence() override { return sequence_; }
+  absl::Status Flush() override { return CheckOpen("Flush"); }  // Offload commits
+  absl::StatusOr<std::vector<FetchedPage>> FetchPages(int32_t layer,
+                                                      const std::vector<int64_t>& pages) override;
+  absl::StatusOr<SessionInfo> Info() override { return LookupSessionInfo(*conn_, info_.id); }
+  absl::Status Close() override {
+    if (closed_) return absl::OkStatus();
+    closed_ = true;
+    (void)sequence_.Close();
+    return CloseSessionById(*conn_, info_.id);
+  }
+
+ private:
+  absl::Status CheckOpen(std::string_view what) const {
+    if (closed_) {
+      return absl::FailedPreconditionError(
+          absl::StrFormat("%s: session %s is closed", what, info_.id));
+    }
+    return absl::OkStatus();
+  }
+
+  std::shared_ptr<Connection> conn_;
+  const SessionInfo info_;
+  RemoteSequence sequence_;
+  bool closed_ = false;
+};
+
+absl::Status RemoteSequence::Append(int32_t layer, const void* k, const void* v, int32_t n_tokens) {
   KVTIER_RETURN_IF_ERROR(CheckCall(layer, "Append"));
   if (k == nullptr || v == nullptr) {
     return absl::InvalidArgumentError("Append: k and v must be non-null");
@@ -166,10 +149,6 @@ absl::Status GrpcSession::Append(int32_t layer, const void* k, const void* v, in
     return absl::OutOfRangeError(absl::StrFormat("Append: n_tokens = %d must be >= 1", n_tokens));
   }
   Layer& l = layers_[static_cast<size_t>(layer)];
-  if (l.in_step) {
-    return absl::FailedPreconditionError(
-        absl::StrFormat("Append: layer %d is between BeginStep and EndStep", layer));
-  }
   KVTIER_ASSIGN_OR_RETURN(const int32_t chunk,
                           OffloadChunkTokens(info_.geometry, conn_->max_message_bytes(),
                                              conn_->capabilities().max_tokens_per_offload,
@@ -200,7 +179,7 @@ absl::Status GrpcSession::Append(int32_t layer, const void* k, const void* v, in
   if (absl::Status st = FromGrpcStatus(writer->Finish()); !st.ok()) {
     // The commits the stream made before it broke stand: learn how far the layer got, so
     // num_tokens() says where the engine resumes.
-    if (absl::StatusOr<SessionInfo> now = Info();
+    if (absl::StatusOr<SessionInfo> now = LookupSessionInfo(*conn_, info_.id);
         now.ok() && static_cast<size_t>(layer) < now->committed_tokens.size()) {
       l.tokens = static_cast<int32_t>(
           std::min<int64_t>(now->committed_tokens[layer], std::numeric_limits<int32_t>::max()));
@@ -220,7 +199,8 @@ absl::Status GrpcSession::Append(int32_t layer, const void* k, const void* v, in
   return absl::OkStatus();
 }
 
-absl::Status GrpcSession::KeepStep(int32_t layer, const v1::StepReply& reply) {
+absl::Status RemoteSequence::KeepStep(int32_t layer, const v1::StepReply& reply,
+                                      bool want_output) {
   const Geometry& g = info_.geometry;
   const int64_t slots = reply.num_slots();
   if (slots < 1 || reply.slot_table_size() != g.num_kv_heads * slots) {
@@ -228,35 +208,30 @@ absl::Status GrpcSession::KeepStep(int32_t layer, const v1::StepReply& reply) {
         "Step: the reply's slot_table has %d entries; num_kv_heads × num_slots = %d × %d",
         reply.slot_table_size(), g.num_kv_heads, slots));
   }
-  if (options_.remote_attention &&
-      (reply.output().size() != q_bytes() || reply.lse_size() != g.num_q_heads)) {
+  if (want_output && (reply.output().size() != q_bytes() || reply.lse_size() != g.num_q_heads)) {
     return absl::DataLossError(absl::StrFormat(
         "Step: the reply's output has %d bytes and %d lse values; expected %d and %d",
         reply.output().size(), reply.lse_size(), q_bytes(), g.num_q_heads));
   }
   Layer& l = layers_[static_cast<size_t>(layer)];
-  l.table.assign(reply.slot_table().begin(), reply.slot_table().end());
-  l.num_slots = static_cast<int32_t>(slots);
   l.tokens = static_cast<int32_t>(reply.num_tokens());
-  const int32_t p = g.page_size;
-  l.partial[0] = l.tokens % p == 0 ? -1 : l.tokens / p;
-  l.partial[1] = l.tokens % p;
-  l.output = reply.output();
-  l.lse.assign(reply.lse().begin(), reply.lse().end());
   l.last = StepStats{};
-  l.last.step = l.steps;  // 0-based, as the Retriever counts
+  l.last.step = l.steps;  // 0-based, as a local sequence counts
   l.steps = static_cast<int64_t>(reply.step());
   l.last.corrected_heads = static_cast<int32_t>(reply.corrected_heads());
+  l.last.num_slots = static_cast<int32_t>(slots);
+  l.last.slot_table.assign(reply.slot_table().begin(), reply.slot_table().end());
   return absl::OkStatus();
 }
 
-absl::StatusOr<v1::StepReply> GrpcSession::RunStep(int32_t layer, const void* q) {
+absl::StatusOr<v1::StepReply> RemoteSequence::RunStep(int32_t layer, const void* q,
+                                                      bool want_output) {
   Layer& l = layers_[static_cast<size_t>(layer)];
   v1::StepRequest req;
   req.set_session_id(info_.id);
   req.set_layer(static_cast<uint32_t>(layer));
   req.set_q(q, q_bytes());
-  req.set_want_output(options_.remote_attention);
+  req.set_want_output(want_output);
   // Numbered, so a retry of a step whose reply was lost (DEADLINE_EXCEEDED, UNAVAILABLE)
   // gets that step's reply instead of running another.
   req.set_step(static_cast<uint64_t>(l.steps) + 1);
@@ -285,65 +260,20 @@ absl::StatusOr<v1::StepReply> GrpcSession::RunStep(int32_t layer, const void* q)
   return reply;
 }
 
-absl::StatusOr<WorkingSetView> GrpcSession::BeginStep(int32_t layer, const void* q) {
-  KVTIER_RETURN_IF_ERROR(CheckCall(layer, "BeginStep"));
-  if (q == nullptr) return absl::InvalidArgumentError("BeginStep: q must be non-null");
-  Layer& l = layers_[static_cast<size_t>(layer)];
-  if (l.in_step) {
-    return absl::FailedPreconditionError(
-        absl::StrFormat("BeginStep: layer %d: the previous step was not ended", layer));
+absl::Status RemoteSequence::Decode(int32_t layer, const void* q, void* out, float* lse) {
+  KVTIER_RETURN_IF_ERROR(CheckCall(layer, "Decode"));
+  if (q == nullptr) return absl::InvalidArgumentError("Decode: q must be non-null");
+  const bool want_output = out != nullptr;
+  KVTIER_ASSIGN_OR_RETURN(const v1::StepReply reply, RunStep(layer, q, want_output));
+  KVTIER_RETURN_IF_ERROR(KeepStep(layer, reply, want_output));
+  if (want_output) {
+    std::memcpy(out, reply.output().data(), reply.output().size());
+    if (lse != nullptr) std::copy(reply.lse().begin(), reply.lse().end(), lse);
   }
-  KVTIER_ASSIGN_OR_RETURN(const v1::StepReply reply, RunStep(layer, q));
-  KVTIER_RETURN_IF_ERROR(KeepStep(layer, reply));
-  l.in_step = true;
-  WorkingSetView view;
-  view.layer = layer;
-  view.num_slots = l.num_slots;
-  view.slot_table = l.table.data();
-  view.partial_page = &l.partial[0];
-  view.partial_len = &l.partial[1];
-  view.num_tokens = l.tokens;
-  return view;
-}
-
-absl::Status GrpcSession::Attend(int32_t layer, const void* q, void* out, float* lse) {
-  KVTIER_RETURN_IF_ERROR(CheckCall(layer, "Attend"));
-  if (q == nullptr || out == nullptr) {
-    return absl::InvalidArgumentError("Attend: q and out must be non-null");
-  }
-  const Layer& l = layers_[static_cast<size_t>(layer)];
-  if (!l.in_step) {
-    return absl::FailedPreconditionError(
-        absl::StrFormat("Attend: layer %d: call BeginStep first", layer));
-  }
-  if (!options_.remote_attention) {
-    return absl::FailedPreconditionError(
-        "Attend: SessionOptions.remote_attention is off, so the daemon returned no output");
-  }
-  std::memcpy(out, l.output.data(), l.output.size());
-  if (lse != nullptr) std::copy(l.lse.begin(), l.lse.end(), lse);
   return absl::OkStatus();
 }
 
-absl::Status GrpcSession::EndStep(int32_t layer, const void* q) {
-  KVTIER_RETURN_IF_ERROR(CheckCall(layer, "EndStep"));
-  if (q == nullptr) return absl::InvalidArgumentError("EndStep: q must be non-null");
-  Layer& l = layers_[static_cast<size_t>(layer)];
-  if (!l.in_step) {
-    return absl::FailedPreconditionError(
-        absl::StrFormat("EndStep: layer %d: call BeginStep first", layer));
-  }
-  l.in_step = false;  // the daemon's Step ran EndStep already
-  return absl::OkStatus();
-}
-
-absl::Status GrpcSession::Close() {
-  if (closed_) return absl::OkStatus();
-  closed_ = true;
-  return CloseSessionById(*conn_, info_.id);
-}
-
-RetrieverStats GrpcSession::Stats() {
+SequenceStats RemoteSequence::Stats() {
   if (closed_) return stats_;
   v1::GetStatsRequest req;
   req.set_session_id(info_.id);
@@ -357,7 +287,11 @@ RetrieverStats GrpcSession::Stats() {
 
 absl::StatusOr<std::vector<FetchedPage>> GrpcSession::FetchPages(
     int32_t layer, const std::vector<int64_t>& pages) {
-  KVTIER_RETURN_IF_ERROR(CheckCall(layer, "FetchPages"));
+  KVTIER_RETURN_IF_ERROR(CheckOpen("FetchPages"));
+  if (layer < 0 || layer >= info_.geometry.num_layers) {
+    return absl::InvalidArgumentError(absl::StrFormat("FetchPages: layer = %d must be in [0, %d)",
+                                                      layer, info_.geometry.num_layers));
+  }
   v1::FetchRequest req;
   req.set_session_id(info_.id);
   req.set_layer(static_cast<uint32_t>(layer));
@@ -414,13 +348,9 @@ absl::StatusOr<int32_t> OffloadChunkTokens(const Geometry& g, uint64_t max_messa
 absl::StatusOr<std::unique_ptr<Session>> NewGrpcSession(std::shared_ptr<Connection> conn,
                                                         const SessionInfo& info,
                                                         const SessionOptions& options) {
-  KVTIER_ASSIGN_OR_RETURN(const RetrieverOptions resolved,
-                          ResolveRetrieverOptions(options.retriever, info));
-  auto session = std::make_unique<GrpcSession>(std::move(conn), info, options, resolved);
-  if (options.backend != nullptr && options.retriever.compute_stream == nullptr) {
-    KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<Stream> s, options.backend->CreateStream());
-    session->set_own_stream(std::move(s));
-  }
+  KVTIER_ASSIGN_OR_RETURN(const SequenceOptions resolved,
+                          ResolveSequenceOptions(options.sequence, info));
+  auto session = std::make_unique<GrpcSession>(std::move(conn), info, resolved);
   return std::unique_ptr<Session>(std::move(session));
 }
 

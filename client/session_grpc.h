@@ -1,9 +1,9 @@
-// The GRPC session (kvtier/client.h): a Retriever whose host tier and selection run in the
-// daemon. Append streams tokens with Offload, BeginStep runs Step, FetchPages reads pages
-// with Fetch; every call has finished its work when it returns, so compute_stream() is a
-// stream with nothing on it. Pointers passed in are host memory.
+// The GRPC session (kvtier/client.h): a Session owning a remote Sequence whose host tier,
+// selection and attention run in the daemon. Append streams tokens with Offload, Decode
+// runs Step, FetchPages reads pages with Fetch; every call has finished its work when it
+// returns. Pointers passed in are host memory.
 //
-// Thread-compatible, as a Retriever.
+// Thread-compatible, as a Sequence.
 #ifndef KVTIER_CLIENT_SESSION_GRPC_H_
 #define KVTIER_CLIENT_SESSION_GRPC_H_
 

@@ -1,8 +1,9 @@
-// The SHM session (kvtier/client.h): a Retriever running in the engine's process over the
-// session's region of the mapped tenant arena, committing each page to the region's
-// directory (offload/session_region.h) once its offload has run.
+// The SHM session (kvtier/client.h): a Session owning a Retriever (a LocalSequence) that
+// runs in the engine's process over the session's region of the mapped tenant arena; its
+// host tier commits each page to the region's directory (offload/region_host_tier.h) once
+// its offload has run.
 //
-// Thread-compatible, as a Retriever.
+// Thread-compatible, as a Sequence.
 #ifndef KVTIER_CLIENT_SESSION_SHM_H_
 #define KVTIER_CLIENT_SESSION_SHM_H_
 

@@ -19,7 +19,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_format.h"
 #include "kvtier/client.h"
-#include "kvtier/status.h"
+#include "core/status.h"
 #include "kvtier/v1/kvtier.pb.h"
 #include "offload/session_region.h"
 

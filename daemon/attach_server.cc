@@ -41,8 +41,8 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_format.h"
-#include "kvtier/mutex.h"
-#include "kvtier/status.h"
+#include "core/mutex.h"
+#include "core/status.h"
 #include "kvtier/v1/kvtier.pb.h"
 #include "offload/session_region.h"
 

@@ -7,7 +7,7 @@
 #include "CLI/CLI.hpp"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "kvtier/status.h"
+#include "core/status.h"
 
 #ifndef KVTIER_VERSION_STRING
 #define KVTIER_VERSION_STRING "unknown"

@@ -23,7 +23,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "kvtier/status.h"
+#include "core/status.h"
 
 namespace kvtier::daemon {
 namespace {

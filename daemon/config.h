@@ -15,6 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "kvtier/options.h"
 
 namespace kvtier::daemon {
 
@@ -55,7 +56,7 @@ struct DaemonConfig {
   uint32_t attach_max_connections_per_peer = 8;  // ... per peer process
   // [limits]
   uint32_t max_sessions_per_tenant = 64;
-  uint32_t max_tokens_per_session = 131072;  // per layer
+  uint32_t max_tokens_per_session = kDefaultMaxTokens;  // per layer
   uint32_t default_max_tokens = 32768;       // when OpenSession leaves max_tokens 0
   uint32_t max_layers = 256;
   uint32_t max_tokens_per_offload = 4096;       // tokens in one OffloadRequest

@@ -23,7 +23,7 @@
 #include "absl/strings/str_format.h"
 #include "daemon/config.h"
 #include "kvtier/geometry.h"
-#include "kvtier/status.h"
+#include "core/status.h"
 #include "offload/host_arena.h"
 
 namespace kvtier::daemon {

@@ -33,7 +33,7 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
-#include "kvtier/status.h"
+#include "core/status.h"
 #include "kvtier/v1/kvtier.grpc.pb.h"
 #include "spdlog/spdlog.h"
 

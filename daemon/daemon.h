@@ -22,7 +22,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "daemon/config.h"
-#include "kvtier/mutex.h"
+#include "core/mutex.h"
 
 namespace grpc {
 class Server;

@@ -16,7 +16,7 @@
 #include "daemon/logging.h"
 #include "google/protobuf/stubs/logging.h"
 #include "grpcpp/support/proto_buffer_reader.h"
-#include "kvtier/status.h"
+#include "core/status.h"
 #include "spdlog/spdlog.h"
 
 #ifndef KVTIER_VERSION_STRING
@@ -99,10 +99,10 @@ v1::SessionInfo SessionToProto(const SessionRecord& r) {
   p.set_tenant(r.spec.tenant);
   *p.mutable_geometry() = GeometryToProto(r.spec.geometry);
   v1::RetrievalOptions* ro = p.mutable_retrieval();
-  ro->set_mode(ModeToProto(r.spec.retriever.mode));
+  ro->set_mode(ModeToProto(r.spec.sequence.mode));
   ro->set_budget_tokens(static_cast<uint32_t>(r.spec.budget_tokens));
-  ro->set_max_tokens(static_cast<uint32_t>(r.spec.retriever.max_tokens));
-  ro->set_correction_threshold(r.spec.retriever.correction_threshold);
+  ro->set_max_tokens(static_cast<uint32_t>(r.spec.sequence.max_tokens));
+  ro->set_correction_threshold(r.spec.sequence.correction_threshold);
   p.set_transport(r.spec.transport == Transport::kGrpc ? v1::TRANSPORT_GRPC : v1::TRANSPORT_SHM);
   p.set_state(r.closing ? v1::SESSION_STATE_CLOSING : v1::SESSION_STATE_OPEN);
   p.set_label(r.spec.label);
@@ -117,15 +117,15 @@ v1::SessionInfo SessionToProto(const SessionRecord& r) {
 
 void StatsToProto(const SessionStatsRecord& s, v1::SessionStats* p) {
   p->set_session_id(s.session_id);
-  p->set_steps(s.retriever.steps);
-  p->set_appended_tokens(s.retriever.appended_tokens);
-  p->set_offloaded_pages(s.retriever.offloaded_pages);
-  p->set_recalled_pages(s.retriever.recalled_pages);
-  p->set_recalled_bytes(s.retriever.recalled_bytes);
-  p->set_correction_pages(s.retriever.correction_pages);
-  p->set_checked_heads(s.retriever.checked_heads);
-  p->set_corrected_heads(s.retriever.corrected_heads);
-  p->set_correction_rate(s.retriever.correction_rate());
+  p->set_steps(s.sequence.steps);
+  p->set_appended_tokens(s.sequence.appended_tokens);
+  p->set_offloaded_pages(s.sequence.offloaded_pages);
+  p->set_recalled_pages(s.sequence.recalled_pages);
+  p->set_recalled_bytes(s.sequence.recalled_bytes);
+  p->set_correction_pages(s.sequence.correction_pages);
+  p->set_checked_heads(s.sequence.checked_heads);
+  p->set_corrected_heads(s.sequence.corrected_heads);
+  p->set_correction_rate(s.sequence.correction_rate());
   p->set_committed_pages(s.committed_pages);
 }
 

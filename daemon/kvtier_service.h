@@ -32,7 +32,7 @@
 #include "daemon/session_manager.h"
 #include "daemon/work_queue.h"
 #include "grpcpp/grpcpp.h"
-#include "kvtier/mutex.h"
+#include "core/mutex.h"
 #include "kvtier/v1/kvtier.grpc.pb.h"
 #include "proto/convert.h"
 

@@ -22,7 +22,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "daemon/config.h"
-#include "kvtier/mutex.h"
+#include "core/mutex.h"
 #include "spdlog/spdlog.h"
 
 namespace kvtier::daemon {

@@ -14,7 +14,7 @@
 #include "absl/strings/str_join.h"
 #include "daemon/logging.h"
 #include "kernels/registry.h"
-#include "kvtier/status.h"
+#include "core/status.h"
 #include "offload/policy/config.h"
 #include "spdlog/spdlog.h"
 
@@ -133,9 +133,9 @@ uint32_t SessionManager::InflightCalls() const {
 // ---- creation, authentication -------------------------------------------------------------
 
 absl::StatusOr<std::unique_ptr<SessionManager>> SessionManager::Create(const DaemonConfig& config) {
-  BackendOptions bo;
+  DeviceOptions bo;
   bo.cpu_threads = config.cpu_threads;
-  KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, CreateBackend(BackendKind::kCpu, bo));
+  KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, CreateBackend(DeviceKind::kCpu, bo));
   spdlog::info("GRPC sessions run on {}", backend->Describe());
   std::unique_ptr<SessionManager> m(new SessionManager(config, std::move(backend)));
   for (const TenantConfig& tc : config.tenants) {
@@ -282,32 +282,32 @@ absl::StatusOr<SessionSpec> SessionManager::ResolveSpec(const Caller& caller,
   spec.geometry = g;
   spec.transport = p.transport;
   spec.budget_tokens = static_cast<int32_t>(budget);
-  spec.retriever.mode = p.mode;
-  spec.retriever.max_tokens = static_cast<int32_t>(max_tokens);
-  if (absl::Status st = spec.retriever.SetBudgetTokens(spec.budget_tokens, g.page_size); !st.ok()) {
+  spec.sequence.mode = p.mode;
+  spec.sequence.max_tokens = static_cast<int32_t>(max_tokens);
+  if (absl::Status st = spec.sequence.SetBudgetTokens(spec.budget_tokens, g.page_size); !st.ok()) {
     return bad(absl::StrFormat("retrieval.budget_tokens = %d: %s", budget, st.message()));
   }
   const bool selects = p.mode == RetrievalMode::kSpeculative || p.mode == RetrievalMode::kSync;
-  if (selects && spec.retriever.selected_pages > spec.max_pages()) {
+  if (selects && spec.sequence.selected_pages > spec.max_pages()) {
     return bad(absl::StrFormat(
         "retrieval.budget_tokens = %d%s selects %d pages a step, but the session holds at most "
         "%d pages per layer (max_tokens = %d at page_size %d): lower the budget, raise max_tokens "
         "to at least %d, or use mode FULL",
-        budget, p.budget_tokens == 0 ? " (the default)" : "", spec.retriever.selected_pages,
+        budget, p.budget_tokens == 0 ? " (the default)" : "", spec.sequence.selected_pages,
         spec.max_pages(), max_tokens, g.page_size,
-        int64_t{spec.retriever.selected_pages} * g.page_size));
+        int64_t{spec.sequence.selected_pages} * g.page_size));
   }
-  spec.retriever.correction_threshold =
+  spec.sequence.correction_threshold =
       p.correction_threshold.value_or(kDefaultCorrectionThreshold);
   // τ is compared with a mean cosine, which lies in [-1, 1]: -1 never corrects, 1 always.
-  const float tau = spec.retriever.correction_threshold;
+  const float tau = spec.sequence.correction_threshold;
   if (!(tau >= -1.0f && tau <= 1.0f)) {
     return bad(absl::StrFormat(
         "retrieval.correction_threshold = %g: must be in [-1, 1] (τ is compared with a mean "
         "cosine similarity; -1 never corrects, 1 always)",
         tau));
   }
-  policy::PolicyConfig& pc = spec.retriever.policy;
+  PolicyConfig& pc = spec.sequence.policy;
   if (!p.budget_policy.empty()) pc.budget = p.budget_policy;
   if (!p.residency_policy.empty()) pc.residency = p.residency_policy;
   if (!p.host_drop.empty()) pc.host_drop = p.host_drop;
@@ -455,8 +455,8 @@ absl::StatusOr<SessionRecord> SessionManager::DoOpenSession(const Caller& caller
              "session {} opened: tenant '{}', {} {}, {} {} tokens per layer, budget {}, "
              "region {} bytes at {}",
              id, r.spec.tenant, r.spec.geometry.ToString(),
-             RetrievalModeName(r.spec.retriever.mode),
-             r.spec.transport == Transport::kGrpc ? "GRPC" : "SHM", r.spec.retriever.max_tokens,
+             RetrievalModeName(r.spec.sequence.mode),
+             r.spec.transport == Transport::kGrpc ? "GRPC" : "SHM", r.spec.sequence.max_tokens,
              r.spec.budget_tokens, r.region_bytes, r.region_offset);
   return r;
 }
@@ -735,10 +735,10 @@ absl::Status OffloadStream::Validate(const OffloadChunk& c) const {
         "chunk must start there",
         *c.start_token, l, end, session_->LayerTokens(l), staged_tokens_[l]));
   }
-  if (end + c.num_tokens > static_cast<uint64_t>(spec.retriever.max_tokens)) {
+  if (end + c.num_tokens > static_cast<uint64_t>(spec.sequence.max_tokens)) {
     return absl::OutOfRangeError(
         absl::StrFormat("layer %d would hold %d tokens: the session's max_tokens is %d", l,
-                        end + c.num_tokens, spec.retriever.max_tokens));
+                        end + c.num_tokens, spec.sequence.max_tokens));
   }
   return absl::OkStatus();
 }

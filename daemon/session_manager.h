@@ -33,22 +33,22 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "kvtier/options.h"
 #include "daemon/attach_server.h"
 #include "daemon/caller.h"
 #include "daemon/config.h"
 #include "daemon/tenant.h"
 #include "daemon/tenant_session.h"
 #include "kernels/backend.h"
-#include "kvtier/mutex.h"
+#include "core/mutex.h"
 
 namespace kvtier::daemon {
 
 // Page sizes (tokens per page) the daemon serves, reported by Hello.
 inline constexpr int32_t kSupportedPageSizes[] = {8, 16, 32, 64, 128};
-// The working set when OpenSession leaves budget_tokens 0 (FreeKV's 16 + 32 + 16 pages at
-// p = 32), capped at the session's capacity.
-inline constexpr int32_t kDefaultBudgetTokens = 2048;
-inline constexpr float kDefaultCorrectionThreshold = 0.9f;
+// The working set when OpenSession leaves budget_tokens 0 is kDefaultBudgetTokens
+// (kvtier/options.h), capped at the session's capacity; τ left unset is
+// kDefaultCorrectionThreshold.
 
 // OpenSessionRequest, converted. Zero means the default as in the proto.
 struct OpenSessionParams {

@@ -6,7 +6,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
-#include "kvtier/status.h"
+#include "core/status.h"
 #include "offload/numa_topology.h"
 #include "offload/session_region.h"
 #include "spdlog/spdlog.h"

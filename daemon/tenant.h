@@ -25,7 +25,7 @@
 #include "absl/status/statusor.h"
 #include "daemon/config.h"
 #include "kernels/budgeted_backend.h"
-#include "kvtier/mutex.h"
+#include "core/mutex.h"
 #include "offload/host_arena.h"
 
 namespace kvtier::daemon {

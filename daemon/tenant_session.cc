@@ -7,7 +7,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "kernels/budgeted_backend.h"
-#include "kvtier/status.h"
+#include "offload/region_host_tier.h"
+#include "core/status.h"
 #include "spdlog/spdlog.h"
 
 namespace kvtier::daemon {
@@ -26,10 +27,10 @@ absl::StatusOr<std::shared_ptr<TenantSession>> TenantSession::Create(
                         grpc ? NewBudgetedBackend(*backend, *budget) : nullptr, now_ms));
   if (grpc) {
     MutexLock lock(&s->mu_);
-    KVTIER_ASSIGN_OR_RETURN(
-        s->pool_, PagePool::Create(region.slots(), g.host_page_bytes(), region.num_slots()));
+    // The daemon owns the region: its commits are never fenced (nullopt epoch).
     KVTIER_ASSIGN_OR_RETURN(s->retriever_,
-                            Retriever::Create(g, s->spec_.retriever, *s->backend_, s->pool_.get()));
+                            OpenRegionRetriever(region, std::nullopt, s->spec_.sequence,
+                                                *s->backend_, /*restore=*/false));
   }
   return s;
 }
@@ -48,10 +49,9 @@ TenantSession::TenantSession(std::string id, SessionSpec spec, RegionLease lease
       steps_run_(spec_.geometry.num_layers, 0) {}
 
 TenantSession::~TenantSession() {
-  // The Retriever holds pool handles and the pool lies in the region: drop them first.
+  // The Retriever's pool lies in the region: drop it first.
   MutexLock lock(&mu_);
   retriever_.reset();
-  pool_.reset();
 }
 
 absl::Status TenantSession::CheckOpen() const {
@@ -93,14 +93,6 @@ void TenantSession::PublishTokens() {
   grpc_tokens_ = std::move(tokens);
 }
 
-absl::Status TenantSession::CommitStoredPages() {
-  KVTIER_ASSIGN_OR_RETURN(std::vector<StoredPage> stored, retriever_->TakeStoredPages(true));
-  for (const StoredPage& p : stored) {
-    KVTIER_RETURN_IF_ERROR(region_.Commit(p.layer, p.page, p.slot, p.generation, region_.epoch()));
-  }
-  return absl::OkStatus();
-}
-
 absl::StatusOr<std::vector<uint64_t>> TenantSession::Apply(const std::vector<OffloadChunk>& chunks,
                                                            const Caller& caller,
                                                            std::string_view what) {
@@ -118,7 +110,7 @@ absl::StatusOr<std::vector<uint64_t>> TenantSession::Apply(const std::vector<Off
   // `chunks` goes away, even after an error (Synchronize has no deadline, unlike Wait).
   const absl::Status synced = retriever_->compute_stream().Synchronize();
   if (st.ok()) st = synced;
-  if (st.ok()) st = CommitStoredPages();
+  if (st.ok()) st = retriever_->Flush();  // the host tier commits every stored page
   PublishTokens();
   KVTIER_RETURN_IF_ERROR(st);
   MutexLock info(&info_mu_);
@@ -139,7 +131,7 @@ absl::StatusOr<std::vector<int64_t>> TenantSession::CommittedPages(
     if (p < 0 || p >= max_pages) {
       return absl::OutOfRangeError(absl::StrFormat(
           "pages: page %d is beyond the session's %d pages per layer (max_tokens = %d)", p,
-          max_pages, spec_.retriever.max_tokens));
+          max_pages, spec_.sequence.max_tokens));
     }
     absl::StatusOr<CommittedPage> c = region_.Lookup(layer, p);
     if (absl::IsNotFound(c.status())) {
@@ -301,7 +293,7 @@ absl::StatusOr<SessionStatsRecord> TenantSession::Stats() {
   r.committed_pages = static_cast<uint64_t>(region_.CommittedPages());
   MutexLock lock(&mu_);
   KVTIER_RETURN_IF_ERROR(CheckOpen());
-  if (retriever_ != nullptr) r.retriever = retriever_->Stats();
+  if (retriever_ != nullptr) r.sequence = retriever_->Stats();
   return r;
 }
 
@@ -319,7 +311,6 @@ absl::StatusOr<CloseResult> TenantSession::Close() {
     }
   }
   retriever_.reset();
-  pool_.reset();
   return r;
 }
 

@@ -27,10 +27,10 @@
 #include "daemon/caller.h"
 #include "daemon/tenant.h"
 #include "kernels/backend.h"
-#include "kvtier/client.h"
+#include "kvtier/protocol.h"
 #include "kvtier/geometry.h"
-#include "kvtier/mutex.h"
-#include "kvtier/retriever.h"
+#include "core/mutex.h"
+#include "offload/retriever.h"
 #include "offload/page_pool.h"
 #include "offload/session_region.h"
 
@@ -44,9 +44,9 @@ struct SessionSpec {
   Transport transport = Transport::kShm;
   int32_t budget_tokens = 0;  // tokens per layer in the working set
   // mode, sink/selected/recent pages, max_tokens (per layer), τ; the rest default.
-  RetrieverOptions retriever;
+  SequenceOptions sequence;
   int32_t max_pages() const {
-    return (retriever.max_tokens + geometry.page_size - 1) / geometry.page_size;
+    return (sequence.max_tokens + geometry.page_size - 1) / geometry.page_size;
   }
 };
 
@@ -102,7 +102,7 @@ inline constexpr char kStepsRunTrailer[] = "x-kvtier-steps-run";
 
 struct SessionStatsRecord {
   std::string session_id;
-  RetrieverStats retriever;  // zero for SHM sessions (their Retriever runs in the engine)
+  SequenceStats sequence;  // zero for SHM sessions (their Retriever runs in the engine)
   uint64_t committed_pages = 0;
 };
 
@@ -179,7 +179,6 @@ class TenantSession {
   // the Retriever moved to the next step (it ran EndStep), even when the step failed.
   absl::StatusOr<StepResult> RunStep(int32_t layer, std::string_view q, bool want_output,
                                      bool* advanced) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status CommitStoredPages() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PublishTokens() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) ABSL_LOCKS_EXCLUDED(info_mu_);
 
   const std::string id_;
@@ -204,7 +203,7 @@ class TenantSession {
   mutable Mutex mu_;  // serializes the calls that drive the session
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 1;              // the last epoch Reattach gave out
-  std::unique_ptr<PagePool> pool_ ABSL_GUARDED_BY(mu_);  // GRPC only
+  // GRPC only: over the region's slots (offload/region_host_tier.h).
   std::unique_ptr<Retriever> retriever_ ABSL_GUARDED_BY(mu_);
   std::vector<LayerSteps> steps_ ABSL_GUARDED_BY(mu_);
 

@@ -26,7 +26,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "kvtier/mutex.h"
+#include "core/mutex.h"
 
 namespace kvtier::daemon {
 

@@ -1,16 +1,16 @@
 #include "kernels/backend.h"
 
-#include "kvtier/status.h"
+#include "core/status.h"
 
 namespace kvtier {
 
 DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
   if (this != &other) {
     Reset();
-    backend_ = other.backend_;
+    device_ = other.device_;
     data_ = other.data_;
     bytes_ = other.bytes_;
-    other.backend_ = nullptr;
+    other.device_ = nullptr;
     other.data_ = nullptr;
     other.bytes_ = 0;
   }
@@ -18,13 +18,13 @@ DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
 }
 
 void DeviceBuffer::Reset() {
-  if (data_ != nullptr) backend_->Free(data_);
-  backend_ = nullptr;
+  if (data_ != nullptr) device_->Free(data_);
+  device_ = nullptr;
   data_ = nullptr;
   bytes_ = 0;
 }
 
-absl::Status Backend::CopyBatch(Stream& s, const CopyRange* ranges, size_t n) {
+absl::Status Device::CopyBatch(Stream& s, const CopyRange* ranges, size_t n) {
   if (n > 0 && ranges == nullptr) {
     return absl::InvalidArgumentError("CopyBatch: ranges must be non-null when n > 0");
   }

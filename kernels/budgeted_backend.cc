@@ -8,8 +8,8 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
-#include "kvtier/mutex.h"
-#include "kvtier/status.h"
+#include "core/mutex.h"
+#include "core/status.h"
 
 namespace kvtier {
 namespace {
@@ -18,7 +18,7 @@ class BudgetedBackend final : public Backend {
  public:
   BudgetedBackend(Backend& inner, MemoryBudget& budget) : inner_(inner), budget_(budget) {}
 
-  BackendKind kind() const override { return inner_.kind(); }
+  DeviceKind kind() const override { return inner_.kind(); }
   std::string Describe() const override { return inner_.Describe() + " (budgeted)"; }
 
   absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override {

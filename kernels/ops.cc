@@ -5,7 +5,7 @@
 
 #include "absl/strings/str_format.h"
 #include "kvtier/geometry.h"
-#include "kvtier/status.h"
+#include "core/status.h"
 
 namespace kvtier {
 namespace {

@@ -13,20 +13,9 @@
 
 #include "absl/status/status.h"
 #include "kvtier/dtype.h"
+#include "kvtier/options.h"
 
 namespace kvtier {
-
-// How per-query-head page scores are pooled into one score per KV head.
-enum class PoolMode : uint8_t {
-  kSoftmaxMean = 0,  // mean over the query group of softmax over pages (default)
-  kRawMean = 1,      // mean over the query group of the raw scores
-};
-
-// Which per-(page, KV head) key summary offload writes.
-enum class SummaryMode : uint8_t {
-  kMinMax = 0,     // hi/lo = per-dim max/min of the page's keys (Quest): a true bound
-  kCenterMad = 1,  // hi/lo = mean ± mean absolute deviation (ArkVale): tighter, no bound
-};
 
 // Page scores (Quest): score[b][hq][page] = Σ_i max(q_i·hi_i, q_i·lo_i), then pooled per
 // KV head. Pages at or beyond num_pages[b] score -inf in `pooled` (and `scores`).

@@ -2,17 +2,18 @@
 
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cuda/cuda_backend.h"
+#include "absl/strings/str_cat.h"
 
 namespace kvtier {
 
-absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(BackendKind kind,
-                                                       const BackendOptions& options) {
+absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(DeviceKind kind,
+                                                       const DeviceOptions& options) {
   switch (kind) {
-    case BackendKind::kCpu:
+    case DeviceKind::kCpu:
       return NewCpuBackend(options.cpu_threads);
-    case BackendKind::kCuda:
+    case DeviceKind::kCuda:
       return NewCudaBackend(options);
-    case BackendKind::kAuto:
+    case DeviceKind::kAuto:
       if (CudaDeviceCountImpl() > 0) {
         auto cuda = NewCudaBackend(options);
         if (cuda.ok()) return cuda;
@@ -25,29 +26,22 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(BackendKind kind,
 int CudaDeviceCount() { return CudaDeviceCountImpl(); }
 bool CudaBackendBuilt() { return CudaBuilt(); }
 
-std::string_view BackendKindName(BackendKind kind) {
-  switch (kind) {
-    case BackendKind::kAuto:
-      return "auto";
-    case BackendKind::kCpu:
-      return "cpu";
-    case BackendKind::kCuda:
-      return "cuda";
-  }
-  return "unknown";
+absl::StatusOr<std::unique_ptr<Device>> CreateDevice(DeviceKind kind,
+                                                     const DeviceOptions& options) {
+  absl::StatusOr<std::unique_ptr<Backend>> backend = CreateBackend(kind, options);
+  if (!backend.ok()) return backend.status();
+  return std::unique_ptr<Device>(*std::move(backend));
 }
 
-bool ParseBackendKind(std::string_view name, BackendKind* out) {
-  if (name == "auto") {
-    *out = BackendKind::kAuto;
-  } else if (name == "cpu") {
-    *out = BackendKind::kCpu;
-  } else if (name == "cuda") {
-    *out = BackendKind::kCuda;
-  } else {
-    return false;
+absl::StatusOr<Backend*> BackendOf(Device& device, std::string_view what) {
+  auto* backend = dynamic_cast<Backend*>(&device);
+  if (backend == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        std::string(what), ": the device was not created by kvtier (CreateDevice); kvtier runs only on "
+              "devices it created"));
   }
-  return true;
+  return backend;
 }
+
 
 }  // namespace kvtier

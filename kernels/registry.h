@@ -1,5 +1,6 @@
 // Chooses and creates a Backend at run time. The only place, with the CUDA stub, that
-// knows which backends were built.
+// knows which backends were built. (The public face of this file is CreateDevice and the
+// device counts in kvtier/device.h.)
 #ifndef KVTIER_KERNELS_REGISTRY_H_
 #define KVTIER_KERNELS_REGISTRY_H_
 
@@ -8,29 +9,17 @@
 
 #include "absl/status/statusor.h"
 #include "kernels/backend.h"
+#include "kvtier/device.h"
 
 namespace kvtier {
 
-struct BackendOptions {
-  int cpu_threads = 0;  // cpu backend worker threads; 0 = hardware concurrency
-  int cuda_device = 0;  // cuda backend device ordinal
-};
+// As CreateDevice, with the compute ops exposed.
+absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(DeviceKind kind,
+                                                       const DeviceOptions& options = {});
 
-// kCpu: always available. kCuda: UNIMPLEMENTED when built without CUDA, UNAVAILABLE when
-// no usable device. kAuto: cuda if a device is usable, else cpu.
-absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(BackendKind kind,
-                                                       const BackendOptions& options = {});
-
-// Number of usable CUDA devices: 0 when built without CUDA or when there is no driver or
-// device (never an error).
-int CudaDeviceCount();
-
-// True when this build contains the CUDA backend.
-bool CudaBackendBuilt();
-
-// "auto", "cpu", "cuda".
-std::string_view BackendKindName(BackendKind kind);
-bool ParseBackendKind(std::string_view name, BackendKind* out);
+// The Backend behind a Device an engine handed in. INVALID_ARGUMENT naming `what` when the
+// Device was not created by kvtier (CreateDevice): kvtier runs its ops only on its own.
+absl::StatusOr<Backend*> BackendOf(Device& device, std::string_view what);
 
 }  // namespace kvtier
 

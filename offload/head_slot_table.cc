@@ -5,7 +5,7 @@
 #include <algorithm>
 
 #include "kvtier/layout.h"
-#include "kvtier/status.h"
+#include "core/status.h"
 
 namespace kvtier {
 

@@ -19,7 +19,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "kvtier/status.h"
+#include "core/status.h"
 
 // Older libc headers may lack these; the values are the kernel's ABI.
 #ifndef MADV_POPULATE_WRITE

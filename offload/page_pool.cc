@@ -5,7 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_format.h"
-#include "kvtier/status.h"
+#include "core/status.h"
 #include "offload/host_arena.h"
 
 namespace kvtier {

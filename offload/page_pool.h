@@ -20,7 +20,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "kvtier/mutex.h"
+#include "core/mutex.h"
 
 namespace kvtier {
 

@@ -11,7 +11,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "kvtier/status.h"
+#include "core/status.h"
 
 namespace kvtier {
 namespace {

@@ -15,7 +15,7 @@
 // the zero-copy gather reads it wherever it is, so a plan made on the device never comes
 // back. Which is fastest depends on the GPU, the PCIe link, the slab size and the number of
 // slabs: CalibrateRecall times all three on the real backend and host memory, and the
-// Retriever picks the fastest at start-up unless told which to use (RetrieverOptions).
+// Retriever picks the fastest at start-up unless told which to use (SequenceOptions).
 #ifndef KVTIER_OFFLOAD_RECALL_STRATEGY_H_
 #define KVTIER_OFFLOAD_RECALL_STRATEGY_H_
 
@@ -30,20 +30,13 @@
 #include "absl/status/statusor.h"
 #include "kernels/backend.h"
 #include "kvtier/geometry.h"
+#include "kvtier/options.h"
 
 namespace kvtier {
 
-enum class RecallStrategy : uint8_t {
-  kAuto = 0,  // calibrated at start-up (CalibrateRecall)
-  kSlabDma = 1,
-  kBatchedDma = 2,
-  kZeroCopy = 3,
-};
+// The concrete strategies (RecallStrategy of kvtier/options.h, kAuto aside).
 inline constexpr std::array<RecallStrategy, 3> kRecallStrategies = {
     RecallStrategy::kSlabDma, RecallStrategy::kBatchedDma, RecallStrategy::kZeroCopy};
-// "auto", "slab_dma", "batched_dma", "zero_copy".
-std::string_view RecallStrategyName(RecallStrategy strategy);
-bool ParseRecallStrategy(std::string_view name, RecallStrategy* out);
 
 // Where a recall reads and writes: the host tier's page area (host page i is the HND page at
 // host_pages + i · host_page_bytes) and a working set of num_slots NHD slots.

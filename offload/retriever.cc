@@ -18,10 +18,11 @@
 //   - A restored layer goes through Append's own path (AppendTokens) with the host pages
 //     turned back into NHD, its offloads writing into the given pages: the working set,
 //     mirrors, counts, summaries and host_page_of end up exactly as after the appends.
-#include "kvtier/retriever.h"
+#include "offload/retriever.h"
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <deque>
 #include <memory>
@@ -32,72 +33,37 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "kvtier/layout.h"
-#include "kvtier/mutex.h"
-#include "kvtier/status.h"
+#include "core/mutex.h"
+#include "core/status.h"
+#include "kernels/registry.h"
+#include "offload/host_tier.h"
 #include "offload/retriever_impl.h"
 
 namespace kvtier {
 
-std::string_view RetrievalModeName(RetrievalMode mode) {
-  switch (mode) {
-    case RetrievalMode::kSpeculative:
-      return "speculative";
-    case RetrievalMode::kSync:
-      return "sync";
-    case RetrievalMode::kFull:
-      return "full";
-    case RetrievalMode::kDrop:
-      return "drop";
-  }
-  return "unknown";
-}
-
-bool ParseRetrievalMode(std::string_view name, RetrievalMode* out) {
-  for (RetrievalMode m : {RetrievalMode::kSpeculative, RetrievalMode::kSync, RetrievalMode::kFull,
-                          RetrievalMode::kDrop}) {
-    if (name == RetrievalModeName(m)) {
-      *out = m;
-      return true;
-    }
-  }
-  return false;
-}
-
-absl::Status RetrieverOptions::SetBudgetTokens(int32_t budget_tokens, int32_t page_size) {
-  if (page_size <= 0 || budget_tokens <= 0 || budget_tokens % (4 * page_size) != 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "budget = %d tokens: must be a positive multiple of 4 pages (%d tokens at p = %d)",
-        budget_tokens, 4 * page_size, page_size));
-  }
-  const int32_t pages = budget_tokens / page_size;
-  sink_pages = pages / 4;
-  recent_pages = pages / 4;
-  selected_pages = pages - sink_pages - recent_pages;
-  return absl::OkStatus();
-}
 
 namespace retriever_internal {
 
 int32_t RetrieverImpl::SlotOf(int64_t logical) const {
-  const int32_t s = o_.sink_pages;
-  switch (o_.mode) {
+  const int32_t s = options_.sink_pages;
+  switch (options_.mode) {
     case RetrievalMode::kFull:
       return static_cast<int32_t>(logical);
     case RetrievalMode::kDrop:
       return logical < s ? static_cast<int32_t>(logical)
-                         : s + static_cast<int32_t>((logical - s) % (S_ - s));
+                         : s + static_cast<int32_t>((logical - s) % (slots_per_layer_ - s));
     case RetrievalMode::kSpeculative:
     case RetrievalMode::kSync:
       return logical < s ? static_cast<int32_t>(logical)
-                         : s + k() + static_cast<int32_t>((logical - s) % o_.recent_pages);
+                         : s + selected_pages() + static_cast<int32_t>((logical - s) % options_.recent_pages);
   }
   return -1;
 }
 
 int32_t RetrieverImpl::RecentFull(const LayerState& l) const {
-  const int32_t full = l.tokens / g_.page_size;
-  const int32_t total = (l.tokens + g_.page_size - 1) / g_.page_size;
-  const int32_t recent_lo = std::max(o_.sink_pages, total - o_.recent_pages);
+  const int32_t full = l.tokens / geometry_.page_size;
+  const int32_t total = (l.tokens + geometry_.page_size - 1) / geometry_.page_size;
+  const int32_t recent_lo = std::max(options_.sink_pages, total - options_.recent_pages);
   return std::max(0, full - recent_lo);
 }
 
@@ -116,58 +82,58 @@ absl::StatusOr<std::unique_ptr<Event>> RetrieverImpl::TakeEvent() {
 }
 
 absl::Status RetrieverImpl::Init() {
-  KVTIER_RETURN_IF_ERROR(g_.Validate());
+  KVTIER_RETURN_IF_ERROR(geometry_.Validate());
   const auto bad = [](std::string msg) { return absl::InvalidArgumentError(std::move(msg)); };
-  if (o_.max_tokens <= 0 || o_.max_tokens > (1 << 30)) {
-    return bad(absl::StrFormat("retriever.max_tokens = %d: must be in [1, 2^30]", o_.max_tokens));
+  if (options_.max_tokens <= 0 || options_.max_tokens > (1 << 30)) {
+    return bad(absl::StrFormat("sequence.max_tokens = %d: must be in [1, 2^30]", options_.max_tokens));
   }
-  P_ = (o_.max_tokens + g_.page_size - 1) / g_.page_size;
-  if (o_.sink_pages < 0 || o_.selected_pages < 0 || o_.recent_pages < 1) {
+  max_pages_ = (options_.max_tokens + geometry_.page_size - 1) / geometry_.page_size;
+  if (options_.sink_pages < 0 || options_.selected_pages < 0 || options_.recent_pages < 1) {
     return bad(absl::StrFormat(
-        "retriever pages sink = %d, selected = %d, recent = %d: sink and selected must be >= 0 "
+        "sequence pages sink = %d, selected = %d, recent = %d: sink and selected must be >= 0 "
         "and recent >= 1 (it holds the page being filled)",
-        o_.sink_pages, o_.selected_pages, o_.recent_pages));
+        options_.sink_pages, options_.selected_pages, options_.recent_pages));
   }
-  if (o_.mode == RetrievalMode::kFull) {
-    S_ = P_;
+  if (options_.mode == RetrievalMode::kFull) {
+    slots_per_layer_ = max_pages_;
   } else {
-    const int64_t s = int64_t{o_.sink_pages} + o_.selected_pages + o_.recent_pages;
+    const int64_t s = int64_t{options_.sink_pages} + options_.selected_pages + options_.recent_pages;
     if (s > kMaxSlots) {
-      return bad(absl::StrFormat("retriever budget = %d pages: must be at most %d", s, kMaxSlots));
+      return bad(absl::StrFormat("sequence budget = %d pages: must be at most %d", s, kMaxSlots));
     }
-    S_ = static_cast<int32_t>(s);
+    slots_per_layer_ = static_cast<int32_t>(s);
   }
   // Selection picks k pages of the P a layer can hold: more than P could never be chosen,
   // and would fail at the first step inside TopK instead of here.
-  if (has_host_tier() && o_.selected_pages > P_) {
+  if (has_host_tier() && options_.selected_pages > max_pages_) {
     return bad(absl::StrFormat(
-        "retriever selected_pages = %d (budget %d tokens: sink %d + selected %d + recent %d "
+        "sequence selected_pages = %d (budget %d tokens: sink %d + selected %d + recent %d "
         "pages) exceeds the %d pages a layer holds (max_tokens = %d at page_size %d)",
-        o_.selected_pages,
-        (int64_t{o_.sink_pages} + o_.selected_pages + o_.recent_pages) * g_.page_size,
-        o_.sink_pages, o_.selected_pages, o_.recent_pages, P_, o_.max_tokens, g_.page_size));
+        options_.selected_pages,
+        (int64_t{options_.sink_pages} + options_.selected_pages + options_.recent_pages) * geometry_.page_size,
+        options_.sink_pages, options_.selected_pages, options_.recent_pages, max_pages_, options_.max_tokens, geometry_.page_size));
   }
   KVTIER_RETURN_IF_ERROR(InitPolicies());
-  if (!(o_.correction_threshold == o_.correction_threshold)) {
-    return bad("retriever.correction_threshold is NaN");
+  if (!(options_.correction_threshold == options_.correction_threshold)) {
+    return bad("sequence.correction_threshold is NaN");
   }
-  if (o_.stream_chunk_items < 1 || o_.stream_chunk_items > 65536) {
-    return bad(absl::StrFormat("retriever.stream_chunk_items = %d: must be in [1, 65536]",
-                               o_.stream_chunk_items));
+  if (options_.stream_chunk_items < 1 || options_.stream_chunk_items > 65536) {
+    return bad(absl::StrFormat("sequence.stream_chunk_items = %d: must be in [1, 65536]",
+                               options_.stream_chunk_items));
   }
-  if (o_.deadline <= absl::ZeroDuration()) return bad("retriever.deadline must be positive");
-  if (!(o_.softmax_scale >= 0.0f)) return bad("retriever.softmax_scale must be >= 0");
-  scale_ = o_.softmax_scale > 0 ? o_.softmax_scale : 1.0f / std::sqrt(float(g_.head_dim));
+  if (options_.deadline <= absl::ZeroDuration()) return bad("sequence.deadline must be positive");
+  if (!(options_.softmax_scale >= 0.0f)) return bad("sequence.softmax_scale must be >= 0");
+  scale_ = options_.softmax_scale > 0 ? options_.softmax_scale : 1.0f / std::sqrt(float(geometry_.head_dim));
   if (has_host_tier()) {
     if (pool_ == nullptr) {
       return bad(
-          absl::StrFormat("retriever mode %s needs a host page pool", RetrievalModeName(o_.mode)));
+          absl::StrFormat("sequence mode %s needs a host page pool", RetrievalModeName(options_.mode)));
     }
-    KVTIER_ASSIGN_OR_RETURN(offloader_, PageOffloader::Create(g_, backend_, *pool_));
+    KVTIER_ASSIGN_OR_RETURN(offloader_, PageOffloader::Create(geometry_, backend_, *pool_));
   }
 
-  if (o_.compute_stream != nullptr) {
-    compute_ = o_.compute_stream;
+  if (options_.compute_stream != nullptr) {
+    compute_ = options_.compute_stream;
   } else {
     KVTIER_ASSIGN_OR_RETURN(own_compute_, backend_.CreateStream());
     compute_ = own_compute_.get();
@@ -185,38 +151,38 @@ absl::Status RetrieverImpl::Init() {
   }
   stats_.recall_strategy = strategy_;
 
-  const size_t hkv = g_.num_kv_heads;
-  const size_t slot_bytes = static_cast<size_t>(g_.page_size) * token_bytes();
+  const size_t hkv = geometry_.num_kv_heads;
+  const size_t slot_bytes = static_cast<size_t>(geometry_.page_size) * token_bytes();
   const bool select = has_host_tier();
-  const size_t kk = static_cast<size_t>(std::max(k(), 1));
-  layers_.resize(g_.num_layers);
-  stats_.corrections.assign(static_cast<size_t>(g_.num_layers) * hkv, 0);
-  const bool managed = o_.mode == RetrievalMode::kDrop && policies_on();
+  const size_t kk = static_cast<size_t>(std::max(selected_pages(), 1));
+  layers_.resize(geometry_.num_layers);
+  stats_.corrections.assign(static_cast<size_t>(geometry_.num_layers) * hkv, 0);
+  const bool managed = options_.mode == RetrievalMode::kDrop && policies_on();
   for (LayerState& l : layers_) {
-    if (managed) l.managed = std::make_unique<HeadSlotTable>(g_.num_kv_heads, min_capacity_);
+    if (managed) l.managed = std::make_unique<HeadSlotTable>(geometry_.num_kv_heads, min_capacity_);
     const int32_t slots = Slots(l);
     KVTIER_RETURN_IF_ERROR(Allocate(&l.k_ws, slots * slot_bytes));
     KVTIER_RETURN_IF_ERROR(Allocate(&l.v_ws, slots * slot_bytes));
     KVTIER_RETURN_IF_ERROR(Allocate(&l.table, hkv * slots * sizeof(int32_t)));
-    KVTIER_RETURN_IF_ERROR(Allocate(&l.counts, 4 * sizeof(int32_t)));
+    KVTIER_RETURN_IF_ERROR(Allocate(&l.counts, sizeof(LayerCounts)));
     KVTIER_RETURN_IF_ERROR(Allocate(&l.q_cur, q_bytes()));
     KVTIER_RETURN_IF_ERROR(Allocate(&l.q_prev, q_bytes()));
     if (select) {
-      KVTIER_RETURN_IF_ERROR(Allocate(&l.summaries, static_cast<size_t>(P_) * g_.summary_bytes()));
-      KVTIER_RETURN_IF_ERROR(Allocate(&l.host_page_of, static_cast<size_t>(P_) * sizeof(int64_t)));
-      KVTIER_RETURN_IF_ERROR(Allocate(&l.pooled, hkv * P_ * sizeof(float)));
+      KVTIER_RETURN_IF_ERROR(Allocate(&l.summaries, static_cast<size_t>(max_pages_) * geometry_.summary_bytes()));
+      KVTIER_RETURN_IF_ERROR(Allocate(&l.host_page_of, static_cast<size_t>(max_pages_) * sizeof(int64_t)));
+      KVTIER_RETURN_IF_ERROR(Allocate(&l.pooled, hkv * max_pages_ * sizeof(float)));
       KVTIER_RETURN_IF_ERROR(Allocate(&l.selected, hkv * kk * sizeof(int32_t)));
       KVTIER_RETURN_IF_ERROR(Allocate(&l.items, hkv * kk * sizeof(RecallItem)));
       KVTIER_RETURN_IF_ERROR(Allocate(&l.num_misses, hkv * sizeof(int32_t)));
       KVTIER_RETURN_IF_ERROR(Allocate(&l.drifted, hkv));
       KVTIER_RETURN_IF_ERROR(Allocate(&l.group_mean, hkv * sizeof(float)));
       if (dma()) {
-        KVTIER_ASSIGN_OR_RETURN(l.recaller, SlabRecaller::Create(backend_, g_, strategy_,
+        KVTIER_ASSIGN_OR_RETURN(l.recaller, SlabRecaller::Create(backend_, geometry_, strategy_,
                                                                  static_cast<int32_t>(hkv * kk),
-                                                                 o_.stream_chunk_items));
+                                                                 options_.stream_chunk_items));
       }
       l.host = std::make_unique<PageTable>(*pool_);
-      l.host_page_mirror.assign(P_, -1);
+      l.host_page_mirror.assign(max_pages_, -1);
     }
     for (auto* e : {&l.attn_done, &l.recall_done, &l.ready, &l.plan_ready}) {
       KVTIER_ASSIGN_OR_RETURN(*e, backend_.CreateEvent());
@@ -230,7 +196,7 @@ absl::Status RetrieverImpl::Init() {
           backend_.Memset(*compute_, l.host_page_of.data(), 0xFF, l.host_page_of.size()));
       KVTIER_RETURN_IF_ERROR(backend_.Memset(*compute_, l.summaries.data(), 0, l.summaries.size()));
     }
-    l.table_mirror.assign(hkv * S_, kEmptySlot);
+    l.table_mirror.assign(hkv * slots_per_layer_, kEmptySlot);
     KVTIER_RETURN_IF_ERROR(InitLayerPolicies(l));
   }
   return Wait();
@@ -241,9 +207,9 @@ absl::Status RetrieverImpl::CheckCall(int32_t layer, std::string_view what) cons
     return absl::FailedPreconditionError(absl::StrFormat("%s: the sequence is closed", what));
   }
   if (!failed_.ok()) return failed_;
-  if (layer < 0 || layer >= g_.num_layers) {
+  if (layer < 0 || layer >= geometry_.num_layers) {
     return absl::InvalidArgumentError(
-        absl::StrFormat("%s: layer = %d must be in [0, %d)", what, layer, g_.num_layers));
+        absl::StrFormat("%s: layer = %d must be in [0, %d)", what, layer, geometry_.num_layers));
   }
   return absl::OkStatus();
 }
@@ -295,29 +261,33 @@ absl::Status RetrieverImpl::UploadTable(LayerState& l) {
     return absl::OkStatus();
   }
   const bool selects = has_host_tier();
-  for (int32_t h = 0; h < g_.num_kv_heads; ++h) {
-    const size_t row = static_cast<size_t>(h) * S_;
+  for (int32_t h = 0; h < geometry_.num_kv_heads; ++h) {
+    const size_t row = static_cast<size_t>(h) * slots_per_layer_;
     if (!selects) {
       KVTIER_RETURN_IF_ERROR(
-          Upload(*compute_, table + row, &l.table_mirror[row], S_ * sizeof(int32_t)));
+          Upload(*compute_, table + row, &l.table_mirror[row], slots_per_layer_ * sizeof(int32_t)));
       continue;
     }
     // Sinks and the recent ring; the selected region between them belongs to the device.
-    if (o_.sink_pages > 0) {
+    if (options_.sink_pages > 0) {
       KVTIER_RETURN_IF_ERROR(
-          Upload(*compute_, table + row, &l.table_mirror[row], o_.sink_pages * sizeof(int32_t)));
+          Upload(*compute_, table + row, &l.table_mirror[row], options_.sink_pages * sizeof(int32_t)));
     }
-    const size_t ring = row + o_.sink_pages + k();
+    const size_t ring = row + options_.sink_pages + selected_pages();
     KVTIER_RETURN_IF_ERROR(
-        Upload(*compute_, table + ring, &l.table_mirror[ring], o_.recent_pages * sizeof(int32_t)));
+        Upload(*compute_, table + ring, &l.table_mirror[ring], options_.recent_pages * sizeof(int32_t)));
   }
   return absl::OkStatus();
 }
 
 absl::Status RetrieverImpl::UploadCounts(LayerState& l) {
-  const int32_t p = g_.page_size;
-  const int32_t counts[3] = {l.tokens / p, l.tokens % p == 0 ? -1 : l.tokens / p, l.tokens % p};
-  return Upload(*compute_, l.counts.data(), counts, sizeof(counts));
+  const int32_t p = geometry_.page_size;
+  LayerCounts counts;
+  counts.full_pages = l.tokens / p;
+  counts.partial_page = l.tokens % p == 0 ? -1 : l.tokens / p;
+  counts.partial_len = l.tokens % p;
+  // Not the snapshot: the background selection in flight reads it.
+  return Upload(*compute_, l.counts.data(), &counts, offsetof(LayerCounts, full_pages_at_end_step));
 }
 
 absl::Status RetrieverImpl::FlushOffloads(int32_t layer, std::vector<PageHandle>* restoring) {
@@ -332,10 +302,10 @@ absl::Status RetrieverImpl::FlushOffloads(int32_t layer, std::vector<PageHandle>
   OffloadRequest req;
   req.k_src = l.k_ws.data();
   req.v_src = l.v_ws.data();
-  req.num_src_slots = S_;
+  req.num_src_slots = slots_per_layer_;
   req.summaries = l.summaries.data();
-  req.num_summary_pages = P_;
-  req.summary_mode = o_.summary;
+  req.num_summary_pages = max_pages_;
+  req.summary_mode = options_.summary;
   req.logical_pages = logical;
   req.src_slots = slots;
   if (restoring == nullptr) {
@@ -373,41 +343,48 @@ void RetrieverImpl::HarvestStored() {
   }
 }
 
-absl::StatusOr<std::vector<StoredPage>> RetrieverImpl::TakeStoredPages(bool wait) {
-  if (closed_) {
-    return absl::FailedPreconditionError("TakeStoredPages: the sequence is closed");
-  }
+absl::Status RetrieverImpl::CommitStored(bool wait) {
   if (!failed_.ok()) return failed_;
   if (wait && !stored_.empty()) {
     // One stream: the last batch done means every batch is.
-    absl::Status st = stored_.back().done->Wait(o_.deadline);
+    absl::Status st = stored_.back().done->Wait(options_.deadline);
     if (absl::IsDeadlineExceeded(st)) {
       return absl::DeadlineExceededError(
-          absl::StrFormat("TakeStoredPages: offloads in flight did not complete within the "
-                          "deadline of %s",
-                          absl::FormatDuration(o_.deadline)));
+          absl::StrFormat("Flush: offloads in flight did not complete within the deadline of %s",
+                          absl::FormatDuration(options_.deadline)));
     }
-    KVTIER_RETURN_IF_ERROR(st);
+    if (!st.ok()) return Fail(st);
   }
   HarvestStored();
-  return std::exchange(stored_ready_, {});
+  if (stored_ready_.empty() || host_ == nullptr) {
+    stored_ready_.clear();
+    return absl::OkStatus();
+  }
+  absl::Status st = host_->Commit(stored_ready_);
+  stored_ready_.clear();
+  return st.ok() ? st : Fail(st);
+}
+
+absl::Status RetrieverImpl::Flush() {
+  if (closed_) return absl::FailedPreconditionError("Flush: the sequence is closed");
+  return CommitStored(/*wait=*/true);
 }
 
 absl::Status RetrieverImpl::Restore(int32_t layer, std::vector<PageHandle> pages) {
   KVTIER_RETURN_IF_ERROR(CheckCall(layer, "Restore"));
   if (!has_host_tier()) {
     return absl::FailedPreconditionError(absl::StrFormat(
-        "Restore: mode %s has no host tier to restore from", RetrievalModeName(o_.mode)));
+        "Restore: mode %s has no host tier to restore from", RetrievalModeName(options_.mode)));
   }
   LayerState& l = layers_[layer];
   if (l.tokens != 0) {
     return absl::FailedPreconditionError(absl::StrFormat(
         "Restore: layer %d holds %d tokens: only an empty layer can be restored", layer, l.tokens));
   }
-  const int32_t p = g_.page_size;
-  if (pages.size() > static_cast<size_t>(o_.max_tokens / p)) {
+  const int32_t p = geometry_.page_size;
+  if (pages.size() > static_cast<size_t>(options_.max_tokens / p)) {
     return absl::OutOfRangeError(absl::StrFormat(
-        "Restore: %d pages of %d tokens exceed max_tokens = %d", pages.size(), p, o_.max_tokens));
+        "Restore: %d pages of %d tokens exceed max_tokens = %d", pages.size(), p, options_.max_tokens));
   }
   for (size_t i = 0; i < pages.size(); ++i) {
     if (!pages[i].valid() || pages[i].pool() != pool_) {
@@ -419,15 +396,15 @@ absl::Status RetrieverImpl::Restore(int32_t layer, std::vector<PageHandle> pages
   // HND host pages → NHD rows [n·p][Hkv][d] on the host: exact copies of d elements.
   const int32_t n_tokens = static_cast<int32_t>(pages.size()) * p;
   const size_t tb = token_bytes();
-  const size_t row = static_cast<size_t>(g_.head_dim) * elem();
-  const HostPageLayout hl{g_.num_kv_heads, p, g_.head_dim};
+  const size_t row = static_cast<size_t>(geometry_.head_dim) * elem();
+  const HostPageLayout hl{geometry_.num_kv_heads, p, geometry_.head_dim};
   const size_t bytes = pages.size() * static_cast<size_t>(p) * tb;
   KVTIER_CHECK(bytes <= (size_t{1} << 52));  // ≤ 2^30 tokens of ≤ 2 MiB (validated bounds)
   auto k = std::make_unique<uint8_t[]>(bytes);
   auto v = std::make_unique<uint8_t[]>(bytes);
   for (size_t i = 0; i < pages.size(); ++i) {
     const auto* src = static_cast<const uint8_t*>(pages[i].data());
-    for (int32_t h = 0; h < g_.num_kv_heads; ++h) {
+    for (int32_t h = 0; h < geometry_.num_kv_heads; ++h) {
       for (int32_t t = 0; t < p; ++t) {
         const size_t dst = (i * p + t) * tb + h * row;
         std::memcpy(k.get() + dst, src + hl.Offset(h, kKey, t, 0) * elem(), row);
@@ -450,16 +427,16 @@ absl::Status RetrieverImpl::Append(int32_t layer, const void* k, const void* v, 
   }
   if (absl::Status ps = Pump(-1); !ps.ok()) return Fail(ps);  // background DMAs, if ready
   LayerState& l = layers_[layer];
-  if (n_tokens < 1 || n_tokens > o_.max_tokens - l.tokens) {
+  if (n_tokens < 1 || n_tokens > options_.max_tokens - l.tokens) {
     return absl::OutOfRangeError(absl::StrFormat(
         "Append: layer %d holds %d tokens; n_tokens = %d must be in [1, %d] (max_tokens = %d)",
-        layer, l.tokens, n_tokens, o_.max_tokens - l.tokens, o_.max_tokens));
+        layer, l.tokens, n_tokens, options_.max_tokens - l.tokens, options_.max_tokens));
   }
   if (l.in_step) {
     return absl::FailedPreconditionError(
         absl::StrFormat("Append: layer %d is between BeginStep and EndStep", layer));
   }
-  const int32_t p = g_.page_size;
+  const int32_t p = geometry_.page_size;
   if (has_host_tier()) {
     const int64_t filling = (l.tokens + n_tokens) / p - l.tokens / p;
     const PagePoolStats ps = pool_->stats();
@@ -467,14 +444,15 @@ absl::Status RetrieverImpl::Append(int32_t layer, const void* k, const void* v, 
       KVTIER_RETURN_IF_ERROR(DropHostPages(layer, filling - (ps.capacity - ps.in_use)));
     }
   }
-  return AppendTokens(layer, k, v, n_tokens, /*restoring=*/nullptr);
+  KVTIER_RETURN_IF_ERROR(AppendTokens(layer, k, v, n_tokens, /*restoring=*/nullptr));
+  return CommitStored(/*wait=*/false);
 }
 
 absl::Status RetrieverImpl::AppendTokens(int32_t layer, const void* k, const void* v,
                                          int32_t n_tokens, std::vector<PageHandle>* restoring) {
   // From here on a failure leaves the layer inconsistent: it fails the Retriever.
   LayerState& l = layers_[layer];
-  const int32_t p = g_.page_size;
+  const int32_t p = geometry_.page_size;
   const auto* ks = static_cast<const uint8_t*>(k);
   const auto* vs = static_cast<const uint8_t*>(v);
   const size_t tb = token_bytes();
@@ -497,8 +475,8 @@ absl::Status RetrieverImpl::AppendTokens(int32_t layer, const void* k, const voi
     auto* kw = l.k_ws.as<uint8_t>();
     auto* vw = l.v_ws.as<uint8_t>();
     if (off == 0 && l.managed == nullptr) {
-      for (int32_t h = 0; h < g_.num_kv_heads; ++h) {
-        l.table_mirror[static_cast<size_t>(h) * S_ + slot] = static_cast<int32_t>(page);
+      for (int32_t h = 0; h < geometry_.num_kv_heads; ++h) {
+        l.table_mirror[static_cast<size_t>(h) * slots_per_layer_ + slot] = static_cast<int32_t>(page);
       }
       l.table_dirty = true;
     }
@@ -512,7 +490,7 @@ absl::Status RetrieverImpl::AppendTokens(int32_t layer, const void* k, const voi
     if (l.tokens % p == 0 && has_host_tier()) {
       l.pending.push_back({page, slot});
       // Flush before a ring slot holding a pending page is reused.
-      if (static_cast<int32_t>(l.pending.size()) >= o_.recent_pages) {
+      if (static_cast<int32_t>(l.pending.size()) >= options_.recent_pages) {
         if (absl::Status fs = FlushOffloads(layer, restoring); !fs.ok()) return Fail(fs);
       }
     }
@@ -527,9 +505,9 @@ absl::Status RetrieverImpl::AppendTokens(int32_t layer, const void* k, const voi
 }
 
 absl::Status RetrieverImpl::RecallPlan(Stream& s, RecallPath path, LayerState& l) {
-  const int32_t n = g_.num_kv_heads * k();
+  const int32_t n = geometry_.num_kv_heads * selected_pages();
   if (path == RecallPath::kGather || !dma()) {
-    return backend_.Recall(s, ZeroCopyRecallArgs(g_, Target(l), l.items.as<RecallItem>(), n));
+    return backend_.Recall(s, ZeroCopyRecallArgs(geometry_, Target(l), l.items.as<RecallItem>(), n));
   }
   // The copy engines are driven from the host: the plan goes to the layer's host plan buffer.
   KVTIER_RETURN_IF_ERROR(
@@ -540,18 +518,18 @@ absl::Status RetrieverImpl::RecallPlan(Stream& s, RecallPath path, LayerState& l
     return absl::OkStatus();
   }
   // Sync mode: the host waits for its plan (this is the synchronous baseline).
-  absl::Status st = l.plan_ready->Wait(o_.deadline);
+  absl::Status st = l.plan_ready->Wait(options_.deadline);
   if (absl::IsDeadlineExceeded(st)) {
     return absl::DeadlineExceededError(absl::StrFormat(
         "sync recall: the selection did not reach the host within the deadline of %s",
-        absl::FormatDuration(o_.deadline)));
+        absl::FormatDuration(options_.deadline)));
   }
   KVTIER_RETURN_IF_ERROR(st);
   return l.recaller->Enqueue(s, *xform_fg_, n, Target(l)).status();
 }
 
 RecallTarget RetrieverImpl::Target(const LayerState& l) const {
-  return RecallTarget{pool_->base(), pool_->num_slots(), l.k_ws.data(), l.v_ws.data(), S_};
+  return RecallTarget{pool_->base(), pool_->num_slots(), l.k_ws.data(), l.v_ws.data(), slots_per_layer_};
 }
 
 absl::Status RetrieverImpl::LaunchPlanned(LayerState& l) {
@@ -559,26 +537,26 @@ absl::Status RetrieverImpl::LaunchPlanned(LayerState& l) {
   // the plan's selection on the recall stream, and recall_done covers the whole recall.
   KVTIER_RETURN_IF_ERROR(dma_->Wait(*l.plan_ready));
   KVTIER_RETURN_IF_ERROR(
-      l.recaller->Enqueue(*dma_, *xform_bg_, g_.num_kv_heads * k(), Target(l)).status());
+      l.recaller->Enqueue(*dma_, *xform_bg_, geometry_.num_kv_heads * selected_pages(), Target(l)).status());
   l.plan_pending = false;
   return dma_->Record(*l.recall_done);
 }
 
 absl::Status RetrieverImpl::Pump(int32_t layer) {
   if (!dma()) return absl::OkStatus();
-  for (int32_t i = 0; i < g_.num_layers; ++i) {
+  for (int32_t i = 0; i < geometry_.num_layers; ++i) {
     LayerState& l = layers_[i];
     if (!l.plan_pending || (layer >= 0 && i != layer)) continue;
     if (i == layer) {
       // This layer's step needs its recall now: wait for the plan, within the deadline.
-      const absl::Duration left = o_.deadline - (absl::Now() - l.recall_launched);
+      const absl::Duration left = options_.deadline - (absl::Now() - l.recall_launched);
       absl::Status st = l.plan_ready->Wait(std::max(left, absl::ZeroDuration()));
       if (absl::IsDeadlineExceeded(st)) {
         return absl::DeadlineExceededError(absl::StrFormat(
             "layer %d: the background selection launched %s ago has not reached the host "
             "within the deadline of %s",
             i, absl::FormatDuration(absl::Now() - l.recall_launched),
-            absl::FormatDuration(o_.deadline)));
+            absl::FormatDuration(options_.deadline)));
       }
       KVTIER_RETURN_IF_ERROR(st);
     } else if (!l.plan_ready->Query()) {
@@ -603,17 +581,17 @@ absl::flat_hash_map<std::string, RecallStrategy>& Calibrations()
 }  // namespace
 
 absl::StatusOr<RecallStrategy> RetrieverImpl::ResolveStrategy() {
-  if (o_.recall != RecallStrategy::kAuto) return o_.recall;
-  const int32_t n = g_.num_kv_heads * k();
+  if (options_.recall != RecallStrategy::kAuto) return options_.recall;
+  const int32_t n = geometry_.num_kv_heads * selected_pages();
   if (n == 0) return RecallStrategy::kZeroCopy;  // nothing is ever recalled
   const std::string key =
-      absl::StrCat(backend_.Describe(), "|", g_.ToString(), "|", n, "|", o_.stream_chunk_items);
+      absl::StrCat(backend_.Describe(), "|", geometry_.ToString(), "|", n, "|", options_.stream_chunk_items);
   MutexLock lock(&calibration_mu);
   auto it = Calibrations().find(key);
   if (it != Calibrations().end()) return it->second;
   KVTIER_ASSIGN_OR_RETURN(RecallCalibration cal,
-                          CalibrateRecall(backend_, g_, pool_->base(), pool_->num_slots(), n,
-                                          o_.stream_chunk_items, /*repeats=*/3));
+                          CalibrateRecall(backend_, geometry_, pool_->base(), pool_->num_slots(), n,
+                                          options_.stream_chunk_items, /*repeats=*/3));
   Calibrations()[key] = cal.best;
   return cal.best;
 }
@@ -622,32 +600,32 @@ absl::Status RetrieverImpl::Select(Stream& s, RecallPath path, int32_t layer, co
                                    const int32_t* num_pages, const uint8_t* mask,
                                    int32_t recent_full) {
   LayerState& l = layers_[layer];
-  if (k() == 0) return absl::OkStatus();
+  if (selected_pages() == 0) return absl::OkStatus();
   absl::Time mark;
   KVTIER_RETURN_IF_ERROR(Lap(s, &mark, nullptr));
   ScorePagesArgs sa;
-  sa.dtype = g_.dtype;
+  sa.dtype = geometry_.dtype;
   sa.batch = 1;
-  sa.num_q_heads = g_.num_q_heads;
-  sa.num_kv_heads = g_.num_kv_heads;
-  sa.head_dim = g_.head_dim;
-  sa.max_pages = P_;
+  sa.num_q_heads = geometry_.num_q_heads;
+  sa.num_kv_heads = geometry_.num_kv_heads;
+  sa.head_dim = geometry_.head_dim;
+  sa.max_pages = max_pages_;
   sa.q = q;
   sa.summaries = l.summaries.data();
   sa.num_pages = num_pages;
   sa.softmax_scale = scale_;
-  sa.pool = o_.pool;
+  sa.pool = options_.pool;
   sa.pooled = l.pooled.as<float>();
   sa.head_mask = mask;
   KVTIER_RETURN_IF_ERROR(backend_.ScorePages(s, sa));
   TopKArgs ta;
   ta.batch = 1;
-  ta.num_kv_heads = g_.num_kv_heads;
-  ta.max_pages = P_;
-  ta.k = k();
+  ta.num_kv_heads = geometry_.num_kv_heads;
+  ta.max_pages = max_pages_;
+  ta.k = selected_pages();
   ta.pooled = l.pooled.as<float>();
   ta.num_pages = num_pages;
-  ta.sink_pages = o_.sink_pages;
+  ta.sink_pages = options_.sink_pages;
   ta.recent_pages = recent_full;
   ta.selected = l.selected.as<int32_t>();
   ta.head_mask = mask;
@@ -658,14 +636,14 @@ absl::Status RetrieverImpl::Select(Stream& s, RecallPath path, int32_t layer, co
   KVTIER_RETURN_IF_ERROR(backend_.TopK(s, ta));
   ReplaceArgs ra;
   ra.batch = 1;
-  ra.num_kv_heads = g_.num_kv_heads;
-  ra.num_slots = S_;
-  ra.region_begin = o_.sink_pages;
-  ra.k = k();
+  ra.num_kv_heads = geometry_.num_kv_heads;
+  ra.num_slots = slots_per_layer_;
+  ra.region_begin = options_.sink_pages;
+  ra.k = selected_pages();
   ra.selected = l.selected.as<int32_t>();
   ra.slot_table = l.table.as<int32_t>();
   ra.host_page_of = l.host_page_of.as<int64_t>();
-  ra.max_pages = P_;
+  ra.max_pages = max_pages_;
   ra.head_mask = mask;
   ra.items = l.items.as<RecallItem>();
   ra.num_misses = l.num_misses.as<int32_t>();
@@ -683,16 +661,24 @@ absl::Status RetrieverImpl::RecordStats(Stream& s, int32_t layer, int64_t step, 
   r.step = step;
   r.background = background;
   r.checked = checked;
-  const size_t hkv = g_.num_kv_heads;
-  r.misses.resize(hkv);
-  KVTIER_RETURN_IF_ERROR(
-      backend_.Copy(s, r.misses.data(), l.num_misses.data(), hkv * sizeof(int32_t)));
+  const size_t hkv = geometry_.num_kv_heads;
+  if (l.num_misses.data() != nullptr) {  // selecting modes
+    r.misses.resize(hkv);
+    KVTIER_RETURN_IF_ERROR(
+        backend_.Copy(s, r.misses.data(), l.num_misses.data(), hkv * sizeof(int32_t)));
+  }
   if (checked) {
     r.drifted.resize(hkv);
     r.group_mean.resize(hkv);
     KVTIER_RETURN_IF_ERROR(backend_.Copy(s, r.drifted.data(), l.drifted.data(), hkv));
     KVTIER_RETURN_IF_ERROR(
         backend_.Copy(s, r.group_mean.data(), l.group_mean.data(), hkv * sizeof(float)));
+  }
+  if (!background) {
+    r.num_slots = Slots(l);
+    r.slot_table.resize(hkv * static_cast<size_t>(r.num_slots));
+    KVTIER_RETURN_IF_ERROR(backend_.Copy(s, r.slot_table.data(), l.table.data(),
+                                         r.slot_table.size() * sizeof(int32_t)));
   }
   KVTIER_ASSIGN_OR_RETURN(r.done, TakeEvent());
   absl::Status st = s.Record(*r.done);
@@ -702,7 +688,7 @@ absl::Status RetrieverImpl::RecordStats(Stream& s, int32_t layer, int64_t step, 
 }
 
 absl::Status RetrieverImpl::Collect(bool block) {
-  const absl::Time end = absl::Now() + o_.deadline;
+  const absl::Time end = absl::Now() + options_.deadline;
   while (!records_.empty()) {
     StatRecord& r = records_.front();
     if (block) {
@@ -715,7 +701,7 @@ absl::Status RetrieverImpl::Collect(bool block) {
     for (int32_t m : r.misses) pages += m;
     stats_.recalled_pages += pages;
     stats_.recalled_bytes +=
-        pages * static_cast<int64_t>(g_.slab_elements() * static_cast<int64_t>(elem()));
+        pages * static_cast<int64_t>(geometry_.slab_elements() * static_cast<int64_t>(elem()));
     if (r.background) {
       if (l.last.step == r.step) l.last.background_pages = pages;
     } else {
@@ -723,13 +709,15 @@ absl::Status RetrieverImpl::Collect(bool block) {
       StepStats st;
       st.step = r.step;
       st.correction_pages = pages;
+      st.num_slots = r.num_slots;
+      st.slot_table = std::move(r.slot_table);
       if (r.checked) {
-        for (int32_t h = 0; h < g_.num_kv_heads; ++h) {
+        for (int32_t h = 0; h < geometry_.num_kv_heads; ++h) {
           const bool d = r.drifted[h] != 0;
           st.corrected_heads += d;
-          stats_.corrections[static_cast<size_t>(r.layer) * g_.num_kv_heads + h] += d;
+          stats_.corrections[static_cast<size_t>(r.layer) * geometry_.num_kv_heads + h] += d;
         }
-        stats_.checked_heads += g_.num_kv_heads;
+        stats_.checked_heads += geometry_.num_kv_heads;
         stats_.corrected_heads += st.corrected_heads;
         st.drifted = r.drifted;
         st.group_mean = r.group_mean;
@@ -757,42 +745,45 @@ absl::StatusOr<WorkingSetView> RetrieverImpl::BeginStep(int32_t layer, const voi
   if (absl::Status ps = Pump(layer); !ps.ok()) return Fail(ps);
   if (l.recall_in_flight && !l.recall_done->Query()) {
     const absl::Duration age = absl::Now() - l.recall_launched;
-    if (age > o_.deadline) {
+    if (age > options_.deadline) {
       return Fail(absl::DeadlineExceededError(absl::StrFormat(
           "BeginStep: layer %d: the background recall launched %s ago has not completed within "
           "the deadline of %s",
-          layer, absl::FormatDuration(age), absl::FormatDuration(o_.deadline))));
+          layer, absl::FormatDuration(age), absl::FormatDuration(options_.deadline))));
     }
   }
   (void)Collect(/*block=*/false);
   Stream& c = *compute_;
   const uint8_t* no_mask = nullptr;
-  const bool speculative = o_.mode == RetrievalMode::kSpeculative;
+  const bool speculative = options_.mode == RetrievalMode::kSpeculative;
   absl::Status st;
   // The background recall writes the working set and reads the policy buffers: wait for it
   // before anything below touches them.
   if (speculative && l.recall_in_flight) st = c.Wait(*l.recall_done);
   l.recall_in_flight = false;
   bool reselect = false;
+  bool recorded = false;  // a stats record of this step (with its slot table) was enqueued
   if (st.ok()) st = ApplyPolicies(layer, &reselect);
   if (st.ok()) st = backend_.Copy(c, l.q_cur.data(), q, q_bytes());
-  if (st.ok() && (o_.mode == RetrievalMode::kSync || (speculative && (l.step == 0 || reselect)))) {
+  if (st.ok() && (options_.mode == RetrievalMode::kSync || (speculative && (l.step == 0 || reselect)))) {
     // Select every head with q_t before attention.
     // Sync mode recalls with its strategy; speculative mode's first (and re-)selection is on
     // the critical path and planned on the device, so it gathers zero-copy.
-    st = Select(c, o_.mode == RetrievalMode::kSync ? RecallPath::kForeground : RecallPath::kGather,
-                layer, l.q_cur.data(), l.counts.as<int32_t>(), no_mask, RecentFull(l));
+    st = Select(c, options_.mode == RetrievalMode::kSync ? RecallPath::kForeground : RecallPath::kGather,
+                layer, l.q_cur.data(), &l.counts.as<LayerCounts>()->full_pages, no_mask,
+                RecentFull(l));
     if (st.ok()) st = RecordStats(c, layer, l.step, /*background=*/false, /*checked=*/false);
+    recorded = true;
   } else if (st.ok() && speculative) {
     QueryCosineArgs qa;
-    qa.dtype = g_.dtype;
+    qa.dtype = geometry_.dtype;
     qa.batch = 1;
-    qa.num_q_heads = g_.num_q_heads;
-    qa.num_kv_heads = g_.num_kv_heads;
-    qa.head_dim = g_.head_dim;
+    qa.num_q_heads = geometry_.num_q_heads;
+    qa.num_kv_heads = geometry_.num_kv_heads;
+    qa.head_dim = geometry_.head_dim;
     qa.q = l.q_cur.data();
     qa.q_prev = l.q_prev.data();
-    qa.threshold = o_.correction_threshold;
+    qa.threshold = options_.correction_threshold;
     qa.group_mean = l.group_mean.as<float>();
     qa.drifted = l.drifted.as<uint8_t>();
     if (st.ok()) st = backend_.QueryCosine(c, qa);
@@ -800,11 +791,15 @@ absl::StatusOr<WorkingSetView> RetrieverImpl::BeginStep(int32_t layer, const voi
     if (st.ok()) {
       // The correction recall is a few pages on the critical path: one fused op, no
       // pipeline hand-offs.
-      st = Select(c, RecallPath::kGather, layer, l.q_cur.data(), l.counts.as<int32_t>(),
+      st = Select(c, RecallPath::kGather, layer, l.q_cur.data(),
+                  &l.counts.as<LayerCounts>()->full_pages,
                   l.drifted.as<uint8_t>(), RecentFull(l));
     }
     if (st.ok()) st = RecordStats(c, layer, l.step, /*background=*/false, /*checked=*/true);
+    recorded = true;
   }
+  // Full and drop mode select nothing: the record carries the slot table alone.
+  if (st.ok() && !recorded) st = RecordStats(c, layer, l.step, /*background=*/false, /*checked=*/false);
   if (st.ok()) st = c.Record(*l.ready);
   if (!st.ok()) return Fail(st);
   l.in_step = true;
@@ -816,8 +811,8 @@ absl::StatusOr<WorkingSetView> RetrieverImpl::BeginStep(int32_t layer, const voi
   view.v_cache = l.v_ws.data();
   view.num_slots = Slots(l);
   view.slot_table = l.table.as<int32_t>();
-  view.partial_page = l.counts.as<int32_t>() + 1;
-  view.partial_len = l.counts.as<int32_t>() + 2;
+  view.partial_page = &l.counts.as<LayerCounts>()->partial_page;
+  view.partial_len = &l.counts.as<LayerCounts>()->partial_len;
   view.num_tokens = l.tokens;
   view.ready = l.ready.get();
   return view;
@@ -826,19 +821,19 @@ absl::StatusOr<WorkingSetView> RetrieverImpl::BeginStep(int32_t layer, const voi
 SparseAttentionArgs RetrieverImpl::AttentionArgs(LayerState& l, const void* q, void* out,
                                                  float* lse) {
   SparseAttentionArgs a;
-  a.dtype = g_.dtype;
+  a.dtype = geometry_.dtype;
   a.batch = 1;
-  a.num_q_heads = g_.num_q_heads;
-  a.num_kv_heads = g_.num_kv_heads;
-  a.head_dim = g_.head_dim;
-  a.page_size = g_.page_size;
+  a.num_q_heads = geometry_.num_q_heads;
+  a.num_kv_heads = geometry_.num_kv_heads;
+  a.head_dim = geometry_.head_dim;
+  a.page_size = geometry_.page_size;
   a.num_slots = Slots(l);
   a.q = q;
   a.k_cache = l.k_ws.data();
   a.v_cache = l.v_ws.data();
   a.slot_table = l.table.as<int32_t>();
-  a.partial_page = l.counts.as<int32_t>() + 1;
-  a.partial_len = l.counts.as<int32_t>() + 2;
+  a.partial_page = &l.counts.as<LayerCounts>()->partial_page;
+  a.partial_len = &l.counts.as<LayerCounts>()->partial_len;
   a.softmax_scale = scale_;
   a.out = out;
   a.lse = lse;
@@ -872,7 +867,7 @@ absl::Status RetrieverImpl::EndStep(int32_t layer, const void* q) {
   }
   l.in_step = false;
   const int64_t step = l.step++;
-  if (o_.mode != RetrievalMode::kSpeculative) return absl::OkStatus();
+  if (options_.mode != RetrievalMode::kSpeculative) return CommitStored(/*wait=*/false);
   // Fresh events for this step (FreeKV re-records one event per layer, which is only safe
   // while nobody can still be about to wait on the old record): the previous step's are
   // retired and reused only once they have fired.
@@ -883,15 +878,17 @@ absl::Status RetrieverImpl::EndStep(int32_t layer, const void* q) {
   }
   // On the compute stream, after attention: remember q_t and snapshot the page count.
   Stream& c = *compute_;
-  auto* counts = l.counts.as<int32_t>();
+  auto* counts = l.counts.as<LayerCounts>();
   absl::Status st = backend_.Copy(c, l.q_prev.data(), q, q_bytes());
-  if (st.ok()) st = backend_.Copy(c, counts + 3, counts, sizeof(int32_t));
+  if (st.ok()) {
+    st = backend_.Copy(c, &counts->full_pages_at_end_step, &counts->full_pages, sizeof(int32_t));
+  }
   if (st.ok()) st = c.Record(*l.attn_done);
   // In the background, once attention is done with the working set: select with q_t and
   // recall the misses into the slots of evicted pages.
   if (st.ok()) st = recall_->Wait(*l.attn_done);
   if (st.ok()) {
-    st = Select(*recall_, RecallPath::kBackground, layer, l.q_prev.data(), counts + 3, nullptr,
+    st = Select(*recall_, RecallPath::kBackground, layer, l.q_prev.data(), &counts->full_pages_at_end_step, nullptr,
                 RecentFull(l));
   }
   if (st.ok()) st = RecordStats(*recall_, layer, step, /*background=*/true, /*checked=*/false);
@@ -901,11 +898,11 @@ absl::Status RetrieverImpl::EndStep(int32_t layer, const void* q) {
   l.recall_in_flight = true;
   l.recall_launched = absl::Now();
   if (absl::Status ps = Pump(-1); !ps.ok()) return Fail(ps);
-  return absl::OkStatus();
+  return CommitStored(/*wait=*/false);
 }
 
 absl::Status RetrieverImpl::Wait() {
-  const absl::Time end = absl::Now() + o_.deadline;
+  const absl::Time end = absl::Now() + options_.deadline;
   KVTIER_RETURN_IF_ERROR(compute_->Record(*sync_compute_));
   KVTIER_RETURN_IF_ERROR(recall_->Record(*sync_recall_));
   const auto wait = [&](Event& e) -> absl::Status {
@@ -913,21 +910,22 @@ absl::Status RetrieverImpl::Wait() {
     if (absl::IsDeadlineExceeded(st)) {
       return absl::DeadlineExceededError(
           absl::StrFormat("retriever: work in flight did not complete within the deadline of %s",
-                          absl::FormatDuration(o_.deadline)));
+                          absl::FormatDuration(options_.deadline)));
     }
     return st;
   };
   KVTIER_RETURN_IF_ERROR(wait(*sync_compute_));
   KVTIER_RETURN_IF_ERROR(wait(*sync_recall_));
   // Every background plan is on the host now: issue its DMAs and wait for them too.
-  for (int32_t i = 0; i < g_.num_layers; ++i) KVTIER_RETURN_IF_ERROR(Pump(i));
+  for (int32_t i = 0; i < geometry_.num_layers; ++i) KVTIER_RETURN_IF_ERROR(Pump(i));
   KVTIER_RETURN_IF_ERROR(dma_->Record(*sync_dma_));
   KVTIER_RETURN_IF_ERROR(wait(*sync_dma_));
   for (LayerState& l : layers_) {
     if (l.recall_in_flight && l.recall_done->Query()) l.recall_in_flight = false;
   }
   Reap();
-  return Collect(/*block=*/true);
+  KVTIER_RETURN_IF_ERROR(Collect(/*block=*/true));
+  return CommitStored(/*wait=*/true);
 }
 
 absl::Status RetrieverImpl::Close() {
@@ -947,12 +945,35 @@ absl::Status RetrieverImpl::Close() {
 
 }  // namespace retriever_internal
 
-absl::StatusOr<std::unique_ptr<Retriever>> Retriever::Create(const Geometry& geometry,
-                                                             const RetrieverOptions& options,
-                                                             Backend& backend, PagePool* pool) {
-  auto r = std::make_unique<retriever_internal::RetrieverImpl>(geometry, options, backend, pool);
+absl::StatusOr<std::unique_ptr<Retriever>> Retriever::Create(
+    const Geometry& geometry, const SequenceOptions& options, Backend& backend,
+    std::unique_ptr<HostTier> host, policy::LayerBudgetStore* policy_store) {
+  auto r = std::make_unique<retriever_internal::RetrieverImpl>(geometry, options, backend,
+                                                               std::move(host), policy_store);
   KVTIER_RETURN_IF_ERROR(r->Init());
   return std::unique_ptr<Retriever>(std::move(r));
+}
+
+absl::StatusOr<std::unique_ptr<Retriever>> Retriever::Create(const Geometry& geometry,
+                                                             const SequenceOptions& options,
+                                                             Backend& backend, PagePool* pool) {
+  std::unique_ptr<HostTier> host;
+  if (pool != nullptr) host = std::make_unique<PoolHostTier>(*pool);
+  return Create(geometry, options, backend, std::move(host));
+}
+
+absl::StatusOr<std::unique_ptr<LocalSequence>> NewLocalSequence(const Geometry& geometry,
+                                                                const SequenceOptions& options,
+                                                                Device& device) {
+  KVTIER_ASSIGN_OR_RETURN(Backend * backend, BackendOf(device, "NewLocalSequence"));
+  KVTIER_RETURN_IF_ERROR(geometry.Validate());
+  std::unique_ptr<HostTier> host;
+  if (options.mode == RetrievalMode::kSpeculative || options.mode == RetrievalMode::kSync) {
+    KVTIER_ASSIGN_OR_RETURN(host, NewOwnedHostTier(geometry, options.max_tokens, *backend));
+  }
+  KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<Retriever> r,
+                          Retriever::Create(geometry, options, *backend, std::move(host)));
+  return std::unique_ptr<LocalSequence>(std::move(r));
 }
 
 }  // namespace kvtier

@@ -15,7 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/time/clock.h"
 #include "kvtier/layout.h"
-#include "kvtier/retriever.h"
+#include "offload/retriever.h"
 #include "offload/head_slot_table.h"
 #include "offload/page_offloader.h"
 #include "offload/page_pool.h"
@@ -70,7 +70,19 @@ struct StatRecord {
   std::vector<int32_t> misses;    // [Hkv]
   std::vector<uint8_t> drifted;   // [Hkv]
   std::vector<float> group_mean;  // [Hkv]
+  int32_t num_slots = 0;          // foreground: the working set attention read
+  std::vector<int32_t> slot_table;  // [Hkv][num_slots]
   std::unique_ptr<Event> done;
+};
+
+// A layer's page counts in backend memory, read by the ops (ScorePages' num_pages, the
+// attention's partial page). The first three are uploaded by Append; EndStep snapshots
+// full_pages for the background selection, which must not see pages appended after it.
+struct LayerCounts {
+  int32_t full_pages = 0;
+  int32_t partial_page = -1;  // logical page being filled, or −1
+  int32_t partial_len = 0;    // its tokens
+  int32_t full_pages_at_end_step = 0;
 };
 
 struct LayerState {
@@ -78,7 +90,7 @@ struct LayerState {
   DeviceBuffer table;          // int32 [Hkv][S]
   DeviceBuffer summaries;      // [P][Hkv][2][d]
   DeviceBuffer host_page_of;   // int64 [P]
-  DeviceBuffer counts;         // int32 [4]: full pages, partial page, partial len, snapshot
+  DeviceBuffer counts;         // LayerCounts
   DeviceBuffer q_prev, q_cur;  // [Hq][d]
   DeviceBuffer pooled;         // float [Hkv][P]
   DeviceBuffer selected;       // int32 [Hkv][k]
@@ -137,8 +149,14 @@ struct LayerState {
 
 class RetrieverImpl final : public Retriever {
  public:
-  RetrieverImpl(const Geometry& g, const RetrieverOptions& o, Backend& backend, PagePool* pool)
-      : g_(g), o_(o), backend_(backend), pool_(pool) {}
+  RetrieverImpl(const Geometry& g, const SequenceOptions& o, Backend& backend,
+                std::unique_ptr<HostTier> host, policy::LayerBudgetStore* policy_store)
+      : geometry_(g),
+        options_(o),
+        backend_(backend),
+        policy_store_(policy_store),
+        host_(std::move(host)),
+        pool_(host_ != nullptr ? &host_->pool() : nullptr) {}
 
   ~RetrieverImpl() override {
     // Work still queued may touch the buffers below: let it run first.
@@ -152,25 +170,26 @@ class RetrieverImpl final : public Retriever {
   absl::Status Init();
 
   absl::Status Append(int32_t layer, const void* k, const void* v, int32_t n_tokens) override;
-  absl::StatusOr<std::vector<StoredPage>> TakeStoredPages(bool wait) override;
+  absl::Status Flush() override;
+  HostTier* host_tier() override { return host_.get(); }
   absl::Status Restore(int32_t layer, std::vector<PageHandle> pages) override;
   absl::StatusOr<WorkingSetView> BeginStep(int32_t layer, const void* q) override;
   absl::Status Attend(int32_t layer, const void* q, void* out, float* lse) override;
   absl::Status EndStep(int32_t layer, const void* q) override;
   absl::Status Wait() override;
   absl::Status Close() override;
-  absl::Status ReportSignals(const policy::StepSignals& signals) override;
+  absl::Status ReportSignals(const StepSignals& signals) override;
   absl::Status ObserveQueries(int32_t layer, const void* q, int32_t n,
                               int64_t first_position) override;
-  RetrieverStats Stats() override {
+  SequenceStats Stats() override {
     (void)Collect(/*block=*/false);
-    RetrieverStats st = stats_;
+    SequenceStats st = stats_;
     FillPolicyStats(&st);
     return st;
   }
   StepStats LastStep(int32_t layer) override {
     (void)Collect(/*block=*/false);
-    if (layer < 0 || layer >= g_.num_layers) return {};
+    if (layer < 0 || layer >= geometry_.num_layers) return {};
     StepStats st = layers_[layer].last;
     st.budget = layers_[layer].budget;
     st.resident_head_pages = ResidentHeadPages(layers_[layer]);
@@ -178,20 +197,20 @@ class RetrieverImpl final : public Retriever {
   }
   void SetProfiling(bool on) override { profiling_ = on; }
   Stream& compute_stream() override { return *compute_; }
-  const Geometry& geometry() const override { return g_; }
-  const RetrieverOptions& options() const override { return o_; }
+  const Geometry& geometry() const override { return geometry_; }
+  const SequenceOptions& options() const override { return options_; }
   int32_t num_tokens(int32_t layer) const override {
-    return layer >= 0 && layer < g_.num_layers ? layers_[layer].tokens : 0;
+    return layer >= 0 && layer < geometry_.num_layers ? layers_[layer].tokens : 0;
   }
 
  private:
   bool has_host_tier() const {
-    return o_.mode == RetrievalMode::kSpeculative || o_.mode == RetrievalMode::kSync;
+    return options_.mode == RetrievalMode::kSpeculative || options_.mode == RetrievalMode::kSync;
   }
-  size_t elem() const { return DTypeSize(g_.dtype); }
-  size_t token_bytes() const { return static_cast<size_t>(g_.num_kv_heads) * g_.head_dim * elem(); }
-  size_t q_bytes() const { return static_cast<size_t>(g_.num_q_heads) * g_.head_dim * elem(); }
-  int32_t k() const { return o_.selected_pages; }
+  size_t elem() const { return DTypeSize(geometry_.dtype); }
+  size_t token_bytes() const { return static_cast<size_t>(geometry_.num_kv_heads) * geometry_.head_dim * elem(); }
+  size_t q_bytes() const { return static_cast<size_t>(geometry_.num_q_heads) * geometry_.head_dim * elem(); }
+  int32_t selected_pages() const { return options_.selected_pages; }
   int32_t SlotOf(int64_t logical) const;
   bool dma() const {
     return strategy_ == RecallStrategy::kSlabDma || strategy_ == RecallStrategy::kBatchedDma;
@@ -200,11 +219,11 @@ class RetrieverImpl final : public Retriever {
   int32_t RecentFull(const LayerState& l) const;
   // Slots of the layer's working set (the managed ones change size).
   int32_t Slots(const LayerState& l) const {
-    return l.managed != nullptr ? l.managed->capacity() : S_;
+    return l.managed != nullptr ? l.managed->capacity() : slots_per_layer_;
   }
 
   // --- Policies (retriever_policy.cc). ---
-  bool policies_on() const { return pol_.budget != nullptr; }
+  bool policies_on() const { return policies_.budget != nullptr; }
   bool reads_attention() const;
   absl::Status InitPolicies();
   absl::Status InitLayerPolicies(LayerState& l);
@@ -231,7 +250,7 @@ class RetrieverImpl final : public Retriever {
   // Host tier full: drops `n` of the layer's pages (host_drop = evict) or refuses.
   absl::Status DropHostPages(int32_t layer, int64_t n);
   int64_t ResidentHeadPages(const LayerState& l) const;
-  void FillPolicyStats(RetrieverStats* st) const;
+  void FillPolicyStats(SequenceStats* st) const;
 
   absl::Status CheckCall(int32_t layer, std::string_view what) const;
   absl::Status Allocate(DeviceBuffer* buf, size_t bytes);
@@ -247,6 +266,9 @@ class RetrieverImpl final : public Retriever {
   absl::Status AppendTokens(int32_t layer, const void* k, const void* v, int32_t n_tokens,
                             std::vector<PageHandle>* restoring);
   absl::Status FlushOffloads(int32_t layer, std::vector<PageHandle>* restoring);
+  // Commits the pages whose offload has run to the host tier (wait: every offload enqueued
+  // so far, bounded by the deadline); a refused commit fails the Retriever.
+  absl::Status CommitStored(bool wait);
   // Moves the pages of completed StoredBatches to stored_ready_.
   void HarvestStored();
   absl::Status UploadTable(LayerState& l);
@@ -285,17 +307,20 @@ class RetrieverImpl final : public Retriever {
     return st;
   }
 
-  const Geometry g_;
-  const RetrieverOptions o_;
+  const Geometry geometry_;
+  const SequenceOptions options_;
   Backend& backend_;
+  policy::LayerBudgetStore* const policy_store_;
+  // The host tier outlives everything below that holds its pages (offloader, page tables).
+  const std::unique_ptr<HostTier> host_;
   PagePool* const pool_;
-  int32_t S_ = 0;  // slots per layer
-  int32_t P_ = 0;  // max pages per layer
+  int32_t slots_per_layer_ = 0;  // slots per layer
+  int32_t max_pages_ = 0;  // max pages per layer
   float scale_ = 1.0f;
   RecallStrategy strategy_ = RecallStrategy::kZeroCopy;  // resolved (never kAuto)
 
   std::vector<LayerState> layers_;
-  policy::Policies pol_;  // empty unless o_.policy is not the default
+  policy::Policies policies_;  // empty unless options_.policy is not the default
   std::unique_ptr<policy::HostDropPolicy> host_drop_;
   int32_t min_capacity_ = 0;  // managed layers never shrink below it
   std::unique_ptr<PageOffloader> offloader_;
@@ -304,10 +329,10 @@ class RetrieverImpl final : public Retriever {
   std::deque<Parked> parked_;
   std::deque<StatRecord> records_;
   std::deque<StoredBatch> stored_;        // offloads not yet known to have run
-  std::vector<StoredPage> stored_ready_;  // completed, not yet taken
+  std::vector<StoredPage> stored_ready_;  // completed, not yet committed
   std::vector<std::unique_ptr<Event>> spare_events_;
   std::deque<std::unique_ptr<Event>> retired_events_;  // per-step events, until they fire
-  RetrieverStats stats_;
+  SequenceStats stats_;
   bool closed_ = false;
   bool profiling_ = false;
   absl::Status failed_;

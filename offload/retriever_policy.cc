@@ -17,71 +17,71 @@
 #include <utility>
 
 #include "absl/strings/str_format.h"
-#include "kvtier/status.h"
+#include "core/status.h"
 #include "offload/retriever_impl.h"
 
 namespace kvtier::retriever_internal {
 
 bool RetrieverImpl::reads_attention() const {
   if (!policies_on()) return false;
-  return pol_.budget->needs_attention() ||
-         (pol_.residency != nullptr && pol_.residency->needs_attention());
+  return policies_.budget->needs_attention() ||
+         (policies_.residency != nullptr && policies_.residency->needs_attention());
 }
 
 absl::Status RetrieverImpl::InitPolicies() {
-  if (o_.policy.is_default()) {
+  if (options_.policy.is_default()) {
     host_drop_ = std::make_unique<policy::HostDropPolicy>(policy::HostDropMode::kRefuse);
     return absl::OkStatus();
   }
   policy::PolicyContext ctx;
-  ctx.num_layers = g_.num_layers;
-  ctx.num_q_heads = g_.num_q_heads;
-  ctx.num_kv_heads = g_.num_kv_heads;
-  ctx.page_size = g_.page_size;
-  ctx.default_pages = o_.selected_pages;
-  ctx.xkv_store = o_.policy_store;
-  KVTIER_ASSIGN_OR_RETURN(pol_, policy::MakePolicies(o_.policy, ctx));
-  if (pol_.host_drop == policy::HostDropMode::kEvict && !has_host_tier()) {
+  ctx.num_layers = geometry_.num_layers;
+  ctx.num_q_heads = geometry_.num_q_heads;
+  ctx.num_kv_heads = geometry_.num_kv_heads;
+  ctx.page_size = geometry_.page_size;
+  ctx.default_pages = options_.selected_pages;
+  ctx.xkv_store = policy_store_;
+  KVTIER_ASSIGN_OR_RETURN(policies_, policy::MakePolicies(options_.policy, ctx));
+  if (policies_.host_drop == policy::HostDropMode::kEvict && !has_host_tier()) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "policy.host_drop = evict: mode %s has no host tier (speculative or sync only)",
-        RetrievalModeName(o_.mode)));
+        RetrievalModeName(options_.mode)));
   }
-  if (pol_.int8_window_pages > 0 && o_.mode != RetrievalMode::kDrop) {
+  if (policies_.int8_window_pages > 0 && options_.mode != RetrievalMode::kDrop) {
     return absl::InvalidArgumentError(
         absl::StrFormat("int8.window_pages = %d: INT8 storage applies in drop mode only (mode %s)",
-                        pol_.int8_window_pages, RetrievalModeName(o_.mode)));
+                        policies_.int8_window_pages, RetrievalModeName(options_.mode)));
   }
-  host_drop_ = std::make_unique<policy::HostDropPolicy>(pol_.host_drop);
+  host_drop_ = std::make_unique<policy::HostDropPolicy>(policies_.host_drop);
   // Managed drop layers start at the budget plus the page being filled.
-  min_capacity_ = S_ + 1;
+  min_capacity_ = slots_per_layer_ + 1;
   return absl::OkStatus();
 }
 
 absl::Status RetrieverImpl::InitLayerPolicies(LayerState& l) {
-  const size_t hkv = g_.num_kv_heads;
-  l.budget.assign(hkv, o_.selected_pages);
+  const size_t hkv = geometry_.num_kv_heads;
+  l.budget.assign(hkv, options_.selected_pages);
   l.selected_with = l.budget;
   if (!policies_on()) return absl::OkStatus();
   if (has_host_tier()) {
     KVTIER_RETURN_IF_ERROR(Allocate(&l.head_k, hkv * sizeof(int32_t)));
-    KVTIER_RETURN_IF_ERROR(Allocate(&l.page_flags, hkv * P_));
-    l.flags_mirror.assign(hkv * P_, kPageNormal);
+    KVTIER_RETURN_IF_ERROR(Allocate(&l.page_flags, hkv * max_pages_));
+    l.flags_mirror.assign(hkv * max_pages_, kPageNormal);
     KVTIER_RETURN_IF_ERROR(
         Upload(*compute_, l.head_k.data(), l.budget.data(), hkv * sizeof(int32_t)));
     KVTIER_RETURN_IF_ERROR(backend_.Memset(*compute_, l.page_flags.data(), 0, l.page_flags.size()));
   }
   const size_t slots = Slots(l);
-  const size_t p = g_.page_size;
+  const size_t p = geometry_.page_size;
   if (reads_attention()) {
-    KVTIER_RETURN_IF_ERROR(Allocate(&l.token_prob, g_.num_q_heads * slots * p * sizeof(float)));
+    KVTIER_RETURN_IF_ERROR(Allocate(&l.token_prob, geometry_.num_q_heads * slots * p * sizeof(float)));
   }
-  if (l.managed != nullptr && pol_.int8_window_pages > 0) {
-    const size_t elems = slots * p * hkv * g_.head_dim;
+  if (l.managed != nullptr && policies_.int8_window_pages > 0) {
+    const size_t elems = slots * p * hkv * geometry_.head_dim;
     KVTIER_RETURN_IF_ERROR(Allocate(&l.slot_int8, hkv * slots));
     KVTIER_RETURN_IF_ERROR(Allocate(&l.k_int8, elems));
     KVTIER_RETURN_IF_ERROR(Allocate(&l.v_int8, elems));
-    KVTIER_RETURN_IF_ERROR(Allocate(&l.k_scale, slots * hkv * g_.head_dim * sizeof(float)));
-    KVTIER_RETURN_IF_ERROR(Allocate(&l.v_scale, slots * hkv * g_.head_dim * sizeof(float)));
+    KVTIER_RETURN_IF_ERROR(Allocate(&l.k_scale, slots * hkv * geometry_.head_dim * sizeof(float)));
+    KVTIER_RETURN_IF_ERROR(Allocate(&l.v_scale, slots * hkv * geometry_.head_dim * sizeof(float)));
     KVTIER_RETURN_IF_ERROR(backend_.Memset(*compute_, l.slot_int8.data(), 0, l.slot_int8.size()));
   }
   return Park(*compute_);
@@ -113,8 +113,8 @@ absl::Status RetrieverImpl::TakeProbe(int32_t layer, int64_t step, int64_t posit
   pr->step = step;
   pr->position = position;
   pr->tokens = l.tokens;
-  pr->prob.resize(static_cast<size_t>(g_.num_q_heads) * pr->slots * g_.page_size);
-  pr->table.resize(static_cast<size_t>(g_.num_kv_heads) * pr->slots);
+  pr->prob.resize(static_cast<size_t>(geometry_.num_q_heads) * pr->slots * geometry_.page_size);
+  pr->table.resize(static_cast<size_t>(geometry_.num_kv_heads) * pr->slots);
   absl::Status st = backend_.Copy(*compute_, pr->prob.data(), l.token_prob.data(),
                                   pr->prob.size() * sizeof(float));
   if (st.ok()) {
@@ -140,29 +140,29 @@ absl::Status RetrieverImpl::ConsumeProbe(int32_t layer) {
   LayerState& l = layers_[layer];
   if (l.probe == nullptr) return absl::OkStatus();
   std::unique_ptr<LayerState::Probe> pr = std::move(l.probe);
-  absl::Status st = pr->done->Wait(o_.deadline);
+  absl::Status st = pr->done->Wait(options_.deadline);
   if (absl::IsDeadlineExceeded(st)) {
     (void)compute_->Synchronize();  // the copies write into pr
     return Fail(absl::DeadlineExceededError(
         absl::StrFormat("layer %d: the attention of step %d did not complete within the "
                         "deadline of %s",
-                        layer, pr->step, absl::FormatDuration(o_.deadline))));
+                        layer, pr->step, absl::FormatDuration(options_.deadline))));
   }
   if (!st.ok()) return Fail(st);
   policy::AttentionObservation obs;
   obs.layer = layer;
   obs.step = pr->step;
   obs.query_position = pr->position;
-  obs.num_q_heads = g_.num_q_heads;
-  obs.num_kv_heads = g_.num_kv_heads;
+  obs.num_q_heads = geometry_.num_q_heads;
+  obs.num_kv_heads = geometry_.num_kv_heads;
   obs.num_slots = pr->slots;
-  obs.page_size = g_.page_size;
+  obs.page_size = geometry_.page_size;
   obs.slot_table = pr->table;
   obs.token_prob = pr->prob;
   obs.num_tokens = pr->tokens;
-  if (pol_.budget->needs_attention()) pol_.budget->OnAttention(obs);
-  if (pol_.residency != nullptr && pol_.residency->needs_attention()) {
-    pol_.residency->OnAttention(obs);
+  if (policies_.budget->needs_attention()) policies_.budget->OnAttention(obs);
+  if (policies_.residency != nullptr && policies_.residency->needs_attention()) {
+    policies_.residency->OnAttention(obs);
   }
   spare_events_.push_back(std::move(pr->done));
   return absl::OkStatus();
@@ -174,9 +174,9 @@ absl::Status RetrieverImpl::ApplyPolicies(int32_t layer, bool* reselect) {
   LayerState& l = layers_[layer];
   KVTIER_RETURN_IF_ERROR(ConsumeProbe(layer));
   // The selected region bounds a selecting mode's budget; a managed drop layer grows.
-  const int32_t max_pages = l.managed != nullptr ? P_ : o_.selected_pages;
-  std::vector<int32_t> budget(g_.num_kv_heads, o_.selected_pages);
-  pol_.budget->Budget(layer, max_pages, std::span<int32_t>(budget));
+  const int32_t max_pages = l.managed != nullptr ? max_pages_ : options_.selected_pages;
+  std::vector<int32_t> budget(geometry_.num_kv_heads, options_.selected_pages);
+  policies_.budget->Budget(layer, max_pages, std::span<int32_t>(budget));
   for (int32_t& b : budget) b = std::clamp(b, 0, max_pages);
   if (budget != l.budget) ++stats_.budget_changes;
   l.budget = std::move(budget);
@@ -201,11 +201,11 @@ absl::Status RetrieverImpl::ApplyPolicies(int32_t layer, bool* reselect) {
 
 absl::Status RetrieverImpl::UpdateFlags(int32_t layer) {
   LayerState& l = layers_[layer];
-  policy::ResidencyPolicy* r = pol_.residency.get();
+  policy::ResidencyPolicy* r = policies_.residency.get();
   if (r == nullptr && l.dropped.empty()) return absl::OkStatus();
-  const int32_t full = l.tokens / g_.page_size;
-  for (int32_t h = 0; h < g_.num_kv_heads; ++h) {
-    uint8_t* row = &l.flags_mirror[static_cast<size_t>(h) * P_];
+  const int32_t full = l.tokens / geometry_.page_size;
+  for (int32_t h = 0; h < geometry_.num_kv_heads; ++h) {
+    uint8_t* row = &l.flags_mirror[static_cast<size_t>(h) * max_pages_];
     bool changed = false;
     for (int32_t page = 0; page < full; ++page) {
       uint8_t f = kPageNormal;
@@ -220,7 +220,7 @@ absl::Status RetrieverImpl::UpdateFlags(int32_t layer) {
     if (!changed) continue;
     l.flags_changed = true;
     KVTIER_RETURN_IF_ERROR(
-        Upload(*compute_, l.page_flags.as<uint8_t>() + static_cast<size_t>(h) * P_, row, full));
+        Upload(*compute_, l.page_flags.as<uint8_t>() + static_cast<size_t>(h) * max_pages_, row, full));
   }
   return absl::OkStatus();
 }
@@ -228,19 +228,19 @@ absl::Status RetrieverImpl::UpdateFlags(int32_t layer) {
 absl::Status RetrieverImpl::Evict(int32_t layer) {
   LayerState& l = layers_[layer];
   HeadSlotTable& t = *l.managed;
-  policy::ResidencyPolicy* r = pol_.residency.get();
-  const int32_t p = g_.page_size;
+  policy::ResidencyPolicy* r = policies_.residency.get();
+  const int32_t p = geometry_.page_size;
   const int32_t total = (l.tokens + p - 1) / p;
-  const int32_t recent_lo = std::max(o_.sink_pages, total - o_.recent_pages);
+  const int32_t recent_lo = std::max(options_.sink_pages, total - options_.recent_pages);
   struct Cand {
     float score;
     int32_t page;
   };
   std::vector<Cand> cand;
-  for (int32_t h = 0; h < g_.num_kv_heads; ++h) {
+  for (int32_t h = 0; h < geometry_.num_kv_heads; ++h) {
     cand.clear();
     for (int32_t page : t.Pages(h)) {
-      if (page < o_.sink_pages || page >= recent_lo) continue;
+      if (page < options_.sink_pages || page >= recent_lo) continue;
       if (r != nullptr && r->Pinned(layer, h, page)) continue;
       // Without a ranker the oldest goes first: a sliding window.
       const float score = r != nullptr ? r->Score(layer, h, page) : static_cast<float>(page);
@@ -268,12 +268,12 @@ absl::Status RetrieverImpl::QuantizeOld(int32_t layer) {
   HeadSlotTable& t = *l.managed;
   // Full pages older than the FP16 window of the newest int8.window_pages full pages; sinks
   // stay FP16.
-  const int32_t older_than = l.tokens / g_.page_size - pol_.int8_window_pages;
+  const int32_t older_than = l.tokens / geometry_.page_size - policies_.int8_window_pages;
   std::vector<HeadSlot> items;
-  for (int32_t h = 0; h < g_.num_kv_heads; ++h) {
+  for (int32_t h = 0; h < geometry_.num_kv_heads; ++h) {
     for (int32_t s = 0; s < t.capacity(); ++s) {
       const int32_t page = t.at(h, s);
-      if (page < o_.sink_pages || page >= older_than || t.is_int8(h, s)) continue;
+      if (page < options_.sink_pages || page >= older_than || t.is_int8(h, s)) continue;
       items.push_back({h, s});
       t.set_int8(h, s);
     }
@@ -281,7 +281,7 @@ absl::Status RetrieverImpl::QuantizeOld(int32_t layer) {
   if (items.empty()) return absl::OkStatus();
   KVTIER_ASSIGN_OR_RETURN(void* dev_items,
                           StageArgs(items.data(), items.size() * sizeof(HeadSlot)));
-  auto a = SlabArgs<QuantizeSlotsArgs>(g_);
+  auto a = SlabArgs<QuantizeSlotsArgs>(geometry_);
   a.items = static_cast<const HeadSlot*>(dev_items);
   a.num_items = static_cast<int32_t>(items.size());
   a.k_cache = l.k_ws.data();
@@ -296,7 +296,7 @@ absl::StatusOr<int32_t> RetrieverImpl::PlaceManaged(int32_t layer, int32_t page)
   LayerState& l = layers_[layer];
   HeadSlotTable& t = *l.managed;
   int32_t most = 0;
-  for (int32_t h = 0; h < g_.num_kv_heads; ++h) most = std::max(most, t.CountOf(h));
+  for (int32_t h = 0; h < geometry_.num_kv_heads; ++h) most = std::max(most, t.CountOf(h));
   // Give memory back once at most half of it is in use (after the first step evicted the
   // prompt down to the budget, say).
   if (t.capacity() > min_capacity_ && most + 1 <= t.capacity() / 2) {
@@ -310,7 +310,7 @@ absl::StatusOr<int32_t> RetrieverImpl::PlaceManaged(int32_t layer, int32_t page)
   }
   if (s < 0) {
     KVTIER_RETURN_IF_ERROR(
-        ResizeManaged(l, std::max(min_capacity_, std::min(2 * t.capacity(), P_ + 1))));
+        ResizeManaged(l, std::max(min_capacity_, std::min(2 * t.capacity(), max_pages_ + 1))));
     s = t.PlaceInFreeSlot(page);
   }
   KVTIER_CHECK(s >= 0);
@@ -322,7 +322,7 @@ absl::Status RetrieverImpl::CompactManaged(LayerState& l) {
   if (moves.empty()) return absl::OkStatus();
   KVTIER_ASSIGN_OR_RETURN(void* dev_moves,
                           StageArgs(moves.data(), moves.size() * sizeof(HeadSlotMove)));
-  auto a = SlabArgs<MoveHeadSlotsArgs>(g_);
+  auto a = SlabArgs<MoveHeadSlotsArgs>(geometry_);
   a.items = static_cast<const HeadSlotMove*>(dev_moves);
   a.num_items = static_cast<int32_t>(moves.size());
   a.k_cache = l.k_ws.data();
@@ -337,9 +337,9 @@ absl::Status RetrieverImpl::ResizeManaged(LayerState& l, int32_t capacity) {
   const int32_t old_cap = l.managed->capacity();
   if (capacity == old_cap) return absl::OkStatus();
   const size_t keep = std::min(old_cap, capacity);
-  const size_t hkv = g_.num_kv_heads;
-  const size_t slot_elems = static_cast<size_t>(g_.page_size) * hkv * g_.head_dim;
-  const size_t scale_bytes = hkv * g_.head_dim * sizeof(float);
+  const size_t hkv = geometry_.num_kv_heads;
+  const size_t slot_elems = static_cast<size_t>(geometry_.page_size) * hkv * geometry_.head_dim;
+  const size_t scale_bytes = hkv * geometry_.head_dim * sizeof(float);
   // New buffers; the kept prefix of slots is copied on the compute stream.
   auto grow = [&](DeviceBuffer* buf, size_t per_slot, bool copy) -> absl::Status {
     DeviceBuffer fresh;
@@ -355,7 +355,7 @@ absl::Status RetrieverImpl::ResizeManaged(LayerState& l, int32_t capacity) {
   KVTIER_RETURN_IF_ERROR(grow(&l.table, hkv * sizeof(int32_t), false));
   if (l.token_prob.data() != nullptr) {
     KVTIER_RETURN_IF_ERROR(grow(
-        &l.token_prob, static_cast<size_t>(g_.num_q_heads) * g_.page_size * sizeof(float), false));
+        &l.token_prob, static_cast<size_t>(geometry_.num_q_heads) * geometry_.page_size * sizeof(float), false));
   }
   if (l.slot_int8.data() != nullptr) {
     KVTIER_RETURN_IF_ERROR(grow(&l.slot_int8, hkv, false));
@@ -376,21 +376,21 @@ absl::Status RetrieverImpl::DropHostPages(int32_t layer, int64_t n) {
   const std::string full = absl::StrFormat(
       "Append: layer %d: %d more pages would fill but the host tier has %d of %d pages free", layer,
       n + (ps.capacity - ps.in_use), ps.capacity - ps.in_use, ps.capacity);
-  if (pol_.host_drop != policy::HostDropMode::kEvict) {
+  if (policies_.host_drop != policy::HostDropMode::kEvict) {
     (void)host_drop_->PickVictim({});  // counts the refusal
     return absl::ResourceExhaustedError(full + " (host_drop = refuse)");
   }
   // The candidates: every host page of the sequence outside the sinks and recent windows.
-  const int32_t p = g_.page_size;
+  const int32_t p = geometry_.page_size;
   std::vector<policy::HostCandidate> cand;
-  for (int32_t li = 0; li < g_.num_layers; ++li) {
+  for (int32_t li = 0; li < geometry_.num_layers; ++li) {
     const LayerState& c = layers_[li];
     const int32_t total = (c.tokens + p - 1) / p;
-    const int32_t recent_lo = std::max(o_.sink_pages, total - o_.recent_pages);
-    for (int32_t page = o_.sink_pages; page < recent_lo; ++page) {
+    const int32_t recent_lo = std::max(options_.sink_pages, total - options_.recent_pages);
+    for (int32_t page = options_.sink_pages; page < recent_lo; ++page) {
       if (c.host_page_mirror[page] < 0) continue;
-      cand.push_back({li, page, policy::HostScore(pol_.residency.get(), li, page, g_.num_kv_heads),
-                      policy::HostPinned(pol_.residency.get(), li, page, g_.num_kv_heads)});
+      cand.push_back({li, page, policy::HostScore(policies_.residency.get(), li, page, geometry_.num_kv_heads),
+                      policy::HostPinned(policies_.residency.get(), li, page, geometry_.num_kv_heads)});
     }
   }
   for (int64_t i = 0; i < n; ++i) {
@@ -403,10 +403,10 @@ absl::Status RetrieverImpl::DropHostPages(int32_t layer, int64_t n) {
     cand.erase(cand.begin() + static_cast<ptrdiff_t>(*victim));
     LayerState& vl = layers_[v.layer];
     // A background recall may be reading the page: let it finish before the slot is reused.
-    if (vl.recall_in_flight) KVTIER_RETURN_IF_ERROR(vl.recall_done->Wait(o_.deadline));
+    if (vl.recall_in_flight) KVTIER_RETURN_IF_ERROR(vl.recall_done->Wait(options_.deadline));
     KVTIER_RETURN_IF_ERROR(vl.host->Erase(v.page));
     vl.host_page_mirror[v.page] = -1;
-    if (vl.dropped.empty()) vl.dropped.assign(P_, 0);
+    if (vl.dropped.empty()) vl.dropped.assign(max_pages_, 0);
     vl.dropped[v.page] = 1;
     KVTIER_RETURN_IF_ERROR(Upload(*compute_, vl.host_page_of.as<int64_t>() + v.page,
                                   &vl.host_page_mirror[v.page], sizeof(int64_t)));
@@ -416,45 +416,45 @@ absl::Status RetrieverImpl::DropHostPages(int32_t layer, int64_t n) {
 
 int64_t RetrieverImpl::ResidentHeadPages(const LayerState& l) const {
   if (l.managed != nullptr) return l.managed->resident();
-  const int32_t p = g_.page_size;
-  const int64_t hkv = g_.num_kv_heads;
+  const int32_t p = geometry_.page_size;
+  const int64_t hkv = geometry_.num_kv_heads;
   const int32_t total = (l.tokens + p - 1) / p;
-  switch (o_.mode) {
+  switch (options_.mode) {
     case RetrievalMode::kFull:
       return total * hkv;
     case RetrievalMode::kDrop:
-      return std::min(total, S_) * hkv;
+      return std::min(total, slots_per_layer_) * hkv;
     case RetrievalMode::kSpeculative:
     case RetrievalMode::kSync:
       break;
   }
-  const int32_t sinks = std::min(total, o_.sink_pages);
-  const int32_t recent = std::min(total - sinks, o_.recent_pages);
+  const int32_t sinks = std::min(total, options_.sink_pages);
+  const int32_t recent = std::min(total - sinks, options_.recent_pages);
   const int32_t cand = total - sinks - recent;
   int64_t selected = 0;
   for (int32_t b : l.budget) selected += std::min(b, cand);
   return (sinks + recent) * hkv + selected;
 }
 
-void RetrieverImpl::FillPolicyStats(RetrieverStats* st) const {
+void RetrieverImpl::FillPolicyStats(SequenceStats* st) const {
   int64_t resident = 0;
   int64_t int8 = 0;
   for (const LayerState& l : layers_) {
     resident += ResidentHeadPages(l);
     if (l.managed != nullptr) int8 += l.managed->int8_resident();
   }
-  const int64_t slab = g_.slab_elements();
+  const int64_t slab = geometry_.slab_elements();
   st->resident_head_pages = resident;
   st->int8_head_pages = int8;
   st->resident_bytes = (resident - int8) * slab * static_cast<int64_t>(elem()) +
-                       int8 * (slab + 2 * int64_t{g_.head_dim} * int64_t{sizeof(float)});
+                       int8 * (slab + 2 * int64_t{geometry_.head_dim} * int64_t{sizeof(float)});
   if (host_drop_ != nullptr) {
     st->host_dropped_pages = host_drop_->dropped();
     st->host_refusals = host_drop_->refused();
   }
 }
 
-absl::Status RetrieverImpl::ReportSignals(const policy::StepSignals& s) {
+absl::Status RetrieverImpl::ReportSignals(const StepSignals& s) {
   if (closed_) return absl::FailedPreconditionError("ReportSignals: the sequence is closed");
   if (s.num_tokens < 1 || s.first_position < 0) {
     return absl::InvalidArgumentError(
@@ -470,8 +470,8 @@ absl::Status RetrieverImpl::ReportSignals(const policy::StepSignals& s) {
         s.hidden_delta.size(), s.num_tokens, s.num_layers));
   }
   if (!policies_on()) return absl::OkStatus();
-  pol_.budget->OnSignals(s);
-  if (pol_.residency != nullptr) pol_.residency->OnSignals(s);
+  policies_.budget->OnSignals(s);
+  if (policies_.residency != nullptr) policies_.residency->OnSignals(s);
   return absl::OkStatus();
 }
 

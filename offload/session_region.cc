@@ -9,7 +9,7 @@
 #include <type_traits>
 
 #include "absl/strings/str_format.h"
-#include "kvtier/status.h"
+#include "core/status.h"
 #include "offload/host_arena.h"
 #include "offload/page_pool.h"
 

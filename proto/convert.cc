@@ -6,7 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "kvtier/status.h"
+#include "core/status.h"
 
 namespace kvtier {
 absl::StatusOr<int32_t> ToInt32(uint64_t v, std::string_view field) {

@@ -14,9 +14,9 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "kvtier/client.h"
 #include "kvtier/geometry.h"
-#include "kvtier/retriever.h"
+#include "kvtier/options.h"
+#include "kvtier/protocol.h"
 #include "kvtier/v1/kvtier.pb.h"
 
 namespace kvtier {

@@ -9,8 +9,7 @@
  *   kvtier_session_options so;  kvtier_session_options_init(&so);  so.geometry = ...;
  *   kvtier_open_session(c, &so, &s);
  *   kvtier_append(s, layer, k, v, n);
- *   kvtier_begin_step(s, layer, q, &num_slots, table, table_capacity);
- *   kvtier_attend(s, layer, q, out, lse);  kvtier_end_step(s, layer, q);
+ *   kvtier_decode(s, layer, q, out, lse, &num_slots, table, table_capacity);
  *   kvtier_close_session(s);  kvtier_session_free(s);  kvtier_client_free(c);
  *
  * Every function returning int returns a canonical status code (KVTIER_OK = 0; the codes of
@@ -94,12 +93,11 @@ typedef struct kvtier_session_options {
   int32_t max_tokens;         /* capacity per layer; 0: the daemon's default */
   float correction_threshold; /* tau */
   int32_t transport;          /* KVTIER_TRANSPORT_* */
-  int32_t remote_attention;   /* GRPC: Step returns the attention output (0 or 1) */
   const char* label;          /* NULL: none */
 } kvtier_session_options;
 
 /* Fills the defaults: tenant "default", 30 s timeout; fp16 geometry with page size 32,
- * speculative mode, budget 2048, tau 0.9, SHM, remote_attention 1. */
+ * speculative mode, budget 2048, tau 0.9, SHM (kvtier/options.h: kDefault*). */
 void kvtier_client_options_init(kvtier_client_options* options);
 void kvtier_session_options_init(kvtier_session_options* options);
 
@@ -127,15 +125,15 @@ int32_t kvtier_num_tokens(const kvtier_session* session, int32_t layer);
 /* k, v: NHD [n_tokens][num_kv_heads][head_dim] in the session dtype. */
 int kvtier_append(kvtier_session* session, int32_t layer, const void* k, const void* v,
                   int32_t n_tokens);
-/* q: [num_q_heads][head_dim]. Sets *num_slots (may be NULL) and, when slot_table is not NULL,
- * copies the per-KV-head slot table [num_kv_heads][num_slots] (logical page per slot, -1
- * empty) into it: KVTIER_OUT_OF_RANGE when slot_table_capacity (entries) is smaller; the step
- * has begun all the same. */
-int kvtier_begin_step(kvtier_session* session, int32_t layer, const void* q, int32_t* num_slots,
-                      int32_t* slot_table, size_t slot_table_capacity);
-/* out: [num_q_heads][head_dim] session dtype; lse: [num_q_heads] floats, or NULL. */
-int kvtier_attend(kvtier_session* session, int32_t layer, const void* q, void* out, float* lse);
-int kvtier_end_step(kvtier_session* session, int32_t layer, const void* q);
+/* One decode step of `layer` (kvtier::Sequence::Decode): q [num_q_heads][head_dim] in the
+ * session dtype; out [num_q_heads][head_dim] receives the attention output (NULL: none);
+ * lse [num_q_heads] floats, or NULL. Returns once the step's work has run. Sets *num_slots
+ * (may be NULL) and, when slot_table is not NULL, copies the per-KV-head slot table
+ * [num_kv_heads][num_slots] the attention read (logical page per slot, -1 empty) into it:
+ * KVTIER_OUT_OF_RANGE when slot_table_capacity (entries) is smaller; the step ran all the
+ * same. */
+int kvtier_decode(kvtier_session* session, int32_t layer, const void* q, void* out, float* lse,
+                  int32_t* num_slots, int32_t* slot_table, size_t slot_table_capacity);
 /* Waits for every offload so far and commits it (kvtier::Session::Flush). */
 int kvtier_flush(kvtier_session* session);
 /* Closes the session in the daemon; the handle must still be freed. */

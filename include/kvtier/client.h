@@ -1,21 +1,25 @@
 // libkvtier's client: a connection to kvtierd and the sessions opened through it
-// (docs/architecture.md#processes; protocol in proto/kvtier/v1/kvtier.proto; docs/service.md).
+// (docs/architecture.md#processes; protocol in proto/kvtier/v1/kvtier.proto;
+// docs/service.md).
 //
+//   auto device = kvtier::CreateDevice(kvtier::DeviceKind::kAuto);
 //   auto client = kvtier::Client::Connect("unix:///run/kvtier/kvtierd.sock", {.tenant = "a"});
-//   auto session = (*client)->OpenSession(options);   // a Retriever (retriever.h)
-//   (*session)->Append(layer, k, v, n); (*session)->BeginStep(layer, q); ...
+//   kvtier::SessionOptions options{.geometry = g, .device = device->get()};
+//   auto session = (*client)->OpenSession(options);
+//   kvtier::Sequence& seq = (*session)->sequence();
+//   seq.Append(layer, k, v, n);  seq.Decode(layer, q, out, lse);  ...
+//   (*session)->Close();
 //
-// A Session is a Retriever whose host tier lives in the daemon:
+// A Session is the daemon's record of a sequence whose host tier lives in the daemon, and
+// owns the Sequence (kvtier/sequence.h) the engine drives:
 //   - SHM (local engines): the client maps its tenant's arena (the fd comes over the attach
-//     socket) and runs the Retriever in-process, on the engine's backend, over the session's
-//     region of the arena. Pages become visible to the daemon (Fetch, Reattach) when they are
-//     committed: Append and EndStep commit the pages whose offload has finished without
-//     blocking; Flush() waits for the rest. Nothing per step crosses gRPC.
-//   - GRPC (remote engines): Append streams tokens with Offload, BeginStep runs Step on the
-//     daemon's CPU Retriever and returns the slot tables (and, by default, the attention
-//     output, which Attend hands back); the working set's K/V stay in the daemon
-//     (WorkingSetView's k_cache/v_cache are null), FetchPages reads pages back.
-//   Both give the same working sets and outputs for the same inputs on the CPU backend.
+//     socket) and runs a LocalSequence in-process, on the engine's device, over the
+//     session's region of the arena. The host tier commits each page into the region once
+//     its offload has run, so it becomes visible to the daemon (Fetch, Reattach) without a
+//     call; Flush() waits for the rest. Nothing per step crosses gRPC.
+//   - GRPC (remote engines): a remote Sequence: Append streams tokens with Offload, Decode
+//     runs Step in the daemon and returns the attention output; pointers are host memory.
+//   Both give the same working sets and outputs for the same inputs on the CPU device.
 //
 // A Session destroyed without Close() detaches: the daemon keeps its committed pages, and
 // Client::Reattach(id) takes it over again, in this or another process. What survives what
@@ -34,16 +38,13 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "kernels/backend.h"
+#include "kvtier/device.h"
 #include "kvtier/geometry.h"
-#include "kvtier/retriever.h"
+#include "kvtier/options.h"
+#include "kvtier/protocol.h"
+#include "kvtier/sequence.h"
 
 namespace kvtier {
-
-inline constexpr uint32_t kProtocolVersion = 1;
-
-enum class Transport : uint8_t { kShm = 0, kGrpc = 1 };
-std::string_view TransportName(Transport t);
 
 struct ClientOptions {
   std::string tenant = "default";
@@ -77,19 +78,16 @@ struct Capabilities {
 struct SessionOptions {
   Geometry geometry;
   // mode, sink/selected/recent pages (must be a budget split SetBudgetTokens can express),
-  // max_tokens (0 here means the daemon's default), τ; pool, summary, pipeline, deadline
-  // and compute_stream apply to SHM sessions' in-process Retriever.
-  RetrieverOptions retriever;
+  // max_tokens (0 here means the daemon's default), τ; the rest (pool, summary, recall,
+  // deadline, compute_stream, policy) apply to SHM sessions' local sequence.
+  SequenceOptions sequence;
   Transport transport = Transport::kShm;
-  // SHM: the engine's backend, which the arena is registered with; null: a CPU backend
-  // owned by the Client (shared by its sessions). GRPC: only compute_stream() comes from it
-  // (an idle stream the engine may enqueue its own work on). REQUIRES: the backend
-  // outlives every Session opened with it (the arena stays registered with it until the
-  // last of them is gone).
-  Backend* backend = nullptr;
+  // SHM: the engine's device (CreateDevice), which the arena is registered with; null: a
+  // CPU device owned by the Client (shared by its sessions). GRPC: unused. REQUIRES: the
+  // device outlives every Session opened with it (the arena stays registered with it until
+  // the last of them is gone).
+  Device* device = nullptr;
   std::string label;
-  // GRPC: Step also returns the attention output (Attend then needs no round trip).
-  bool remote_attention = true;
   // OpenSession's idempotency key (at most 64 bytes of printable ASCII); empty: a random one
   // per call. An engine that retries an OpenSession that failed (say DEADLINE_EXCEEDED) with
   // the same key gets the session the first call opened, if it did, instead of a second.
@@ -115,7 +113,7 @@ struct SessionInfo {
   RetrievalMode mode = RetrievalMode::kSpeculative;
   int32_t budget_tokens = 0;
   int32_t max_tokens = 0;  // per layer
-  float correction_threshold = 0.9f;
+  float correction_threshold = kDefaultCorrectionThreshold;
   bool closing = false;  // CloseSession or Drain in progress
   uint64_t epoch = 0;
   std::vector<int64_t> committed_tokens;  // per layer
@@ -125,20 +123,21 @@ struct SessionInfo {
   int64_t created_unix_ms = 0;
 };
 
-// As a Retriever: SHM sessions forward to their in-process Retriever, and their
-// TakeStoredPages commits the pages it returns (the engine never needs to call it); GRPC
-// sessions finish every call's work before it returns (compute_stream() is the retriever
-// options' compute_stream, else an idle stream of `backend`, else a stream nothing may be
-// enqueued on), take host pointers, report no stored pages and
-// refuse Restore (FAILED_PRECONDITION). Close() flushes (SHM), closes the Retriever and then
-// the session in the daemon; an SHM session whose commits were refused because another holder
-// reattached fails FAILED_PRECONDITION from then on, and its Close() leaves the daemon's
-// session to that holder. After Close(), calls fail FAILED_PRECONDITION.
-class Session : public Retriever {
+// A session of kvtierd and the sequence it owns. Close() flushes (SHM), closes the sequence
+// and then the session in the daemon. An SHM session whose commits were refused because
+// another holder reattached fails FAILED_PRECONDITION from then on (its sequence too), and
+// its Close() leaves the daemon's session to that holder. After Close(), calls fail
+// FAILED_PRECONDITION. Closing only sequence() stops the engine's side and leaves the
+// daemon's session open, as a detach does.
+class Session {
  public:
+  virtual ~Session() = default;
   virtual const std::string& id() const = 0;
   virtual Transport transport() const = 0;
   virtual uint64_t epoch() const = 0;
+  // The sequence of this session: a LocalSequence for SHM (sequence().local() != null), a
+  // remote one for GRPC. Valid until the Session is destroyed.
+  virtual Sequence& sequence() = 0;
   // SHM: waits (bounded by the deadline) for every offload enqueued so far and commits the
   // pages; GRPC: OK (Offload commits before it returns).
   virtual absl::Status Flush() = 0;
@@ -146,13 +145,9 @@ class Session : public Retriever {
   // `pages`: all committed pages. NOT_FOUND for a page not committed.
   virtual absl::StatusOr<std::vector<FetchedPage>> FetchPages(
       int32_t layer, const std::vector<int64_t>& pages) = 0;
-  // The slot table of the layer's last BeginStep, [Hkv][S], in host memory (empty before the
-  // first step, for a bad layer, or when the copy failed). SHM: the copy is enqueued at
-  // BeginStep; this waits for it (bounded by the deadline). Valid until the next BeginStep
-  // of the layer.
-  virtual const std::vector<int32_t>& LastSlotTable(int32_t layer) const = 0;
   // The daemon's record of the session.
   virtual absl::StatusOr<SessionInfo> Info() = 0;
+  virtual absl::Status Close() = 0;
 };
 
 class Client {

@@ -17,7 +17,7 @@ class CpuBackend final : public Backend {
  public:
   explicit CpuBackend(int num_threads) : pool_(num_threads) {}
 
-  BackendKind kind() const override { return BackendKind::kCpu; }
+  DeviceKind kind() const override { return DeviceKind::kCpu; }
   std::string Describe() const override {
     return absl::StrFormat("cpu: %d threads", pool_.num_threads());
   }

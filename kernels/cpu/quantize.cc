@@ -11,7 +11,7 @@
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kvtier/layout.h"
-#include "kvtier/status.h"
+#include "core/status.h"
 
 namespace kvtier {
 namespace {

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "kvtier/mutex.h"
+#include "core/mutex.h"
 
 namespace kvtier {
 

@@ -64,7 +64,7 @@
 #include "kernels/cuda/compute_kernels.h"
 #include "kernels/cuda/kernel_util.cuh"
 #include "kvtier/layout.h"
-#include "kvtier/mutex.h"
+#include "core/mutex.h"
 
 namespace kvtier::cuda {
 namespace {

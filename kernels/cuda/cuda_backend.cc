@@ -23,8 +23,8 @@
 #include "kernels/cuda/copy_kernels.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_stream.h"
-#include "kvtier/mutex.h"
-#include "kvtier/status.h"
+#include "core/mutex.h"
+#include "core/status.h"
 
 namespace kvtier {
 namespace {
@@ -50,7 +50,7 @@ class CudaBackend final : public Backend {
   CudaBackend(int device, std::string description)
       : device_(device), description_(std::move(description)), slots_(device) {}
 
-  BackendKind kind() const override { return BackendKind::kCuda; }
+  DeviceKind kind() const override { return DeviceKind::kCuda; }
   std::string Describe() const override { return description_; }
 
   absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override {
@@ -353,7 +353,7 @@ absl::Status CudaBackend::DoMoveHeadSlots(Stream& s, const MoveHeadSlotsArgs& a)
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(const BackendOptions& options) {
+absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(const DeviceOptions& options) {
   int count = 0;
   absl::Status status = CudaStatus(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
   if (!status.ok()) {

@@ -12,7 +12,7 @@
 namespace kvtier {
 
 // UNAVAILABLE when the device cannot be used (no driver, no such ordinal).
-absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(const BackendOptions& options);
+absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(const DeviceOptions& options);
 // 0 when no driver or device: never an error.
 int CudaDeviceCountImpl();
 bool CudaBuilt();

@@ -11,7 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "kvtier/status.h"
+#include "core/status.h"
 
 namespace kvtier::cuda {
 

@@ -32,7 +32,7 @@
 #include "absl/time/time.h"
 #include "kernels/backend.h"
 #include "kernels/cuda/device_error.h"
-#include "kvtier/mutex.h"
+#include "core/mutex.h"
 
 namespace kvtier::cuda {
 

@@ -4,7 +4,7 @@
 
 namespace kvtier {
 
-absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(const BackendOptions&) {
+absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(const DeviceOptions&) {
   return absl::UnimplementedError(
       "kvtier was built without CUDA (no nvcc found at configure time)");
 }

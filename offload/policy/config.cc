@@ -14,7 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "kvtier/status.h"
+#include "core/status.h"
 #include "offload/policy/attention_ranker.h"
 #include "offload/policy/confidence.h"
 #include "offload/policy/epiphany.h"

@@ -23,6 +23,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "kvtier/options.h"
 #include "offload/policy/host_drop.h"
 #include "offload/policy/policy.h"
 
@@ -39,18 +40,6 @@ class FixedBudget final : public BudgetPolicy {
 
  private:
   int32_t pages_;
-};
-
-struct PolicyConfig {
-  std::string budget = "fixed";
-  std::string residency = "none";
-  std::string host_drop = "refuse";
-  std::map<std::string, std::string> params;
-
-  // True when nothing but the defaults is configured (the Retriever then runs as before).
-  bool is_default() const {
-    return budget == "fixed" && residency == "none" && host_drop == "refuse" && params.empty();
-  }
 };
 
 // The shape a policy set is built for.

@@ -20,31 +20,9 @@
 #include <string_view>
 
 #include "kvtier/dtype.h"
+#include "kvtier/options.h"
 
 namespace kvtier::policy {
-
-// A summary of one next-token distribution (Conf-KV): what engines that do not want to hand
-// over the logits report instead. See confidence.h for how it is computed.
-struct LogitSummary {
-  float normalized_entropy = 0;  // H(p) / ln(V), in [0, 1]
-  float margin = 0;              // log p(top1) − log p(top2), ≥ 0 (nats)
-  float top_mass = 0;            // Σ of the top-m probabilities, in [0, 1]
-};
-
-// What the engine reports after a forward pass (all optional: a policy that needs nothing
-// gets nothing). `num_tokens` tokens were processed (1 for a decode step, the prompt length
-// for a prefill); positions first_position .. first_position + num_tokens − 1.
-struct StepSignals {
-  int64_t first_position = 0;
-  int32_t num_tokens = 1;
-  // Next-token logits after the last token, [vocab] (fp32), or their summary.
-  std::span<const float> logits;
-  std::optional<LogitSummary> logit_summary;
-  // Hidden-state change per token and layer: hidden_delta[t·L + l] = ‖h_l(t) − h_l(t−1)‖ for
-  // the token at first_position + t (EpiKV). Empty, or num_tokens · L values.
-  std::span<const float> hidden_delta;
-  int32_t num_layers = 0;  // L of hidden_delta
-};
 
 // The attention of one layer at one step (or one observation query of the prompt), as the
 // Retriever hands it to policies: for every KV head's slot, which logical page it held, and

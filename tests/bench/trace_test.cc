@@ -10,7 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "kvtier/status.h"
+#include "core/status.h"
 #include "tests/testutil/random_fill.h"
 
 namespace kvtier::bench {

@@ -25,11 +25,10 @@ int kvtier_c_api_compile_check(void) {
   if (kvtier_open_session(client, &so, &session) != KVTIER_INVALID_ARGUMENT) return 3;
   if (kvtier_reattach(client, "x", &so, &session) != KVTIER_INVALID_ARGUMENT) return 4;
   if (kvtier_append(session, 0, NULL, NULL, 1) != KVTIER_INVALID_ARGUMENT) return 5;
-  if (kvtier_begin_step(session, 0, NULL, &num_slots, NULL, 0) != KVTIER_INVALID_ARGUMENT) {
+  if (kvtier_decode(session, 0, NULL, NULL, NULL, &num_slots, NULL, 0) !=
+      KVTIER_INVALID_ARGUMENT) {
     return 6;
   }
-  if (kvtier_attend(session, 0, NULL, NULL, NULL) != KVTIER_INVALID_ARGUMENT) return 7;
-  if (kvtier_end_step(session, 0, NULL) != KVTIER_INVALID_ARGUMENT) return 8;
   if (kvtier_flush(session) != KVTIER_INVALID_ARGUMENT) return 9;
   if (kvtier_close_session(session) != KVTIER_INVALID_ARGUMENT) return 10;
   if (strcmp(kvtier_session_id(session), "") != 0) return 11;

@@ -70,12 +70,11 @@ TEST(CApiTest, ReturnCodesAreCanonicalAndTheLastErrorIsPerCall) {
 TEST(CApiTest, SessionOptionsDefaultsMatchTheCppDefaults) {
   kvtier_session_options o;
   kvtier_session_options_init(&o);
-  const RetrieverOptions cpp;
+  const SequenceOptions cpp;
   EXPECT_EQ(o.budget_tokens, cpp.budget_pages() * 32);
   EXPECT_FLOAT_EQ(o.correction_threshold, cpp.correction_threshold);
   EXPECT_EQ(o.mode, static_cast<int32_t>(cpp.mode));
   EXPECT_EQ(o.transport, KVTIER_TRANSPORT_SHM);
-  EXPECT_EQ(o.remote_attention, 1);
   EXPECT_NE(std::string(kvtier_version()).find("protocol 1"), std::string::npos);
 }
 

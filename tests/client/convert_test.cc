@@ -21,10 +21,10 @@ SessionOptions SmallOptions() {
   o.geometry.head_dim = 64;
   o.geometry.page_size = 32;
   o.geometry.dtype = DType::kF16;
-  EXPECT_TRUE(o.retriever.SetBudgetTokens(512, 32).ok());
-  o.retriever.max_tokens = 2048;
-  o.retriever.correction_threshold = 0.8f;
-  o.retriever.mode = RetrievalMode::kSync;
+  EXPECT_TRUE(o.sequence.SetBudgetTokens(512, 32).ok());
+  o.sequence.max_tokens = 2048;
+  o.sequence.correction_threshold = 0.8f;
+  o.sequence.mode = RetrievalMode::kSync;
   o.transport = Transport::kGrpc;
   o.label = "unit";
   return o;
@@ -51,7 +51,7 @@ TEST(BuildOpenSessionRequestTest, CarriesEveryOption) {
 
 TEST(BuildOpenSessionRequestTest, DefaultRetrieverOptionsAreFreeKvsBudget) {
   SessionOptions o = SmallOptions();
-  o.retriever = RetrieverOptions();
+  o.sequence = SequenceOptions();
   absl::StatusOr<v1::OpenSessionRequest> req = BuildOpenSessionRequest("a", o);
   ASSERT_TRUE(req.ok()) << req.status();
   EXPECT_EQ(req->retrieval().budget_tokens(), 2048u);
@@ -70,9 +70,9 @@ TEST(BuildOpenSessionRequestTest, SplitsTheBudgetCannotExpressAreInvalidArgument
   for (auto [sink, selected, recent] :
        {std::tuple{1, 3, 2}, std::tuple{4, 4, 4}, std::tuple{2, 4, 3}, std::tuple{0, 0, 1}}) {
     SessionOptions o = SmallOptions();
-    o.retriever.sink_pages = sink;
-    o.retriever.selected_pages = selected;
-    o.retriever.recent_pages = recent;
+    o.sequence.sink_pages = sink;
+    o.sequence.selected_pages = selected;
+    o.sequence.recent_pages = recent;
     absl::StatusOr<v1::OpenSessionRequest> req = BuildOpenSessionRequest("a", o);
     ASSERT_EQ(req.status().code(), absl::StatusCode::kInvalidArgument)
         << sink << "/" << selected << "/" << recent;
@@ -82,10 +82,10 @@ TEST(BuildOpenSessionRequestTest, SplitsTheBudgetCannotExpressAreInvalidArgument
 
 TEST(BuildOpenSessionRequestTest, NegativeMaxTokensAndNonFiniteTauAreInvalidArgument) {
   SessionOptions o = SmallOptions();
-  o.retriever.max_tokens = -1;
+  o.sequence.max_tokens = -1;
   EXPECT_EQ(BuildOpenSessionRequest("a", o).status().code(), absl::StatusCode::kInvalidArgument);
   o = SmallOptions();
-  o.retriever.correction_threshold = std::numeric_limits<float>::quiet_NaN();
+  o.sequence.correction_threshold = std::numeric_limits<float>::quiet_NaN();
   absl::StatusOr<v1::OpenSessionRequest> req = BuildOpenSessionRequest("a", o);
   EXPECT_EQ(req.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(req.status().message().find("correction_threshold"), std::string::npos);
@@ -138,9 +138,9 @@ TEST(SessionInfoProtoTest, ResolvedOptionsDriveTheLocalRetriever) {
   EXPECT_EQ(info->region_offset, 65536u);
   EXPECT_FLOAT_EQ(info->correction_threshold, 0.9f);  // unset: the protocol's default
 
-  RetrieverOptions local;
+  SequenceOptions local;
   local.recall = RecallStrategy::kBatchedDma;
-  absl::StatusOr<RetrieverOptions> o = ResolveRetrieverOptions(local, *info);
+  absl::StatusOr<SequenceOptions> o = ResolveSequenceOptions(local, *info);
   ASSERT_TRUE(o.ok()) << o.status();
   EXPECT_EQ(o->sink_pages, 2);
   EXPECT_EQ(o->selected_pages, 4);
@@ -149,7 +149,7 @@ TEST(SessionInfoProtoTest, ResolvedOptionsDriveTheLocalRetriever) {
   EXPECT_EQ(o->recall, RecallStrategy::kBatchedDma);  // local knobs stay
 
   info->budget_tokens = 100;  // not a multiple of 4 pages: a daemon bug
-  EXPECT_EQ(ResolveRetrieverOptions(local, *info).status().code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(ResolveSequenceOptions(local, *info).status().code(), absl::StatusCode::kInternal);
 }
 
 TEST(OffloadChunkTokensTest, BoundedByMessageSizeAndTokenLimit) {

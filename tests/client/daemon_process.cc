@@ -23,7 +23,7 @@
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
 #include "gtest/gtest.h"
-#include "kvtier/status.h"
+#include "core/status.h"
 #include "kvtier/v1/kvtier.grpc.pb.h"
 
 extern char** environ;

@@ -21,14 +21,14 @@ inline Geometry IntegrationGeometry() {
 }
 
 // Budget 512 tokens (4 sink + 8 selected + 4 recent pages), 2048 tokens per layer, τ 0.9.
-inline SessionOptions IntegrationSessionOptions(Transport transport, Backend* backend = nullptr) {
+inline SessionOptions IntegrationSessionOptions(Transport transport, Device* device = nullptr) {
   SessionOptions o;
   o.geometry = IntegrationGeometry();
-  (void)o.retriever.SetBudgetTokens(512, 32);
-  o.retriever.max_tokens = 2048;
-  o.retriever.correction_threshold = 0.9f;
+  (void)o.sequence.SetBudgetTokens(512, 32);
+  o.sequence.max_tokens = 2048;
+  o.sequence.correction_threshold = 0.9f;
   o.transport = transport;
-  o.backend = backend;
+  o.device = device;
   o.label = "integration";
   return o;
 }

@@ -20,7 +20,7 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "kvtier/c_api.h"
 #include "kvtier/client.h"
-#include "kvtier/status.h"
+#include "core/status.h"
 #include "kvtier/v1/kvtier.grpc.pb.h"
 #include "offload/session_region.h"
 #include "tests/client/daemon_process.h"
@@ -193,8 +193,8 @@ TEST_F(ServiceTest, ShmAndGrpcSessionsGiveIdenticalWorkingSetsOutputsAndPages) {
   EXPECT_EQ((*rs)[0][0].slot_table.size(), 2u * 16u);
 
   // Speculation was sometimes wrong and corrected, identically on both sides.
-  const RetrieverStats ss = (*shm)->Stats();
-  const RetrieverStats gs = (*grpc)->Stats();
+  const SequenceStats ss = (*shm)->sequence().Stats();
+  const SequenceStats gs = (*grpc)->sequence().Stats();
   EXPECT_GT(ss.corrected_heads, 0);
   EXPECT_LT(ss.corrected_heads, ss.checked_heads);
   EXPECT_EQ(gs.corrected_heads, ss.corrected_heads);
@@ -240,7 +240,7 @@ TEST_F(ServiceTest, ShmAndGrpcSessionsGiveIdenticalWorkingSetsOutputsAndPages) {
     EXPECT_NE(s.id, shm_id);
     EXPECT_NE(s.id, grpc_id);
   }
-  EXPECT_EQ((*shm)->Append(0, trace.K(0, 0), trace.V(0, 0), 1).code(),
+  EXPECT_EQ((*shm)->sequence().Append(0, trace.K(0, 0), trace.V(0, 0), 1).code(),
             absl::StatusCode::kFailedPrecondition);
 }
 
@@ -258,9 +258,7 @@ TEST_F(ServiceTest, GrpcSessionsResyncAfterLostRepliesAndReattach) {
   ASSERT_OK(testing::AppendTokens(**s, trace, 0, 96));
   std::vector<uint8_t> out(8 * 64 * 2);
   auto step = [&](Session& session, int32_t i) -> absl::Status {
-    KVTIER_RETURN_IF_ERROR(session.BeginStep(0, trace.Query(0, i)).status());
-    KVTIER_RETURN_IF_ERROR(session.Attend(0, trace.Query(0, i), out.data(), nullptr));
-    return session.EndStep(0, trace.Query(0, i));
+    return session.sequence().Decode(0, trace.Query(0, i), out.data(), nullptr);
   };
   ASSERT_OK(step(**s, 0));
   // Step 2 runs in the daemon, but its reply never reaches the session.
@@ -294,11 +292,11 @@ TEST_F(ServiceTest, GrpcSessionsResyncAfterLostRepliesAndReattach) {
     writer->WritesDone();
     ASSERT_TRUE(writer->Finish().ok());
   }
-  EXPECT_EQ((*s)->Append(1, trace.K(1, 96), trace.V(1, 96), 8).code(),
+  EXPECT_EQ((*s)->sequence().Append(1, trace.K(1, 96), trace.V(1, 96), 8).code(),
             absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ((*s)->num_tokens(1), 104);
-  ASSERT_OK((*s)->Append(1, trace.K(1, 104), trace.V(1, 104), 8));
-  EXPECT_EQ((*s)->num_tokens(1), 112);
+  EXPECT_EQ((*s)->sequence().num_tokens(1), 104);
+  ASSERT_OK((*s)->sequence().Append(1, trace.K(1, 104), trace.V(1, 104), 8));
+  EXPECT_EQ((*s)->sequence().num_tokens(1), 112);
 
   // A reattached session continues at step 4.
   auto again = a->Reattach((*s)->id(), options);
@@ -334,7 +332,7 @@ TEST_F(ServiceTest, ReattachAfterTheClientIsKilledContinuesBitForBit) {
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_EQ(info->committed_tokens, (std::vector<int64_t>{committed, committed}));
   EXPECT_EQ(info->epoch, 2u);
-  for (int32_t l = 0; l < 2; ++l) EXPECT_EQ((*re)->num_tokens(l), committed);
+  for (int32_t l = 0; l < 2; ++l) EXPECT_EQ((*re)->sequence().num_tokens(l), committed);
 
   ASSERT_OK(testing::AppendTokens(**re, trace, committed, prefill));
   auto after = testing::RunDecode(**re, trace, 0, trace.options().steps);
@@ -364,7 +362,7 @@ TEST_F(ServiceTest, ReattachFencesThePreviousHolder) {
 
   auto s2 = c2->Reattach((*s1)->id(), options);
   ASSERT_TRUE(s2.ok()) << s2.status();
-  EXPECT_EQ((*s2)->num_tokens(0), 64);
+  EXPECT_EQ((*s2)->sequence().num_tokens(0), 64);
   EXPECT_GT((*s2)->epoch(), (*s1)->epoch());
 
   // The old holder's next commit is refused, and it stays refused.
@@ -482,7 +480,7 @@ TEST_F(ServiceTest, MalformedRequestsAreRefusedAndTheDaemonKeepsServing) {
   // Quota: a session whose region does not fit the tenant's 64 MiB.
   {
     SessionOptions big = good;
-    big.retriever.max_tokens = 131072;  // 2 layers × 4096 pages × 16 KiB = 128 MiB
+    big.sequence.max_tokens = 131072;  // 2 layers × 4096 pages × 16 KiB = 128 MiB
     std::unique_ptr<Client> a = MustConnect("a", "ta");
     ASSERT_NE(a, nullptr);
     EXPECT_EQ(a->OpenSession(big).status().code(), absl::StatusCode::kResourceExhausted);
@@ -612,24 +610,25 @@ TEST_F(ServiceTest, CApiDrivesAnShmSessionLikeTheCppApi) {
       const void* q = trace.Query(l, step);
       ASSERT_EQ(kvtier_append(cs, l, trace.K(l, token), trace.V(l, token), 1), KVTIER_OK);
       int32_t num_slots = 0;
-      std::vector<int32_t> table(4);  // too small: the step begins, the table is refused
+      std::vector<int32_t> table(4);  // too small: the step runs, the table is refused
+      std::vector<uint8_t> out(8 * 64 * 2);
+      std::vector<float> lse(8);
       if (step == 0 && l == 0) {
-        ASSERT_EQ(kvtier_begin_step(cs, l, q, &num_slots, table.data(), table.size()),
+        ASSERT_EQ(kvtier_decode(cs, l, q, out.data(), lse.data(), &num_slots, table.data(),
+                                table.size()),
                   KVTIER_OUT_OF_RANGE);
         EXPECT_NE(std::string(kvtier_last_error()).find("slot_table_capacity"), std::string::npos);
       } else {
         table.resize(64);
-        ASSERT_EQ(kvtier_begin_step(cs, l, q, &num_slots, table.data(), table.size()), KVTIER_OK)
+        ASSERT_EQ(kvtier_decode(cs, l, q, out.data(), lse.data(), &num_slots, table.data(),
+                                table.size()),
+                  KVTIER_OK)
             << kvtier_last_error();
         table.resize(static_cast<size_t>(2 * num_slots));
         EXPECT_EQ(table, (*expected)[step][l].slot_table) << "step " << step << " layer " << l;
       }
       EXPECT_EQ(num_slots, 16);
-      std::vector<uint8_t> out(8 * 64 * 2);
-      std::vector<float> lse(8);
-      ASSERT_EQ(kvtier_attend(cs, l, q, out.data(), lse.data()), KVTIER_OK) << kvtier_last_error();
       EXPECT_EQ(out, (*expected)[step][l].output) << "step " << step << " layer " << l;
-      ASSERT_EQ(kvtier_end_step(cs, l, q), KVTIER_OK) << kvtier_last_error();
     }
   }
   EXPECT_EQ(kvtier_num_tokens(cs, 0), prefill + 8);
@@ -676,7 +675,7 @@ TEST(ServiceShutdownTest, DrainThenSigtermExitsCleanlyAndRemovesTheSockets) {
   EXPECT_NE(stat((*d)->socket_path().c_str(), &sb), 0) << "the gRPC socket is still there";
   EXPECT_NE(stat((*d)->attach_path().c_str(), &sb), 0) << "the attach socket is still there";
   // The client sees the daemon gone.
-  EXPECT_EQ((*grpc)->Stats().steps, 0);
+  EXPECT_EQ((*grpc)->sequence().Stats().steps, 0);
   EXPECT_EQ((*a)->ListSessions().status().code(), absl::StatusCode::kUnavailable);
 }
 

@@ -4,7 +4,7 @@
 #include <cstring>
 #include <random>
 
-#include "kvtier/status.h"
+#include "core/status.h"
 
 namespace kvtier::testing {
 
@@ -45,7 +45,7 @@ const void* SyntheticTrace::Query(int32_t layer, int32_t step) const {
 absl::Status AppendTokens(Session& s, const SyntheticTrace& t, int32_t from, int32_t to) {
   if (to <= from) return absl::OkStatus();
   for (int32_t l = 0; l < t.options().geometry.num_layers; ++l) {
-    KVTIER_RETURN_IF_ERROR(s.Append(l, t.K(l, from), t.V(l, from), to - from));
+    KVTIER_RETURN_IF_ERROR(s.sequence().Append(l, t.K(l, from), t.V(l, from), to - from));
   }
   return absl::OkStatus();
 }
@@ -55,25 +55,23 @@ absl::StatusOr<std::vector<std::vector<StepRecord>>> RunDecode(Session& s, const
   const Geometry& g = t.options().geometry;
   const size_t out_bytes = static_cast<size_t>(g.num_q_heads) * g.head_dim * g.element_bytes();
   std::vector<std::vector<StepRecord>> records;
+  Sequence& seq = s.sequence();
   for (int32_t step = first; step < last; ++step) {
     const int32_t token = t.options().prefill + step;
     std::vector<StepRecord>& per_layer = records.emplace_back();
     for (int32_t l = 0; l < g.num_layers; ++l) {
       const void* q = t.Query(l, step);
-      KVTIER_RETURN_IF_ERROR(s.Append(l, t.K(l, token), t.V(l, token), 1));
-      KVTIER_RETURN_IF_ERROR(s.BeginStep(l, q).status());
+      KVTIER_RETURN_IF_ERROR(seq.Append(l, t.K(l, token), t.V(l, token), 1));
       StepRecord r;
-      r.slot_table = s.LastSlotTable(l);
       r.output.resize(out_bytes);
       r.lse.resize(static_cast<size_t>(g.num_q_heads));
-      KVTIER_RETURN_IF_ERROR(s.Attend(l, q, r.output.data(), r.lse.data()));
-      // The output is written on the compute stream.
-      KVTIER_RETURN_IF_ERROR(s.compute_stream().Synchronize());
-      KVTIER_RETURN_IF_ERROR(s.EndStep(l, q));
+      KVTIER_RETURN_IF_ERROR(seq.Decode(l, q, r.output.data(), r.lse.data()));
+      // The output (and the step's record) are written by the sequence's streams.
+      KVTIER_RETURN_IF_ERROR(seq.Wait());
+      r.slot_table = seq.LastStep(l).slot_table;
       per_layer.push_back(std::move(r));
     }
   }
-  KVTIER_RETURN_IF_ERROR(s.Wait());
   return records;
 }
 

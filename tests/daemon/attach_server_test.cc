@@ -25,7 +25,7 @@
 #include "client/shm_attach.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "kvtier/mutex.h"
+#include "core/mutex.h"
 #include "kvtier/v1/kvtier.pb.h"
 #include "offload/host_arena.h"
 #include "offload/session_region.h"

@@ -54,9 +54,9 @@ TEST_F(SessionManagerTest, OpenResolvesDefaultsAndCloseFreesTheRegion) {
   EXPECT_EQ(r.id.find_first_not_of("0123456789abcdef"), std::string::npos);
   EXPECT_EQ(r.spec.tenant, "a");
   EXPECT_EQ(r.spec.label, "test");
-  EXPECT_EQ(r.spec.retriever.max_tokens, 256);  // default_max_tokens
+  EXPECT_EQ(r.spec.sequence.max_tokens, 256);  // default_max_tokens
   EXPECT_EQ(r.spec.budget_tokens, 256);         // 2048 capped at the capacity
-  EXPECT_FLOAT_EQ(r.spec.retriever.correction_threshold, 0.9f);
+  EXPECT_FLOAT_EQ(r.spec.sequence.correction_threshold, 0.9f);
   EXPECT_EQ(r.epoch, 1u);
   EXPECT_EQ(r.committed_tokens, std::vector<uint64_t>(2, 0));
   EXPECT_EQ(r.region_offset % kRegionAlignment, 0u);
@@ -345,7 +345,7 @@ TEST_F(SessionManagerTest, OffloadCommitsPagesThatFetchReadsBackAsHnd) {
   ASSERT_TRUE(stats.ok()) << stats.status();
   ASSERT_TRUE(stats->session.has_value());
   EXPECT_EQ(stats->session->committed_pages, 10u);
-  EXPECT_EQ(stats->session->retriever.appended_tokens, 80);
+  EXPECT_EQ(stats->session->sequence.appended_tokens, 80);
   EXPECT_EQ(stats->tenant.sessions, 1u);
   EXPECT_EQ(stats->tenant.used_bytes, r.region_bytes + manager_->tenant("a").charged_bytes());
 
@@ -509,13 +509,13 @@ TEST_F(SessionManagerTest, StepMatchesARetrieverRunDirectly) {
   const SessionRecord r = Open(p);
 
   // The reference: the same options on its own CPU backend and page pool.
-  absl::StatusOr<std::unique_ptr<Backend>> backend = CreateBackend(BackendKind::kCpu, {2});
+  absl::StatusOr<std::unique_ptr<Backend>> backend = CreateBackend(DeviceKind::kCpu, {2});
   ASSERT_TRUE(backend.ok());
   const int64_t slots = int64_t{g.num_layers} * r.spec.max_pages();
   void* mem = std::aligned_alloc(PagePool::kSlotAlignment, slots * g.host_page_bytes());
   std::unique_ptr<PagePool> pool = PagePool::Create(mem, g.host_page_bytes(), slots).value();
   std::unique_ptr<Retriever> ref =
-      Retriever::Create(g, r.spec.retriever, **backend, pool.get()).value();
+      Retriever::Create(g, r.spec.sequence, **backend, pool.get()).value();
 
   std::vector<Rows> rows = {Rows(g, 200, 31), Rows(g, 200, 32)};
   OffloadAll("a", r.id, rows, 0, 150, 50);
@@ -574,7 +574,7 @@ TEST_F(SessionManagerTest, StepMatchesARetrieverRunDirectly) {
 
   absl::StatusOr<StatsReport> stats = manager_->GetStats(Caller{"a"}, r.id);
   ASSERT_TRUE(stats.ok());
-  EXPECT_EQ(stats->session->retriever.steps, 12);
+  EXPECT_EQ(stats->session->sequence.steps, 12);
   ASSERT_TRUE(ref->Close().ok());
   ref.reset();
   pool.reset();
@@ -610,7 +610,7 @@ TEST_F(SessionManagerTest, ConcurrentCallsOnOneSessionSerialize) {
     });
   }
   for (std::thread& t : threads) t.join();
-  EXPECT_EQ(manager_->GetStats(Caller{"a"}, r.id)->session->retriever.steps, 40);
+  EXPECT_EQ(manager_->GetStats(Caller{"a"}, r.id)->session->sequence.steps, 40);
 }
 
 // ---- drain and shutdown ---------------------------------------------------------------------

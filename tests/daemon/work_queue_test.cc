@@ -12,7 +12,7 @@
 #include "daemon/caller.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "kvtier/mutex.h"
+#include "core/mutex.h"
 
 namespace kvtier::daemon {
 namespace {

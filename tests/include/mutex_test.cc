@@ -1,6 +1,6 @@
 // kvtier::Mutex, MutexLock and CondVar: hand-offs between threads and the timeout edges.
 // Under -DKVTIER_SANITIZE=thread these also check that TSan sees the locking.
-#include "kvtier/mutex.h"
+#include "core/mutex.h"
 
 #include <thread>
 #include <vector>

@@ -38,7 +38,7 @@ class CountingBudget final : public MemoryBudget {
 };
 
 std::unique_ptr<Backend> Cpu() {
-  absl::StatusOr<std::unique_ptr<Backend>> b = CreateBackend(BackendKind::kCpu, {.cpu_threads = 2});
+  absl::StatusOr<std::unique_ptr<Backend>> b = CreateBackend(DeviceKind::kCpu, {.cpu_threads = 2});
   EXPECT_TRUE(b.ok()) << b.status();
   return b.ok() ? *std::move(b) : nullptr;
 }

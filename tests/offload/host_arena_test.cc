@@ -67,7 +67,7 @@ class RecordingBackend : public Backend {
   std::vector<bool> mapped_at_unregister;
   int fail_at = 0;
 
-  BackendKind kind() const override { return BackendKind::kCpu; }
+  DeviceKind kind() const override { return DeviceKind::kCpu; }
   std::string Describe() const override { return "recording fake"; }
   absl::StatusOr<DeviceBuffer> Allocate(size_t) override { return Unimplemented(); }
   absl::StatusOr<std::unique_ptr<Stream>> CreateStream(StreamPriority) override {

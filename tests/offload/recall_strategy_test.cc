@@ -44,7 +44,7 @@ struct HostPages {
 class RecallStrategyTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    auto b = CreateBackend(BackendKind::kCpu);
+    auto b = CreateBackend(DeviceKind::kCpu);
     ASSERT_TRUE(b.ok()) << b.status();
     backend_ = *std::move(b);
     drive_ = *backend_->CreateStream();

@@ -16,7 +16,7 @@
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "kernels/registry.h"
-#include "kvtier/retriever.h"
+#include "offload/retriever.h"
 #include "offload/page_pool.h"
 #include "offload/recall_strategy.h"
 #include "tests/kernels/cuda/cuda_test_util.h"
@@ -43,8 +43,8 @@ Geometry TestGeometry() {
   return g;
 }
 
-RetrieverOptions TestOptions(RecallStrategy strategy) {
-  RetrieverOptions o;
+SequenceOptions TestOptions(RecallStrategy strategy) {
+  SequenceOptions o;
   o.mode = RetrievalMode::kSpeculative;
   o.sink_pages = 2;
   o.selected_pages = 6;  // of ~19 candidate pages: selection is not trivial
@@ -116,7 +116,7 @@ struct Trace {
 // backend memory.
 class Runner {
  public:
-  Runner(std::unique_ptr<Backend> backend, const Geometry& g, const RetrieverOptions& o)
+  Runner(std::unique_ptr<Backend> backend, const Geometry& g, const SequenceOptions& o)
       : backend_(std::move(backend)),
         g_(g),
         tier_mem_(static_cast<size_t>(g.num_layers) * (o.max_tokens / g.page_size) *
@@ -190,10 +190,10 @@ class RetrieverBackendsTest : public ::testing::TestWithParam<RecallStrategy> {
 
 TEST_P(RetrieverBackendsTest, SpeculativeWorkingSetsAndOutputsMatchTheCpu) {
   const Geometry g = TestGeometry();
-  const RetrieverOptions o = TestOptions(GetParam());
-  auto cpu_backend = CreateBackend(BackendKind::kCpu, BackendOptions{.cpu_threads = 2});
+  const SequenceOptions o = TestOptions(GetParam());
+  auto cpu_backend = CreateBackend(DeviceKind::kCpu, DeviceOptions{.cpu_threads = 2});
   ASSERT_TRUE(cpu_backend.ok()) << cpu_backend.status();
-  auto cuda_backend = CreateBackend(BackendKind::kCuda);
+  auto cuda_backend = CreateBackend(DeviceKind::kCuda);
   ASSERT_TRUE(cuda_backend.ok()) << cuda_backend.status();
   Runner cpu(*std::move(cpu_backend), g, o);
   KVTIER_ASSERT_OK(cpu.status());
@@ -293,7 +293,7 @@ TEST_P(RetrieverBackendsTest, SpeculativeWorkingSetsAndOutputsMatchTheCpu) {
 
   KVTIER_ASSERT_OK(cpu.retriever().Wait());
   KVTIER_ASSERT_OK(cuda.retriever().Wait());
-  const RetrieverStats a = cpu.retriever().Stats(), b = cuda.retriever().Stats();
+  const SequenceStats a = cpu.retriever().Stats(), b = cuda.retriever().Stats();
   EXPECT_EQ(a.steps, b.steps);
   EXPECT_EQ(a.recalled_pages, b.recalled_pages);
   EXPECT_EQ(a.recalled_bytes, b.recalled_bytes);

@@ -11,14 +11,16 @@
 #include <memory>
 #include <random>
 #include <set>
+#include <span>
 #include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kvtier/layout.h"
-#include "kvtier/retriever.h"
+#include "offload/host_tier.h"
 #include "offload/page_pool.h"
+#include "offload/retriever.h"
 #include "tests/testutil/random_fill.h"
 
 namespace kvtier::retriever_test {
@@ -36,8 +38,8 @@ inline Geometry SmallGeometry(DType dtype = DType::kF32) {
   return g;
 }
 
-inline RetrieverOptions SmallOptions(RetrievalMode mode) {
-  RetrieverOptions o;
+inline SequenceOptions SmallOptions(RetrievalMode mode) {
+  SequenceOptions o;
   o.mode = mode;
   o.sink_pages = 1;
   o.selected_pages = 3;
@@ -50,13 +52,13 @@ inline RetrieverOptions SmallOptions(RetrievalMode mode) {
 }
 
 // Host memory for a page pool, freed after the pool.
-struct HostTier {
-  HostTier(const Geometry& g, int64_t pages) {
+struct HostMemory {
+  HostMemory(const Geometry& g, int64_t pages) {
     bytes = static_cast<size_t>(pages) * g.host_page_bytes();
     mem = static_cast<uint8_t*>(std::aligned_alloc(PagePool::kSlotAlignment, bytes));
     pool = PagePool::Create(mem, g.host_page_bytes(), pages).value();
   }
-  ~HostTier() {
+  ~HostMemory() {
     pool.reset();
     std::free(mem);
   }
@@ -65,10 +67,30 @@ struct HostTier {
   std::unique_ptr<PagePool> pool;
 };
 
-// The sequence as the engine sees it: dense K/V per layer, kept on the host as the model.
-class Sequence {
+// A host tier over a HostMemory's pool that records what the Retriever commits, and
+// refuses commits (FAILED_PRECONDITION, as a fenced region does) once `refuse` is set.
+class CommitLog final : public kvtier::HostTier {
  public:
-  Sequence(const Geometry& g, uint64_t seed) : g_(g), rng_(seed) {}
+  explicit CommitLog(PagePool& pool) : pool_(pool) {}
+  PagePool& pool() override { return pool_; }
+  absl::Status Commit(std::span<const StoredPage> pages) override {
+    if (refuse) return absl::FailedPreconditionError("commit refused: the region moved on");
+    committed.insert(committed.end(), pages.begin(), pages.end());
+    return absl::OkStatus();
+  }
+  std::vector<StoredPage> Take() { return std::exchange(committed, {}); }
+
+  bool refuse = false;
+  std::vector<StoredPage> committed;
+
+ private:
+  PagePool& pool_;
+};
+
+// The sequence as the engine sees it: dense K/V per layer, kept on the host as the model.
+class HostModel {
+ public:
+  HostModel(const Geometry& g, uint64_t seed) : g_(g), rng_(seed) {}
 
   // n tokens of random K/V for every layer; returns the new rows per layer.
   std::vector<std::pair<TypedBuffer, TypedBuffer>> Grow(int32_t n) {
@@ -104,7 +126,7 @@ class Sequence {
   // Quest scores pooled by raw mean over the group (PoolMode::kRawMean), then the top k
   // among full pages [sink, full − recent_full): the selection a host model expects.
   std::vector<int32_t> Select(int32_t layer, const TypedBuffer& q, int32_t h, int32_t tokens,
-                              const RetrieverOptions& o) const {
+                              const SequenceOptions& o) const {
     const int32_t p = g_.page_size;
     const int32_t full = tokens / p;
     const int32_t total = (tokens + p - 1) / p;
@@ -146,7 +168,7 @@ class Sequence {
 };
 
 // The pages of head h's selected region, sorted.
-inline std::vector<int32_t> SelectedRegion(const WorkingSetView& view, const RetrieverOptions& o,
+inline std::vector<int32_t> SelectedRegion(const WorkingSetView& view, const SequenceOptions& o,
                                     int32_t h) {
   std::vector<int32_t> pages;
   for (int32_t s = o.sink_pages; s < o.sink_pages + o.selected_pages; ++s) {
@@ -160,7 +182,7 @@ inline std::vector<int32_t> SelectedRegion(const WorkingSetView& view, const Ret
 // Every slot the table names holds that page's K and V for that head, bit for bit, no page
 // appears twice for a head, and every page of the sequence that must be resident (sinks,
 // recent window) is.
-inline void ExpectWorkingSetConsistent(const Geometry& g, const RetrieverOptions& o, const Sequence& seq,
+inline void ExpectWorkingSetConsistent(const Geometry& g, const SequenceOptions& o, const HostModel& seq,
                                 const WorkingSetView& view) {
   const WorkingSetLayout wl{view.num_slots, g.page_size, g.num_kv_heads, g.head_dim};
   const int32_t p = g.page_size;
@@ -196,7 +218,7 @@ inline void ExpectWorkingSetConsistent(const Geometry& g, const RetrieverOptions
 }
 
 struct Harness {
-  Harness(const Geometry& g, const RetrieverOptions& o, Backend* backend_in = nullptr,
+  Harness(const Geometry& g, const SequenceOptions& o, Backend* backend_in = nullptr,
           uint64_t seed = 7)
       : geometry(g), options(o), seq(g, seed) {
     if (backend_in == nullptr) {
@@ -205,8 +227,10 @@ struct Harness {
     } else {
       backend = backend_in;
     }
-    tier = std::make_unique<HostTier>(g, int64_t{g.num_layers} * (o.max_tokens / g.page_size));
-    retriever = Retriever::Create(g, o, *backend, tier->pool.get()).value();
+    tier = std::make_unique<HostMemory>(g, int64_t{g.num_layers} * (o.max_tokens / g.page_size));
+    auto log = std::make_unique<CommitLog>(*tier->pool);
+    commits = log.get();
+    retriever = Retriever::Create(g, o, *backend, std::move(log)).value();
   }
   ~Harness() { retriever.reset(); }
 
@@ -268,11 +292,12 @@ struct Harness {
 
   std::deque<TypedBuffer> keep;
   Geometry geometry;
-  RetrieverOptions options;
-  Sequence seq;
+  SequenceOptions options;
+  HostModel seq;
   std::unique_ptr<Backend> own_backend;
   Backend* backend;
-  std::unique_ptr<HostTier> tier;
+  std::unique_ptr<HostMemory> tier;
+  CommitLog* commits = nullptr;  // owned by the Retriever
   std::unique_ptr<Retriever> retriever;
   std::vector<std::vector<int32_t>> snapshot_tables;
 };

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "kvtier/retriever.h"
+#include "offload/retriever.h"
 #include "tests/offload/retriever_harness.h"
 
 namespace kvtier {
@@ -18,7 +18,7 @@ namespace {
 using namespace retriever_test;  // NOLINT: the harness is this test's vocabulary
 using testing::TypedBuffer;
 
-RetrieverOptions WithPolicy(RetrieverOptions o, std::string budget, std::string residency,
+SequenceOptions WithPolicy(SequenceOptions o, std::string budget, std::string residency,
                             std::map<std::string, std::string> params = {}) {
   o.policy.budget = std::move(budget);
   o.policy.residency = std::move(residency);
@@ -35,7 +35,7 @@ std::vector<float> Logits(bool confident) {
 
 void Report(Harness& h, bool confident) {
   const std::vector<float> logits = Logits(confident);
-  policy::StepSignals s;
+  StepSignals s;
   s.first_position = h.seq.tokens() - 1;
   s.logits = logits;
   ASSERT_TRUE(h.retriever->ReportSignals(s).ok());
@@ -43,7 +43,7 @@ void Report(Harness& h, bool confident) {
 
 // Attention of query q over exactly the tokens each KV head's slot table names (the host
 // model of what the working set holds), fp64.
-std::vector<float> AttentionOverTable(const Geometry& g, const Sequence& seq, int32_t layer,
+std::vector<float> AttentionOverTable(const Geometry& g, const HostModel& seq, int32_t layer,
                                       const TypedBuffer& q, const std::vector<int32_t>& table,
                                       int32_t num_slots, int32_t tokens) {
   const int32_t p = g.page_size;
@@ -98,7 +98,7 @@ class ConfidenceBudgetTest : public ::testing::TestWithParam<RetrievalMode> {};
 // top-k_h with the step's query (speculative mode re-selects when the budget changes).
 TEST_P(ConfidenceBudgetTest, DropInConfidenceWidensAndConfidentStretchNarrows) {
   const Geometry g = SmallGeometry();
-  RetrieverOptions o = SmallOptions(GetParam());
+  SequenceOptions o = SmallOptions(GetParam());
   o.selected_pages = 4;
   o = WithPolicy(o, "confidence", "none",
                  {{"confidence.confident_steps", "3"}, {"confidence.tight_fraction", "0.5"}});
@@ -117,7 +117,7 @@ TEST_P(ConfidenceBudgetTest, DropInConfidenceWidensAndConfidentStretchNarrows) {
       for (int32_t kh = 0; kh < g.num_kv_heads; ++kh) {
         WorkingSetView v = r.views[l];
         v.slot_table = h.snapshot_tables[l].data();
-        RetrieverOptions ok = o;
+        SequenceOptions ok = o;
         ok.selected_pages = want[step];
         const bool fresh =
             GetParam() == RetrievalMode::kSync || step == 0 || want[step] != want[step - 1];
@@ -144,7 +144,7 @@ INSTANTIATE_TEST_SUITE_P(Modes, ConfidenceBudgetTest,
 
 // Hidden-state changes with a spike at `spike` (in the positive band layer 0), small noise
 // elsewhere.
-policy::StepSignals Hidden(int64_t first, int32_t n, int32_t layers, int64_t spike,
+StepSignals Hidden(int64_t first, int32_t n, int32_t layers, int64_t spike,
                            std::vector<float>* buf) {
   buf->assign(static_cast<size_t>(n) * layers, 0.0f);
   for (int32_t t = 0; t < n; ++t) {
@@ -155,7 +155,7 @@ policy::StepSignals Hidden(int64_t first, int32_t n, int32_t layers, int64_t spi
           (pos == spike && l == 0 ? 25.0f : 0.0f);
     }
   }
-  policy::StepSignals s;
+  StepSignals s;
   s.first_position = first;
   s.num_tokens = n;
   s.hidden_delta = *buf;
@@ -170,7 +170,7 @@ class PinnedPageTest : public ::testing::TestWithParam<bool> {};
 TEST_P(PinnedPageTest, PinnedPageIsNeverEvictedWhilePinned) {
   const bool spike = GetParam();
   const Geometry g = SmallGeometry();
-  RetrieverOptions o = WithPolicy(SmallOptions(RetrievalMode::kDrop), "fixed", "epiphany",
+  SequenceOptions o = WithPolicy(SmallOptions(RetrievalMode::kDrop), "fixed", "epiphany",
                                   {{"epiphany.window", "16"}});
   Harness h(g, o);
   std::vector<float> buf;
@@ -209,7 +209,7 @@ INSTANTIATE_TEST_SUITE_P(Spike, PinnedPageTest, ::testing::Bool(), [](const auto
 // scores say.
 TEST(RetrieverPolicyTest, PinnedPageIsAlwaysSelected) {
   const Geometry g = SmallGeometry();
-  RetrieverOptions o = WithPolicy(SmallOptions(RetrievalMode::kSpeculative), "fixed", "epiphany",
+  SequenceOptions o = WithPolicy(SmallOptions(RetrievalMode::kSpeculative), "fixed", "epiphany",
                                   {{"epiphany.window", "16"}});
   o.selected_pages = 2;
   Harness h(g, o);
@@ -237,7 +237,7 @@ TEST(RetrieverPolicyTest, PinnedPageIsAlwaysSelected) {
 // tables name, and those tables name the right data (ExpectWorkingSetConsistent).
 TEST(RetrieverPolicyTest, DropModeEvictsPerHeadCompactsAndMatchesReference) {
   const Geometry g = SmallGeometry();
-  const RetrieverOptions o =
+  const SequenceOptions o =
       WithPolicy(SmallOptions(RetrievalMode::kDrop), "kv_compress", "kv_compress",
                  {{"kv_compress.total_pages", "10"},
                   {"kv_compress.exclude_nearest", "4"},
@@ -274,7 +274,7 @@ TEST(RetrieverPolicyTest, DropModeEvictsPerHeadCompactsAndMatchesReference) {
   EXPECT_GE(first_slots, 20);  // the whole prompt, until the first step evicted it
   auto r = h.Step(h.seq.Query(999));
   EXPECT_LE(r.views[0].num_slots, 1 + 4 + 2 + 1);  // compacted and shrunk to the minimum
-  const RetrieverStats st = h.retriever->Stats();
+  const SequenceStats st = h.retriever->Stats();
   EXPECT_GT(st.evicted_head_pages, 0);
   // Sinks (1) and recent window (2) per head and layer, plus the 10 kept head-pages.
   const int64_t fixed = int64_t{g.num_layers} * g.num_kv_heads * 3;
@@ -285,7 +285,7 @@ TEST(RetrieverPolicyTest, DropModeEvictsPerHeadCompactsAndMatchesReference) {
 // dequantised, within the quantisation error of the reference.
 TEST(RetrieverPolicyTest, Int8PagesAreDequantisedInsideAttention) {
   const Geometry g = SmallGeometry();
-  const RetrieverOptions o =
+  const SequenceOptions o =
       WithPolicy(SmallOptions(RetrievalMode::kDrop), "fixed", "h2o", {{"int8.window_pages", "1"}});
   Harness h(g, o);
   h.Append(100);
@@ -305,7 +305,7 @@ TEST(RetrieverPolicyTest, Int8PagesAreDequantisedInsideAttention) {
     }
     h.Append(1);
   }
-  const RetrieverStats st = h.retriever->Stats();
+  const SequenceStats st = h.retriever->Stats();
   EXPECT_GT(st.int8_head_pages, 0);
   const int64_t slab_bytes = g.slab_elements() * static_cast<int64_t>(g.element_bytes());
   EXPECT_LT(st.resident_bytes, st.resident_head_pages * slab_bytes);
@@ -316,12 +316,12 @@ TEST(RetrieverPolicyTest, Int8PagesAreDequantisedInsideAttention) {
 TEST(RetrieverPolicyTest, FullHostTierDropsPagesWhenAskedAndRefusesOtherwise) {
   const Geometry g = SmallGeometry();
   for (const std::string mode : {"evict", "refuse"}) {
-    RetrieverOptions o = WithPolicy(SmallOptions(RetrievalMode::kSync), "fixed", "h2o");
+    SequenceOptions o = WithPolicy(SmallOptions(RetrievalMode::kSync), "fixed", "h2o");
     o.policy.host_drop = mode;
     auto backend = NewCpuBackend(1);
-    HostTier tier(g, 16);  // 8 pages per layer
+    HostMemory tier(g, 16);  // 8 pages per layer
     auto r = Retriever::Create(g, o, *backend, tier.pool.get()).value();
-    Sequence seq(g, 3);
+    HostModel seq(g, 3);
     std::vector<TypedBuffer> keep;
     absl::Status last;
     for (int32_t chunk = 0; chunk < 12 && last.ok(); ++chunk) {
@@ -342,7 +342,7 @@ TEST(RetrieverPolicyTest, FullHostTierDropsPagesWhenAskedAndRefusesOtherwise) {
         ASSERT_TRUE(r->EndStep(l, q.data()).ok());
       }
     }
-    const RetrieverStats st = r->Stats();
+    const SequenceStats st = r->Stats();
     if (mode == "evict") {
       EXPECT_TRUE(last.ok()) << last;
       EXPECT_GT(st.host_dropped_pages, 0);
@@ -358,7 +358,7 @@ TEST(RetrieverPolicyTest, FullHostTierDropsPagesWhenAskedAndRefusesOtherwise) {
 TEST(RetrieverPolicyTest, BadPolicyConfigurationsGetClearErrors) {
   const Geometry g = SmallGeometry();
   auto backend = NewCpuBackend(1);
-  HostTier tier(g, 64);
+  HostMemory tier(g, 64);
   struct Case {
     RetrievalMode mode;
     std::string budget, residency, host_drop;
@@ -396,7 +396,7 @@ TEST(RetrieverPolicyTest, BadPolicyConfigurationsGetClearErrors) {
        "epiphany.signal"},
   };
   for (const Case& c : cases) {
-    RetrieverOptions o = WithPolicy(SmallOptions(c.mode), c.budget, c.residency, c.params);
+    SequenceOptions o = WithPolicy(SmallOptions(c.mode), c.budget, c.residency, c.params);
     o.policy.host_drop = c.host_drop;
     auto r = Retriever::Create(g, o, *backend, tier.pool.get());
     ASSERT_FALSE(r.ok()) << c.want;
@@ -408,7 +408,7 @@ TEST(RetrieverPolicyTest, BadPolicyConfigurationsGetClearErrors) {
                              *backend, nullptr)
                .value();
   std::vector<float> three(3, 1.0f);
-  policy::StepSignals s;
+  StepSignals s;
   s.hidden_delta = three;
   s.num_layers = 2;
   EXPECT_TRUE(absl::IsInvalidArgument(r->ReportSignals(s)));

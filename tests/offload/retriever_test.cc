@@ -1,7 +1,7 @@
 // Retriever on the CPU backend: working-set contents against a host model of selection,
 // speculation, correction, the modes against each other, appends, ordering under a backend
 // that delays work, deadlines, cancellation, and long runs (for ASan/TSan builds).
-#include "kvtier/retriever.h"
+#include "offload/retriever.h"
 
 #include <algorithm>
 #include <cmath>
@@ -14,10 +14,12 @@
 #include <set>
 #include <vector>
 
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kvtier/layout.h"
 #include "offload/page_pool.h"
+#include "offload/recall_strategy.h"
 #include "tests/offload/retriever_harness.h"
 #include "tests/testutil/chaos_backend.h"
 #include "tests/testutil/random_fill.h"
@@ -31,7 +33,7 @@ using testing::TypedBuffer;
 TEST(RetrieverTest, SyncWorkingSetEqualsSelection) {
   for (RecallStrategy strategy : kRecallStrategies) {
     const Geometry g = SmallGeometry();
-    RetrieverOptions o = SmallOptions(RetrievalMode::kSync);
+    SequenceOptions o = SmallOptions(RetrievalMode::kSync);
     o.recall = strategy;
     Harness h(g, o);
     h.Append(150);  // 18 full pages + a partial one
@@ -50,7 +52,7 @@ TEST(RetrieverTest, SyncWorkingSetEqualsSelection) {
       h.Append(1 + step * 3);
     }
     ASSERT_TRUE(h.retriever->Wait().ok());
-    const RetrieverStats st = h.retriever->Stats();
+    const SequenceStats st = h.retriever->Stats();
     EXPECT_GT(st.recalled_pages, 0);
     // Churn, not budget: over 6 steps far fewer than 6 · layers · heads · k head-pages.
     EXPECT_LT(st.recalled_pages, 6 * g.num_layers * g.num_kv_heads * o.selected_pages);
@@ -60,7 +62,7 @@ TEST(RetrieverTest, SyncWorkingSetEqualsSelection) {
 
 TEST(RetrieverTest, UncorrectedHeadsAttendOverPreviousSelection) {
   const Geometry g = SmallGeometry();
-  RetrieverOptions o = SmallOptions(RetrievalMode::kSpeculative);
+  SequenceOptions o = SmallOptions(RetrievalMode::kSpeculative);
   o.correction_threshold = -2.0f;  // never corrects
   Harness h(g, o);
   h.Append(160);
@@ -70,7 +72,7 @@ TEST(RetrieverTest, UncorrectedHeadsAttendOverPreviousSelection) {
   for (int step = 1; step < 6; ++step) {
     const TypedBuffer q = h.seq.Query(10 + step);
     auto r = h.Step(q);
-    const RetrieverStats st = h.retriever->Stats();
+    const SequenceStats st = h.retriever->Stats();
     EXPECT_EQ(st.corrected_heads, 0);
     for (int32_t l = 0; l < g.num_layers; ++l) {
       for (int32_t kh = 0; kh < g.num_kv_heads; ++kh) {
@@ -91,7 +93,7 @@ TEST(RetrieverTest, UncorrectedHeadsAttendOverPreviousSelection) {
 
 TEST(RetrieverTest, ForcedDriftCorrectsExactlyTheDriftedHeads) {
   const Geometry g = SmallGeometry();
-  RetrieverOptions o = SmallOptions(RetrievalMode::kSpeculative);
+  SequenceOptions o = SmallOptions(RetrievalMode::kSpeculative);
   o.correction_threshold = 0.9f;
   Harness h(g, o);
   h.Append(160);
@@ -120,7 +122,7 @@ TEST(RetrieverTest, ForcedDriftCorrectsExactlyTheDriftedHeads) {
     ExpectWorkingSetConsistent(g, o, h.seq, r.views[l]);
   }
   ASSERT_TRUE(h.retriever->Wait().ok());
-  const RetrieverStats st = h.retriever->Stats();
+  const SequenceStats st = h.retriever->Stats();
   EXPECT_EQ(st.checked_heads, g.num_layers * g.num_kv_heads);  // step 0 is not a check
   EXPECT_EQ(st.corrected_heads, g.num_layers);
   for (int32_t l = 0; l < g.num_layers; ++l) {
@@ -133,7 +135,7 @@ TEST(RetrieverTest, ForcedDriftCorrectsExactlyTheDriftedHeads) {
 // speculation is right for some heads and corrected for others.
 class DriftingQuery {
  public:
-  DriftingQuery(const Sequence& seq, uint64_t seed) : seq_(seq), seed_(seed), q_(seq.Query(seed)) {}
+  DriftingQuery(const HostModel& seq, uint64_t seed) : seq_(seq), seed_(seed), q_(seq.Query(seed)) {}
   const TypedBuffer& Next() {
     const TypedBuffer noise = seq_.Query(seed_ * 7919 + (++n_));
     const bool jump = n_ % 7 == 3;
@@ -144,7 +146,7 @@ class DriftingQuery {
   }
 
  private:
-  const Sequence& seq_;
+  const HostModel& seq_;
   const uint64_t seed_;
   TypedBuffer q_;
   uint64_t n_ = 0;
@@ -165,8 +167,8 @@ std::vector<std::vector<float>> RunSteps(Harness& h, int steps, uint64_t qseed) 
 
 TEST(RetrieverTest, SyncEqualsSpeculativeWithTauOne) {
   const Geometry g = SmallGeometry(DType::kF16);
-  RetrieverOptions so = SmallOptions(RetrievalMode::kSync);
-  RetrieverOptions po = SmallOptions(RetrievalMode::kSpeculative);
+  SequenceOptions so = SmallOptions(RetrievalMode::kSync);
+  SequenceOptions po = SmallOptions(RetrievalMode::kSpeculative);
   po.correction_threshold = 1.0f;
   Harness sync(g, so), spec(g, po);
   sync.Append(140);
@@ -217,7 +219,7 @@ TEST(RetrieverTest, FullModeEqualsDenseAttention) {
 
 TEST(RetrieverTest, AppendsAcrossPageBoundariesMatchTokenByToken) {
   const Geometry g = SmallGeometry(DType::kBF16);
-  const RetrieverOptions o = SmallOptions(RetrievalMode::kSync);
+  const SequenceOptions o = SmallOptions(RetrievalMode::kSync);
   Harness chunked(g, o, nullptr, 11), single(g, o, nullptr, 11);
   // Same rows; chunked appends 5, 13, 1, 40, 8, 3 tokens at a time.
   for (int32_t n : {5, 13, 1, 40, 8, 3}) {
@@ -239,7 +241,7 @@ TEST(RetrieverTest, AppendsAcrossPageBoundariesMatchTokenByToken) {
     ASSERT_TRUE(single.retriever->Wait().ok());
   }
   EXPECT_EQ(chunked.retriever->num_tokens(0), 70);
-  const RetrieverStats a = chunked.retriever->Stats(), b = single.retriever->Stats();
+  const SequenceStats a = chunked.retriever->Stats(), b = single.retriever->Stats();
   EXPECT_EQ(a.offloaded_pages, g.num_layers * (70 / g.page_size));
   EXPECT_EQ(a.offloaded_pages, b.offloaded_pages);
   // Host tier: every full page of every layer, HND, bit for bit.
@@ -259,7 +261,7 @@ TEST(RetrieverTest, AppendsAcrossPageBoundariesMatchTokenByToken) {
 
 TEST(RetrieverTest, DropModeKeepsSinksAndSlidingWindow) {
   const Geometry g = SmallGeometry();
-  const RetrieverOptions o = SmallOptions(RetrievalMode::kDrop);
+  const SequenceOptions o = SmallOptions(RetrievalMode::kDrop);
   Harness h(g, o);
   h.Append(100);  // 13 pages: sink 0, then the last 5 pages 8..12 in the ring
   auto r = h.Step(h.seq.Query(1));
@@ -278,13 +280,13 @@ TEST(RetrieverTest, DropModeKeepsSinksAndSlidingWindow) {
 // The three recall strategies move the same bytes: speculative outputs agree bit for bit.
 TEST(RetrieverTest, RecallStrategiesAgree) {
   const Geometry g = SmallGeometry(DType::kF16);
-  RetrieverOptions a = SmallOptions(RetrievalMode::kSpeculative);
+  SequenceOptions a = SmallOptions(RetrievalMode::kSpeculative);
   a.recall = RecallStrategy::kZeroCopy;
   Harness ha(g, a);
   ha.Append(130);
   const auto expected = RunSteps(ha, 10, 900);
   for (RecallStrategy strategy : {RecallStrategy::kSlabDma, RecallStrategy::kBatchedDma}) {
-    RetrieverOptions b = a;
+    SequenceOptions b = a;
     b.recall = strategy;
     Harness hb(g, b);
     hb.Append(130);
@@ -299,7 +301,7 @@ TEST(RetrieverTest, RecallStrategiesAgree) {
 // backend's waits dropped, the same run must come out different (the check can fail).
 TEST(RetrieverTest, DelayedAndReorderedWorkGivesTheSameResults) {
   const Geometry g = SmallGeometry(DType::kF16);
-  RetrieverOptions o = SmallOptions(RetrievalMode::kSpeculative);
+  SequenceOptions o = SmallOptions(RetrievalMode::kSpeculative);
   o.correction_threshold = 0.5f;  // some heads corrected, some not
   Harness plain(g, o);
   plain.Append(150);
@@ -313,7 +315,7 @@ TEST(RetrieverTest, DelayedAndReorderedWorkGivesTheSameResults) {
   delayed.Append(150);
   EXPECT_EQ(RunSteps(delayed, 8, 300), expected);
   ASSERT_TRUE(delayed.retriever->Wait().ok());
-  const RetrieverStats st = delayed.retriever->Stats();
+  const SequenceStats st = delayed.retriever->Stats();
   EXPECT_GT(st.corrected_heads, 0);
   EXPECT_LT(st.corrected_heads, st.checked_heads);  // speculation was used, not bypassed
 }
@@ -323,7 +325,7 @@ TEST(RetrieverTest, DroppedWaitsAreCaught) {
   GTEST_SKIP() << "a backend that drops waits races by design; ThreadSanitizer reports it";
 #endif
   const Geometry g = SmallGeometry(DType::kF16);
-  RetrieverOptions o = SmallOptions(RetrievalMode::kSpeculative);
+  SequenceOptions o = SmallOptions(RetrievalMode::kSpeculative);
   o.correction_threshold = 0.5f;
   Harness plain(g, o);
   plain.Append(150);
@@ -353,7 +355,7 @@ TEST(RetrieverTest, DroppedWaitsAreCaught) {
 // instead of blocking, and the layer's next BeginStep refuses to queue behind it.
 TEST(RetrieverTest, StuckRecallFailsTheStepWithDeadlineExceeded) {
   const Geometry g = SmallGeometry();
-  RetrieverOptions o = SmallOptions(RetrievalMode::kSpeculative);
+  SequenceOptions o = SmallOptions(RetrievalMode::kSpeculative);
   o.deadline = absl::Milliseconds(100);
   testing::ChaosOptions co;
   co.seed = 3;
@@ -382,7 +384,7 @@ TEST(RetrieverTest, StuckRecallFailsTheStepWithDeadlineExceeded) {
 
 TEST(RetrieverTest, CloseDrainsInFlightWorkAndFreesPages) {
   const Geometry g = SmallGeometry();
-  RetrieverOptions o = SmallOptions(RetrievalMode::kSpeculative);
+  SequenceOptions o = SmallOptions(RetrievalMode::kSpeculative);
   testing::ChaosOptions co;
   co.seed = 8;
   co.max_delay = absl::Microseconds(500);
@@ -419,7 +421,7 @@ TEST(RetrieverTest, BadInputGetsClearErrors) {
   st = h.retriever->EndStep(0, q.data());
   EXPECT_TRUE(absl::IsFailedPrecondition(st)) << st;
 
-  RetrieverOptions o = SmallOptions(RetrievalMode::kSpeculative);
+  SequenceOptions o = SmallOptions(RetrievalMode::kSpeculative);
   o.recent_pages = 0;
   auto r = Retriever::Create(g, o, *h.backend, h.tier->pool.get());
   EXPECT_TRUE(absl::IsInvalidArgument(r.status())) << r.status();
@@ -442,9 +444,9 @@ TEST(RetrieverTest, BadInputGetsClearErrors) {
 
 TEST(RetrieverTest, HostTierFullIsRefusedWithNothingKept) {
   const Geometry g = SmallGeometry();
-  const RetrieverOptions o = SmallOptions(RetrievalMode::kSync);
+  const SequenceOptions o = SmallOptions(RetrievalMode::kSync);
   auto backend = NewCpuBackend(1);
-  HostTier tier(g, 4);
+  HostMemory tier(g, 4);
   auto r = Retriever::Create(g, o, *backend, tier.pool.get()).value();
   TypedBuffer k(g.dtype, 40 * g.num_kv_heads * g.head_dim);
   auto st = r->Append(0, k.data(), k.data(), 40);  // 5 pages, 4 free
@@ -455,29 +457,23 @@ TEST(RetrieverTest, HostTierFullIsRefusedWithNothingKept) {
   EXPECT_EQ(tier.pool->stats().in_use, 4);
 }
 
-// Every full page of every layer, reported once by TakeStoredPages, in offload order, with
-// the pool's slot and generation, and the HND of the appended tokens in the slot.
-TEST(RetrieverTest, TakeStoredPagesReportsEveryFullPageOnce) {
+// Every full page of every layer is committed to the host tier once, in offload order,
+// with the pool's slot and generation and the HND of the appended tokens in the slot; the
+// commits come on their own with Append and EndStep, never waiting, and Flush commits the
+// rest.
+TEST(RetrieverTest, HostTierGetsEveryFullPageCommittedOnce) {
   const Geometry g = SmallGeometry(DType::kF16);
-  const RetrieverOptions o = SmallOptions(RetrievalMode::kSpeculative);
+  const SequenceOptions o = SmallOptions(RetrievalMode::kSpeculative);
   Harness h(g, o);
-  std::vector<StoredPage> stored;
-  const auto take = [&](bool wait) {
-    absl::StatusOr<std::vector<StoredPage>> pages = h.retriever->TakeStoredPages(wait);
-    ASSERT_TRUE(pages.ok()) << pages.status();
-    stored.insert(stored.end(), pages->begin(), pages->end());
-  };
   h.Append(50);
-  take(false);
   h.Append(3);
-  take(false);
   DriftingQuery q(h.seq, 11);
   for (int step = 0; step < 5; ++step) {
     h.Step(q.Next());
     h.Append(7);
-    take(false);
   }
-  take(true);
+  ASSERT_TRUE(h.retriever->Flush().ok());
+  std::vector<StoredPage> stored = h.commits->Take();
   const int32_t p = g.page_size;
   const int32_t full = h.seq.tokens() / p;  // 88 tokens: 11 full pages
   ASSERT_EQ(stored.size(), static_cast<size_t>(g.num_layers * full));
@@ -501,18 +497,17 @@ TEST(RetrieverTest, TakeStoredPagesReportsEveryFullPageOnce) {
       }
     }
   }
-  absl::StatusOr<std::vector<StoredPage>> again = h.retriever->TakeStoredPages(true);
-  ASSERT_TRUE(again.ok()) << again.status();
-  EXPECT_TRUE(again->empty());
+  ASSERT_TRUE(h.retriever->Flush().ok());
+  EXPECT_TRUE(h.commits->Take().empty());
   ASSERT_TRUE(h.retriever->Close().ok());
-  EXPECT_TRUE(absl::IsFailedPrecondition(h.retriever->TakeStoredPages(false).status()));
+  EXPECT_TRUE(absl::IsFailedPrecondition(h.retriever->Flush()));
 }
 
-// With the compute stream held up, TakeStoredPages(false) reports nothing rather than
-// waiting, and TakeStoredPages(true) gives up at the deadline.
-TEST(RetrieverTest, TakeStoredPagesWithoutWaitNeverBlocks) {
+// With the compute stream held up, Append commits nothing rather than waiting, Flush gives
+// up at the deadline, and once the work ran the pages are committed.
+TEST(RetrieverTest, CommitsNeverWaitOnTheDecodePath) {
   const Geometry g = SmallGeometry();
-  RetrieverOptions o = SmallOptions(RetrievalMode::kSync);
+  SequenceOptions o = SmallOptions(RetrievalMode::kSync);
   o.deadline = absl::Milliseconds(100);
   testing::ChaosOptions co;
   co.max_delay = absl::ZeroDuration();
@@ -520,15 +515,32 @@ TEST(RetrieverTest, TakeStoredPagesWithoutWaitNeverBlocks) {
   Harness h(g, o, chaos.get());
   ASSERT_TRUE(testing::EnqueueStall(*chaos, h.retriever->compute_stream(), absl::Seconds(2)).ok());
   h.Append(3 * g.page_size);  // offloads queued behind the stall
-  absl::StatusOr<std::vector<StoredPage>> none = h.retriever->TakeStoredPages(false);
-  ASSERT_TRUE(none.ok()) << none.status();
-  EXPECT_TRUE(none->empty());
-  absl::StatusOr<std::vector<StoredPage>> late = h.retriever->TakeStoredPages(true);
-  EXPECT_TRUE(absl::IsDeadlineExceeded(late.status())) << late.status();
+  EXPECT_TRUE(h.commits->committed.empty());
+  const absl::Status late = h.retriever->Flush();
+  EXPECT_TRUE(absl::IsDeadlineExceeded(late)) << late;
   ASSERT_TRUE(h.retriever->compute_stream().Synchronize().ok());
-  absl::StatusOr<std::vector<StoredPage>> all = h.retriever->TakeStoredPages(false);
-  ASSERT_TRUE(all.ok()) << all.status();
-  EXPECT_EQ(all->size(), static_cast<size_t>(3 * g.num_layers));
+  ASSERT_TRUE(h.retriever->Flush().ok());
+  EXPECT_EQ(h.commits->Take().size(), static_cast<size_t>(3 * g.num_layers));
+}
+
+// A commit the host tier refuses (another holder took the region over) fails the sequence:
+// the call that committed and every later one return the refusal.
+TEST(RetrieverTest, RefusedCommitFailsTheSequence) {
+  const Geometry g = SmallGeometry();
+  Harness h(g, SmallOptions(RetrievalMode::kSpeculative));
+  h.Append(2 * g.page_size);
+  ASSERT_TRUE(h.retriever->Flush().ok());
+  h.commits->refuse = true;
+  auto rows = h.seq.Grow(g.page_size);
+  absl::Status st = h.retriever->Append(0, rows[0].first.data(), rows[0].second.data(),
+                                        g.page_size);
+  if (st.ok()) st = h.retriever->Flush();
+  EXPECT_TRUE(absl::IsFailedPrecondition(st)) << st;
+  EXPECT_THAT(std::string(st.message()), ::testing::HasSubstr("commit refused"));
+  const absl::Status later =
+      h.retriever->Append(1, rows[1].first.data(), rows[1].second.data(), g.page_size);
+  EXPECT_EQ(later, st);
+  ASSERT_TRUE(h.retriever->compute_stream().Synchronize().ok());
 }
 
 // One step of every layer of `r` with q: the outputs, and per layer the slot table and the
@@ -582,19 +594,20 @@ StepSnapshot StepAndSnapshot(Retriever& r, Backend& backend, const TypedBuffer& 
 }
 
 // R1 appends T tokens; a copy of its host tier, re-adopted with PagePool::Claim from what
-// TakeStoredPages reported, restores R2. Driven alike from then on, R1 and R2 agree bit
+// R1 committed, restores R2. Driven alike from then on, R1 and R2 agree bit
 // for bit: slot tables, resident K/V, attention outputs and recall statistics.
 void ExpectRestoreEquivalent(int32_t T, RecallStrategy strategy) {
   const Geometry g = SmallGeometry(DType::kF16);
-  RetrieverOptions o = SmallOptions(RetrievalMode::kSpeculative);
+  SequenceOptions o = SmallOptions(RetrievalMode::kSpeculative);
   o.correction_threshold = 0.5f;  // some heads corrected, some not
   o.recall = strategy;
   Harness h1(g, o);
   const int32_t p = g.page_size;
   const int32_t n = T / p;
   h1.Append(n * p);
-  absl::StatusOr<std::vector<StoredPage>> stored = h1.retriever->TakeStoredPages(true);
-  ASSERT_TRUE(stored.ok()) << stored.status();
+  ASSERT_TRUE(h1.retriever->Flush().ok());
+  const std::vector<StoredPage> committed = h1.commits->Take();
+  const std::vector<StoredPage>* stored = &committed;
   ASSERT_EQ(stored->size(), static_cast<size_t>(g.num_layers * n));
 
   // The "restarted process": the same host-tier bytes in other memory, slots claimed.
@@ -603,7 +616,9 @@ void ExpectRestoreEquivalent(int32_t T, RecallStrategy strategy) {
   std::memcpy(mem2, h1.tier->mem, h1.tier->bytes);
   std::unique_ptr<PagePool> pool2 = PagePool::Create(mem2, g.host_page_bytes(), num_slots).value();
   std::unique_ptr<Backend> backend2 = NewCpuBackend(2);
-  std::unique_ptr<Retriever> r2 = Retriever::Create(g, o, *backend2, pool2.get()).value();
+  auto log2 = std::make_unique<CommitLog>(*pool2);
+  CommitLog* commits2 = log2.get();
+  std::unique_ptr<Retriever> r2 = Retriever::Create(g, o, *backend2, std::move(log2)).value();
   std::vector<std::vector<PageHandle>> pages(g.num_layers);
   for (auto& layer_pages : pages) layer_pages.resize(n);
   for (const StoredPage& sp : *stored) {
@@ -624,10 +639,9 @@ void ExpectRestoreEquivalent(int32_t T, RecallStrategy strategy) {
               0)
         << "layer " << sp.layer << " page " << sp.page;
   }
-  // Restored pages are not reported as new ones.
-  absl::StatusOr<std::vector<StoredPage>> none = r2->TakeStoredPages(true);
-  ASSERT_TRUE(none.ok()) << none.status();
-  EXPECT_TRUE(none->empty());
+  // Restored pages are not committed again.
+  ASSERT_TRUE(r2->Flush().ok());
+  EXPECT_TRUE(commits2->Take().empty());
 
   // Further tokens (the remainder of T first) go to both.
   std::deque<TypedBuffer> keep;
@@ -655,7 +669,7 @@ void ExpectRestoreEquivalent(int32_t T, RecallStrategy strategy) {
   }
   ASSERT_TRUE(h1.retriever->Wait().ok());
   ASSERT_TRUE(r2->Wait().ok());
-  const RetrieverStats s1 = h1.retriever->Stats(), s2 = r2->Stats();
+  const SequenceStats s1 = h1.retriever->Stats(), s2 = r2->Stats();
   EXPECT_GT(s1.corrected_heads, 0);
   EXPECT_LT(s1.corrected_heads, s1.checked_heads);
   EXPECT_EQ(s2.corrected_heads, s1.corrected_heads);
@@ -698,7 +712,7 @@ TEST(RetrieverTest, RestoreErrors) {
   st = h.retriever->Restore(0, one(PageHandle()));
   EXPECT_TRUE(absl::IsInvalidArgument(st)) << st;
   EXPECT_NE(st.message().find("pages[0]"), std::string::npos) << st;
-  HostTier other(g, 2);
+  HostMemory other(g, 2);
   st = h.retriever->Restore(0, one(other.pool->Allocate().value()));
   EXPECT_TRUE(absl::IsInvalidArgument(st)) << st;
   std::vector<PageHandle> too_many;
@@ -731,7 +745,7 @@ TEST(RetrieverTest, RestoreErrors) {
 TEST(RetrieverTest, ThousandStepsStayConsistent) {
   Geometry g = SmallGeometry(DType::kF16);
   g.num_layers = 1;
-  RetrieverOptions o = SmallOptions(RetrievalMode::kSpeculative);
+  SequenceOptions o = SmallOptions(RetrievalMode::kSpeculative);
   o.max_tokens = 2048;
   o.correction_threshold = 0.3f;
   Harness h(g, o);
@@ -749,7 +763,7 @@ TEST(RetrieverTest, ThousandStepsStayConsistent) {
     h.Append(1);
   }
   ASSERT_TRUE(h.retriever->Wait().ok());
-  const RetrieverStats st = h.retriever->Stats();
+  const SequenceStats st = h.retriever->Stats();
   EXPECT_EQ(st.steps, 1000);
   EXPECT_GT(st.corrected_heads, 0);
   EXPECT_LT(st.corrected_heads, st.checked_heads);

@@ -12,7 +12,7 @@
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/cpu_stream.h"
 #include "kernels/cpu/thread_pool.h"
-#include "kvtier/status.h"
+#include "core/status.h"
 
 namespace kvtier::testing {
 namespace {
@@ -72,7 +72,7 @@ class ChaosBackend final : public Backend {
   explicit ChaosBackend(const ChaosOptions& options)
       : options_(options), counters_(std::make_shared<Counters>()), pool_(options.threads) {}
 
-  BackendKind kind() const override { return BackendKind::kCpu; }
+  DeviceKind kind() const override { return DeviceKind::kCpu; }
   std::string Describe() const override {
     return absl::StrFormat("chaos cpu: %d threads, delays up to %s%s", pool_.num_threads(),
                            absl::FormatDuration(options_.max_delay),

@@ -11,7 +11,7 @@
 #include "absl/status/statusor.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
-#include "kvtier/status.h"
+#include "core/status.h"
 #include "tests/testutil/random_fill.h"
 
 namespace kvtier::testing {
@@ -240,7 +240,7 @@ TEST(ChaosBackendTest, RejectsBadShapesAndForeignStreams) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(EnqueueStall(*chaos, *cpu_stream, absl::Milliseconds(1)).code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(chaos->kind(), BackendKind::kCpu);
+  EXPECT_EQ(chaos->kind(), DeviceKind::kCpu);
   EXPECT_EQ(GetChaosStats(*chaos).tasks_run, 0);
 }
 

@@ -14,7 +14,7 @@ using ::testing::HasSubstr;
 class OpsValidationTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    backend_ = std::move(CreateBackend(BackendKind::kCpu)).value();
+    backend_ = std::move(CreateBackend(DeviceKind::kCpu)).value();
     stream_ = std::move(backend_->CreateStream()).value();
   }
   void ExpectInvalid(const absl::Status& st, const std::string& text) {
@@ -133,23 +133,23 @@ TEST_F(OpsValidationTest, StreamsOfAnotherKindAreRefused) {
 }
 
 TEST(RegistryTest, CpuAlwaysAvailableAndAutoFallsBack) {
-  auto cpu = CreateBackend(BackendKind::kCpu, BackendOptions{.cpu_threads = 3});
+  auto cpu = CreateBackend(DeviceKind::kCpu, DeviceOptions{.cpu_threads = 3});
   ASSERT_TRUE(cpu.ok());
-  EXPECT_EQ((*cpu)->kind(), BackendKind::kCpu);
+  EXPECT_EQ((*cpu)->kind(), DeviceKind::kCpu);
   EXPECT_EQ((*cpu)->Describe(), "cpu: 3 threads");
-  auto any = CreateBackend(BackendKind::kAuto);
+  auto any = CreateBackend(DeviceKind::kAuto);
   ASSERT_TRUE(any.ok());
-  EXPECT_EQ((*any)->kind(), CudaDeviceCount() > 0 ? BackendKind::kCuda : BackendKind::kCpu);
-  auto cuda = CreateBackend(BackendKind::kCuda);
+  EXPECT_EQ((*any)->kind(), CudaDeviceCount() > 0 ? DeviceKind::kCuda : DeviceKind::kCpu);
+  auto cuda = CreateBackend(DeviceKind::kCuda);
   if (!CudaBackendBuilt()) {
     EXPECT_EQ(cuda.status().code(), absl::StatusCode::kUnimplemented);
   } else if (CudaDeviceCount() == 0) {
     EXPECT_EQ(cuda.status().code(), absl::StatusCode::kUnavailable);
   }
-  BackendKind k;
-  EXPECT_TRUE(ParseBackendKind("cuda", &k));
-  EXPECT_EQ(k, BackendKind::kCuda);
-  EXPECT_FALSE(ParseBackendKind("tpu", &k));
+  DeviceKind k;
+  EXPECT_TRUE(ParseDeviceKind("cuda", &k));
+  EXPECT_EQ(k, DeviceKind::kCuda);
+  EXPECT_FALSE(ParseDeviceKind("tpu", &k));
 }
 
 }  // namespace

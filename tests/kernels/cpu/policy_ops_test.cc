@@ -136,7 +136,7 @@ TEST(TopKPolicyTest, HeadKOutsideZeroToKFailsWithOutOfRange) {
 }
 
 TEST(TopKPolicyTest, OutOfRangeHeadKFailsTheStream) {
-  auto backend = std::move(CreateBackend(BackendKind::kCpu)).value();
+  auto backend = std::move(CreateBackend(DeviceKind::kCpu)).value();
   auto stream = std::move(backend->CreateStream()).value();
   TopKCase c(4);
   c.head_k = {5, 5, 5, 5, 5, 9};
@@ -750,7 +750,7 @@ TEST(MoveHeadSlotsErrorsTest, SameSlotOrOutOfRangeFailsAndMovesNothing) {
   EXPECT_EQ(k, k_before);
 
   // Through a backend the item check runs with the op and fails the stream.
-  auto backend = std::move(CreateBackend(BackendKind::kCpu)).value();
+  auto backend = std::move(CreateBackend(DeviceKind::kCpu)).value();
   auto stream = std::move(backend->CreateStream()).value();
   a.items = same.data();
   a.num_items = 2;
@@ -765,7 +765,7 @@ TEST(MoveHeadSlotsErrorsTest, SameSlotOrOutOfRangeFailsAndMovesNothing) {
 class PolicyOpsValidationTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    backend_ = std::move(CreateBackend(BackendKind::kCpu)).value();
+    backend_ = std::move(CreateBackend(DeviceKind::kCpu)).value();
     stream_ = std::move(backend_->CreateStream()).value();
   }
   void ExpectInvalid(const absl::Status& st, const std::string& text) {
@@ -848,7 +848,7 @@ TEST_F(PolicyOpsValidationTest, QuantizeAndMoveShapes) {
 // Both ops run through every CPU-based backend (the chaos backend forwards them too).
 TEST_F(PolicyOpsValidationTest, QuantizeThenMoveRunOnStreams) {
   std::vector<std::unique_ptr<Backend>> backends;
-  backends.push_back(std::move(CreateBackend(BackendKind::kCpu)).value());
+  backends.push_back(std::move(CreateBackend(DeviceKind::kCpu)).value());
   backends.push_back(testing::NewChaosBackend(testing::ChaosOptions{}));
   for (auto& backend : backends) {
     auto stream = std::move(backend->CreateStream()).value();

@@ -165,7 +165,7 @@ TEST(HeadMaskTest, ScoreAndTopKTouchOnlyMaskedHeads) {
 TEST(SelectionPipelineTest, WorkingSetFollowsTheSelectionWithChurnOnlyTraffic) {
   const int32_t Hkv = 2, G = 4, Hq = Hkv * G, d = 64, p = 16, P = 40, k = 6, sink = 2, recent = 3;
   const int32_t S = sink + k + recent, region = sink;
-  auto backend = std::move(CreateBackend(BackendKind::kCpu, {.cpu_threads = 2})).value();
+  auto backend = std::move(CreateBackend(DeviceKind::kCpu, {.cpu_threads = 2})).value();
   auto stream = std::move(backend->CreateStream()).value();
   // Host tier: P pages (host page of logical page i = P - 1 - i, to catch mix-ups).
   TypedBuffer host(DType::kF16, int64_t{P} * Hkv * 2 * p * d), sums(DType::kF16, int64_t{P} * Hkv * 2 * d);

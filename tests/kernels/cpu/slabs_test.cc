@@ -65,7 +65,7 @@ class SlabsTest : public ::testing::TestWithParam<SlabCase> {
   }
 
   void SetUp() override {
-    backend_ = std::move(CreateBackend(BackendKind::kCpu, {.cpu_threads = 2})).value();
+    backend_ = std::move(CreateBackend(DeviceKind::kCpu, {.cpu_threads = 2})).value();
     copy_ = std::move(backend_->CreateStream()).value();
     compute_ = std::move(backend_->CreateStream()).value();
   }
@@ -228,7 +228,7 @@ class SlabsErrorTest : public ::testing::Test {
   static constexpr int32_t kP = 2, kHkv = 2, kD = 8, kPages = 2, kSlots = 3;
 
   void SetUp() override {
-    backend_ = std::move(CreateBackend(BackendKind::kCpu)).value();
+    backend_ = std::move(CreateBackend(DeviceKind::kCpu)).value();
     stream_ = std::move(backend_->CreateStream()).value();
   }
 

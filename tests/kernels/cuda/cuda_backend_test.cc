@@ -35,7 +35,7 @@ class CudaBackendTest : public testing::CudaTestBase<> {
 
 TEST_F(CudaBackendTest, DescribesTheDevice) {
   EXPECT_TRUE(CudaBackendBuilt());
-  EXPECT_EQ(backend_->kind(), BackendKind::kCuda);
+  EXPECT_EQ(backend_->kind(), DeviceKind::kCuda);
   const std::string description = backend_->Describe();
   EXPECT_TRUE(absl::StartsWith(description, "cuda: ")) << description;
   EXPECT_TRUE(absl::StrContains(description, "(sm_")) << description;
@@ -43,9 +43,9 @@ TEST_F(CudaBackendTest, DescribesTheDevice) {
 }
 
 TEST_F(CudaBackendTest, AnOrdinalBeyondTheDevicesIsUnavailable) {
-  BackendOptions options;
+  DeviceOptions options;
   options.cuda_device = CudaDeviceCount();
-  EXPECT_EQ(CreateBackend(BackendKind::kCuda, options).status().code(),
+  EXPECT_EQ(CreateBackend(DeviceKind::kCuda, options).status().code(),
             absl::StatusCode::kUnavailable);
 }
 
@@ -154,7 +154,7 @@ TEST_F(CudaBackendTest, RegisterHostErrors) {
 }
 
 TEST_F(CudaBackendTest, RejectsStreamsAndEventsOfOtherBackends) {
-  absl::StatusOr<std::unique_ptr<Backend>> cpu = CreateBackend(BackendKind::kCpu);
+  absl::StatusOr<std::unique_ptr<Backend>> cpu = CreateBackend(DeviceKind::kCpu);
   ASSERT_TRUE(cpu.ok());
   auto cpu_stream = (*cpu)->CreateStream();
   auto cpu_event = (*cpu)->CreateEvent();
@@ -166,7 +166,7 @@ TEST_F(CudaBackendTest, RejectsStreamsAndEventsOfOtherBackends) {
   EXPECT_EQ(stream_->Record(**cpu_event).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(stream_->Wait(**cpu_event).code(), absl::StatusCode::kInvalidArgument);
   // Another CUDA backend's stream is foreign too, even on the same device.
-  absl::StatusOr<std::unique_ptr<Backend>> cuda = CreateBackend(BackendKind::kCuda);
+  absl::StatusOr<std::unique_ptr<Backend>> cuda = CreateBackend(DeviceKind::kCuda);
   ASSERT_TRUE(cuda.ok());
   auto cuda_stream = (*cuda)->CreateStream();
   ASSERT_TRUE(cuda_stream.ok());

@@ -29,7 +29,7 @@
 #include "kernels/registry.h"
 #include "kvtier/dtype.h"
 #include "kvtier/layout.h"
-#include "kvtier/status.h"
+#include "core/status.h"
 #include "tests/kernels/cuda/cuda_test_util.h"
 #include "tests/testutil/random_fill.h"
 
@@ -135,7 +135,7 @@ class DualBackendTest : public testing::CudaTestBase<Base> {
   void SetUp() override {
     testing::CudaTestBase<Base>::SetUp();
     if (this->IsSkipped() || this->HasFatalFailure()) return;
-    absl::StatusOr<std::unique_ptr<Backend>> cpu = CreateBackend(BackendKind::kCpu);
+    absl::StatusOr<std::unique_ptr<Backend>> cpu = CreateBackend(DeviceKind::kCpu);
     ASSERT_TRUE(cpu.ok()) << cpu.status();
     cpu_ = *std::move(cpu);
   }

@@ -33,7 +33,7 @@ class CudaTestBase : public Base {
  protected:
   void SetUp() override {
     if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
-    absl::StatusOr<std::unique_ptr<Backend>> backend = CreateBackend(BackendKind::kCuda);
+    absl::StatusOr<std::unique_ptr<Backend>> backend = CreateBackend(DeviceKind::kCuda);
     ASSERT_TRUE(backend.ok()) << backend.status();
     backend_ = *std::move(backend);
     absl::StatusOr<std::unique_ptr<Stream>> stream = backend_->CreateStream();

@@ -11,8 +11,8 @@
 // one thread. Unlike absl::Mutex, nothing re-evaluates a waiter's condition by itself:
 // whoever changes state that a CondVar waiter waits for must Signal() or SignalAll() it.
 // The mutex is not recursive, has no reader mode and no deadlock detection.
-#ifndef KVTIER_MUTEX_H_
-#define KVTIER_MUTEX_H_
+#ifndef KVTIER_CORE_MUTEX_H_
+#define KVTIER_CORE_MUTEX_H_
 
 #include <chrono>
 #include <condition_variable>
@@ -116,4 +116,4 @@ class CondVar {
 
 }  // namespace kvtier
 
-#endif  // KVTIER_MUTEX_H_
+#endif  // KVTIER_CORE_MUTEX_H_

@@ -3,8 +3,8 @@
 // anything a caller or a client can get wrong: that is a Status).
 //
 // Canonical codes map one-to-one onto gRPC codes. Thread-safe: these are values.
-#ifndef KVTIER_STATUS_H_
-#define KVTIER_STATUS_H_
+#ifndef KVTIER_CORE_STATUS_H_
+#define KVTIER_CORE_STATUS_H_
 
 #include <cstdio>
 #include <cstdlib>
@@ -41,4 +41,4 @@
     }                                                                               \
   } while (0)
 
-#endif  // KVTIER_STATUS_H_
+#endif  // KVTIER_CORE_STATUS_H_

@@ -1,0 +1,149 @@
+// What a sequence is configured with: retrieval modes, key summaries and pooling, recall
+// strategies, the policy set, and what the engine reports for the policies. Every default
+// of the retrieval layer is written here once (kDefault*); the daemon, the C API and the
+// Python client take theirs from these.
+//
+// Value types; thread-compatible.
+#ifndef KVTIER_OPTIONS_H_
+#define KVTIER_OPTIONS_H_
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+
+namespace kvtier {
+
+class Stream;  // kvtier/device.h
+
+// FreeKV's working set: 2048 tokens per layer at p = 32, split sink 1/4 : selected 1/2 :
+// recent 1/4 (16/32/16 pages).
+inline constexpr int32_t kDefaultPageSize = 32;
+inline constexpr int32_t kDefaultBudgetTokens = 2048;
+inline constexpr int32_t kDefaultMaxTokens = 131072;  // per layer
+inline constexpr float kDefaultCorrectionThreshold = 0.9f;  // τ
+inline constexpr absl::Duration kDefaultDeadline = absl::Seconds(30);
+
+// How a sequence keeps its working set:
+//   speculative  attends over the pages selected with the previous step's query while the
+//                next selection and recall run in the background; heads whose query drifted
+//                (mean group cosine < τ) are re-selected and recalled before attention
+//                (FreeKV);
+//   sync         selects and recalls with q_t before attention (Quest, ArkVale);
+//   full         keeps every page resident (the accuracy ceiling);
+//   drop         no host tier: sinks plus a sliding window (StreamingLLM), the base the
+//                drop policies build on.
+enum class RetrievalMode : uint8_t { kSpeculative = 0, kSync = 1, kFull = 2, kDrop = 3 };
+// "speculative", "sync", "full", "drop".
+std::string_view RetrievalModeName(RetrievalMode mode);
+
+// How per-query-head page scores are pooled into one score per KV head.
+enum class PoolMode : uint8_t {
+  kSoftmaxMean = 0,  // mean over the query group of softmax over pages (default)
+  kRawMean = 1,      // mean over the query group of the raw scores
+};
+
+// Which per-(page, KV head) key summary the host tier keeps.
+enum class SummaryMode : uint8_t {
+  kMinMax = 0,     // hi/lo = per-dim max/min of the page's keys (Quest): a true bound
+  kCenterMad = 1,  // hi/lo = mean ± mean absolute deviation (ArkVale): tighter, no bound
+};
+
+// How recalls move pages from the host tier into the working set.
+enum class RecallStrategy : uint8_t {
+  kAuto = 0,        // calibrated on the device and host tier when the sequence is created
+  kSlabDma = 1,     // one DMA per head-page slab
+  kBatchedDma = 2,  // all slabs of a recall as one batched copy
+  kZeroCopy = 3,    // a gather kernel reading pinned host memory directly
+};
+// "auto", "slab_dma", "batched_dma", "zero_copy".
+std::string_view RecallStrategyName(RecallStrategy strategy);
+bool ParseRecallStrategy(std::string_view name, RecallStrategy* out);
+
+// Which budget, residency and host-drop policy a sequence runs, and their parameters by
+// name (docs/policies.md lists every one, its default and its range):
+//   budget     fixed | confidence (Conf-KV) | xkv (per layer) | kv_compress (per head)
+//   residency  none | attention | h2o | epiphany (EpiKV) | kv_compress
+//   host_drop  refuse | evict
+// Parameters are "<policy>.<name>" = value, e.g. "confidence.enter_tight" = "0.75".
+struct PolicyConfig {
+  std::string budget = "fixed";
+  std::string residency = "none";
+  std::string host_drop = "refuse";
+  std::map<std::string, std::string> params;
+
+  // True when nothing but the defaults is configured.
+  bool is_default() const {
+    return budget == "fixed" && residency == "none" && host_drop == "refuse" && params.empty();
+  }
+};
+
+// A summary of one next-token distribution (Conf-KV): what engines that do not want to hand
+// over the logits report instead.
+struct LogitSummary {
+  float normalized_entropy = 0;  // H(p) / ln(V), in [0, 1]
+  float margin = 0;              // log p(top1) − log p(top2), ≥ 0 (nats)
+  float top_mass = 0;            // Σ of the top-m probabilities, in [0, 1]
+};
+
+// What the engine reports after a forward pass (all optional: a policy that needs nothing
+// gets nothing). `num_tokens` tokens were processed (1 for a decode step, the prompt length
+// for a prefill); positions first_position .. first_position + num_tokens − 1.
+struct StepSignals {
+  int64_t first_position = 0;
+  int32_t num_tokens = 1;
+  // Next-token logits after the last token, [vocab] (fp32), or their summary.
+  std::span<const float> logits;
+  std::optional<LogitSummary> logit_summary;
+  // Hidden-state change per token and layer: hidden_delta[t·L + l] = ‖h_l(t) − h_l(t−1)‖ for
+  // the token at first_position + t (EpiKV). Empty, or num_tokens · L values.
+  std::span<const float> hidden_delta;
+  int32_t num_layers = 0;  // L of hidden_delta
+};
+
+struct SequenceOptions {
+  RetrievalMode mode = RetrievalMode::kSpeculative;
+  // Working-set slots per layer, in pages (kDefaultBudgetTokens at kDefaultPageSize).
+  int32_t sink_pages = kDefaultBudgetTokens / kDefaultPageSize / 4;
+  int32_t selected_pages = kDefaultBudgetTokens / kDefaultPageSize / 2;
+  int32_t recent_pages = kDefaultBudgetTokens / kDefaultPageSize / 4;  // with the page being filled
+  // Capacity of the sequence in tokens per layer: sizes the summaries and page maps.
+  int32_t max_tokens = kDefaultMaxTokens;
+  // τ: a KV head whose mean cos(q_t, q_{t-1}) over its query group is below τ is corrected
+  // (speculative mode). τ ≤ -1 never corrects; τ > 1 always does.
+  float correction_threshold = kDefaultCorrectionThreshold;
+  PoolMode pool = PoolMode::kSoftmaxMean;
+  SummaryMode summary = SummaryMode::kMinMax;
+  float softmax_scale = 0.0f;  // 0: 1/sqrt(head_dim)
+  // How background recalls (and sync mode's) move pages; kAuto calibrates the strategies
+  // at creation (once per device and shape in a process) and takes the fastest
+  // (SequenceStats::recall_strategy says which). The speculative correction recall (a few
+  // pages on the critical path) is always the zero-copy gather.
+  RecallStrategy recall = RecallStrategy::kAuto;
+  int32_t stream_chunk_items = 64;  // head-pages per staging buffer (DMA strategies)
+  // Longest a background recall or Wait() may take before the step fails with
+  // DEADLINE_EXCEEDED.
+  absl::Duration deadline = kDefaultDeadline;
+  // The engine's compute stream (local sequences); null: the sequence creates its own.
+  Stream* compute_stream = nullptr;
+  // Budget, residency and host-drop policies (docs/policies.md). The default (fixed budget,
+  // no residency policy, refuse) is the behaviour of the modes above. In drop mode any
+  // other policy makes the working set per-head managed: pages are evicted per KV head by
+  // the residency ranking (lowest first; pinned, sink and recent pages never), the slots
+  // compacted and the capacity grown (prefill) and shrunk with use.
+  PolicyConfig policy;
+
+  // Sets sink/selected/recent from a budget in tokens, split 1/4 : 1/2 : 1/4.
+  // INVALID_ARGUMENT unless the budget is a positive multiple of 4·page_size.
+  absl::Status SetBudgetTokens(int32_t budget_tokens, int32_t page_size);
+  int32_t budget_pages() const { return sink_pages + selected_pages + recent_pages; }
+};
+
+}  // namespace kvtier
+
+#endif  // KVTIER_OPTIONS_H_

@@ -1,0 +1,196 @@
+// A sequence: the KV cache of one sequence, all layers, held in tiers — every page in the
+// host tier (pinned host memory, HND, with per-page key summaries), and per layer a working
+// set of S = sink + selected + recent page slots in device memory (NHD) that attention
+// reads. Two kinds implement the contract below:
+//   - a local sequence (LocalSequence): the working set lives in this process's device
+//     memory; its work is enqueued on streams and never blocks the host on the decode path.
+//     NewLocalSequence makes one with a private host tier; an SHM session of kvtierd
+//     (kvtier/client.h) runs one over the session's region of the shared arena.
+//   - a remote sequence: a GRPC session, whose host tier, working set and attention run in
+//     kvtierd; every call has finished its work when it returns, and pointers passed in are
+//     host memory.
+// What only a local sequence can do (hand the working set to the engine's own attention
+// kernel, take policy signals and observation queries, profile) is on LocalSequence, so a
+// remote sequence never pretends to it.
+//
+// One decode step of layer l, as an engine drives any sequence:
+//   Append(l, k, v, 1)         the new token's K/V (prefill appends many tokens at once)
+//   Decode(l, q, out, lse)     attention of q over the working set; launches the next step
+// or, on a LocalSequence, split so the engine's own paged decode kernel can run in between:
+//   view = BeginStep(l, q); [Attend(l, q, out, lse) or the engine's kernel over view]; EndStep(l, q)
+//
+// Thread-compatible: one thread drives a sequence at a time.
+#ifndef KVTIER_SEQUENCE_H_
+#define KVTIER_SEQUENCE_H_
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kvtier/device.h"
+#include "kvtier/geometry.h"
+#include "kvtier/options.h"
+
+namespace kvtier {
+
+// Everything attention needs for one layer, in device memory. A standard paged decode
+// kernel reads it with the slot list [0, num_slots) as its page table; the per-KV-head slot
+// tables say which logical page each slot holds for each head (−1: empty).
+struct WorkingSetView {
+  int32_t layer = 0;
+  const void* k_cache = nullptr;  // [S][p][Hkv][d]
+  const void* v_cache = nullptr;
+  int32_t num_slots = 0;                  // S
+  const int32_t* slot_table = nullptr;    // [Hkv][S]
+  const int32_t* partial_page = nullptr;  // [1]: logical page being filled, or −1
+  const int32_t* partial_len = nullptr;   // [1]: its tokens
+  int32_t num_tokens = 0;                 // tokens of the sequence so far
+  // Recorded on the compute stream after this step's retrieval work; attention on another
+  // stream must wait on it.
+  Event* ready = nullptr;
+};
+
+// What one layer's step did (speculative mode fills all fields; the others what applies).
+struct StepStats {
+  int64_t step = 0;                 // per-layer step index, from 0
+  int32_t corrected_heads = 0;      // KV heads re-selected before attention
+  int64_t correction_pages = 0;     // head-pages recalled before attention
+  int64_t background_pages = 0;     // head-pages recalled after this step
+  std::vector<uint8_t> drifted;     // [Hkv] 1 = corrected
+  std::vector<float> group_mean;    // [Hkv] mean cos(q_t, q_{t-1}) over the group
+  std::vector<int32_t> budget;      // [Hkv] pages the budget policy gave each head this step
+  int64_t resident_head_pages = 0;  // the layer's working set after this step's decisions
+  int32_t num_slots = 0;            // S of the step
+  std::vector<int32_t> slot_table;  // [Hkv][S]: the logical page each slot held for attention
+};
+
+// Cumulative statistics of a sequence. A head-page is one KV head's K+V of one page.
+struct SequenceStats {
+  int64_t steps = 0;                 // layer-steps
+  int64_t appended_tokens = 0;       // per layer, summed over layers
+  int64_t offloaded_pages = 0;       // (layer, page) pairs written to the host tier
+  int64_t recalled_pages = 0;        // head-pages recalled, background + correction
+  int64_t recalled_bytes = 0;        // K+V bytes of those head-pages
+  int64_t correction_pages = 0;      // of which before attention
+  int64_t checked_heads = 0;         // (layer-step, KV head) pairs checked for drift
+  int64_t corrected_heads = 0;       // of which corrected
+  std::vector<int64_t> corrections;  // [layer][Hkv]: corrected heads per layer and head
+  RecallStrategy recall_strategy = RecallStrategy::kAuto;  // the one in use (after calibration)
+  // Wall time of each phase over the layer-steps run while profiling, µs
+  // (LocalSequence::SetProfiling).
+  int64_t profiled_steps = 0;
+  double select_us = 0;     // scoring, top-k and replacement (foreground and background)
+  double recall_us = 0;     // recall of the misses (foreground and background)
+  double attention_us = 0;  // attention
+  // Working-set memory and policy decisions.
+  int64_t resident_head_pages = 0;  // now, all layers: sinks, selected/kept, recent
+  int64_t resident_bytes = 0;       // their K+V bytes (INT8 ones at 1 byte + scales)
+  int64_t int8_head_pages = 0;      // now, stored as INT8
+  int64_t evicted_head_pages = 0;   // drop mode: evicted for good by the policies
+  int64_t budget_changes = 0;       // layer-steps whose budget differed from the previous
+  int64_t host_dropped_pages = 0;   // host tier full, host_drop = evict: dropped for good
+  int64_t host_refusals = 0;        // host tier full, host_drop = refuse
+  double correction_rate() const {
+    return checked_heads == 0 ? 0.0 : static_cast<double>(corrected_heads) / checked_heads;
+  }
+};
+
+class LocalSequence;
+
+class Sequence {
+ public:
+  virtual ~Sequence() = default;
+
+  // Appends n_tokens of K and V, NHD [n_tokens][Hkv][d], to `layer`. Pages that fill go to
+  // the host tier with their summaries; the partial page stays in the working set.
+  // INVALID_ARGUMENT for a bad layer or null data; OUT_OF_RANGE for n_tokens < 1 or past
+  // max_tokens; RESOURCE_EXHAUSTED when the host tier is full (nothing of this call is kept).
+  virtual absl::Status Append(int32_t layer, const void* k, const void* v, int32_t n_tokens) = 0;
+
+  // One decode step of `layer` with q [Hq][d]: readies the working set for q (per the mode),
+  // writes the attention over it to out [Hq][d] (lse [Hq], optional) and launches the next
+  // step's selection and recall. `out` may be null when the engine runs attention itself
+  // (on a LocalSequence: BeginStep/EndStep). FAILED_PRECONDITION before any token was
+  // appended or after Close(); DEADLINE_EXCEEDED when the layer's background recall ran
+  // past the deadline.
+  virtual absl::Status Decode(int32_t layer, const void* q, void* out, float* lse) = 0;
+
+  // Blocks until all work enqueued so far has run, at most the deadline: OK, the first
+  // error that work hit, or DEADLINE_EXCEEDED.
+  virtual absl::Status Wait() = 0;
+
+  // Stops the sequence: later calls fail FAILED_PRECONDITION, work in flight is drained
+  // (bounded by the deadline; DEADLINE_EXCEEDED if it did not finish).
+  virtual absl::Status Close() = 0;
+
+  // Cumulative statistics of the steps whose work is known to have run; after Wait(), all.
+  virtual SequenceStats Stats() = 0;
+  // The latest step of `layer` whose work has run (empty until one has).
+  virtual StepStats LastStep(int32_t layer) = 0;
+
+  virtual const Geometry& geometry() const = 0;
+  // The options in effect (defaults filled in).
+  virtual const SequenceOptions& options() const = 0;
+  virtual int32_t num_tokens(int32_t layer) const = 0;
+
+  // This sequence as a LocalSequence, or null when it is remote.
+  virtual LocalSequence* local() { return nullptr; }
+};
+
+// A sequence whose working set is in this process's device memory. Pointers passed in
+// (k, v, q, out) are device memory or host memory the device can read, and must stay valid
+// until the compute stream has run the work. Ordering is by events on the device's streams
+// only: foreground work goes on the compute stream (the engine's, or one the sequence
+// creates), background selection and recall on the sequence's recall stream, which waits
+// for the layer's attention before it touches the working set. Nothing on the decode path
+// blocks the host; Wait() is the one blocking call.
+class LocalSequence : public Sequence {
+ public:
+  // Decode = BeginStep; Attend (when out is non-null); EndStep.
+  absl::Status Decode(int32_t layer, const void* q, void* out, float* lse) override;
+
+  // Readies the working set for attention with q [Hq][d]. Errors as Decode.
+  virtual absl::StatusOr<WorkingSetView> BeginStep(int32_t layer, const void* q) = 0;
+  // Sparse decode attention of q over the layer's working set into out [Hq][d] (and lse
+  // [Hq], optional), on the compute stream. REQUIRES: BeginStep for this step.
+  virtual absl::Status Attend(int32_t layer, const void* q, void* out, float* lse) = 0;
+  // Ends the layer's step: launches selection with q for the next step and the background
+  // recall (speculative mode). REQUIRES: q is the query given to BeginStep.
+  virtual absl::Status EndStep(int32_t layer, const void* q) = 0;
+
+  // What the engine reports for the policies after a forward pass. Applied from the next
+  // BeginStep on. INVALID_ARGUMENT for inconsistent sizes; OK and ignored when no policy
+  // uses them.
+  virtual absl::Status ReportSignals(const StepSignals& signals) = 0;
+
+  // The observation window of the prompt (XKV, KV-Compress, Conf-KV's ranker): the last n
+  // prompt queries q [n][Hq][d] of `layer`, at positions first_position .. + n − 1, after
+  // the prompt was appended. Each attends causally over the layer's working set and the
+  // policies see its token probabilities. Blocks until done (bounded by the deadline). OK
+  // and nothing done when no policy reads attention. FAILED_PRECONDITION inside a step or
+  // before any token; INVALID_ARGUMENT for a bad layer, n or null q.
+  virtual absl::Status ObserveQueries(int32_t layer, const void* q, int32_t n,
+                                      int64_t first_position) = 0;
+
+  // Benchmarks only: while on, every phase synchronises its stream and adds its wall time
+  // to the stats (select_us, recall_us, attention_us), so speculation no longer overlaps.
+  virtual void SetProfiling(bool on) = 0;
+
+  virtual Stream& compute_stream() = 0;
+  LocalSequence* local() override { return this; }
+};
+
+// A local sequence with a private host tier of pinned host memory sized for max_tokens per
+// layer (nothing shared, no daemon): what an engine links when it wants tiered retrieval
+// without kvtierd. INVALID_ARGUMENT for an invalid geometry or options (naming the field
+// and limit) or a device kvtier did not create; RESOURCE_EXHAUSTED when host or device
+// memory runs out. REQUIRES: `device` (and options.compute_stream) outlive the sequence.
+absl::StatusOr<std::unique_ptr<LocalSequence>> NewLocalSequence(const Geometry& geometry,
+                                                                const SequenceOptions& options,
+                                                                Device& device);
+
+}  // namespace kvtier
+
+#endif  // KVTIER_SEQUENCE_H_

@@ -1,0 +1,66 @@
+// HostTier: where a sequence's full pages live (a PagePool of pinned host memory) and how
+// they become visible to others. The Retriever allocates host pages from pool() and, once a
+// page's offload has run (its bytes are in the slot), hands it to Commit. One commit path
+// for every host tier:
+//   PoolHostTier      a bare pool; Commit publishes nothing (tests, benchmarks).
+//   OwnedHostTier     a private arena and pool (NewLocalSequence).
+//   RegionHostTier    a session's region of a tenant arena: Commit writes the region's
+//                     directory, fenced by the writer's epoch (offload/region_host_tier.h);
+//                     the client library (SHM sessions) and the daemon (GRPC sessions) both
+//                     use it.
+//
+// Thread-compatible: the thread that drives the sequence calls it.
+#ifndef KVTIER_OFFLOAD_HOST_TIER_H_
+#define KVTIER_OFFLOAD_HOST_TIER_H_
+
+#include <cstdint>
+#include <memory>
+#include <span>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/backend.h"
+#include "kvtier/geometry.h"
+
+namespace kvtier {
+
+class PagePool;
+
+// A host page whose offload has completed: its bytes are in `slot` of the pool.
+struct StoredPage {
+  int32_t layer = 0;
+  int64_t page = 0;         // logical page
+  int64_t slot = -1;        // pool slot
+  uint64_t generation = 0;  // the slot's generation (PageHandle::generation)
+};
+
+class HostTier {
+ public:
+  virtual ~HostTier() = default;
+  virtual PagePool& pool() = 0;
+  // Publishes pages whose bytes are in their slots, in offload order (per layer, ascending
+  // logical pages). An error fails the sequence: nothing later is committed.
+  virtual absl::Status Commit(std::span<const StoredPage> pages) = 0;
+};
+
+// A host tier that is only a pool (not owned): nothing to publish.
+class PoolHostTier final : public HostTier {
+ public:
+  explicit PoolHostTier(PagePool& pool) : pool_(pool) {}
+  PagePool& pool() override { return pool_; }
+  absl::Status Commit(std::span<const StoredPage>) override { return absl::OkStatus(); }
+
+ private:
+  PagePool& pool_;
+};
+
+// A private host tier for one sequence of `geometry`: an anonymous arena (hugepages when
+// the host has them, locked, registered with `backend`) with a slot for every page of
+// max_tokens per layer. RESOURCE_EXHAUSTED when host memory runs out; the arena's errors.
+// REQUIRES: `backend` outlives the tier.
+absl::StatusOr<std::unique_ptr<HostTier>> NewOwnedHostTier(const Geometry& geometry,
+                                                           int32_t max_tokens, Backend& backend);
+
+}  // namespace kvtier
+
+#endif  // KVTIER_OFFLOAD_HOST_TIER_H_
