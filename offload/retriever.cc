@@ -159,44 +159,44 @@ absl::Status RetrieverImpl::Init() {
   stats_.corrections.assign(static_cast<size_t>(geometry_.num_layers) * hkv, 0);
   const bool managed = options_.mode == RetrievalMode::kDrop && policies_on();
   for (LayerState& l : layers_) {
-    if (managed) l.managed = std::make_unique<HeadSlotTable>(geometry_.num_kv_heads, min_capacity_);
+    if (managed) l.ws.managed = std::make_unique<HeadSlotTable>(geometry_.num_kv_heads, min_capacity_);
     const int32_t slots = Slots(l);
-    KVTIER_RETURN_IF_ERROR(Allocate(&l.k_ws, slots * slot_bytes));
-    KVTIER_RETURN_IF_ERROR(Allocate(&l.v_ws, slots * slot_bytes));
-    KVTIER_RETURN_IF_ERROR(Allocate(&l.table, hkv * slots * sizeof(int32_t)));
-    KVTIER_RETURN_IF_ERROR(Allocate(&l.counts, sizeof(LayerCounts)));
-    KVTIER_RETURN_IF_ERROR(Allocate(&l.q_cur, q_bytes()));
-    KVTIER_RETURN_IF_ERROR(Allocate(&l.q_prev, q_bytes()));
+    KVTIER_RETURN_IF_ERROR(Allocate(&l.ws.k, slots * slot_bytes));
+    KVTIER_RETURN_IF_ERROR(Allocate(&l.ws.v, slots * slot_bytes));
+    KVTIER_RETURN_IF_ERROR(Allocate(&l.ws.table, hkv * slots * sizeof(int32_t)));
+    KVTIER_RETURN_IF_ERROR(Allocate(&l.ws.counts, sizeof(LayerCounts)));
+    KVTIER_RETURN_IF_ERROR(Allocate(&l.select.q_cur, q_bytes()));
+    KVTIER_RETURN_IF_ERROR(Allocate(&l.select.q_prev, q_bytes()));
     if (select) {
-      KVTIER_RETURN_IF_ERROR(Allocate(&l.summaries, static_cast<size_t>(max_pages_) * geometry_.summary_bytes()));
-      KVTIER_RETURN_IF_ERROR(Allocate(&l.host_page_of, static_cast<size_t>(max_pages_) * sizeof(int64_t)));
-      KVTIER_RETURN_IF_ERROR(Allocate(&l.pooled, hkv * max_pages_ * sizeof(float)));
-      KVTIER_RETURN_IF_ERROR(Allocate(&l.selected, hkv * kk * sizeof(int32_t)));
-      KVTIER_RETURN_IF_ERROR(Allocate(&l.items, hkv * kk * sizeof(RecallItem)));
-      KVTIER_RETURN_IF_ERROR(Allocate(&l.num_misses, hkv * sizeof(int32_t)));
-      KVTIER_RETURN_IF_ERROR(Allocate(&l.drifted, hkv));
-      KVTIER_RETURN_IF_ERROR(Allocate(&l.group_mean, hkv * sizeof(float)));
+      KVTIER_RETURN_IF_ERROR(Allocate(&l.host.summaries, static_cast<size_t>(max_pages_) * geometry_.summary_bytes()));
+      KVTIER_RETURN_IF_ERROR(Allocate(&l.host.page_of, static_cast<size_t>(max_pages_) * sizeof(int64_t)));
+      KVTIER_RETURN_IF_ERROR(Allocate(&l.select.pooled, hkv * max_pages_ * sizeof(float)));
+      KVTIER_RETURN_IF_ERROR(Allocate(&l.select.selected, hkv * kk * sizeof(int32_t)));
+      KVTIER_RETURN_IF_ERROR(Allocate(&l.select.items, hkv * kk * sizeof(RecallItem)));
+      KVTIER_RETURN_IF_ERROR(Allocate(&l.select.num_misses, hkv * sizeof(int32_t)));
+      KVTIER_RETURN_IF_ERROR(Allocate(&l.select.drifted, hkv));
+      KVTIER_RETURN_IF_ERROR(Allocate(&l.select.group_mean, hkv * sizeof(float)));
       if (dma()) {
-        KVTIER_ASSIGN_OR_RETURN(l.recaller, SlabRecaller::Create(backend_, geometry_, strategy_,
+        KVTIER_ASSIGN_OR_RETURN(l.recall.recaller, SlabRecaller::Create(backend_, geometry_, strategy_,
                                                                  static_cast<int32_t>(hkv * kk),
                                                                  options_.stream_chunk_items));
       }
-      l.host = std::make_unique<PageTable>(*pool_);
-      l.host_page_mirror.assign(max_pages_, -1);
+      l.host.pages = std::make_unique<PageTable>(*pool_);
+      l.host.page_of_mirror.assign(max_pages_, -1);
     }
-    for (auto* e : {&l.attn_done, &l.recall_done, &l.ready, &l.plan_ready}) {
+    for (auto* e : {&l.recall.attn_done, &l.recall.done, &l.ready, &l.recall.plan_ready}) {
       KVTIER_ASSIGN_OR_RETURN(*e, backend_.CreateEvent());
     }
     // Empty slot tables (0xFF bytes = −1), zero counts, zero previous query (cosine 0).
-    KVTIER_RETURN_IF_ERROR(backend_.Memset(*compute_, l.table.data(), 0xFF, l.table.size()));
-    KVTIER_RETURN_IF_ERROR(backend_.Memset(*compute_, l.counts.data(), 0, l.counts.size()));
-    KVTIER_RETURN_IF_ERROR(backend_.Memset(*compute_, l.q_prev.data(), 0, l.q_prev.size()));
+    KVTIER_RETURN_IF_ERROR(backend_.Memset(*compute_, l.ws.table.data(), 0xFF, l.ws.table.size()));
+    KVTIER_RETURN_IF_ERROR(backend_.Memset(*compute_, l.ws.counts.data(), 0, l.ws.counts.size()));
+    KVTIER_RETURN_IF_ERROR(backend_.Memset(*compute_, l.select.q_prev.data(), 0, l.select.q_prev.size()));
     if (select) {
       KVTIER_RETURN_IF_ERROR(
-          backend_.Memset(*compute_, l.host_page_of.data(), 0xFF, l.host_page_of.size()));
-      KVTIER_RETURN_IF_ERROR(backend_.Memset(*compute_, l.summaries.data(), 0, l.summaries.size()));
+          backend_.Memset(*compute_, l.host.page_of.data(), 0xFF, l.host.page_of.size()));
+      KVTIER_RETURN_IF_ERROR(backend_.Memset(*compute_, l.host.summaries.data(), 0, l.host.summaries.size()));
     }
-    l.table_mirror.assign(hkv * slots_per_layer_, kEmptySlot);
+    l.ws.table_mirror.assign(hkv * slots_per_layer_, kEmptySlot);
     KVTIER_RETURN_IF_ERROR(InitLayerPolicies(l));
   }
   return Wait();
@@ -248,15 +248,15 @@ void RetrieverImpl::Reap() {
 }
 
 absl::Status RetrieverImpl::UploadTable(LayerState& l) {
-  if (!l.table_dirty) return absl::OkStatus();
-  l.table_dirty = false;
-  auto* table = l.table.as<int32_t>();
-  if (l.managed != nullptr) {
-    const std::vector<int32_t>& t = l.managed->table();
+  if (!l.ws.table_dirty) return absl::OkStatus();
+  l.ws.table_dirty = false;
+  auto* table = l.ws.table.as<int32_t>();
+  if (l.ws.managed != nullptr) {
+    const std::vector<int32_t>& t = l.ws.managed->table();
     KVTIER_RETURN_IF_ERROR(Upload(*compute_, table, t.data(), t.size() * sizeof(int32_t)));
-    if (l.slot_int8.size() > 1) {
-      const std::vector<uint8_t>& f = l.managed->int8();
-      KVTIER_RETURN_IF_ERROR(Upload(*compute_, l.slot_int8.data(), f.data(), f.size()));
+    if (l.ws.slot_int8.size() > 1) {
+      const std::vector<uint8_t>& f = l.ws.managed->int8();
+      KVTIER_RETURN_IF_ERROR(Upload(*compute_, l.ws.slot_int8.data(), f.data(), f.size()));
     }
     return absl::OkStatus();
   }
@@ -265,17 +265,17 @@ absl::Status RetrieverImpl::UploadTable(LayerState& l) {
     const size_t row = static_cast<size_t>(h) * slots_per_layer_;
     if (!selects) {
       KVTIER_RETURN_IF_ERROR(
-          Upload(*compute_, table + row, &l.table_mirror[row], slots_per_layer_ * sizeof(int32_t)));
+          Upload(*compute_, table + row, &l.ws.table_mirror[row], slots_per_layer_ * sizeof(int32_t)));
       continue;
     }
     // Sinks and the recent ring; the selected region between them belongs to the device.
     if (options_.sink_pages > 0) {
       KVTIER_RETURN_IF_ERROR(
-          Upload(*compute_, table + row, &l.table_mirror[row], options_.sink_pages * sizeof(int32_t)));
+          Upload(*compute_, table + row, &l.ws.table_mirror[row], options_.sink_pages * sizeof(int32_t)));
     }
     const size_t ring = row + options_.sink_pages + selected_pages();
     KVTIER_RETURN_IF_ERROR(
-        Upload(*compute_, table + ring, &l.table_mirror[ring], options_.recent_pages * sizeof(int32_t)));
+        Upload(*compute_, table + ring, &l.ws.table_mirror[ring], options_.recent_pages * sizeof(int32_t)));
   }
   return absl::OkStatus();
 }
@@ -287,44 +287,44 @@ absl::Status RetrieverImpl::UploadCounts(LayerState& l) {
   counts.partial_page = l.tokens % p == 0 ? -1 : l.tokens / p;
   counts.partial_len = l.tokens % p;
   // Not the snapshot: the background selection in flight reads it.
-  return Upload(*compute_, l.counts.data(), &counts, offsetof(LayerCounts, full_pages_at_end_step));
+  return Upload(*compute_, l.ws.counts.data(), &counts, offsetof(LayerCounts, full_pages_at_end_step));
 }
 
 absl::Status RetrieverImpl::FlushOffloads(int32_t layer, std::vector<PageHandle>* restoring) {
   LayerState& l = layers_[layer];
-  if (l.pending.empty()) return absl::OkStatus();
+  if (l.host.pending.empty()) return absl::OkStatus();
   std::vector<int64_t> logical, slots;
-  for (const LayerState::Pending& p : l.pending) {
+  for (const LayerState::HostPages::Pending& p : l.host.pending) {
     logical.push_back(p.logical);
     slots.push_back(p.slot);
   }
-  l.pending.clear();
+  l.host.pending.clear();
   OffloadRequest req;
-  req.k_src = l.k_ws.data();
-  req.v_src = l.v_ws.data();
+  req.k_src = l.ws.k.data();
+  req.v_src = l.ws.v.data();
   req.num_src_slots = slots_per_layer_;
-  req.summaries = l.summaries.data();
+  req.summaries = l.host.summaries.data();
   req.num_summary_pages = max_pages_;
   req.summary_mode = options_.summary;
   req.logical_pages = logical;
   req.src_slots = slots;
   if (restoring == nullptr) {
-    KVTIER_RETURN_IF_ERROR(offloader_->Offload(*compute_, *l.host, req));
+    KVTIER_RETURN_IF_ERROR(offloader_->Offload(*compute_, *l.host.pages, req));
   } else {
     std::vector<PageHandle> pages;
     for (int64_t page : logical) pages.push_back(std::move((*restoring)[page]));
-    KVTIER_RETURN_IF_ERROR(offloader_->OffloadInto(*compute_, *l.host, req, std::move(pages)));
+    KVTIER_RETURN_IF_ERROR(offloader_->OffloadInto(*compute_, *l.host.pages, req, std::move(pages)));
   }
   StoredBatch batch;
   for (int64_t page : logical) {
-    KVTIER_ASSIGN_OR_RETURN(PageEntry e, l.host->Lookup(page));
-    l.host_page_mirror[page] = e.slot;
+    KVTIER_ASSIGN_OR_RETURN(PageEntry e, l.host.pages->Lookup(page));
+    l.host.page_of_mirror[page] = e.slot;
     batch.pages.push_back(StoredPage{layer, page, e.slot, e.generation});
   }
   // The flushed pages are consecutive: one upload of their host_page_of entries.
   const int64_t first = logical.front();
-  KVTIER_RETURN_IF_ERROR(Upload(*compute_, l.host_page_of.as<int64_t>() + first,
-                                &l.host_page_mirror[first], logical.size() * sizeof(int64_t)));
+  KVTIER_RETURN_IF_ERROR(Upload(*compute_, l.host.page_of.as<int64_t>() + first,
+                                &l.host.page_of_mirror[first], logical.size() * sizeof(int64_t)));
   if (restoring != nullptr) return absl::OkStatus();
   stats_.offloaded_pages += static_cast<int64_t>(logical.size());
   HarvestStored();
@@ -461,24 +461,24 @@ absl::Status RetrieverImpl::AppendTokens(int32_t layer, const void* k, const voi
     const int64_t page = l.tokens / p;
     const int32_t off = l.tokens % p;
     int32_t slot = 0;
-    if (l.managed == nullptr) {
+    if (l.ws.managed == nullptr) {
       slot = SlotOf(page);
     } else if (off == 0) {
       absl::StatusOr<int32_t> placed = PlaceManaged(layer, static_cast<int32_t>(page));
       if (!placed.ok()) return Fail(placed.status());
       slot = *placed;
-      l.table_dirty = true;
+      l.ws.table_dirty = true;
     } else {
-      slot = l.managed->SlotOf(0, static_cast<int32_t>(page));
+      slot = l.ws.managed->SlotOf(0, static_cast<int32_t>(page));
     }
     // Placing a managed page may have moved the working set: take its address now.
-    auto* kw = l.k_ws.as<uint8_t>();
-    auto* vw = l.v_ws.as<uint8_t>();
-    if (off == 0 && l.managed == nullptr) {
+    auto* kw = l.ws.k.as<uint8_t>();
+    auto* vw = l.ws.v.as<uint8_t>();
+    if (off == 0 && l.ws.managed == nullptr) {
       for (int32_t h = 0; h < geometry_.num_kv_heads; ++h) {
-        l.table_mirror[static_cast<size_t>(h) * slots_per_layer_ + slot] = static_cast<int32_t>(page);
+        l.ws.table_mirror[static_cast<size_t>(h) * slots_per_layer_ + slot] = static_cast<int32_t>(page);
       }
-      l.table_dirty = true;
+      l.ws.table_dirty = true;
     }
     const int32_t n = std::min(p - off, n_tokens - done);
     const size_t dst = (static_cast<size_t>(slot) * p + off) * tb;
@@ -488,9 +488,9 @@ absl::Status RetrieverImpl::AppendTokens(int32_t layer, const void* k, const voi
     l.tokens += n;
     done += n;
     if (l.tokens % p == 0 && has_host_tier()) {
-      l.pending.push_back({page, slot});
+      l.host.pending.push_back({page, slot});
       // Flush before a ring slot holding a pending page is reused.
-      if (static_cast<int32_t>(l.pending.size()) >= options_.recent_pages) {
+      if (static_cast<int32_t>(l.host.pending.size()) >= options_.recent_pages) {
         if (absl::Status fs = FlushOffloads(layer, restoring); !fs.ok()) return Fail(fs);
       }
     }
@@ -507,59 +507,59 @@ absl::Status RetrieverImpl::AppendTokens(int32_t layer, const void* k, const voi
 absl::Status RetrieverImpl::RecallPlan(Stream& s, RecallPath path, LayerState& l) {
   const int32_t n = geometry_.num_kv_heads * selected_pages();
   if (path == RecallPath::kGather || !dma()) {
-    return backend_.Recall(s, ZeroCopyRecallArgs(geometry_, Target(l), l.items.as<RecallItem>(), n));
+    return backend_.Recall(s, ZeroCopyRecallArgs(geometry_, Target(l), l.select.items.as<RecallItem>(), n));
   }
   // The copy engines are driven from the host: the plan goes to the layer's host plan buffer.
   KVTIER_RETURN_IF_ERROR(
-      backend_.Copy(s, l.recaller->plan(), l.items.data(), n * sizeof(RecallItem)));
-  KVTIER_RETURN_IF_ERROR(s.Record(*l.plan_ready));
+      backend_.Copy(s, l.recall.recaller->plan(), l.select.items.data(), n * sizeof(RecallItem)));
+  KVTIER_RETURN_IF_ERROR(s.Record(*l.recall.plan_ready));
   if (path == RecallPath::kBackground) {
-    l.plan_pending = true;  // Pump issues the DMAs once the plan is on the host
+    l.recall.plan_pending = true;  // Pump issues the DMAs once the plan is on the host
     return absl::OkStatus();
   }
   // Sync mode: the host waits for its plan (this is the synchronous baseline).
-  absl::Status st = l.plan_ready->Wait(options_.deadline);
+  absl::Status st = l.recall.plan_ready->Wait(options_.deadline);
   if (absl::IsDeadlineExceeded(st)) {
     return absl::DeadlineExceededError(absl::StrFormat(
         "sync recall: the selection did not reach the host within the deadline of %s",
         absl::FormatDuration(options_.deadline)));
   }
   KVTIER_RETURN_IF_ERROR(st);
-  return l.recaller->Enqueue(s, *xform_fg_, n, Target(l)).status();
+  return l.recall.recaller->Enqueue(s, *xform_fg_, n, Target(l)).status();
 }
 
 RecallTarget RetrieverImpl::Target(const LayerState& l) const {
-  return RecallTarget{pool_->base(), pool_->num_slots(), l.k_ws.data(), l.v_ws.data(), slots_per_layer_};
+  return RecallTarget{pool_->base(), pool_->num_slots(), l.ws.k.data(), l.ws.v.data(), slots_per_layer_};
 }
 
 absl::Status RetrieverImpl::LaunchPlanned(LayerState& l) {
   // The plan is on the host (plan_ready has fired); the DMAs run on their own stream, after
   // the plan's selection on the recall stream, and recall_done covers the whole recall.
-  KVTIER_RETURN_IF_ERROR(dma_->Wait(*l.plan_ready));
+  KVTIER_RETURN_IF_ERROR(dma_->Wait(*l.recall.plan_ready));
   KVTIER_RETURN_IF_ERROR(
-      l.recaller->Enqueue(*dma_, *xform_bg_, geometry_.num_kv_heads * selected_pages(), Target(l)).status());
-  l.plan_pending = false;
-  return dma_->Record(*l.recall_done);
+      l.recall.recaller->Enqueue(*dma_, *xform_bg_, geometry_.num_kv_heads * selected_pages(), Target(l)).status());
+  l.recall.plan_pending = false;
+  return dma_->Record(*l.recall.done);
 }
 
 absl::Status RetrieverImpl::Pump(int32_t layer) {
   if (!dma()) return absl::OkStatus();
   for (int32_t i = 0; i < geometry_.num_layers; ++i) {
     LayerState& l = layers_[i];
-    if (!l.plan_pending || (layer >= 0 && i != layer)) continue;
+    if (!l.recall.plan_pending || (layer >= 0 && i != layer)) continue;
     if (i == layer) {
       // This layer's step needs its recall now: wait for the plan, within the deadline.
-      const absl::Duration left = options_.deadline - (absl::Now() - l.recall_launched);
-      absl::Status st = l.plan_ready->Wait(std::max(left, absl::ZeroDuration()));
+      const absl::Duration left = options_.deadline - (absl::Now() - l.recall.launched);
+      absl::Status st = l.recall.plan_ready->Wait(std::max(left, absl::ZeroDuration()));
       if (absl::IsDeadlineExceeded(st)) {
         return absl::DeadlineExceededError(absl::StrFormat(
             "layer %d: the background selection launched %s ago has not reached the host "
             "within the deadline of %s",
-            i, absl::FormatDuration(absl::Now() - l.recall_launched),
+            i, absl::FormatDuration(absl::Now() - l.recall.launched),
             absl::FormatDuration(options_.deadline)));
       }
       KVTIER_RETURN_IF_ERROR(st);
-    } else if (!l.plan_ready->Query()) {
+    } else if (!l.recall.plan_ready->Query()) {
       continue;
     }
     KVTIER_RETURN_IF_ERROR(LaunchPlanned(l));
@@ -611,11 +611,11 @@ absl::Status RetrieverImpl::Select(Stream& s, RecallPath path, int32_t layer, co
   sa.head_dim = geometry_.head_dim;
   sa.max_pages = max_pages_;
   sa.q = q;
-  sa.summaries = l.summaries.data();
+  sa.summaries = l.host.summaries.data();
   sa.num_pages = num_pages;
   sa.softmax_scale = scale_;
   sa.pool = options_.pool;
-  sa.pooled = l.pooled.as<float>();
+  sa.pooled = l.select.pooled.as<float>();
   sa.head_mask = mask;
   KVTIER_RETURN_IF_ERROR(backend_.ScorePages(s, sa));
   TopKArgs ta;
@@ -623,15 +623,15 @@ absl::Status RetrieverImpl::Select(Stream& s, RecallPath path, int32_t layer, co
   ta.num_kv_heads = geometry_.num_kv_heads;
   ta.max_pages = max_pages_;
   ta.k = selected_pages();
-  ta.pooled = l.pooled.as<float>();
+  ta.pooled = l.select.pooled.as<float>();
   ta.num_pages = num_pages;
   ta.sink_pages = options_.sink_pages;
   ta.recent_pages = recent_full;
-  ta.selected = l.selected.as<int32_t>();
+  ta.selected = l.select.selected.as<int32_t>();
   ta.head_mask = mask;
   if (policies_on()) {
-    ta.head_k = l.head_k.as<int32_t>();
-    ta.page_flags = l.page_flags.as<uint8_t>();
+    ta.head_k = l.policy.head_k.as<int32_t>();
+    ta.page_flags = l.policy.page_flags.as<uint8_t>();
   }
   KVTIER_RETURN_IF_ERROR(backend_.TopK(s, ta));
   ReplaceArgs ra;
@@ -640,13 +640,13 @@ absl::Status RetrieverImpl::Select(Stream& s, RecallPath path, int32_t layer, co
   ra.num_slots = slots_per_layer_;
   ra.region_begin = options_.sink_pages;
   ra.k = selected_pages();
-  ra.selected = l.selected.as<int32_t>();
-  ra.slot_table = l.table.as<int32_t>();
-  ra.host_page_of = l.host_page_of.as<int64_t>();
+  ra.selected = l.select.selected.as<int32_t>();
+  ra.slot_table = l.ws.table.as<int32_t>();
+  ra.host_page_of = l.host.page_of.as<int64_t>();
   ra.max_pages = max_pages_;
   ra.head_mask = mask;
-  ra.items = l.items.as<RecallItem>();
-  ra.num_misses = l.num_misses.as<int32_t>();
+  ra.items = l.select.items.as<RecallItem>();
+  ra.num_misses = l.select.num_misses.as<int32_t>();
   KVTIER_RETURN_IF_ERROR(backend_.Replace(s, ra));
   KVTIER_RETURN_IF_ERROR(Lap(s, &mark, &stats_.select_us));
   KVTIER_RETURN_IF_ERROR(RecallPlan(s, path, l));
@@ -662,22 +662,22 @@ absl::Status RetrieverImpl::RecordStats(Stream& s, int32_t layer, int64_t step, 
   r.background = background;
   r.checked = checked;
   const size_t hkv = geometry_.num_kv_heads;
-  if (l.num_misses.data() != nullptr) {  // selecting modes
+  if (l.select.num_misses.data() != nullptr) {  // selecting modes
     r.misses.resize(hkv);
     KVTIER_RETURN_IF_ERROR(
-        backend_.Copy(s, r.misses.data(), l.num_misses.data(), hkv * sizeof(int32_t)));
+        backend_.Copy(s, r.misses.data(), l.select.num_misses.data(), hkv * sizeof(int32_t)));
   }
   if (checked) {
     r.drifted.resize(hkv);
     r.group_mean.resize(hkv);
-    KVTIER_RETURN_IF_ERROR(backend_.Copy(s, r.drifted.data(), l.drifted.data(), hkv));
+    KVTIER_RETURN_IF_ERROR(backend_.Copy(s, r.drifted.data(), l.select.drifted.data(), hkv));
     KVTIER_RETURN_IF_ERROR(
-        backend_.Copy(s, r.group_mean.data(), l.group_mean.data(), hkv * sizeof(float)));
+        backend_.Copy(s, r.group_mean.data(), l.select.group_mean.data(), hkv * sizeof(float)));
   }
   if (!background) {
     r.num_slots = Slots(l);
     r.slot_table.resize(hkv * static_cast<size_t>(r.num_slots));
-    KVTIER_RETURN_IF_ERROR(backend_.Copy(s, r.slot_table.data(), l.table.data(),
+    KVTIER_RETURN_IF_ERROR(backend_.Copy(s, r.slot_table.data(), l.ws.table.data(),
                                          r.slot_table.size() * sizeof(int32_t)));
   }
   KVTIER_ASSIGN_OR_RETURN(r.done, TakeEvent());
@@ -743,8 +743,8 @@ absl::StatusOr<WorkingSetView> RetrieverImpl::BeginStep(int32_t layer, const voi
         absl::StrFormat("BeginStep: layer %d: the previous step was not ended", layer));
   }
   if (absl::Status ps = Pump(layer); !ps.ok()) return Fail(ps);
-  if (l.recall_in_flight && !l.recall_done->Query()) {
-    const absl::Duration age = absl::Now() - l.recall_launched;
+  if (l.recall.in_flight && !l.recall.done->Query()) {
+    const absl::Duration age = absl::Now() - l.recall.launched;
     if (age > options_.deadline) {
       return Fail(absl::DeadlineExceededError(absl::StrFormat(
           "BeginStep: layer %d: the background recall launched %s ago has not completed within "
@@ -759,18 +759,18 @@ absl::StatusOr<WorkingSetView> RetrieverImpl::BeginStep(int32_t layer, const voi
   absl::Status st;
   // The background recall writes the working set and reads the policy buffers: wait for it
   // before anything below touches them.
-  if (speculative && l.recall_in_flight) st = c.Wait(*l.recall_done);
-  l.recall_in_flight = false;
+  if (speculative && l.recall.in_flight) st = c.Wait(*l.recall.done);
+  l.recall.in_flight = false;
   bool reselect = false;
   bool recorded = false;  // a stats record of this step (with its slot table) was enqueued
   if (st.ok()) st = ApplyPolicies(layer, &reselect);
-  if (st.ok()) st = backend_.Copy(c, l.q_cur.data(), q, q_bytes());
+  if (st.ok()) st = backend_.Copy(c, l.select.q_cur.data(), q, q_bytes());
   if (st.ok() && (options_.mode == RetrievalMode::kSync || (speculative && (l.step == 0 || reselect)))) {
     // Select every head with q_t before attention.
     // Sync mode recalls with its strategy; speculative mode's first (and re-)selection is on
     // the critical path and planned on the device, so it gathers zero-copy.
     st = Select(c, options_.mode == RetrievalMode::kSync ? RecallPath::kForeground : RecallPath::kGather,
-                layer, l.q_cur.data(), &l.counts.as<LayerCounts>()->full_pages, no_mask,
+                layer, l.select.q_cur.data(), &l.ws.counts.as<LayerCounts>()->full_pages, no_mask,
                 RecentFull(l));
     if (st.ok()) st = RecordStats(c, layer, l.step, /*background=*/false, /*checked=*/false);
     recorded = true;
@@ -781,19 +781,19 @@ absl::StatusOr<WorkingSetView> RetrieverImpl::BeginStep(int32_t layer, const voi
     qa.num_q_heads = geometry_.num_q_heads;
     qa.num_kv_heads = geometry_.num_kv_heads;
     qa.head_dim = geometry_.head_dim;
-    qa.q = l.q_cur.data();
-    qa.q_prev = l.q_prev.data();
+    qa.q = l.select.q_cur.data();
+    qa.q_prev = l.select.q_prev.data();
     qa.threshold = options_.correction_threshold;
-    qa.group_mean = l.group_mean.as<float>();
-    qa.drifted = l.drifted.as<uint8_t>();
+    qa.group_mean = l.select.group_mean.as<float>();
+    qa.drifted = l.select.drifted.as<uint8_t>();
     if (st.ok()) st = backend_.QueryCosine(c, qa);
     // Re-select only the drifted heads, with q_t; the others keep last step's pages.
     if (st.ok()) {
       // The correction recall is a few pages on the critical path: one fused op, no
       // pipeline hand-offs.
-      st = Select(c, RecallPath::kGather, layer, l.q_cur.data(),
-                  &l.counts.as<LayerCounts>()->full_pages,
-                  l.drifted.as<uint8_t>(), RecentFull(l));
+      st = Select(c, RecallPath::kGather, layer, l.select.q_cur.data(),
+                  &l.ws.counts.as<LayerCounts>()->full_pages,
+                  l.select.drifted.as<uint8_t>(), RecentFull(l));
     }
     if (st.ok()) st = RecordStats(c, layer, l.step, /*background=*/false, /*checked=*/true);
     recorded = true;
@@ -807,12 +807,12 @@ absl::StatusOr<WorkingSetView> RetrieverImpl::BeginStep(int32_t layer, const voi
   stats_.profiled_steps += profiling_;
   WorkingSetView view;
   view.layer = layer;
-  view.k_cache = l.k_ws.data();
-  view.v_cache = l.v_ws.data();
+  view.k_cache = l.ws.k.data();
+  view.v_cache = l.ws.v.data();
   view.num_slots = Slots(l);
-  view.slot_table = l.table.as<int32_t>();
-  view.partial_page = &l.counts.as<LayerCounts>()->partial_page;
-  view.partial_len = &l.counts.as<LayerCounts>()->partial_len;
+  view.slot_table = l.ws.table.as<int32_t>();
+  view.partial_page = &l.ws.counts.as<LayerCounts>()->partial_page;
+  view.partial_len = &l.ws.counts.as<LayerCounts>()->partial_len;
   view.num_tokens = l.tokens;
   view.ready = l.ready.get();
   return view;
@@ -829,11 +829,11 @@ SparseAttentionArgs RetrieverImpl::AttentionArgs(LayerState& l, const void* q, v
   a.page_size = geometry_.page_size;
   a.num_slots = Slots(l);
   a.q = q;
-  a.k_cache = l.k_ws.data();
-  a.v_cache = l.v_ws.data();
-  a.slot_table = l.table.as<int32_t>();
-  a.partial_page = &l.counts.as<LayerCounts>()->partial_page;
-  a.partial_len = &l.counts.as<LayerCounts>()->partial_len;
+  a.k_cache = l.ws.k.data();
+  a.v_cache = l.ws.v.data();
+  a.slot_table = l.ws.table.as<int32_t>();
+  a.partial_page = &l.ws.counts.as<LayerCounts>()->partial_page;
+  a.partial_len = &l.ws.counts.as<LayerCounts>()->partial_len;
   a.softmax_scale = scale_;
   a.out = out;
   a.lse = lse;
@@ -871,32 +871,32 @@ absl::Status RetrieverImpl::EndStep(int32_t layer, const void* q) {
   // Fresh events for this step (FreeKV re-records one event per layer, which is only safe
   // while nobody can still be about to wait on the old record): the previous step's are
   // retired and reused only once they have fired.
-  for (std::unique_ptr<Event>* e : {&l.attn_done, &l.recall_done, &l.plan_ready}) {
+  for (std::unique_ptr<Event>* e : {&l.recall.attn_done, &l.recall.done, &l.recall.plan_ready}) {
     absl::StatusOr<std::unique_ptr<Event>> fresh = TakeEvent();
     if (!fresh.ok()) return Fail(fresh.status());
     retired_events_.push_back(std::exchange(*e, *std::move(fresh)));
   }
   // On the compute stream, after attention: remember q_t and snapshot the page count.
   Stream& c = *compute_;
-  auto* counts = l.counts.as<LayerCounts>();
-  absl::Status st = backend_.Copy(c, l.q_prev.data(), q, q_bytes());
+  auto* counts = l.ws.counts.as<LayerCounts>();
+  absl::Status st = backend_.Copy(c, l.select.q_prev.data(), q, q_bytes());
   if (st.ok()) {
     st = backend_.Copy(c, &counts->full_pages_at_end_step, &counts->full_pages, sizeof(int32_t));
   }
-  if (st.ok()) st = c.Record(*l.attn_done);
+  if (st.ok()) st = c.Record(*l.recall.attn_done);
   // In the background, once attention is done with the working set: select with q_t and
   // recall the misses into the slots of evicted pages.
-  if (st.ok()) st = recall_->Wait(*l.attn_done);
+  if (st.ok()) st = recall_->Wait(*l.recall.attn_done);
   if (st.ok()) {
-    st = Select(*recall_, RecallPath::kBackground, layer, l.q_prev.data(), &counts->full_pages_at_end_step, nullptr,
+    st = Select(*recall_, RecallPath::kBackground, layer, l.select.q_prev.data(), &counts->full_pages_at_end_step, nullptr,
                 RecentFull(l));
   }
   if (st.ok()) st = RecordStats(*recall_, layer, step, /*background=*/true, /*checked=*/false);
   // A DMA plan's recall_done is recorded when Pump issues its copies.
-  if (st.ok() && !l.plan_pending) st = recall_->Record(*l.recall_done);
+  if (st.ok() && !l.recall.plan_pending) st = recall_->Record(*l.recall.done);
   if (!st.ok()) return Fail(st);
-  l.recall_in_flight = true;
-  l.recall_launched = absl::Now();
+  l.recall.in_flight = true;
+  l.recall.launched = absl::Now();
   if (absl::Status ps = Pump(-1); !ps.ok()) return Fail(ps);
   return CommitStored(/*wait=*/false);
 }
@@ -921,7 +921,7 @@ absl::Status RetrieverImpl::Wait() {
   KVTIER_RETURN_IF_ERROR(dma_->Record(*sync_dma_));
   KVTIER_RETURN_IF_ERROR(wait(*sync_dma_));
   for (LayerState& l : layers_) {
-    if (l.recall_in_flight && l.recall_done->Query()) l.recall_in_flight = false;
+    if (l.recall.in_flight && l.recall.done->Query()) l.recall.in_flight = false;
   }
   Reap();
   KVTIER_RETURN_IF_ERROR(Collect(/*block=*/true));
@@ -935,8 +935,8 @@ absl::Status RetrieverImpl::Close() {
   if (absl::IsDeadlineExceeded(st)) return st;  // pages freed by the destructor
   if (offloader_ != nullptr) (void)offloader_->Drain();
   for (LayerState& l : layers_) {
-    if (l.host != nullptr) l.host->Clear();
-    l.pending.clear();
+    if (l.host.pages != nullptr) l.host.pages->Clear();
+    l.host.pending.clear();
   }
   stored_.clear();  // their pages are freed: nothing left to report
   stored_ready_.clear();

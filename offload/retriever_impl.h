@@ -41,10 +41,10 @@ Args SlabArgs(const Geometry& g) {
 // Sets an op's INT8 storage fields (k_int8, v_int8, k_scale, v_scale) to a layer's buffers.
 template <typename Args, typename Layer>
 void SetInt8Buffers(const Layer& l, Args* a) {
-  a->k_int8 = l.k_int8.template as<int8_t>();
-  a->v_int8 = l.v_int8.template as<int8_t>();
-  a->k_scale = l.k_scale.template as<float>();
-  a->v_scale = l.v_scale.template as<float>();
+  a->k_int8 = l.ws.k_int8.template as<int8_t>();
+  a->v_int8 = l.ws.v_int8.template as<int8_t>();
+  a->k_scale = l.ws.k_scale.template as<float>();
+  a->v_scale = l.ws.v_scale.template as<float>();
 }
 
 // Host buffers read or written by enqueued copies, kept until the event after them fires.
@@ -85,66 +85,88 @@ struct LayerCounts {
   int32_t full_pages_at_end_step = 0;
 };
 
+// One layer of the sequence, grouped by concern. S: working-set slots, P: max pages, k:
+// selected pages.
 struct LayerState {
-  DeviceBuffer k_ws, v_ws;     // [S][p][Hkv][d]
-  DeviceBuffer table;          // int32 [Hkv][S]
-  DeviceBuffer summaries;      // [P][Hkv][2][d]
-  DeviceBuffer host_page_of;   // int64 [P]
-  DeviceBuffer counts;         // LayerCounts
-  DeviceBuffer q_prev, q_cur;  // [Hq][d]
-  DeviceBuffer pooled;         // float [Hkv][P]
-  DeviceBuffer selected;       // int32 [Hkv][k]
-  DeviceBuffer items;          // RecallItem [Hkv][k]
-  DeviceBuffer num_misses;     // int32 [Hkv]
-  DeviceBuffer drifted;        // uint8 [Hkv]
-  DeviceBuffer group_mean;     // float [Hkv]
-  // DMA strategies: the layer's own staging and host plan, and the background plan that
-  // awaits its DMAs (plan_ready fires once the device's plan has reached the host).
-  std::unique_ptr<SlabRecaller> recaller;
-  bool plan_pending = false;
-  std::unique_ptr<Event> attn_done, recall_done, ready, plan_ready;
-  std::unique_ptr<PageTable> host;  // host tier (speculative, sync)
+  // The working set attention reads (NHD slots on the backend) and its slot tables.
+  struct WorkingSet {
+    DeviceBuffer k, v;    // [S][p][Hkv][d]
+    DeviceBuffer table;   // int32 [Hkv][S]: logical page per slot and KV head
+    DeviceBuffer counts;  // LayerCounts
+    std::vector<int32_t> table_mirror;  // [Hkv][S]; host-owned entries are authoritative
+    bool table_dirty = true;
+    // Drop mode with policies: the per-head slot table (authoritative; table_mirror unused)
+    // and the INT8 copies of pages older than the FP16 window.
+    std::unique_ptr<HeadSlotTable> managed;
+    DeviceBuffer slot_int8;                         // uint8 [Hkv][S]
+    DeviceBuffer k_int8, v_int8, k_scale, v_scale;  // [S][p][Hkv][d] int8, [S][Hkv][d] float
+  };
+  // The layer's pages in the host tier (speculative, sync) and their key summaries.
+  struct HostPages {
+    std::unique_ptr<PageTable> pages;
+    DeviceBuffer summaries;  // [P][Hkv][2][d]
+    DeviceBuffer page_of;    // int64 [P]: host page of each logical page
+    std::vector<int64_t> page_of_mirror;  // [P]
+    struct Pending {
+      int64_t logical;
+      int64_t slot;
+    };
+    std::vector<Pending> pending;  // full pages not yet offloaded
+    std::vector<uint8_t> dropped;  // [P] once a page was dropped from the host tier: 1 = dropped
+  };
+  // Selection: the queries, page scores, the chosen pages and the recall plan.
+  struct Selection {
+    DeviceBuffer q_prev, q_cur;  // [Hq][d]
+    DeviceBuffer pooled;         // float [Hkv][P]
+    DeviceBuffer selected;       // int32 [Hkv][k]
+    DeviceBuffer items;          // RecallItem [Hkv][k]
+    DeviceBuffer num_misses;     // int32 [Hkv]
+    DeviceBuffer drifted;        // uint8 [Hkv]
+    DeviceBuffer group_mean;     // float [Hkv]
+  };
+  // The background recall of the next step's pages (speculative mode).
+  struct Recall {
+    // DMA strategies: the layer's own staging and host plan, and the background plan that
+    // awaits its DMAs (plan_ready fires once the device's plan has reached the host).
+    std::unique_ptr<SlabRecaller> recaller;
+    bool plan_pending = false;
+    std::unique_ptr<Event> attn_done, done, plan_ready;
+    bool in_flight = false;
+    absl::Time launched;
+  };
+  // What the policies (retriever_policy.cc) decided and observed.
+  struct PolicyState {
+    std::vector<int32_t> budget;         // [Hkv] pages per head for this step
+    std::vector<int32_t> selected_with;  // [Hkv] budget of the device's last selection
+    DeviceBuffer head_k;                 // int32 [Hkv] (speculative, sync)
+    DeviceBuffer page_flags;             // uint8 [Hkv][P] (speculative, sync)
+    std::vector<uint8_t> flags_mirror;   // [Hkv][P]
+    bool flags_changed = false;          // since the device's last selection
+    DeviceBuffer token_prob;             // float [Hq][S][p] (policies that read attention)
+    // Attention of the last step, copied to the host for the policies (ConsumeProbe).
+    struct Probe {
+      std::vector<float> prob;     // [Hq][S][p]
+      std::vector<int32_t> table;  // [Hkv][S]
+      int32_t slots = 0;
+      int64_t step = 0;
+      int64_t position = 0;
+      int64_t tokens = 0;
+      std::unique_ptr<Event> done;
+    };
+    std::unique_ptr<Probe> probe;
+  };
 
+  WorkingSet ws;
+  HostPages host;
+  Selection select;
+  Recall recall;
+  PolicyState policy;
+  // The step.
   int32_t tokens = 0;
   int64_t step = 0;
   bool in_step = false;
-  bool recall_in_flight = false;
-  absl::Time recall_launched;
-  std::vector<int32_t> table_mirror;  // [Hkv][S]; host-owned entries are authoritative
-  bool table_dirty = true;
-  std::vector<int64_t> host_page_mirror;  // [P]
-  struct Pending {
-    int64_t logical;
-    int64_t slot;
-  };
-  std::vector<Pending> pending;  // full pages not yet offloaded
+  std::unique_ptr<Event> ready;  // recorded after BeginStep's retrieval work
   StepStats last;
-
-  // Policies (retriever_policy.cc).
-  std::vector<int32_t> budget;         // [Hkv] pages per head for this step
-  std::vector<int32_t> selected_with;  // [Hkv] budget of the device's last selection
-  DeviceBuffer head_k;                 // int32 [Hkv] (speculative, sync)
-  DeviceBuffer page_flags;             // uint8 [Hkv][P] (speculative, sync)
-  std::vector<uint8_t> flags_mirror;   // [Hkv][P]
-  bool flags_changed = false;          // since the device's last selection
-  DeviceBuffer token_prob;             // float [Hq][S][p] (policies that read attention)
-  // Drop mode with policies: the per-head slot table (authoritative; table_mirror unused)
-  // and the INT8 copies of pages older than the FP16 window.
-  std::unique_ptr<HeadSlotTable> managed;
-  DeviceBuffer slot_int8;                         // uint8 [Hkv][S]
-  DeviceBuffer k_int8, v_int8, k_scale, v_scale;  // [S][p][Hkv][d] int8, [S][Hkv][d] float
-  std::vector<uint8_t> dropped;  // [P] once a page was dropped from the host tier: 1 = dropped
-  // Attention of the last step, copied to the host for the policies (ConsumeProbe).
-  struct Probe {
-    std::vector<float> prob;     // [Hq][S][p]
-    std::vector<int32_t> table;  // [Hkv][S]
-    int32_t slots = 0;
-    int64_t step = 0;
-    int64_t position = 0;
-    int64_t tokens = 0;
-    std::unique_ptr<Event> done;
-  };
-  std::unique_ptr<Probe> probe;
 };
 
 class RetrieverImpl final : public Retriever {
@@ -191,7 +213,7 @@ class RetrieverImpl final : public Retriever {
     (void)Collect(/*block=*/false);
     if (layer < 0 || layer >= geometry_.num_layers) return {};
     StepStats st = layers_[layer].last;
-    st.budget = layers_[layer].budget;
+    st.budget = layers_[layer].policy.budget;
     st.resident_head_pages = ResidentHeadPages(layers_[layer]);
     return st;
   }
@@ -219,7 +241,7 @@ class RetrieverImpl final : public Retriever {
   int32_t RecentFull(const LayerState& l) const;
   // Slots of the layer's working set (the managed ones change size).
   int32_t Slots(const LayerState& l) const {
-    return l.managed != nullptr ? l.managed->capacity() : slots_per_layer_;
+    return l.ws.managed != nullptr ? l.ws.managed->capacity() : slots_per_layer_;
   }
 
   // --- Policies (retriever_policy.cc). ---

@@ -59,30 +59,30 @@ absl::Status RetrieverImpl::InitPolicies() {
 
 absl::Status RetrieverImpl::InitLayerPolicies(LayerState& l) {
   const size_t hkv = geometry_.num_kv_heads;
-  l.budget.assign(hkv, options_.selected_pages);
-  l.selected_with = l.budget;
+  l.policy.budget.assign(hkv, options_.selected_pages);
+  l.policy.selected_with = l.policy.budget;
   if (!policies_on()) return absl::OkStatus();
   if (has_host_tier()) {
-    KVTIER_RETURN_IF_ERROR(Allocate(&l.head_k, hkv * sizeof(int32_t)));
-    KVTIER_RETURN_IF_ERROR(Allocate(&l.page_flags, hkv * max_pages_));
-    l.flags_mirror.assign(hkv * max_pages_, kPageNormal);
+    KVTIER_RETURN_IF_ERROR(Allocate(&l.policy.head_k, hkv * sizeof(int32_t)));
+    KVTIER_RETURN_IF_ERROR(Allocate(&l.policy.page_flags, hkv * max_pages_));
+    l.policy.flags_mirror.assign(hkv * max_pages_, kPageNormal);
     KVTIER_RETURN_IF_ERROR(
-        Upload(*compute_, l.head_k.data(), l.budget.data(), hkv * sizeof(int32_t)));
-    KVTIER_RETURN_IF_ERROR(backend_.Memset(*compute_, l.page_flags.data(), 0, l.page_flags.size()));
+        Upload(*compute_, l.policy.head_k.data(), l.policy.budget.data(), hkv * sizeof(int32_t)));
+    KVTIER_RETURN_IF_ERROR(backend_.Memset(*compute_, l.policy.page_flags.data(), 0, l.policy.page_flags.size()));
   }
   const size_t slots = Slots(l);
   const size_t p = geometry_.page_size;
   if (reads_attention()) {
-    KVTIER_RETURN_IF_ERROR(Allocate(&l.token_prob, geometry_.num_q_heads * slots * p * sizeof(float)));
+    KVTIER_RETURN_IF_ERROR(Allocate(&l.policy.token_prob, geometry_.num_q_heads * slots * p * sizeof(float)));
   }
-  if (l.managed != nullptr && policies_.int8_window_pages > 0) {
+  if (l.ws.managed != nullptr && policies_.int8_window_pages > 0) {
     const size_t elems = slots * p * hkv * geometry_.head_dim;
-    KVTIER_RETURN_IF_ERROR(Allocate(&l.slot_int8, hkv * slots));
-    KVTIER_RETURN_IF_ERROR(Allocate(&l.k_int8, elems));
-    KVTIER_RETURN_IF_ERROR(Allocate(&l.v_int8, elems));
-    KVTIER_RETURN_IF_ERROR(Allocate(&l.k_scale, slots * hkv * geometry_.head_dim * sizeof(float)));
-    KVTIER_RETURN_IF_ERROR(Allocate(&l.v_scale, slots * hkv * geometry_.head_dim * sizeof(float)));
-    KVTIER_RETURN_IF_ERROR(backend_.Memset(*compute_, l.slot_int8.data(), 0, l.slot_int8.size()));
+    KVTIER_RETURN_IF_ERROR(Allocate(&l.ws.slot_int8, hkv * slots));
+    KVTIER_RETURN_IF_ERROR(Allocate(&l.ws.k_int8, elems));
+    KVTIER_RETURN_IF_ERROR(Allocate(&l.ws.v_int8, elems));
+    KVTIER_RETURN_IF_ERROR(Allocate(&l.ws.k_scale, slots * hkv * geometry_.head_dim * sizeof(float)));
+    KVTIER_RETURN_IF_ERROR(Allocate(&l.ws.v_scale, slots * hkv * geometry_.head_dim * sizeof(float)));
+    KVTIER_RETURN_IF_ERROR(backend_.Memset(*compute_, l.ws.slot_int8.data(), 0, l.ws.slot_int8.size()));
   }
   return Park(*compute_);
 }
@@ -97,9 +97,9 @@ absl::StatusOr<void*> RetrieverImpl::StageArgs(const void* src, size_t bytes) {
 }
 
 void RetrieverImpl::SetPolicyArgs(LayerState& l, SparseAttentionArgs* a) {
-  if (reads_attention()) a->token_prob = l.token_prob.as<float>();
-  if (l.managed != nullptr && l.slot_int8.size() > 1) {
-    a->slot_int8 = l.slot_int8.as<uint8_t>();
+  if (reads_attention()) a->token_prob = l.policy.token_prob.as<float>();
+  if (l.ws.managed != nullptr && l.ws.slot_int8.size() > 1) {
+    a->slot_int8 = l.ws.slot_int8.as<uint8_t>();
     SetInt8Buffers(l, a);
   }
 }
@@ -108,17 +108,17 @@ absl::Status RetrieverImpl::TakeProbe(int32_t layer, int64_t step, int64_t posit
   LayerState& l = layers_[layer];
   // One probe in flight per layer: an earlier one is handed over first.
   KVTIER_RETURN_IF_ERROR(ConsumeProbe(layer));
-  auto pr = std::make_unique<LayerState::Probe>();
+  auto pr = std::make_unique<LayerState::PolicyState::Probe>();
   pr->slots = Slots(l);
   pr->step = step;
   pr->position = position;
   pr->tokens = l.tokens;
   pr->prob.resize(static_cast<size_t>(geometry_.num_q_heads) * pr->slots * geometry_.page_size);
   pr->table.resize(static_cast<size_t>(geometry_.num_kv_heads) * pr->slots);
-  absl::Status st = backend_.Copy(*compute_, pr->prob.data(), l.token_prob.data(),
+  absl::Status st = backend_.Copy(*compute_, pr->prob.data(), l.policy.token_prob.data(),
                                   pr->prob.size() * sizeof(float));
   if (st.ok()) {
-    st = backend_.Copy(*compute_, pr->table.data(), l.table.data(),
+    st = backend_.Copy(*compute_, pr->table.data(), l.ws.table.data(),
                        pr->table.size() * sizeof(int32_t));
   }
   absl::StatusOr<std::unique_ptr<Event>> ev = TakeEvent();
@@ -132,14 +132,14 @@ absl::Status RetrieverImpl::TakeProbe(int32_t layer, int64_t step, int64_t posit
     (void)compute_->Synchronize();
     return Fail(st);
   }
-  l.probe = std::move(pr);
+  l.policy.probe = std::move(pr);
   return absl::OkStatus();
 }
 
 absl::Status RetrieverImpl::ConsumeProbe(int32_t layer) {
   LayerState& l = layers_[layer];
-  if (l.probe == nullptr) return absl::OkStatus();
-  std::unique_ptr<LayerState::Probe> pr = std::move(l.probe);
+  if (l.policy.probe == nullptr) return absl::OkStatus();
+  std::unique_ptr<LayerState::PolicyState::Probe> pr = std::move(l.policy.probe);
   absl::Status st = pr->done->Wait(options_.deadline);
   if (absl::IsDeadlineExceeded(st)) {
     (void)compute_->Synchronize();  // the copies write into pr
@@ -174,26 +174,26 @@ absl::Status RetrieverImpl::ApplyPolicies(int32_t layer, bool* reselect) {
   LayerState& l = layers_[layer];
   KVTIER_RETURN_IF_ERROR(ConsumeProbe(layer));
   // The selected region bounds a selecting mode's budget; a managed drop layer grows.
-  const int32_t max_pages = l.managed != nullptr ? max_pages_ : options_.selected_pages;
+  const int32_t max_pages = l.ws.managed != nullptr ? max_pages_ : options_.selected_pages;
   std::vector<int32_t> budget(geometry_.num_kv_heads, options_.selected_pages);
   policies_.budget->Budget(layer, max_pages, std::span<int32_t>(budget));
   for (int32_t& b : budget) b = std::clamp(b, 0, max_pages);
-  if (budget != l.budget) ++stats_.budget_changes;
-  l.budget = std::move(budget);
+  if (budget != l.policy.budget) ++stats_.budget_changes;
+  l.policy.budget = std::move(budget);
   absl::Status st;
-  if (l.managed != nullptr) {
+  if (l.ws.managed != nullptr) {
     st = Evict(layer);
     if (st.ok()) st = QuantizeOld(layer);
     if (st.ok()) st = UploadTable(l);
   } else if (has_host_tier()) {
     st = UpdateFlags(layer);
-    if (st.ok() && l.budget != l.selected_with) {
-      st = Upload(*compute_, l.head_k.data(), l.budget.data(), l.budget.size() * sizeof(int32_t));
-      l.selected_with = l.budget;
+    if (st.ok() && l.policy.budget != l.policy.selected_with) {
+      st = Upload(*compute_, l.policy.head_k.data(), l.policy.budget.data(), l.policy.budget.size() * sizeof(int32_t));
+      l.policy.selected_with = l.policy.budget;
       *reselect = true;
     }
-    if (l.flags_changed) *reselect = true;
-    l.flags_changed = false;
+    if (l.policy.flags_changed) *reselect = true;
+    l.policy.flags_changed = false;
   }
   if (st.ok()) st = Park(*compute_);
   return st.ok() ? st : Fail(st);
@@ -202,14 +202,14 @@ absl::Status RetrieverImpl::ApplyPolicies(int32_t layer, bool* reselect) {
 absl::Status RetrieverImpl::UpdateFlags(int32_t layer) {
   LayerState& l = layers_[layer];
   policy::ResidencyPolicy* r = policies_.residency.get();
-  if (r == nullptr && l.dropped.empty()) return absl::OkStatus();
+  if (r == nullptr && l.host.dropped.empty()) return absl::OkStatus();
   const int32_t full = l.tokens / geometry_.page_size;
   for (int32_t h = 0; h < geometry_.num_kv_heads; ++h) {
-    uint8_t* row = &l.flags_mirror[static_cast<size_t>(h) * max_pages_];
+    uint8_t* row = &l.policy.flags_mirror[static_cast<size_t>(h) * max_pages_];
     bool changed = false;
     for (int32_t page = 0; page < full; ++page) {
       uint8_t f = kPageNormal;
-      if (!l.dropped.empty() && l.dropped[page] != 0) {
+      if (!l.host.dropped.empty() && l.host.dropped[page] != 0) {
         f = kPageExcluded;
       } else if (r != nullptr && r->Pinned(layer, h, page)) {
         f = kPagePinned;
@@ -218,16 +218,16 @@ absl::Status RetrieverImpl::UpdateFlags(int32_t layer) {
       row[page] = f;
     }
     if (!changed) continue;
-    l.flags_changed = true;
+    l.policy.flags_changed = true;
     KVTIER_RETURN_IF_ERROR(
-        Upload(*compute_, l.page_flags.as<uint8_t>() + static_cast<size_t>(h) * max_pages_, row, full));
+        Upload(*compute_, l.policy.page_flags.as<uint8_t>() + static_cast<size_t>(h) * max_pages_, row, full));
   }
   return absl::OkStatus();
 }
 
 absl::Status RetrieverImpl::Evict(int32_t layer) {
   LayerState& l = layers_[layer];
-  HeadSlotTable& t = *l.managed;
+  HeadSlotTable& t = *l.ws.managed;
   policy::ResidencyPolicy* r = policies_.residency.get();
   const int32_t p = geometry_.page_size;
   const int32_t total = (l.tokens + p - 1) / p;
@@ -246,7 +246,7 @@ absl::Status RetrieverImpl::Evict(int32_t layer) {
       const float score = r != nullptr ? r->Score(layer, h, page) : static_cast<float>(page);
       cand.push_back({score != score ? -std::numeric_limits<float>::infinity() : score, page});
     }
-    const int32_t keep = l.budget[h];
+    const int32_t keep = l.policy.budget[h];
     if (static_cast<int32_t>(cand.size()) <= keep) continue;
     const auto n = static_cast<ptrdiff_t>(cand.size()) - keep;
     std::partial_sort(cand.begin(), cand.begin() + n, cand.end(), [](const Cand& a, const Cand& b) {
@@ -257,15 +257,15 @@ absl::Status RetrieverImpl::Evict(int32_t layer) {
       if (r != nullptr) r->OnEvicted(layer, h, cand[i].page);
     }
     stats_.evicted_head_pages += n;
-    l.table_dirty = true;
+    l.ws.table_dirty = true;
   }
   return absl::OkStatus();
 }
 
 absl::Status RetrieverImpl::QuantizeOld(int32_t layer) {
   LayerState& l = layers_[layer];
-  if (l.slot_int8.size() <= 1) return absl::OkStatus();
-  HeadSlotTable& t = *l.managed;
+  if (l.ws.slot_int8.size() <= 1) return absl::OkStatus();
+  HeadSlotTable& t = *l.ws.managed;
   // Full pages older than the FP16 window of the newest int8.window_pages full pages; sinks
   // stay FP16.
   const int32_t older_than = l.tokens / geometry_.page_size - policies_.int8_window_pages;
@@ -284,17 +284,17 @@ absl::Status RetrieverImpl::QuantizeOld(int32_t layer) {
   auto a = SlabArgs<QuantizeSlotsArgs>(geometry_);
   a.items = static_cast<const HeadSlot*>(dev_items);
   a.num_items = static_cast<int32_t>(items.size());
-  a.k_cache = l.k_ws.data();
-  a.v_cache = l.v_ws.data();
+  a.k_cache = l.ws.k.data();
+  a.v_cache = l.ws.v.data();
   SetInt8Buffers(l, &a);
   a.num_slots = t.capacity();
-  l.table_dirty = true;  // the slot_int8 flags
+  l.ws.table_dirty = true;  // the slot_int8 flags
   return backend_.QuantizeSlots(*compute_, a);
 }
 
 absl::StatusOr<int32_t> RetrieverImpl::PlaceManaged(int32_t layer, int32_t page) {
   LayerState& l = layers_[layer];
-  HeadSlotTable& t = *l.managed;
+  HeadSlotTable& t = *l.ws.managed;
   int32_t most = 0;
   for (int32_t h = 0; h < geometry_.num_kv_heads; ++h) most = std::max(most, t.CountOf(h));
   // Give memory back once at most half of it is in use (after the first step evicted the
@@ -318,23 +318,23 @@ absl::StatusOr<int32_t> RetrieverImpl::PlaceManaged(int32_t layer, int32_t page)
 }
 
 absl::Status RetrieverImpl::CompactManaged(LayerState& l) {
-  std::vector<HeadSlotMove> moves = l.managed->Compact(/*fixed=*/-1);
+  std::vector<HeadSlotMove> moves = l.ws.managed->Compact(/*fixed=*/-1);
   if (moves.empty()) return absl::OkStatus();
   KVTIER_ASSIGN_OR_RETURN(void* dev_moves,
                           StageArgs(moves.data(), moves.size() * sizeof(HeadSlotMove)));
   auto a = SlabArgs<MoveHeadSlotsArgs>(geometry_);
   a.items = static_cast<const HeadSlotMove*>(dev_moves);
   a.num_items = static_cast<int32_t>(moves.size());
-  a.k_cache = l.k_ws.data();
-  a.v_cache = l.v_ws.data();
-  if (l.slot_int8.size() > 1) SetInt8Buffers(l, &a);
-  a.num_slots = l.managed->capacity();
-  l.table_dirty = true;
+  a.k_cache = l.ws.k.data();
+  a.v_cache = l.ws.v.data();
+  if (l.ws.slot_int8.size() > 1) SetInt8Buffers(l, &a);
+  a.num_slots = l.ws.managed->capacity();
+  l.ws.table_dirty = true;
   return backend_.MoveHeadSlots(*compute_, a);
 }
 
 absl::Status RetrieverImpl::ResizeManaged(LayerState& l, int32_t capacity) {
-  const int32_t old_cap = l.managed->capacity();
+  const int32_t old_cap = l.ws.managed->capacity();
   if (capacity == old_cap) return absl::OkStatus();
   const size_t keep = std::min(old_cap, capacity);
   const size_t hkv = geometry_.num_kv_heads;
@@ -350,22 +350,22 @@ absl::Status RetrieverImpl::ResizeManaged(LayerState& l, int32_t capacity) {
     staged_device_.push_back(std::exchange(*buf, std::move(fresh)));
     return absl::OkStatus();
   };
-  KVTIER_RETURN_IF_ERROR(grow(&l.k_ws, slot_elems * elem(), true));
-  KVTIER_RETURN_IF_ERROR(grow(&l.v_ws, slot_elems * elem(), true));
-  KVTIER_RETURN_IF_ERROR(grow(&l.table, hkv * sizeof(int32_t), false));
-  if (l.token_prob.data() != nullptr) {
+  KVTIER_RETURN_IF_ERROR(grow(&l.ws.k, slot_elems * elem(), true));
+  KVTIER_RETURN_IF_ERROR(grow(&l.ws.v, slot_elems * elem(), true));
+  KVTIER_RETURN_IF_ERROR(grow(&l.ws.table, hkv * sizeof(int32_t), false));
+  if (l.policy.token_prob.data() != nullptr) {
     KVTIER_RETURN_IF_ERROR(grow(
-        &l.token_prob, static_cast<size_t>(geometry_.num_q_heads) * geometry_.page_size * sizeof(float), false));
+        &l.policy.token_prob, static_cast<size_t>(geometry_.num_q_heads) * geometry_.page_size * sizeof(float), false));
   }
-  if (l.slot_int8.data() != nullptr) {
-    KVTIER_RETURN_IF_ERROR(grow(&l.slot_int8, hkv, false));
-    KVTIER_RETURN_IF_ERROR(grow(&l.k_int8, slot_elems, true));
-    KVTIER_RETURN_IF_ERROR(grow(&l.v_int8, slot_elems, true));
-    KVTIER_RETURN_IF_ERROR(grow(&l.k_scale, scale_bytes, true));
-    KVTIER_RETURN_IF_ERROR(grow(&l.v_scale, scale_bytes, true));
+  if (l.ws.slot_int8.data() != nullptr) {
+    KVTIER_RETURN_IF_ERROR(grow(&l.ws.slot_int8, hkv, false));
+    KVTIER_RETURN_IF_ERROR(grow(&l.ws.k_int8, slot_elems, true));
+    KVTIER_RETURN_IF_ERROR(grow(&l.ws.v_int8, slot_elems, true));
+    KVTIER_RETURN_IF_ERROR(grow(&l.ws.k_scale, scale_bytes, true));
+    KVTIER_RETURN_IF_ERROR(grow(&l.ws.v_scale, scale_bytes, true));
   }
-  l.managed->Resize(capacity);
-  l.table_dirty = true;
+  l.ws.managed->Resize(capacity);
+  l.ws.table_dirty = true;
   // The old buffers go once the copies out of them (and any attention still reading them)
   // have run: parked behind the next event on the compute stream.
   return Park(*compute_);
@@ -388,7 +388,7 @@ absl::Status RetrieverImpl::DropHostPages(int32_t layer, int64_t n) {
     const int32_t total = (c.tokens + p - 1) / p;
     const int32_t recent_lo = std::max(options_.sink_pages, total - options_.recent_pages);
     for (int32_t page = options_.sink_pages; page < recent_lo; ++page) {
-      if (c.host_page_mirror[page] < 0) continue;
+      if (c.host.page_of_mirror[page] < 0) continue;
       cand.push_back({li, page, policy::HostScore(policies_.residency.get(), li, page, geometry_.num_kv_heads),
                       policy::HostPinned(policies_.residency.get(), li, page, geometry_.num_kv_heads)});
     }
@@ -403,19 +403,19 @@ absl::Status RetrieverImpl::DropHostPages(int32_t layer, int64_t n) {
     cand.erase(cand.begin() + static_cast<ptrdiff_t>(*victim));
     LayerState& vl = layers_[v.layer];
     // A background recall may be reading the page: let it finish before the slot is reused.
-    if (vl.recall_in_flight) KVTIER_RETURN_IF_ERROR(vl.recall_done->Wait(options_.deadline));
-    KVTIER_RETURN_IF_ERROR(vl.host->Erase(v.page));
-    vl.host_page_mirror[v.page] = -1;
-    if (vl.dropped.empty()) vl.dropped.assign(max_pages_, 0);
-    vl.dropped[v.page] = 1;
-    KVTIER_RETURN_IF_ERROR(Upload(*compute_, vl.host_page_of.as<int64_t>() + v.page,
-                                  &vl.host_page_mirror[v.page], sizeof(int64_t)));
+    if (vl.recall.in_flight) KVTIER_RETURN_IF_ERROR(vl.recall.done->Wait(options_.deadline));
+    KVTIER_RETURN_IF_ERROR(vl.host.pages->Erase(v.page));
+    vl.host.page_of_mirror[v.page] = -1;
+    if (vl.host.dropped.empty()) vl.host.dropped.assign(max_pages_, 0);
+    vl.host.dropped[v.page] = 1;
+    KVTIER_RETURN_IF_ERROR(Upload(*compute_, vl.host.page_of.as<int64_t>() + v.page,
+                                  &vl.host.page_of_mirror[v.page], sizeof(int64_t)));
   }
   return Park(*compute_);
 }
 
 int64_t RetrieverImpl::ResidentHeadPages(const LayerState& l) const {
-  if (l.managed != nullptr) return l.managed->resident();
+  if (l.ws.managed != nullptr) return l.ws.managed->resident();
   const int32_t p = geometry_.page_size;
   const int64_t hkv = geometry_.num_kv_heads;
   const int32_t total = (l.tokens + p - 1) / p;
@@ -432,7 +432,7 @@ int64_t RetrieverImpl::ResidentHeadPages(const LayerState& l) const {
   const int32_t recent = std::min(total - sinks, options_.recent_pages);
   const int32_t cand = total - sinks - recent;
   int64_t selected = 0;
-  for (int32_t b : l.budget) selected += std::min(b, cand);
+  for (int32_t b : l.policy.budget) selected += std::min(b, cand);
   return (sinks + recent) * hkv + selected;
 }
 
@@ -441,7 +441,7 @@ void RetrieverImpl::FillPolicyStats(SequenceStats* st) const {
   int64_t int8 = 0;
   for (const LayerState& l : layers_) {
     resident += ResidentHeadPages(l);
-    if (l.managed != nullptr) int8 += l.managed->int8_resident();
+    if (l.ws.managed != nullptr) int8 += l.ws.managed->int8_resident();
   }
   const int64_t slab = geometry_.slab_elements();
   st->resident_head_pages = resident;
