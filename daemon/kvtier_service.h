@@ -1,5 +1,5 @@
 // KvTierService: kvtier.v1.KvTier on gRPC's callback API, a thin adapter over the
-// SessionManager (docs/architecture.md#processes, docs/architecture.md#errors-and-integrity; STYLE.md 8). Every method is registered raw (its
+// SessionManager (docs/architecture.md#processes, docs/architecture.md#errors-and-integrity). Every method is registered raw (its
 // messages arrive as bytes) so that the service, not gRPC, parses them: a request that does
 // not parse is INVALID_ARGUMENT naming the message type (and the field, for invalid UTF-8),
 // never a silent end of stream or an empty UNIMPLEMENTED. Each call then reads the caller

@@ -4,7 +4,7 @@
 // attention) and the policy ops (policy_ops.cu: INT8 quantisation of head-slots, head-slot
 // moves).
 //
-// Framework-free (STYLE.md 4), as copy_kernels.h: the op arguments of kernels/ops.h, whose
+// Framework-free, as copy_kernels.h: the op arguments of kernels/ops.h, whose
 // pointers must already be device-accessible (device memory, or the device view of
 // registered host memory), an error sink (device_error.h) for data-dependent errors (an
 // index out of range: the item is skipped and the first such error is reported) and a

@@ -2,7 +2,7 @@
 // recall.cu, its two halves gather/scatter slabs (through a staging buffer) in slabs.cu,
 // and offload (NHD → HND plus key summaries) in offload.cu.
 //
-// Framework-free (STYLE.md 4): the op arguments of kernels/ops.h, whose pointers must
+// Framework-free: the op arguments of kernels/ops.h, whose pointers must
 // already be device-accessible (device memory, or the device view of registered host
 // memory), an error sink (device_error.h) and a stream. The launchers never allocate and
 // never synchronise. Items out of range are skipped and reported through `sink`. Each

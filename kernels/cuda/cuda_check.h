@@ -1,4 +1,4 @@
-// The one place where CUDA runtime errors become absl::Status (STYLE.md 7, docs/architecture.md#errors-and-integrity),
+// The one place where CUDA runtime errors become absl::Status (docs/architecture.md#errors-and-integrity),
 // and a guard that makes one device current for the duration of a backend call.
 //
 // Only code in kernels/cuda/ includes this header. Thread-safe: pure functions, and a guard
