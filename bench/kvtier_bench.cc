@@ -140,7 +140,8 @@ int main(int argc, char** argv) {
   attn->add_option("--out", out, "also write the JSON report to this file");
 
   kvtier::bench::ReplayBenchOptions ro;
-  std::string taus = "0.9", recall = "auto", write_trace, rdtype = "fp16";
+  std::string taus = absl::StrCat(kvtier::kDefaultCorrectionThreshold), recall = "auto",
+              write_trace, rdtype = "fp16";
   bool no_sync = false, no_drop = false;
   auto* replay =
       app.add_subcommand("replay",

@@ -38,8 +38,8 @@ struct ReplayBenchOptions {
   // Replay only the first N layers (modest by default: every layer costs a host tier per
   // mode); 0 = all.
   int32_t layers = 4;
-  int32_t budget_tokens = 2048;      // working set: 1/4 sinks, 1/2 selected, 1/4 recent
-  std::vector<float> taus = {0.9f};  // speculative mode per τ; the first is "speculative"
+  int32_t budget_tokens = kDefaultBudgetTokens;  // working set: 1/4 sinks, 1/2 selected, 1/4 recent
+  std::vector<float> taus = {kDefaultCorrectionThreshold};  // speculative mode per τ; the first is "speculative"
   bool sync = true;                  // also run sync mode
   bool drop = true;                  // also run drop mode (sinks + sliding window, no host tier)
   RecallStrategy recall = RecallStrategy::kAuto;

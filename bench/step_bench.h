@@ -42,13 +42,13 @@ struct StepBenchOptions {
     return g;
   }();
   int32_t context = 32768;                // prefill tokens per sequence and layer
-  int32_t budget_tokens = 2048;           // working set (SequenceOptions::SetBudgetTokens)
+  int32_t budget_tokens = kDefaultBudgetTokens;  // working set (SequenceOptions::SetBudgetTokens)
   std::vector<int32_t> batches = {1, 8};  // decode batch sizes, each measured in turn
   int32_t steps = 32;                     // timed decode steps
   int32_t warmup = 4;                     // untimed decode steps before them
   double step_cosine = 0.95;              // cos(q_t, q_{t−1}) per query head without jumps
   double jump_probability = 0.02;         // per step, layer, sequence and KV head
-  float tau = 0.9f;                       // correction threshold (speculative mode)
+  float tau = kDefaultCorrectionThreshold;  // correction threshold (speculative mode)
   RecallStrategy recall = RecallStrategy::kAuto;
   bool sync = true;  // measure sync mode
   DeviceKind backend = DeviceKind::kCpu;

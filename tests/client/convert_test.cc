@@ -49,7 +49,7 @@ TEST(BuildOpenSessionRequestTest, CarriesEveryOption) {
   EXPECT_EQ(req->label(), "unit");
 }
 
-TEST(BuildOpenSessionRequestTest, DefaultRetrieverOptionsAreFreeKvsBudget) {
+TEST(BuildOpenSessionRequestTest, DefaultSequenceOptionsAreFreeKvsBudget) {
   SessionOptions o = SmallOptions();
   o.sequence = SequenceOptions();
   absl::StatusOr<v1::OpenSessionRequest> req = BuildOpenSessionRequest("a", o);

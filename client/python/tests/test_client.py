@@ -37,7 +37,7 @@ except ImportError as e:  # no grpcio, or the package was not generated
 TENANT = "py"
 TOKEN = "t0k"
 GEOMETRY = dict(num_layers=2, num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=32)
-BUDGET_TOKENS = 512  # a multiple of 4 pages (RetrieverOptions::SetBudgetTokens)
+BUDGET_TOKENS = 512  # a multiple of 4 pages (SequenceOptions::SetBudgetTokens)
 NUM_TOKENS = 200  # 6 full pages and a partial one
 START_TIMEOUT_S = 60.0
 
