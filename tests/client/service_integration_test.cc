@@ -178,6 +178,9 @@ TEST_F(ServiceTest, ShmAndGrpcSessionsGiveIdenticalWorkingSetsOutputsAndPages) {
   ASSERT_TRUE(grpc.ok()) << grpc.status();
   EXPECT_EQ((*shm)->transport(), Transport::kShm);
   EXPECT_EQ((*grpc)->transport(), Transport::kGrpc);
+  // SHM sessions own a local sequence; GRPC ones a remote sequence that has no local part.
+  EXPECT_NE((*shm)->sequence().local(), nullptr);
+  EXPECT_EQ((*grpc)->sequence().local(), nullptr);
 
   const SyntheticTrace trace(IntegrationTrace());
   const int32_t prefill = trace.options().prefill;
