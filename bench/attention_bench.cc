@@ -8,8 +8,8 @@
 
 #include "absl/strings/str_format.h"
 #include "bench/synthetic_kv.h"
-#include "kvtier/layout.h"
 #include "core/status.h"
+#include "kvtier/layout.h"
 
 namespace kvtier::bench {
 namespace {
@@ -343,7 +343,8 @@ absl::StatusOr<JsonObject> AttentionBench::Run(std::ostream& log) {
 
 absl::StatusOr<JsonObject> RunAttentionBench(const AttentionBenchOptions& o, std::ostream& log) {
   KVTIER_RETURN_IF_ERROR(CheckOptions(o));
-  KVTIER_ASSIGN_OR_RETURN(auto backend, CreateBackend(o.backend, DeviceOptions{.cpu_threads = o.threads}));
+  KVTIER_ASSIGN_OR_RETURN(auto backend,
+                          CreateBackend(o.backend, DeviceOptions{.cpu_threads = o.threads}));
   KVTIER_ASSIGN_OR_RETURN(auto stream, backend->CreateStream());
   AttentionBench bench(o, *backend, *stream);
   return bench.Run(log);

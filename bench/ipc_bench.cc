@@ -15,10 +15,10 @@
 #include "bench/redis_server.h"
 #include "bench/resp_client.h"
 #include "client/shm_attach.h"
+#include "core/status.h"
 #include "daemon/config.h"
 #include "daemon/daemon.h"
 #include "daemon/logging.h"
-#include "core/status.h"
 #include "kvtier/v1/kvtier.grpc.pb.h"
 #include "offload/session_region.h"
 

@@ -223,12 +223,12 @@ absl::Status PcieBench::Setup() {
 
   KVTIER_ASSIGN_OR_RETURN(backend_,
                           CreateBackend(o_.backend, DeviceOptions{.cpu_threads = o_.threads,
-                                                                   .cuda_device = o_.cuda_device}));
+                                                                  .cuda_device = o_.cuda_device}));
   KVTIER_ASSIGN_OR_RETURN(drive_, backend_->CreateStream());
   KVTIER_ASSIGN_OR_RETURN(xform_, backend_->CreateStream());
-  host_pages_ = o_.host_pages > 0                        ? o_.host_pages
+  host_pages_ = o_.host_pages > 0                       ? o_.host_pages
                 : backend_->kind() == DeviceKind::kCuda ? 4096
-                                                         : 1024;
+                                                        : 1024;
   if (host_pages_ < max_pages) {
     return bad(
         absl::StrFormat("--host-pages %d: need at least %d (the largest budget's pages "

@@ -15,8 +15,8 @@
 #include "bench/plot.h"
 #include "bench/replay_bench.h"
 #include "bench/synthetic_kv.h"
-#include "kernels/registry.h"
 #include "core/status.h"
+#include "kernels/registry.h"
 #include "offload/host_arena.h"
 #include "offload/page_pool.h"
 

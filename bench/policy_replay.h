@@ -1,5 +1,5 @@
-// `kvtier-bench replay --policies`: the policy sweep (docs/architecture.md#policies). One decode trace (the
-// synthetic one by default, or a trace file) is replayed through one Retriever per
+// `kvtier-bench replay --policies`: the policy sweep (docs/architecture.md#policies). One decode
+// trace (the synthetic one by default, or a trace file) is replayed through one Retriever per
 // (policy, budget), each on its own, and every run is scored against full mode (all KV
 // resident, the reference) on
 //   - memory: the working set's resident K+V bytes (SequenceStats::resident_bytes) after

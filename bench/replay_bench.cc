@@ -8,9 +8,9 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "bench/synthetic_kv.h"
+#include "core/status.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/registry.h"
-#include "core/status.h"
 
 namespace kvtier::bench {
 
@@ -210,8 +210,8 @@ absl::Status Replay::RunLayer(ModeRun& m, int32_t l, bool timed, double* us) {
   const absl::Time t1 = absl::Now();
   // Not timed: read back the output and the slot tables for the accuracy metrics.
   m.tables[l].resize(static_cast<size_t>(g_.num_kv_heads) * view.num_slots);
-  KVTIER_RETURN_IF_ERROR(backend_->Copy(r->compute_stream(), m.out_host[l].data(),
-                                        m.out[l].data(), m.out_host[l].size()));
+  KVTIER_RETURN_IF_ERROR(backend_->Copy(r->compute_stream(), m.out_host[l].data(), m.out[l].data(),
+                                        m.out_host[l].size()));
   KVTIER_RETURN_IF_ERROR(backend_->Copy(r->compute_stream(), m.tables[l].data(), view.slot_table,
                                         m.tables[l].size() * sizeof(int32_t)));
   KVTIER_RETURN_IF_ERROR(r->compute_stream().Record(*m.done));

@@ -39,7 +39,8 @@ struct ReplayBenchOptions {
   // mode); 0 = all.
   int32_t layers = 4;
   int32_t budget_tokens = kDefaultBudgetTokens;  // working set: 1/4 sinks, 1/2 selected, 1/4 recent
-  std::vector<float> taus = {kDefaultCorrectionThreshold};  // speculative mode per τ; the first is "speculative"
+  std::vector<float> taus = {
+      kDefaultCorrectionThreshold};  // speculative mode per τ; the first is "speculative"
   bool sync = true;                  // also run sync mode
   bool drop = true;                  // also run drop mode (sinks + sliding window, no host tier)
   RecallStrategy recall = RecallStrategy::kAuto;
@@ -51,8 +52,8 @@ struct ReplayBenchOptions {
   // this opens instead of a local sequence with a private host tier: the demo engine opens
   // kvtierd Sessions here (SHM: a local sequence over the daemon's arena; GRPC: a remote
   // one). Full and drop modes stay local. `name` is the mode's report name.
-  std::function<absl::StatusOr<std::unique_ptr<Session>>(
-      const std::string& name, const Geometry& g, const SequenceOptions& ro, Device& device)>
+  std::function<absl::StatusOr<std::unique_ptr<Session>>(const std::string& name, const Geometry& g,
+                                                         const SequenceOptions& ro, Device& device)>
       open_session;
 };
 

@@ -24,8 +24,8 @@
 #include "absl/strings/strip.h"
 #include "absl/time/time.h"
 #include "bench/synthetic_kv.h"
-#include "kvtier/dtype.h"
 #include "core/status.h"
+#include "kvtier/dtype.h"
 #include "offload/host_arena.h"
 #include "offload/page_pool.h"
 
@@ -229,7 +229,7 @@ absl::Status StepBench::Setup(std::ostream& log) {
         "--context, --batch or --layers",
         Bytes(double(host_need)), Bytes(double(pool_bytes_)),
         be_->kind() == DeviceKind::kCpu ? ", cpu backend buffers " + Bytes(double(device_bytes_))
-                                         : std::string(),
+                                        : std::string(),
         Bytes(double(avail))));
   }
   KVTIER_ASSIGN_OR_RETURN(compute_, be_->CreateStream());

@@ -13,8 +13,8 @@
 #include <cstring>
 
 #include "absl/strings/str_format.h"
-#include "kvtier/dtype.h"
 #include "core/status.h"
+#include "kvtier/dtype.h"
 
 namespace kvtier::bench {
 namespace {

@@ -10,8 +10,8 @@
 
 #include "absl/strings/str_format.h"
 #include "bench/trace.h"
-#include "kvtier/dtype.h"
 #include "core/status.h"
+#include "kvtier/dtype.h"
 
 namespace kvtier::bench {
 namespace {

@@ -9,11 +9,11 @@
 #include "absl/strings/str_format.h"
 #include "client/convert.h"
 #include "client/rpc_util.h"
+#include "core/status.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
 #include "kernels/registry.h"
-#include "core/status.h"
 #include "offload/session_region.h"
 
 namespace kvtier {

@@ -17,11 +17,11 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "client/shm_attach.h"
+#include "core/mutex.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
 #include "kernels/backend.h"
 #include "kvtier/client.h"
-#include "core/mutex.h"
 #include "kvtier/v1/kvtier.grpc.pb.h"
 #include "offload/host_arena.h"
 

@@ -59,7 +59,7 @@ absl::StatusOr<v1::OpenSessionRequest> BuildOpenSessionRequest(std::string_view 
 }
 
 absl::StatusOr<SequenceOptions> ResolveSequenceOptions(const SequenceOptions& local,
-                                                         const SessionInfo& info) {
+                                                       const SessionInfo& info) {
   SequenceOptions o = local;
   o.mode = info.mode;
   if (info.budget_tokens != 0) {

@@ -31,7 +31,7 @@ absl::StatusOr<v1::OpenSessionRequest> BuildOpenSessionRequest(std::string_view 
 // max_tokens and τ from `info`, everything else from `local`. INTERNAL when the resolved
 // budget cannot be split (a daemon bug, reported as such).
 absl::StatusOr<SequenceOptions> ResolveSequenceOptions(const SequenceOptions& local,
-                                                         const SessionInfo& info);
+                                                       const SessionInfo& info);
 
 absl::StatusOr<SessionInfo> SessionInfoFromProto(const v1::SessionInfo& info);
 Capabilities CapabilitiesFromHello(const v1::HelloReply& reply);

@@ -1,6 +1,6 @@
 // The gRPC edge of libkvtier: target parsing, the one status mapping between gRPC and absl
-// (docs/architecture.md#errors-and-integrity: canonical codes map one-to-one), and the per-call context every request
-// carries (tenant metadata and a deadline).
+// (docs/architecture.md#errors-and-integrity: canonical codes map one-to-one), and the per-call
+// context every request carries (tenant metadata and a deadline).
 //
 // Thread-safe: pure functions.
 #ifndef KVTIER_CLIENT_RPC_UTIL_H_

@@ -199,8 +199,7 @@ absl::Status RemoteSequence::Append(int32_t layer, const void* k, const void* v,
   return absl::OkStatus();
 }
 
-absl::Status RemoteSequence::KeepStep(int32_t layer, const v1::StepReply& reply,
-                                      bool want_output) {
+absl::Status RemoteSequence::KeepStep(int32_t layer, const v1::StepReply& reply, bool want_output) {
   const Geometry& g = info_.geometry;
   const int64_t slots = reply.num_slots();
   if (slots < 1 || reply.slot_table_size() != g.num_kv_heads * slots) {

@@ -61,7 +61,7 @@ class ShmSession final : public Session {
   std::shared_ptr<ArenaMapping> mapping_;  // outlives everything below
   const SessionInfo info_;
   const SessionOptions options_;
-  std::optional<SessionRegion> region_;    // the daemon's readers' view (FetchPages)
+  std::optional<SessionRegion> region_;   // the daemon's readers' view (FetchPages)
   std::unique_ptr<Retriever> retriever_;  // owns the region's host tier
   bool closed_ = false;
 };

@@ -18,8 +18,8 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_format.h"
-#include "kvtier/client.h"
 #include "core/status.h"
+#include "kvtier/client.h"
 #include "kvtier/v1/kvtier.pb.h"
 #include "offload/session_region.h"
 

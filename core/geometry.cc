@@ -6,8 +6,7 @@ namespace kvtier {
 namespace {
 
 absl::Status OutOfRange(const char* field, int64_t value, const char* rule) {
-  return absl::InvalidArgumentError(
-      absl::StrFormat("geometry.%s = %d: %s", field, value, rule));
+  return absl::InvalidArgumentError(absl::StrFormat("geometry.%s = %d: %s", field, value, rule));
 }
 
 bool IsPowerOfTwo(int32_t x) { return x > 0 && (x & (x - 1)) == 0; }
@@ -51,8 +50,8 @@ absl::Status Geometry::Validate() const {
 }
 
 std::string Geometry::ToString() const {
-  return absl::StrFormat("L=%d Hq=%d Hkv=%d d=%d p=%d %s", num_layers, num_q_heads,
-                         num_kv_heads, head_dim, page_size, DTypeName(dtype));
+  return absl::StrFormat("L=%d Hq=%d Hkv=%d d=%d p=%d %s", num_layers, num_q_heads, num_kv_heads,
+                         head_dim, page_size, DTypeName(dtype));
 }
 
 Geometry Llama31_8B() {

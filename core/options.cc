@@ -1,11 +1,12 @@
 // The names and small methods of the public vocabulary (include/kvtier: options.h,
 // device.h, protocol.h).
+#include "kvtier/options.h"
+
 #include <string_view>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_format.h"
 #include "kvtier/device.h"
-#include "kvtier/options.h"
 #include "kvtier/protocol.h"
 
 namespace kvtier {

@@ -16,10 +16,10 @@
 #define KVTIER_STATUS_CONCAT_(a, b) KVTIER_STATUS_CONCAT_INNER_(a, b)
 
 // Returns from the enclosing function if `expr` (an absl::Status) is not OK.
-#define KVTIER_RETURN_IF_ERROR(expr)                   \
-  do {                                                 \
-    ::absl::Status kvtier_status_ = (expr);            \
-    if (!kvtier_status_.ok()) return kvtier_status_;   \
+#define KVTIER_RETURN_IF_ERROR(expr)                 \
+  do {                                               \
+    ::absl::Status kvtier_status_ = (expr);          \
+    if (!kvtier_status_.ok()) return kvtier_status_; \
   } while (0)
 
 // `lhs = value of rexpr` when rexpr (an absl::StatusOr) is OK, else returns its status.
@@ -32,13 +32,12 @@
   lhs = std::move(statusor).value()
 
 // Aborts with file:line when an internal invariant is broken. Not for input validation.
-#define KVTIER_CHECK(cond)                                                          \
-  do {                                                                              \
-    if (!(cond)) {                                                                  \
-      std::fprintf(stderr, "%s:%d: KVTIER_CHECK failed: %s\n", __FILE__, __LINE__, \
-                   #cond);                                                          \
-      std::abort();                                                                 \
-    }                                                                               \
+#define KVTIER_CHECK(cond)                                                                 \
+  do {                                                                                     \
+    if (!(cond)) {                                                                         \
+      std::fprintf(stderr, "%s:%d: KVTIER_CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
+      std::abort();                                                                        \
+    }                                                                                      \
   } while (0)
 
 #endif  // KVTIER_CORE_STATUS_H_

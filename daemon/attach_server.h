@@ -1,5 +1,5 @@
-// AttachServer: the daemon's shared-memory attach socket (docs/architecture.md#processes). A local engine
-// connects to this Unix socket and sends one length-prefixed kvtier.v1.AttachRequest
+// AttachServer: the daemon's shared-memory attach socket (docs/architecture.md#processes). A local
+// engine connects to this Unix socket and sends one length-prefixed kvtier.v1.AttachRequest
 // (tenant, token); the server reads the peer's credentials with SO_PEERCRED, asks the
 // authorizer, and answers one length-prefixed AttachReply — with the tenant arena's memfd
 // attached as SCM_RIGHTS when the answer is OK, or the refusal's code and message (the

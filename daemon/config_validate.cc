@@ -21,9 +21,9 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/status.h"
 #include "daemon/config.h"
 #include "kvtier/geometry.h"
-#include "core/status.h"
 #include "offload/host_arena.h"
 
 namespace kvtier::daemon {

@@ -22,6 +22,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "core/status.h"
 #include "daemon/attach_server.h"
 #include "daemon/kvtier_service.h"
 #include "daemon/logging.h"
@@ -33,7 +34,6 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
-#include "core/status.h"
 #include "kvtier/v1/kvtier.grpc.pb.h"
 #include "spdlog/spdlog.h"
 

@@ -1,7 +1,7 @@
-// Daemon: kvtierd's running parts put together (docs/architecture.md#processes) — the SessionManager (tenants,
-// arenas, sessions), the gRPC server (kvtier.v1.KvTier, the standard health service and reflection)
-// on a Unix socket and optionally TCP, and the shared-memory attach socket. kvtierd's main() is
-// Start, wait for SIGTERM, Shutdown; tests run it in-process.
+// Daemon: kvtierd's running parts put together (docs/architecture.md#processes) — the
+// SessionManager (tenants, arenas, sessions), the gRPC server (kvtier.v1.KvTier, the standard
+// health service and reflection) on a Unix socket and optionally TCP, and the shared-memory attach
+// socket. kvtierd's main() is Start, wait for SIGTERM, Shutdown; tests run it in-process.
 //
 // Start-up order: validate and resolve paths (config.h ResolvePaths), make sure neither socket path
 // belongs to a live daemon (a stale socket file is replaced), create the tenants' arenas, serve
@@ -21,8 +21,8 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "daemon/config.h"
 #include "core/mutex.h"
+#include "daemon/config.h"
 
 namespace grpc {
 class Server;

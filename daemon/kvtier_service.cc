@@ -13,10 +13,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "core/status.h"
 #include "daemon/logging.h"
 #include "google/protobuf/stubs/logging.h"
 #include "grpcpp/support/proto_buffer_reader.h"
-#include "core/status.h"
 #include "spdlog/spdlog.h"
 
 #ifndef KVTIER_VERSION_STRING

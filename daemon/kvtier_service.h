@@ -1,9 +1,9 @@
 // KvTierService: kvtier.v1.KvTier on gRPC's callback API, a thin adapter over the
-// SessionManager (docs/architecture.md#processes, docs/architecture.md#errors-and-integrity). Every method is registered raw (its
-// messages arrive as bytes) so that the service, not gRPC, parses them: a request that does
-// not parse is INVALID_ARGUMENT naming the message type (and the field, for invalid UTF-8),
-// never a silent end of stream or an empty UNIMPLEMENTED. Each call then reads the caller
-// from the request metadata (x-kvtier-tenant, x-kvtier-token), takes one of the tenant's
+// SessionManager (docs/architecture.md#processes, docs/architecture.md#errors-and-integrity). Every
+// method is registered raw (its messages arrive as bytes) so that the service, not gRPC, parses
+// them: a request that does not parse is INVALID_ARGUMENT naming the message type (and the field,
+// for invalid UTF-8), never a silent end of stream or an empty UNIMPLEMENTED. Each call then reads
+// the caller from the request metadata (x-kvtier-tenant, x-kvtier-token), takes one of the tenant's
 // in-flight slots, sets the caller's deadline (the call's, less server.deadline_margin) and
 // cancellation, calls one SessionManager method and maps its absl::Status one-to-one onto a
 // grpc::Status, sending the status's trailers (caller.h) as trailing metadata.
@@ -28,11 +28,11 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "core/mutex.h"
 #include "daemon/config.h"
 #include "daemon/session_manager.h"
 #include "daemon/work_queue.h"
 #include "grpcpp/grpcpp.h"
-#include "core/mutex.h"
 #include "kvtier/v1/kvtier.grpc.pb.h"
 #include "proto/convert.h"
 

@@ -21,8 +21,8 @@
 #include "absl/status/status.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "daemon/config.h"
 #include "core/mutex.h"
+#include "daemon/config.h"
 #include "spdlog/spdlog.h"
 
 namespace kvtier::daemon {

@@ -12,9 +12,9 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "core/status.h"
 #include "daemon/logging.h"
 #include "kernels/registry.h"
-#include "core/status.h"
 #include "offload/policy/config.h"
 #include "spdlog/spdlog.h"
 
@@ -297,8 +297,7 @@ absl::StatusOr<SessionSpec> SessionManager::ResolveSpec(const Caller& caller,
         spec.max_pages(), max_tokens, g.page_size,
         int64_t{spec.sequence.selected_pages} * g.page_size));
   }
-  spec.sequence.correction_threshold =
-      p.correction_threshold.value_or(kDefaultCorrectionThreshold);
+  spec.sequence.correction_threshold = p.correction_threshold.value_or(kDefaultCorrectionThreshold);
   // τ is compared with a mean cosine, which lies in [-1, 1]: -1 never corrects, 1 always.
   const float tau = spec.sequence.correction_threshold;
   if (!(tau >= -1.0f && tau <= 1.0f)) {
@@ -454,8 +453,7 @@ absl::StatusOr<SessionRecord> SessionManager::DoOpenSession(const Caller& caller
   LogLimited(spdlog::level::info, "session opened",
              "session {} opened: tenant '{}', {} {}, {} {} tokens per layer, budget {}, "
              "region {} bytes at {}",
-             id, r.spec.tenant, r.spec.geometry.ToString(),
-             RetrievalModeName(r.spec.sequence.mode),
+             id, r.spec.tenant, r.spec.geometry.ToString(), RetrievalModeName(r.spec.sequence.mode),
              r.spec.transport == Transport::kGrpc ? "GRPC" : "SHM", r.spec.sequence.max_tokens,
              r.spec.budget_tokens, r.region_bytes, r.region_offset);
   return r;

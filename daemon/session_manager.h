@@ -1,7 +1,8 @@
-// SessionManager: kvtierd's domain logic (docs/architecture.md#processes, docs/architecture.md#errors-and-integrity). It owns the tenants (their
-// arenas), the sessions and the CPU backend of GRPC sessions, and has one method per RPC of
-// kvtier.v1.KvTier; the gRPC service (kvtier_service.h) only converts protos and maps
-// statuses, and the attach socket asks AuthorizeAttach.
+// SessionManager: kvtierd's domain logic (docs/architecture.md#processes,
+// docs/architecture.md#errors-and-integrity). It owns the tenants (their arenas), the sessions and
+// the CPU backend of GRPC sessions, and has one method per RPC of kvtier.v1.KvTier; the gRPC
+// service (kvtier_service.h) only converts protos and maps statuses, and the attach socket asks
+// AuthorizeAttach.
 //
 // Every call runs as an authenticated Caller (Authenticate; caller.h), holds one of its
 // tenant's in-flight call slots while it runs (Admit), may touch only its own tenant's
@@ -33,14 +34,14 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "kvtier/options.h"
+#include "core/mutex.h"
 #include "daemon/attach_server.h"
 #include "daemon/caller.h"
 #include "daemon/config.h"
 #include "daemon/tenant.h"
 #include "daemon/tenant_session.h"
 #include "kernels/backend.h"
-#include "core/mutex.h"
+#include "kvtier/options.h"
 
 namespace kvtier::daemon {
 

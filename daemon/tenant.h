@@ -1,7 +1,7 @@
-// Tenant: one isolated slice of kvtierd's host tier (docs/architecture.md#processes): a shared-memory arena
-// (memfd, hugepages and NUMA binding per its TenantConfig) and a first-fit allocator that
-// carves session regions out of it. The arena's size is the tenant's quota, and it covers
-// both the session regions and the memory the daemon itself uses for the tenant's GRPC
+// Tenant: one isolated slice of kvtierd's host tier (docs/architecture.md#processes): a
+// shared-memory arena (memfd, hugepages and NUMA binding per its TenantConfig) and a first-fit
+// allocator that carves session regions out of it. The arena's size is the tenant's quota, and it
+// covers both the session regions and the memory the daemon itself uses for the tenant's GRPC
 // sessions (their Retrievers' working sets and summaries, staged Offload chunks), which is
 // charged through the MemoryBudget interface. A region or a charge that does not fit is
 // refused with RESOURCE_EXHAUSTED saying what it needed and what is free.
@@ -23,9 +23,9 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "core/mutex.h"
 #include "daemon/config.h"
 #include "kernels/budgeted_backend.h"
-#include "core/mutex.h"
 #include "offload/host_arena.h"
 
 namespace kvtier::daemon {

@@ -6,9 +6,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "core/status.h"
 #include "kernels/budgeted_backend.h"
 #include "offload/region_host_tier.h"
-#include "core/status.h"
 #include "spdlog/spdlog.h"
 
 namespace kvtier::daemon {
@@ -28,9 +28,9 @@ absl::StatusOr<std::shared_ptr<TenantSession>> TenantSession::Create(
   if (grpc) {
     MutexLock lock(&s->mu_);
     // The daemon owns the region: its commits are never fenced (nullopt epoch).
-    KVTIER_ASSIGN_OR_RETURN(s->retriever_,
-                            OpenRegionRetriever(region, std::nullopt, s->spec_.sequence,
-                                                *s->backend_, /*restore=*/false));
+    KVTIER_ASSIGN_OR_RETURN(
+        s->retriever_, OpenRegionRetriever(region, std::nullopt, s->spec_.sequence, *s->backend_,
+                                           /*restore=*/false));
   }
   return s;
 }

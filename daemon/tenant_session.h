@@ -1,5 +1,5 @@
-// TenantSession: one session of kvtierd (docs/architecture.md#processes) — its region of the tenant arena
-// (offload/session_region.h) and, for GRPC sessions, the daemon-side Retriever on the CPU
+// TenantSession: one session of kvtierd (docs/architecture.md#processes) — its region of the tenant
+// arena (offload/session_region.h) and, for GRPC sessions, the daemon-side Retriever on the CPU
 // backend over a PagePool of the region's slots. The SessionManager validates requests,
 // resolves the parameters and checks who may call; this class runs the session's share of
 // each call: apply offloaded tokens and commit their pages, read committed pages, run a
@@ -24,14 +24,14 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "core/mutex.h"
 #include "daemon/caller.h"
 #include "daemon/tenant.h"
 #include "kernels/backend.h"
-#include "kvtier/protocol.h"
 #include "kvtier/geometry.h"
-#include "core/mutex.h"
-#include "offload/retriever.h"
+#include "kvtier/protocol.h"
 #include "offload/page_pool.h"
+#include "offload/retriever.h"
 #include "offload/session_region.h"
 
 namespace kvtier::daemon {

@@ -4,8 +4,8 @@
 
 #include <algorithm>
 
-#include "kvtier/layout.h"
 #include "core/status.h"
+#include "kvtier/layout.h"
 
 namespace kvtier {
 

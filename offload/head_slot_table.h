@@ -1,7 +1,7 @@
 // HeadSlotTable: the host-side bookkeeping of a drop-mode working set whose pages policies
-// evict per KV head (docs/architecture.md#policies; KV-Compress's per-head blocks). A slot holds one page of
-// p tokens for every KV head, but each head's part of a slot may hold a different logical
-// page (the slot table is per head), so heads keep different pages and different numbers of
+// evict per KV head (docs/architecture.md#policies; KV-Compress's per-head blocks). A slot holds
+// one page of p tokens for every KV head, but each head's part of a slot may hold a different
+// logical page (the slot table is per head), so heads keep different pages and different numbers of
 // pages. A new page needs a slot that is free in every head (Append writes all heads of a
 // token at once); Compact moves heads' pages down so that the free parts line up into whole
 // free slots at the end, which Resize can then give back to the backend.

@@ -1,8 +1,8 @@
 // HostArena: one memfd-backed MAP_SHARED mapping that holds a tenant's host tier
-// (docs/architecture.md#processes, docs/architecture.md#errors-and-integrity). The daemon creates it — on 2 MiB hugepages when the host has them,
-// bound to a NUMA node, prefaulted and locked — and passes fd() to local clients, which map
-// the same memory with Map(). The file is sealed against shrinking and growing, so a client
-// cannot truncate it under the daemon.
+// (docs/architecture.md#processes, docs/architecture.md#errors-and-integrity). The daemon creates
+// it — on 2 MiB hugepages when the host has them, bound to a NUMA node, prefaulted and locked — and
+// passes fd() to local clients, which map the same memory with Map(). The file is sealed against
+// shrinking and growing, so a client cannot truncate it under the daemon.
 //
 // Every choice the host could limit (hugepages, NUMA binding, mlock) is best effort unless
 // the options require it, and report() says what happened and what to change.

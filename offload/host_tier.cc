@@ -30,8 +30,7 @@ absl::StatusOr<std::unique_ptr<HostTier>> NewOwnedHostTier(const Geometry& geome
                                                            int32_t max_tokens, Backend& backend) {
   KVTIER_RETURN_IF_ERROR(geometry.Validate());
   if (max_tokens < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("max_tokens = %d must be >= 1", max_tokens));
+    return absl::InvalidArgumentError(absl::StrFormat("max_tokens = %d must be >= 1", max_tokens));
   }
   const int64_t pages =
       int64_t{geometry.num_layers} * ((max_tokens + geometry.page_size - 1) / geometry.page_size);

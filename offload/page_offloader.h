@@ -1,6 +1,7 @@
-// Offload of full pages from the engine's NHD KV buffers into the host tier (docs/architecture.md#the-decode-step
-// step 1): host pages are allocated from a PagePool, the NHD → HND transpose and the key
-// summaries run as Backend::Offload, and the pages enter the sequence's PageTable.
+// Offload of full pages from the engine's NHD KV buffers into the host tier
+// (docs/architecture.md#the-decode-step step 1): host pages are allocated from a PagePool, the NHD
+// → HND transpose and the key summaries run as Backend::Offload, and the pages enter the sequence's
+// PageTable.
 //
 // Planning is a pure function (PlanOffload); PageOffloader executes: it validates the whole
 // request first, allocates every page before it touches the table, and inserts the pages

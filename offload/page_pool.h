@@ -1,8 +1,9 @@
 // PagePool: a fixed-size slot allocator over a range of memory (normally a HostArena), the
-// storage of host pages (docs/architecture.md#processes, docs/architecture.md#geometry-and-layouts). Allocation and free are O(1) through a free
-// stack; freed slots are reused LIFO (the most recently freed slot is still warm in cache
-// and TLB). Every allocation increments the slot's generation, so a stale reference to a
-// slot that was freed and reused can be detected (IsLive).
+// storage of host pages (docs/architecture.md#processes,
+// docs/architecture.md#geometry-and-layouts). Allocation and free are O(1) through a free stack;
+// freed slots are reused LIFO (the most recently freed slot is still warm in cache and TLB). Every
+// allocation increments the slot's generation, so a stale reference to a slot that was freed and
+// reused can be detected (IsLive).
 //
 // Memory comes back as move-only PageHandles that free their slot when destroyed, so a
 // slot cannot be freed twice. The pool owns no memory: the range must outlive the pool,

@@ -1,7 +1,7 @@
 // PageTable: the host-tier page table of one (sequence, layer): logical page index → the
-// pool slot holding that page (HND, docs/architecture.md#geometry-and-layouts) and the slot's generation. The table owns
-// the pages' PageHandles, so erasing an entry, clearing or destroying the table frees its
-// slots. Entries are plain integers, no device types.
+// pool slot holding that page (HND, docs/architecture.md#geometry-and-layouts) and the slot's
+// generation. The table owns the pages' PageHandles, so erasing an entry, clearing or destroying
+// the table frees its slots. Entries are plain integers, no device types.
 //
 // A PageEntry copied out of the table (into a recall plan, say) can go stale when its page
 // is erased and the slot reused; IsCurrent(entry) tells, by comparing generations.

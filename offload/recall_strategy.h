@@ -1,6 +1,6 @@
-// Recall strategies (docs/architecture.md#backends): three ways of moving selected (page, KV head) slabs from
-// the host tier (HND pages in registered host memory) into a layer's NHD working set, all
-// bit-exact and interchangeable:
+// Recall strategies (docs/architecture.md#backends): three ways of moving selected (page, KV head)
+// slabs from the host tier (HND pages in registered host memory) into a layer's NHD working set,
+// all bit-exact and interchangeable:
 //
 //   kSlabDma     one DMA per (page, head) K+V slab (16 KiB at p = 32, d = 128, fp16) into a
 //                double-buffered staging buffer; the HND → NHD transform (ScatterSlabs) of

@@ -10,9 +10,9 @@ namespace kvtier {
 
 absl::StatusOr<std::unique_ptr<RegionHostTier>> RegionHostTier::Create(
     SessionRegion region, std::optional<uint64_t> epoch) {
-  KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<PagePool> pool,
-                          PagePool::Create(region.slots(), region.geometry().host_page_bytes(),
-                                           region.num_slots()));
+  KVTIER_ASSIGN_OR_RETURN(
+      std::unique_ptr<PagePool> pool,
+      PagePool::Create(region.slots(), region.geometry().host_page_bytes(), region.num_slots()));
   if (pool->slot_stride() != region.slot_stride()) {
     return absl::InternalError(absl::StrFormat("page pool stride %d != region slot stride %d",
                                                pool->slot_stride(), region.slot_stride()));
@@ -25,9 +25,9 @@ absl::Status RegionHostTier::Commit(std::span<const StoredPage> pages) {
     const uint64_t epoch = epoch_.has_value() ? *epoch_ : region_.epoch();
     absl::Status st = region_.Commit(p.layer, p.page, p.slot, p.generation, epoch);
     if (!st.ok()) {
-      refused_ = absl::Status(st.code(),
-                              absl::StrFormat("commit of layer %d page %d (epoch %d) refused: %s",
-                                              p.layer, p.page, epoch, st.message()));
+      refused_ = absl::Status(
+          st.code(), absl::StrFormat("commit of layer %d page %d (epoch %d) refused: %s", p.layer,
+                                     p.page, epoch, st.message()));
       return refused_;
     }
   }

@@ -32,15 +32,14 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "kvtier/layout.h"
 #include "core/mutex.h"
 #include "core/status.h"
 #include "kernels/registry.h"
+#include "kvtier/layout.h"
 #include "offload/host_tier.h"
 #include "offload/retriever_impl.h"
 
 namespace kvtier {
-
 
 namespace retriever_internal {
 
@@ -55,7 +54,8 @@ int32_t RetrieverImpl::SlotOf(int64_t logical) const {
     case RetrievalMode::kSpeculative:
     case RetrievalMode::kSync:
       return logical < s ? static_cast<int32_t>(logical)
-                         : s + selected_pages() + static_cast<int32_t>((logical - s) % options_.recent_pages);
+                         : s + selected_pages() +
+                               static_cast<int32_t>((logical - s) % options_.recent_pages);
   }
   return -1;
 }
@@ -85,7 +85,8 @@ absl::Status RetrieverImpl::Init() {
   KVTIER_RETURN_IF_ERROR(geometry_.Validate());
   const auto bad = [](std::string msg) { return absl::InvalidArgumentError(std::move(msg)); };
   if (options_.max_tokens <= 0 || options_.max_tokens > (1 << 30)) {
-    return bad(absl::StrFormat("sequence.max_tokens = %d: must be in [1, 2^30]", options_.max_tokens));
+    return bad(
+        absl::StrFormat("sequence.max_tokens = %d: must be in [1, 2^30]", options_.max_tokens));
   }
   max_pages_ = (options_.max_tokens + geometry_.page_size - 1) / geometry_.page_size;
   if (options_.sink_pages < 0 || options_.selected_pages < 0 || options_.recent_pages < 1) {
@@ -97,7 +98,8 @@ absl::Status RetrieverImpl::Init() {
   if (options_.mode == RetrievalMode::kFull) {
     slots_per_layer_ = max_pages_;
   } else {
-    const int64_t s = int64_t{options_.sink_pages} + options_.selected_pages + options_.recent_pages;
+    const int64_t s =
+        int64_t{options_.sink_pages} + options_.selected_pages + options_.recent_pages;
     if (s > kMaxSlots) {
       return bad(absl::StrFormat("sequence budget = %d pages: must be at most %d", s, kMaxSlots));
     }
@@ -110,8 +112,10 @@ absl::Status RetrieverImpl::Init() {
         "sequence selected_pages = %d (budget %d tokens: sink %d + selected %d + recent %d "
         "pages) exceeds the %d pages a layer holds (max_tokens = %d at page_size %d)",
         options_.selected_pages,
-        (int64_t{options_.sink_pages} + options_.selected_pages + options_.recent_pages) * geometry_.page_size,
-        options_.sink_pages, options_.selected_pages, options_.recent_pages, max_pages_, options_.max_tokens, geometry_.page_size));
+        (int64_t{options_.sink_pages} + options_.selected_pages + options_.recent_pages) *
+            geometry_.page_size,
+        options_.sink_pages, options_.selected_pages, options_.recent_pages, max_pages_,
+        options_.max_tokens, geometry_.page_size));
   }
   KVTIER_RETURN_IF_ERROR(InitPolicies());
   if (!(options_.correction_threshold == options_.correction_threshold)) {
@@ -123,11 +127,12 @@ absl::Status RetrieverImpl::Init() {
   }
   if (options_.deadline <= absl::ZeroDuration()) return bad("sequence.deadline must be positive");
   if (!(options_.softmax_scale >= 0.0f)) return bad("sequence.softmax_scale must be >= 0");
-  scale_ = options_.softmax_scale > 0 ? options_.softmax_scale : 1.0f / std::sqrt(float(geometry_.head_dim));
+  scale_ = options_.softmax_scale > 0 ? options_.softmax_scale
+                                      : 1.0f / std::sqrt(float(geometry_.head_dim));
   if (has_host_tier()) {
     if (pool_ == nullptr) {
-      return bad(
-          absl::StrFormat("sequence mode %s needs a host page pool", RetrievalModeName(options_.mode)));
+      return bad(absl::StrFormat("sequence mode %s needs a host page pool",
+                                 RetrievalModeName(options_.mode)));
     }
     KVTIER_ASSIGN_OR_RETURN(offloader_, PageOffloader::Create(geometry_, backend_, *pool_));
   }
@@ -159,7 +164,8 @@ absl::Status RetrieverImpl::Init() {
   stats_.corrections.assign(static_cast<size_t>(geometry_.num_layers) * hkv, 0);
   const bool managed = options_.mode == RetrievalMode::kDrop && policies_on();
   for (LayerState& l : layers_) {
-    if (managed) l.ws.managed = std::make_unique<HeadSlotTable>(geometry_.num_kv_heads, min_capacity_);
+    if (managed)
+      l.ws.managed = std::make_unique<HeadSlotTable>(geometry_.num_kv_heads, min_capacity_);
     const int32_t slots = Slots(l);
     KVTIER_RETURN_IF_ERROR(Allocate(&l.ws.k, slots * slot_bytes));
     KVTIER_RETURN_IF_ERROR(Allocate(&l.ws.v, slots * slot_bytes));
@@ -168,8 +174,10 @@ absl::Status RetrieverImpl::Init() {
     KVTIER_RETURN_IF_ERROR(Allocate(&l.select.q_cur, q_bytes()));
     KVTIER_RETURN_IF_ERROR(Allocate(&l.select.q_prev, q_bytes()));
     if (select) {
-      KVTIER_RETURN_IF_ERROR(Allocate(&l.host.summaries, static_cast<size_t>(max_pages_) * geometry_.summary_bytes()));
-      KVTIER_RETURN_IF_ERROR(Allocate(&l.host.page_of, static_cast<size_t>(max_pages_) * sizeof(int64_t)));
+      KVTIER_RETURN_IF_ERROR(
+          Allocate(&l.host.summaries, static_cast<size_t>(max_pages_) * geometry_.summary_bytes()));
+      KVTIER_RETURN_IF_ERROR(
+          Allocate(&l.host.page_of, static_cast<size_t>(max_pages_) * sizeof(int64_t)));
       KVTIER_RETURN_IF_ERROR(Allocate(&l.select.pooled, hkv * max_pages_ * sizeof(float)));
       KVTIER_RETURN_IF_ERROR(Allocate(&l.select.selected, hkv * kk * sizeof(int32_t)));
       KVTIER_RETURN_IF_ERROR(Allocate(&l.select.items, hkv * kk * sizeof(RecallItem)));
@@ -177,9 +185,10 @@ absl::Status RetrieverImpl::Init() {
       KVTIER_RETURN_IF_ERROR(Allocate(&l.select.drifted, hkv));
       KVTIER_RETURN_IF_ERROR(Allocate(&l.select.group_mean, hkv * sizeof(float)));
       if (dma()) {
-        KVTIER_ASSIGN_OR_RETURN(l.recall.recaller, SlabRecaller::Create(backend_, geometry_, strategy_,
-                                                                 static_cast<int32_t>(hkv * kk),
-                                                                 options_.stream_chunk_items));
+        KVTIER_ASSIGN_OR_RETURN(
+            l.recall.recaller,
+            SlabRecaller::Create(backend_, geometry_, strategy_, static_cast<int32_t>(hkv * kk),
+                                 options_.stream_chunk_items));
       }
       l.host.pages = std::make_unique<PageTable>(*pool_);
       l.host.page_of_mirror.assign(max_pages_, -1);
@@ -190,11 +199,13 @@ absl::Status RetrieverImpl::Init() {
     // Empty slot tables (0xFF bytes = −1), zero counts, zero previous query (cosine 0).
     KVTIER_RETURN_IF_ERROR(backend_.Memset(*compute_, l.ws.table.data(), 0xFF, l.ws.table.size()));
     KVTIER_RETURN_IF_ERROR(backend_.Memset(*compute_, l.ws.counts.data(), 0, l.ws.counts.size()));
-    KVTIER_RETURN_IF_ERROR(backend_.Memset(*compute_, l.select.q_prev.data(), 0, l.select.q_prev.size()));
+    KVTIER_RETURN_IF_ERROR(
+        backend_.Memset(*compute_, l.select.q_prev.data(), 0, l.select.q_prev.size()));
     if (select) {
       KVTIER_RETURN_IF_ERROR(
           backend_.Memset(*compute_, l.host.page_of.data(), 0xFF, l.host.page_of.size()));
-      KVTIER_RETURN_IF_ERROR(backend_.Memset(*compute_, l.host.summaries.data(), 0, l.host.summaries.size()));
+      KVTIER_RETURN_IF_ERROR(
+          backend_.Memset(*compute_, l.host.summaries.data(), 0, l.host.summaries.size()));
     }
     l.ws.table_mirror.assign(hkv * slots_per_layer_, kEmptySlot);
     KVTIER_RETURN_IF_ERROR(InitLayerPolicies(l));
@@ -264,18 +275,18 @@ absl::Status RetrieverImpl::UploadTable(LayerState& l) {
   for (int32_t h = 0; h < geometry_.num_kv_heads; ++h) {
     const size_t row = static_cast<size_t>(h) * slots_per_layer_;
     if (!selects) {
-      KVTIER_RETURN_IF_ERROR(
-          Upload(*compute_, table + row, &l.ws.table_mirror[row], slots_per_layer_ * sizeof(int32_t)));
+      KVTIER_RETURN_IF_ERROR(Upload(*compute_, table + row, &l.ws.table_mirror[row],
+                                    slots_per_layer_ * sizeof(int32_t)));
       continue;
     }
     // Sinks and the recent ring; the selected region between them belongs to the device.
     if (options_.sink_pages > 0) {
-      KVTIER_RETURN_IF_ERROR(
-          Upload(*compute_, table + row, &l.ws.table_mirror[row], options_.sink_pages * sizeof(int32_t)));
+      KVTIER_RETURN_IF_ERROR(Upload(*compute_, table + row, &l.ws.table_mirror[row],
+                                    options_.sink_pages * sizeof(int32_t)));
     }
     const size_t ring = row + options_.sink_pages + selected_pages();
-    KVTIER_RETURN_IF_ERROR(
-        Upload(*compute_, table + ring, &l.ws.table_mirror[ring], options_.recent_pages * sizeof(int32_t)));
+    KVTIER_RETURN_IF_ERROR(Upload(*compute_, table + ring, &l.ws.table_mirror[ring],
+                                  options_.recent_pages * sizeof(int32_t)));
   }
   return absl::OkStatus();
 }
@@ -287,7 +298,8 @@ absl::Status RetrieverImpl::UploadCounts(LayerState& l) {
   counts.partial_page = l.tokens % p == 0 ? -1 : l.tokens / p;
   counts.partial_len = l.tokens % p;
   // Not the snapshot: the background selection in flight reads it.
-  return Upload(*compute_, l.ws.counts.data(), &counts, offsetof(LayerCounts, full_pages_at_end_step));
+  return Upload(*compute_, l.ws.counts.data(), &counts,
+                offsetof(LayerCounts, full_pages_at_end_step));
 }
 
 absl::Status RetrieverImpl::FlushOffloads(int32_t layer, std::vector<PageHandle>* restoring) {
@@ -313,7 +325,8 @@ absl::Status RetrieverImpl::FlushOffloads(int32_t layer, std::vector<PageHandle>
   } else {
     std::vector<PageHandle> pages;
     for (int64_t page : logical) pages.push_back(std::move((*restoring)[page]));
-    KVTIER_RETURN_IF_ERROR(offloader_->OffloadInto(*compute_, *l.host.pages, req, std::move(pages)));
+    KVTIER_RETURN_IF_ERROR(
+        offloader_->OffloadInto(*compute_, *l.host.pages, req, std::move(pages)));
   }
   StoredBatch batch;
   for (int64_t page : logical) {
@@ -383,8 +396,9 @@ absl::Status RetrieverImpl::Restore(int32_t layer, std::vector<PageHandle> pages
   }
   const int32_t p = geometry_.page_size;
   if (pages.size() > static_cast<size_t>(options_.max_tokens / p)) {
-    return absl::OutOfRangeError(absl::StrFormat(
-        "Restore: %d pages of %d tokens exceed max_tokens = %d", pages.size(), p, options_.max_tokens));
+    return absl::OutOfRangeError(
+        absl::StrFormat("Restore: %d pages of %d tokens exceed max_tokens = %d", pages.size(), p,
+                        options_.max_tokens));
   }
   for (size_t i = 0; i < pages.size(); ++i) {
     if (!pages[i].valid() || pages[i].pool() != pool_) {
@@ -476,7 +490,8 @@ absl::Status RetrieverImpl::AppendTokens(int32_t layer, const void* k, const voi
     auto* vw = l.ws.v.as<uint8_t>();
     if (off == 0 && l.ws.managed == nullptr) {
       for (int32_t h = 0; h < geometry_.num_kv_heads; ++h) {
-        l.ws.table_mirror[static_cast<size_t>(h) * slots_per_layer_ + slot] = static_cast<int32_t>(page);
+        l.ws.table_mirror[static_cast<size_t>(h) * slots_per_layer_ + slot] =
+            static_cast<int32_t>(page);
       }
       l.ws.table_dirty = true;
     }
@@ -507,7 +522,8 @@ absl::Status RetrieverImpl::AppendTokens(int32_t layer, const void* k, const voi
 absl::Status RetrieverImpl::RecallPlan(Stream& s, RecallPath path, LayerState& l) {
   const int32_t n = geometry_.num_kv_heads * selected_pages();
   if (path == RecallPath::kGather || !dma()) {
-    return backend_.Recall(s, ZeroCopyRecallArgs(geometry_, Target(l), l.select.items.as<RecallItem>(), n));
+    return backend_.Recall(
+        s, ZeroCopyRecallArgs(geometry_, Target(l), l.select.items.as<RecallItem>(), n));
   }
   // The copy engines are driven from the host: the plan goes to the layer's host plan buffer.
   KVTIER_RETURN_IF_ERROR(
@@ -529,7 +545,8 @@ absl::Status RetrieverImpl::RecallPlan(Stream& s, RecallPath path, LayerState& l
 }
 
 RecallTarget RetrieverImpl::Target(const LayerState& l) const {
-  return RecallTarget{pool_->base(), pool_->num_slots(), l.ws.k.data(), l.ws.v.data(), slots_per_layer_};
+  return RecallTarget{pool_->base(), pool_->num_slots(), l.ws.k.data(), l.ws.v.data(),
+                      slots_per_layer_};
 }
 
 absl::Status RetrieverImpl::LaunchPlanned(LayerState& l) {
@@ -537,7 +554,9 @@ absl::Status RetrieverImpl::LaunchPlanned(LayerState& l) {
   // the plan's selection on the recall stream, and recall_done covers the whole recall.
   KVTIER_RETURN_IF_ERROR(dma_->Wait(*l.recall.plan_ready));
   KVTIER_RETURN_IF_ERROR(
-      l.recall.recaller->Enqueue(*dma_, *xform_bg_, geometry_.num_kv_heads * selected_pages(), Target(l)).status());
+      l.recall.recaller
+          ->Enqueue(*dma_, *xform_bg_, geometry_.num_kv_heads * selected_pages(), Target(l))
+          .status());
   l.recall.plan_pending = false;
   return dma_->Record(*l.recall.done);
 }
@@ -584,8 +603,8 @@ absl::StatusOr<RecallStrategy> RetrieverImpl::ResolveStrategy() {
   if (options_.recall != RecallStrategy::kAuto) return options_.recall;
   const int32_t n = geometry_.num_kv_heads * selected_pages();
   if (n == 0) return RecallStrategy::kZeroCopy;  // nothing is ever recalled
-  const std::string key =
-      absl::StrCat(backend_.Describe(), "|", geometry_.ToString(), "|", n, "|", options_.stream_chunk_items);
+  const std::string key = absl::StrCat(backend_.Describe(), "|", geometry_.ToString(), "|", n, "|",
+                                       options_.stream_chunk_items);
   MutexLock lock(&calibration_mu);
   auto it = Calibrations().find(key);
   if (it != Calibrations().end()) return it->second;
@@ -765,13 +784,15 @@ absl::StatusOr<WorkingSetView> RetrieverImpl::BeginStep(int32_t layer, const voi
   bool recorded = false;  // a stats record of this step (with its slot table) was enqueued
   if (st.ok()) st = ApplyPolicies(layer, &reselect);
   if (st.ok()) st = backend_.Copy(c, l.select.q_cur.data(), q, q_bytes());
-  if (st.ok() && (options_.mode == RetrievalMode::kSync || (speculative && (l.step == 0 || reselect)))) {
+  if (st.ok() &&
+      (options_.mode == RetrievalMode::kSync || (speculative && (l.step == 0 || reselect)))) {
     // Select every head with q_t before attention.
     // Sync mode recalls with its strategy; speculative mode's first (and re-)selection is on
     // the critical path and planned on the device, so it gathers zero-copy.
-    st = Select(c, options_.mode == RetrievalMode::kSync ? RecallPath::kForeground : RecallPath::kGather,
-                layer, l.select.q_cur.data(), &l.ws.counts.as<LayerCounts>()->full_pages, no_mask,
-                RecentFull(l));
+    st = Select(
+        c, options_.mode == RetrievalMode::kSync ? RecallPath::kForeground : RecallPath::kGather,
+        layer, l.select.q_cur.data(), &l.ws.counts.as<LayerCounts>()->full_pages, no_mask,
+        RecentFull(l));
     if (st.ok()) st = RecordStats(c, layer, l.step, /*background=*/false, /*checked=*/false);
     recorded = true;
   } else if (st.ok() && speculative) {
@@ -792,14 +813,15 @@ absl::StatusOr<WorkingSetView> RetrieverImpl::BeginStep(int32_t layer, const voi
       // The correction recall is a few pages on the critical path: one fused op, no
       // pipeline hand-offs.
       st = Select(c, RecallPath::kGather, layer, l.select.q_cur.data(),
-                  &l.ws.counts.as<LayerCounts>()->full_pages,
-                  l.select.drifted.as<uint8_t>(), RecentFull(l));
+                  &l.ws.counts.as<LayerCounts>()->full_pages, l.select.drifted.as<uint8_t>(),
+                  RecentFull(l));
     }
     if (st.ok()) st = RecordStats(c, layer, l.step, /*background=*/false, /*checked=*/true);
     recorded = true;
   }
   // Full and drop mode select nothing: the record carries the slot table alone.
-  if (st.ok() && !recorded) st = RecordStats(c, layer, l.step, /*background=*/false, /*checked=*/false);
+  if (st.ok() && !recorded)
+    st = RecordStats(c, layer, l.step, /*background=*/false, /*checked=*/false);
   if (st.ok()) st = c.Record(*l.ready);
   if (!st.ok()) return Fail(st);
   l.in_step = true;
@@ -888,8 +910,8 @@ absl::Status RetrieverImpl::EndStep(int32_t layer, const void* q) {
   // recall the misses into the slots of evicted pages.
   if (st.ok()) st = recall_->Wait(*l.recall.attn_done);
   if (st.ok()) {
-    st = Select(*recall_, RecallPath::kBackground, layer, l.select.q_prev.data(), &counts->full_pages_at_end_step, nullptr,
-                RecentFull(l));
+    st = Select(*recall_, RecallPath::kBackground, layer, l.select.q_prev.data(),
+                &counts->full_pages_at_end_step, nullptr, RecentFull(l));
   }
   if (st.ok()) st = RecordStats(*recall_, layer, step, /*background=*/true, /*checked=*/false);
   // A DMA plan's recall_done is recorded when Pump issues its copies.

@@ -15,13 +15,13 @@
 #include "absl/status/status.h"
 #include "absl/time/clock.h"
 #include "kvtier/layout.h"
-#include "offload/retriever.h"
 #include "offload/head_slot_table.h"
 #include "offload/page_offloader.h"
 #include "offload/page_pool.h"
 #include "offload/page_table.h"
 #include "offload/policy/config.h"
 #include "offload/recall_strategy.h"
+#include "offload/retriever.h"
 
 namespace kvtier::retriever_internal {
 
@@ -90,9 +90,9 @@ struct LayerCounts {
 struct LayerState {
   // The working set attention reads (NHD slots on the backend) and its slot tables.
   struct WorkingSet {
-    DeviceBuffer k, v;    // [S][p][Hkv][d]
-    DeviceBuffer table;   // int32 [Hkv][S]: logical page per slot and KV head
-    DeviceBuffer counts;  // LayerCounts
+    DeviceBuffer k, v;                  // [S][p][Hkv][d]
+    DeviceBuffer table;                 // int32 [Hkv][S]: logical page per slot and KV head
+    DeviceBuffer counts;                // LayerCounts
     std::vector<int32_t> table_mirror;  // [Hkv][S]; host-owned entries are authoritative
     bool table_dirty = true;
     // Drop mode with policies: the per-head slot table (authoritative; table_mirror unused)
@@ -104,8 +104,8 @@ struct LayerState {
   // The layer's pages in the host tier (speculative, sync) and their key summaries.
   struct HostPages {
     std::unique_ptr<PageTable> pages;
-    DeviceBuffer summaries;  // [P][Hkv][2][d]
-    DeviceBuffer page_of;    // int64 [P]: host page of each logical page
+    DeviceBuffer summaries;               // [P][Hkv][2][d]
+    DeviceBuffer page_of;                 // int64 [P]: host page of each logical page
     std::vector<int64_t> page_of_mirror;  // [P]
     struct Pending {
       int64_t logical;
@@ -230,8 +230,12 @@ class RetrieverImpl final : public Retriever {
     return options_.mode == RetrievalMode::kSpeculative || options_.mode == RetrievalMode::kSync;
   }
   size_t elem() const { return DTypeSize(geometry_.dtype); }
-  size_t token_bytes() const { return static_cast<size_t>(geometry_.num_kv_heads) * geometry_.head_dim * elem(); }
-  size_t q_bytes() const { return static_cast<size_t>(geometry_.num_q_heads) * geometry_.head_dim * elem(); }
+  size_t token_bytes() const {
+    return static_cast<size_t>(geometry_.num_kv_heads) * geometry_.head_dim * elem();
+  }
+  size_t q_bytes() const {
+    return static_cast<size_t>(geometry_.num_q_heads) * geometry_.head_dim * elem();
+  }
   int32_t selected_pages() const { return options_.selected_pages; }
   int32_t SlotOf(int64_t logical) const;
   bool dma() const {
@@ -337,7 +341,7 @@ class RetrieverImpl final : public Retriever {
   const std::unique_ptr<HostTier> host_;
   PagePool* const pool_;
   int32_t slots_per_layer_ = 0;  // slots per layer
-  int32_t max_pages_ = 0;  // max pages per layer
+  int32_t max_pages_ = 0;        // max pages per layer
   float scale_ = 1.0f;
   RecallStrategy strategy_ = RecallStrategy::kZeroCopy;  // resolved (never kAuto)
 

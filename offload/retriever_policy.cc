@@ -1,5 +1,5 @@
-// The Retriever's policy side (docs/architecture.md#policies): budgets, pins, drop-mode eviction with
-// per-head compaction, INT8 storage, host-tier drops, and the attention the policies read.
+// The Retriever's policy side (docs/architecture.md#policies): budgets, pins, drop-mode eviction
+// with per-head compaction, INT8 storage, host-tier drops, and the attention the policies read.
 // Invariants (on top of retriever.cc's):
 //   - Policy buffers the background selection reads (head_k, page_flags) change only on the
 //     compute stream after BeginStep has made it wait for that selection.
@@ -68,21 +68,26 @@ absl::Status RetrieverImpl::InitLayerPolicies(LayerState& l) {
     l.policy.flags_mirror.assign(hkv * max_pages_, kPageNormal);
     KVTIER_RETURN_IF_ERROR(
         Upload(*compute_, l.policy.head_k.data(), l.policy.budget.data(), hkv * sizeof(int32_t)));
-    KVTIER_RETURN_IF_ERROR(backend_.Memset(*compute_, l.policy.page_flags.data(), 0, l.policy.page_flags.size()));
+    KVTIER_RETURN_IF_ERROR(
+        backend_.Memset(*compute_, l.policy.page_flags.data(), 0, l.policy.page_flags.size()));
   }
   const size_t slots = Slots(l);
   const size_t p = geometry_.page_size;
   if (reads_attention()) {
-    KVTIER_RETURN_IF_ERROR(Allocate(&l.policy.token_prob, geometry_.num_q_heads * slots * p * sizeof(float)));
+    KVTIER_RETURN_IF_ERROR(
+        Allocate(&l.policy.token_prob, geometry_.num_q_heads * slots * p * sizeof(float)));
   }
   if (l.ws.managed != nullptr && policies_.int8_window_pages > 0) {
     const size_t elems = slots * p * hkv * geometry_.head_dim;
     KVTIER_RETURN_IF_ERROR(Allocate(&l.ws.slot_int8, hkv * slots));
     KVTIER_RETURN_IF_ERROR(Allocate(&l.ws.k_int8, elems));
     KVTIER_RETURN_IF_ERROR(Allocate(&l.ws.v_int8, elems));
-    KVTIER_RETURN_IF_ERROR(Allocate(&l.ws.k_scale, slots * hkv * geometry_.head_dim * sizeof(float)));
-    KVTIER_RETURN_IF_ERROR(Allocate(&l.ws.v_scale, slots * hkv * geometry_.head_dim * sizeof(float)));
-    KVTIER_RETURN_IF_ERROR(backend_.Memset(*compute_, l.ws.slot_int8.data(), 0, l.ws.slot_int8.size()));
+    KVTIER_RETURN_IF_ERROR(
+        Allocate(&l.ws.k_scale, slots * hkv * geometry_.head_dim * sizeof(float)));
+    KVTIER_RETURN_IF_ERROR(
+        Allocate(&l.ws.v_scale, slots * hkv * geometry_.head_dim * sizeof(float)));
+    KVTIER_RETURN_IF_ERROR(
+        backend_.Memset(*compute_, l.ws.slot_int8.data(), 0, l.ws.slot_int8.size()));
   }
   return Park(*compute_);
 }
@@ -188,7 +193,8 @@ absl::Status RetrieverImpl::ApplyPolicies(int32_t layer, bool* reselect) {
   } else if (has_host_tier()) {
     st = UpdateFlags(layer);
     if (st.ok() && l.policy.budget != l.policy.selected_with) {
-      st = Upload(*compute_, l.policy.head_k.data(), l.policy.budget.data(), l.policy.budget.size() * sizeof(int32_t));
+      st = Upload(*compute_, l.policy.head_k.data(), l.policy.budget.data(),
+                  l.policy.budget.size() * sizeof(int32_t));
       l.policy.selected_with = l.policy.budget;
       *reselect = true;
     }
@@ -220,7 +226,8 @@ absl::Status RetrieverImpl::UpdateFlags(int32_t layer) {
     if (!changed) continue;
     l.policy.flags_changed = true;
     KVTIER_RETURN_IF_ERROR(
-        Upload(*compute_, l.policy.page_flags.as<uint8_t>() + static_cast<size_t>(h) * max_pages_, row, full));
+        Upload(*compute_, l.policy.page_flags.as<uint8_t>() + static_cast<size_t>(h) * max_pages_,
+               row, full));
   }
   return absl::OkStatus();
 }
@@ -355,7 +362,8 @@ absl::Status RetrieverImpl::ResizeManaged(LayerState& l, int32_t capacity) {
   KVTIER_RETURN_IF_ERROR(grow(&l.ws.table, hkv * sizeof(int32_t), false));
   if (l.policy.token_prob.data() != nullptr) {
     KVTIER_RETURN_IF_ERROR(grow(
-        &l.policy.token_prob, static_cast<size_t>(geometry_.num_q_heads) * geometry_.page_size * sizeof(float), false));
+        &l.policy.token_prob,
+        static_cast<size_t>(geometry_.num_q_heads) * geometry_.page_size * sizeof(float), false));
   }
   if (l.ws.slot_int8.data() != nullptr) {
     KVTIER_RETURN_IF_ERROR(grow(&l.ws.slot_int8, hkv, false));
@@ -389,8 +397,9 @@ absl::Status RetrieverImpl::DropHostPages(int32_t layer, int64_t n) {
     const int32_t recent_lo = std::max(options_.sink_pages, total - options_.recent_pages);
     for (int32_t page = options_.sink_pages; page < recent_lo; ++page) {
       if (c.host.page_of_mirror[page] < 0) continue;
-      cand.push_back({li, page, policy::HostScore(policies_.residency.get(), li, page, geometry_.num_kv_heads),
-                      policy::HostPinned(policies_.residency.get(), li, page, geometry_.num_kv_heads)});
+      cand.push_back(
+          {li, page, policy::HostScore(policies_.residency.get(), li, page, geometry_.num_kv_heads),
+           policy::HostPinned(policies_.residency.get(), li, page, geometry_.num_kv_heads)});
     }
   }
   for (int64_t i = 0; i < n; ++i) {

@@ -1,10 +1,10 @@
 // SessionRegion: the part of a tenant's shared-memory arena that holds one session's host
-// tier, and the commit protocol that makes its pages visible (docs/architecture.md#processes, docs/architecture.md#errors-and-integrity;
-// docs/service.md). The daemon carves the region out of the arena and formats it at
-// OpenSession; whoever writes the session's pages (the engine's libkvtier for SHM sessions,
-// the daemon's own Retriever for GRPC sessions) runs a PagePool over slots() and, once a
-// page's bytes are in its slot, commits it: the directory entry of (layer, page) gets the
-// slot and then, with release ordering, the page's generation stamp. Readers (Fetch,
+// tier, and the commit protocol that makes its pages visible (docs/architecture.md#processes,
+// docs/architecture.md#errors-and-integrity; docs/service.md). The daemon carves the region out of
+// the arena and formats it at OpenSession; whoever writes the session's pages (the engine's
+// libkvtier for SHM sessions, the daemon's own Retriever for GRPC sessions) runs a PagePool over
+// slots() and, once a page's bytes are in its slot, commits it: the directory entry of (layer,
+// page) gets the slot and then, with release ordering, the page's generation stamp. Readers (Fetch,
 // Reattach) acquire the stamp first, so a page is visible only when its bytes are complete;
 // a writer that dies mid-page leaves that page uncommitted, never half visible.
 //

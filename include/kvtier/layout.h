@@ -1,6 +1,6 @@
-// Every index formula of kvtier's memory layouts (docs/architecture.md#geometry-and-layouts), in one place. The CPU
-// reference backend and the CUDA kernels both index through these structs; a test checks
-// each formula by hand. Offsets are in elements unless a name says bytes.
+// Every index formula of kvtier's memory layouts (docs/architecture.md#geometry-and-layouts), in
+// one place. The CPU reference backend and the CUDA kernels both index through these structs; a
+// test checks each formula by hand. Offsets are in elements unless a name says bytes.
 //
 // Host tier, HND: one host page per (sequence, layer, logical page):
 //   [kv_head][K=0 | V=1][token][dim]

@@ -25,7 +25,7 @@ class Stream;  // kvtier/device.h
 // recent 1/4 (16/32/16 pages).
 inline constexpr int32_t kDefaultPageSize = 32;
 inline constexpr int32_t kDefaultBudgetTokens = 2048;
-inline constexpr int32_t kDefaultMaxTokens = 131072;  // per layer
+inline constexpr int32_t kDefaultMaxTokens = 131072;        // per layer
 inline constexpr float kDefaultCorrectionThreshold = 0.9f;  // τ
 inline constexpr absl::Duration kDefaultDeadline = absl::Seconds(30);
 

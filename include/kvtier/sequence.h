@@ -17,7 +17,8 @@
 //   Append(l, k, v, 1)         the new token's K/V (prefill appends many tokens at once)
 //   Decode(l, q, out, lse)     attention of q over the working set; launches the next step
 // or, on a LocalSequence, split so the engine's own paged decode kernel can run in between:
-//   view = BeginStep(l, q); [Attend(l, q, out, lse) or the engine's kernel over view]; EndStep(l, q)
+//   view = BeginStep(l, q); [Attend(l, q, out, lse) or the engine's kernel over view]; EndStep(l,
+//   q)
 //
 // Thread-compatible: one thread drives a sequence at a time.
 #ifndef KVTIER_SEQUENCE_H_

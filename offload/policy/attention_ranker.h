@@ -1,6 +1,6 @@
-// Attention ranker (Conf-KV's ranker, docs/architecture.md#policies; H2O as its cumulative baseline): ranks
-// each (layer, KV head)'s pages by the attention mass they received, blended with recency,
-// and pins the sequence's newest pages.
+// Attention ranker (Conf-KV's ranker, docs/architecture.md#policies; H2O as its cumulative
+// baseline): ranks each (layer, KV head)'s pages by the attention mass they received, blended with
+// recency, and pins the sequence's newest pages.
 //
 //   mass(P)  for one observation, the attention page P's tokens got from the KV head's query
 //            group: mean over the group's query heads of Σ_t prob.

@@ -1,7 +1,7 @@
-// Confidence budget (Conf-KV, docs/architecture.md#background, docs/architecture.md#policies): the engine reports the next-token
-// distribution (its logits or a LogitSummary) after every step; a confident model gets a
-// tight page budget, an uncertain one a loose budget, with hysteresis so the budget does
-// not flap.
+// Confidence budget (Conf-KV, docs/architecture.md#background, docs/architecture.md#policies): the
+// engine reports the next-token distribution (its logits or a LogitSummary) after every step; a
+// confident model gets a tight page budget, an uncertain one a loose budget, with hysteresis so the
+// budget does not flap.
 //
 //   summary     normalized entropy H/ln V, margin log p(top1) − log p(top2) (nats), and the
 //               mass of the top-m tokens (SummarizeLogits).

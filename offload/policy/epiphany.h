@@ -1,7 +1,7 @@
-// Epiphany scores (EpiKV, docs/architecture.md#background, docs/architecture.md#policies): tokens where the model's hidden state moves a
-// lot in the middle layers (the positive band, ≈ layers 7–13 of 32) but not in the later
-// ones (the negative band, ≈ 18–25) matter later; their pages are pinned resident. No
-// attention matrix is needed.
+// Epiphany scores (EpiKV, docs/architecture.md#background, docs/architecture.md#policies): tokens
+// where the model's hidden state moves a lot in the middle layers (the positive band, ≈ layers 7–13
+// of 32) but not in the later ones (the negative band, ≈ 18–25) matter later; their pages are
+// pinned resident. No attention matrix is needed.
 //
 //   x_l(t)  a per-layer, per-token signal: the hidden-state change ‖h_l(t) − h_l(t−1)‖ the
 //           engine reports (StepSignals::hidden_delta), or one computed here from the

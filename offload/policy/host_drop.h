@@ -1,6 +1,6 @@
-// What a full host tier does (docs/architecture.md#policies): refuse the new page, or evict an existing page
-// permanently, chosen by the residency scores. Every refusal and every drop is counted:
-// losing KV data is never silent.
+// What a full host tier does (docs/architecture.md#policies): refuse the new page, or evict an
+// existing page permanently, chosen by the residency scores. Every refusal and every drop is
+// counted: losing KV data is never silent.
 //
 // Thread-safe: the mode is fixed at construction and the counters are atomic, so tenants
 // sharing an arena may call PickVictim concurrently and a stats reader may read the

@@ -1,5 +1,6 @@
-// KV-Compress per-head budgets (docs/architecture.md#background, docs/architecture.md#policies): whole pages (blocks) are evicted per KV
-// head, at a variable rate per layer and head, by a metric of how much attention they get.
+// KV-Compress per-head budgets (docs/architecture.md#background, docs/architecture.md#policies):
+// whole pages (blocks) are evicted per KV head, at a variable rate per layer and head, by a metric
+// of how much attention they get.
 //
 // The metric of key token j for KV head h is m(h, j) = Σ_i Σ_{g ∈ group(h)} a(g, i, j)²
 // over the queries i with i − j ≥ v: the v = exclude_nearest nearest queries (positions

@@ -1,5 +1,5 @@
-// Policies that decide the GPU working set (docs/architecture.md#policies). Plain C++ bookkeeping with no
-// device types: the Retriever gathers their inputs (what the engine reports, the attention
+// Policies that decide the GPU working set (docs/architecture.md#policies). Plain C++ bookkeeping
+// with no device types: the Retriever gathers their inputs (what the engine reports, the attention
 // of each step, the appended keys and values) and applies their decisions every step.
 //
 //   BudgetPolicy     pages per (layer, KV head) for the layer's next step: the size of the

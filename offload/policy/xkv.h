@@ -1,5 +1,5 @@
-// XKV per-layer budgets (docs/architecture.md#background, docs/architecture.md#policies): every layer gets its own page budget, sized by
-// how much of its attention importance the budget retains.
+// XKV per-layer budgets (docs/architecture.md#background, docs/architecture.md#policies): every
+// layer gets its own page budget, sized by how much of its attention importance the budget retains.
 //
 // The importance of a prompt token in layer l is the softmax probability it receives from
 // the observation queries (the last `window` prompt queries, all query heads), smoothed by

@@ -25,8 +25,7 @@ int kvtier_c_api_compile_check(void) {
   if (kvtier_open_session(client, &so, &session) != KVTIER_INVALID_ARGUMENT) return 3;
   if (kvtier_reattach(client, "x", &so, &session) != KVTIER_INVALID_ARGUMENT) return 4;
   if (kvtier_append(session, 0, NULL, NULL, 1) != KVTIER_INVALID_ARGUMENT) return 5;
-  if (kvtier_decode(session, 0, NULL, NULL, NULL, &num_slots, NULL, 0) !=
-      KVTIER_INVALID_ARGUMENT) {
+  if (kvtier_decode(session, 0, NULL, NULL, NULL, &num_slots, NULL, 0) != KVTIER_INVALID_ARGUMENT) {
     return 6;
   }
   if (kvtier_flush(session) != KVTIER_INVALID_ARGUMENT) return 9;

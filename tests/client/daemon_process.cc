@@ -19,11 +19,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/status.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
 #include "gtest/gtest.h"
-#include "core/status.h"
 #include "kvtier/v1/kvtier.grpc.pb.h"
 
 extern char** environ;

@@ -13,6 +13,7 @@
 
 #include "client/rpc_util.h"
 #include "client/shm_attach.h"
+#include "core/status.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
@@ -20,7 +21,6 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "kvtier/c_api.h"
 #include "kvtier/client.h"
-#include "core/status.h"
 #include "kvtier/v1/kvtier.grpc.pb.h"
 #include "offload/session_region.h"
 #include "tests/client/daemon_process.h"
@@ -617,15 +617,15 @@ TEST_F(ServiceTest, CApiDrivesAnShmSessionLikeTheCppApi) {
       std::vector<uint8_t> out(8 * 64 * 2);
       std::vector<float> lse(8);
       if (step == 0 && l == 0) {
-        ASSERT_EQ(kvtier_decode(cs, l, q, out.data(), lse.data(), &num_slots, table.data(),
-                                table.size()),
-                  KVTIER_OUT_OF_RANGE);
+        ASSERT_EQ(
+            kvtier_decode(cs, l, q, out.data(), lse.data(), &num_slots, table.data(), table.size()),
+            KVTIER_OUT_OF_RANGE);
         EXPECT_NE(std::string(kvtier_last_error()).find("slot_table_capacity"), std::string::npos);
       } else {
         table.resize(64);
-        ASSERT_EQ(kvtier_decode(cs, l, q, out.data(), lse.data(), &num_slots, table.data(),
-                                table.size()),
-                  KVTIER_OK)
+        ASSERT_EQ(
+            kvtier_decode(cs, l, q, out.data(), lse.data(), &num_slots, table.data(), table.size()),
+            KVTIER_OK)
             << kvtier_last_error();
         table.resize(static_cast<size_t>(2 * num_slots));
         EXPECT_EQ(table, (*expected)[step][l].slot_table) << "step " << step << " layer " << l;

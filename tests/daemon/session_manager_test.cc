@@ -54,7 +54,7 @@ TEST_F(SessionManagerTest, OpenResolvesDefaultsAndCloseFreesTheRegion) {
   EXPECT_EQ(r.id.find_first_not_of("0123456789abcdef"), std::string::npos);
   EXPECT_EQ(r.spec.tenant, "a");
   EXPECT_EQ(r.spec.label, "test");
-  EXPECT_EQ(r.spec.sequence.max_tokens, 256);  // default_max_tokens
+  EXPECT_EQ(r.spec.sequence.max_tokens, 256);   // default_max_tokens
   EXPECT_EQ(r.spec.budget_tokens, 256);         // 2048 capped at the capacity
   EXPECT_FLOAT_EQ(r.spec.sequence.correction_threshold, 0.9f);
   EXPECT_EQ(r.epoch, 1u);

@@ -9,10 +9,10 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "core/mutex.h"
 #include "daemon/caller.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "core/mutex.h"
 
 namespace kvtier::daemon {
 namespace {

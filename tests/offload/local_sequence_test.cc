@@ -24,8 +24,7 @@ std::vector<std::vector<float>> Drive(Sequence& seq, HostModel& model, Harness& 
   auto rows = model.Grow(40);
   for (int32_t l = 0; l < g.num_layers; ++l) {
     EXPECT_TRUE(seq.Append(l, rows[l].first.data(), rows[l].second.data(), 40).ok());
-    EXPECT_TRUE(
-        twin.retriever->Append(l, rows[l].first.data(), rows[l].second.data(), 40).ok());
+    EXPECT_TRUE(twin.retriever->Append(l, rows[l].first.data(), rows[l].second.data(), 40).ok());
   }
   for (int32_t step = 0; step < steps; ++step) {
     const TypedBuffer q = model.Query(100 + step);
@@ -126,7 +125,8 @@ TEST(LocalSequenceTest, InvalidOptionsNameTheField) {
   std::unique_ptr<Device> device = CreateDevice(DeviceKind::kCpu).value();
   SequenceOptions o = SmallOptions(RetrievalMode::kSpeculative);
   o.max_tokens = 0;
-  absl::StatusOr<std::unique_ptr<LocalSequence>> seq = NewLocalSequence(SmallGeometry(), o, *device);
+  absl::StatusOr<std::unique_ptr<LocalSequence>> seq =
+      NewLocalSequence(SmallGeometry(), o, *device);
   ASSERT_TRUE(absl::IsInvalidArgument(seq.status())) << seq.status();
   EXPECT_THAT(std::string(seq.status().message()), ::testing::HasSubstr("max_tokens"));
 }

@@ -9,11 +9,11 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "core/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kvtier/layout.h"
-#include "core/status.h"
 #include "offload/host_arena.h"
 #include "tests/testutil/random_fill.h"
 

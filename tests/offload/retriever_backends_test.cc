@@ -16,9 +16,9 @@
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "kernels/registry.h"
-#include "offload/retriever.h"
 #include "offload/page_pool.h"
 #include "offload/recall_strategy.h"
+#include "offload/retriever.h"
 #include "tests/kernels/cuda/cuda_test_util.h"
 #include "tests/testutil/random_fill.h"
 

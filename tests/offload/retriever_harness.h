@@ -169,7 +169,7 @@ class HostModel {
 
 // The pages of head h's selected region, sorted.
 inline std::vector<int32_t> SelectedRegion(const WorkingSetView& view, const SequenceOptions& o,
-                                    int32_t h) {
+                                           int32_t h) {
   std::vector<int32_t> pages;
   for (int32_t s = o.sink_pages; s < o.sink_pages + o.selected_pages; ++s) {
     const int32_t page = view.slot_table[h * view.num_slots + s];
@@ -182,8 +182,8 @@ inline std::vector<int32_t> SelectedRegion(const WorkingSetView& view, const Seq
 // Every slot the table names holds that page's K and V for that head, bit for bit, no page
 // appears twice for a head, and every page of the sequence that must be resident (sinks,
 // recent window) is.
-inline void ExpectWorkingSetConsistent(const Geometry& g, const SequenceOptions& o, const HostModel& seq,
-                                const WorkingSetView& view) {
+inline void ExpectWorkingSetConsistent(const Geometry& g, const SequenceOptions& o,
+                                       const HostModel& seq, const WorkingSetView& view) {
   const WorkingSetLayout wl{view.num_slots, g.page_size, g.num_kv_heads, g.head_dim};
   const int32_t p = g.page_size;
   const int32_t total = (view.num_tokens + p - 1) / p;

@@ -19,7 +19,7 @@ using namespace retriever_test;  // NOLINT: the harness is this test's vocabular
 using testing::TypedBuffer;
 
 SequenceOptions WithPolicy(SequenceOptions o, std::string budget, std::string residency,
-                            std::map<std::string, std::string> params = {}) {
+                           std::map<std::string, std::string> params = {}) {
   o.policy.budget = std::move(budget);
   o.policy.residency = std::move(residency);
   o.policy.params = std::move(params);
@@ -145,7 +145,7 @@ INSTANTIATE_TEST_SUITE_P(Modes, ConfidenceBudgetTest,
 // Hidden-state changes with a spike at `spike` (in the positive band layer 0), small noise
 // elsewhere.
 StepSignals Hidden(int64_t first, int32_t n, int32_t layers, int64_t spike,
-                           std::vector<float>* buf) {
+                   std::vector<float>* buf) {
   buf->assign(static_cast<size_t>(n) * layers, 0.0f);
   for (int32_t t = 0; t < n; ++t) {
     for (int32_t l = 0; l < layers; ++l) {
@@ -171,7 +171,7 @@ TEST_P(PinnedPageTest, PinnedPageIsNeverEvictedWhilePinned) {
   const bool spike = GetParam();
   const Geometry g = SmallGeometry();
   SequenceOptions o = WithPolicy(SmallOptions(RetrievalMode::kDrop), "fixed", "epiphany",
-                                  {{"epiphany.window", "16"}});
+                                 {{"epiphany.window", "16"}});
   Harness h(g, o);
   std::vector<float> buf;
   constexpr int64_t kSpike = 21;  // page 2
@@ -210,7 +210,7 @@ INSTANTIATE_TEST_SUITE_P(Spike, PinnedPageTest, ::testing::Bool(), [](const auto
 TEST(RetrieverPolicyTest, PinnedPageIsAlwaysSelected) {
   const Geometry g = SmallGeometry();
   SequenceOptions o = WithPolicy(SmallOptions(RetrievalMode::kSpeculative), "fixed", "epiphany",
-                                  {{"epiphany.window", "16"}});
+                                 {{"epiphany.window", "16"}});
   o.selected_pages = 2;
   Harness h(g, o);
   std::vector<float> buf;

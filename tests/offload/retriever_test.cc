@@ -135,7 +135,8 @@ TEST(RetrieverTest, ForcedDriftCorrectsExactlyTheDriftedHeads) {
 // speculation is right for some heads and corrected for others.
 class DriftingQuery {
  public:
-  DriftingQuery(const HostModel& seq, uint64_t seed) : seq_(seq), seed_(seed), q_(seq.Query(seed)) {}
+  DriftingQuery(const HostModel& seq, uint64_t seed)
+      : seq_(seq), seed_(seed), q_(seq.Query(seed)) {}
   const TypedBuffer& Next() {
     const TypedBuffer noise = seq_.Query(seed_ * 7919 + (++n_));
     const bool jump = n_ % 7 == 3;
@@ -532,8 +533,8 @@ TEST(RetrieverTest, RefusedCommitFailsTheSequence) {
   ASSERT_TRUE(h.retriever->Flush().ok());
   h.commits->refuse = true;
   auto rows = h.seq.Grow(g.page_size);
-  absl::Status st = h.retriever->Append(0, rows[0].first.data(), rows[0].second.data(),
-                                        g.page_size);
+  absl::Status st =
+      h.retriever->Append(0, rows[0].first.data(), rows[0].second.data(), g.page_size);
   if (st.ok()) st = h.retriever->Flush();
   EXPECT_TRUE(absl::IsFailedPrecondition(st)) << st;
   EXPECT_THAT(std::string(st.message()), ::testing::HasSubstr("commit refused"));

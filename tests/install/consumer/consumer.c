@@ -102,8 +102,8 @@ int main(int argc, char** argv) {
       }
       for (i = 0; i < sizeof(out) / sizeof(out[0]); ++i) {
         if (!isfinite(out[i])) {
-          fprintf(stderr, "consumer_c: FAILED: step %d layer %d: output %lu is not finite\n",
-                  step, (int)layer, (unsigned long)i);
+          fprintf(stderr, "consumer_c: FAILED: step %d layer %d: output %lu is not finite\n", step,
+                  (int)layer, (unsigned long)i);
           goto fail;
         }
       }
@@ -111,8 +111,8 @@ int main(int argc, char** argv) {
   }
   for (layer = 0; layer < LAYERS; ++layer) {
     if (kvtier_num_tokens(session, layer) != PREFILL_TOKENS + STEPS) {
-      fprintf(stderr, "consumer_c: FAILED: kvtier_num_tokens(%d) = %d, expected %d\n",
-              (int)layer, (int)kvtier_num_tokens(session, layer), PREFILL_TOKENS + STEPS);
+      fprintf(stderr, "consumer_c: FAILED: kvtier_num_tokens(%d) = %d, expected %d\n", (int)layer,
+              (int)kvtier_num_tokens(session, layer), PREFILL_TOKENS + STEPS);
       goto fail;
     }
   }
@@ -126,10 +126,10 @@ int main(int argc, char** argv) {
     failed("kvtier_close_session", rc);
     goto fail;
   }
-  printf("consumer_c: OK: shm session %s, %d layers x (%d tokens + %d decode steps), "
-         "%d working-set slots, %s\n",
-         kvtier_session_id(session), LAYERS, PREFILL_TOKENS, STEPS, (int)num_slots,
-         kvtier_version());
+  printf(
+      "consumer_c: OK: shm session %s, %d layers x (%d tokens + %d decode steps), "
+      "%d working-set slots, %s\n",
+      kvtier_session_id(session), LAYERS, PREFILL_TOKENS, STEPS, (int)num_slots, kvtier_version());
   kvtier_session_free(session);
   kvtier_client_free(client);
   return 0;

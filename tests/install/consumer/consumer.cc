@@ -44,9 +44,9 @@ std::vector<float> Random(std::mt19937& rng, size_t n) {
 
 // Both sessions see exactly these tokens and queries.
 struct Inputs {
-  std::vector<float> k[kLayers], v[kLayers];                    // [tokens][Hkv][d]
+  std::vector<float> k[kLayers], v[kLayers];                            // [tokens][Hkv][d]
   std::vector<float> step_k[kSteps][kLayers], step_v[kSteps][kLayers];  // one token each
-  std::vector<float> q[kSteps][kLayers];                        // [Hq][d]
+  std::vector<float> q[kSteps][kLayers];                                // [Hq][d]
 };
 
 Inputs MakeInputs(const kvtier::Geometry& g) {
@@ -78,8 +78,7 @@ struct Outcome {
 };
 
 // Prefill, kSteps decode steps per layer, Flush, FetchPages(0), Close.
-absl::StatusOr<Outcome> Run(kvtier::Client& client, kvtier::Transport transport,
-                            const Inputs& in) {
+absl::StatusOr<Outcome> Run(kvtier::Client& client, kvtier::Transport transport, const Inputs& in) {
   const char* name = transport == kvtier::Transport::kShm ? "shm" : "grpc";
   kvtier::SessionOptions options;
   options.geometry = TinyGeometry();
@@ -96,13 +95,13 @@ absl::StatusOr<Outcome> Run(kvtier::Client& client, kvtier::Transport transport,
   kvtier::Sequence& seq = (*session)->sequence();
 
   for (int32_t l = 0; l < kLayers; ++l) {
-    if (absl::Status st = seq.Append(l, in.k[l].data(), in.v[l].data(), kPrefillTokens);
-        !st.ok()) {
+    if (absl::Status st = seq.Append(l, in.k[l].data(), in.v[l].data(), kPrefillTokens); !st.ok()) {
       return st;
     }
   }
   Outcome outcome;
-  const size_t query = static_cast<size_t>(options.geometry.num_q_heads) * options.geometry.head_dim;
+  const size_t query =
+      static_cast<size_t>(options.geometry.num_q_heads) * options.geometry.head_dim;
   for (int32_t s = 0; s < kSteps; ++s) {
     for (int32_t l = 0; l < kLayers; ++l) {
       outcome.out[s][l].assign(query, NAN);
@@ -156,18 +155,17 @@ absl::Status Main(const std::string& target, const std::string& tenant) {
       const std::vector<float>& b = grpc->out[s][l];
       for (size_t i = 0; i < a.size(); ++i) {
         if (!std::isfinite(a[i]) || !std::isfinite(b[i])) {
-          return absl::InternalError("step " + std::to_string(s) + " layer " +
-                                     std::to_string(l) + ": output " + std::to_string(i) +
-                                     " is not finite (shm " + std::to_string(a[i]) + ", grpc " +
-                                     std::to_string(b[i]) + ")");
+          return absl::InternalError("step " + std::to_string(s) + " layer " + std::to_string(l) +
+                                     ": output " + std::to_string(i) + " is not finite (shm " +
+                                     std::to_string(a[i]) + ", grpc " + std::to_string(b[i]) + ")");
         }
         const double diff = std::fabs(static_cast<double>(a[i]) - b[i]);
         if (diff > max_diff) max_diff = diff;
         if (diff > kTolerance) {
-          return absl::InternalError("step " + std::to_string(s) + " layer " +
-                                     std::to_string(l) + ": shm and grpc outputs differ at " +
-                                     std::to_string(i) + " (" + std::to_string(a[i]) + " vs " +
-                                     std::to_string(b[i]) + ")");
+          return absl::InternalError("step " + std::to_string(s) + " layer " + std::to_string(l) +
+                                     ": shm and grpc outputs differ at " + std::to_string(i) +
+                                     " (" + std::to_string(a[i]) + " vs " + std::to_string(b[i]) +
+                                     ")");
         }
       }
     }
