@@ -9,6 +9,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "core/json.h"
 
 #ifndef KVTIER_GIT_COMMIT
 #define KVTIER_GIT_COMMIT "unknown"
@@ -17,29 +18,7 @@
 namespace kvtier::bench {
 namespace {
 
-std::string Quote(std::string_view s) {
-  std::string out = "\"";
-  for (char c : s) {
-    switch (c) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) {
-          out += absl::StrFormat("\\u%04x", c);
-        } else {
-          out += c;
-        }
-    }
-  }
-  return out + "\"";
-}
+std::string Quote(std::string_view s) { return absl::StrCat("\"", JsonEscape(s), "\""); }
 
 }  // namespace
 

@@ -3,6 +3,7 @@
 // holds.
 #include "daemon/logging.h"
 
+
 #include <algorithm>
 #include <cstdio>
 #include <memory>
@@ -12,6 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/json.h"
 #include "spdlog/pattern_formatter.h"
 #include "spdlog/sinks/basic_file_sink.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
@@ -60,37 +62,6 @@ absl::StatusOr<spdlog::sink_ptr> MakeSink(const std::string& file) {
 }
 
 }  // namespace
-
-std::string JsonEscape(std::string_view text) {
-  std::string out;
-  out.reserve(text.size());
-  for (char c : text) {
-    switch (c) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      case '\r':
-        out += "\\r";
-        break;
-      case '\t':
-        out += "\\t";
-        break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) {
-          out += absl::StrFormat("\\u%04x", static_cast<unsigned char>(c));
-        } else {
-          out += c;
-        }
-    }
-  }
-  return out;
-}
 
 bool LogLimiter::Allow(std::string_view key, absl::Time now, uint64_t* suppressed) {
   MutexLock lock(&mu_);

@@ -33,9 +33,6 @@ namespace kvtier::daemon {
 // INVALID_ARGUMENT for an unknown level or format (Validate() rejects them first).
 absl::Status SetUpLogging(const DaemonConfig& config);
 
-// `text` escaped for the inside of a JSON string (quotes, backslashes, control characters).
-std::string JsonEscape(std::string_view text);
-
 // A token bucket per key: `burst` lines at once, then `per_second` on average.
 class LogLimiter {
  public:
