@@ -76,17 +76,14 @@ class AttentionBench {
   // Recall of `n` planned head-pages from the host tier into the working set.
   RecallArgs RecallInto(const RecallItem* items, int32_t n) const {
     RecallArgs ra;
-    ra.dtype = g_.dtype;
-    ra.page_size = p_;
-    ra.num_kv_heads = g_.num_kv_heads;
-    ra.head_dim = g_.head_dim;
+    ra.shape = KvShapeOf(g_);
     ra.host_pages = b_.host_pages.data();
     ra.num_host_pages = int64_t{o_.batch} * full_;
     ra.items = items;
     ra.num_items = n;
-    ra.k_cache = b_.ws_k.data();
-    ra.v_cache = b_.ws_v.data();
-    ra.num_slots = o_.batch * slots_;
+    ra.kv.k_cache = b_.ws_k.data();
+    ra.kv.v_cache = b_.ws_v.data();
+    ra.kv.num_slots = o_.batch * slots_;
     return ra;
   }
   absl::Status Setup();
@@ -131,10 +128,7 @@ absl::Status AttentionBench::Setup() {
   }
   KVTIER_ASSIGN_OR_RETURN(b_.offload_items, Upload(off.data(), off.size() * sizeof(OffloadItem)));
   OffloadArgs oa;
-  oa.dtype = g_.dtype;
-  oa.page_size = p_;
-  oa.num_kv_heads = Hkv;
-  oa.head_dim = d;
+  oa.shape = KvShapeOf(g_);
   oa.k_src = b_.k.data();
   oa.v_src = b_.v.data();
   oa.num_src_slots = int64_t{B} * padded_;
@@ -192,11 +186,8 @@ absl::Status AttentionBench::Setup() {
 
 absl::Status AttentionBench::Dense() {
   DenseAttentionArgs a;
-  a.dtype = g_.dtype;
+  a.shape = KvShapeOf(g_);
   a.batch = o_.batch;
-  a.num_q_heads = g_.num_q_heads;
-  a.num_kv_heads = g_.num_kv_heads;
-  a.head_dim = g_.head_dim;
   a.max_tokens = padded_ * p_;
   a.q = b_.q.data();
   a.k = b_.k.data();
@@ -210,11 +201,8 @@ absl::Status AttentionBench::Dense() {
 
 absl::Status AttentionBench::Select() {
   ScorePagesArgs a;
-  a.dtype = g_.dtype;
+  a.shape = KvShapeOf(g_);
   a.batch = o_.batch;
-  a.num_q_heads = g_.num_q_heads;
-  a.num_kv_heads = g_.num_kv_heads;
-  a.head_dim = g_.head_dim;
   a.max_pages = full_;
   a.q = b_.q.data();
   a.summaries = b_.summaries.data();
@@ -224,7 +212,7 @@ absl::Status AttentionBench::Select() {
   KVTIER_RETURN_IF_ERROR(be_.ScorePages(s_, a));
   TopKArgs t;
   t.batch = o_.batch;
-  t.num_kv_heads = g_.num_kv_heads;
+  t.shape = KvShapeOf(g_);
   t.max_pages = full_;
   t.k = o_.selected_pages;
   t.pooled = b_.pooled.as<float>();
@@ -264,19 +252,15 @@ absl::Status AttentionBench::Recall() {
 
 absl::Status AttentionBench::Sparse() {
   SparseAttentionArgs a;
-  a.dtype = g_.dtype;
+  a.shape = KvShapeOf(g_);
   a.batch = o_.batch;
-  a.num_q_heads = g_.num_q_heads;
-  a.num_kv_heads = g_.num_kv_heads;
-  a.head_dim = g_.head_dim;
-  a.page_size = p_;
-  a.num_slots = slots_;
+  a.kv.num_slots = slots_;
   a.q = b_.q.data();
-  a.k_cache = b_.ws_k.data();
-  a.v_cache = b_.ws_v.data();
-  a.slot_table = b_.table.as<int32_t>();
-  a.partial_page = b_.partial_page.as<int32_t>();
-  a.partial_len = b_.partial_len.as<int32_t>();
+  a.kv.k_cache = b_.ws_k.data();
+  a.kv.v_cache = b_.ws_v.data();
+  a.kv.slot_table = b_.table.as<int32_t>();
+  a.kv.partial_page = b_.partial_page.as<int32_t>();
+  a.kv.partial_len = b_.partial_len.as<int32_t>();
   a.softmax_scale = 1.0f / std::sqrt(static_cast<float>(g_.head_dim));
   a.out = b_.sparse_out.data();
   a.lse = b_.sparse_lse.as<float>();

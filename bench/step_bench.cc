@@ -371,11 +371,8 @@ absl::StatusOr<Timing> StepBench::TimeSteps(const std::function<absl::Status(int
 absl::Status StepBench::Dense(int32_t step, int32_t B) {
   for (int32_t l = 0; l < g_.num_layers; ++l) {
     DenseAttentionArgs a;
-    a.dtype = g_.dtype;
+    a.shape = KvShapeOf(g_);
     a.batch = B;
-    a.num_q_heads = g_.num_q_heads;
-    a.num_kv_heads = g_.num_kv_heads;
-    a.head_dim = g_.head_dim;
     a.max_tokens = T_;
     a.q = Q(step, l, 0);
     a.k = dense_k_[l].data();
@@ -394,19 +391,15 @@ absl::Status StepBench::Resident(int32_t step, int32_t B, bool per_sequence) {
   for (int32_t l = 0; l < g_.num_layers; ++l) {
     for (int32_t b = 0; b < launches; ++b) {
       SparseAttentionArgs a;
-      a.dtype = g_.dtype;
+      a.shape = KvShapeOf(g_);
       a.batch = batch;
-      a.num_q_heads = g_.num_q_heads;
-      a.num_kv_heads = g_.num_kv_heads;
-      a.head_dim = g_.head_dim;
-      a.page_size = g_.page_size;
-      a.num_slots = S_;
+      a.kv.num_slots = S_;
       a.q = Q(step, l, b);
-      a.k_cache = ws_k_[l].as<uint8_t>() + b * ws_seq_bytes_;
-      a.v_cache = ws_v_[l].as<uint8_t>() + b * ws_seq_bytes_;
-      a.slot_table = table_.as<int32_t>() + int64_t{b} * g_.num_kv_heads * S_;
-      a.partial_page = partial_page_.as<int32_t>() + b;
-      a.partial_len = partial_len_.as<int32_t>() + b;
+      a.kv.k_cache = ws_k_[l].as<uint8_t>() + b * ws_seq_bytes_;
+      a.kv.v_cache = ws_v_[l].as<uint8_t>() + b * ws_seq_bytes_;
+      a.kv.slot_table = table_.as<int32_t>() + int64_t{b} * g_.num_kv_heads * S_;
+      a.kv.partial_page = partial_page_.as<int32_t>() + b;
+      a.kv.partial_len = partial_len_.as<int32_t>() + b;
       a.softmax_scale = 1.0f / std::sqrt(static_cast<float>(g_.head_dim));
       a.out = out_[l].as<uint8_t>() + b * q_bytes_;
       KVTIER_RETURN_IF_ERROR(be_->SparseAttention(*compute_, a));

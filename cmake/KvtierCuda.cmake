@@ -15,8 +15,9 @@ if(NOT KVTIER_WITH_CUDA STREQUAL "OFF")
       set(CMAKE_CUDA_ARCHITECTURES "80;90")
     endif()
     enable_language(CUDA)
-    # C++17 for .cu files: CMake 3.25 knows no C++20 flag for nvcc. Headers shared with
-    # kernels (dtype.h, layout.h, kernels/ops.h) stay C++17-clean.
+    # CMake 3.25 knows no C++20 flag for nvcc: the default here is C++17, and the CUDA
+    # backend (kernels/cuda/CMakeLists.txt) passes -std=c++20 itself, since the headers its
+    # .cu files share with host code (kernels/ops.h, the kvtier/ headers) are C++20.
     set(CMAKE_CUDA_STANDARD 17)
     set(CMAKE_CUDA_STANDARD_REQUIRED ON)
     find_package(CUDAToolkit REQUIRED)

@@ -33,31 +33,32 @@ absl::Status CheckDType(const char* op, DType t) {
     case DType::kF32:
       return absl::OkStatus();
   }
-  return absl::InvalidArgumentError(absl::StrFormat("%s: unknown dtype %d", op, static_cast<int>(t)));
+  return absl::InvalidArgumentError(
+      absl::StrFormat("%s: unknown shape.dtype %d", op, static_cast<int>(t)));
 }
 
-absl::Status CheckHeads(const char* op, int32_t hq, int32_t hkv, int32_t d) {
-  KVTIER_RETURN_IF_ERROR(CheckRange(op, "num_q_heads", hq, 1, Geometry::kMaxQueryHeads));
-  KVTIER_RETURN_IF_ERROR(CheckRange(op, "num_kv_heads", hkv, 1, hq));
-  if (hq % hkv != 0 || hq / hkv > Geometry::kMaxGroupSize) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: num_q_heads = %d must be a multiple of num_kv_heads = %d with at most %d per group",
-        op, hq, hkv, Geometry::kMaxGroupSize));
-  }
-  return CheckRange(op, "head_dim", d, 1, Geometry::kMaxHeadDim);
-}
-
-absl::Status CheckPage(const char* op, int32_t p, int32_t hkv, int32_t d) {
-  KVTIER_RETURN_IF_ERROR(CheckRange(op, "page_size", p, 1, Geometry::kMaxPageSize));
-  KVTIER_RETURN_IF_ERROR(CheckRange(op, "num_kv_heads", hkv, 1, Geometry::kMaxQueryHeads));
-  return CheckRange(op, "head_dim", d, 1, Geometry::kMaxHeadDim);
-}
-
-// INVALID_ARGUMENT unless the pointers of a group are all null or all non-null.
 struct NamedPtr {
   const char* field;
   const void* p;
 };
+struct NamedRange {
+  const char* field;
+  int64_t v, lo, hi;  // the field's value and its inclusive range
+};
+
+// CheckPtr, CheckRange of each field in turn: the first failure.
+absl::Status CheckPtrs(const char* op, std::initializer_list<NamedPtr> fields) {
+  for (const NamedPtr& f : fields) KVTIER_RETURN_IF_ERROR(CheckPtr(op, f.field, f.p));
+  return absl::OkStatus();
+}
+absl::Status CheckRanges(const char* op, std::initializer_list<NamedRange> fields) {
+  for (const NamedRange& f : fields) {
+    KVTIER_RETURN_IF_ERROR(CheckRange(op, f.field, f.v, f.lo, f.hi));
+  }
+  return absl::OkStatus();
+}
+
+// INVALID_ARGUMENT unless the pointers of a group are all null or all non-null.
 absl::Status CheckAllOrNone(const char* op, std::initializer_list<NamedPtr> group) {
   bool any = false, all = true;
   for (const NamedPtr& f : group) {
@@ -79,181 +80,219 @@ absl::Status CheckAllOrNone(const char* op, std::initializer_list<NamedPtr> grou
 constexpr int32_t kMaxBatch = 1 << 16;
 constexpr int32_t kMaxPages = 1 << 24;  // 512M tokens at p = 32
 
+// The KvShape fields an op reads besides num_kv_heads, which every op reads.
+enum ShapeField : unsigned {
+  kDType = 1u << 0,
+  kQueryHeads = 1u << 1,  // num_q_heads; then num_kv_heads must divide it
+  kHeadDim = 1u << 2,
+  kPageSize = 1u << 3,
+};
+constexpr unsigned kHeadShape = kDType | kQueryHeads | kHeadDim;  // per-query-head ops
+constexpr unsigned kPageShape = kDType | kHeadDim | kPageSize;    // slab and slot ops
+
+// The one check of an op's KvShape: the fields in `needs`, and num_kv_heads.
+absl::Status ValidateShape(const char* op, const KvShape& s, unsigned needs) {
+  if ((needs & kDType) != 0) KVTIER_RETURN_IF_ERROR(CheckDType(op, s.dtype));
+  if ((needs & kQueryHeads) != 0) {
+    KVTIER_RETURN_IF_ERROR(
+        CheckRange(op, "shape.num_q_heads", s.num_q_heads, 1, Geometry::kMaxQueryHeads));
+    KVTIER_RETURN_IF_ERROR(CheckRange(op, "shape.num_kv_heads", s.num_kv_heads, 1, s.num_q_heads));
+    if (s.num_q_heads % s.num_kv_heads != 0 ||
+        s.num_q_heads / s.num_kv_heads > Geometry::kMaxGroupSize) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s: shape.num_q_heads = %d must be a multiple of shape.num_kv_heads = "
+                          "%d with at most %d per group",
+                          op, s.num_q_heads, s.num_kv_heads, Geometry::kMaxGroupSize));
+    }
+  } else {
+    KVTIER_RETURN_IF_ERROR(
+        CheckRange(op, "shape.num_kv_heads", s.num_kv_heads, 1, Geometry::kMaxQueryHeads));
+  }
+  if ((needs & kHeadDim) != 0) {
+    KVTIER_RETURN_IF_ERROR(CheckRange(op, "shape.head_dim", s.head_dim, 1, Geometry::kMaxHeadDim));
+  }
+  if ((needs & kPageSize) != 0) {
+    KVTIER_RETURN_IF_ERROR(
+        CheckRange(op, "shape.page_size", s.page_size, 1, Geometry::kMaxPageSize));
+  }
+  return absl::OkStatus();
+}
+
+// The PagedKv fields an op reads besides num_slots, which every op that takes one reads.
+enum WorkingSetField : unsigned {
+  kCaches = 1u << 0,  // k_cache, v_cache
+  kSlotTable = 1u << 1,
+  kPartialPage = 1u << 2,   // partial_page, partial_len
+  kInt8Required = 1u << 3,  // k_int8, v_int8, k_scale, v_scale, all given
+  kInt8Optional = 1u << 4,  // the same four, all or none
+  kInt8Slots = 1u << 5,     // slot_int8 and the same four, all or none
+};
+
+// The one check of an op's PagedKv: num_slots in [1, max_slots] and the fields in `needs`.
+absl::Status ValidateWorkingSet(const char* op, const PagedKv& kv, int64_t max_slots,
+                                unsigned needs) {
+  KVTIER_RETURN_IF_ERROR(CheckRange(op, "kv.num_slots", kv.num_slots, 1, max_slots));
+  if ((needs & kCaches) != 0) {
+    KVTIER_RETURN_IF_ERROR(CheckPtrs(op, {{"kv.k_cache", kv.k_cache}, {"kv.v_cache", kv.v_cache}}));
+  }
+  if ((needs & kSlotTable) != 0) {
+    KVTIER_RETURN_IF_ERROR(CheckPtr(op, "kv.slot_table", kv.slot_table));
+  }
+  if ((needs & kPartialPage) != 0) {
+    KVTIER_RETURN_IF_ERROR(
+        CheckPtrs(op, {{"kv.partial_page", kv.partial_page}, {"kv.partial_len", kv.partial_len}}));
+  }
+  if ((needs & kInt8Required) != 0) {
+    KVTIER_RETURN_IF_ERROR(CheckPtrs(op, {{"kv.k_int8", kv.k_int8},
+                                          {"kv.v_int8", kv.v_int8},
+                                          {"kv.k_scale", kv.k_scale},
+                                          {"kv.v_scale", kv.v_scale}}));
+  }
+  if ((needs & kInt8Slots) != 0) {
+    return CheckAllOrNone(op, {{"kv.slot_int8", kv.slot_int8},
+                               {"kv.k_int8", kv.k_int8},
+                               {"kv.v_int8", kv.v_int8},
+                               {"kv.k_scale", kv.k_scale},
+                               {"kv.v_scale", kv.v_scale}});
+  }
+  if ((needs & kInt8Optional) != 0) {
+    return CheckAllOrNone(op, {{"kv.k_int8", kv.k_int8},
+                               {"kv.v_int8", kv.v_int8},
+                               {"kv.k_scale", kv.k_scale},
+                               {"kv.v_scale", kv.v_scale}});
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+// Each op checks its shape, then (ops of items) the item count, for zero items nothing else,
+// then its working set, then its own fields.
 
 absl::Status ValidateArgs(const ScorePagesArgs& a) {
   constexpr const char* op = "ScorePages";
-  KVTIER_RETURN_IF_ERROR(CheckDType(op, a.dtype));
-  KVTIER_RETURN_IF_ERROR(CheckRange(op, "batch", a.batch, 1, kMaxBatch));
-  KVTIER_RETURN_IF_ERROR(CheckHeads(op, a.num_q_heads, a.num_kv_heads, a.head_dim));
-  KVTIER_RETURN_IF_ERROR(CheckRange(op, "max_pages", a.max_pages, 1, kMaxPages));
-  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "q", a.q));
-  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "summaries", a.summaries));
-  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "num_pages", a.num_pages));
-  return CheckPtr(op, "pooled", a.pooled);
+  KVTIER_RETURN_IF_ERROR(ValidateShape(op, a.shape, kHeadShape));
+  KVTIER_RETURN_IF_ERROR(CheckRanges(
+      op, {{"batch", a.batch, 1, kMaxBatch}, {"max_pages", a.max_pages, 1, kMaxPages}}));
+  return CheckPtrs(
+      op,
+      {{"q", a.q}, {"summaries", a.summaries}, {"num_pages", a.num_pages}, {"pooled", a.pooled}});
 }
 
 absl::Status ValidateArgs(const TopKArgs& a) {
   constexpr const char* op = "TopK";
-  KVTIER_RETURN_IF_ERROR(CheckRange(op, "batch", a.batch, 1, kMaxBatch));
-  KVTIER_RETURN_IF_ERROR(CheckRange(op, "num_kv_heads", a.num_kv_heads, 1, Geometry::kMaxQueryHeads));
-  KVTIER_RETURN_IF_ERROR(CheckRange(op, "max_pages", a.max_pages, 1, kMaxPages));
-  KVTIER_RETURN_IF_ERROR(CheckRange(op, "k", a.k, 1, a.max_pages));
-  KVTIER_RETURN_IF_ERROR(CheckRange(op, "sink_pages", a.sink_pages, 0, kMaxPages));
-  KVTIER_RETURN_IF_ERROR(CheckRange(op, "recent_pages", a.recent_pages, 0, kMaxPages));
-  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "pooled", a.pooled));
-  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "num_pages", a.num_pages));
-  return CheckPtr(op, "selected", a.selected);
+  KVTIER_RETURN_IF_ERROR(ValidateShape(op, a.shape, 0));
+  KVTIER_RETURN_IF_ERROR(CheckRanges(op, {{"batch", a.batch, 1, kMaxBatch},
+                                          {"max_pages", a.max_pages, 1, kMaxPages},
+                                          {"k", a.k, 1, a.max_pages},
+                                          {"sink_pages", a.sink_pages, 0, kMaxPages},
+                                          {"recent_pages", a.recent_pages, 0, kMaxPages}}));
+  return CheckPtrs(op,
+                   {{"pooled", a.pooled}, {"num_pages", a.num_pages}, {"selected", a.selected}});
 }
 
 absl::Status ValidateArgs(const QueryCosineArgs& a) {
   constexpr const char* op = "QueryCosine";
-  KVTIER_RETURN_IF_ERROR(CheckDType(op, a.dtype));
+  KVTIER_RETURN_IF_ERROR(ValidateShape(op, a.shape, kHeadShape));
   KVTIER_RETURN_IF_ERROR(CheckRange(op, "batch", a.batch, 1, kMaxBatch));
-  KVTIER_RETURN_IF_ERROR(CheckHeads(op, a.num_q_heads, a.num_kv_heads, a.head_dim));
-  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "q", a.q));
-  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "q_prev", a.q_prev));
-  return CheckPtr(op, "group_mean", a.group_mean);
+  return CheckPtrs(op, {{"q", a.q}, {"q_prev", a.q_prev}, {"group_mean", a.group_mean}});
 }
 
 absl::Status ValidateArgs(const RecallArgs& a) {
   constexpr const char* op = "Recall";
-  KVTIER_RETURN_IF_ERROR(CheckDType(op, a.dtype));
-  KVTIER_RETURN_IF_ERROR(CheckPage(op, a.page_size, a.num_kv_heads, a.head_dim));
+  KVTIER_RETURN_IF_ERROR(ValidateShape(op, a.shape, kPageShape));
   KVTIER_RETURN_IF_ERROR(CheckRange(op, "num_items", a.num_items, 0, INT32_MAX));
   if (a.num_items == 0) return absl::OkStatus();
+  KVTIER_RETURN_IF_ERROR(ValidateWorkingSet(op, a.kv, INT32_MAX, kCaches));
   KVTIER_RETURN_IF_ERROR(CheckRange(op, "num_host_pages", a.num_host_pages, 1, INT64_MAX));
-  KVTIER_RETURN_IF_ERROR(CheckRange(op, "num_slots", a.num_slots, 1, INT32_MAX));
-  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "host_pages", a.host_pages));
-  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "items", a.items));
-  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "k_cache", a.k_cache));
-  return CheckPtr(op, "v_cache", a.v_cache);
+  return CheckPtrs(op, {{"host_pages", a.host_pages}, {"items", a.items}});
 }
 
 absl::Status ValidateArgs(const GatherSlabsArgs& a) {
   constexpr const char* op = "GatherSlabs";
-  KVTIER_RETURN_IF_ERROR(CheckDType(op, a.dtype));
-  KVTIER_RETURN_IF_ERROR(CheckPage(op, a.page_size, a.num_kv_heads, a.head_dim));
+  KVTIER_RETURN_IF_ERROR(ValidateShape(op, a.shape, kPageShape));
   KVTIER_RETURN_IF_ERROR(CheckRange(op, "num_items", a.num_items, 0, INT32_MAX));
   if (a.num_items == 0) return absl::OkStatus();
   KVTIER_RETURN_IF_ERROR(CheckRange(op, "num_host_pages", a.num_host_pages, 1, INT64_MAX));
-  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "host_pages", a.host_pages));
-  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "items", a.items));
-  return CheckPtr(op, "staging", a.staging);
+  return CheckPtrs(op, {{"host_pages", a.host_pages}, {"items", a.items}, {"staging", a.staging}});
 }
 
 absl::Status ValidateArgs(const ScatterSlabsArgs& a) {
   constexpr const char* op = "ScatterSlabs";
-  KVTIER_RETURN_IF_ERROR(CheckDType(op, a.dtype));
-  KVTIER_RETURN_IF_ERROR(CheckPage(op, a.page_size, a.num_kv_heads, a.head_dim));
+  KVTIER_RETURN_IF_ERROR(ValidateShape(op, a.shape, kPageShape));
   KVTIER_RETURN_IF_ERROR(CheckRange(op, "num_items", a.num_items, 0, INT32_MAX));
   if (a.num_items == 0) return absl::OkStatus();
-  KVTIER_RETURN_IF_ERROR(CheckRange(op, "num_slots", a.num_slots, 1, INT32_MAX));
-  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "staging", a.staging));
-  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "items", a.items));
-  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "k_cache", a.k_cache));
-  return CheckPtr(op, "v_cache", a.v_cache);
+  KVTIER_RETURN_IF_ERROR(ValidateWorkingSet(op, a.kv, INT32_MAX, kCaches));
+  return CheckPtrs(op, {{"staging", a.staging}, {"items", a.items}});
 }
 
 absl::Status ValidateArgs(const ReplaceArgs& a) {
   constexpr const char* op = "Replace";
+  KVTIER_RETURN_IF_ERROR(ValidateShape(op, a.shape, 0));
   KVTIER_RETURN_IF_ERROR(CheckRange(op, "batch", a.batch, 1, kMaxBatch));
-  KVTIER_RETURN_IF_ERROR(CheckRange(op, "num_kv_heads", a.num_kv_heads, 1, Geometry::kMaxQueryHeads));
-  KVTIER_RETURN_IF_ERROR(CheckRange(op, "num_slots", a.num_slots, 1, kMaxPages));
-  KVTIER_RETURN_IF_ERROR(CheckRange(op, "k", a.k, 1, a.num_slots));
-  KVTIER_RETURN_IF_ERROR(CheckRange(op, "region_begin", a.region_begin, 0, a.num_slots - a.k));
-  KVTIER_RETURN_IF_ERROR(CheckRange(op, "max_pages", a.max_pages, 1, kMaxPages));
-  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "selected", a.selected));
-  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "slot_table", a.slot_table));
-  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "host_page_of", a.host_page_of));
-  return CheckPtr(op, "items", a.items);
+  KVTIER_RETURN_IF_ERROR(ValidateWorkingSet(op, a.kv, kMaxPages, kSlotTable));
+  KVTIER_RETURN_IF_ERROR(CheckRanges(op, {{"k", a.k, 1, a.kv.num_slots},
+                                          {"region_begin", a.region_begin, 0, a.kv.num_slots - a.k},
+                                          {"max_pages", a.max_pages, 1, kMaxPages}}));
+  return CheckPtrs(
+      op, {{"selected", a.selected}, {"host_page_of", a.host_page_of}, {"items", a.items}});
 }
 
 absl::Status ValidateArgs(const OffloadArgs& a) {
   constexpr const char* op = "Offload";
-  KVTIER_RETURN_IF_ERROR(CheckDType(op, a.dtype));
-  KVTIER_RETURN_IF_ERROR(CheckPage(op, a.page_size, a.num_kv_heads, a.head_dim));
+  KVTIER_RETURN_IF_ERROR(ValidateShape(op, a.shape, kPageShape));
   if (a.summary != SummaryMode::kMinMax && a.summary != SummaryMode::kCenterMad) {
     return absl::InvalidArgumentError("Offload: unknown summary mode");
   }
   KVTIER_RETURN_IF_ERROR(CheckRange(op, "num_items", a.num_items, 0, INT32_MAX));
   if (a.num_items == 0) return absl::OkStatus();
-  KVTIER_RETURN_IF_ERROR(CheckRange(op, "num_src_slots", a.num_src_slots, 1, INT64_MAX));
-  KVTIER_RETURN_IF_ERROR(CheckRange(op, "num_host_pages", a.num_host_pages, 1, INT64_MAX));
-  KVTIER_RETURN_IF_ERROR(CheckRange(op, "num_summary_pages", a.num_summary_pages, 1, INT64_MAX));
-  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "k_src", a.k_src));
-  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "v_src", a.v_src));
-  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "host_pages", a.host_pages));
-  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "summaries", a.summaries));
-  return CheckPtr(op, "items", a.items);
+  KVTIER_RETURN_IF_ERROR(
+      CheckRanges(op, {{"num_src_slots", a.num_src_slots, 1, INT64_MAX},
+                       {"num_host_pages", a.num_host_pages, 1, INT64_MAX},
+                       {"num_summary_pages", a.num_summary_pages, 1, INT64_MAX}}));
+  return CheckPtrs(op, {{"k_src", a.k_src},
+                        {"v_src", a.v_src},
+                        {"host_pages", a.host_pages},
+                        {"summaries", a.summaries},
+                        {"items", a.items}});
 }
 
+// query_position, token_prob and lse may be null.
 absl::Status ValidateArgs(const SparseAttentionArgs& a) {
   constexpr const char* op = "SparseAttention";
-  KVTIER_RETURN_IF_ERROR(CheckDType(op, a.dtype));
+  KVTIER_RETURN_IF_ERROR(ValidateShape(op, a.shape, kHeadShape | kPageSize));
   KVTIER_RETURN_IF_ERROR(CheckRange(op, "batch", a.batch, 1, kMaxBatch));
-  KVTIER_RETURN_IF_ERROR(CheckHeads(op, a.num_q_heads, a.num_kv_heads, a.head_dim));
-  KVTIER_RETURN_IF_ERROR(CheckRange(op, "page_size", a.page_size, 1, Geometry::kMaxPageSize));
-  KVTIER_RETURN_IF_ERROR(CheckRange(op, "num_slots", a.num_slots, 1, kMaxPages));
-  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "q", a.q));
-  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "k_cache", a.k_cache));
-  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "v_cache", a.v_cache));
-  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "slot_table", a.slot_table));
-  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "partial_page", a.partial_page));
-  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "partial_len", a.partial_len));
-  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "out", a.out));
-  // query_position, token_prob: null-ok. The INT8 storage is all five buffers or none.
-  return CheckAllOrNone(op, {{"slot_int8", a.slot_int8},
-                             {"k_int8", a.k_int8},
-                             {"v_int8", a.v_int8},
-                             {"k_scale", a.k_scale},
-                             {"v_scale", a.v_scale}});
+  KVTIER_RETURN_IF_ERROR(
+      ValidateWorkingSet(op, a.kv, kMaxPages, kCaches | kSlotTable | kPartialPage | kInt8Slots));
+  return CheckPtrs(op, {{"q", a.q}, {"out", a.out}});
 }
 
 absl::Status ValidateArgs(const DenseAttentionArgs& a) {
   constexpr const char* op = "DenseAttention";
-  KVTIER_RETURN_IF_ERROR(CheckDType(op, a.dtype));
-  KVTIER_RETURN_IF_ERROR(CheckRange(op, "batch", a.batch, 1, kMaxBatch));
-  KVTIER_RETURN_IF_ERROR(CheckHeads(op, a.num_q_heads, a.num_kv_heads, a.head_dim));
-  KVTIER_RETURN_IF_ERROR(CheckRange(op, "max_tokens", a.max_tokens, 1, INT32_MAX));
-  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "q", a.q));
-  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "k", a.k));
-  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "v", a.v));
-  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "seq_len", a.seq_len));
-  return CheckPtr(op, "out", a.out);
+  KVTIER_RETURN_IF_ERROR(ValidateShape(op, a.shape, kHeadShape));
+  KVTIER_RETURN_IF_ERROR(CheckRanges(
+      op, {{"batch", a.batch, 1, kMaxBatch}, {"max_tokens", a.max_tokens, 1, INT32_MAX}}));
+  return CheckPtrs(op,
+                   {{"q", a.q}, {"k", a.k}, {"v", a.v}, {"seq_len", a.seq_len}, {"out", a.out}});
 }
 
 absl::Status ValidateArgs(const QuantizeSlotsArgs& a) {
   constexpr const char* op = "QuantizeSlots";
-  KVTIER_RETURN_IF_ERROR(CheckDType(op, a.dtype));
-  KVTIER_RETURN_IF_ERROR(CheckPage(op, a.page_size, a.num_kv_heads, a.head_dim));
+  KVTIER_RETURN_IF_ERROR(ValidateShape(op, a.shape, kPageShape));
   KVTIER_RETURN_IF_ERROR(CheckRange(op, "num_items", a.num_items, 0, INT32_MAX));
   if (a.num_items == 0) return absl::OkStatus();
-  KVTIER_RETURN_IF_ERROR(CheckRange(op, "num_slots", a.num_slots, 1, INT32_MAX));
-  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "items", a.items));
-  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "k_cache", a.k_cache));
-  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "v_cache", a.v_cache));
-  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "k_int8", a.k_int8));
-  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "v_int8", a.v_int8));
-  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "k_scale", a.k_scale));
-  return CheckPtr(op, "v_scale", a.v_scale);
+  KVTIER_RETURN_IF_ERROR(ValidateWorkingSet(op, a.kv, INT32_MAX, kCaches | kInt8Required));
+  return CheckPtr(op, "items", a.items);
 }
 
 // Items live in backend memory, so src_slot == dst_slot is found when the op runs.
 absl::Status ValidateArgs(const MoveHeadSlotsArgs& a) {
   constexpr const char* op = "MoveHeadSlots";
-  KVTIER_RETURN_IF_ERROR(CheckDType(op, a.dtype));
-  KVTIER_RETURN_IF_ERROR(CheckPage(op, a.page_size, a.num_kv_heads, a.head_dim));
+  KVTIER_RETURN_IF_ERROR(ValidateShape(op, a.shape, kPageShape));
   KVTIER_RETURN_IF_ERROR(CheckRange(op, "num_items", a.num_items, 0, INT32_MAX));
-  KVTIER_RETURN_IF_ERROR(CheckAllOrNone(op, {{"k_int8", a.k_int8},
-                                             {"v_int8", a.v_int8},
-                                             {"k_scale", a.k_scale},
-                                             {"v_scale", a.v_scale}}));
   if (a.num_items == 0) return absl::OkStatus();
-  KVTIER_RETURN_IF_ERROR(CheckRange(op, "num_slots", a.num_slots, 1, INT32_MAX));
-  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "items", a.items));
-  KVTIER_RETURN_IF_ERROR(CheckPtr(op, "k_cache", a.k_cache));
-  return CheckPtr(op, "v_cache", a.v_cache);
+  KVTIER_RETURN_IF_ERROR(ValidateWorkingSet(op, a.kv, INT32_MAX, kCaches | kInt8Optional));
+  return CheckPtr(op, "items", a.items);
 }
 
 }  // namespace kvtier

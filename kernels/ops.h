@@ -1,7 +1,11 @@
-// Arguments of the backend's compute ops (docs/architecture.md#the-decode-step, docs/architecture.md#backends). Kernels are framework-free:
-// raw pointers into backend memory, sizes, and the layouts of kvtier/layout.h. Ops never
-// allocate; callers own every buffer. The structs carry no CUDA types, so the CPU reference
-// and the CUDA kernels take the same arguments.
+// Arguments of the backend's compute ops (docs/architecture.md#the-decode-step,
+// docs/architecture.md#backends). Kernels are framework-free: raw pointers into backend memory,
+// sizes, and the layouts of kvtier/layout.h. Ops never allocate; callers own every buffer. The
+// structs carry no CUDA types, so the CPU reference and the CUDA kernels take the same arguments.
+//
+// Every op's arguments embed one description of the head and page shape (KvShape) and,
+// where the op touches the working set, one description of it (PagedKv), as FlashInfer's
+// paged_kv_t does; each op reads the fields of them it needs and adds its own.
 //
 // Shape checks (positive sizes, GQA divisibility, non-null required pointers) happen when an
 // op is enqueued: ValidateArgs below, called by Backend. Data-dependent checks (an index in
@@ -13,18 +17,56 @@
 
 #include "absl/status/status.h"
 #include "kvtier/dtype.h"
+#include "kvtier/geometry.h"
 #include "kvtier/options.h"
 
 namespace kvtier {
 
+// The head and page shape an op works on. Every op reads num_kv_heads; which of the others
+// it reads is said at its struct (an op without query heads or pages leaves them unread).
+// ValidateArgs checks exactly the fields the op reads, with Geometry's limits.
+struct KvShape {
+  DType dtype = DType::kF16;
+  int32_t num_q_heads = 0;   // Hq, a multiple of num_kv_heads
+  int32_t num_kv_heads = 0;  // Hkv
+  int32_t head_dim = 0;      // d, elements
+  int32_t page_size = 0;     // p, tokens per page (and per working-set slot)
+};
+
+// The shape of a model's KV cache: every KvShape field from the geometry.
+inline KvShape KvShapeOf(const Geometry& g) {
+  return KvShape{g.dtype, g.num_q_heads, g.num_kv_heads, g.head_dim, g.page_size};
+}
+
+// A working set in backend memory: NHD K and V caches of num_slots slots of p tokens, with
+// the per-KV-head slot tables, the partial page and the INT8 copies (Conf-KV) attention
+// reads. Ops that batch sequences (SparseAttention, Replace) take num_slots = S per sequence,
+// global slot b·S + s; the others address global slots and take the whole cache as one
+// sequence, num_slots = B·S. Each op says which fields it reads and which it writes; the
+// pointers are mutable because some op writes each of them.
+struct PagedKv {
+  void* k_cache = nullptr;  // [num_slots][p][Hkv][d]
+  void* v_cache = nullptr;
+  int32_t num_slots = 0;
+  int32_t* slot_table = nullptr;          // [B][Hkv][S] → logical page, or kEmptySlot
+  const int32_t* partial_page = nullptr;  // [B] logical page being filled, or -1 for none
+  const int32_t* partial_len = nullptr;   // [B] tokens in it, in [0, p]
+  // INT8 storage: where slot_int8[b][h][s] is 1, head h's part of slot s is read from
+  // k_int8/v_int8 (the caches' NHD layout) times the per-channel scale of that (slot, head):
+  // value = q · scale[b·S + s][h][dim]. QuantizeSlots writes them; MoveHeadSlots moves them.
+  const uint8_t* slot_int8 = nullptr;  // [B][Hkv][S]
+  int8_t* k_int8 = nullptr;            // [num_slots][p][Hkv][d]
+  int8_t* v_int8 = nullptr;
+  float* k_scale = nullptr;  // [num_slots][Hkv][d]
+  float* v_scale = nullptr;
+};
+
 // Page scores (Quest): score[b][hq][page] = Σ_i max(q_i·hi_i, q_i·lo_i), then pooled per
 // KV head. Pages at or beyond num_pages[b] score -inf in `pooled` (and `scores`).
+// Reads shape.dtype, num_q_heads, num_kv_heads, head_dim.
 struct ScorePagesArgs {
-  DType dtype = DType::kF16;
+  KvShape shape{};
   int32_t batch = 0;
-  int32_t num_q_heads = 0;
-  int32_t num_kv_heads = 0;
-  int32_t head_dim = 0;
   int32_t max_pages = 0;          // P: per-sequence stride of summaries and scores
   const void* q = nullptr;        // [B][Hq][d]
   const void* summaries = nullptr;  // [B][P][Hkv][2][d] (SummaryLayout per sequence)
@@ -42,10 +84,10 @@ struct ScorePagesArgs {
 // Top-k pages per (sequence, KV head) among candidates: pages in
 // [sink_pages, num_pages[b] - recent_pages). Output best first; ties go to the lower page
 // index, and NaN ranks below every number, so the result is deterministic. Fewer than k
-// candidates pad with kEmptySlot (-1).
+// candidates pad with kEmptySlot (-1). Reads shape.num_kv_heads.
 struct TopKArgs {
+  KvShape shape{};
   int32_t batch = 0;
-  int32_t num_kv_heads = 0;
   int32_t max_pages = 0;               // P
   int32_t k = 0;
   const float* pooled = nullptr;       // [B][Hkv][P]
@@ -70,13 +112,11 @@ inline constexpr uint8_t kPageExcluded = 2;
 
 // Cosine of q_t and q_{t-1} per query head, its mean over each KV head's query group, and
 // drift flags (group mean < threshold). A zero vector has cosine 0 with anything, so a
-// missing previous query always counts as drift.
+// missing previous query always counts as drift. Reads shape.dtype, num_q_heads,
+// num_kv_heads, head_dim.
 struct QueryCosineArgs {
-  DType dtype = DType::kF16;
+  KvShape shape{};
   int32_t batch = 0;
-  int32_t num_q_heads = 0;
-  int32_t num_kv_heads = 0;
-  int32_t head_dim = 0;
   const void* q = nullptr;       // [B][Hq][d]
   const void* q_prev = nullptr;  // [B][Hq][d]
   float threshold = 0.9f;        // τ
@@ -96,19 +136,16 @@ struct RecallItem {
 };
 
 // Recall transform: gathers head-page slabs from HND host pages into the NHD working set.
-// Bit-exact. Host page i starts at host_pages + i·(Hkv·2·p·d) elements.
+// Bit-exact. Host page i starts at host_pages + i·(Hkv·2·p·d) elements. Reads
+// shape.dtype, num_kv_heads, head_dim, page_size; writes kv.k_cache and kv.v_cache (B·S
+// global slots in kv.num_slots, for range checks).
 struct RecallArgs {
-  DType dtype = DType::kF16;
-  int32_t page_size = 0;
-  int32_t num_kv_heads = 0;
-  int32_t head_dim = 0;
+  KvShape shape{};
+  PagedKv kv{};
   const void* host_pages = nullptr;  // HND pages (the host arena's page area)
   int64_t num_host_pages = 0;        // for range checks
   const RecallItem* items = nullptr;
   int32_t num_items = 0;
-  void* k_cache = nullptr;           // [num_slots][p][Hkv][d]
-  void* v_cache = nullptr;
-  int32_t num_slots = 0;             // B·S, for range checks
 };
 
 // Recall split in two halves, for a streaming recall that overlaps the host→device copy
@@ -119,12 +156,10 @@ struct RecallArgs {
 //
 // GatherSlabs: staging slab j = the contiguous K+V slab of items[j].kv_head in host page
 // items[j].host_page (HostPageLayout offset of (kv_head, 0, 0, 0)), bit-exact. A skip
-// item leaves its slab untouched; dst_slot is not read.
+// item leaves its slab untouched; dst_slot is not read. Reads shape.dtype, num_kv_heads,
+// head_dim, page_size.
 struct GatherSlabsArgs {
-  DType dtype = DType::kF16;
-  int32_t page_size = 0;
-  int32_t num_kv_heads = 0;
-  int32_t head_dim = 0;
+  KvShape shape{};
   const void* host_pages = nullptr;  // HND pages (the host arena's page area)
   int64_t num_host_pages = 0;        // for range checks
   const RecallItem* items = nullptr;
@@ -134,18 +169,14 @@ struct GatherSlabsArgs {
 
 // ScatterSlabs: staging slab j (HND [2][p][d]) → NHD global slot items[j].dst_slot, head
 // items[j].kv_head of the working set, bit-exact. A skip item does nothing; host_page is
-// read only to recognise skips.
+// read only to recognise skips. Reads the shape as GatherSlabs; writes kv.k_cache and
+// kv.v_cache as Recall.
 struct ScatterSlabsArgs {
-  DType dtype = DType::kF16;
-  int32_t page_size = 0;
-  int32_t num_kv_heads = 0;
-  int32_t head_dim = 0;
+  KvShape shape{};
+  PagedKv kv{};
   const void* staging = nullptr;     // [num_items][2][p][d], as GatherSlabs wrote it
   const RecallItem* items = nullptr;
   int32_t num_items = 0;
-  void* k_cache = nullptr;           // [num_slots][p][Hkv][d]
-  void* v_cache = nullptr;
-  int32_t num_slots = 0;             // B·S, for range checks
 };
 
 // Page-cache replacement in the selected region [region_begin, region_begin + k) of each
@@ -156,15 +187,16 @@ struct ScatterSlabsArgs {
 // rank order, lowest slot first, and get one recall item each. Recall traffic is
 // therefore the churn of the selection, not the budget. Writes the slot table in place
 // and exactly k items per (sequence, KV head), padded with kSkipItem (all skip for
-// unmasked heads), so the plan never has to come back to the host.
+// unmasked heads), so the plan never has to come back to the host. Reads
+// shape.num_kv_heads and kv.num_slots (S per sequence); reads and writes kv.slot_table (only
+// the region changes).
 struct ReplaceArgs {
+  KvShape shape{};
+  PagedKv kv{};
   int32_t batch = 0;
-  int32_t num_kv_heads = 0;
-  int32_t num_slots = 0;                 // S per sequence
   int32_t region_begin = 0;              // first slot of the selected region
   int32_t k = 0;                         // region size = TopK's k
   const int32_t* selected = nullptr;     // [B][Hkv][k] from TopK: best first, -1 padded
-  int32_t* slot_table = nullptr;         // [B][Hkv][S] in/out (only the region changes)
   const int64_t* host_page_of = nullptr; // [B][max_pages]: logical page → host page, or -1
   int32_t max_pages = 0;
   const uint8_t* head_mask = nullptr;    // [B][Hkv]; null = every head
@@ -181,12 +213,10 @@ struct OffloadItem {
 };
 
 // Offload: NHD → HND transpose into host pages (bit-exact) plus key summaries per
-// (page, KV head). Only full pages are offloaded.
+// (page, KV head). Only full pages are offloaded. Reads shape.dtype, num_kv_heads, head_dim,
+// page_size.
 struct OffloadArgs {
-  DType dtype = DType::kF16;
-  int32_t page_size = 0;
-  int32_t num_kv_heads = 0;
-  int32_t head_dim = 0;
+  KvShape shape{};
   SummaryMode summary = SummaryMode::kMinMax;
   const void* k_src = nullptr;  // [num_src_slots][p][Hkv][d]
   const void* v_src = nullptr;
@@ -201,23 +231,17 @@ struct OffloadArgs {
 
 // Sparse paged decode attention over a working set with per-KV-head slot tables (GQA).
 // Query head hq of sequence b attends over every token of every slot s whose table entry
-// slot_table[b][hq / G][s] is a page (≥ 0); such a slot holds page_size tokens, except
-// the one holding partial_page[b], which holds partial_len[b]. fp32 accumulation and
-// online softmax; output in `dtype`. A head with no tokens outputs zeros and lse = -inf.
+// kv.slot_table[b][hq / G][s] is a page (≥ 0); such a slot holds page_size tokens, except
+// the one holding kv.partial_page[b], which holds kv.partial_len[b]. fp32 accumulation and
+// online softmax; output in shape.dtype. A head with no tokens outputs zeros and lse = -inf.
+// Reads every shape field, and of the working set ([B][S][p][Hkv][d], kv.num_slots = S per
+// sequence) the caches, the slot tables and the partial page; the INT8 storage
+// (kv.slot_int8, k_int8, v_int8, k_scale, v_scale) is optional, all five or none.
 struct SparseAttentionArgs {
-  DType dtype = DType::kF16;
+  KvShape shape{};
+  PagedKv kv{};
   int32_t batch = 0;
-  int32_t num_q_heads = 0;
-  int32_t num_kv_heads = 0;
-  int32_t head_dim = 0;
-  int32_t page_size = 0;
-  int32_t num_slots = 0;                  // S per sequence
   const void* q = nullptr;                // [B][Hq][d]
-  const void* k_cache = nullptr;          // [B][S][p][Hkv][d]
-  const void* v_cache = nullptr;
-  const int32_t* slot_table = nullptr;    // [B][Hkv][S]
-  const int32_t* partial_page = nullptr;  // [B] logical page, or -1 for none
-  const int32_t* partial_len = nullptr;   // [B] tokens in it, in [0, p]
   float softmax_scale = 1.0f;
   void* out = nullptr;                    // [B][Hq][d]
   float* lse = nullptr;                   // [B][Hq] natural log-sum-exp; optional
@@ -227,15 +251,6 @@ struct SparseAttentionArgs {
   // Optional out: the softmax probability of every token, [B][Hq][S][p]; 0 for tokens not
   // attended (empty slots, beyond partial_len, masked). Policies read it (offload/policy).
   float* token_prob = nullptr;
-  // Optional INT8 storage (Conf-KV): where slot_int8[b][h][s] is 1, head h's part of slot
-  // s is read from k_int8/v_int8 (same NHD layout as the caches) times the per-channel
-  // scale of that (slot, head): value = q · scale[b·S + s][h][dim] (QuantizeSlots writes
-  // them). All four buffers and slot_int8 are given together or not at all.
-  const uint8_t* slot_int8 = nullptr;  // [B][Hkv][S]
-  const int8_t* k_int8 = nullptr;      // [B][S][p][Hkv][d]
-  const int8_t* v_int8 = nullptr;
-  const float* k_scale = nullptr;      // [B][S][Hkv][d]
-  const float* v_scale = nullptr;
 };
 
 // One KV head's part of one working-set slot (global slot b·S + s).
@@ -248,56 +263,40 @@ struct HeadSlot {
 // (and of V): scale[slot][h][c] = max over the page's p tokens of |x[t][h][c]| / 127 (fp32),
 // q[t][h][c] = x / scale rounded to nearest (ties to even), clamped to [−127, 127]; a zero
 // scale gives q = 0. So |x − q·scale| ≤ scale / 2 up to float rounding. The FP16/BF16/FP32
-// caches are left as they are.
+// caches are left as they are. Reads shape.dtype, num_kv_heads, head_dim, page_size and
+// kv.k_cache, kv.v_cache (kv.num_slots global slots, for range checks); writes kv.k_int8,
+// v_int8, k_scale and v_scale, which are required.
 struct QuantizeSlotsArgs {
-  DType dtype = DType::kF16;
-  int32_t page_size = 0;
-  int32_t num_kv_heads = 0;
-  int32_t head_dim = 0;
+  KvShape shape{};
+  PagedKv kv{};
   const HeadSlot* items = nullptr;
   int32_t num_items = 0;
-  const void* k_cache = nullptr;  // [num_slots][p][Hkv][d]
-  const void* v_cache = nullptr;
-  int8_t* k_int8 = nullptr;       // [num_slots][p][Hkv][d] out
-  int8_t* v_int8 = nullptr;
-  float* k_scale = nullptr;       // [num_slots][Hkv][d] out
-  float* v_scale = nullptr;
-  int32_t num_slots = 0;          // for range checks
 };
 
 // Moves one KV head's part of a slot to another slot (compaction in drop mode): K and V of
 // head `kv_head`, all p tokens, from src_slot to dst_slot, bit-exact; the INT8 copies and
 // their scales too when those buffers are given. Items run in order; src and dst of one
-// item may not be equal.
+// item may not be equal. Reads the shape as QuantizeSlots; reads and writes kv.k_cache,
+// kv.v_cache (kv.num_slots global slots) and, optionally, all four INT8 buffers (not
+// kv.slot_int8).
 struct HeadSlotMove {
   int32_t kv_head;
   int32_t src_slot;
   int32_t dst_slot;
 };
 struct MoveHeadSlotsArgs {
-  DType dtype = DType::kF16;
-  int32_t page_size = 0;
-  int32_t num_kv_heads = 0;
-  int32_t head_dim = 0;
+  KvShape shape{};
+  PagedKv kv{};
   const HeadSlotMove* items = nullptr;
   int32_t num_items = 0;
-  void* k_cache = nullptr;  // [num_slots][p][Hkv][d]
-  void* v_cache = nullptr;
-  int8_t* k_int8 = nullptr;  // optional, with the scales
-  int8_t* v_int8 = nullptr;
-  float* k_scale = nullptr;
-  float* v_scale = nullptr;
-  int32_t num_slots = 0;
 };
 
 // Dense decode attention over contiguous NHD KV [B][T][Hkv][d] with seq_len[b] ≤ T tokens.
-// The accuracy reference for sparse attention.
+// The accuracy reference for sparse attention. Reads shape.dtype, num_q_heads, num_kv_heads,
+// head_dim.
 struct DenseAttentionArgs {
-  DType dtype = DType::kF16;
+  KvShape shape{};
   int32_t batch = 0;
-  int32_t num_q_heads = 0;
-  int32_t num_kv_heads = 0;
-  int32_t head_dim = 0;
   int32_t max_tokens = 0;            // T
   const void* q = nullptr;           // [B][Hq][d]
   const void* k = nullptr;           // [B][T][Hkv][d]

@@ -151,10 +151,7 @@ absl::Status PageOffloader::OffloadPages(Stream& stream, PageTable& table,
 
 OffloadArgs PageOffloader::MakeArgs(const OffloadRequest& request, const Batch& batch) const {
   OffloadArgs a;
-  a.dtype = geometry_.dtype;
-  a.page_size = geometry_.page_size;
-  a.num_kv_heads = geometry_.num_kv_heads;
-  a.head_dim = geometry_.head_dim;
+  a.shape = KvShapeOf(geometry_);
   a.summary = request.summary_mode;
   a.k_src = request.k_src;
   a.v_src = request.v_src;

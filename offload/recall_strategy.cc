@@ -67,17 +67,14 @@ bool ParseRecallStrategy(std::string_view name, RecallStrategy* out) {
 RecallArgs ZeroCopyRecallArgs(const Geometry& g, const RecallTarget& t, const RecallItem* items,
                               int32_t n) {
   RecallArgs a;
-  a.dtype = g.dtype;
-  a.page_size = g.page_size;
-  a.num_kv_heads = g.num_kv_heads;
-  a.head_dim = g.head_dim;
+  a.shape = KvShapeOf(g);
+  a.kv.k_cache = t.k_cache;
+  a.kv.v_cache = t.v_cache;
+  a.kv.num_slots = t.num_slots;
   a.host_pages = t.host_pages;
   a.num_host_pages = t.num_host_pages;
   a.items = items;
   a.num_items = n;
-  a.k_cache = t.k_cache;
-  a.v_cache = t.v_cache;
-  a.num_slots = t.num_slots;
   return a;
 }
 
@@ -211,16 +208,13 @@ absl::StatusOr<int64_t> SlabRecaller::Enqueue(Stream& drive, Stream& xform, int3
     KVTIER_RETURN_IF_ERROR(drive.Record(*staged_[b]));
     KVTIER_RETURN_IF_ERROR(xform.Wait(*staged_[b]));
     ScatterSlabsArgs sa;
-    sa.dtype = g_.dtype;
-    sa.page_size = g_.page_size;
-    sa.num_kv_heads = g_.num_kv_heads;
-    sa.head_dim = g_.head_dim;
+    sa.shape = KvShapeOf(g_);
+    sa.kv.k_cache = t.k_cache;
+    sa.kv.v_cache = t.v_cache;
+    sa.kv.num_slots = t.num_slots;
     sa.staging = stage;
     sa.items = ordered_ + begin;
     sa.num_items = count;
-    sa.k_cache = t.k_cache;
-    sa.v_cache = t.v_cache;
-    sa.num_slots = t.num_slots;
     KVTIER_RETURN_IF_ERROR(backend_.ScatterSlabs(xform, sa));
     KVTIER_RETURN_IF_ERROR(xform.Record(*freed_[b]));
   }

@@ -623,11 +623,8 @@ absl::Status RetrieverImpl::Select(Stream& s, RecallPath path, int32_t layer, co
   absl::Time mark;
   KVTIER_RETURN_IF_ERROR(Lap(s, &mark, nullptr));
   ScorePagesArgs sa;
-  sa.dtype = geometry_.dtype;
+  sa.shape = KvShapeOf(geometry_);
   sa.batch = 1;
-  sa.num_q_heads = geometry_.num_q_heads;
-  sa.num_kv_heads = geometry_.num_kv_heads;
-  sa.head_dim = geometry_.head_dim;
   sa.max_pages = max_pages_;
   sa.q = q;
   sa.summaries = l.host.summaries.data();
@@ -638,8 +635,8 @@ absl::Status RetrieverImpl::Select(Stream& s, RecallPath path, int32_t layer, co
   sa.head_mask = mask;
   KVTIER_RETURN_IF_ERROR(backend_.ScorePages(s, sa));
   TopKArgs ta;
+  ta.shape = KvShapeOf(geometry_);
   ta.batch = 1;
-  ta.num_kv_heads = geometry_.num_kv_heads;
   ta.max_pages = max_pages_;
   ta.k = selected_pages();
   ta.pooled = l.select.pooled.as<float>();
@@ -654,13 +651,13 @@ absl::Status RetrieverImpl::Select(Stream& s, RecallPath path, int32_t layer, co
   }
   KVTIER_RETURN_IF_ERROR(backend_.TopK(s, ta));
   ReplaceArgs ra;
+  ra.shape = KvShapeOf(geometry_);
+  ra.kv.num_slots = slots_per_layer_;
+  ra.kv.slot_table = l.ws.table.as<int32_t>();
   ra.batch = 1;
-  ra.num_kv_heads = geometry_.num_kv_heads;
-  ra.num_slots = slots_per_layer_;
   ra.region_begin = options_.sink_pages;
   ra.k = selected_pages();
   ra.selected = l.select.selected.as<int32_t>();
-  ra.slot_table = l.ws.table.as<int32_t>();
   ra.host_page_of = l.host.page_of.as<int64_t>();
   ra.max_pages = max_pages_;
   ra.head_mask = mask;
@@ -797,11 +794,8 @@ absl::StatusOr<WorkingSetView> RetrieverImpl::BeginStep(int32_t layer, const voi
     recorded = true;
   } else if (st.ok() && speculative) {
     QueryCosineArgs qa;
-    qa.dtype = geometry_.dtype;
+    qa.shape = KvShapeOf(geometry_);
     qa.batch = 1;
-    qa.num_q_heads = geometry_.num_q_heads;
-    qa.num_kv_heads = geometry_.num_kv_heads;
-    qa.head_dim = geometry_.head_dim;
     qa.q = l.select.q_cur.data();
     qa.q_prev = l.select.q_prev.data();
     qa.threshold = options_.correction_threshold;
@@ -843,19 +837,15 @@ absl::StatusOr<WorkingSetView> RetrieverImpl::BeginStep(int32_t layer, const voi
 SparseAttentionArgs RetrieverImpl::AttentionArgs(LayerState& l, const void* q, void* out,
                                                  float* lse) {
   SparseAttentionArgs a;
-  a.dtype = geometry_.dtype;
+  a.shape = KvShapeOf(geometry_);
+  a.kv.k_cache = l.ws.k.data();
+  a.kv.v_cache = l.ws.v.data();
+  a.kv.num_slots = Slots(l);
+  a.kv.slot_table = l.ws.table.as<int32_t>();
+  a.kv.partial_page = &l.ws.counts.as<LayerCounts>()->partial_page;
+  a.kv.partial_len = &l.ws.counts.as<LayerCounts>()->partial_len;
   a.batch = 1;
-  a.num_q_heads = geometry_.num_q_heads;
-  a.num_kv_heads = geometry_.num_kv_heads;
-  a.head_dim = geometry_.head_dim;
-  a.page_size = geometry_.page_size;
-  a.num_slots = Slots(l);
   a.q = q;
-  a.k_cache = l.ws.k.data();
-  a.v_cache = l.ws.v.data();
-  a.slot_table = l.ws.table.as<int32_t>();
-  a.partial_page = &l.ws.counts.as<LayerCounts>()->partial_page;
-  a.partial_len = &l.ws.counts.as<LayerCounts>()->partial_len;
   a.softmax_scale = scale_;
   a.out = out;
   a.lse = lse;

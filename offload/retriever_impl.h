@@ -27,24 +27,13 @@ namespace kvtier::retriever_internal {
 
 constexpr int32_t kMaxSlots = 1 << 20;
 
-// The page shape every slab-moving op (Recall, GatherSlabs, ScatterSlabs) takes.
-template <typename Args>
-Args SlabArgs(const Geometry& g) {
-  Args a;
-  a.dtype = g.dtype;
-  a.page_size = g.page_size;
-  a.num_kv_heads = g.num_kv_heads;
-  a.head_dim = g.head_dim;
-  return a;
-}
-
 // Sets an op's INT8 storage fields (k_int8, v_int8, k_scale, v_scale) to a layer's buffers.
 template <typename Args, typename Layer>
 void SetInt8Buffers(const Layer& l, Args* a) {
-  a->k_int8 = l.ws.k_int8.template as<int8_t>();
-  a->v_int8 = l.ws.v_int8.template as<int8_t>();
-  a->k_scale = l.ws.k_scale.template as<float>();
-  a->v_scale = l.ws.v_scale.template as<float>();
+  a->kv.k_int8 = l.ws.k_int8.template as<int8_t>();
+  a->kv.v_int8 = l.ws.v_int8.template as<int8_t>();
+  a->kv.k_scale = l.ws.k_scale.template as<float>();
+  a->kv.v_scale = l.ws.v_scale.template as<float>();
 }
 
 // Host buffers read or written by enqueued copies, kept until the event after them fires.

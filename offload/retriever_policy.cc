@@ -104,7 +104,7 @@ absl::StatusOr<void*> RetrieverImpl::StageArgs(const void* src, size_t bytes) {
 void RetrieverImpl::SetPolicyArgs(LayerState& l, SparseAttentionArgs* a) {
   if (reads_attention()) a->token_prob = l.policy.token_prob.as<float>();
   if (l.ws.managed != nullptr && l.ws.slot_int8.size() > 1) {
-    a->slot_int8 = l.ws.slot_int8.as<uint8_t>();
+    a->kv.slot_int8 = l.ws.slot_int8.as<uint8_t>();
     SetInt8Buffers(l, a);
   }
 }
@@ -288,13 +288,13 @@ absl::Status RetrieverImpl::QuantizeOld(int32_t layer) {
   if (items.empty()) return absl::OkStatus();
   KVTIER_ASSIGN_OR_RETURN(void* dev_items,
                           StageArgs(items.data(), items.size() * sizeof(HeadSlot)));
-  auto a = SlabArgs<QuantizeSlotsArgs>(geometry_);
+  QuantizeSlotsArgs a{.shape = KvShapeOf(geometry_)};
   a.items = static_cast<const HeadSlot*>(dev_items);
   a.num_items = static_cast<int32_t>(items.size());
-  a.k_cache = l.ws.k.data();
-  a.v_cache = l.ws.v.data();
+  a.kv.k_cache = l.ws.k.data();
+  a.kv.v_cache = l.ws.v.data();
   SetInt8Buffers(l, &a);
-  a.num_slots = t.capacity();
+  a.kv.num_slots = t.capacity();
   l.ws.table_dirty = true;  // the slot_int8 flags
   return backend_.QuantizeSlots(*compute_, a);
 }
@@ -329,13 +329,13 @@ absl::Status RetrieverImpl::CompactManaged(LayerState& l) {
   if (moves.empty()) return absl::OkStatus();
   KVTIER_ASSIGN_OR_RETURN(void* dev_moves,
                           StageArgs(moves.data(), moves.size() * sizeof(HeadSlotMove)));
-  auto a = SlabArgs<MoveHeadSlotsArgs>(geometry_);
+  MoveHeadSlotsArgs a{.shape = KvShapeOf(geometry_)};
   a.items = static_cast<const HeadSlotMove*>(dev_moves);
   a.num_items = static_cast<int32_t>(moves.size());
-  a.k_cache = l.ws.k.data();
-  a.v_cache = l.ws.v.data();
+  a.kv.k_cache = l.ws.k.data();
+  a.kv.v_cache = l.ws.v.data();
   if (l.ws.slot_int8.size() > 1) SetInt8Buffers(l, &a);
-  a.num_slots = l.ws.managed->capacity();
+  a.kv.num_slots = l.ws.managed->capacity();
   l.ws.table_dirty = true;
   return backend_.MoveHeadSlots(*compute_, a);
 }

@@ -16,6 +16,7 @@ namespace kvtier {
 namespace {
 
 constexpr int32_t kHq = 32, kHkv = 8, kD = 128, kP = 32;
+constexpr KvShape kShape{DType::kF16, kHq, kHkv, kD, kP};
 
 ThreadPool& Pool() {
   static ThreadPool* pool = new ThreadPool(0);
@@ -48,9 +49,7 @@ void BM_ScorePages(benchmark::State& state) {
   std::vector<float> pooled(static_cast<size_t>(kHkv) * pages);
   ScorePagesArgs a;
   a.batch = 1;
-  a.num_q_heads = kHq;
-  a.num_kv_heads = kHkv;
-  a.head_dim = kD;
+  a.shape = kShape;
   a.max_pages = pages;
   a.q = q.data();
   a.summaries = sums.data();
@@ -70,7 +69,7 @@ void BM_TopK(benchmark::State& state) {
   std::vector<int32_t> sel(kHkv * 32);
   TopKArgs a;
   a.batch = 1;
-  a.num_kv_heads = kHkv;
+  a.shape = kShape;
   a.max_pages = pages;
   a.k = 32;
   a.pooled = pooled.data();
@@ -89,9 +88,7 @@ void BM_QueryCosine(benchmark::State& state) {
   std::vector<float> mean(static_cast<size_t>(batch) * kHkv);
   QueryCosineArgs a;
   a.batch = batch;
-  a.num_q_heads = kHq;
-  a.num_kv_heads = kHkv;
-  a.head_dim = kD;
+  a.shape = kShape;
   a.q = q.data();
   a.q_prev = qp.data();
   a.group_mean = mean.data();
@@ -111,16 +108,14 @@ void BM_Recall(benchmark::State& state) {
     items.push_back({static_cast<int64_t>(rng() % host_pages), i % kHkv, (i / kHkv) % slots});
   }
   RecallArgs a;
-  a.page_size = kP;
-  a.num_kv_heads = kHkv;
-  a.head_dim = kD;
+  a.shape = kShape;
   a.host_pages = host.data();
   a.num_host_pages = host_pages;
   a.items = items.data();
   a.num_items = n;
-  a.k_cache = k.data();
-  a.v_cache = v.data();
-  a.num_slots = slots;
+  a.kv.k_cache = k.data();
+  a.kv.v_cache = v.data();
+  a.kv.num_slots = slots;
   for (auto _ : state) benchmark::DoNotOptimize(CpuRecall(a, &Pool()));
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * n * 2 * kP * kD * 2);
 }
@@ -134,9 +129,7 @@ void BM_Offload(benchmark::State& state) {
   std::vector<OffloadItem> items;
   for (int32_t i = 0; i < n; ++i) items.push_back({i, i, i});
   OffloadArgs a;
-  a.page_size = kP;
-  a.num_kv_heads = kHkv;
-  a.head_dim = kD;
+  a.shape = kShape;
   a.k_src = k.data();
   a.v_src = v.data();
   a.num_src_slots = n;
@@ -163,17 +156,14 @@ void BM_SparseAttention(benchmark::State& state) {
   std::vector<Half> out(kHq * kD);
   SparseAttentionArgs a;
   a.batch = 1;
-  a.num_q_heads = kHq;
-  a.num_kv_heads = kHkv;
-  a.head_dim = kD;
-  a.page_size = kP;
-  a.num_slots = slots;
+  a.shape = kShape;
+  a.kv.num_slots = slots;
   a.q = q.data();
-  a.k_cache = k.data();
-  a.v_cache = v.data();
-  a.slot_table = table.data();
-  a.partial_page = &no_partial;
-  a.partial_len = &zero;
+  a.kv.k_cache = k.data();
+  a.kv.v_cache = v.data();
+  a.kv.slot_table = table.data();
+  a.kv.partial_page = &no_partial;
+  a.kv.partial_len = &zero;
   a.softmax_scale = 1.0f / std::sqrt(float{kD});
   a.out = out.data();
   for (auto _ : state) benchmark::DoNotOptimize(CpuSparseAttention(a, &Pool()));
@@ -189,9 +179,7 @@ void BM_DenseAttention(benchmark::State& state) {
   std::vector<Half> out(kHq * kD);
   DenseAttentionArgs a;
   a.batch = 1;
-  a.num_q_heads = kHq;
-  a.num_kv_heads = kHkv;
-  a.head_dim = kD;
+  a.shape = kShape;
   a.max_tokens = tokens;
   a.q = q.data();
   a.k = k.data();

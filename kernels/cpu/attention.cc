@@ -192,15 +192,15 @@ struct SparseSource {
   WorkingSetLayout wl;
   SlotTableLayout tl;
 
-  KVTIER_CPU_INLINE int64_t NumBlocks(int32_t) const { return a.num_slots; }
+  KVTIER_CPU_INLINE int64_t NumBlocks(int32_t) const { return a.kv.num_slots; }
 
   // Tokens of `slot` that (b, h) attends, a prefix of the slot: 0 for an empty slot.
   KVTIER_CPU_INLINE int32_t Tokens(int32_t b, int32_t h, int32_t slot) const {
-    const int32_t page = a.slot_table[tl.Offset(b, h, slot)];
+    const int32_t page = a.kv.slot_table[tl.Offset(b, h, slot)];
     if (page < 0) return 0;
-    int32_t n = page == a.partial_page[b] ? a.partial_len[b] : a.page_size;
+    int32_t n = page == a.kv.partial_page[b] ? a.kv.partial_len[b] : a.shape.page_size;
     if (a.query_position != nullptr) {
-      const int64_t first = int64_t{page} * a.page_size;  // position of token 0
+      const int64_t first = int64_t{page} * a.shape.page_size;  // position of token 0
       const int64_t qpos = a.query_position[b];
       if (qpos < first) return 0;
       if (qpos - first < n) n = static_cast<int32_t>(qpos - first + 1);
@@ -208,11 +208,11 @@ struct SparseSource {
     return n;
   }
   KVTIER_CPU_INLINE bool IsInt8(int32_t b, int32_t h, int32_t slot) const {
-    return a.slot_int8 != nullptr && a.slot_int8[tl.Offset(b, h, slot)] != 0;
+    return a.kv.slot_int8 != nullptr && a.kv.slot_int8[tl.Offset(b, h, slot)] != 0;
   }
   // Start of (b, slot, head h)'s per-channel scales, [B·S][Hkv][d].
   KVTIER_CPU_INLINE int64_t ScaleOffset(int32_t b, int32_t slot, int32_t h) const {
-    return (wl.GlobalSlot(b, slot) * a.num_kv_heads + h) * a.head_dim;
+    return (wl.GlobalSlot(b, slot) * a.shape.num_kv_heads + h) * a.shape.head_dim;
   }
 
   KVTIER_CPU_INLINE void Fold(GroupState& st, int32_t b, int32_t h, int64_t blk, int64_t stride,
@@ -223,11 +223,11 @@ struct SparseSource {
     const int64_t off = wl.Offset(b, slot, 0, h, 0);
     if (IsInt8(b, h, slot)) {
       const int64_t so = ScaleOffset(b, slot, h);
-      st.AddBlockInt8(a.k_int8 + off, a.v_int8 + off, a.k_scale + so, a.v_scale + so, stride, n,
-                      scale);
+      st.AddBlockInt8(a.kv.k_int8 + off, a.kv.v_int8 + off, a.kv.k_scale + so, a.kv.v_scale + so,
+                      stride, n, scale);
     } else {
-      st.AddBlock(static_cast<const T*>(a.k_cache) + off, static_cast<const T*>(a.v_cache) + off,
-                  stride, n, scale);
+      st.AddBlock(static_cast<const T*>(a.kv.k_cache) + off,
+                  static_cast<const T*>(a.kv.v_cache) + off, stride, n, scale);
     }
   }
 
@@ -236,9 +236,9 @@ struct SparseSource {
                                   int64_t stride) const {
     const int64_t off = wl.Offset(b, slot, 0, h, 0);
     if (IsInt8(b, h, slot)) {
-      st.LoadRowsInt8(a.k_int8 + off, a.k_scale + ScaleOffset(b, slot, h), stride, n, st.kf);
+      st.LoadRowsInt8(a.kv.k_int8 + off, a.kv.k_scale + ScaleOffset(b, slot, h), stride, n, st.kf);
     } else {
-      st.LoadRows(static_cast<const T*>(a.k_cache) + off, stride, n, st.kf);
+      st.LoadRows(static_cast<const T*>(a.kv.k_cache) + off, stride, n, st.kf);
     }
   }
 };
@@ -290,15 +290,16 @@ KVTIER_CPU_INLINE void TokenProbRange(const SparseSource<T>& src, GroupState& st
                                       const float* final_ml, int64_t begin, int64_t end,
                                       int64_t* loaded) {
   const SparseAttentionArgs& a = src.a;
-  const int32_t G = st.G, d = st.d, S = a.num_slots, p = a.page_size, Hq = a.num_q_heads;
-  const int64_t stride = int64_t{a.num_kv_heads} * d;
+  const int32_t G = st.G, d = st.d, S = a.kv.num_slots, p = a.shape.page_size,
+                Hq = a.shape.num_q_heads;
+  const int64_t stride = int64_t{a.shape.num_kv_heads} * d;
   const HeadsLayout ql{Hq, d};
   const T* q = static_cast<const T*>(a.q);
   for (int64_t i = begin; i < end; ++i) {
     const int64_t bh = i / S;
     const auto s = static_cast<int32_t>(i % S);
-    const auto b = static_cast<int32_t>(bh / a.num_kv_heads);
-    const auto h = static_cast<int32_t>(bh % a.num_kv_heads);
+    const auto b = static_cast<int32_t>(bh / a.shape.num_kv_heads);
+    const auto h = static_cast<int32_t>(bh % a.shape.num_kv_heads);
     if (bh != *loaded) {
       for (int32_t g = 0; g < G; ++g) {
         cpu::LoadRow(q + ql.Offset(b, h * G + g, 0), d, st.qf.data() + int64_t{g} * d);
@@ -333,11 +334,11 @@ KVTIER_TOKEN_PROBS(float)
 template <typename T>
 void WriteTokenProbs(const SparseSource<T>& src, const float* final_ml, ThreadPool* pool) {
   const SparseAttentionArgs& a = src.a;
-  const int32_t G = a.num_q_heads / a.num_kv_heads;
-  ParallelFor(pool, int64_t{a.batch} * a.num_kv_heads * a.num_slots, 16,
+  const int32_t G = a.shape.num_q_heads / a.shape.num_kv_heads;
+  ParallelFor(pool, int64_t{a.batch} * a.shape.num_kv_heads * a.kv.num_slots, 16,
               [&](int64_t begin, int64_t end) {
-                GroupState st(G, a.head_dim);
-                st.qf.resize(static_cast<size_t>(G) * a.head_dim);
+                GroupState st(G, a.shape.head_dim);
+                st.qf.resize(static_cast<size_t>(G) * a.shape.head_dim);
                 int64_t loaded = -1;
                 TokenProbs(src, st, final_ml, begin, end, &loaded);
               });
@@ -345,18 +346,18 @@ void WriteTokenProbs(const SparseSource<T>& src, const float* final_ml, ThreadPo
 
 absl::Status CheckSparse(const SparseAttentionArgs& a) {
   for (int32_t b = 0; b < a.batch; ++b) {
-    if (a.partial_len[b] < 0 || a.partial_len[b] > a.page_size) {
-      return absl::OutOfRangeError(absl::StrFormat(
-          "SparseAttention: partial_len[%d] = %d must be in [0, page_size = %d]", b,
-          a.partial_len[b], a.page_size));
+    if (a.kv.partial_len[b] < 0 || a.kv.partial_len[b] > a.shape.page_size) {
+      return absl::OutOfRangeError(
+          absl::StrFormat("SparseAttention: partial_len[%d] = %d must be in [0, page_size = %d]", b,
+                          a.kv.partial_len[b], a.shape.page_size));
     }
   }
-  const int64_t entries = int64_t{a.batch} * a.num_kv_heads * a.num_slots;
+  const int64_t entries = int64_t{a.batch} * a.shape.num_kv_heads * a.kv.num_slots;
   for (int64_t i = 0; i < entries; ++i) {
-    if (a.slot_table[i] < kEmptySlot) {
+    if (a.kv.slot_table[i] < kEmptySlot) {
       return absl::OutOfRangeError(absl::StrFormat(
           "SparseAttention: slot_table[%d] = %d: entries are a page index ≥ 0 or -1 (empty)", i,
-          a.slot_table[i]));
+          a.kv.slot_table[i]));
     }
   }
   return absl::OkStatus();
@@ -366,13 +367,16 @@ absl::Status CheckSparse(const SparseAttentionArgs& a) {
 
 absl::Status CpuSparseAttention(const SparseAttentionArgs& a, ThreadPool* pool) {
   if (absl::Status st = CheckSparse(a); !st.ok()) return st;
-  return cpu::DispatchDType(a.dtype, [&]<typename T>() {
-    SparseSource<T> src{a, WorkingSetLayout{a.num_slots, a.page_size, a.num_kv_heads, a.head_dim},
-                        SlotTableLayout{a.num_kv_heads, a.num_slots}};
+  return cpu::DispatchDType(a.shape.dtype, [&]<typename T>() {
+    SparseSource<T> src{
+        a,
+        WorkingSetLayout{a.kv.num_slots, a.shape.page_size, a.shape.num_kv_heads, a.shape.head_dim},
+        SlotTableLayout{a.shape.num_kv_heads, a.kv.num_slots}};
     std::vector<float> final_ml;  // only for token_prob: the default path pays nothing
-    if (a.token_prob != nullptr) final_ml.resize(size_t{2} * a.batch * a.num_q_heads);
-    RunAttention<T>(src, a.batch, a.num_q_heads, a.num_kv_heads, a.head_dim, a.softmax_scale, a.q,
-                    a.out, a.lse, final_ml.empty() ? nullptr : final_ml.data(), pool);
+    if (a.token_prob != nullptr) final_ml.resize(size_t{2} * a.batch * a.shape.num_q_heads);
+    RunAttention<T>(src, a.batch, a.shape.num_q_heads, a.shape.num_kv_heads, a.shape.head_dim,
+                    a.softmax_scale, a.q, a.out, a.lse,
+                    final_ml.empty() ? nullptr : final_ml.data(), pool);
     if (a.token_prob != nullptr) WriteTokenProbs(src, final_ml.data(), pool);
     return absl::OkStatus();
   });
@@ -386,10 +390,10 @@ absl::Status CpuDenseAttention(const DenseAttentionArgs& a, ThreadPool* pool) {
           a.max_tokens));
     }
   }
-  return cpu::DispatchDType(a.dtype, [&]<typename T>() {
-    DenseSource<T> src{a, DenseKvLayout{a.max_tokens, a.num_kv_heads, a.head_dim}};
-    RunAttention<T>(src, a.batch, a.num_q_heads, a.num_kv_heads, a.head_dim, a.softmax_scale, a.q,
-                    a.out, a.lse, nullptr, pool);
+  return cpu::DispatchDType(a.shape.dtype, [&]<typename T>() {
+    DenseSource<T> src{a, DenseKvLayout{a.max_tokens, a.shape.num_kv_heads, a.shape.head_dim}};
+    RunAttention<T>(src, a.batch, a.shape.num_q_heads, a.shape.num_kv_heads, a.shape.head_dim,
+                    a.softmax_scale, a.q, a.out, a.lse, nullptr, pool);
     return absl::OkStatus();
   });
 }

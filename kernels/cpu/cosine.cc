@@ -10,16 +10,16 @@
 namespace kvtier {
 
 absl::Status CpuQueryCosine(const QueryCosineArgs& a, ThreadPool* pool) {
-  const int32_t d = a.head_dim, G = a.num_q_heads / a.num_kv_heads;
-  const HeadsLayout ql{a.num_q_heads, d};
-  return cpu::DispatchDType(a.dtype, [&]<typename T>() {
+  const int32_t d = a.shape.head_dim, G = a.shape.num_q_heads / a.shape.num_kv_heads;
+  const HeadsLayout ql{a.shape.num_q_heads, d};
+  return cpu::DispatchDType(a.shape.dtype, [&]<typename T>() {
     const T* q = static_cast<const T*>(a.q);
     const T* qp = static_cast<const T*>(a.q_prev);
-    ParallelFor(pool, int64_t{a.batch} * a.num_kv_heads, 8, [&](int64_t begin, int64_t end) {
+    ParallelFor(pool, int64_t{a.batch} * a.shape.num_kv_heads, 8, [&](int64_t begin, int64_t end) {
       std::vector<float> x(static_cast<size_t>(d)), y(static_cast<size_t>(d));
       for (int64_t i = begin; i < end; ++i) {
-        const auto b = static_cast<int32_t>(i / a.num_kv_heads);
-        const auto h = static_cast<int32_t>(i % a.num_kv_heads);
+        const auto b = static_cast<int32_t>(i / a.shape.num_kv_heads);
+        const auto h = static_cast<int32_t>(i % a.shape.num_kv_heads);
         double sum = 0;
         for (int32_t g = 0; g < G; ++g) {
           const int32_t hq = h * G + g;
@@ -30,7 +30,7 @@ absl::Status CpuQueryCosine(const QueryCosineArgs& a, ThreadPool* pool) {
           const float c = (nx > 0 && ny > 0)
                               ? cpu::Dot(x.data(), y.data(), d) / (std::sqrt(nx) * std::sqrt(ny))
                               : 0.0f;
-          if (a.cosine != nullptr) a.cosine[int64_t{b} * a.num_q_heads + hq] = c;
+          if (a.cosine != nullptr) a.cosine[int64_t{b} * a.shape.num_q_heads + hq] = c;
           sum += c;
         }
         const float mean = static_cast<float>(sum / G);

@@ -69,7 +69,7 @@ void Summarise(const float* k, int32_t p, int32_t d, SummaryMode mode, T* hi, T*
 template <typename T>
 void OffloadOne(const OffloadArgs& a, const OffloadItem& it, std::vector<float>& keys,
                 std::vector<float>& acc) {
-  const int32_t p = a.page_size, d = a.head_dim, H = a.num_kv_heads;
+  const int32_t p = a.shape.page_size, d = a.shape.head_dim, H = a.shape.num_kv_heads;
   const HostPageLayout hl{H, p, d};
   const WorkingSetLayout wl{1, p, H, d};  // global slot = src_slot
   const SummaryLayout sl{H, d};
@@ -95,7 +95,7 @@ void OffloadOne(const OffloadArgs& a, const OffloadItem& it, std::vector<float>&
 absl::Status CpuOffload(const OffloadArgs& a, ThreadPool* pool) {
   if (a.num_items == 0) return absl::OkStatus();
   if (absl::Status st = CheckItems(a); !st.ok()) return st;
-  return cpu::DispatchDType(a.dtype, [&]<typename T>() {
+  return cpu::DispatchDType(a.shape.dtype, [&]<typename T>() {
     ParallelFor(pool, a.num_items, 4, [&](int64_t begin, int64_t end) {
       std::vector<float> keys, acc;
       for (int64_t i = begin; i < end; ++i) OffloadOne<T>(a, a.items[i], keys, acc);

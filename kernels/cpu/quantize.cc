@@ -62,24 +62,26 @@ absl::Status CpuQuantizeSlots(const QuantizeSlotsArgs& a, ThreadPool* pool) {
   if (a.num_items == 0) return absl::OkStatus();
   for (int32_t i = 0; i < a.num_items; ++i) {
     KVTIER_RETURN_IF_ERROR(
-        CheckItemField("QuantizeSlots", i, "kv_head", a.items[i].kv_head, a.num_kv_heads));
+        CheckItemField("QuantizeSlots", i, "kv_head", a.items[i].kv_head, a.shape.num_kv_heads));
     KVTIER_RETURN_IF_ERROR(
-        CheckItemField("QuantizeSlots", i, "slot", a.items[i].slot, a.num_slots));
+        CheckItemField("QuantizeSlots", i, "slot", a.items[i].slot, a.kv.num_slots));
   }
-  const WorkingSetLayout wl{a.num_slots, a.page_size, a.num_kv_heads, a.head_dim};
-  return cpu::DispatchDType(a.dtype, [&]<typename T>() {
-    const T* src[2] = {static_cast<const T*>(a.k_cache), static_cast<const T*>(a.v_cache)};
-    int8_t* const dst[2] = {a.k_int8, a.v_int8};
-    float* const scale[2] = {a.k_scale, a.v_scale};
+  const WorkingSetLayout wl{a.kv.num_slots, a.shape.page_size, a.shape.num_kv_heads,
+                            a.shape.head_dim};
+  return cpu::DispatchDType(a.shape.dtype, [&]<typename T>() {
+    const T* src[2] = {static_cast<const T*>(a.kv.k_cache), static_cast<const T*>(a.kv.v_cache)};
+    int8_t* const dst[2] = {a.kv.k_int8, a.kv.v_int8};
+    float* const scale[2] = {a.kv.k_scale, a.kv.v_scale};
     ParallelFor(pool, a.num_items, 4, [&](int64_t begin, int64_t end) {
       std::vector<float> rows;
       for (int64_t i = begin; i < end; ++i) {
         const HeadSlot& it = a.items[i];
         const int64_t off = wl.Offset(it.slot, 0, it.kv_head, 0);
-        const int64_t so = (int64_t{it.slot} * a.num_kv_heads + it.kv_head) * a.head_dim;
+        const int64_t so =
+            (int64_t{it.slot} * a.shape.num_kv_heads + it.kv_head) * a.shape.head_dim;
         for (int kind = 0; kind < 2; ++kind) {
           QuantizeHeadSlot(src[kind] + off, dst[kind] + off, scale[kind] + so, wl.token_stride(),
-                           a.page_size, a.head_dim, rows);
+                           a.shape.page_size, a.shape.head_dim, rows);
         }
       }
     });
@@ -94,41 +96,44 @@ absl::Status CpuMoveHeadSlots(const MoveHeadSlotsArgs& a, ThreadPool* /*pool*/) 
   for (int32_t i = 0; i < a.num_items; ++i) {
     const HeadSlotMove& it = a.items[i];
     KVTIER_RETURN_IF_ERROR(
-        CheckItemField("MoveHeadSlots", i, "kv_head", it.kv_head, a.num_kv_heads));
+        CheckItemField("MoveHeadSlots", i, "kv_head", it.kv_head, a.shape.num_kv_heads));
     KVTIER_RETURN_IF_ERROR(
-        CheckItemField("MoveHeadSlots", i, "src_slot", it.src_slot, a.num_slots));
+        CheckItemField("MoveHeadSlots", i, "src_slot", it.src_slot, a.kv.num_slots));
     KVTIER_RETURN_IF_ERROR(
-        CheckItemField("MoveHeadSlots", i, "dst_slot", it.dst_slot, a.num_slots));
+        CheckItemField("MoveHeadSlots", i, "dst_slot", it.dst_slot, a.kv.num_slots));
     if (it.src_slot == it.dst_slot) {
       return absl::InvalidArgumentError(
           absl::StrFormat("MoveHeadSlots: items[%d] moves slot %d onto itself", i, it.src_slot));
     }
   }
-  const WorkingSetLayout wl{a.num_slots, a.page_size, a.num_kv_heads, a.head_dim};
-  const size_t elem = DTypeSize(a.dtype);
-  const size_t row_bytes = static_cast<size_t>(a.head_dim) * elem;
-  unsigned char* const fp[2] = {static_cast<unsigned char*>(a.k_cache),
-                                static_cast<unsigned char*>(a.v_cache)};
-  int8_t* const q[2] = {a.k_int8, a.v_int8};
-  float* const scale[2] = {a.k_scale, a.v_scale};
-  const bool with_int8 = a.k_int8 != nullptr;  // ValidateArgs: all four or none
+  const WorkingSetLayout wl{a.kv.num_slots, a.shape.page_size, a.shape.num_kv_heads,
+                            a.shape.head_dim};
+  const size_t elem = DTypeSize(a.shape.dtype);
+  const size_t row_bytes = static_cast<size_t>(a.shape.head_dim) * elem;
+  unsigned char* const fp[2] = {static_cast<unsigned char*>(a.kv.k_cache),
+                                static_cast<unsigned char*>(a.kv.v_cache)};
+  int8_t* const q[2] = {a.kv.k_int8, a.kv.v_int8};
+  float* const scale[2] = {a.kv.k_scale, a.kv.v_scale};
+  const bool with_int8 = a.kv.k_int8 != nullptr;  // ValidateArgs: all four or none
   for (int32_t i = 0; i < a.num_items; ++i) {
     const HeadSlotMove& it = a.items[i];
     for (int kind = 0; kind < 2; ++kind) {
-      for (int32_t t = 0; t < a.page_size; ++t) {
+      for (int32_t t = 0; t < a.shape.page_size; ++t) {
         const int64_t src = wl.Offset(it.src_slot, t, it.kv_head, 0);
         const int64_t dst = wl.Offset(it.dst_slot, t, it.kv_head, 0);
         std::memcpy(fp[kind] + static_cast<size_t>(dst) * elem,
                     fp[kind] + static_cast<size_t>(src) * elem, row_bytes);
         if (with_int8) {
-          std::memcpy(q[kind] + dst, q[kind] + src, static_cast<size_t>(a.head_dim));
+          std::memcpy(q[kind] + dst, q[kind] + src, static_cast<size_t>(a.shape.head_dim));
         }
       }
       if (with_int8) {
-        const int64_t src = (int64_t{it.src_slot} * a.num_kv_heads + it.kv_head) * a.head_dim;
-        const int64_t dst = (int64_t{it.dst_slot} * a.num_kv_heads + it.kv_head) * a.head_dim;
+        const int64_t src =
+            (int64_t{it.src_slot} * a.shape.num_kv_heads + it.kv_head) * a.shape.head_dim;
+        const int64_t dst =
+            (int64_t{it.dst_slot} * a.shape.num_kv_heads + it.kv_head) * a.shape.head_dim;
         std::memcpy(scale[kind] + dst, scale[kind] + src,
-                    static_cast<size_t>(a.head_dim) * sizeof(float));
+                    static_cast<size_t>(a.shape.head_dim) * sizeof(float));
       }
     }
   }

@@ -42,10 +42,11 @@ KVTIER_CPU_INLINE void AddSoftmax(const float* raw, int32_t n, float scale, floa
 
 template <typename T>
 KVTIER_CPU_INLINE void ScoreGroup(const ScorePagesArgs& a, int32_t b, int32_t h, std::vector<float>& scratch) {
-  const int32_t d = a.head_dim, P = a.max_pages, G = a.num_q_heads / a.num_kv_heads;
+  const int32_t d = a.shape.head_dim, P = a.max_pages,
+                G = a.shape.num_q_heads / a.shape.num_kv_heads;
   const int32_t n = a.num_pages[b];
-  const HeadsLayout ql{a.num_q_heads, d};
-  const SummaryLayout sl{a.num_kv_heads, d};
+  const HeadsLayout ql{a.shape.num_q_heads, d};
+  const SummaryLayout sl{a.shape.num_kv_heads, d};
   const T* q = static_cast<const T*>(a.q);
   const T* summaries = static_cast<const T*>(a.summaries) + int64_t{b} * P * sl.page_elements();
   // scratch: qf[G][d] | hi[d] | lo[d] | raw[G][P]
@@ -60,7 +61,7 @@ KVTIER_CPU_INLINE void ScoreGroup(const ScorePagesArgs& a, int32_t b, int32_t h,
     cpu::LoadRow(summaries + sl.Offset(p, h, kLo, 0), d, lo);
     for (int32_t g = 0; g < G; ++g) raw[int64_t{g} * P + p] = BoundScore(qf + g * d, hi, lo, d);
   }
-  float* pooled = a.pooled + (int64_t{b} * a.num_kv_heads + h) * P;
+  float* pooled = a.pooled + (int64_t{b} * a.shape.num_kv_heads + h) * P;
   for (int32_t p = 0; p < P; ++p) pooled[p] = p < n ? 0.0f : kNegInf;
   const float weight = 1.0f / static_cast<float>(G);
   for (int32_t g = 0; g < G; ++g) {
@@ -71,7 +72,7 @@ KVTIER_CPU_INLINE void ScoreGroup(const ScorePagesArgs& a, int32_t b, int32_t h,
       for (int32_t p = 0; p < n; ++p) pooled[p] += r[p] * weight;
     }
     if (a.scores != nullptr) {
-      float* out = a.scores + (int64_t{b} * a.num_q_heads + h * G + g) * P;
+      float* out = a.scores + (int64_t{b} * a.shape.num_q_heads + h * G + g) * P;
       for (int32_t p = 0; p < P; ++p) out[p] = p < n ? r[p] : kNegInf;
     }
   }
@@ -101,13 +102,14 @@ absl::Status CpuScorePages(const ScorePagesArgs& a, ThreadPool* pool) {
           a.max_pages));
     }
   }
-  return cpu::DispatchDType(a.dtype, [&]<typename T>() {
-    ParallelFor(pool, int64_t{a.batch} * a.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  return cpu::DispatchDType(a.shape.dtype, [&]<typename T>() {
+    ParallelFor(pool, int64_t{a.batch} * a.shape.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scratch;
       for (int64_t i = begin; i < end; ++i) {
         if (a.head_mask != nullptr && a.head_mask[i] == 0) continue;
-        ScoreGroupOf(a, static_cast<int32_t>(i / a.num_kv_heads),
-                     static_cast<int32_t>(i % a.num_kv_heads), scratch, static_cast<const T*>(nullptr));
+        ScoreGroupOf(a, static_cast<int32_t>(i / a.shape.num_kv_heads),
+                     static_cast<int32_t>(i % a.shape.num_kv_heads), scratch,
+                     static_cast<const T*>(nullptr));
       }
     });
     return absl::OkStatus();

@@ -26,7 +26,8 @@ absl::Status CheckItems(const GatherSlabsArgs& a) {
     if (it.host_page == kSkipItem) continue;
     KVTIER_RETURN_IF_ERROR(
         CheckItemField("GatherSlabs", i, "host_page", it.host_page, a.num_host_pages));
-    KVTIER_RETURN_IF_ERROR(CheckItemField("GatherSlabs", i, "kv_head", it.kv_head, a.num_kv_heads));
+    KVTIER_RETURN_IF_ERROR(
+        CheckItemField("GatherSlabs", i, "kv_head", it.kv_head, a.shape.num_kv_heads));
   }
   return absl::OkStatus();
 }
@@ -36,8 +37,9 @@ absl::Status CheckItems(const ScatterSlabsArgs& a) {
     const RecallItem& it = a.items[i];
     if (it.host_page == kSkipItem) continue;
     KVTIER_RETURN_IF_ERROR(
-        CheckItemField("ScatterSlabs", i, "kv_head", it.kv_head, a.num_kv_heads));
-    KVTIER_RETURN_IF_ERROR(CheckItemField("ScatterSlabs", i, "dst_slot", it.dst_slot, a.num_slots));
+        CheckItemField("ScatterSlabs", i, "kv_head", it.kv_head, a.shape.num_kv_heads));
+    KVTIER_RETURN_IF_ERROR(
+        CheckItemField("ScatterSlabs", i, "dst_slot", it.dst_slot, a.kv.num_slots));
   }
   return absl::OkStatus();
 }
@@ -47,8 +49,8 @@ absl::Status CheckItems(const ScatterSlabsArgs& a) {
 absl::Status CpuGatherSlabs(const GatherSlabsArgs& a, ThreadPool* pool) {
   if (a.num_items == 0) return absl::OkStatus();
   KVTIER_RETURN_IF_ERROR(CheckItems(a));
-  const size_t elem = DTypeSize(a.dtype);
-  const HostPageLayout hl{a.num_kv_heads, a.page_size, a.head_dim};
+  const size_t elem = DTypeSize(a.shape.dtype);
+  const HostPageLayout hl{a.shape.num_kv_heads, a.shape.page_size, a.shape.head_dim};
   const size_t slab_bytes = static_cast<size_t>(hl.slab_elements()) * elem;
   const auto* host = static_cast<const unsigned char*>(a.host_pages);
   auto* staging = static_cast<unsigned char*>(a.staging);
@@ -67,20 +69,21 @@ absl::Status CpuGatherSlabs(const GatherSlabsArgs& a, ThreadPool* pool) {
 absl::Status CpuScatterSlabs(const ScatterSlabsArgs& a, ThreadPool* pool) {
   if (a.num_items == 0) return absl::OkStatus();
   KVTIER_RETURN_IF_ERROR(CheckItems(a));
-  const size_t elem = DTypeSize(a.dtype);
-  const size_t row_bytes = static_cast<size_t>(a.head_dim) * elem;
-  const HostPageLayout sl{1, a.page_size, a.head_dim};  // one staged slab
-  const WorkingSetLayout wl{a.num_slots, a.page_size, a.num_kv_heads, a.head_dim};
+  const size_t elem = DTypeSize(a.shape.dtype);
+  const size_t row_bytes = static_cast<size_t>(a.shape.head_dim) * elem;
+  const HostPageLayout sl{1, a.shape.page_size, a.shape.head_dim};  // one staged slab
+  const WorkingSetLayout wl{a.kv.num_slots, a.shape.page_size, a.shape.num_kv_heads,
+                            a.shape.head_dim};
   const auto* staging = static_cast<const unsigned char*>(a.staging);
-  unsigned char* const dst_base[2] = {static_cast<unsigned char*>(a.k_cache),
-                                      static_cast<unsigned char*>(a.v_cache)};
+  unsigned char* const dst_base[2] = {static_cast<unsigned char*>(a.kv.k_cache),
+                                      static_cast<unsigned char*>(a.kv.v_cache)};
   ParallelFor(pool, a.num_items, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const RecallItem& it = a.items[i];
       if (it.host_page == kSkipItem) continue;
       const unsigned char* slab = staging + static_cast<size_t>(i * sl.page_elements()) * elem;
       for (int32_t kind = 0; kind < 2; ++kind) {
-        for (int32_t t = 0; t < a.page_size; ++t) {
+        for (int32_t t = 0; t < a.shape.page_size; ++t) {
           const int64_t dst = wl.Offset(it.dst_slot, t, it.kv_head, 0);
           const int64_t src = sl.Offset(0, kind, t, 0);
           std::memcpy(dst_base[kind] + static_cast<size_t>(dst) * elem,

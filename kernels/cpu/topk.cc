@@ -40,7 +40,7 @@ struct Better {
 };
 
 void SelectHead(const TopKArgs& a, int32_t b, int32_t h, std::vector<int32_t>& cand) {
-  const int64_t head = int64_t{b} * a.num_kv_heads + h;
+  const int64_t head = int64_t{b} * a.shape.num_kv_heads + h;
   const int32_t n = a.num_pages[b];
   const int32_t begin = std::min(a.sink_pages, n);
   const int32_t end = std::max(begin, n - a.recent_pages);
@@ -69,7 +69,7 @@ absl::Status CpuTopK(const TopKArgs& a, ThreadPool* pool) {
   }
   // head_k is checked only for the heads this call selects (head_mask), before any output.
   if (a.head_k != nullptr) {
-    for (int64_t i = 0; i < int64_t{a.batch} * a.num_kv_heads; ++i) {
+    for (int64_t i = 0; i < int64_t{a.batch} * a.shape.num_kv_heads; ++i) {
       if (a.head_mask != nullptr && a.head_mask[i] == 0) continue;
       if (a.head_k[i] < 0 || a.head_k[i] > a.k) {
         return absl::OutOfRangeError(
@@ -77,12 +77,12 @@ absl::Status CpuTopK(const TopKArgs& a, ThreadPool* pool) {
       }
     }
   }
-  ParallelFor(pool, int64_t{a.batch} * a.num_kv_heads, 4, [&](int64_t begin, int64_t end) {
+  ParallelFor(pool, int64_t{a.batch} * a.shape.num_kv_heads, 4, [&](int64_t begin, int64_t end) {
     std::vector<int32_t> cand;
     for (int64_t i = begin; i < end; ++i) {
       if (a.head_mask != nullptr && a.head_mask[i] == 0) continue;
-      SelectHead(a, static_cast<int32_t>(i / a.num_kv_heads),
-                 static_cast<int32_t>(i % a.num_kv_heads), cand);
+      SelectHead(a, static_cast<int32_t>(i / a.shape.num_kv_heads),
+                 static_cast<int32_t>(i % a.shape.num_kv_heads), cand);
     }
   });
   return absl::OkStatus();

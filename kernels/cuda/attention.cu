@@ -1057,45 +1057,46 @@ AttnParams CommonParams(const void* q, const void* k, const void* v, void* out, 
 
 cudaError_t LaunchSparseAttention(const SparseAttentionArgs& a, const DeviceErrorSink& sink,
                                   cudaStream_t stream) {
-  AttnParams p = CommonParams(a.q, a.k_cache, a.v_cache, a.out, a.lse, a.num_q_heads,
-                              a.num_kv_heads, a.head_dim, a.softmax_scale, sink);
-  p.tokens = int64_t{a.num_slots} * a.page_size;
-  p.page_size = a.page_size;
-  p.num_slots = a.num_slots;
-  p.slot_table = a.slot_table;
-  p.partial_page = a.partial_page;
-  p.partial_len = a.partial_len;
+  AttnParams p = CommonParams(a.q, a.kv.k_cache, a.kv.v_cache, a.out, a.lse, a.shape.num_q_heads,
+                              a.shape.num_kv_heads, a.shape.head_dim, a.softmax_scale, sink);
+  p.tokens = int64_t{a.kv.num_slots} * a.shape.page_size;
+  p.page_size = a.shape.page_size;
+  p.num_slots = a.kv.num_slots;
+  p.slot_table = a.kv.slot_table;
+  p.partial_page = a.kv.partial_page;
+  p.partial_len = a.kv.partial_len;
   p.query_position = a.query_position;
   p.token_prob = a.token_prob;
-  p.slot_int8 = a.slot_int8;
-  p.k_int8 = a.k_int8;
-  p.v_int8 = a.v_int8;
-  p.k_scale = a.k_scale;
-  p.v_scale = a.v_scale;
-  const size_t elem = DTypeSize(a.dtype);
+  p.slot_int8 = a.kv.slot_int8;
+  p.k_int8 = a.kv.k_int8;
+  p.v_int8 = a.kv.v_int8;
+  p.k_scale = a.kv.k_scale;
+  p.v_scale = a.kv.v_scale;
+  const size_t elem = DTypeSize(a.shape.dtype);
   if (elem == 0) return cudaErrorInvalidValue;
   const int32_t vec = static_cast<int32_t>(16 / elem);  // elements per 16-byte vector
-  bool vector_ok = a.head_dim % vec == 0 && Aligned(a.k_cache, 16) && Aligned(a.v_cache, 16);
-  if (a.slot_int8 != nullptr) {
-    vector_ok = vector_ok && Aligned(a.k_int8, static_cast<size_t>(vec)) &&
-                Aligned(a.v_int8, static_cast<size_t>(vec)) && Aligned(a.k_scale, 16) &&
-                Aligned(a.v_scale, 16);
+  bool vector_ok =
+      a.shape.head_dim % vec == 0 && Aligned(a.kv.k_cache, 16) && Aligned(a.kv.v_cache, 16);
+  if (a.kv.slot_int8 != nullptr) {
+    vector_ok = vector_ok && Aligned(a.kv.k_int8, static_cast<size_t>(vec)) &&
+                Aligned(a.kv.v_int8, static_cast<size_t>(vec)) && Aligned(a.kv.k_scale, 16) &&
+                Aligned(a.kv.v_scale, 16);
   }
-  return LaunchAttention<true>(p, a.dtype, a.batch, vector_ok, stream);
+  return LaunchAttention<true>(p, a.shape.dtype, a.batch, vector_ok, stream);
 }
 
 cudaError_t LaunchDenseAttention(const DenseAttentionArgs& a, const DeviceErrorSink& sink,
                                  cudaStream_t stream) {
-  AttnParams p = CommonParams(a.q, a.k, a.v, a.out, a.lse, a.num_q_heads, a.num_kv_heads,
-                              a.head_dim, a.softmax_scale, sink);
+  AttnParams p = CommonParams(a.q, a.k, a.v, a.out, a.lse, a.shape.num_q_heads,
+                              a.shape.num_kv_heads, a.shape.head_dim, a.softmax_scale, sink);
   p.tokens = a.max_tokens;
   p.max_tokens = a.max_tokens;
   p.seq_len = a.seq_len;
-  const size_t elem = DTypeSize(a.dtype);
+  const size_t elem = DTypeSize(a.shape.dtype);
   if (elem == 0) return cudaErrorInvalidValue;
   const int32_t vec = static_cast<int32_t>(16 / elem);
-  const bool vector_ok = a.head_dim % vec == 0 && Aligned(a.k, 16) && Aligned(a.v, 16);
-  return LaunchAttention<false>(p, a.dtype, a.batch, vector_ok, stream);
+  const bool vector_ok = a.shape.head_dim % vec == 0 && Aligned(a.k, 16) && Aligned(a.v, 16);
+  return LaunchAttention<false>(p, a.shape.dtype, a.batch, vector_ok, stream);
 }
 
 }  // namespace kvtier::cuda

@@ -138,6 +138,8 @@ class CudaBackend final : public Backend {
   T* DeviceView(T* p) const {
     return static_cast<T*>(const_cast<void*>(DeviceAddress(p)));
   }
+  // `kv` with every pointer replaced by its device view.
+  PagedKv DeviceView(const PagedKv& kv) const;
 
   const int device_;
   const std::string description_;
@@ -190,56 +192,19 @@ const void* CudaBackend::DeviceAddress(const void* p) const {
   return reinterpret_cast<const void*>(it->second.device + offset);
 }
 
-absl::Status CudaBackend::DoRecall(Stream& s, const RecallArgs& a) {
-  KVTIER_ASSIGN_OR_RETURN(cuda::CudaStream * stream, cuda::AsCudaStream(s, this, "Recall"));
-  if (a.num_items == 0) return absl::OkStatus();
-  KVTIER_CUDA_SCOPED_DEVICE(device_);
-  RecallArgs d = a;
-  d.host_pages = DeviceView(a.host_pages);
-  d.items = DeviceView(a.items);
-  d.k_cache = DeviceView(a.k_cache);
-  d.v_cache = DeviceView(a.v_cache);
-  return CudaStatus(cuda::LaunchRecall(d, stream->NextOp(), stream->handle()),
-                    "Recall kernel launch");
-}
-
-absl::Status CudaBackend::DoGatherSlabs(Stream& s, const GatherSlabsArgs& a) {
-  KVTIER_ASSIGN_OR_RETURN(cuda::CudaStream * stream, cuda::AsCudaStream(s, this, "GatherSlabs"));
-  if (a.num_items == 0) return absl::OkStatus();
-  KVTIER_CUDA_SCOPED_DEVICE(device_);
-  GatherSlabsArgs d = a;
-  d.host_pages = DeviceView(a.host_pages);
-  d.items = DeviceView(a.items);
-  d.staging = DeviceView(a.staging);
-  return CudaStatus(cuda::LaunchGatherSlabs(d, stream->NextOp(), stream->handle()),
-                    "GatherSlabs kernel launch");
-}
-
-absl::Status CudaBackend::DoScatterSlabs(Stream& s, const ScatterSlabsArgs& a) {
-  KVTIER_ASSIGN_OR_RETURN(cuda::CudaStream * stream, cuda::AsCudaStream(s, this, "ScatterSlabs"));
-  if (a.num_items == 0) return absl::OkStatus();
-  KVTIER_CUDA_SCOPED_DEVICE(device_);
-  ScatterSlabsArgs d = a;
-  d.staging = DeviceView(a.staging);
-  d.items = DeviceView(a.items);
-  d.k_cache = DeviceView(a.k_cache);
-  d.v_cache = DeviceView(a.v_cache);
-  return CudaStatus(cuda::LaunchScatterSlabs(d, stream->NextOp(), stream->handle()),
-                    "ScatterSlabs kernel launch");
-}
-
-absl::Status CudaBackend::DoOffload(Stream& s, const OffloadArgs& a) {
-  KVTIER_ASSIGN_OR_RETURN(cuda::CudaStream * stream, cuda::AsCudaStream(s, this, "Offload"));
-  if (a.num_items == 0) return absl::OkStatus();
-  KVTIER_CUDA_SCOPED_DEVICE(device_);
-  OffloadArgs d = a;
-  d.k_src = DeviceView(a.k_src);
-  d.v_src = DeviceView(a.v_src);
-  d.host_pages = DeviceView(a.host_pages);
-  d.summaries = DeviceView(a.summaries);
-  d.items = DeviceView(a.items);
-  return CudaStatus(cuda::LaunchOffload(d, stream->NextOp(), stream->handle()),
-                    "Offload kernel launch");
+PagedKv CudaBackend::DeviceView(const PagedKv& kv) const {
+  PagedKv d = kv;
+  d.k_cache = DeviceView(kv.k_cache);
+  d.v_cache = DeviceView(kv.v_cache);
+  d.slot_table = DeviceView(kv.slot_table);
+  d.partial_page = DeviceView(kv.partial_page);
+  d.partial_len = DeviceView(kv.partial_len);
+  d.slot_int8 = DeviceView(kv.slot_int8);
+  d.k_int8 = DeviceView(kv.k_int8);
+  d.v_int8 = DeviceView(kv.v_int8);
+  d.k_scale = DeviceView(kv.k_scale);
+  d.v_scale = DeviceView(kv.v_scale);
+  return d;
 }
 
 absl::Status CudaBackend::CopyBatch(Stream& s, const CopyRange* ranges, size_t n) {
@@ -286,10 +251,12 @@ absl::Status CudaBackend::CopyBatch(Stream& s, const CopyRange* ranges, size_t n
 #endif
 }
 
-// The arithmetic ops: every pointer argument is translated to its device view, then the
-// kernel is launched on the stream with the stream's error sink.
-#define KVTIER_CUDA_LAUNCH_OP(Name, Launcher, ...)                                       \
+// The ops: once the stream is known to be this backend's, nothing is launched when `empty`
+// holds (an op of no items); otherwise every pointer argument is translated to its device
+// view and the kernel is launched on the stream with the stream's error sink.
+#define KVTIER_CUDA_LAUNCH_OP(Name, Launcher, empty, ...)                                \
   KVTIER_ASSIGN_OR_RETURN(cuda::CudaStream* stream, cuda::AsCudaStream(s, this, #Name)); \
+  if (empty) return absl::OkStatus();                                                    \
   KVTIER_CUDA_SCOPED_DEVICE(device_);                                                    \
   auto d = a;                                                                            \
   __VA_ARGS__;                                                                           \
@@ -297,55 +264,71 @@ absl::Status CudaBackend::CopyBatch(Stream& s, const CopyRange* ranges, size_t n
 
 #define KVTIER_VIEW(field) d.field = DeviceView(a.field)
 
+absl::Status CudaBackend::DoRecall(Stream& s, const RecallArgs& a) {
+  KVTIER_CUDA_LAUNCH_OP(Recall, LaunchRecall, a.num_items == 0, KVTIER_VIEW(host_pages),
+                        KVTIER_VIEW(items), KVTIER_VIEW(kv));
+}
+
+absl::Status CudaBackend::DoGatherSlabs(Stream& s, const GatherSlabsArgs& a) {
+  KVTIER_CUDA_LAUNCH_OP(GatherSlabs, LaunchGatherSlabs, a.num_items == 0, KVTIER_VIEW(host_pages),
+                        KVTIER_VIEW(items), KVTIER_VIEW(staging));
+}
+
+absl::Status CudaBackend::DoScatterSlabs(Stream& s, const ScatterSlabsArgs& a) {
+  KVTIER_CUDA_LAUNCH_OP(ScatterSlabs, LaunchScatterSlabs, a.num_items == 0, KVTIER_VIEW(staging),
+                        KVTIER_VIEW(items), KVTIER_VIEW(kv));
+}
+
+absl::Status CudaBackend::DoOffload(Stream& s, const OffloadArgs& a) {
+  KVTIER_CUDA_LAUNCH_OP(Offload, LaunchOffload, a.num_items == 0, KVTIER_VIEW(k_src),
+                        KVTIER_VIEW(v_src), KVTIER_VIEW(host_pages), KVTIER_VIEW(summaries),
+                        KVTIER_VIEW(items));
+}
+
 absl::Status CudaBackend::DoScorePages(Stream& s, const ScorePagesArgs& a) {
-  KVTIER_CUDA_LAUNCH_OP(ScorePages, LaunchScorePages, KVTIER_VIEW(q), KVTIER_VIEW(summaries),
+  KVTIER_CUDA_LAUNCH_OP(ScorePages, LaunchScorePages, false, KVTIER_VIEW(q), KVTIER_VIEW(summaries),
                         KVTIER_VIEW(num_pages), KVTIER_VIEW(scores), KVTIER_VIEW(pooled),
                         KVTIER_VIEW(head_mask));
 }
 
 absl::Status CudaBackend::DoTopK(Stream& s, const TopKArgs& a) {
-  KVTIER_CUDA_LAUNCH_OP(TopK, LaunchTopK, KVTIER_VIEW(pooled), KVTIER_VIEW(num_pages),
+  KVTIER_CUDA_LAUNCH_OP(TopK, LaunchTopK, false, KVTIER_VIEW(pooled), KVTIER_VIEW(num_pages),
                         KVTIER_VIEW(selected), KVTIER_VIEW(head_mask), KVTIER_VIEW(head_k),
                         KVTIER_VIEW(page_flags));
 }
 
 absl::Status CudaBackend::DoQueryCosine(Stream& s, const QueryCosineArgs& a) {
-  KVTIER_CUDA_LAUNCH_OP(QueryCosine, LaunchQueryCosine, KVTIER_VIEW(q), KVTIER_VIEW(q_prev),
+  KVTIER_CUDA_LAUNCH_OP(QueryCosine, LaunchQueryCosine, false, KVTIER_VIEW(q), KVTIER_VIEW(q_prev),
                         KVTIER_VIEW(cosine), KVTIER_VIEW(group_mean), KVTIER_VIEW(drifted));
 }
 
 absl::Status CudaBackend::DoReplace(Stream& s, const ReplaceArgs& a) {
-  KVTIER_CUDA_LAUNCH_OP(Replace, LaunchReplace, KVTIER_VIEW(selected), KVTIER_VIEW(slot_table),
+  KVTIER_CUDA_LAUNCH_OP(Replace, LaunchReplace, false, KVTIER_VIEW(kv), KVTIER_VIEW(selected),
                         KVTIER_VIEW(host_page_of), KVTIER_VIEW(head_mask), KVTIER_VIEW(items),
                         KVTIER_VIEW(num_misses));
 }
 
 absl::Status CudaBackend::DoSparseAttention(Stream& s, const SparseAttentionArgs& a) {
-  KVTIER_CUDA_LAUNCH_OP(SparseAttention, LaunchSparseAttention, KVTIER_VIEW(q),
-                        KVTIER_VIEW(k_cache), KVTIER_VIEW(v_cache), KVTIER_VIEW(slot_table),
-                        KVTIER_VIEW(partial_page), KVTIER_VIEW(partial_len), KVTIER_VIEW(out),
-                        KVTIER_VIEW(lse), KVTIER_VIEW(query_position), KVTIER_VIEW(token_prob),
-                        KVTIER_VIEW(slot_int8), KVTIER_VIEW(k_int8), KVTIER_VIEW(v_int8),
-                        KVTIER_VIEW(k_scale), KVTIER_VIEW(v_scale));
+  KVTIER_CUDA_LAUNCH_OP(SparseAttention, LaunchSparseAttention, false, KVTIER_VIEW(kv),
+                        KVTIER_VIEW(q), KVTIER_VIEW(out), KVTIER_VIEW(lse),
+                        KVTIER_VIEW(query_position), KVTIER_VIEW(token_prob));
 }
 
 absl::Status CudaBackend::DoDenseAttention(Stream& s, const DenseAttentionArgs& a) {
-  KVTIER_CUDA_LAUNCH_OP(DenseAttention, LaunchDenseAttention, KVTIER_VIEW(q), KVTIER_VIEW(k),
+  KVTIER_CUDA_LAUNCH_OP(DenseAttention, LaunchDenseAttention, false, KVTIER_VIEW(q), KVTIER_VIEW(k),
                         KVTIER_VIEW(v), KVTIER_VIEW(seq_len), KVTIER_VIEW(out), KVTIER_VIEW(lse));
 }
 
 absl::Status CudaBackend::DoQuantizeSlots(Stream& s, const QuantizeSlotsArgs& a) {
   if (a.num_items == 0) return absl::OkStatus();
-  KVTIER_CUDA_LAUNCH_OP(QuantizeSlots, LaunchQuantizeSlots, KVTIER_VIEW(items),
-                        KVTIER_VIEW(k_cache), KVTIER_VIEW(v_cache), KVTIER_VIEW(k_int8),
-                        KVTIER_VIEW(v_int8), KVTIER_VIEW(k_scale), KVTIER_VIEW(v_scale));
+  KVTIER_CUDA_LAUNCH_OP(QuantizeSlots, LaunchQuantizeSlots, false, KVTIER_VIEW(kv),
+                        KVTIER_VIEW(items));
 }
 
 absl::Status CudaBackend::DoMoveHeadSlots(Stream& s, const MoveHeadSlotsArgs& a) {
   if (a.num_items == 0) return absl::OkStatus();
-  KVTIER_CUDA_LAUNCH_OP(MoveHeadSlots, LaunchMoveHeadSlots, KVTIER_VIEW(items),
-                        KVTIER_VIEW(k_cache), KVTIER_VIEW(v_cache), KVTIER_VIEW(k_int8),
-                        KVTIER_VIEW(v_int8), KVTIER_VIEW(k_scale), KVTIER_VIEW(v_scale));
+  KVTIER_CUDA_LAUNCH_OP(MoveHeadSlots, LaunchMoveHeadSlots, false, KVTIER_VIEW(kv),
+                        KVTIER_VIEW(items));
 }
 
 #undef KVTIER_VIEW

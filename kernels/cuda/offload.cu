@@ -109,8 +109,8 @@ __global__ void __launch_bounds__(kOffloadThreads) OffloadKernel(const OffloadPa
 }  // namespace
 
 cudaError_t LaunchOffload(const OffloadArgs& a, const DeviceErrorSink& sink, cudaStream_t stream) {
-  const int32_t elem_bytes = static_cast<int32_t>(DTypeSize(a.dtype));
-  const size_t row_bytes = static_cast<size_t>(a.head_dim) * elem_bytes;
+  const int32_t elem_bytes = static_cast<int32_t>(DTypeSize(a.shape.dtype));
+  const size_t row_bytes = static_cast<size_t>(a.shape.head_dim) * elem_bytes;
   OffloadParams p{};
   p.src[kKey] = static_cast<const char*>(a.k_src);
   p.src[kValue] = static_cast<const char*>(a.v_src);
@@ -122,14 +122,14 @@ cudaError_t LaunchOffload(const OffloadArgs& a, const DeviceErrorSink& sink, cud
   p.items = a.items;
   p.summary = a.summary;
   p.elem_bytes = elem_bytes;
-  p.host = HostPageLayout{a.num_kv_heads, a.page_size, a.head_dim};
+  p.host = HostPageLayout{a.shape.num_kv_heads, a.shape.page_size, a.shape.head_dim};
   // Global slot = src_slot; the slot count only bounds-checks, which the kernel does.
-  p.working_set = WorkingSetLayout{1, a.page_size, a.num_kv_heads, a.head_dim};
-  p.summary_layout = SummaryLayout{a.num_kv_heads, a.head_dim};
+  p.working_set = WorkingSetLayout{1, a.shape.page_size, a.shape.num_kv_heads, a.shape.head_dim};
+  p.summary_layout = SummaryLayout{a.shape.num_kv_heads, a.shape.head_dim};
   p.sink = sink;
-  const dim3 grid(static_cast<unsigned>(a.num_items), static_cast<unsigned>(a.num_kv_heads));
+  const dim3 grid(static_cast<unsigned>(a.num_items), static_cast<unsigned>(a.shape.num_kv_heads));
   const int unit = CopyUnitBytes(row_bytes, {a.k_src, a.v_src, a.host_pages});
-  return DispatchElement(a.dtype, [&](auto element_tag) {
+  return DispatchElement(a.shape.dtype, [&](auto element_tag) {
     using T = typename decltype(element_tag)::type;
     return DispatchCopyUnit(unit, [&](auto unit_tag) {
       using U = typename decltype(unit_tag)::type;

@@ -178,19 +178,19 @@ __global__ void __launch_bounds__(kMoveThreads) MoveHeadSlotsKernel(const MovePa
 cudaError_t LaunchQuantizeSlots(const QuantizeSlotsArgs& a, const DeviceErrorSink& sink,
                                 cudaStream_t stream) {
   QuantizeParams p{};
-  p.src[kKey] = a.k_cache;
-  p.src[kValue] = a.v_cache;
-  p.dst[kKey] = a.k_int8;
-  p.dst[kValue] = a.v_int8;
-  p.scale[kKey] = a.k_scale;
-  p.scale[kValue] = a.v_scale;
+  p.src[kKey] = a.kv.k_cache;
+  p.src[kValue] = a.kv.v_cache;
+  p.dst[kKey] = a.kv.k_int8;
+  p.dst[kValue] = a.kv.v_int8;
+  p.scale[kKey] = a.kv.k_scale;
+  p.scale[kValue] = a.kv.v_scale;
   p.items = a.items;
-  p.num_slots = a.num_slots;
+  p.num_slots = a.kv.num_slots;
   // Global slot = item.slot; the slot count only bounds-checks, which the kernel does.
-  p.working_set = WorkingSetLayout{1, a.page_size, a.num_kv_heads, a.head_dim};
+  p.working_set = WorkingSetLayout{1, a.shape.page_size, a.shape.num_kv_heads, a.shape.head_dim};
   p.sink = sink;
   const dim3 grid(static_cast<unsigned>(a.num_items), 2);
-  return DispatchElement(a.dtype, [&](auto element_tag) {
+  return DispatchElement(a.shape.dtype, [&](auto element_tag) {
     using T = typename decltype(element_tag)::type;
     QuantizeKernel<T><<<grid, kQuantizeThreads, 0, stream>>>(p);
     return cudaGetLastError();
@@ -199,31 +199,31 @@ cudaError_t LaunchQuantizeSlots(const QuantizeSlotsArgs& a, const DeviceErrorSin
 
 cudaError_t LaunchMoveHeadSlots(const MoveHeadSlotsArgs& a, const DeviceErrorSink& sink,
                                 cudaStream_t stream) {
-  const int32_t elem_bytes = static_cast<int32_t>(DTypeSize(a.dtype));
-  const size_t row_bytes = static_cast<size_t>(a.head_dim) * elem_bytes;
-  const bool with_int8 = a.k_int8 != nullptr;
+  const int32_t elem_bytes = static_cast<int32_t>(DTypeSize(a.shape.dtype));
+  const size_t row_bytes = static_cast<size_t>(a.shape.head_dim) * elem_bytes;
+  const bool with_int8 = a.kv.k_int8 != nullptr;
   MoveParams p{};
-  p.fp[kKey] = static_cast<char*>(a.k_cache);
-  p.fp[kValue] = static_cast<char*>(a.v_cache);
+  p.fp[kKey] = static_cast<char*>(a.kv.k_cache);
+  p.fp[kValue] = static_cast<char*>(a.kv.v_cache);
   if (with_int8) {
-    p.q[kKey] = reinterpret_cast<char*>(a.k_int8);
-    p.q[kValue] = reinterpret_cast<char*>(a.v_int8);
-    p.scale[kKey] = reinterpret_cast<char*>(a.k_scale);
-    p.scale[kValue] = reinterpret_cast<char*>(a.v_scale);
+    p.q[kKey] = reinterpret_cast<char*>(a.kv.k_int8);
+    p.q[kValue] = reinterpret_cast<char*>(a.kv.v_int8);
+    p.scale[kKey] = reinterpret_cast<char*>(a.kv.k_scale);
+    p.scale[kValue] = reinterpret_cast<char*>(a.kv.v_scale);
   }
   p.items = a.items;
   p.num_items = a.num_items;
-  p.num_slots = a.num_slots;
+  p.num_slots = a.kv.num_slots;
   p.elem_bytes = elem_bytes;
-  p.working_set = WorkingSetLayout{1, a.page_size, a.num_kv_heads, a.head_dim};
+  p.working_set = WorkingSetLayout{1, a.shape.page_size, a.shape.num_kv_heads, a.shape.head_dim};
   p.sink = sink;
   // One unit for every row copied: the fp rows (d·elem bytes), the INT8 rows (d bytes)
   // and the scale rows (4·d bytes) all start at multiples of their size, so a unit that
   // divides the three sizes and every base is aligned everywhere.
-  const int unit =
-      with_int8 ? CopyUnitBytes(row_bytes | static_cast<size_t>(a.head_dim),
-                                {a.k_cache, a.v_cache, a.k_int8, a.v_int8, a.k_scale, a.v_scale})
-                : CopyUnitBytes(row_bytes, {a.k_cache, a.v_cache});
+  const int unit = with_int8 ? CopyUnitBytes(row_bytes | static_cast<size_t>(a.shape.head_dim),
+                                             {a.kv.k_cache, a.kv.v_cache, a.kv.k_int8, a.kv.v_int8,
+                                              a.kv.k_scale, a.kv.v_scale})
+                             : CopyUnitBytes(row_bytes, {a.kv.k_cache, a.kv.v_cache});
   return DispatchCopyUnit(unit, [&](auto unit_tag) {
     using U = typename decltype(unit_tag)::type;
     p.unit_bytes = static_cast<int32_t>(sizeof(U));

@@ -60,20 +60,21 @@ __global__ void __launch_bounds__(kRecallThreads) RecallKernel(const RecallParam
 }  // namespace
 
 cudaError_t LaunchRecall(const RecallArgs& a, const DeviceErrorSink& sink, cudaStream_t stream) {
-  const int32_t elem_bytes = static_cast<int32_t>(DTypeSize(a.dtype));
-  const size_t row_bytes = static_cast<size_t>(a.head_dim) * elem_bytes;
+  const int32_t elem_bytes = static_cast<int32_t>(DTypeSize(a.shape.dtype));
+  const size_t row_bytes = static_cast<size_t>(a.shape.head_dim) * elem_bytes;
   RecallParams p{};
   p.host_pages = static_cast<const char*>(a.host_pages);
   p.num_host_pages = a.num_host_pages;
   p.items = a.items;
-  p.cache[kKey] = static_cast<char*>(a.k_cache);
-  p.cache[kValue] = static_cast<char*>(a.v_cache);
-  p.num_slots = a.num_slots;
+  p.cache[kKey] = static_cast<char*>(a.kv.k_cache);
+  p.cache[kValue] = static_cast<char*>(a.kv.v_cache);
+  p.num_slots = a.kv.num_slots;
   p.elem_bytes = elem_bytes;
-  p.host = HostPageLayout{a.num_kv_heads, a.page_size, a.head_dim};
-  p.working_set = WorkingSetLayout{a.num_slots, a.page_size, a.num_kv_heads, a.head_dim};
+  p.host = HostPageLayout{a.shape.num_kv_heads, a.shape.page_size, a.shape.head_dim};
+  p.working_set =
+      WorkingSetLayout{a.kv.num_slots, a.shape.page_size, a.shape.num_kv_heads, a.shape.head_dim};
   p.sink = sink;
-  const int unit = CopyUnitBytes(row_bytes, {a.host_pages, a.k_cache, a.v_cache});
+  const int unit = CopyUnitBytes(row_bytes, {a.host_pages, a.kv.k_cache, a.kv.v_cache});
   return DispatchCopyUnit(unit, [&](auto unit_tag) {
     using U = typename decltype(unit_tag)::type;
     p.units_per_row = static_cast<int32_t>(row_bytes / sizeof(U));

@@ -721,11 +721,11 @@ template <typename T>
 __global__ void __launch_bounds__(kCosineThreads) QueryCosineKernel(const QueryCosineArgs a) {
   __shared__ float cosines[kMaxGroup];
   const int64_t bh = blockIdx.x;
-  const auto b = static_cast<int32_t>(bh / a.num_kv_heads);
-  const auto h = static_cast<int32_t>(bh % a.num_kv_heads);
-  const int32_t G = a.num_q_heads / a.num_kv_heads;
-  const int32_t d = a.head_dim;
-  const HeadsLayout ql{a.num_q_heads, d};
+  const auto b = static_cast<int32_t>(bh / a.shape.num_kv_heads);
+  const auto h = static_cast<int32_t>(bh % a.shape.num_kv_heads);
+  const int32_t G = a.shape.num_q_heads / a.shape.num_kv_heads;
+  const int32_t d = a.shape.head_dim;
+  const HeadsLayout ql{a.shape.num_q_heads, d};
   for (int32_t g = Warp(); g < G; g += NumWarps()) {
     const int32_t hq = h * G + g;
     const T* x = static_cast<const T*>(a.q) + ql.Offset(b, hq, 0);
@@ -746,7 +746,7 @@ __global__ void __launch_bounds__(kCosineThreads) QueryCosineKernel(const QueryC
     const float c = (xx > 0.0f && yy > 0.0f) ? xy / (sqrtf(xx) * sqrtf(yy)) : 0.0f;
     if (Lane() == 0) {
       cosines[g] = c;
-      if (a.cosine != nullptr) a.cosine[int64_t{b} * a.num_q_heads + hq] = c;
+      if (a.cosine != nullptr) a.cosine[int64_t{b} * a.shape.num_q_heads + hq] = c;
     }
   }
   __syncthreads();
@@ -776,8 +776,8 @@ __global__ void __launch_bounds__(kReplaceThreads)
   __shared__ int32_t warp_counts[kReplaceThreads / kWarpSize];
   __shared__ int32_t bad;
   const int64_t bh = blockIdx.x;
-  const auto b = static_cast<int32_t>(bh / a.num_kv_heads);
-  const auto h = static_cast<int32_t>(bh % a.num_kv_heads);
+  const auto b = static_cast<int32_t>(bh / a.shape.num_kv_heads);
+  const auto h = static_cast<int32_t>(bh % a.shape.num_kv_heads);
   const int32_t k = a.k;
   RecallItem* items = a.items + bh * k;
   if (a.head_mask != nullptr && a.head_mask[bh] == 0) {
@@ -787,8 +787,8 @@ __global__ void __launch_bounds__(kReplaceThreads)
   }
   const int32_t* sel = a.selected + bh * k;
   const int64_t* host_page_of = a.host_page_of + int64_t{b} * a.max_pages;
-  int32_t* region =
-      a.slot_table + SlotTableLayout{a.num_kv_heads, a.num_slots}.Offset(b, h, a.region_begin);
+  int32_t* region = a.kv.slot_table + SlotTableLayout{a.shape.num_kv_heads, a.kv.num_slots}.Offset(
+                                          b, h, a.region_begin);
 
   // Every selected page needs a host page; otherwise the head is left untouched.
   if (threadIdx.x == 0) bad = 0;
@@ -849,7 +849,7 @@ __global__ void __launch_bounds__(kReplaceThreads)
       if (free_slot && rank < misses) {
         RecallItem& it = items[rank];
         region[s] = it.dst_slot;
-        it.dst_slot = b * a.num_slots + a.region_begin + s;
+        it.dst_slot = b * a.kv.num_slots + a.region_begin + s;
       }
       freed += total;
     }
@@ -864,8 +864,8 @@ __global__ void __launch_bounds__(kReplaceThreads)
 
 cudaError_t LaunchScorePages(const ScorePagesArgs& a, const DeviceErrorSink& sink,
                              cudaStream_t stream) {
-  const int32_t G = a.num_q_heads / a.num_kv_heads;
-  const int64_t heads = int64_t{a.batch} * a.num_kv_heads;
+  const int32_t G = a.shape.num_q_heads / a.shape.num_kv_heads;
+  const int64_t heads = int64_t{a.batch} * a.shape.num_kv_heads;
   ScoreParams p{};
   p.q = a.q;
   p.summaries = a.summaries;
@@ -873,9 +873,9 @@ cudaError_t LaunchScorePages(const ScorePagesArgs& a, const DeviceErrorSink& sin
   p.head_mask = a.head_mask;
   p.scores = a.scores;
   p.pooled = a.pooled;
-  p.num_q_heads = a.num_q_heads;
-  p.num_kv_heads = a.num_kv_heads;
-  p.head_dim = a.head_dim;
+  p.num_q_heads = a.shape.num_q_heads;
+  p.num_kv_heads = a.shape.num_kv_heads;
+  p.head_dim = a.shape.head_dim;
   p.max_pages = a.max_pages;
   p.group = G;
   p.scale = a.softmax_scale;
@@ -883,13 +883,13 @@ cudaError_t LaunchScorePages(const ScorePagesArgs& a, const DeviceErrorSink& sin
   p.softmax = a.pool == PoolMode::kSoftmaxMean;
   p.tile_pages = kMinTilePages > 2 * G ? kMinTilePages : 2 * G;
   p.sink = sink;
-  const size_t q_bytes = static_cast<size_t>(G) * a.head_dim * sizeof(float);
+  const size_t q_bytes = static_cast<size_t>(G) * a.shape.head_dim * sizeof(float);
   p.stage_q = q_bytes <= kMaxStagedQueryBytes;
   const size_t smem = p.stage_q ? q_bytes : 0;
   const int32_t full_tiles = a.max_pages / p.tile_pages;
-  return DispatchElement(a.dtype, [&](auto element_tag) {
+  return DispatchElement(a.shape.dtype, [&](auto element_tag) {
     using T = typename decltype(element_tag)::type;
-    return DispatchPerLane(a.head_dim, [&](auto lanes) {
+    return DispatchPerLane(a.shape.head_dim, [&](auto lanes) {
       constexpr int kPerLane = decltype(lanes)::value;
       if (p.softmax && full_tiles < 2) {
         ScoreHeadKernel<T, kPerLane><<<static_cast<unsigned>(heads), kHeadThreads, smem,
@@ -917,7 +917,7 @@ cudaError_t LaunchTopK(const TopKArgs& a, const DeviceErrorSink& sink, cudaStrea
   p.head_k = a.head_k;
   p.page_flags = a.page_flags;
   p.selected = a.selected;
-  p.num_kv_heads = a.num_kv_heads;
+  p.num_kv_heads = a.shape.num_kv_heads;
   p.max_pages = a.max_pages;
   p.k = a.k;
   p.sink_pages = a.sink_pages;
@@ -925,15 +925,15 @@ cudaError_t LaunchTopK(const TopKArgs& a, const DeviceErrorSink& sink, cudaStrea
   p.cache_keys = a.max_pages <= kTopKCachedKeys;
   p.sink = sink;
   const size_t smem = p.cache_keys ? static_cast<size_t>(a.max_pages) * sizeof(uint64_t) : 0;
-  const auto heads = static_cast<unsigned>(int64_t{a.batch} * a.num_kv_heads);
+  const auto heads = static_cast<unsigned>(int64_t{a.batch} * a.shape.num_kv_heads);
   TopKKernel<<<heads, kTopKThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }
 
 cudaError_t LaunchQueryCosine(const QueryCosineArgs& a, const DeviceErrorSink& /*sink*/,
                               cudaStream_t stream) {
-  const auto heads = static_cast<unsigned>(int64_t{a.batch} * a.num_kv_heads);
-  return DispatchElement(a.dtype, [&](auto element_tag) {
+  const auto heads = static_cast<unsigned>(int64_t{a.batch} * a.shape.num_kv_heads);
+  return DispatchElement(a.shape.dtype, [&](auto element_tag) {
     using T = typename decltype(element_tag)::type;
     QueryCosineKernel<T><<<heads, kCosineThreads, 0, stream>>>(a);
     return cudaGetLastError();
@@ -942,7 +942,7 @@ cudaError_t LaunchQueryCosine(const QueryCosineArgs& a, const DeviceErrorSink& /
 
 cudaError_t LaunchReplace(const ReplaceArgs& a, const DeviceErrorSink& sink,
                           cudaStream_t stream) {
-  const auto heads = static_cast<unsigned>(int64_t{a.batch} * a.num_kv_heads);
+  const auto heads = static_cast<unsigned>(int64_t{a.batch} * a.shape.num_kv_heads);
   ReplaceKernel<<<heads, kReplaceThreads, 0, stream>>>(a, sink);
   return cudaGetLastError();
 }

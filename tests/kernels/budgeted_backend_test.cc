@@ -77,11 +77,8 @@ TEST(BudgetedBackendTest, OpsAndCopiesReachTheInnerBackend) {
   std::vector<float> via(2), direct(2);
   std::vector<uint8_t> drift_via(2), drift_direct(2);
   QueryCosineArgs a;
-  a.dtype = DType::kF32;
+  a.shape = {.dtype = DType::kF32, .num_q_heads = 4, .num_kv_heads = 2, .head_dim = 8};
   a.batch = 1;
-  a.num_q_heads = 4;
-  a.num_kv_heads = 2;
-  a.head_dim = 8;
   a.q = dq->data();
   a.q_prev = qp.data();
   a.threshold = 0.5f;

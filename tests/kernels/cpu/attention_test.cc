@@ -11,111 +11,22 @@
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kvtier/layout.h"
+#include "tests/kernels/cpu/cpu_op_test_util.h"
 #include "tests/testutil/random_fill.h"
 
 namespace kvtier {
 namespace {
 
+using testing::AttentionCase;
+using testing::OutputTolerance;
 using testing::TypedBuffer;
-
-// Output tolerance: the reference is exact; ours accumulates in fp32 and rounds the output
-// to the dtype (half an ulp: 2^-11 fp16, 2^-8 bf16, relative to the output's magnitude).
-double Tolerance(DType t) {
-  switch (t) {
-    case DType::kF16:
-      return 2e-3;
-    case DType::kBF16:
-      return 1e-2;
-    case DType::kF32:
-      return 2e-5;
-  }
-  return 0;
-}
-
-// A working set with full random content; tables say which (slot, head) pages are live.
-struct Case {
-  DType dtype;
-  int32_t B = 2, Hkv = 2, G, d, p, S = 9;
-  std::vector<int32_t> table, partial_page, partial_len;
-  TypedBuffer q, k, v;
-  float scale;
-
-  Case(DType t, int32_t page, int32_t dim, int32_t group)
-      : dtype(t), G(group), d(dim), p(page),
-        q(t, int64_t{B} * Hkv * group * dim),
-        k(t, int64_t{B} * S * page * Hkv * dim),
-        v(t, int64_t{B} * S * page * Hkv * dim),
-        scale(1.0f / std::sqrt(static_cast<float>(dim))) {
-    q.FillNormal(21, 2.0f);  // peaky enough that wrong tokens change the output
-    k.FillNormal(22);
-    v.FillNormal(23);
-    table.assign(static_cast<size_t>(B * Hkv * S), kEmptySlot);
-    partial_page.assign(static_cast<size_t>(B), -1);
-    partial_len.assign(static_cast<size_t>(B), 0);
-  }
-  int32_t Hq() const { return Hkv * G; }
-
-  SparseAttentionArgs Args(void* out, float* lse) const {
-    SparseAttentionArgs a;
-    a.dtype = dtype;
-    a.batch = B;
-    a.num_q_heads = Hq();
-    a.num_kv_heads = Hkv;
-    a.head_dim = d;
-    a.page_size = p;
-    a.num_slots = S;
-    a.q = q.data();
-    a.k_cache = k.data();
-    a.v_cache = v.data();
-    a.slot_table = table.data();
-    a.partial_page = partial_page.data();
-    a.partial_len = partial_len.data();
-    a.softmax_scale = scale;
-    a.out = out;
-    a.lse = lse;
-    return a;
-  }
-
-  // Naive attention over the live tokens of each (b, hq), in double precision.
-  void Reference(std::vector<double>& out, std::vector<double>& lse) const {
-    const WorkingSetLayout wl{S, p, Hkv, d};
-    const SlotTableLayout tl{Hkv, S};
-    out.assign(static_cast<size_t>(B * Hq() * d), 0.0);
-    lse.assign(static_cast<size_t>(B * Hq()), -std::numeric_limits<double>::infinity());
-    for (int32_t b = 0; b < B; ++b) {
-      for (int32_t hq = 0; hq < Hq(); ++hq) {
-        const int32_t h = hq / G;
-        std::vector<std::pair<int64_t, double>> toks;  // (row offset, score)
-        for (int32_t s = 0; s < S; ++s) {
-          const int32_t page = table[static_cast<size_t>(tl.Offset(b, h, s))];
-          if (page < 0) continue;
-          const int32_t n = page == partial_page[static_cast<size_t>(b)] ? partial_len[static_cast<size_t>(b)] : p;
-          for (int32_t t = 0; t < n; ++t) {
-            const int64_t row = wl.Offset(b, s, t, h, 0);
-            double dot = 0;
-            for (int32_t i = 0; i < d; ++i) dot += double{q.Get((int64_t{b} * Hq() + hq) * d + i)} * k.Get(row + i);
-            toks.emplace_back(row, dot * scale);
-          }
-        }
-        if (toks.empty()) continue;
-        double m = -1e300;
-        for (auto& [row, s] : toks) m = std::max(m, s);
-        double z = 0;
-        for (auto& [row, s] : toks) z += std::exp(s - m);
-        for (auto& [row, s] : toks) {
-          const double w = std::exp(s - m) / z;
-          for (int32_t i = 0; i < d; ++i) out[static_cast<size_t>((b * Hq() + hq) * d + i)] += w * v.Get(row + i);
-        }
-        lse[static_cast<size_t>(b * Hq() + hq)] = m + std::log(z);
-      }
-    }
-  }
-};
 
 void ExpectClose(const TypedBuffer& got, const std::vector<float>& lse, const std::vector<double>& want,
                  const std::vector<double>& want_lse, DType t) {
   for (size_t i = 0; i < want.size(); ++i) {
-    ASSERT_NEAR(got.Get(static_cast<int64_t>(i)), want[i], Tolerance(t) * (1 + std::fabs(want[i]))) << "element " << i;
+    ASSERT_NEAR(got.Get(static_cast<int64_t>(i)), want[i],
+                OutputTolerance(t) * (1 + std::fabs(want[i])))
+        << "element " << i;
   }
   for (size_t i = 0; i < want_lse.size(); ++i) {
     if (std::isinf(want_lse[i])) {
@@ -132,7 +43,7 @@ class AttentionTest : public ::testing::TestWithParam<Param> {};
 
 TEST_P(AttentionTest, EveryPageSelectedEqualsDenseAttention) {
   const auto [t, p, d, G] = GetParam();
-  Case c(t, p, d, G);
+  AttentionCase c(t, 2, 2, G, d, p, 9);
   // Each head holds all 9 pages, in a different slot order per head (order must not
   // matter), with logical page 8 the partial page of p/2 tokens.
   std::mt19937 rng(5);
@@ -163,13 +74,10 @@ TEST_P(AttentionTest, EveryPageSelectedEqualsDenseAttention) {
   ThreadPool pool(4);
   TypedBuffer sparse(t, int64_t{c.B} * c.Hq() * d), dense(t, int64_t{c.B} * c.Hq() * d);
   std::vector<float> sl(static_cast<size_t>(c.B * c.Hq())), dlse(sl.size());
-  ASSERT_TRUE(CpuSparseAttention(c.Args(sparse.data(), sl.data()), &pool).ok());
+  ASSERT_TRUE(CpuSparseAttention(c.Args(sparse.data(), sl.data(), nullptr), &pool).ok());
   DenseAttentionArgs a;
-  a.dtype = t;
+  a.shape = c.Shape();
   a.batch = c.B;
-  a.num_q_heads = c.Hq();
-  a.num_kv_heads = c.Hkv;
-  a.head_dim = d;
   a.max_tokens = T;
   a.q = c.q.data();
   a.k = dk.data();
@@ -182,16 +90,17 @@ TEST_P(AttentionTest, EveryPageSelectedEqualsDenseAttention) {
   ASSERT_TRUE(CpuDenseAttention(a, &pool).ok());
   for (int64_t i = 0; i < sparse.size(); ++i) {
     // Both accumulate in fp32 in different orders; only the output rounding may differ.
-    ASSERT_NEAR(sparse.Get(i), dense.Get(i), Tolerance(t) * (1 + std::fabs(dense.Get(i)))) << i;
+    ASSERT_NEAR(sparse.Get(i), dense.Get(i), OutputTolerance(t) * (1 + std::fabs(dense.Get(i))))
+        << i;
   }
-  std::vector<double> want, want_lse;
-  c.Reference(want, want_lse);
+  std::vector<double> want, want_lse, want_prob;
+  c.Reference(want, want_lse, want_prob);
   ExpectClose(dense, dlse, want, want_lse, t);
 }
 
 TEST_P(AttentionTest, RandomSelectionsMatchANaiveLoop) {
   const auto [t, p, d, G] = GetParam();
-  Case c(t, p, d, G);
+  AttentionCase c(t, 2, 2, G, d, p, 9);
   std::mt19937 rng(9);
   for (auto& e : c.table) e = (rng() % 3 == 0) ? kEmptySlot : static_cast<int32_t>(rng() % 50);
   c.partial_page = {c.table[0] >= 0 ? c.table[0] : 3, -1};
@@ -200,10 +109,10 @@ TEST_P(AttentionTest, RandomSelectionsMatchANaiveLoop) {
   for (int32_t s = 0; s < c.S; ++s) c.table[static_cast<size_t>(SlotTableLayout{c.Hkv, c.S}.Offset(1, 1, s))] = kEmptySlot;
   TypedBuffer out(t, int64_t{c.B} * c.Hq() * d);
   std::vector<float> lse(static_cast<size_t>(c.B * c.Hq()));
-  std::vector<double> want, want_lse;
-  c.Reference(want, want_lse);
+  std::vector<double> want, want_lse, want_prob;
+  c.Reference(want, want_lse, want_prob);
   for (ThreadPool* pool : {static_cast<ThreadPool*>(nullptr), new ThreadPool(3)}) {
-    ASSERT_TRUE(CpuSparseAttention(c.Args(out.data(), lse.data()), pool).ok());
+    ASSERT_TRUE(CpuSparseAttention(c.Args(out.data(), lse.data(), nullptr), pool).ok());
     ExpectClose(out, lse, want, want_lse, t);
     delete pool;
   }
@@ -229,11 +138,8 @@ TEST(DenseAttentionTest, LongContextSplitAcrossThreadsMatchesNaive) {
   v.FillNormal(3);
   std::vector<float> out(static_cast<size_t>(G * d)), lse(G);
   DenseAttentionArgs a;
-  a.dtype = DType::kF32;
+  a.shape = {.dtype = DType::kF32, .num_q_heads = G, .num_kv_heads = Hkv, .head_dim = d};
   a.batch = 1;
-  a.num_q_heads = G;
-  a.num_kv_heads = Hkv;
-  a.head_dim = d;
   a.max_tokens = T;
   a.q = q.data();
   a.k = k.data();
@@ -262,13 +168,14 @@ TEST(DenseAttentionTest, LongContextSplitAcrossThreadsMatchesNaive) {
 }
 
 TEST(SparseAttentionTest, RejectsCorruptTablesAndLengths) {
-  Case c(DType::kF32, 16, 64, 1);
+  AttentionCase c(DType::kF32, 2, 2, 1, 64, 16, 9);
   TypedBuffer out(DType::kF32, int64_t{c.B} * c.Hq() * 64);
   c.table[3] = -2;
-  EXPECT_EQ(CpuSparseAttention(c.Args(out.data(), nullptr), nullptr).code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(CpuSparseAttention(c.Args(out.data(), nullptr, nullptr), nullptr).code(),
+            absl::StatusCode::kOutOfRange);
   c.table[3] = 0;
   c.partial_len[1] = 17;
-  const absl::Status st = CpuSparseAttention(c.Args(out.data(), nullptr), nullptr);
+  const absl::Status st = CpuSparseAttention(c.Args(out.data(), nullptr, nullptr), nullptr);
   EXPECT_EQ(st.code(), absl::StatusCode::kOutOfRange);
   EXPECT_NE(st.message().find("partial_len[1] = 17"), std::string::npos) << st;
 }

@@ -130,11 +130,8 @@ class DenseAttentionCase {
   DenseAttentionArgs Args(const void* q, const void* k, const void* v, const int32_t* len,
                           void* out, float* lse) const {
     DenseAttentionArgs a;
-    a.dtype = DType::kF16;
+    a.shape = {.dtype = DType::kF16, .num_q_heads = kHq, .num_kv_heads = kHkv, .head_dim = kD};
     a.batch = kB;
-    a.num_q_heads = kHq;
-    a.num_kv_heads = kHkv;
-    a.head_dim = kD;
     a.max_tokens = kT;
     a.q = q;
     a.k = k;
@@ -202,17 +199,12 @@ TEST(ChaosBackendTest, RunTimeErrorsAreStickyAndTravelThroughEvents) {
   std::vector<uint16_t> host(2 * 16 * 64), cache(2 * 16 * 64);
   const RecallItem item{/*host_page=*/5, /*kv_head=*/0, /*dst_slot=*/0};  // page 5 of 1
   RecallArgs a;
-  a.dtype = DType::kF16;
-  a.page_size = 16;
-  a.num_kv_heads = 1;
-  a.head_dim = 64;
+  a.shape = {.dtype = DType::kF16, .num_kv_heads = 1, .head_dim = 64, .page_size = 16};
   a.host_pages = host.data();
   a.num_host_pages = 1;
   a.items = &item;
   a.num_items = 1;
-  a.k_cache = cache.data();
-  a.v_cache = cache.data() + 16 * 64;
-  a.num_slots = 1;
+  a.kv = {.k_cache = cache.data(), .v_cache = cache.data() + 16 * 64, .num_slots = 1};
   int x = 0, y = 9, z = 0;
   ASSERT_TRUE(backend->Recall(*s1, a).ok());                  // fails when it runs
   ASSERT_TRUE(backend->Copy(*s1, &x, &y, sizeof(int)).ok());  // skipped

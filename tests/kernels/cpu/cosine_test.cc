@@ -32,11 +32,8 @@ TEST_P(CosineTest, KnownAnglesGroupMeansAndDriftFlags) {
   std::vector<float> cosine(4), mean(2);
   std::vector<uint8_t> drifted(2, 7);
   QueryCosineArgs a;
-  a.dtype = t;
+  a.shape = {.dtype = t, .num_q_heads = 4, .num_kv_heads = 2, .head_dim = d};
   a.batch = 1;
-  a.num_q_heads = 4;
-  a.num_kv_heads = 2;
-  a.head_dim = d;
   a.q = q.data();
   a.q_prev = qp.data();
   a.threshold = 0.4f;
@@ -61,11 +58,8 @@ TEST_P(CosineTest, ZeroPreviousQueryCountsAsDrift) {
   std::vector<float> mean(1);
   std::vector<uint8_t> drifted(1);
   QueryCosineArgs a;
-  a.dtype = t;
+  a.shape = {.dtype = t, .num_q_heads = 1, .num_kv_heads = 1, .head_dim = 8};
   a.batch = 1;
-  a.num_q_heads = 1;
-  a.num_kv_heads = 1;
-  a.head_dim = 8;
   a.q = q.data();
   a.q_prev = qp.data();
   a.group_mean = mean.data();
@@ -83,11 +77,8 @@ TEST_P(CosineTest, RandomBatchMatchesDoublePrecision) {
   qp.FillNormal(12);
   std::vector<float> cosine(B * Hq), mean(B * Hkv);
   QueryCosineArgs a;
-  a.dtype = t;
+  a.shape = {.dtype = t, .num_q_heads = Hq, .num_kv_heads = Hkv, .head_dim = d};
   a.batch = B;
-  a.num_q_heads = Hq;
-  a.num_kv_heads = Hkv;
-  a.head_dim = d;
   a.q = q.data();
   a.q_prev = qp.data();
   a.cosine = cosine.data();

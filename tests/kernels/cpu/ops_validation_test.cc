@@ -24,22 +24,21 @@ class OpsValidationTest : public ::testing::Test {
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<Stream> stream_;
   std::vector<float> buf_ = std::vector<float>(4096);
+  std::vector<int8_t> bytes_ = std::vector<int8_t>(4096);
   std::vector<int32_t> ints_ = std::vector<int32_t>(64, 1);
 };
 
 TEST_F(OpsValidationTest, ScorePagesNamesTheBadField) {
   ScorePagesArgs a;
-  a.dtype = DType::kF32;
+  a.shape = {.dtype = DType::kF32, .num_q_heads = 6, .num_kv_heads = 4, .head_dim = 8};
   a.batch = 1;
-  a.num_q_heads = 6;
-  a.num_kv_heads = 4;
-  a.head_dim = 8;
   a.max_pages = 4;
   a.q = a.summaries = buf_.data();
   a.num_pages = ints_.data();
   a.pooled = buf_.data();
-  ExpectInvalid(backend_->ScorePages(*stream_, a), "num_q_heads = 6 must be a multiple of num_kv_heads = 4");
-  a.num_kv_heads = 3;
+  ExpectInvalid(backend_->ScorePages(*stream_, a),
+                "ScorePages: shape.num_q_heads = 6 must be a multiple of shape.num_kv_heads = 4");
+  a.shape.num_kv_heads = 3;
   a.batch = 0;
   ExpectInvalid(backend_->ScorePages(*stream_, a), "ScorePages: batch = 0 must be in [1, 65536]");
   a.batch = 1;
@@ -49,8 +48,8 @@ TEST_F(OpsValidationTest, ScorePagesNamesTheBadField) {
 
 TEST_F(OpsValidationTest, TopKRejectsKLargerThanPages) {
   TopKArgs a;
+  a.shape.num_kv_heads = 1;
   a.batch = 1;
-  a.num_kv_heads = 1;
   a.max_pages = 4;
   a.k = 5;
   a.pooled = buf_.data();
@@ -61,9 +60,10 @@ TEST_F(OpsValidationTest, TopKRejectsKLargerThanPages) {
 
 TEST_F(OpsValidationTest, ReplaceRegionMustFitTheSlots) {
   ReplaceArgs a;
+  a.shape.num_kv_heads = 2;
+  a.kv.num_slots = 10;
+  a.kv.slot_table = ints_.data();
   a.batch = 1;
-  a.num_kv_heads = 2;
-  a.num_slots = 10;
   a.k = 4;
   a.region_begin = 7;
   a.max_pages = 8;
@@ -71,31 +71,94 @@ TEST_F(OpsValidationTest, ReplaceRegionMustFitTheSlots) {
   a.region_begin = 0;
   a.k = 11;
   ExpectInvalid(backend_->Replace(*stream_, a), "Replace: k = 11 must be in [1, 10]");
+  a.kv.num_slots = 0;
+  ExpectInvalid(backend_->Replace(*stream_, a), "Replace: kv.num_slots = 0 must be in [1, ");
 }
 
 TEST_F(OpsValidationTest, AttentionAndRecallShapes) {
+  const KvShape shape{.num_q_heads = 4, .num_kv_heads = 2, .head_dim = 8, .page_size = 2048};
   SparseAttentionArgs s;
+  s.shape = shape;
   s.batch = 1;
-  s.num_q_heads = 4;
-  s.num_kv_heads = 2;
-  s.head_dim = 8;
-  s.page_size = 2048;
-  ExpectInvalid(backend_->SparseAttention(*stream_, s), "page_size = 2048 must be in [1, 1024]");
+  ExpectInvalid(backend_->SparseAttention(*stream_, s),
+                "SparseAttention: shape.page_size = 2048 must be in [1, 1024]");
+  s.shape.page_size = 16;
+  ExpectInvalid(backend_->SparseAttention(*stream_, s),
+                "SparseAttention: kv.num_slots = 0 must be in [1, ");
   DenseAttentionArgs d;
+  d.shape = shape;  // no page size to read
   d.batch = 1;
-  d.num_q_heads = 4;
-  d.num_kv_heads = 2;
-  d.head_dim = 8;
   d.max_tokens = 0;
-  ExpectInvalid(backend_->DenseAttention(*stream_, d), "max_tokens = 0");
+  ExpectInvalid(backend_->DenseAttention(*stream_, d), "DenseAttention: max_tokens = 0");
   RecallArgs r;
-  r.page_size = 16;
-  r.num_kv_heads = 2;
-  r.head_dim = 8;
+  r.shape = {.num_kv_heads = 2, .head_dim = 8, .page_size = 16};
   r.num_items = 1;
   r.num_host_pages = 1;
-  r.num_slots = 1;
+  r.kv.num_slots = 1;
+  ExpectInvalid(backend_->Recall(*stream_, r), "Recall: kv.k_cache must not be null");
+  r.kv.k_cache = r.kv.v_cache = buf_.data();
   ExpectInvalid(backend_->Recall(*stream_, r), "Recall: host_pages must not be null");
+}
+
+TEST_F(OpsValidationTest, SparseAttentionInt8BuffersComeTogether) {
+  SparseAttentionArgs a;
+  a.shape = {
+      .dtype = DType::kF32, .num_q_heads = 2, .num_kv_heads = 1, .head_dim = 8, .page_size = 4};
+  a.kv = {.k_cache = buf_.data(),
+          .v_cache = buf_.data(),
+          .num_slots = 2,
+          .slot_table = ints_.data(),
+          .partial_page = ints_.data(),
+          .partial_len = ints_.data()};
+  a.batch = 1;
+  a.q = buf_.data();
+  a.out = buf_.data() + 2048;
+  const std::vector<uint8_t> flags(2, 1);
+  a.kv.slot_int8 = flags.data();
+  a.kv.k_int8 = a.kv.v_int8 = bytes_.data();
+  a.kv.k_scale = buf_.data();
+  ExpectInvalid(backend_->SparseAttention(*stream_, a),
+                "SparseAttention: kv.slot_int8, kv.k_int8, kv.v_int8, kv.k_scale, kv.v_scale must "
+                "be given together or not at all (kv.v_scale is null)");
+  a.kv.slot_int8 = nullptr;
+  a.kv.k_int8 = a.kv.v_int8 = nullptr;
+  a.kv.k_scale = nullptr;
+  a.token_prob = buf_.data() + 1024;  // optional outputs and limits need nothing more
+  const int64_t qpos = 3;
+  a.query_position = &qpos;
+  EXPECT_TRUE(backend_->SparseAttention(*stream_, a).ok());
+  EXPECT_TRUE(stream_->Synchronize().ok());
+}
+
+TEST_F(OpsValidationTest, QuantizeAndMoveShapes) {
+  const KvShape shape{.dtype = DType::kF32, .num_kv_heads = 2, .head_dim = 8, .page_size = 4};
+  QuantizeSlotsArgs q{.shape = shape};
+  EXPECT_TRUE(backend_->QuantizeSlots(*stream_, q).ok()) << "no items: nothing to check";
+  q.kv = {.k_cache = buf_.data(),
+          .v_cache = buf_.data(),
+          .num_slots = 1,
+          .k_int8 = bytes_.data(),
+          .v_int8 = bytes_.data(),
+          .k_scale = buf_.data()};
+  q.items = reinterpret_cast<const HeadSlot*>(ints_.data());
+  q.num_items = 1;
+  ExpectInvalid(backend_->QuantizeSlots(*stream_, q), "QuantizeSlots: kv.v_scale must not be null");
+  q.shape.page_size = 0;
+  ExpectInvalid(backend_->QuantizeSlots(*stream_, q), "QuantizeSlots: shape.page_size = 0");
+
+  MoveHeadSlotsArgs m{.shape = shape};
+  m.kv = {.k_cache = buf_.data(), .num_slots = 2};
+  m.items = reinterpret_cast<const HeadSlotMove*>(ints_.data());
+  m.num_items = 1;
+  ExpectInvalid(backend_->MoveHeadSlots(*stream_, m), "MoveHeadSlots: kv.v_cache must not be null");
+  m.kv.v_cache = buf_.data();
+  m.kv.k_int8 = bytes_.data();
+  ExpectInvalid(backend_->MoveHeadSlots(*stream_, m),
+                "MoveHeadSlots: kv.k_int8, kv.v_int8, kv.k_scale, kv.v_scale must be given "
+                "together or not at all (kv.v_int8 is null)");
+  m.num_items = -1;
+  m.kv.k_int8 = nullptr;
+  ExpectInvalid(backend_->MoveHeadSlots(*stream_, m), "MoveHeadSlots: num_items = -1");
 }
 
 TEST_F(OpsValidationTest, OutOfRangeItemsFailTheStreamAndWriteNothing) {
@@ -103,17 +166,12 @@ TEST_F(OpsValidationTest, OutOfRangeItemsFailTheStreamAndWriteNothing) {
   std::vector<float> host(2 * H * 2 * p * d, 1.0f), k(p * H * d, 0.0f), v(p * H * d, 0.0f);
   std::vector<RecallItem> items = {{0, 0, 0}, {5, 0, 0}};  // host page 5 of 2
   RecallArgs r;
-  r.dtype = DType::kF32;
-  r.page_size = p;
-  r.num_kv_heads = H;
-  r.head_dim = d;
+  r.shape = {.dtype = DType::kF32, .num_kv_heads = H, .head_dim = d, .page_size = p};
+  r.kv = {.k_cache = k.data(), .v_cache = v.data(), .num_slots = 1};
   r.host_pages = host.data();
   r.num_host_pages = 2;
   r.items = items.data();
   r.num_items = 2;
-  r.k_cache = k.data();
-  r.v_cache = v.data();
-  r.num_slots = 1;
   ASSERT_TRUE(backend_->Recall(*stream_, r).ok());
   const absl::Status st = stream_->Synchronize();
   EXPECT_EQ(st.code(), absl::StatusCode::kOutOfRange);

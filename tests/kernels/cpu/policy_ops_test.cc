@@ -18,16 +18,17 @@
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/registry.h"
 #include "kvtier/layout.h"
+#include "tests/kernels/cpu/cpu_op_test_util.h"
 #include "tests/testutil/chaos_backend.h"
 #include "tests/testutil/random_fill.h"
 
 namespace kvtier {
 namespace {
 
+using testing::AttentionCase;
 using ::testing::HasSubstr;
+using testing::Int8WorkingSet;
 using testing::TypedBuffer;
-
-constexpr double kInf = std::numeric_limits<double>::infinity();
 
 std::string DTypeParamName(const ::testing::TestParamInfo<DType>& info) {
   return std::string(DTypeName(info.param));
@@ -70,8 +71,8 @@ struct TopKCase {
   }
   TopKArgs Args() {
     TopKArgs a;
+    a.shape.num_kv_heads = H;
     a.batch = B;
-    a.num_kv_heads = H;
     a.max_pages = P;
     a.k = k;
     a.pooled = pooled.data();
@@ -198,240 +199,10 @@ TEST(TopKPolicyTest, RandomFlagsAndBudgetsMatchBruteForce) {
 // ---------------------------------------------------------------------------------------
 // SparseAttention: query_position, token_prob, INT8 slots.
 
-double Tolerance(DType t) {
-  switch (t) {
-    case DType::kF16:
-      return 2e-3;
-    case DType::kBF16:
-      return 1e-2;
-    case DType::kF32:
-      return 2e-5;
-  }
-  return 0;
-}
-
-struct AttnCase {
-  DType dtype;
-  int32_t B, Hkv, G, d, p, S;
-  std::vector<int32_t> table, partial_page, partial_len;
-  std::vector<int64_t> qpos;       // empty: no causal limit
-  std::vector<uint8_t> slot_int8;  // empty: no INT8 storage
-  std::vector<int8_t> k8, v8;
-  std::vector<float> ks, vs;
-  TypedBuffer q, k, v;
-  float scale;
-
-  AttnCase(DType t, int32_t batch, int32_t kv_heads, int32_t group, int32_t dim, int32_t page,
-           int32_t slots)
-      : dtype(t),
-        B(batch),
-        Hkv(kv_heads),
-        G(group),
-        d(dim),
-        p(page),
-        S(slots),
-        q(t, int64_t{batch} * kv_heads * group * dim),
-        k(t, int64_t{batch} * slots * page * kv_heads * dim),
-        v(t, int64_t{batch} * slots * page * kv_heads * dim),
-        scale(1.0f / std::sqrt(static_cast<float>(dim))) {
-    q.FillNormal(31, 2.0f);
-    k.FillNormal(32);
-    v.FillNormal(33);
-    table.assign(static_cast<size_t>(B * Hkv * S), kEmptySlot);
-    partial_page.assign(static_cast<size_t>(B), -1);
-    partial_len.assign(static_cast<size_t>(B), 0);
-  }
-  int32_t Hq() const { return Hkv * G; }
-  WorkingSetLayout wl() const { return WorkingSetLayout{S, p, Hkv, d}; }
-  SlotTableLayout tl() const { return SlotTableLayout{Hkv, S}; }
-
-  // Random pages in ~2/3 of the (b, h, s) entries; page P partial in sequence 0.
-  void RandomTable(uint32_t seed, int32_t max_page) {
-    std::mt19937 rng(seed);
-    for (int32_t& e : table) {
-      e = rng() % 3 == 0 ? kEmptySlot
-                         : static_cast<int32_t>(rng() % static_cast<uint32_t>(max_page));
-    }
-    partial_page[0] = table[0] >= 0 ? table[0] : 1;
-    partial_len[0] = p / 2 + 1;
-  }
-
-  // Turns on INT8 storage for a random third of the (b, h, s) entries: quantises them with
-  // CpuQuantizeSlots, then overwrites their fp16/bf16/fp32 K and V with garbage, so reading
-  // the wrong copy cannot pass.
-  void QuantizeSome(uint32_t seed) {
-    std::mt19937 rng(seed);
-    slot_int8.assign(table.size(), 0);
-    const size_t n = static_cast<size_t>(k.size());
-    k8.assign(n, 0);
-    v8.assign(n, 0);
-    ks.assign(static_cast<size_t>(B * S * Hkv * d), 0.0f);
-    vs.assign(ks.size(), 0.0f);
-    std::vector<HeadSlot> items;
-    for (int32_t b = 0; b < B; ++b) {
-      for (int32_t h = 0; h < Hkv; ++h) {
-        for (int32_t s = 0; s < S; ++s) {
-          if (rng() % 3 != 0) continue;
-          slot_int8[static_cast<size_t>(tl().Offset(b, h, s))] = 1;
-          items.push_back({h, static_cast<int32_t>(wl().GlobalSlot(b, s))});
-        }
-      }
-    }
-    QuantizeSlotsArgs qa;
-    qa.dtype = dtype;
-    qa.page_size = p;
-    qa.num_kv_heads = Hkv;
-    qa.head_dim = d;
-    qa.items = items.data();
-    qa.num_items = static_cast<int32_t>(items.size());
-    qa.k_cache = k.data();
-    qa.v_cache = v.data();
-    qa.k_int8 = k8.data();
-    qa.v_int8 = v8.data();
-    qa.k_scale = ks.data();
-    qa.v_scale = vs.data();
-    qa.num_slots = B * S;
-    ASSERT_TRUE(CpuQuantizeSlots(qa, nullptr).ok());
-    for (const HeadSlot& it : items) {
-      for (int32_t t = 0; t < p; ++t) {
-        for (int32_t i = 0; i < d; ++i) {
-          k.Set(wl().Offset(int64_t{it.slot}, t, it.kv_head, i), 50.0f);
-          v.Set(wl().Offset(int64_t{it.slot}, t, it.kv_head, i), -50.0f);
-        }
-      }
-    }
-  }
-
-  SparseAttentionArgs Args(void* out, float* lse, float* prob) const {
-    SparseAttentionArgs a;
-    a.dtype = dtype;
-    a.batch = B;
-    a.num_q_heads = Hq();
-    a.num_kv_heads = Hkv;
-    a.head_dim = d;
-    a.page_size = p;
-    a.num_slots = S;
-    a.q = q.data();
-    a.k_cache = k.data();
-    a.v_cache = v.data();
-    a.slot_table = table.data();
-    a.partial_page = partial_page.data();
-    a.partial_len = partial_len.data();
-    a.softmax_scale = scale;
-    a.out = out;
-    a.lse = lse;
-    a.token_prob = prob;
-    a.query_position = qpos.empty() ? nullptr : qpos.data();
-    if (!slot_int8.empty()) {
-      a.slot_int8 = slot_int8.data();
-      a.k_int8 = k8.data();
-      a.v_int8 = v8.data();
-      a.k_scale = ks.data();
-      a.v_scale = vs.data();
-    }
-    return a;
-  }
-
-  // K (kind 0) or V (kind 1) element as attention must read it: the dequantised INT8 value
-  // (the same fp32 product) where the slot is INT8, else the cache element.
-  double Element(int32_t kind, int32_t b, int32_t s, int32_t t, int32_t h, int32_t i) const {
-    const int64_t off = wl().Offset(b, s, t, h, i);
-    if (!slot_int8.empty() && slot_int8[static_cast<size_t>(tl().Offset(b, h, s))] != 0) {
-      const auto so = static_cast<size_t>((wl().GlobalSlot(b, s) * Hkv + h) * d + i);
-      const auto e = static_cast<size_t>(off);
-      return kind == 0 ? static_cast<double>(static_cast<float>(k8[e]) * ks[so])
-                       : static_cast<double>(static_cast<float>(v8[e]) * vs[so]);
-    }
-    return kind == 0 ? k.Get(off) : v.Get(off);
-  }
-
-  // Naive attention in double: out [B][Hq][d], lse [B][Hq], prob [B][Hq][S][p].
-  void Reference(std::vector<double>& out, std::vector<double>& lse,
-                 std::vector<double>& prob) const {
-    out.assign(static_cast<size_t>(B * Hq() * d), 0.0);
-    lse.assign(static_cast<size_t>(B * Hq()), -kInf);
-    prob.assign(static_cast<size_t>(B * Hq() * S * p), 0.0);
-    for (int32_t b = 0; b < B; ++b) {
-      for (int32_t hq = 0; hq < Hq(); ++hq) {
-        const int32_t h = hq / G;
-        struct Tok {
-          int32_t s, t;
-          double score;
-        };
-        std::vector<Tok> toks;
-        for (int32_t s = 0; s < S; ++s) {
-          const int32_t page = table[static_cast<size_t>(tl().Offset(b, h, s))];
-          if (page < 0) continue;
-          const int32_t n = page == partial_page[static_cast<size_t>(b)]
-                                ? partial_len[static_cast<size_t>(b)]
-                                : p;
-          for (int32_t t = 0; t < n; ++t) {
-            if (!qpos.empty() && int64_t{page} * p + t > qpos[static_cast<size_t>(b)]) continue;
-            double dot = 0;
-            for (int32_t i = 0; i < d; ++i) {
-              dot += double{q.Get((int64_t{b} * Hq() + hq) * d + i)} * Element(0, b, s, t, h, i);
-            }
-            toks.push_back({s, t, dot * scale});
-          }
-        }
-        if (toks.empty()) continue;
-        double m = -kInf, z = 0;
-        for (const Tok& tok : toks) m = std::max(m, tok.score);
-        for (const Tok& tok : toks) z += std::exp(tok.score - m);
-        const int64_t row = int64_t{b} * Hq() + hq;
-        for (const Tok& tok : toks) {
-          const double w = std::exp(tok.score - m) / z;
-          prob[static_cast<size_t>((row * S + tok.s) * p + tok.t)] = w;
-          for (int32_t i = 0; i < d; ++i) {
-            out[static_cast<size_t>(row * d + i)] += w * Element(1, b, tok.s, tok.t, h, i);
-          }
-        }
-        lse[static_cast<size_t>(row)] = m + std::log(z);
-      }
-    }
-  }
-
-  // Runs CpuSparseAttention (with and without a pool) and compares everything with the
-  // naive loop: out within the dtype's rounding (at least `rel`), lse and token_prob
-  // within `rel` relative.
-  void RunAndCompare(double rel, bool with_prob) const {
-    std::vector<double> want, want_lse, want_prob;
-    Reference(want, want_lse, want_prob);
-    const double out_tol = std::max(rel, Tolerance(dtype));
-    std::unique_ptr<ThreadPool> pool = std::make_unique<ThreadPool>(4);
-    for (ThreadPool* pl : {static_cast<ThreadPool*>(nullptr), pool.get()}) {
-      TypedBuffer out(dtype, int64_t{B} * Hq() * d);
-      std::vector<float> lse(static_cast<size_t>(B * Hq()));
-      std::vector<float> prob(with_prob ? want_prob.size() : 0, -1.0f);
-      ASSERT_TRUE(
-          CpuSparseAttention(Args(out.data(), lse.data(), with_prob ? prob.data() : nullptr), pl)
-              .ok());
-      for (size_t i = 0; i < want.size(); ++i) {
-        ASSERT_NEAR(out.Get(static_cast<int64_t>(i)), want[i], out_tol * (1 + std::fabs(want[i])))
-            << "out " << i;
-      }
-      for (size_t i = 0; i < want_lse.size(); ++i) {
-        if (std::isinf(want_lse[i])) {
-          EXPECT_TRUE(std::isinf(lse[i]) && lse[i] < 0) << i;
-        } else {
-          EXPECT_NEAR(lse[i], want_lse[i], rel * (1 + std::fabs(want_lse[i]))) << "lse " << i;
-        }
-      }
-      if (!with_prob) continue;
-      for (size_t i = 0; i < want_prob.size(); ++i) {
-        ASSERT_NEAR(prob[i], want_prob[i], 1e-6 + rel * want_prob[i]) << "prob " << i;
-        if (want_prob[i] == 0) {
-          ASSERT_EQ(prob[i], 0.0f) << "unattended token " << i;
-        }
-      }
-    }
-  }
-};
-
 class SparseAttentionPolicyTest : public ::testing::TestWithParam<DType> {};
 
 TEST_P(SparseAttentionPolicyTest, QueryPositionCutsTokensAfterTheQuery) {
-  AttnCase c(GetParam(), 3, 2, 4, 64, 16, 9);
+  AttentionCase c(GetParam(), 3, 2, 4, 64, 16, 9);
   c.RandomTable(7, 12);
   // Sequence 0 stops mid page 5 (tokens 0..6 of it), sequence 1 at the end of page 3,
   // sequence 2 before every token (all heads empty: zeros and lse = -inf).
@@ -441,7 +212,7 @@ TEST_P(SparseAttentionPolicyTest, QueryPositionCutsTokensAfterTheQuery) {
 
 TEST_P(SparseAttentionPolicyTest, TokenProbMatchesANaiveSoftmaxAndSumsToOne) {
   // 40 slots on one (sequence, head) pair per batch: split into several chunks and merged.
-  AttnCase c(GetParam(), 2, 1, 2, 32, 8, 40);
+  AttentionCase c(GetParam(), 2, 1, 2, 32, 8, 40);
   c.RandomTable(8, 60);
   c.qpos = {8 * 50, 8 * 60};
   c.RunAndCompare(1e-4, /*with_prob=*/true);
@@ -457,7 +228,7 @@ TEST_P(SparseAttentionPolicyTest, TokenProbMatchesANaiveSoftmaxAndSumsToOne) {
 }
 
 TEST_P(SparseAttentionPolicyTest, Int8SlotsReadTheDequantisedValues) {
-  AttnCase c(GetParam(), 2, 2, 4, 64, 16, 9);
+  AttentionCase c(GetParam(), 2, 2, 4, 64, 16, 9);
   c.RandomTable(9, 20);
   c.QuantizeSome(10);
   c.RunAndCompare(1e-4, /*with_prob=*/true);
@@ -466,7 +237,7 @@ TEST_P(SparseAttentionPolicyTest, Int8SlotsReadTheDequantisedValues) {
 }
 
 TEST_P(SparseAttentionPolicyTest, HeadWithNoTokensGetsZeroProbabilities) {
-  AttnCase c(GetParam(), 1, 2, 2, 32, 8, 5);
+  AttentionCase c(GetParam(), 1, 2, 2, 32, 8, 5);
   c.table = {0,          1,          kEmptySlot, 2,          3,
              kEmptySlot, kEmptySlot, kEmptySlot, kEmptySlot, kEmptySlot};  // head 1 holds nothing
   std::vector<float> prob(static_cast<size_t>(c.Hq() * c.S * c.p), -1.0f);
@@ -503,19 +274,10 @@ TEST_P(QuantizeSlotsTest, RoundTripIsWithinHalfAScaleAndOnlyItemsAreWritten) {
   std::vector<int8_t> k8(static_cast<size_t>(k.size()), 99), v8(k8);
   std::vector<float> ks(static_cast<size_t>(slots * H * d), -1.0f), vs(ks);
   QuantizeSlotsArgs a;
-  a.dtype = t;
-  a.page_size = p;
-  a.num_kv_heads = H;
-  a.head_dim = d;
+  a.shape = {.dtype = t, .num_kv_heads = H, .head_dim = d, .page_size = p};
   a.items = items.data();
   a.num_items = static_cast<int32_t>(items.size());
-  a.k_cache = k.data();
-  a.v_cache = v.data();
-  a.k_int8 = k8.data();
-  a.v_int8 = v8.data();
-  a.k_scale = ks.data();
-  a.v_scale = vs.data();
-  a.num_slots = slots;
+  a.kv = Int8WorkingSet(k.data(), v.data(), slots, k8, v8, ks, vs);
   ThreadPool pool(3);
   ASSERT_TRUE(CpuQuantizeSlots(a, &pool).ok());
   std::vector<bool> quantised(static_cast<size_t>(slots * H), false);
@@ -563,29 +325,20 @@ INSTANTIATE_TEST_SUITE_P(DTypes, QuantizeSlotsTest,
 
 TEST(QuantizeSlotsExactTest, HandComputedPage) {
   // One slot, one head, p = 3 tokens, d = 3 channels. Rows are tokens.
-  const std::vector<float> k = {1.0f,  127.0f, 0.0f,    // token 0
-                                -2.0f, 0.5f,   0.0f,    // token 1
-                                0.5f,  2.5f,   0.0f};   // token 2
-  const std::vector<float> v = {-254.0f, 1.0f,  3.0f,   //
-                                1.0f,    -1.0f, -3.0f,  //
-                                3.0f,    0.25f, 1.5f};
+  std::vector<float> k = {1.0f,  127.0f, 0.0f,    // token 0
+                          -2.0f, 0.5f,   0.0f,    // token 1
+                          0.5f,  2.5f,   0.0f};   // token 2
+  std::vector<float> v = {-254.0f, 1.0f,  3.0f,   //
+                          1.0f,    -1.0f, -3.0f,  //
+                          3.0f,    0.25f, 1.5f};
   std::vector<int8_t> k8(9), v8(9);
   std::vector<float> ks(3), vs(3);
   const HeadSlot item{0, 0};
   QuantizeSlotsArgs a;
-  a.dtype = DType::kF32;
-  a.page_size = 3;
-  a.num_kv_heads = 1;
-  a.head_dim = 3;
+  a.shape = {.dtype = DType::kF32, .num_kv_heads = 1, .head_dim = 3, .page_size = 3};
   a.items = &item;
   a.num_items = 1;
-  a.k_cache = k.data();
-  a.v_cache = v.data();
-  a.k_int8 = k8.data();
-  a.v_int8 = v8.data();
-  a.k_scale = ks.data();
-  a.v_scale = vs.data();
-  a.num_slots = 1;
+  a.kv = Int8WorkingSet(k.data(), v.data(), 1, k8, v8, ks, vs);
   ASSERT_TRUE(CpuQuantizeSlots(a, nullptr).ok());
   // K channel 0: {1, -2, 0.5}, scale 2/127; 1/scale = 63.5 exactly in fp32 → 64 (ties to
   // even), -2 → -127, 0.5/scale = 31.75 → 32. Channel 1: scale 1, 0.5 → 0 and 2.5 → 2 (ties
@@ -605,15 +358,12 @@ TEST(QuantizeSlotsExactTest, ItemsOutOfRangeFailWithOutOfRange) {
   std::vector<int8_t> q8(64);
   const HeadSlot bad_head{2, 0}, bad_slot{0, 4};
   QuantizeSlotsArgs a;
-  a.dtype = DType::kF32;
-  a.page_size = 2;
-  a.num_kv_heads = 2;
-  a.head_dim = 4;
+  a.shape = {.dtype = DType::kF32, .num_kv_heads = 2, .head_dim = 4, .page_size = 2};
   a.num_items = 1;
-  a.k_cache = a.v_cache = buf.data();
-  a.k_int8 = a.v_int8 = q8.data();
-  a.k_scale = a.v_scale = buf.data();
-  a.num_slots = 4;
+  a.kv.k_cache = a.kv.v_cache = buf.data();
+  a.kv.k_int8 = a.kv.v_int8 = q8.data();
+  a.kv.k_scale = a.kv.v_scale = buf.data();
+  a.kv.num_slots = 4;
   a.items = &bad_head;
   EXPECT_EQ(CpuQuantizeSlots(a, nullptr).code(), absl::StatusCode::kOutOfRange);
   a.items = &bad_slot;
@@ -672,19 +422,10 @@ TEST_P(MoveHeadSlotsTest, BitExactInOrderAndOtherHeadsUntouched) {
   }
 
   MoveHeadSlotsArgs a;
-  a.dtype = t;
-  a.page_size = p;
-  a.num_kv_heads = H;
-  a.head_dim = d;
+  a.shape = {.dtype = t, .num_kv_heads = H, .head_dim = d, .page_size = p};
   a.items = items.data();
   a.num_items = static_cast<int32_t>(items.size());
-  a.k_cache = k.data();
-  a.v_cache = v.data();
-  a.k_int8 = k8.data();
-  a.v_int8 = v8.data();
-  a.k_scale = ks.data();
-  a.v_scale = vs.data();
-  a.num_slots = slots;
+  a.kv = Int8WorkingSet(k.data(), v.data(), slots, k8, v8, ks, vs);
   ThreadPool pool(2);
   ASSERT_TRUE(CpuMoveHeadSlots(a, &pool).ok());
   EXPECT_EQ(std::memcmp(k.data(), ek.data(), ek.size()), 0);
@@ -696,8 +437,8 @@ TEST_P(MoveHeadSlotsTest, BitExactInOrderAndOtherHeadsUntouched) {
 
   // Without the INT8 buffers only the caches move (and the INT8 buffers stay as they are).
   const std::vector<int8_t> k8_before(k8);
-  a.k_int8 = a.v_int8 = nullptr;
-  a.k_scale = a.v_scale = nullptr;
+  a.kv.k_int8 = a.kv.v_int8 = nullptr;
+  a.kv.k_scale = a.kv.v_scale = nullptr;
   const HeadSlotMove one{1, 4, 1};
   a.items = &one;
   a.num_items = 1;
@@ -724,13 +465,8 @@ TEST(MoveHeadSlotsErrorsTest, SameSlotOrOutOfRangeFailsAndMovesNothing) {
   for (size_t i = 0; i < k.size(); ++i) k[i] = static_cast<float>(i);
   const std::vector<float> k_before(k);
   MoveHeadSlotsArgs a;
-  a.dtype = DType::kF32;
-  a.page_size = p;
-  a.num_kv_heads = H;
-  a.head_dim = d;
-  a.k_cache = k.data();
-  a.v_cache = v.data();
-  a.num_slots = slots;
+  a.shape = {.dtype = DType::kF32, .num_kv_heads = H, .head_dim = d, .page_size = p};
+  a.kv = {.k_cache = k.data(), .v_cache = v.data(), .num_slots = slots};
   const std::vector<HeadSlotMove> same = {{0, 0, 1}, {1, 2, 2}};
   a.items = same.data();
   a.num_items = 2;
@@ -760,93 +496,10 @@ TEST(MoveHeadSlotsErrorsTest, SameSlotOrOutOfRangeFailsAndMovesNothing) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Enqueue-time validation and backend dispatch.
-
-class PolicyOpsValidationTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    backend_ = std::move(CreateBackend(DeviceKind::kCpu)).value();
-    stream_ = std::move(backend_->CreateStream()).value();
-  }
-  void ExpectInvalid(const absl::Status& st, const std::string& text) {
-    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
-    EXPECT_THAT(std::string(st.message()), HasSubstr(text));
-  }
-  std::unique_ptr<Backend> backend_;
-  std::unique_ptr<Stream> stream_;
-  std::vector<float> buf_ = std::vector<float>(4096);
-  std::vector<int8_t> bytes_ = std::vector<int8_t>(4096);
-  std::vector<int32_t> ints_ = std::vector<int32_t>(64, 0);
-};
-
-TEST_F(PolicyOpsValidationTest, SparseAttentionInt8BuffersComeTogether) {
-  SparseAttentionArgs a;
-  a.dtype = DType::kF32;
-  a.batch = 1;
-  a.num_q_heads = 2;
-  a.num_kv_heads = 1;
-  a.head_dim = 8;
-  a.page_size = 4;
-  a.num_slots = 2;
-  a.q = a.k_cache = a.v_cache = buf_.data();
-  a.slot_table = a.partial_page = a.partial_len = ints_.data();
-  a.out = buf_.data() + 2048;
-  const std::vector<uint8_t> flags(2, 1);
-  a.slot_int8 = flags.data();
-  a.k_int8 = a.v_int8 = bytes_.data();
-  a.k_scale = buf_.data();
-  ExpectInvalid(backend_->SparseAttention(*stream_, a),
-                "SparseAttention: slot_int8, k_int8, v_int8, k_scale, v_scale must be given "
-                "together or not at all (v_scale is null)");
-  a.slot_int8 = nullptr;
-  a.k_int8 = a.v_int8 = nullptr;
-  a.k_scale = nullptr;
-  a.token_prob = buf_.data() + 1024;  // optional outputs and limits need nothing more
-  const int64_t qpos = 3;
-  a.query_position = &qpos;
-  EXPECT_TRUE(backend_->SparseAttention(*stream_, a).ok());
-  EXPECT_TRUE(stream_->Synchronize().ok());
-}
-
-TEST_F(PolicyOpsValidationTest, QuantizeAndMoveShapes) {
-  QuantizeSlotsArgs q;
-  q.dtype = DType::kF32;
-  q.page_size = 4;
-  q.num_kv_heads = 2;
-  q.head_dim = 8;
-  EXPECT_TRUE(backend_->QuantizeSlots(*stream_, q).ok()) << "no items: nothing to check";
-  q.num_items = 1;
-  q.num_slots = 1;
-  q.items = reinterpret_cast<const HeadSlot*>(ints_.data());
-  q.k_cache = q.v_cache = buf_.data();
-  q.k_int8 = q.v_int8 = bytes_.data();
-  q.k_scale = buf_.data();
-  ExpectInvalid(backend_->QuantizeSlots(*stream_, q), "QuantizeSlots: v_scale must not be null");
-  q.page_size = 0;
-  ExpectInvalid(backend_->QuantizeSlots(*stream_, q), "QuantizeSlots: page_size = 0");
-
-  MoveHeadSlotsArgs m;
-  m.dtype = DType::kF32;
-  m.page_size = 4;
-  m.num_kv_heads = 2;
-  m.head_dim = 8;
-  m.num_items = 1;
-  m.num_slots = 2;
-  m.items = reinterpret_cast<const HeadSlotMove*>(ints_.data());
-  m.k_cache = buf_.data();
-  ExpectInvalid(backend_->MoveHeadSlots(*stream_, m), "MoveHeadSlots: v_cache must not be null");
-  m.v_cache = buf_.data();
-  m.k_int8 = bytes_.data();
-  ExpectInvalid(backend_->MoveHeadSlots(*stream_, m),
-                "MoveHeadSlots: k_int8, v_int8, k_scale, v_scale must be given together or not "
-                "at all (v_int8 is null)");
-  m.num_items = -1;
-  m.k_int8 = nullptr;
-  ExpectInvalid(backend_->MoveHeadSlots(*stream_, m), "MoveHeadSlots: num_items = -1");
-}
+// Backend dispatch (enqueue-time validation: ops_validation_test.cc).
 
 // Both ops run through every CPU-based backend (the chaos backend forwards them too).
-TEST_F(PolicyOpsValidationTest, QuantizeThenMoveRunOnStreams) {
+TEST(PolicyOpsBackendTest, QuantizeThenMoveRunOnStreams) {
   std::vector<std::unique_ptr<Backend>> backends;
   backends.push_back(std::move(CreateBackend(DeviceKind::kCpu)).value());
   backends.push_back(testing::NewChaosBackend(testing::ChaosOptions{}));
@@ -856,37 +509,13 @@ TEST_F(PolicyOpsValidationTest, QuantizeThenMoveRunOnStreams) {
     std::vector<float> k = {1, -4, 2, 8, 0, 0, 0, 0}, v = {0.5f, 1, 1, -1, 0, 0, 0, 0};
     std::vector<int8_t> k8(8), v8(8);
     std::vector<float> ks(4), vs(4);
+    const KvShape shape{.dtype = DType::kF32, .num_kv_heads = H, .head_dim = d, .page_size = p};
+    const PagedKv kv = Int8WorkingSet(k.data(), v.data(), slots, k8, v8, ks, vs);
     const HeadSlot item{0, 0};
-    QuantizeSlotsArgs q;
-    q.dtype = DType::kF32;
-    q.page_size = p;
-    q.num_kv_heads = H;
-    q.head_dim = d;
-    q.items = &item;
-    q.num_items = 1;
-    q.k_cache = k.data();
-    q.v_cache = v.data();
-    q.k_int8 = k8.data();
-    q.v_int8 = v8.data();
-    q.k_scale = ks.data();
-    q.v_scale = vs.data();
-    q.num_slots = slots;
+    const QuantizeSlotsArgs q{.shape = shape, .kv = kv, .items = &item, .num_items = 1};
     ASSERT_TRUE(backend->QuantizeSlots(*stream, q).ok());
     const HeadSlotMove move{0, 0, 1};
-    MoveHeadSlotsArgs m;
-    m.dtype = DType::kF32;
-    m.page_size = p;
-    m.num_kv_heads = H;
-    m.head_dim = d;
-    m.items = &move;
-    m.num_items = 1;
-    m.k_cache = k.data();
-    m.v_cache = v.data();
-    m.k_int8 = k8.data();
-    m.v_int8 = v8.data();
-    m.k_scale = ks.data();
-    m.v_scale = vs.data();
-    m.num_slots = slots;
+    const MoveHeadSlotsArgs m{.shape = shape, .kv = kv, .items = &move, .num_items = 1};
     ASSERT_TRUE(backend->MoveHeadSlots(*stream, m).ok());
     ASSERT_TRUE(stream->Synchronize().ok());
     EXPECT_EQ(k, (std::vector<float>{1, -4, 2, 8, 1, -4, 2, 8}));

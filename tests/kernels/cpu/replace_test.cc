@@ -12,12 +12,15 @@
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/registry.h"
 #include "kvtier/layout.h"
+#include "tests/kernels/cpu/cpu_op_test_util.h"
 #include "tests/testutil/random_fill.h"
 
 namespace kvtier {
 namespace {
 
 using ::testing::ElementsAre;
+using testing::ScoreArgs;
+using testing::SelectArgs;
 using testing::TypedBuffer;
 
 // One sequence, Hkv heads, S = 8 slots with the selected region [2, 6).
@@ -37,12 +40,11 @@ struct Fixture {
   ReplaceArgs Args(const uint8_t* mask = nullptr) {
     ReplaceArgs a;
     a.batch = 1;
-    a.num_kv_heads = Hkv;
-    a.num_slots = 8;
+    a.shape.num_kv_heads = Hkv;
+    a.kv = {.num_slots = 8, .slot_table = table.data()};
     a.region_begin = 2;
     a.k = 4;
     a.selected = selected.data();
-    a.slot_table = table.data();
     a.host_page_of = host_page_of.data();
     a.max_pages = 20;
     a.head_mask = mask;
@@ -127,17 +129,9 @@ TEST(HeadMaskTest, ScoreAndTopKTouchOnlyMaskedHeads) {
   const int32_t n = P;
   const std::vector<uint8_t> mask = {0, 1};
   std::vector<float> pooled(Hkv * P, 123.0f);
-  ScorePagesArgs s;
-  s.dtype = DType::kF32;
-  s.batch = 1;
-  s.num_q_heads = Hkv * G;
-  s.num_kv_heads = Hkv;
-  s.head_dim = d;
-  s.max_pages = P;
-  s.q = q.data();
-  s.summaries = sums.data();
-  s.num_pages = &n;
-  s.pooled = pooled.data();
+  ScorePagesArgs s =
+      ScoreArgs({.dtype = DType::kF32, .num_q_heads = Hkv * G, .num_kv_heads = Hkv, .head_dim = d},
+                1, P, q.data(), sums.data(), &n, pooled.data());
   s.head_mask = mask.data();
   ASSERT_TRUE(CpuScorePages(s, nullptr).ok());
   for (int32_t p = 0; p < P; ++p) {
@@ -145,14 +139,7 @@ TEST(HeadMaskTest, ScoreAndTopKTouchOnlyMaskedHeads) {
     EXPECT_NE(pooled[static_cast<size_t>(P + p)], 123.0f);
   }
   std::vector<int32_t> sel(Hkv * k, 55);
-  TopKArgs t;
-  t.batch = 1;
-  t.num_kv_heads = Hkv;
-  t.max_pages = P;
-  t.k = k;
-  t.pooled = pooled.data();
-  t.num_pages = &n;
-  t.selected = sel.data();
+  TopKArgs t = SelectArgs(Hkv, 1, P, k, pooled.data(), &n, sel.data());
   t.head_mask = mask.data();
   ASSERT_TRUE(CpuTopK(t, nullptr).ok());
   EXPECT_THAT(std::vector<int32_t>(sel.begin(), sel.begin() + k), ElementsAre(55, 55));
@@ -165,6 +152,7 @@ TEST(HeadMaskTest, ScoreAndTopKTouchOnlyMaskedHeads) {
 TEST(SelectionPipelineTest, WorkingSetFollowsTheSelectionWithChurnOnlyTraffic) {
   const int32_t Hkv = 2, G = 4, Hq = Hkv * G, d = 64, p = 16, P = 40, k = 6, sink = 2, recent = 3;
   const int32_t S = sink + k + recent, region = sink;
+  const KvShape shape{DType::kF16, Hq, Hkv, d, p};
   auto backend = std::move(CreateBackend(DeviceKind::kCpu, {.cpu_threads = 2})).value();
   auto stream = std::move(backend->CreateStream()).value();
   // Host tier: P pages (host page of logical page i = P - 1 - i, to catch mix-ups).
@@ -188,54 +176,32 @@ TEST(SelectionPipelineTest, WorkingSetFollowsTheSelectionWithChurnOnlyTraffic) {
   for (int32_t step = 0; step < 30; ++step) {
     for (auto& x : qf) x = 0.8f * x + 0.6f * normal(rng);  // AR(1): the selection drifts
     for (int32_t i = 0; i < Hq * d; ++i) q.Set(i, qf[static_cast<size_t>(i)]);
-    ScorePagesArgs s;
-    s.batch = 1;
-    s.num_q_heads = Hq;
-    s.num_kv_heads = Hkv;
-    s.head_dim = d;
-    s.max_pages = P;
-    s.q = q.data();
-    s.summaries = sums.data();
-    s.num_pages = &num_pages;
+    ScorePagesArgs s = ScoreArgs(shape, 1, P, q.data(), sums.data(), &num_pages, pooled.data());
     s.softmax_scale = 0.125f;
-    s.pooled = pooled.data();
     ASSERT_TRUE(backend->ScorePages(*stream, s).ok());
-    TopKArgs t;
-    t.batch = 1;
-    t.num_kv_heads = Hkv;
-    t.max_pages = P;
-    t.k = k;
-    t.pooled = pooled.data();
-    t.num_pages = &num_pages;
+    TopKArgs t = SelectArgs(Hkv, 1, P, k, pooled.data(), &num_pages, sel.data());
     t.sink_pages = sink;
     t.recent_pages = recent;
-    t.selected = sel.data();
     ASSERT_TRUE(backend->TopK(*stream, t).ok());
     ReplaceArgs r;
+    r.shape = shape;
     r.batch = 1;
-    r.num_kv_heads = Hkv;
-    r.num_slots = S;
+    r.kv = {.num_slots = S, .slot_table = table.data()};
     r.region_begin = region;
     r.k = k;
     r.selected = sel.data();
-    r.slot_table = table.data();
     r.host_page_of = host_page_of.data();
     r.max_pages = P;
     r.items = items.data();
     r.num_misses = misses.data();
     ASSERT_TRUE(backend->Replace(*stream, r).ok());
     RecallArgs ra;
-    ra.dtype = DType::kF16;
-    ra.page_size = p;
-    ra.num_kv_heads = Hkv;
-    ra.head_dim = d;
+    ra.shape = shape;
     ra.host_pages = host.data();
     ra.num_host_pages = P;
     ra.items = items.data();
     ra.num_items = Hkv * k;
-    ra.k_cache = wk.data();
-    ra.v_cache = wv.data();
-    ra.num_slots = S;
+    ra.kv = {.k_cache = wk.data(), .v_cache = wv.data(), .num_slots = S};
     ASSERT_TRUE(backend->Recall(*stream, ra).ok());
     ASSERT_TRUE(stream->Synchronize().ok());
     for (int32_t h = 0; h < Hkv; ++h) {

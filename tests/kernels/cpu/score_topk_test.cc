@@ -11,11 +11,14 @@
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kvtier/layout.h"
+#include "tests/kernels/cpu/cpu_op_test_util.h"
 #include "tests/testutil/random_fill.h"
 
 namespace kvtier {
 namespace {
 
+using testing::ScoreArgs;
+using testing::SelectArgs;
 using testing::TypedBuffer;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -37,20 +40,12 @@ TEST_P(ScorePagesTest, MatchesBruteForceForEveryHeadAndPoolMode) {
   ThreadPool pool(3);
   for (PoolMode mode : {PoolMode::kSoftmaxMean, PoolMode::kRawMean}) {
     std::vector<float> scores(static_cast<size_t>(B * Hq * P)), pooled(static_cast<size_t>(B * Hkv * P));
-    ScorePagesArgs a;
-    a.dtype = dtype;
-    a.batch = B;
-    a.num_q_heads = Hq;
-    a.num_kv_heads = Hkv;
-    a.head_dim = d;
-    a.max_pages = P;
-    a.q = q.data();
-    a.summaries = sums.data();
-    a.num_pages = num_pages.data();
+    ScorePagesArgs a =
+        ScoreArgs({.dtype = dtype, .num_q_heads = Hq, .num_kv_heads = Hkv, .head_dim = d}, B, P,
+                  q.data(), sums.data(), num_pages.data(), pooled.data());
     a.softmax_scale = scale;
     a.pool = mode;
     a.scores = scores.data();
-    a.pooled = pooled.data();
     ASSERT_TRUE(CpuScorePages(a, &pool).ok());
     for (int32_t b = 0; b < B; ++b) {
       const int32_t n = num_pages[static_cast<size_t>(b)];
@@ -114,10 +109,7 @@ TEST(ScorePagesTest, MinMaxSummariesGiveAnUpperBoundOnEveryKeyScore) {
   std::vector<OffloadItem> items;
   for (int32_t i = 0; i < P; ++i) items.push_back({i, i, i});
   OffloadArgs o;
-  o.dtype = DType::kF16;
-  o.page_size = p;
-  o.num_kv_heads = Hkv;
-  o.head_dim = d;
+  o.shape = {.dtype = DType::kF16, .num_kv_heads = Hkv, .head_dim = d, .page_size = p};
   o.k_src = k.data();
   o.v_src = v.data();
   o.num_src_slots = P;
@@ -132,18 +124,10 @@ TEST(ScorePagesTest, MinMaxSummariesGiveAnUpperBoundOnEveryKeyScore) {
   q.FillNormal(5);
   std::vector<float> scores(static_cast<size_t>(Hkv * P)), pooled(static_cast<size_t>(Hkv * P));
   const int32_t n = P;
-  ScorePagesArgs a;
-  a.dtype = DType::kF16;
-  a.batch = 1;
-  a.num_q_heads = Hkv;
-  a.num_kv_heads = Hkv;
-  a.head_dim = d;
-  a.max_pages = P;
-  a.q = q.data();
-  a.summaries = sums.data();
-  a.num_pages = &n;
+  ScorePagesArgs a =
+      ScoreArgs({.dtype = DType::kF16, .num_q_heads = Hkv, .num_kv_heads = Hkv, .head_dim = d}, 1,
+                P, q.data(), sums.data(), &n, pooled.data());
   a.scores = scores.data();
-  a.pooled = pooled.data();
   ASSERT_TRUE(CpuScorePages(a, nullptr).ok());
   const WorkingSetLayout wl{P, p, Hkv, d};
   for (int32_t h = 0; h < Hkv; ++h) {
@@ -160,15 +144,7 @@ TEST(ScorePagesTest, MinMaxSummariesGiveAnUpperBoundOnEveryKeyScore) {
 TopKArgs MakeTopK(const std::vector<float>& pooled, const std::vector<int32_t>& n, int32_t Hkv,
                   int32_t P, int32_t k, std::vector<int32_t>& out) {
   out.assign(n.size() * static_cast<size_t>(Hkv * k), 99);
-  TopKArgs a;
-  a.batch = static_cast<int32_t>(n.size());
-  a.num_kv_heads = Hkv;
-  a.max_pages = P;
-  a.k = k;
-  a.pooled = pooled.data();
-  a.num_pages = n.data();
-  a.selected = out.data();
-  return a;
+  return SelectArgs(Hkv, static_cast<int32_t>(n.size()), P, k, pooled.data(), n.data(), out.data());
 }
 
 TEST(TopKTest, TiesGoToTheLowerPageAndNaNRanksLast) {

@@ -23,38 +23,33 @@ namespace {
 using ::testing::HasSubstr;
 using testing::TypedBuffer;
 
-struct SlabCase {
-  DType dtype;
-  int32_t page_size;
-  int32_t head_dim;
-  int32_t kv_heads;
-};
-
-std::string CaseName(const ::testing::TestParamInfo<SlabCase>& info) {
-  const SlabCase& c = info.param;
+std::string CaseName(const ::testing::TestParamInfo<KvShape>& info) {
+  const KvShape& c = info.param;
   return absl::StrFormat("%s_p%d_d%d_hkv%d", DTypeName(c.dtype), c.page_size, c.head_dim,
-                         c.kv_heads);
+                         c.num_kv_heads);
 }
 
-std::vector<SlabCase> AllCases() {
-  std::vector<SlabCase> cases;
+// The page shapes: dtype, KV heads, head dim, page size (query heads are not read).
+std::vector<KvShape> AllCases() {
+  std::vector<KvShape> cases;
   for (DType t : {DType::kF16, DType::kBF16, DType::kF32}) {
-    cases.push_back({t, 16, 64, 1});
-    cases.push_back({t, 32, 128, 4});
-    cases.push_back({t, 3, 5, 2});  // odd rows: no wide copy unit fits
+    cases.push_back({.dtype = t, .num_kv_heads = 1, .head_dim = 64, .page_size = 16});
+    cases.push_back({.dtype = t, .num_kv_heads = 4, .head_dim = 128, .page_size = 32});
+    // Odd rows: no wide copy unit fits.
+    cases.push_back({.dtype = t, .num_kv_heads = 2, .head_dim = 5, .page_size = 3});
   }
   return cases;
 }
 
-class SlabsTest : public ::testing::TestWithParam<SlabCase> {
+class SlabsTest : public ::testing::TestWithParam<KvShape> {
  protected:
   static constexpr int32_t kHostPages = 7;
   static constexpr int32_t kSlots = 5;  // B·S global slots
 
   SlabsTest()
       : c_(GetParam()),
-        hl_{c_.kv_heads, c_.page_size, c_.head_dim},
-        wl_{kSlots, c_.page_size, c_.kv_heads, c_.head_dim},
+        hl_{c_.num_kv_heads, c_.page_size, c_.head_dim},
+        wl_{kSlots, c_.page_size, c_.num_kv_heads, c_.head_dim},
         pages_(c_.dtype, kHostPages * hl_.page_elements()),
         k_(c_.dtype, kSlots * wl_.slot_elements()),
         v_(c_.dtype, kSlots * wl_.slot_elements()) {
@@ -76,7 +71,7 @@ class SlabsTest : public ::testing::TestWithParam<SlabCase> {
     std::mt19937_64 rng(seed);
     std::vector<RecallItem> items;
     for (int32_t s = 0; s < kSlots; ++s) {
-      for (int32_t h = 0; h < c_.kv_heads; ++h) {
+      for (int32_t h = 0; h < c_.num_kv_heads; ++h) {
         const int64_t page = static_cast<int64_t>(rng() % kHostPages);
         items.push_back(rng() % 4 == 0 ? RecallItem{kSkipItem, 1000, -7} : RecallItem{page, h, s});
       }
@@ -90,10 +85,7 @@ class SlabsTest : public ::testing::TestWithParam<SlabCase> {
 
   GatherSlabsArgs Gather(const RecallItem* items, int32_t n, void* staging) const {
     GatherSlabsArgs a;
-    a.dtype = c_.dtype;
-    a.page_size = c_.page_size;
-    a.num_kv_heads = c_.kv_heads;
-    a.head_dim = c_.head_dim;
+    a.shape = c_;
     a.host_pages = pages_.data();
     a.num_host_pages = kHostPages;
     a.items = items;
@@ -105,16 +97,11 @@ class SlabsTest : public ::testing::TestWithParam<SlabCase> {
   ScatterSlabsArgs Scatter(const RecallItem* items, int32_t n, const void* staging, TypedBuffer& k,
                            TypedBuffer& v) const {
     ScatterSlabsArgs a;
-    a.dtype = c_.dtype;
-    a.page_size = c_.page_size;
-    a.num_kv_heads = c_.kv_heads;
-    a.head_dim = c_.head_dim;
+    a.shape = c_;
     a.staging = staging;
     a.items = items;
     a.num_items = n;
-    a.k_cache = k.data();
-    a.v_cache = v.data();
-    a.num_slots = kSlots;
+    a.kv = {.k_cache = k.data(), .v_cache = v.data(), .num_slots = kSlots};
     return a;
   }
 
@@ -122,17 +109,12 @@ class SlabsTest : public ::testing::TestWithParam<SlabCase> {
   std::pair<TypedBuffer, TypedBuffer> Recalled() const {
     std::pair<TypedBuffer, TypedBuffer> kv(k_, v_);
     RecallArgs a;
-    a.dtype = c_.dtype;
-    a.page_size = c_.page_size;
-    a.num_kv_heads = c_.kv_heads;
-    a.head_dim = c_.head_dim;
+    a.shape = c_;
     a.host_pages = pages_.data();
     a.num_host_pages = kHostPages;
     a.items = items_.data();
     a.num_items = static_cast<int32_t>(items_.size());
-    a.k_cache = kv.first.data();
-    a.v_cache = kv.second.data();
-    a.num_slots = kSlots;
+    a.kv = {.k_cache = kv.first.data(), .v_cache = kv.second.data(), .num_slots = kSlots};
     EXPECT_TRUE(CpuRecall(a, nullptr).ok());
     return kv;
   }
@@ -174,7 +156,7 @@ class SlabsTest : public ::testing::TestWithParam<SlabCase> {
     return x.bytes() == y.bytes() && std::memcmp(x.data(), y.data(), x.bytes()) == 0;
   }
 
-  const SlabCase c_;
+  const KvShape c_;
   const HostPageLayout hl_;
   const WorkingSetLayout wl_;
   TypedBuffer pages_, k_, v_;
@@ -226,6 +208,8 @@ INSTANTIATE_TEST_SUITE_P(Sweep, SlabsTest, ::testing::ValuesIn(AllCases()), Case
 class SlabsErrorTest : public ::testing::Test {
  protected:
   static constexpr int32_t kP = 2, kHkv = 2, kD = 8, kPages = 2, kSlots = 3;
+  static constexpr KvShape kShape{
+      .dtype = DType::kF32, .num_kv_heads = kHkv, .head_dim = kD, .page_size = kP};
 
   void SetUp() override {
     backend_ = std::move(CreateBackend(DeviceKind::kCpu)).value();
@@ -234,10 +218,7 @@ class SlabsErrorTest : public ::testing::Test {
 
   GatherSlabsArgs Gather(const std::vector<RecallItem>& items) {
     GatherSlabsArgs a;
-    a.dtype = DType::kF32;
-    a.page_size = kP;
-    a.num_kv_heads = kHkv;
-    a.head_dim = kD;
+    a.shape = kShape;
     a.host_pages = pages_.data();
     a.num_host_pages = kPages;
     a.items = items.data();
@@ -248,16 +229,11 @@ class SlabsErrorTest : public ::testing::Test {
 
   ScatterSlabsArgs Scatter(const std::vector<RecallItem>& items) {
     ScatterSlabsArgs a;
-    a.dtype = DType::kF32;
-    a.page_size = kP;
-    a.num_kv_heads = kHkv;
-    a.head_dim = kD;
+    a.shape = kShape;
     a.staging = staging_.data();
     a.items = items.data();
     a.num_items = static_cast<int32_t>(items.size());
-    a.k_cache = k_.data();
-    a.v_cache = v_.data();
-    a.num_slots = kSlots;
+    a.kv = {.k_cache = k_.data(), .v_cache = v_.data(), .num_slots = kSlots};
     return a;
   }
 
@@ -321,21 +297,21 @@ TEST_F(SlabsErrorTest, ShapesAreRefusedWhenEnqueued) {
   EXPECT_THAT(std::string(backend_->GatherSlabs(*stream_, g).message()),
               HasSubstr("GatherSlabs: num_host_pages = 0 must be in [1, "));
   g = Gather(items);
-  g.page_size = 0;
+  g.shape.page_size = 0;
   EXPECT_EQ(backend_->GatherSlabs(*stream_, g).code(), absl::StatusCode::kInvalidArgument);
   ScatterSlabsArgs s = Scatter(items);
-  s.num_slots = 0;
+  s.kv.num_slots = 0;
   EXPECT_THAT(std::string(backend_->ScatterSlabs(*stream_, s).message()),
-              HasSubstr("ScatterSlabs: num_slots = 0 must be in [1, "));
+              HasSubstr("ScatterSlabs: kv.num_slots = 0 must be in [1, "));
   s = Scatter(items);
-  s.v_cache = nullptr;
+  s.kv.v_cache = nullptr;
   EXPECT_EQ(backend_->ScatterSlabs(*stream_, s).code(), absl::StatusCode::kInvalidArgument);
   // No items: nothing to run, so no pointer is required.
   g = GatherSlabsArgs();
-  g.page_size = g.num_kv_heads = g.head_dim = 1;
+  g.shape.page_size = g.shape.num_kv_heads = g.shape.head_dim = 1;
   EXPECT_TRUE(backend_->GatherSlabs(*stream_, g).ok());
   s = ScatterSlabsArgs();
-  s.page_size = s.num_kv_heads = s.head_dim = 1;
+  s.shape.page_size = s.shape.num_kv_heads = s.shape.head_dim = 1;
   EXPECT_TRUE(backend_->ScatterSlabs(*stream_, s).ok());
   EXPECT_TRUE(stream_->Synchronize().ok());
 }

@@ -174,22 +174,5 @@ TEST_F(CudaBackendTest, RejectsStreamsAndEventsOfOtherBackends) {
             absl::StatusCode::kInvalidArgument);
 }
 
-TEST_F(CudaBackendTest, ArithmeticOpsAreUnimplementedForNow) {
-  absl::StatusOr<DeviceBuffer> scratch = backend_->Allocate(1 << 16);
-  ASSERT_TRUE(scratch.ok());
-  ScorePagesArgs a;
-  a.batch = 1;
-  a.num_q_heads = 1;
-  a.num_kv_heads = 1;
-  a.head_dim = 8;
-  a.max_pages = 1;
-  a.q = a.summaries = scratch->data();
-  a.num_pages = scratch->as<int32_t>();
-  a.pooled = scratch->as<float>();
-  const absl::Status st = backend_->ScorePages(*stream_, a);
-  EXPECT_EQ(st.code(), absl::StatusCode::kUnimplemented) << st;
-  EXPECT_TRUE(absl::StrContains(st.message(), "ScorePages")) << st;
-}
-
 }  // namespace
 }  // namespace kvtier

@@ -1,0 +1,435 @@
+// The selection ops against the CPU reference: page scores and their pooling, top-k (alone
+// and on the scores each backend computed), query cosines and drift flags, and page-cache
+// replacement.
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_format.h"
+#include "core/status.h"
+#include "gtest/gtest.h"
+#include "kvtier/layout.h"
+#include "tests/kernels/op_cases.h"
+#include "tests/kernels/op_cases_internal.h"
+
+namespace kvtier::testing::op_cases_internal {
+namespace {
+
+// ---- Comparisons of selections ----
+
+// Items compared as the op defines them: the same host page, and for a real (non-skip)
+// item the same head and destination slot.
+void ExpectSameItems(const OpResult& want, const OpResult& got, int i) {
+  const std::vector<RecallItem> w = want.Get<RecallItem>(i), g = got.Get<RecallItem>(i);
+  ASSERT_EQ(w.size(), g.size());
+  int64_t bad = 0;
+  for (size_t j = 0; j < w.size(); ++j) {
+    const bool same = w[j].host_page == g[j].host_page &&
+                      (w[j].host_page == kSkipItem ||
+                       (w[j].kv_head == g[j].kv_head && w[j].dst_slot == g[j].dst_slot));
+    if (!same && bad++ < 5) {
+      ADD_FAILURE() << "items[" << j << "]: want {" << w[j].host_page << ", " << w[j].kv_head
+                    << ", " << w[j].dst_slot << "} got {" << g[j].host_page << ", " << g[j].kv_head
+                    << ", " << g[j].dst_slot << "}";
+    }
+  }
+  EXPECT_EQ(bad, 0) << "items mismatches";
+}
+
+// Top-k selections [heads][k] made from scores each backend computed itself: equal, except
+// that where the two picks at a rank differ both must be pages whose reference scores
+// `pooled` ([heads][P]) tie within 1e-5 + 1e-4·|score|.
+void ExpectSameSelection(const OpResult& want, const OpResult& got, int isel, int ipooled,
+                         int32_t k, int32_t P) {
+  const std::vector<int32_t> w = want.Get<int32_t>(isel), g = got.Get<int32_t>(isel);
+  const std::vector<float> score = want.Get<float>(ipooled);
+  ASSERT_EQ(w.size(), g.size());
+  for (size_t j = 0; j < w.size(); ++j) {
+    if (w[j] == g[j]) continue;
+    const auto head = static_cast<int64_t>(j) / k;
+    ASSERT_TRUE(w[j] >= 0 && g[j] >= 0 && g[j] < P)
+        << "selected[" << j << "]: want " << w[j] << " got " << g[j];
+    const float sw = score[static_cast<size_t>(head * P + w[j])];
+    const float sg = score[static_cast<size_t>(head * P + g[j])];
+    EXPECT_LE(std::fabs(double{sw} - sg), 1e-5 + 1e-4 * std::fabs(double{sw}))
+        << "selected[" << j << "]: want page " << w[j] << " (score " << sw << ") got page " << g[j]
+        << " (score " << sg << ")";
+  }
+}
+
+// ---- ScorePages, QueryCosine ----
+
+// Scores over P = 24 pages of full, empty and partly filled sequences; pooled (and raw
+// scores when asked for) start as a sentinel, which masked-off heads must keep.
+struct ScoreVariant {
+  const char* name;
+  PoolMode pool;
+  bool mask;
+  bool with_scores;
+};
+constexpr int32_t kScorePages = 24;
+
+// The inputs of a ScorePages call; `Op` returns its arguments over the placed buffers.
+struct ScoreInputs {
+  HeadShape c;
+  int iq, isum, inp, imask, iscores, ipooled;
+
+  ScoreInputs(const HeadShape& shape, uint32_t seed, OpBuffers& in, bool mask, bool scores)
+      : c(shape) {
+    const int32_t B = c.batch, Hq = QueryHeads(c), d = c.head_dim, P = kScorePages;
+    TypedBuffer q(c.dtype, int64_t{B} * Hq * d);
+    TypedBuffer summaries(c.dtype, int64_t{B} * P * SummaryLayout{kHkv, d}.page_elements());
+    q.FillNormal(seed + 1);
+    summaries.FillNormal(seed + 2);
+    std::vector<uint8_t> head_mask(static_cast<size_t>(B) * kHkv);
+    for (size_t i = 0; i < head_mask.size(); ++i) head_mask[i] = i % 3 == 1 ? 0 : 1;
+    iq = in.Add(q);
+    isum = in.Add(summaries);
+    inp = in.Add(B == 1 ? std::vector<int32_t>{19} : std::vector<int32_t>{P, 0, 7});
+    imask = mask ? in.Add(head_mask) : -1;
+    iscores = scores ? in.Add(std::vector<float>(static_cast<size_t>(B) * Hq * P, 7.0f)) : -1;
+    ipooled = in.Add(std::vector<float>(static_cast<size_t>(B) * kHkv * P, 7.0f));
+  }
+
+  ScorePagesArgs Args(const OpPtrs& p, PoolMode pool) const {
+    ScorePagesArgs a;
+    a.shape = ShapeOf(c);
+    a.batch = c.batch;
+    a.max_pages = kScorePages;
+    a.q = p.get(iq);
+    a.summaries = p.get(isum);
+    a.num_pages = p.get<int32_t>(inp);
+    a.softmax_scale = ScaleOf(c.head_dim);
+    a.pool = pool;
+    a.scores = p.get<float>(iscores);
+    a.pooled = p.get<float>(ipooled);
+    a.head_mask = p.get<uint8_t>(imask);
+    return a;
+  }
+};
+
+OpRun ScorePagesRun(const HeadShape& c, const ScoreVariant& v, uint32_t seed) {
+  OpRun r;
+  const ScoreInputs s(c, seed, r.in, v.mask, v.with_scores);
+  r.op = [s, pool = v.pool](Backend& be, Stream& st, const OpPtrs& p) {
+    return be.ScorePages(st, s.Args(p, pool));
+  };
+  r.check = [s](const OpBuffers&, const OpResult& want, const OpResult& got) {
+    ExpectFloatBufNear(want, got, s.ipooled, 1e-4, 1e-5, "pooled");
+    if (s.iscores >= 0) ExpectFloatBufNear(want, got, s.iscores, 1e-4, 1e-5, "scores");
+  };
+  return r;
+}
+
+// ScorePages then TopK on one stream, as the Retriever selects: each backend selects from
+// the scores it computed, so near-ties may go either way (ExpectSameSelection).
+OpRun ScoreTopKRun(const HeadShape& c, uint32_t seed) {
+  constexpr int32_t kK = 6;
+  OpRun r;
+  const ScoreInputs s(c, seed, r.in, /*mask=*/false, /*scores=*/false);
+  const int isel = r.in.Add(std::vector<int32_t>(static_cast<size_t>(c.batch) * kHkv * kK, -7));
+  r.op = [s, isel](Backend& be, Stream& st, const OpPtrs& p) {
+    KVTIER_RETURN_IF_ERROR(be.ScorePages(st, s.Args(p, PoolMode::kSoftmaxMean)));
+    TopKArgs a;
+    a.shape = ShapeOf(s.c);
+    a.batch = s.c.batch;
+    a.max_pages = kScorePages;
+    a.k = kK;
+    a.pooled = p.get<float>(s.ipooled);
+    a.num_pages = p.get<int32_t>(s.inp);
+    a.sink_pages = 1;
+    a.recent_pages = 2;
+    a.selected = p.get<int32_t>(isel);
+    return be.TopK(st, a);
+  };
+  r.check = [s, isel](const OpBuffers&, const OpResult& want, const OpResult& got) {
+    ExpectFloatBufNear(want, got, s.ipooled, 1e-4, 1e-5, "pooled");
+    ExpectSameSelection(want, got, isel, s.ipooled, kK, kScorePages);
+  };
+  return r;
+}
+
+// q_prev = q + noise·σ with σ per head from near-identical (no drift) to unrelated; a
+// missing previous query (zero vector) for the last KV head of the last sequence and a zero
+// current query for query head 0 of sequence 0.
+OpRun QueryCosineRun(const HeadShape& c, bool optional, uint32_t seed) {
+  const int32_t B = c.batch, Hq = QueryHeads(c), d = c.head_dim;
+  const HeadsLayout ql{Hq, d};
+  std::mt19937 rng(seed);
+  TypedBuffer q(c.dtype, int64_t{B} * Hq * d), noise(c.dtype, q.size()), q_prev(c.dtype, q.size());
+  q.FillNormal(seed + 1);
+  noise.FillNormal(seed + 2);
+  for (int32_t b = 0; b < B; ++b) {
+    for (int32_t hq = 0; hq < Hq; ++hq) {
+      const float sigma = std::array<float, 4>{0.05f, 0.3f, 0.6f, 3.0f}[Uniform(rng, 0, 3)];
+      for (int32_t i = 0; i < d; ++i) {
+        const int64_t o = ql.Offset(b, hq, i);
+        q_prev.Set(o, q.Get(o) + sigma * noise.Get(o));
+      }
+    }
+  }
+  for (int32_t hq = (kHkv - 1) * c.group; hq < Hq; ++hq) {
+    for (int32_t i = 0; i < d; ++i) q_prev.Set(ql.Offset(B - 1, hq, i), 0.0f);
+  }
+  for (int32_t i = 0; i < d; ++i) q.Set(ql.Offset(0, 0, i), 0.0f);
+  constexpr float kThreshold = 0.9f;
+  OpRun r;
+  const int iq = r.in.Add(q), iqp = r.in.Add(q_prev);
+  const int icos = optional ? r.in.Add(std::vector<float>(static_cast<size_t>(B) * Hq, 7.0f)) : -1;
+  const int imean = r.in.Add(std::vector<float>(static_cast<size_t>(B) * kHkv, 7.0f));
+  const int idrift =
+      optional ? r.in.Add(std::vector<uint8_t>(static_cast<size_t>(B) * kHkv, 7)) : -1;
+  r.op = [=](Backend& be, Stream& s, const OpPtrs& p) {
+    QueryCosineArgs a;
+    a.shape = ShapeOf(c);
+    a.batch = B;
+    a.q = p.get(iq);
+    a.q_prev = p.get(iqp);
+    a.threshold = kThreshold;
+    a.cosine = p.get<float>(icos);
+    a.group_mean = p.get<float>(imean);
+    a.drifted = p.get<uint8_t>(idrift);
+    return be.QueryCosine(s, a);
+  };
+  r.check = [=](const OpBuffers&, const OpResult& want, const OpResult& got) {
+    const std::vector<float> want_mean = want.Get<float>(imean);
+    ExpectFloatsNear(want_mean, got.Get<float>(imean), 0.0, 1e-5, "group_mean");
+    // The zero vectors: cosine 0, so those groups drift.
+    EXPECT_EQ(got.Get<float>(imean)[static_cast<size_t>(B * kHkv - 1)], 0.0f);
+    if (!optional) return;
+    ExpectFloatBufNear(want, got, icos, 0.0, 1e-5, "cosine");
+    const std::vector<uint8_t> w = want.Get<uint8_t>(idrift), g = got.Get<uint8_t>(idrift);
+    for (size_t i = 0; i < w.size(); ++i) {
+      // A mean within float noise of τ may fall either way.
+      if (std::fabs(want_mean[i] - kThreshold) < 1e-5f) continue;
+      EXPECT_EQ(g[i], w[i]) << "drifted[" << i << "], group mean " << want_mean[i];
+    }
+    EXPECT_EQ(g.back(), 1);
+  };
+  return r;
+}
+
+// ---- TopK ----
+
+struct TopKShape {
+  int32_t batch, kv_heads, max_pages, k;
+};
+struct TopKVariant {
+  const char* name;
+  bool mask, budgets, flags;
+  int32_t sink, recent;
+};
+
+// Scores with many ties (a few distinct values), NaN and ±inf; a full sequence, a random
+// one and one with fewer candidates than k; per-head budgets; pinned, excluded, both bits
+// (excluded wins) and unknown bits (normal).
+OpRun TopKRun(const TopKShape& c, const TopKVariant& v, uint32_t seed) {
+  const int32_t B = c.batch, H = c.kv_heads, P = c.max_pages;
+  std::mt19937 rng(seed);
+  std::vector<float> pooled(static_cast<size_t>(B) * H * P);
+  for (float& x : pooled) {
+    const int32_t r = Uniform(rng, 0, 99);
+    x = r < 5   ? kNaN
+        : r < 7 ? -kInf
+        : r < 8 ? kInf
+                : static_cast<float>(Uniform(rng, -3, 4)) * 0.5f;
+  }
+  std::vector<int32_t> num_pages;
+  for (int32_t b = 0; b < B; ++b) {
+    num_pages.push_back(b == 0 ? P : b == 1 ? Uniform(rng, 0, P) : std::min(P, c.k / 2 + 3));
+  }
+  std::vector<uint8_t> head_mask(static_cast<size_t>(B) * H);
+  for (size_t i = 0; i < head_mask.size(); ++i) head_mask[i] = i % 3 == 2 ? 0 : 1;
+  std::vector<int32_t> head_k(static_cast<size_t>(B) * H);
+  for (int32_t& x : head_k) x = Uniform(rng, 0, c.k);
+  head_k[0] = c.k;
+  std::vector<uint8_t> page_flags(pooled.size());
+  for (uint8_t& f : page_flags) {
+    const int32_t r = Uniform(rng, 0, 99);
+    f = r < 10   ? kPagePinned
+        : r < 20 ? kPageExcluded
+        : r < 23 ? (kPagePinned | kPageExcluded)
+        : r < 26 ? 4
+                 : kPageNormal;
+  }
+  OpRun r;
+  const int ipooled = r.in.Add(pooled), inp = r.in.Add(num_pages);
+  const int isel = r.in.Add(std::vector<int32_t>(static_cast<size_t>(B) * H * c.k, -7));
+  const int imask = v.mask ? r.in.Add(head_mask) : -1;
+  const int ihk = v.budgets ? r.in.Add(head_k) : -1;
+  const int iflags = v.flags ? r.in.Add(page_flags) : -1;
+  r.op = [=](Backend& be, Stream& s, const OpPtrs& p) {
+    TopKArgs a;
+    a.shape.num_kv_heads = H;
+    a.batch = B;
+    a.max_pages = P;
+    a.k = c.k;
+    a.pooled = p.get<float>(ipooled);
+    a.num_pages = p.get<int32_t>(inp);
+    a.sink_pages = v.sink;
+    a.recent_pages = v.recent;
+    a.selected = p.get<int32_t>(isel);
+    a.head_mask = p.get<uint8_t>(imask);
+    a.head_k = p.get<int32_t>(ihk);
+    a.page_flags = p.get<uint8_t>(iflags);
+    return be.TopK(s, a);
+  };
+  r.check = [isel](const OpBuffers&, const OpResult& want, const OpResult& got) {
+    ExpectSameBytes(want, got, isel, sizeof(int32_t), "selected");
+  };
+  return r;
+}
+
+void AddTopKCases(std::vector<OpCase>& cases) {
+  for (const TopKShape& c :
+       {TopKShape{1, 1, 16, 4}, TopKShape{3, 2, 64, 8}, TopKShape{2, 4, 300, 32},
+        TopKShape{3, 8, 1000, 64}, TopKShape{1, 2, 40, 40}, TopKShape{2, 4, 4096, 128}}) {
+    for (const TopKVariant& v : {TopKVariant{"plain", false, false, false, 0, 0},
+                                 TopKVariant{"sink_recent", false, false, false, 2, 3},
+                                 TopKVariant{"head_mask", true, false, false, 1, 0},
+                                 TopKVariant{"head_k", false, true, false, 0, 1},
+                                 TopKVariant{"page_flags", false, false, true, 0, 0},
+                                 TopKVariant{"all", true, true, true, 2, 2}}) {
+      Add(cases,
+          absl::StrFormat("TopK_b%d_hkv%d_p%d_k%d_%s", c.batch, c.kv_heads, c.max_pages, c.k,
+                          v.name),
+          [c, v](uint32_t seed) { return TopKRun(c, v, seed); });
+    }
+  }
+}
+
+// ---- Replace ----
+
+struct ReplaceShape {
+  int32_t batch, kv_heads, num_slots, region_begin, k, max_pages;
+};
+
+// Regions of distinct pages with a fifth of the slots empty (anything outside them, which
+// must stay untouched); selections of up to k distinct pages, about half of them resident
+// (hits), best first; every selected page with a host page and some others without one.
+OpRun ReplaceRun(const ReplaceShape& c, bool mask, bool misses, uint32_t seed) {
+  const int32_t B = c.batch, H = c.kv_heads, S = c.num_slots, K = c.k, P = c.max_pages;
+  const SlotTableLayout tl{H, S};
+  std::mt19937 rng(seed);
+  std::vector<int32_t> slot_table(static_cast<size_t>(B) * H * S);
+  std::vector<int32_t> selected(static_cast<size_t>(B) * H * K);
+  std::vector<int64_t> host_page_of(static_cast<size_t>(B) * P, -1);
+  for (int32_t b = 0; b < B; ++b) {
+    std::vector<bool> wanted(static_cast<size_t>(P), false);
+    for (int32_t h = 0; h < H; ++h) {
+      std::vector<int32_t> pages = Iota(P);
+      std::shuffle(pages.begin(), pages.end(), rng);
+      std::vector<int32_t> resident;
+      for (int32_t s = 0; s < S; ++s) {
+        int32_t& e = slot_table[tl.Offset(b, h, s)];
+        if (s < c.region_begin || s >= c.region_begin + K) {
+          e = Uniform(rng, -1, 3 * P);
+        } else if (Chance(rng, 0.2)) {
+          e = kEmptySlot;
+        } else {
+          e = pages[static_cast<size_t>(s - c.region_begin)];
+          resident.push_back(e);
+        }
+      }
+      const int32_t m = h == 0 && b == 0 ? K : Uniform(rng, 0, K);
+      std::vector<int32_t> sel;
+      std::shuffle(resident.begin(), resident.end(), rng);
+      for (int32_t page : resident) {
+        if (static_cast<int32_t>(sel.size()) < m && Chance(rng, 0.5)) sel.push_back(page);
+      }
+      for (size_t j = static_cast<size_t>(K);
+           j < pages.size() && static_cast<int32_t>(sel.size()) < m; ++j) {
+        sel.push_back(pages[j]);  // not in the region: a miss
+      }
+      std::shuffle(sel.begin(), sel.end(), rng);
+      for (int32_t i = 0; i < K; ++i) {
+        const int32_t page =
+            i < static_cast<int32_t>(sel.size()) ? sel[static_cast<size_t>(i)] : kEmptySlot;
+        selected[static_cast<size_t>((int64_t{b} * H + h) * K + i)] = page;
+        if (page >= 0) wanted[static_cast<size_t>(page)] = true;
+      }
+    }
+    for (int32_t page = 0; page < P; ++page) {
+      if (wanted[static_cast<size_t>(page)] || Chance(rng, 0.5)) {
+        host_page_of[static_cast<size_t>(int64_t{b} * P + page)] = Uniform(rng, 0, 100000);
+      }
+    }
+  }
+  std::vector<uint8_t> head_mask(static_cast<size_t>(B) * H);
+  for (size_t i = 0; i < head_mask.size(); ++i) head_mask[i] = i % 3 == 1 ? 0 : 1;
+  OpRun r;
+  const int isel = r.in.Add(selected), itab = r.in.Add(slot_table);
+  const int ihp = r.in.Add(host_page_of);
+  const int iitems =
+      r.in.Add(std::vector<RecallItem>(static_cast<size_t>(B) * H * K, RecallItem{-9, -9, -9}));
+  const int imask = mask ? r.in.Add(head_mask) : -1;
+  const int imiss = misses ? r.in.Add(std::vector<int32_t>(static_cast<size_t>(B) * H, -5)) : -1;
+  r.op = [=](Backend& be, Stream& s, const OpPtrs& p) {
+    ReplaceArgs a;
+    a.shape.num_kv_heads = H;
+    a.kv.num_slots = S;
+    a.kv.slot_table = p.get<int32_t>(itab);
+    a.batch = B;
+    a.region_begin = c.region_begin;
+    a.k = K;
+    a.selected = p.get<int32_t>(isel);
+    a.host_page_of = p.get<int64_t>(ihp);
+    a.max_pages = P;
+    a.head_mask = p.get<uint8_t>(imask);
+    a.items = p.get<RecallItem>(iitems);
+    a.num_misses = p.get<int32_t>(imiss);
+    return be.Replace(s, a);
+  };
+  r.check = [=](const OpBuffers&, const OpResult& want, const OpResult& got) {
+    ExpectSameBytes(want, got, itab, sizeof(int32_t), "slot_table");
+    ExpectSameItems(want, got, iitems);
+    if (imiss >= 0) ExpectSameBytes(want, got, imiss, sizeof(int32_t), "num_misses");
+  };
+  return r;
+}
+
+void AddReplaceCases(std::vector<OpCase>& cases) {
+  for (const ReplaceShape& c :
+       {ReplaceShape{1, 1, 8, 0, 8, 32}, ReplaceShape{3, 2, 20, 4, 12, 64},
+        ReplaceShape{2, 8, 64, 16, 32, 500}, ReplaceShape{3, 4, 40, 0, 40, 100}}) {
+    struct Variant {
+      const char* name;
+      bool mask, misses;
+    };
+    for (const Variant v : {Variant{"plain", false, true}, Variant{"head_mask", true, true},
+                            Variant{"head_mask_no_misses", true, false}}) {
+      Add(cases,
+          absl::StrFormat("Replace_b%d_hkv%d_s%d_r%d_k%d_p%d_%s", c.batch, c.kv_heads, c.num_slots,
+                          c.region_begin, c.k, c.max_pages, v.name),
+          [c, v](uint32_t seed) { return ReplaceRun(c, v.mask, v.misses, seed); });
+    }
+  }
+}
+
+}  // namespace
+
+void AddSelectionCases(std::vector<OpCase>& cases) {
+  for (const HeadShape& c : HeadShapes()) {
+    const std::string shape = NameOf(c);
+    for (const ScoreVariant& v :
+         {ScoreVariant{"softmax_scores", PoolMode::kSoftmaxMean, false, true},
+          ScoreVariant{"softmax_mask", PoolMode::kSoftmaxMean, true, false},
+          ScoreVariant{"raw_mask_scores", PoolMode::kRawMean, true, true},
+          ScoreVariant{"raw", PoolMode::kRawMean, false, false}}) {
+      Add(cases, "ScorePages_" + shape + "_" + v.name,
+          [c, v](uint32_t seed) { return ScorePagesRun(c, v, seed); });
+    }
+    Add(cases, "ScoreTopK_" + shape, [c](uint32_t seed) { return ScoreTopKRun(c, seed); });
+    for (const bool optional : {true, false}) {
+      Add(cases, "QueryCosine_" + shape + (optional ? "_all_outputs" : "_mean_only"),
+          [c, optional](uint32_t seed) { return QueryCosineRun(c, optional, seed); });
+    }
+  }
+  AddTopKCases(cases);
+  AddReplaceCases(cases);
+}
+
+}  // namespace kvtier::testing::op_cases_internal
