@@ -50,10 +50,13 @@ int Guard(F&& f) {
 }
 
 // A session's calls return once the compute stream has run their work.
-// Every call returns after its work has run: the caller's buffers may be reused at once.
+// Every call returns once the work that reads or writes the caller's buffers has run: the
+// compute stream of a local sequence (background selection and recall go on); a remote
+// sequence's calls have finished when they return.
 absl::Status Synced(kvtier::Session& s, absl::Status st) {
   if (!st.ok()) return st;
-  return s.sequence().Wait();
+  kvtier::LocalSequence* local = s.sequence().local();
+  return local != nullptr ? local->compute_stream().Synchronize() : absl::OkStatus();
 }
 
 kvtier::SessionOptions ToSessionOptions(const kvtier_session_options& o, absl::Status* st) {
@@ -205,6 +208,9 @@ int kvtier_decode(kvtier_session* session, int32_t layer, const void* q, void* o
   return Guard([&]() -> absl::Status {
     kvtier::Session& s = *session->session;
     if (absl::Status st = Synced(s, s.sequence().Decode(layer, q, out, lse)); !st.ok()) return st;
+    if (num_slots == nullptr && slot_table == nullptr) return absl::OkStatus();
+    // The step's record (its slot table) is complete once all work enqueued so far has run.
+    if (absl::Status st = s.sequence().Wait(); !st.ok()) return st;
     const kvtier::StepStats step = s.sequence().LastStep(layer);
     if (num_slots != nullptr) *num_slots = step.num_slots;
     if (slot_table == nullptr) return absl::OkStatus();

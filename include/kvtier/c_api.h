@@ -127,11 +127,12 @@ int kvtier_append(kvtier_session* session, int32_t layer, const void* k, const v
                   int32_t n_tokens);
 /* One decode step of `layer` (kvtier::Sequence::Decode): q [num_q_heads][head_dim] in the
  * session dtype; out [num_q_heads][head_dim] receives the attention output (NULL: none);
- * lse [num_q_heads] floats, or NULL. Returns once the step's work has run. Sets *num_slots
- * (may be NULL) and, when slot_table is not NULL, copies the per-KV-head slot table
- * [num_kv_heads][num_slots] the attention read (logical page per slot, -1 empty) into it:
- * KVTIER_OUT_OF_RANGE when slot_table_capacity (entries) is smaller; the step ran all the
- * same. */
+ * lse [num_q_heads] floats, or NULL. Returns once out and lse are written (the background
+ * selection and recall for the next step go on). When num_slots or slot_table is not NULL
+ * it also waits for that background work, then sets *num_slots and, when slot_table is not
+ * NULL, copies the per-KV-head slot table [num_kv_heads][num_slots] the attention read
+ * (logical page per slot, -1 empty) into it: KVTIER_OUT_OF_RANGE when slot_table_capacity
+ * (entries) is smaller; the step ran all the same. */
 int kvtier_decode(kvtier_session* session, int32_t layer, const void* q, void* out, float* lse,
                   int32_t* num_slots, int32_t* slot_table, size_t slot_table_capacity);
 /* Waits for every offload so far and commits it (kvtier::Session::Flush). */
