@@ -70,4 +70,9 @@ std::unique_ptr<grpc::ClientContext> NewCallContext(std::string_view tenant, std
   return ctx;
 }
 
+absl::Status CheckSessionOpen(bool closed, std::string_view what, std::string_view id) {
+  if (!closed) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrFormat("%s: session %s is closed", what, id));
+}
+
 }  // namespace kvtier

@@ -43,6 +43,10 @@ absl::StatusOr<ParsedTarget> ParseTarget(std::string_view target);
 std::unique_ptr<grpc::ClientContext> NewCallContext(std::string_view tenant, std::string_view token,
                                                     absl::Duration timeout);
 
+// OK while a session is open; FAILED_PRECONDITION "<what>: session <id> is closed" once
+// `closed`.
+absl::Status CheckSessionOpen(bool closed, std::string_view what, std::string_view id);
+
 }  // namespace kvtier
 
 #endif  // KVTIER_CLIENT_RPC_UTIL_H_

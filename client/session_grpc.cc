@@ -60,11 +60,7 @@ class RemoteSequence final : public Sequence {
   }
 
   absl::Status CheckOpen(std::string_view what) const {
-    if (closed_) {
-      return absl::FailedPreconditionError(
-          absl::StrFormat("%s: session %s is closed", what, info_.id));
-    }
-    return absl::OkStatus();
+    return CheckSessionOpen(closed_, what, info_.id);
   }
   absl::Status CheckCall(int32_t layer, std::string_view what) const {
     KVTIER_RETURN_IF_ERROR(CheckOpen(what));
@@ -127,11 +123,7 @@ class GrpcSession final : public Session {
 
  private:
   absl::Status CheckOpen(std::string_view what) const {
-    if (closed_) {
-      return absl::FailedPreconditionError(
-          absl::StrFormat("%s: session %s is closed", what, info_.id));
-    }
-    return absl::OkStatus();
+    return CheckSessionOpen(closed_, what, info_.id);
   }
 
   std::shared_ptr<Connection> conn_;

@@ -49,11 +49,7 @@ class ShmSession final : public Session {
 
  private:
   absl::Status CheckOpen(std::string_view what) const {
-    if (closed_) {
-      return absl::FailedPreconditionError(
-          absl::StrFormat("%s: session %s is closed", what, info_.id));
-    }
-    return absl::OkStatus();
+    return CheckSessionOpen(closed_, what, info_.id);
   }
   absl::StatusOr<FetchedPage> ReadPage(int32_t layer, int64_t page) const;
 
