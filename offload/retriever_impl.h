@@ -43,7 +43,7 @@ struct Parked {
   std::unique_ptr<Event> done;
 };
 
-// Pages of one flushed offload, reported by TakeStoredPages once `done` has fired.
+// Pages of one flushed offload, committed to the host tier once `done` has fired.
 struct StoredBatch {
   std::vector<StoredPage> pages;
   std::unique_ptr<Event> done;
