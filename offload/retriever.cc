@@ -978,7 +978,6 @@ absl::StatusOr<std::unique_ptr<LocalSequence>> NewLocalSequence(const Geometry& 
                                                                 const SequenceOptions& options,
                                                                 Device& device) {
   KVTIER_ASSIGN_OR_RETURN(Backend * backend, BackendOf(device, "NewLocalSequence"));
-  KVTIER_RETURN_IF_ERROR(geometry.Validate());
   std::unique_ptr<HostTier> host;
   if (options.mode == RetrievalMode::kSpeculative || options.mode == RetrievalMode::kSync) {
     KVTIER_ASSIGN_OR_RETURN(host, NewOwnedHostTier(geometry, options.max_tokens, *backend));

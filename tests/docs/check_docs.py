@@ -66,6 +66,23 @@ def read_lines(path):
         return f.read().splitlines()
 
 
+def markdown_lines(path):
+    """(number, line) for every line of a Markdown file, numbered from 1; line is None for
+    the lines of fenced code blocks and their fences."""
+    fence = None
+    for number, line in enumerate(read_lines(path), start=1):
+        m = FENCE.match(line)
+        if fence is not None:
+            if m and m.group(1)[0] == fence[0] and len(m.group(1)) >= len(fence):
+                fence = None
+            yield number, None
+        elif m:
+            fence = m.group(1)
+            yield number, None
+        else:
+            yield number, line
+
+
 def github_anchor(text):
     """The anchor GitHub gives a heading: its text lowercased, punctuation other than '-'
     and '_' dropped, spaces turned into '-'."""
@@ -81,7 +98,6 @@ def heading_anchors(path):
     numbers them (x, x-1, x-2, ...)."""
     anchors = set()
     seen = {}
-    fence = None
     previous = None  # the previous line, when it could be a setext heading's text
 
     def add(text):
@@ -90,14 +106,8 @@ def heading_anchors(path):
         seen[base] = n + 1
         anchors.add(base if n == 0 else "%s-%d" % (base, n))
 
-    for line in read_lines(path):
-        m = FENCE.match(line)
-        if fence is not None:
-            if m and m.group(1)[0] == fence[0] and len(m.group(1)) >= len(fence):
-                fence = None
-            continue
-        if m:
-            fence = m.group(1)
+    for _, line in markdown_lines(path):
+        if line is None:
             previous = None
             continue
         m = ATX_HEADING.match(line)
@@ -118,16 +128,9 @@ def check_links(root, rel, anchors_of, failures):
     """Checks the relative links of Markdown file `rel` (outside fenced code); returns how
     many it checked."""
     checked = 0
-    fence = None
     base = os.path.dirname(rel)
-    for number, line in enumerate(read_lines(os.path.join(root, rel)), start=1):
-        m = FENCE.match(line)
-        if fence is not None:
-            if m and m.group(1)[0] == fence[0] and len(m.group(1)) >= len(fence):
-                fence = None
-            continue
-        if m:
-            fence = m.group(1)
+    for number, line in markdown_lines(os.path.join(root, rel)):
+        if line is None:
             continue
         for link in LINK_TARGET.finditer(line):
             target = link.group(1)
