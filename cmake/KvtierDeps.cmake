@@ -35,3 +35,9 @@ if(NOT tomlplusplus_FOUND)
   pkg_check_modules(TOMLPP REQUIRED IMPORTED_TARGET tomlplusplus)
   add_library(tomlplusplus::tomlplusplus ALIAS PkgConfig::TOMLPP)
 endif()
+
+# The engine (kvtier-run): OpenBLAS (pthread flavour, CBLAS interface) for the decoder's
+# matrices on the CPU; ICU's character properties for the tokenizers' pre-tokenizer
+# (Unicode letters, numbers, white space).
+pkg_check_modules(OPENBLAS REQUIRED IMPORTED_TARGET openblas)
+find_package(ICU REQUIRED COMPONENTS uc)
