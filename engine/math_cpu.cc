@@ -1,0 +1,188 @@
+// The CPU Math (math.h): matrices on OpenBLAS's sgemm, prefill attention as two sgemms per
+// query head with a causal softmax in between, the rest in plain loops.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include <cblas.h>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_format.h"
+#include "engine/math.h"
+#include "kvtier/dtype.h"
+
+namespace kvtier::engine {
+namespace {
+
+class CpuMath final : public Math {
+ public:
+  CpuMath(Device& device, Stream& stream, int threads) : device_(device), stream_(stream) {
+    if (threads > 0) openblas_set_num_threads(threads);
+  }
+
+  Device& device() override { return device_; }
+  absl::Status Fence() override { return stream_.Synchronize(); }
+
+  absl::Status MatMul(const float* x, const float* w, const float* bias, float* y, int64_t m,
+                      int64_t n, int64_t k) override {
+    if (m == 1) {
+      cblas_sgemv(CblasRowMajor, CblasNoTrans, static_cast<int>(n), static_cast<int>(k), 1.0f, w,
+                  static_cast<int>(k), x, 1, 0.0f, y, 1);
+    } else {
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m),
+                  static_cast<int>(n), static_cast<int>(k), 1.0f, x, static_cast<int>(k), w,
+                  static_cast<int>(k), 0.0f, y, static_cast<int>(n));
+    }
+    if (bias != nullptr) {
+      for (int64_t i = 0; i < m; ++i) {
+        for (int64_t j = 0; j < n; ++j) y[i * n + j] += bias[j];
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status RmsNorm(const float* x, const float* weight, float* y, int64_t m, int64_t d,
+                       float eps) override {
+    for (int64_t i = 0; i < m; ++i) {
+      const float* row = x + i * d;
+      double ss = 0;
+      for (int64_t j = 0; j < d; ++j) ss += static_cast<double>(row[j]) * row[j];
+      const float inv = 1.0f / std::sqrt(static_cast<float>(ss / static_cast<double>(d)) + eps);
+      for (int64_t j = 0; j < d; ++j) y[i * d + j] = row[j] * inv * weight[j];
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Rope(const RopeArgs& a) override {
+    const int32_t half = a.rot_dim / 2;
+    for (int64_t i = 0; i < a.m; ++i) {
+      const double pos = a.positions[i];
+      for (int32_t p = 0; p < half; ++p) {
+        const double angle = pos * a.inv_freq[p];
+        const float c = static_cast<float>(std::cos(angle));
+        const float s = static_cast<float>(std::sin(angle));
+        for (int32_t h = 0; h < a.heads; ++h) {
+          float* row = a.x + (i * a.heads + h) * a.head_dim;
+          const int32_t i0 = a.neox ? p : 2 * p;
+          const int32_t i1 = a.neox ? p + half : 2 * p + 1;
+          const float x0 = row[i0];
+          const float x1 = row[i1];
+          row[i0] = x0 * c - x1 * s;
+          row[i1] = x0 * s + x1 * c;
+        }
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status SiluMul(float* gate, const float* up, int64_t count) override {
+    for (int64_t i = 0; i < count; ++i) {
+      const float g = gate[i];
+      gate[i] = g / (1.0f + std::exp(-g)) * up[i];
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Add(float* y, const float* x, int64_t count) override {
+    for (int64_t i = 0; i < count; ++i) y[i] += x[i];
+    return absl::OkStatus();
+  }
+
+  absl::Status Embed(const int32_t* ids, const float* table, float* y, int64_t m,
+                     int64_t d) override {
+    for (int64_t i = 0; i < m; ++i) {
+      std::memcpy(y + i * d, table + static_cast<int64_t>(ids[i]) * d, d * sizeof(float));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status CausalAttention(const CausalAttentionArgs& a) override {
+    const int64_t n = a.first_pos + a.m;
+    const int32_t group = a.q_heads / a.kv_heads;
+    const int qs = a.q_heads * a.head_dim;   // row stride of q and out
+    const int kvs = a.kv_heads * a.head_dim;  // row stride of k and v
+    scores_.resize(static_cast<size_t>(a.m * n));
+    for (int32_t h = 0; h < a.q_heads; ++h) {
+      const int32_t kvh = h / group;
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(a.m),
+                  static_cast<int>(n), a.head_dim, a.scale, a.q + h * a.head_dim, qs,
+                  a.k + kvh * a.head_dim, kvs, 0.0f, scores_.data(), static_cast<int>(n));
+      for (int64_t i = 0; i < a.m; ++i) {
+        float* row = scores_.data() + i * n;
+        const int64_t visible = a.first_pos + i + 1;
+        const float mx = *std::max_element(row, row + visible);
+        float sum = 0;
+        for (int64_t j = 0; j < visible; ++j) {
+          row[j] = std::exp(row[j] - mx);
+          sum += row[j];
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t j = 0; j < visible; ++j) row[j] *= inv;
+        std::fill(row + visible, row + n, 0.0f);
+      }
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(a.m), a.head_dim,
+                  static_cast<int>(n), 1.0f, scores_.data(), static_cast<int>(n),
+                  a.v + kvh * a.head_dim, kvs, 0.0f, a.out + h * a.head_dim, qs);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status ToDType(const float* x, void* y, DType dtype, int64_t count) override {
+    switch (dtype) {
+      case DType::kF32:
+        std::memcpy(y, x, count * sizeof(float));
+        break;
+      case DType::kF16:
+        for (int64_t i = 0; i < count; ++i) static_cast<Half*>(y)[i] = FloatToHalf(x[i]);
+        break;
+      case DType::kBF16:
+        for (int64_t i = 0; i < count; ++i) static_cast<BFloat16*>(y)[i] = FloatToBFloat16(x[i]);
+        break;
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status FromDType(const void* x, DType dtype, float* y, int64_t count) override {
+    switch (dtype) {
+      case DType::kF32:
+        std::memcpy(y, x, count * sizeof(float));
+        break;
+      case DType::kF16:
+        for (int64_t i = 0; i < count; ++i) y[i] = HalfToFloat(static_cast<const Half*>(x)[i]);
+        break;
+      case DType::kBF16:
+        for (int64_t i = 0; i < count; ++i) {
+          y[i] = BFloat16ToFloat(static_cast<const BFloat16*>(x)[i]);
+        }
+        break;
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  Device& device_;
+  Stream& stream_;
+  std::vector<float> scores_;
+};
+
+}  // namespace
+
+std::unique_ptr<Math> NewCpuMath(Device& device, Stream& stream, int threads) {
+  return std::make_unique<CpuMath>(device, stream, threads);
+}
+
+absl::StatusOr<std::unique_ptr<Math>> CreateMath(Device& device, Stream& stream, int threads) {
+  switch (device.kind()) {
+    case DeviceKind::kCpu:
+      return NewCpuMath(device, stream, threads);
+    case DeviceKind::kCuda:
+      return NewCudaMath(device, stream);
+    case DeviceKind::kAuto:
+      break;
+  }
+  return absl::InvalidArgumentError("CreateMath: the device has no kind");
+}
+
+}  // namespace kvtier::engine
