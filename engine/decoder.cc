@@ -1,0 +1,341 @@
+#include "engine/decoder.h"
+
+#include <algorithm>
+#include <cmath>
+#include <span>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_format.h"
+#include "core/status.h"
+
+namespace kvtier::engine {
+
+absl::StatusOr<std::unique_ptr<DenseKv>> DenseKv::Create(const LlamaConfig& c, Device& device,
+                                                         int64_t capacity) {
+  auto kv = std::make_unique<DenseKv>();
+  kv->capacity_ = capacity;
+  kv->row_ = int64_t{c.kv_heads} * c.head_dim;
+  const size_t bytes = static_cast<size_t>(c.layers * capacity * kv->row_) * sizeof(float);
+  KVTIER_ASSIGN_OR_RETURN(kv->k_, device.Allocate(bytes));
+  KVTIER_ASSIGN_OR_RETURN(kv->v_, device.Allocate(bytes));
+  return kv;
+}
+
+absl::StatusOr<std::unique_ptr<Decoder>> Decoder::Create(const LlamaConfig& config,
+                                                         const LlamaWeights& weights, Math& math,
+                                                         Stream& stream,
+                                                         const DecoderOptions& options) {
+  if (options.prefill_chunk < 1 || options.prefill_chunk > 8192 || options.max_batch < 1 ||
+      options.max_batch > 1024 || options.observe_window < 0 || options.observe_window > 1024) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "decoder options: prefill_chunk = %d must be in [1, 8192], max_batch = %d in [1, "
+        "1024], observe_window = %d in [0, 1024]",
+        options.prefill_chunk, options.max_batch, options.observe_window));
+  }
+  std::unique_ptr<Decoder> d(new Decoder(config, weights, math, stream, options));
+  KVTIER_RETURN_IF_ERROR(d->Init());
+  return d;
+}
+
+absl::Status Decoder::Init() {
+  const LlamaConfig& c = config_;
+  Device& dev = math_.device();
+  rows_ = std::max(options_.prefill_chunk, options_.max_batch);
+  const int64_t qd = int64_t{c.q_heads} * c.head_dim;
+  const int64_t kvd = int64_t{c.kv_heads} * c.head_dim;
+  const size_t f = sizeof(float);
+  const size_t e = DTypeSize(options_.kv_dtype);
+  struct Item {
+    DeviceBuffer* buf;
+    size_t bytes;
+  };
+  const Item items[] = {
+      {&ids_, rows_ * sizeof(int32_t)},
+      {&positions_, rows_ * sizeof(int32_t)},
+      {&x_, rows_ * c.dim * f},
+      {&h_, rows_ * c.dim * f},
+      {&q_, rows_ * qd * f},
+      {&k_, rows_ * kvd * f},
+      {&v_, rows_ * kvd * f},
+      {&attn_, rows_ * qd * f},
+      {&gate_, rows_ * c.ffn * f},
+      {&up_, rows_ * c.ffn * f},
+      {&logits_, static_cast<size_t>(options_.max_batch) * c.vocab * f},
+      {&q_kv_, rows_ * qd * e},
+      {&k_kv_, rows_ * kvd * e},
+      {&v_kv_, rows_ * kvd * e},
+      {&out_kv_, rows_ * qd * e},
+      {&observe_, std::max<size_t>(1, size_t(c.layers) * options_.observe_window * qd * e)},
+  };
+  for (const Item& it : items) {
+    KVTIER_ASSIGN_OR_RETURN(*it.buf, dev.Allocate(it.bytes));
+  }
+  host_ids_.reserve(rows_);
+  host_positions_.reserve(rows_);
+  return absl::OkStatus();
+}
+
+absl::Status Decoder::Upload(const std::vector<int32_t>& host, DeviceBuffer& dst) {
+  KVTIER_RETURN_IF_ERROR(
+      math_.device().Copy(stream_, dst.data(), host.data(), host.size() * sizeof(int32_t)));
+  // The Math on the CPU reads it right away; a GPU copy from pageable memory has been
+  // staged when it returns, but the host vector is rewritten next step.
+  return stream_.Synchronize();
+}
+
+absl::Status Decoder::Forward(int64_t m, const std::function<float*(int32_t)>& k_rows,
+                              const std::function<float*(int32_t)>& v_rows,
+                              const AttentionFn& attention, int64_t logit_rows,
+                              std::vector<float>* logits) {
+  const LlamaConfig& c = config_;
+  const LlamaWeights& w = weights_;
+  const int64_t qd = int64_t{c.q_heads} * c.head_dim;
+  const int64_t kvd = int64_t{c.kv_heads} * c.head_dim;
+  float* x = x_.as<float>();
+  float* h = h_.as<float>();
+  KVTIER_RETURN_IF_ERROR(math_.Embed(ids_.as<int32_t>(), w.embed.as<float>(), x, m, c.dim));
+  for (int32_t l = 0; l < c.layers; ++l) {
+    const LayerWeights& lw = w.layers[l];
+    float* k = k_rows ? k_rows(l) : k_.as<float>();
+    float* v = v_rows ? v_rows(l) : v_.as<float>();
+    KVTIER_RETURN_IF_ERROR(math_.RmsNorm(x, lw.attn_norm.as<float>(), h, m, c.dim, c.eps));
+    KVTIER_RETURN_IF_ERROR(
+        math_.MatMul(h, lw.wq.as<float>(), lw.bq.as<float>(), q_.as<float>(), m, qd, c.dim));
+    KVTIER_RETURN_IF_ERROR(math_.MatMul(h, lw.wk.as<float>(), lw.bk.as<float>(), k, m, kvd, c.dim));
+    KVTIER_RETURN_IF_ERROR(math_.MatMul(h, lw.wv.as<float>(), lw.bv.as<float>(), v, m, kvd, c.dim));
+    RopeArgs r;
+    r.positions = positions_.as<int32_t>();
+    r.inv_freq = w.inv_freq.as<float>();
+    r.m = m;
+    r.head_dim = c.head_dim;
+    r.rot_dim = c.rope_dim;
+    r.neox = c.rope_neox;
+    r.x = q_.as<float>();
+    r.heads = c.q_heads;
+    KVTIER_RETURN_IF_ERROR(math_.Rope(r));
+    r.x = k;
+    r.heads = c.kv_heads;
+    KVTIER_RETURN_IF_ERROR(math_.Rope(r));
+    KVTIER_RETURN_IF_ERROR(attention(l, m));
+    KVTIER_RETURN_IF_ERROR(math_.MatMul(attn_.as<float>(), lw.wo.as<float>(), nullptr, h, m, c.dim, qd));
+    KVTIER_RETURN_IF_ERROR(math_.Add(x, h, m * c.dim));
+    KVTIER_RETURN_IF_ERROR(math_.RmsNorm(x, lw.ffn_norm.as<float>(), h, m, c.dim, c.eps));
+    KVTIER_RETURN_IF_ERROR(
+        math_.MatMul(h, lw.w_gate.as<float>(), nullptr, gate_.as<float>(), m, c.ffn, c.dim));
+    KVTIER_RETURN_IF_ERROR(
+        math_.MatMul(h, lw.w_up.as<float>(), nullptr, up_.as<float>(), m, c.ffn, c.dim));
+    KVTIER_RETURN_IF_ERROR(math_.SiluMul(gate_.as<float>(), up_.as<float>(), m * c.ffn));
+    KVTIER_RETURN_IF_ERROR(
+        math_.MatMul(gate_.as<float>(), lw.w_down.as<float>(), nullptr, h, m, c.dim, c.ffn));
+    KVTIER_RETURN_IF_ERROR(math_.Add(x, h, m * c.dim));
+  }
+  const float* last = x + (m - logit_rows) * c.dim;
+  KVTIER_RETURN_IF_ERROR(math_.RmsNorm(last, w.output_norm.as<float>(), h, logit_rows, c.dim, c.eps));
+  KVTIER_RETURN_IF_ERROR(math_.MatMul(h, w.output_matrix(), nullptr, logits_.as<float>(),
+                                      logit_rows, c.vocab, c.dim));
+  logits->resize(static_cast<size_t>(logit_rows * c.vocab));
+  KVTIER_RETURN_IF_ERROR(math_.device().Copy(stream_, logits->data(), logits_.data(),
+                                             logits->size() * sizeof(float)));
+  return stream_.Synchronize();
+}
+
+absl::Status Decoder::PrefillInto(Sequence* seq, DenseKv& kv, const std::vector<int32_t>& ids,
+                                  std::vector<float>* logits,
+                                  const std::function<void(int64_t, int64_t)>& progress) {
+  const LlamaConfig& c = config_;
+  const int64_t n = static_cast<int64_t>(ids.size());
+  if (n < 1) return absl::InvalidArgumentError("prefill: the prompt has no tokens");
+  const int64_t start = kv.length();
+  if (start + n > kv.capacity()) {
+    return absl::OutOfRangeError(absl::StrFormat(
+        "prefill: %d prompt tokens after %d exceed the KV capacity %d", n, start, kv.capacity()));
+  }
+  for (int32_t id : ids) {
+    if (id < 0 || id >= c.vocab) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("prefill: token id %d outside the vocabulary [0, %d)", id, c.vocab));
+    }
+  }
+  const int64_t qd = int64_t{c.q_heads} * c.head_dim;
+  const int64_t kvd = int64_t{c.kv_heads} * c.head_dim;
+  const DType dt = options_.kv_dtype;
+  const size_t e = DTypeSize(dt);
+  const int64_t window = std::min<int64_t>(options_.observe_window, n);
+  LocalSequence* local = seq != nullptr ? seq->local() : nullptr;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  for (int64_t done = 0; done < n;) {
+    const int64_t m = std::min<int64_t>(options_.prefill_chunk, n - done);
+    const int64_t pos0 = start + done;
+    host_ids_.assign(ids.begin() + done, ids.begin() + done + m);
+    host_positions_.resize(m);
+    for (int64_t i = 0; i < m; ++i) host_positions_[i] = static_cast<int32_t>(pos0 + i);
+    KVTIER_RETURN_IF_ERROR(Upload(host_ids_, ids_));
+    KVTIER_RETURN_IF_ERROR(Upload(host_positions_, positions_));
+    auto attention = [&](int32_t l, int64_t rows) -> absl::Status {
+      CausalAttentionArgs a;
+      a.q = q_.as<float>();
+      a.k = kv.k(l, 0);
+      a.v = kv.v(l, 0);
+      a.out = attn_.as<float>();
+      a.m = rows;
+      a.first_pos = pos0;
+      a.q_heads = c.q_heads;
+      a.kv_heads = c.kv_heads;
+      a.head_dim = c.head_dim;
+      a.scale = scale;
+      KVTIER_RETURN_IF_ERROR(math_.CausalAttention(a));
+      if (seq == nullptr) return absl::OkStatus();
+      KVTIER_RETURN_IF_ERROR(math_.ToDType(kv.k(l, pos0), k_kv_.data(), dt, rows * kvd));
+      KVTIER_RETURN_IF_ERROR(math_.ToDType(kv.v(l, pos0), v_kv_.data(), dt, rows * kvd));
+      KVTIER_RETURN_IF_ERROR(seq->Append(l, k_kv_.data(), v_kv_.data(), static_cast<int32_t>(rows)));
+      // The prompt's last `window` queries, for ObserveQueries.
+      const int64_t first_obs = n - window;  // relative to the prompt
+      const int64_t lo = std::max(done, first_obs), hi = done + rows;
+      if (local != nullptr && lo < hi) {
+        auto* dst = static_cast<uint8_t*>(observe_.data()) +
+                    ((l * options_.observe_window) + (lo - first_obs)) * qd * e;
+        KVTIER_RETURN_IF_ERROR(math_.ToDType(q_.as<float>() + (lo - done) * qd, dst, dt, (hi - lo) * qd));
+      }
+      // k_kv_/v_kv_ are rewritten by the next layer: the append must have read them.
+      return math_.Fence();
+    };
+    KVTIER_RETURN_IF_ERROR(Forward(
+        m, [&](int32_t l) { return kv.k(l, pos0); }, [&](int32_t l) { return kv.v(l, pos0); },
+        attention, 1, logits));
+    done += m;
+    kv.set_length(start + done);
+    if (progress) progress(done, n);
+  }
+  if (local != nullptr && window > 0) {
+    for (int32_t l = 0; l < c.layers; ++l) {
+      const auto* q = static_cast<const uint8_t*>(observe_.data()) + l * options_.observe_window * qd * e;
+      KVTIER_RETURN_IF_ERROR(local->ObserveQueries(l, q, static_cast<int32_t>(window), start + n - window));
+    }
+  }
+  if (local != nullptr && options_.report_logits) {
+    StepSignals s;
+    s.first_position = start;
+    s.num_tokens = static_cast<int32_t>(n);
+    s.logits = std::span<const float>(*logits);
+    KVTIER_RETURN_IF_ERROR(local->ReportSignals(s));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Decoder::Prefill(Sequence& seq, const std::vector<int32_t>& ids,
+                              std::vector<float>* logits,
+                              const std::function<void(int64_t, int64_t)>& progress) {
+  if (seq.num_tokens(0) != 0) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "prefill: the sequence already holds %d tokens; prefill starts a sequence",
+        seq.num_tokens(0)));
+  }
+  // The prompt's own dense K/V, for the prefill's attention only.
+  KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<DenseKv> scratch,
+                          DenseKv::Create(config_, math_.device(), static_cast<int64_t>(ids.size())));
+  return PrefillInto(&seq, *scratch, ids, logits, progress);
+}
+
+absl::Status Decoder::PrefillDense(DenseKv& kv, const std::vector<int32_t>& ids,
+                                   std::vector<float>* logits,
+                                   const std::function<void(int64_t, int64_t)>& progress) {
+  return PrefillInto(nullptr, kv, ids, logits, progress);
+}
+
+absl::Status Decoder::Step(const std::vector<Sequence*>& seqs, const std::vector<int32_t>& tokens,
+                           std::vector<float>* logits) {
+  const LlamaConfig& c = config_;
+  const int64_t b = static_cast<int64_t>(seqs.size());
+  if (b < 1 || b > options_.max_batch || tokens.size() != seqs.size()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "step: %d sequences and %d tokens: need the same count in [1, max_batch = %d]", b,
+        tokens.size(), options_.max_batch));
+  }
+  host_positions_.resize(b);
+  for (int64_t i = 0; i < b; ++i) {
+    if (tokens[i] < 0 || tokens[i] >= c.vocab) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("step: token id %d outside the vocabulary [0, %d)", tokens[i], c.vocab));
+    }
+    if (seqs[i]->num_tokens(0) < 1) {
+      return absl::FailedPreconditionError("step: prefill the sequence first");
+    }
+    host_positions_[i] = seqs[i]->num_tokens(0);
+  }
+  host_ids_ = tokens;
+  KVTIER_RETURN_IF_ERROR(Upload(host_ids_, ids_));
+  KVTIER_RETURN_IF_ERROR(Upload(host_positions_, positions_));
+  const int64_t qd = int64_t{c.q_heads} * c.head_dim;
+  const int64_t kvd = int64_t{c.kv_heads} * c.head_dim;
+  const DType dt = options_.kv_dtype;
+  const size_t e = DTypeSize(dt);
+  const bool host_memory = math_.device().kind() == DeviceKind::kCpu;
+  std::vector<uint8_t> staging;  // remote sequences on a GPU engine: host copies
+  auto attention = [&](int32_t l, int64_t rows) -> absl::Status {
+    KVTIER_RETURN_IF_ERROR(math_.ToDType(q_.as<float>(), q_kv_.data(), dt, rows * qd));
+    KVTIER_RETURN_IF_ERROR(math_.ToDType(k_.as<float>(), k_kv_.data(), dt, rows * kvd));
+    KVTIER_RETURN_IF_ERROR(math_.ToDType(v_.as<float>(), v_kv_.data(), dt, rows * kvd));
+    for (int64_t i = 0; i < rows; ++i) {
+      Sequence& s = *seqs[i];
+      auto* q = static_cast<uint8_t*>(q_kv_.data()) + i * qd * e;
+      auto* k = static_cast<uint8_t*>(k_kv_.data()) + i * kvd * e;
+      auto* v = static_cast<uint8_t*>(v_kv_.data()) + i * kvd * e;
+      auto* out = static_cast<uint8_t*>(out_kv_.data()) + i * qd * e;
+      if (LocalSequence* local = s.local(); local != nullptr) {
+        KVTIER_RETURN_IF_ERROR(local->Append(l, k, v, 1));
+        KVTIER_RETURN_IF_ERROR(local->BeginStep(l, q).status());
+        KVTIER_RETURN_IF_ERROR(local->Attend(l, q, out, nullptr));
+        KVTIER_RETURN_IF_ERROR(local->EndStep(l, q));
+      } else if (host_memory) {
+        KVTIER_RETURN_IF_ERROR(math_.Fence());
+        KVTIER_RETURN_IF_ERROR(s.Append(l, k, v, 1));
+        KVTIER_RETURN_IF_ERROR(s.Decode(l, q, out, nullptr));
+      } else {
+        // A remote sequence reads host memory: stage q, k, v out and the output back in.
+        const size_t qb = qd * e, kb = kvd * e;
+        staging.resize(2 * qb + 2 * kb);
+        uint8_t* hq = staging.data();
+        uint8_t* hk = hq + qb;
+        uint8_t* hv = hk + kb;
+        uint8_t* ho = hv + kb;
+        Device& dev = math_.device();
+        KVTIER_RETURN_IF_ERROR(dev.Copy(stream_, hq, q, qb));
+        KVTIER_RETURN_IF_ERROR(dev.Copy(stream_, hk, k, kb));
+        KVTIER_RETURN_IF_ERROR(dev.Copy(stream_, hv, v, kb));
+        KVTIER_RETURN_IF_ERROR(stream_.Synchronize());
+        KVTIER_RETURN_IF_ERROR(s.Append(l, hk, hv, 1));
+        KVTIER_RETURN_IF_ERROR(s.Decode(l, hq, ho, nullptr));
+        KVTIER_RETURN_IF_ERROR(dev.Copy(stream_, out, ho, qb));
+        KVTIER_RETURN_IF_ERROR(stream_.Synchronize());
+      }
+    }
+    // Attention ran on the compute stream (a worker thread on the CPU).
+    KVTIER_RETURN_IF_ERROR(math_.Fence());
+    return math_.FromDType(out_kv_.data(), dt, attn_.as<float>(), rows * qd);
+  };
+  KVTIER_RETURN_IF_ERROR(Forward(b, nullptr, nullptr, attention, b, logits));
+  if (options_.report_logits) {
+    for (int64_t i = 0; i < b; ++i) {
+      LocalSequence* local = seqs[i]->local();
+      if (local == nullptr) continue;
+      StepSignals s;
+      s.first_position = host_positions_[i];
+      s.num_tokens = 1;
+      s.logits = std::span<const float>(logits->data() + i * c.vocab, c.vocab);
+      KVTIER_RETURN_IF_ERROR(local->ReportSignals(s));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Decoder::StepDense(DenseKv& kv, int32_t token, std::vector<float>* logits) {
+  if (kv.length() < 1) return absl::FailedPreconditionError("step: prefill the cache first");
+  if (kv.length() >= kv.capacity()) {
+    return absl::OutOfRangeError(
+        absl::StrFormat("step: the dense KV cache is full (%d tokens)", kv.capacity()));
+  }
+  return PrefillInto(nullptr, kv, {token}, logits, {});
+}
+
+}  // namespace kvtier::engine

@@ -1,0 +1,122 @@
+// The decoder: a Llama-family forward pass whose attention reads and writes through kvtier
+// sequences (docs/architecture.md#the-engine). Prefill runs the prompt in chunks with
+// causal attention over the prompt (the engine's own, as every engine does) and appends
+// each chunk's K/V to the sequence; a decode step appends the new token's K/V and, per
+// layer, drives the sequence as an engine does: BeginStep → attention over the working set
+// → EndStep on a LocalSequence, Decode on a remote one. Several sequences decode as one
+// batch: one matrix product per weight for the whole batch, attention per sequence.
+//
+// The same forward also runs over a plain dense KV cache of its own (DenseKv): the
+// baseline "dense decoder loop" kvtier is compared with, and the prefill's scratch.
+//
+// Thread-compatible: one thread drives a Decoder (and its sequences) at a time.
+#ifndef KVTIER_ENGINE_DECODER_H_
+#define KVTIER_ENGINE_DECODER_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "engine/math.h"
+#include "engine/model.h"
+#include "kvtier/sequence.h"
+
+namespace kvtier::engine {
+
+struct DecoderOptions {
+  DType kv_dtype = DType::kF16;  // of the K/V (and q) handed to kvtier
+  int32_t prefill_chunk = 256;   // prompt tokens per forward pass
+  int32_t max_batch = 16;        // sequences per decode step
+  // Prompt queries given to ObserveQueries after prefill (policies that read attention).
+  int32_t observe_window = 32;
+  // Report each step's next-token logits to the sequences' policies (ReportSignals).
+  bool report_logits = true;
+};
+
+// A dense F32 KV cache in device memory: K and V [layers][capacity][Hkv][d].
+class DenseKv {
+ public:
+  static absl::StatusOr<std::unique_ptr<DenseKv>> Create(const LlamaConfig& config, Device& device,
+                                                         int64_t capacity);
+  int64_t capacity() const { return capacity_; }
+  int64_t length() const { return length_; }
+  int64_t bytes() const { return static_cast<int64_t>(k_.size() + v_.size()); }
+  float* k(int32_t layer, int64_t pos) { return k_.as<float>() + (layer * capacity_ + pos) * row_; }
+  float* v(int32_t layer, int64_t pos) { return v_.as<float>() + (layer * capacity_ + pos) * row_; }
+  void set_length(int64_t n) { length_ = n; }
+
+ private:
+  DeviceBuffer k_, v_;
+  int64_t capacity_ = 0;
+  int64_t row_ = 0;  // Hkv·d
+  int64_t length_ = 0;
+};
+
+class Decoder {
+ public:
+  // REQUIRES: config, weights and math outlive the decoder.
+  // `stream` is the one `math` is ordered on: the sequences' compute stream.
+  static absl::StatusOr<std::unique_ptr<Decoder>> Create(const LlamaConfig& config,
+                                                         const LlamaWeights& weights, Math& math,
+                                                         Stream& stream,
+                                                         const DecoderOptions& options);
+
+  const LlamaConfig& config() const { return config_; }
+  const DecoderOptions& options() const { return options_; }
+
+  // Runs `ids` (the whole prompt, at positions 0 ..) through the model and appends every
+  // layer's K/V to `seq` (which must be empty); `logits` gets the next-token logits after
+  // the last prompt token [vocab]. `progress(done, total)` after each chunk.
+  absl::Status Prefill(Sequence& seq, const std::vector<int32_t>& ids, std::vector<float>* logits,
+                       const std::function<void(int64_t, int64_t)>& progress = {});
+  // The same over the dense cache `kv` (its length grows by ids.size()).
+  absl::Status PrefillDense(DenseKv& kv, const std::vector<int32_t>& ids,
+                            std::vector<float>* logits,
+                            const std::function<void(int64_t, int64_t)>& progress = {});
+
+  // One decode step of a batch: token[b] at position seqs[b]->num_tokens(0); logits
+  // [B][vocab].
+  absl::Status Step(const std::vector<Sequence*>& seqs, const std::vector<int32_t>& tokens,
+                    std::vector<float>* logits);
+  // One decode step over the dense cache (batch 1).
+  absl::Status StepDense(DenseKv& kv, int32_t token, std::vector<float>* logits);
+
+ private:
+  Decoder(const LlamaConfig& config, const LlamaWeights& weights, Math& math, Stream& stream,
+          const DecoderOptions& options)
+      : config_(config), weights_(weights), math_(math), stream_(stream), options_(options) {}
+  absl::Status Init();
+
+  // Attention of layer l for the m rows of q_, k_, v_ (RoPE applied) into attn_.
+  using AttentionFn = std::function<absl::Status(int32_t layer, int64_t m)>;
+  // The forward pass of m rows (ids_ and positions_ uploaded); with `k_rows`/`v_rows`
+  // non-null, layer l's K/V rows are written at k_rows(l) instead of k_. Logits of the
+  // last `logit_rows` rows into `logits`.
+  absl::Status Forward(int64_t m, const std::function<float*(int32_t)>& k_rows,
+                       const std::function<float*(int32_t)>& v_rows,
+                       const AttentionFn& attention, int64_t logit_rows,
+                       std::vector<float>* logits);
+  absl::Status PrefillInto(Sequence* seq, DenseKv& kv, const std::vector<int32_t>& ids,
+                           std::vector<float>* logits,
+                           const std::function<void(int64_t, int64_t)>& progress);
+  absl::Status Upload(const std::vector<int32_t>& host, DeviceBuffer& dst);
+
+  const LlamaConfig& config_;
+  const LlamaWeights& weights_;
+  Math& math_;
+  Stream& stream_;
+  const DecoderOptions options_;
+  int64_t rows_ = 0;  // max(prefill_chunk, max_batch)
+  // Scratch in device memory.
+  DeviceBuffer ids_, positions_, x_, h_, q_, k_, v_, attn_, gate_, up_, logits_;
+  DeviceBuffer q_kv_, k_kv_, v_kv_, out_kv_;  // in the KV dtype
+  DeviceBuffer observe_;                      // [layers][window][Hq][d], KV dtype
+  std::vector<int32_t> host_ids_, host_positions_;
+};
+
+}  // namespace kvtier::engine
+
+#endif  // KVTIER_ENGINE_DECODER_H_
