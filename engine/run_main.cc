@@ -395,19 +395,21 @@ int RunGenerate(const Flags& f) {
     const double held = r.full_kv_bytes > 0 ? static_cast<double>(r.device_kv_bytes) / r.full_kv_bytes : 0;
     std::pair<double, int64_t> agree{1.0, -1};
     if (ref != nullptr && ref != &r) agree = Agreement(ref->results[0].tokens, g0.tokens);
-    std::fprintf(stderr,
-                 "%-12s prefill %8.1f tokens/s  decode %7.2f tokens/s  KV on device %9.2f MiB "
-                 "of %9.2f MiB (%.3f)",
-                 r.mode.c_str(), prefill_tps, decode_tps, r.device_kv_bytes / 1048576.0,
-                 r.full_kv_bytes / 1048576.0, held);
-    if (r.stats.checked_heads > 0) {
-      std::fprintf(stderr, "  corrections %.3f", r.stats.correction_rate());
+    if (!f.quiet) {
+      std::fprintf(stderr,
+                   "%-12s prefill %8.1f tokens/s  decode %7.2f tokens/s  KV on device %9.2f MiB "
+                   "of %9.2f MiB (%.3f)",
+                   r.mode.c_str(), prefill_tps, decode_tps, r.device_kv_bytes / 1048576.0,
+                   r.full_kv_bytes / 1048576.0, held);
+      if (r.stats.checked_heads > 0) {
+        std::fprintf(stderr, "  corrections %.3f", r.stats.correction_rate());
+      }
+      if (ref != nullptr && ref != &r) {
+        std::fprintf(stderr, "  agreement with %s %.3f (first difference at %lld)",
+                     ref->mode.c_str(), agree.first, static_cast<long long>(agree.second));
+      }
+      std::fprintf(stderr, "\n");
     }
-    if (ref != nullptr && ref != &r) {
-      std::fprintf(stderr, "  agreement with %s %.3f (first difference at %lld)", ref->mode.c_str(),
-                   agree.first, static_cast<long long>(agree.second));
-    }
-    std::fprintf(stderr, "\n");
     json << (i ? ", " : "") << "{\"mode\": \"" << r.mode << "\", \"prefill_tokens_per_s\": "
          << prefill_tps << ", \"decode_tokens_per_s\": " << decode_tps
          << ", \"prefill_seconds\": " << g0.prefill_seconds << ", \"decode_seconds\": "

@@ -448,8 +448,9 @@ def write_card(info, path):
 The project's own model: a small Llama-architecture decoder trained from scratch on this
 repository's recipe (`engine/model/train.py`), so that kvtier can be measured on real learned
 attention without downloading weights. It is a research artefact for measuring KV-cache
-retrieval, not a useful language model: it writes fluent-looking nineteenth- and
-twentieth-century English prose with little meaning.
+retrieval, not a useful language model: sampled text reads like shuffled
+nineteenth-century State of the Union prose, and greedy continuations fall into loops within a
+few dozen tokens ("and the whale's head, and the whale's head, ...").
 
 | | |
 |---|---|
