@@ -33,6 +33,11 @@
 #include "core/status.h"
 #include "engine/generate.h"
 
+// The commit the binary was built from (engine/CMakeLists.txt passes git describe).
+#ifndef KVTIER_GIT_COMMIT
+#define KVTIER_GIT_COMMIT "unknown"
+#endif
+
 namespace kvtier::engine {
 namespace {
 
@@ -375,7 +380,8 @@ int RunGenerate(const Flags& f) {
     }
   }
   std::ostringstream json;
-  json << "{\"model\": \"" << JsonEscape(f.model) << "\", \"config\": \""
+  json << "{\"commit\": \"" << KVTIER_GIT_COMMIT << "\", \"threads\": " << f.threads
+       << ", \"model\": \"" << JsonEscape(f.model) << "\", \"config\": \""
        << JsonEscape(e.config().ToString()) << "\", \"device\": \"" << JsonEscape(e.device().Describe())
        << "\", \"kv_dtype\": \"" << DTypeName(dt) << "\", \"budget_tokens\": " << f.budget
        << ", \"page_size\": " << f.page_size << ", \"prompts\": " << prompts.size()
