@@ -99,6 +99,7 @@ class CpuMath final : public Math {
   }
 
   absl::Status CausalAttention(const CausalAttentionArgs& a) override {
+    if (a.m <= kRowsForLoops) return CausalAttentionRows(a);
     const int64_t n = a.first_pos + a.m;
     const int32_t group = a.q_heads / a.kv_heads;
     const int qs = a.q_heads * a.head_dim;   // row stride of q and out
@@ -162,6 +163,47 @@ class CpuMath final : public Math {
   }
 
  private:
+  // Decode-sized calls (a row or two per head): sgemm's blocking costs more than it saves.
+  static constexpr int64_t kRowsForLoops = 2;
+
+  absl::Status CausalAttentionRows(const CausalAttentionArgs& a) {
+    const int32_t group = a.q_heads / a.kv_heads;
+    const int64_t qs = int64_t{a.q_heads} * a.head_dim;
+    const int64_t kvs = int64_t{a.kv_heads} * a.head_dim;
+    const int32_t d = a.head_dim;
+    scores_.resize(static_cast<size_t>(a.first_pos + a.m));
+    for (int64_t i = 0; i < a.m; ++i) {
+      const int64_t visible = a.first_pos + i + 1;
+      for (int32_t h = 0; h < a.q_heads; ++h) {
+        const float* q = a.q + i * qs + int64_t{h} * d;
+        const float* k = a.k + int64_t{h / group} * d;
+        const float* v = a.v + int64_t{h / group} * d;
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < visible; ++j) {
+          const float* kj = k + j * kvs;
+          float dot = 0;
+          for (int32_t c = 0; c < d; ++c) dot += q[c] * kj[c];
+          scores_[j] = dot * a.scale;
+          mx = std::max(mx, scores_[j]);
+        }
+        float sum = 0;
+        for (int64_t j = 0; j < visible; ++j) {
+          scores_[j] = std::exp(scores_[j] - mx);
+          sum += scores_[j];
+        }
+        float* out = a.out + i * qs + int64_t{h} * d;
+        std::fill(out, out + d, 0.0f);
+        const float inv = 1.0f / sum;
+        for (int64_t j = 0; j < visible; ++j) {
+          const float p = scores_[j] * inv;
+          const float* vj = v + j * kvs;
+          for (int32_t c = 0; c < d; ++c) out[c] += p * vj[c];
+        }
+      }
+    }
+    return absl::OkStatus();
+  }
+
   Device& device_;
   Stream& stream_;
   std::vector<float> scores_;
