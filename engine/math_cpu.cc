@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <thread>
 #include <vector>
 
 #include <cblas.h>
@@ -27,9 +28,14 @@ class CpuMath final : public Math {
 
   absl::Status MatMul(const float* x, const float* w, const float* bias, float* y, int64_t m,
                       int64_t n, int64_t k) override {
-    if (m == 1) {
-      cblas_sgemv(CblasRowMajor, CblasNoTrans, static_cast<int>(n), static_cast<int>(k), 1.0f, w,
-                  static_cast<int>(k), x, 1, 0.0f, y, 1);
+    if (m <= kRowsForLoops) {
+      // Decode: row dot products on this thread. OpenBLAS's threads would spin between
+      // the many small calls of a step and take the core kvtier's stream workers need.
+      for (int64_t i = 0; i < m; ++i) {
+        for (int64_t j = 0; j < n; ++j) {
+          y[i * n + j] = Dot(x + i * k, w + j * k, static_cast<int32_t>(k));
+        }
+      }
     } else {
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m),
                   static_cast<int>(n), static_cast<int>(k), 1.0f, x, static_cast<int>(k), w,
@@ -163,50 +169,88 @@ class CpuMath final : public Math {
   }
 
  private:
-  // Decode-sized calls (a row or two per head): sgemm's blocking costs more than it saves.
+  // Decode-sized calls (a row or two): BLAS's blocking and threads cost more than they save.
   static constexpr int64_t kRowsForLoops = 2;
 
+  // The KV heads split over two threads (the CPU backend's attention uses its pool too, so
+  // the dense baseline is not held to one core).
   absl::Status CausalAttentionRows(const CausalAttentionArgs& a) {
+    const int64_t n = a.first_pos + a.m;
+    const int32_t group = a.q_heads / a.kv_heads;
+    rows_scores_[0].resize(static_cast<size_t>(group * n));
+    rows_scores_[1].resize(static_cast<size_t>(group * n));
+    const int32_t half = a.kv_heads / 2;
+    if (half == 0 || n < 256) {
+      AttendRows(a, 0, a.kv_heads, rows_scores_[0].data());
+      return absl::OkStatus();
+    }
+    std::thread other([&] { AttendRows(a, half, a.kv_heads, rows_scores_[1].data()); });
+    AttendRows(a, 0, half, rows_scores_[0].data());
+    other.join();
+    return absl::OkStatus();
+  }
+
+  // KV heads [kv_begin, kv_end) of the rows of `a`, with `scores` [group][n] as scratch.
+  static void AttendRows(const CausalAttentionArgs& a, int32_t kv_begin, int32_t kv_end,
+                         float* scores) {
     const int32_t group = a.q_heads / a.kv_heads;
     const int64_t qs = int64_t{a.q_heads} * a.head_dim;
     const int64_t kvs = int64_t{a.kv_heads} * a.head_dim;
     const int32_t d = a.head_dim;
-    scores_.resize(static_cast<size_t>(a.first_pos + a.m));
+    const int64_t n = a.first_pos + a.m;
     for (int64_t i = 0; i < a.m; ++i) {
       const int64_t visible = a.first_pos + i + 1;
-      for (int32_t h = 0; h < a.q_heads; ++h) {
-        const float* q = a.q + i * qs + int64_t{h} * d;
-        const float* k = a.k + int64_t{h / group} * d;
-        const float* v = a.v + int64_t{h / group} * d;
-        float mx = -INFINITY;
+      // The query heads of one KV head together, so each key and value row is read once.
+      for (int32_t kvh = kv_begin; kvh < kv_end; ++kvh) {
+        const float* q = a.q + i * qs + int64_t{kvh} * group * d;
+        const float* k = a.k + int64_t{kvh} * d;
+        const float* v = a.v + int64_t{kvh} * d;
         for (int64_t j = 0; j < visible; ++j) {
-          const float* kj = k + j * kvs;
-          float dot = 0;
-          for (int32_t c = 0; c < d; ++c) dot += q[c] * kj[c];
-          scores_[j] = dot * a.scale;
-          mx = std::max(mx, scores_[j]);
+          for (int32_t g = 0; g < group; ++g) {
+            scores[g * n + j] = Dot(q + g * d, k + j * kvs, d) * a.scale;
+          }
         }
-        float sum = 0;
-        for (int64_t j = 0; j < visible; ++j) {
-          scores_[j] = std::exp(scores_[j] - mx);
-          sum += scores_[j];
+        for (int32_t g = 0; g < group; ++g) {
+          float* s = scores + g * n;
+          const float mx = *std::max_element(s, s + visible);
+          float sum = 0;
+          for (int64_t j = 0; j < visible; ++j) {
+            s[j] = std::exp(s[j] - mx);
+            sum += s[j];
+          }
+          const float inv = 1.0f / sum;
+          for (int64_t j = 0; j < visible; ++j) s[j] *= inv;
         }
-        float* out = a.out + i * qs + int64_t{h} * d;
-        std::fill(out, out + d, 0.0f);
-        const float inv = 1.0f / sum;
+        float* out = a.out + i * qs + int64_t{kvh} * group * d;
+        std::fill(out, out + int64_t{group} * d, 0.0f);
         for (int64_t j = 0; j < visible; ++j) {
-          const float p = scores_[j] * inv;
           const float* vj = v + j * kvs;
-          for (int32_t c = 0; c < d; ++c) out[c] += p * vj[c];
+          for (int32_t g = 0; g < group; ++g) {
+            const float p = scores[g * n + j];
+            float* o = out + g * d;
+            for (int32_t c = 0; c < d; ++c) o[c] += p * vj[c];
+          }
         }
       }
     }
-    return absl::OkStatus();
+  }
+
+  // A dot product in eight independent partial sums (vectorises without reassociation).
+  static float Dot(const float* a, const float* b, int32_t n) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int32_t c = 0;
+    for (; c + 8 <= n; c += 8) {
+      for (int32_t l = 0; l < 8; ++l) acc[l] += a[c + l] * b[c + l];
+    }
+    float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; c < n; ++c) sum += a[c] * b[c];
+    return sum;
   }
 
   Device& device_;
   Stream& stream_;
   std::vector<float> scores_;
+  std::vector<float> rows_scores_[2];
 };
 
 }  // namespace
