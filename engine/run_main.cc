@@ -172,7 +172,7 @@ struct ModeRun {
   std::vector<GenerateResult> results;  // one per sequence of the batch
   SequenceStats stats;                  // summed over the batch
   int64_t full_kv_bytes = 0;            // the whole cache, all sequences, at the end
-  int64_t device_kv_bytes = 0;          // held on the device side at the end
+  int64_t device_kv_bytes = 0;          // held on the device side at the end; −1: unknown
   std::string text;                     // sequence 0's
 };
 
@@ -263,7 +263,8 @@ absl::StatusOr<ModeRun> RunMode(Engine& engine, const Flags& f, const std::strin
       run.stats.resident_head_pages += st.resident_head_pages;
     }
     run.full_kv_bytes = FullKvBytes(engine.config(), dt, total_tokens);
-    run.device_kv_bytes = run.stats.resident_bytes;
+    // A GRPC session's working set is in kvtierd, whose step replies do not carry it: −1.
+    run.device_kv_bytes = seqs[0]->local() == nullptr ? -1 : run.stats.resident_bytes;
     for (auto& s : owned) KVTIER_RETURN_IF_ERROR(s->Close());
   }
   if (stream_text) std::cout << utf8.Flush() << std::flush;
@@ -402,11 +403,14 @@ int RunGenerate(const Flags& f) {
     std::pair<double, int64_t> agree{1.0, -1};
     if (ref != nullptr && ref != &r) agree = Agreement(ref->results[0].tokens, g0.tokens);
     if (!f.quiet) {
-      std::fprintf(stderr,
-                   "%-12s prefill %8.1f tokens/s  decode %7.2f tokens/s  KV on device %9.2f MiB "
-                   "of %9.2f MiB (%.3f)",
-                   r.mode.c_str(), prefill_tps, decode_tps, r.device_kv_bytes / 1048576.0,
-                   r.full_kv_bytes / 1048576.0, held);
+      std::fprintf(stderr, "%-12s prefill %8.1f tokens/s  decode %7.2f tokens/s  ", r.mode.c_str(),
+                   prefill_tps, decode_tps);
+      if (r.device_kv_bytes < 0) {
+        std::fprintf(stderr, "KV working set in kvtierd (not reported over gRPC)");
+      } else {
+        std::fprintf(stderr, "KV on device %9.2f MiB of %9.2f MiB (%.3f)",
+                     r.device_kv_bytes / 1048576.0, r.full_kv_bytes / 1048576.0, held);
+      }
       if (r.stats.checked_heads > 0) {
         std::fprintf(stderr, "  corrections %.3f", r.stats.correction_rate());
       }
