@@ -119,14 +119,7 @@ class CpuMath final : public Math {
       for (int64_t i = 0; i < a.m; ++i) {
         float* row = scores_.data() + i * n;
         const int64_t visible = a.first_pos + i + 1;
-        const float mx = *std::max_element(row, row + visible);
-        float sum = 0;
-        for (int64_t j = 0; j < visible; ++j) {
-          row[j] = std::exp(row[j] - mx);
-          sum += row[j];
-        }
-        const float inv = 1.0f / sum;
-        for (int64_t j = 0; j < visible; ++j) row[j] *= inv;
+        Softmax(row, visible);
         std::fill(row + visible, row + n, 0.0f);
       }
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(a.m), a.head_dim,
@@ -210,17 +203,7 @@ class CpuMath final : public Math {
             scores[g * n + j] = Dot(q + g * d, k + j * kvs, d) * a.scale;
           }
         }
-        for (int32_t g = 0; g < group; ++g) {
-          float* s = scores + g * n;
-          const float mx = *std::max_element(s, s + visible);
-          float sum = 0;
-          for (int64_t j = 0; j < visible; ++j) {
-            s[j] = std::exp(s[j] - mx);
-            sum += s[j];
-          }
-          const float inv = 1.0f / sum;
-          for (int64_t j = 0; j < visible; ++j) s[j] *= inv;
-        }
+        for (int32_t g = 0; g < group; ++g) Softmax(scores + g * n, visible);
         float* out = a.out + i * qs + int64_t{kvh} * group * d;
         std::fill(out, out + int64_t{group} * d, 0.0f);
         for (int64_t j = 0; j < visible; ++j) {
@@ -233,6 +216,18 @@ class CpuMath final : public Math {
         }
       }
     }
+  }
+
+  // row[0, n) = softmax(row[0, n)), in place.
+  static void Softmax(float* row, int64_t n) {
+    const float mx = *std::max_element(row, row + n);
+    float sum = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      row[j] = std::exp(row[j] - mx);
+      sum += row[j];
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t j = 0; j < n; ++j) row[j] *= inv;
   }
 
   // A dot product in eight independent partial sums (vectorises without reassociation).
