@@ -76,11 +76,14 @@ absl::Status Decoder::Init() {
   return absl::OkStatus();
 }
 
-absl::Status Decoder::Upload(const std::vector<int32_t>& host, DeviceBuffer& dst) {
-  KVTIER_RETURN_IF_ERROR(
-      math_.device().Copy(stream_, dst.data(), host.data(), host.size() * sizeof(int32_t)));
-  // The Math on the CPU reads it right away; a GPU copy from pageable memory has been
-  // staged when it returns, but the host vector is rewritten next step.
+absl::Status Decoder::UploadStep() {
+  Device& dev = math_.device();
+  KVTIER_RETURN_IF_ERROR(dev.Copy(stream_, ids_.data(), host_ids_.data(),
+                                  host_ids_.size() * sizeof(int32_t)));
+  KVTIER_RETURN_IF_ERROR(dev.Copy(stream_, positions_.data(), host_positions_.data(),
+                                  host_positions_.size() * sizeof(int32_t)));
+  // The Math on the CPU reads them right away; a GPU copy from pageable memory has been
+  // staged when it returns, but the host vectors are rewritten next step.
   return stream_.Synchronize();
 }
 
@@ -170,8 +173,7 @@ absl::Status Decoder::PrefillInto(Sequence* seq, DenseKv& kv, const std::vector<
     host_ids_.assign(ids.begin() + done, ids.begin() + done + m);
     host_positions_.resize(m);
     for (int64_t i = 0; i < m; ++i) host_positions_[i] = static_cast<int32_t>(pos0 + i);
-    KVTIER_RETURN_IF_ERROR(Upload(host_ids_, ids_));
-    KVTIER_RETURN_IF_ERROR(Upload(host_positions_, positions_));
+    KVTIER_RETURN_IF_ERROR(UploadStep());
     auto attention = [&](int32_t l, int64_t rows) -> absl::Status {
       CausalAttentionArgs a;
       a.q = q_.as<float>();
@@ -264,8 +266,7 @@ absl::Status Decoder::Step(const std::vector<Sequence*>& seqs, const std::vector
     host_positions_[i] = seqs[i]->num_tokens(0);
   }
   host_ids_ = tokens;
-  KVTIER_RETURN_IF_ERROR(Upload(host_ids_, ids_));
-  KVTIER_RETURN_IF_ERROR(Upload(host_positions_, positions_));
+  KVTIER_RETURN_IF_ERROR(UploadStep());
   const int64_t qd = int64_t{c.q_heads} * c.head_dim;
   const int64_t kvd = int64_t{c.kv_heads} * c.head_dim;
   const DType dt = options_.kv_dtype;
@@ -288,7 +289,7 @@ absl::Status Decoder::Step(const std::vector<Sequence*>& seqs, const std::vector
         KVTIER_RETURN_IF_ERROR(local->Attend(l, q, out, nullptr));
         KVTIER_RETURN_IF_ERROR(local->EndStep(l, q));
       } else if (host_memory) {
-        KVTIER_RETURN_IF_ERROR(math_.Fence());
+        // The CPU Math wrote q, k and v before returning; a remote call reads them now.
         KVTIER_RETURN_IF_ERROR(s.Append(l, k, v, 1));
         KVTIER_RETURN_IF_ERROR(s.Decode(l, q, out, nullptr));
       } else {

@@ -102,7 +102,8 @@ class Decoder {
   absl::Status PrefillInto(Sequence* seq, DenseKv& kv, const std::vector<int32_t>& ids,
                            std::vector<float>* logits,
                            const std::function<void(int64_t, int64_t)>& progress);
-  absl::Status Upload(const std::vector<int32_t>& host, DeviceBuffer& dst);
+  // host_ids_ and host_positions_ into ids_ and positions_, waited for.
+  absl::Status UploadStep();
 
   const LlamaConfig& config_;
   const LlamaWeights& weights_;

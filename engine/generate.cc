@@ -139,6 +139,24 @@ int32_t Sample(const float* logits, int32_t vocab, const GenerateOptions& o, std
 
 double Seconds(absl::Time since) { return absl::ToDoubleSeconds(absl::Now() - since); }
 
+absl::Status CheckOptions(const GenerateOptions& o) {
+  if (o.max_new_tokens >= 1) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrFormat("generate: max_new_tokens = %d must be at least 1", o.max_new_tokens));
+}
+
+// Keeps the logits row (when asked), samples the next token of sequence `index` into `r`
+// and streams it. True when `r` is complete (max_new_tokens, or its EOS).
+bool TakeToken(const float* row, int32_t vocab, int32_t eos, int32_t index,
+               const GenerateOptions& o, std::mt19937_64& rng, GenerateResult& r,
+               const TokenFn& on_token) {
+  if (o.keep_logits) r.logits.emplace_back(row, row + vocab);
+  const int32_t t = Sample(row, vocab, o, rng);
+  r.tokens.push_back(t);
+  if (on_token) on_token(index, t);
+  return static_cast<int32_t>(r.tokens.size()) >= o.max_new_tokens || (o.stop_at_eos && t == eos);
+}
+
 }  // namespace
 
 absl::StatusOr<std::vector<GenerateResult>> Generate(Engine& engine,
@@ -152,10 +170,7 @@ absl::StatusOr<std::vector<GenerateResult>> Generate(Engine& engine,
         "generate: %d sequences and %d prompts: need one prompt per sequence", seqs.size(),
         prompts.size()));
   }
-  if (options.max_new_tokens < 1) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "generate: max_new_tokens = %d must be at least 1", options.max_new_tokens));
-  }
+  KVTIER_RETURN_IF_ERROR(CheckOptions(options));
   const int32_t vocab = engine.config().vocab;
   const int32_t eos = engine.tokenizer().eos();
   std::mt19937_64 rng(options.seed);
@@ -166,13 +181,7 @@ absl::StatusOr<std::vector<GenerateResult>> Generate(Engine& engine,
   for (const auto& p : prompts) total_prompt += static_cast<int64_t>(p.size());
   std::vector<bool> finished(seqs.size(), false);
   auto take = [&](size_t b, const float* row) {
-    GenerateResult& r = results[b];
-    if (options.keep_logits) r.logits.emplace_back(row, row + vocab);
-    const int32_t t = Sample(row, vocab, options, rng);
-    r.tokens.push_back(t);
-    if (on_token) on_token(static_cast<int32_t>(b), t);
-    if (static_cast<int32_t>(r.tokens.size()) >= options.max_new_tokens ||
-        (options.stop_at_eos && t == eos)) {
+    if (TakeToken(row, vocab, eos, static_cast<int32_t>(b), options, rng, results[b], on_token)) {
       finished[b] = true;
     }
   };
@@ -221,10 +230,7 @@ absl::StatusOr<std::vector<GenerateResult>> Generate(Engine& engine,
 absl::StatusOr<GenerateResult> GenerateDense(Engine& engine, const std::vector<int32_t>& prompt,
                                              const GenerateOptions& options,
                                              const TokenFn& on_token, const ProgressFn& progress) {
-  if (options.max_new_tokens < 1) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "generate: max_new_tokens = %d must be at least 1", options.max_new_tokens));
-  }
+  KVTIER_RETURN_IF_ERROR(CheckOptions(options));
   const int32_t vocab = engine.config().vocab;
   KVTIER_ASSIGN_OR_RETURN(
       std::unique_ptr<DenseKv> kv,
@@ -238,16 +244,9 @@ absl::StatusOr<GenerateResult> GenerateDense(Engine& engine, const std::vector<i
   KVTIER_RETURN_IF_ERROR(engine.decoder().PrefillDense(*kv, prompt, &logits, progress));
   r.prefill_seconds = Seconds(t0);
   t0 = absl::Now();
-  for (;;) {
-    if (options.keep_logits) r.logits.emplace_back(logits.begin(), logits.end());
-    const int32_t t = Sample(logits.data(), vocab, options, rng);
-    r.tokens.push_back(t);
-    if (on_token) on_token(0, t);
-    if (static_cast<int32_t>(r.tokens.size()) >= options.max_new_tokens ||
-        (options.stop_at_eos && t == engine.tokenizer().eos())) {
-      break;
-    }
-    KVTIER_RETURN_IF_ERROR(engine.decoder().StepDense(*kv, t, &logits));
+  const int32_t eos = engine.tokenizer().eos();
+  while (!TakeToken(logits.data(), vocab, eos, 0, options, rng, r, on_token)) {
+    KVTIER_RETURN_IF_ERROR(engine.decoder().StepDense(*kv, r.tokens.back(), &logits));
     ++r.decode_steps;
   }
   r.decode_seconds = Seconds(t0);
