@@ -358,6 +358,22 @@ int RunGenerate(const Flags& f) {
     client = *std::move(c);
   }
   std::vector<std::string> modes = absl::StrSplit(f.modes, ',', absl::SkipEmpty());
+  // Flags every mode needs are checked before any mode runs.
+  for (const std::string& m : modes) {
+    RetrievalMode mode;
+    if (m != "dense" && !ParseMode(m, &mode)) {
+      std::cerr << "kvtier-run: --modes: unknown mode '" << m
+                << "' (full, sync, speculative, drop, dense)\n";
+      return 2;
+    }
+    SequenceOptions check;
+    if (m != "dense" && mode != RetrievalMode::kFull) {
+      if (absl::Status st = check.SetBudgetTokens(f.budget, f.page_size); !st.ok()) {
+        std::cerr << "kvtier-run: --budget: " << st.message() << "\n";
+        return 2;
+      }
+    }
+  }
   std::vector<ModeRun> runs;
   for (size_t i = 0; i < modes.size(); ++i) {
     const bool stream = i == 0 && !f.no_stream;
