@@ -22,7 +22,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "bench/plot.h"
+#include "core/plot.h"
 #include "core/status.h"
 #include "offload/host_arena.h"
 #include "offload/numa_topology.h"

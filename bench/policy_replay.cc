@@ -12,7 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "bench/plot.h"
+#include "core/plot.h"
 #include "bench/replay_bench.h"
 #include "bench/synthetic_kv.h"
 #include "core/status.h"

@@ -1,4 +1,4 @@
-#include "bench/plot.h"
+#include "core/plot.h"
 
 #include <unistd.h>
 #include <zlib.h>

@@ -1,4 +1,4 @@
-// A small, dependency-light line-chart writer for the benchmarks: renders series to an RGB
+// A small, dependency-light line-chart writer for the benchmarks and kvtier-run eval: renders series to an RGB
 // raster with its own 5×7 bitmap font and encodes it as a PNG (zlib only), so a benchmark
 // can leave a plot next to its JSON on machines without matplotlib or gnuplot.
 //
@@ -10,8 +10,8 @@
 //
 // Thread-safety: the functions keep no shared state; concurrent calls are safe (two calls
 // writing the same path race, but each rename is atomic: the file is one complete image).
-#ifndef KVTIER_BENCH_PLOT_H_
-#define KVTIER_BENCH_PLOT_H_
+#ifndef KVTIER_CORE_PLOT_H_
+#define KVTIER_CORE_PLOT_H_
 
 #include <array>
 #include <cstdint>
@@ -21,7 +21,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
-namespace kvtier::bench {
+namespace kvtier {
 
 struct PlotColor {
   uint8_t r = 0, g = 0, b = 0;
@@ -63,6 +63,6 @@ absl::Status WriteLinePlot(const std::string& path, const PlotOptions& o,
 absl::StatusOr<std::string> RenderLinePlotPng(const PlotOptions& o,
                                               const std::vector<PlotSeries>& series);
 
-}  // namespace kvtier::bench
+}  // namespace kvtier
 
-#endif  // KVTIER_BENCH_PLOT_H_
+#endif  // KVTIER_CORE_PLOT_H_

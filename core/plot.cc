@@ -1,4 +1,4 @@
-#include "bench/plot.h"
+#include "core/plot.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -17,7 +17,7 @@
 #include "absl/strings/str_format.h"
 #include "core/status.h"
 
-namespace kvtier::bench {
+namespace kvtier {
 namespace {
 
 // 5×8 glyphs of ASCII 32..126, one byte per column (left to right), bit 0 = top row; rows
@@ -414,4 +414,4 @@ absl::Status WriteLinePlot(const std::string& path, const PlotOptions& o,
   return st;
 }
 
-}  // namespace kvtier::bench
+}  // namespace kvtier
