@@ -67,10 +67,12 @@ absl::Status Decoder::Init() {
       {&v_kv_, rows_ * kvd * e},
       {&out_kv_, rows_ * qd * e},
       {&observe_, std::max<size_t>(1, size_t(c.layers) * options_.observe_window * qd * e)},
+      {&delta_, rows_ * c.layers * f},
   };
   for (const Item& it : items) {
     KVTIER_ASSIGN_OR_RETURN(*it.buf, dev.Allocate(it.bytes));
   }
+  host_delta_.resize(rows_ * c.layers);
   host_ids_.reserve(rows_);
   host_positions_.reserve(rows_);
   return absl::OkStatus();
@@ -87,10 +89,55 @@ absl::Status Decoder::UploadStep() {
   return stream_.Synchronize();
 }
 
+absl::Status Decoder::Observe(int32_t layer, int64_t m, const float* k, const float* v) {
+  const LlamaConfig& c = config_;
+  const int64_t qd = int64_t{c.q_heads} * c.head_dim;
+  const int64_t kvd = int64_t{c.kv_heads} * c.head_dim;
+  host_q_.resize(m * qd);
+  host_k_.resize(m * kvd);
+  host_v_.resize(m * kvd);
+  Device& dev = math_.device();
+  KVTIER_RETURN_IF_ERROR(math_.Fence());
+  KVTIER_RETURN_IF_ERROR(dev.Copy(stream_, host_q_.data(), q_.data(), host_q_.size() * sizeof(float)));
+  KVTIER_RETURN_IF_ERROR(dev.Copy(stream_, host_k_.data(), k, host_k_.size() * sizeof(float)));
+  KVTIER_RETURN_IF_ERROR(dev.Copy(stream_, host_v_.data(), v, host_v_.size() * sizeof(float)));
+  KVTIER_RETURN_IF_ERROR(stream_.Synchronize());
+  LayerRows r;
+  r.layer = layer;
+  r.rows = m;
+  r.positions = host_positions_.data();
+  r.q = host_q_.data();
+  r.k = host_k_.data();
+  r.v = host_v_.data();
+  return observer_(r);
+}
+
+absl::StatusOr<float*> Decoder::LastHidden(const Sequence* seq) {
+  auto it = last_hidden_.find(seq);
+  if (it == last_hidden_.end()) {
+    const size_t bytes = size_t(config_.layers) * config_.dim * sizeof(float);
+    KVTIER_ASSIGN_OR_RETURN(DeviceBuffer b, math_.device().Allocate(bytes));
+    it = last_hidden_.emplace(seq, std::move(b)).first;
+  }
+  return it->second.as<float>();
+}
+
+absl::Status Decoder::HiddenDelta(int32_t layer, const float* x, int64_t m, float* prev,
+                                  int64_t row0, bool first_token) {
+  const int64_t d = config_.dim;
+  const int64_t n_layers = config_.layers;
+  float* prev_l = prev + layer * d;
+  float* out = delta_.as<float>() + row0 * n_layers + layer;
+  if (first_token) KVTIER_RETURN_IF_ERROR(math_.Copy(prev_l, x, d));
+  KVTIER_RETURN_IF_ERROR(math_.RowDistance(x, prev_l, out, 1, d, n_layers));
+  if (m > 1) KVTIER_RETURN_IF_ERROR(math_.RowDistance(x + d, x, out + n_layers, m - 1, d, n_layers));
+  return math_.Copy(prev_l, x + (m - 1) * d, d);
+}
+
 absl::Status Decoder::Forward(int64_t m, const std::function<float*(int32_t)>& k_rows,
                               const std::function<float*(int32_t)>& v_rows,
-                              const AttentionFn& attention, int64_t logit_rows,
-                              std::vector<float>* logits) {
+                              const AttentionFn& attention, const AfterLayerFn& after_layer,
+                              int64_t logit_rows, std::vector<float>* logits) {
   const LlamaConfig& c = config_;
   const LlamaWeights& w = weights_;
   const int64_t qd = int64_t{c.q_heads} * c.head_dim;
@@ -120,6 +167,7 @@ absl::Status Decoder::Forward(int64_t m, const std::function<float*(int32_t)>& k
     r.x = k;
     r.heads = c.kv_heads;
     KVTIER_RETURN_IF_ERROR(math_.Rope(r));
+    if (observer_) KVTIER_RETURN_IF_ERROR(Observe(l, m, k, v));
     KVTIER_RETURN_IF_ERROR(attention(l, m));
     KVTIER_RETURN_IF_ERROR(math_.MatMul(attn_.as<float>(), lw.wo.as<float>(), nullptr, h, m, c.dim, qd));
     KVTIER_RETURN_IF_ERROR(math_.Add(x, h, m * c.dim));
@@ -132,6 +180,7 @@ absl::Status Decoder::Forward(int64_t m, const std::function<float*(int32_t)>& k
     KVTIER_RETURN_IF_ERROR(
         math_.MatMul(gate_.as<float>(), lw.w_down.as<float>(), nullptr, h, m, c.dim, c.ffn));
     KVTIER_RETURN_IF_ERROR(math_.Add(x, h, m * c.dim));
+    if (after_layer) KVTIER_RETURN_IF_ERROR(after_layer(l, x));
   }
   const float* last = x + (m - logit_rows) * c.dim;
   KVTIER_RETURN_IF_ERROR(math_.RmsNorm(last, w.output_norm.as<float>(), h, logit_rows, c.dim, c.eps));
@@ -167,6 +216,10 @@ absl::Status Decoder::PrefillInto(Sequence* seq, DenseKv& kv, const std::vector<
   const int64_t window = std::min<int64_t>(options_.observe_window, n);
   LocalSequence* local = seq != nullptr ? seq->local() : nullptr;
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  float* prev = nullptr;  // the sequence's last hidden states
+  if (local != nullptr && options_.report_hidden_delta) {
+    KVTIER_ASSIGN_OR_RETURN(prev, LastHidden(seq));
+  }
   for (int64_t done = 0; done < n;) {
     const int64_t m = std::min<int64_t>(options_.prefill_chunk, n - done);
     const int64_t pos0 = start + done;
@@ -202,9 +255,16 @@ absl::Status Decoder::PrefillInto(Sequence* seq, DenseKv& kv, const std::vector<
       // k_kv_/v_kv_ are rewritten by the next layer: the append must have read them.
       return math_.Fence();
     };
+    AfterLayerFn after_layer;
+    if (local != nullptr && options_.report_hidden_delta) {
+      after_layer = [&](int32_t l, const float* x) {
+        return HiddenDelta(l, x, m, prev, 0, /*first_token=*/pos0 == 0);
+      };
+    }
     KVTIER_RETURN_IF_ERROR(Forward(
         m, [&](int32_t l) { return kv.k(l, pos0); }, [&](int32_t l) { return kv.v(l, pos0); },
-        attention, 1, logits));
+        attention, after_layer, 1, logits));
+    if (after_layer) KVTIER_RETURN_IF_ERROR(ReportHiddenDelta(*local, pos0, m, 0));
     done += m;
     kv.set_length(start + done);
     if (progress) progress(done, n);
@@ -315,17 +375,43 @@ absl::Status Decoder::Step(const std::vector<Sequence*>& seqs, const std::vector
     KVTIER_RETURN_IF_ERROR(math_.Fence());
     return math_.FromDType(out_kv_.data(), dt, attn_.as<float>(), rows * qd);
   };
-  KVTIER_RETURN_IF_ERROR(Forward(b, nullptr, nullptr, attention, b, logits));
-  if (options_.report_logits) {
+  // The local sequences' last hidden states, for their hidden-state changes.
+  std::vector<float*> prev(b, nullptr);
+  AfterLayerFn after_layer;
+  if (options_.report_hidden_delta) {
     for (int64_t i = 0; i < b; ++i) {
-      LocalSequence* local = seqs[i]->local();
-      if (local == nullptr) continue;
-      StepSignals s;
-      s.first_position = host_positions_[i];
-      s.num_tokens = 1;
-      s.logits = std::span<const float>(logits->data() + i * c.vocab, c.vocab);
-      KVTIER_RETURN_IF_ERROR(local->ReportSignals(s));
+      if (seqs[i]->local() == nullptr) continue;
+      KVTIER_ASSIGN_OR_RETURN(prev[i], LastHidden(seqs[i]));
     }
+    after_layer = [&](int32_t l, const float* x) -> absl::Status {
+      for (int64_t i = 0; i < b; ++i) {
+        if (prev[i] != nullptr) {
+          KVTIER_RETURN_IF_ERROR(HiddenDelta(l, x + i * c.dim, 1, prev[i], i, false));
+        }
+      }
+      return absl::OkStatus();
+    };
+  }
+  KVTIER_RETURN_IF_ERROR(Forward(b, nullptr, nullptr, attention, after_layer, b, logits));
+  if (after_layer) {
+    KVTIER_RETURN_IF_ERROR(math_.device().Copy(stream_, host_delta_.data(), delta_.data(),
+                                               b * c.layers * sizeof(float)));
+    KVTIER_RETURN_IF_ERROR(stream_.Synchronize());
+  }
+  for (int64_t i = 0; i < b; ++i) {
+    LocalSequence* local = seqs[i]->local();
+    if (local == nullptr || (!options_.report_logits && !after_layer)) continue;
+    StepSignals s;
+    s.first_position = host_positions_[i];
+    s.num_tokens = 1;
+    if (options_.report_logits) {
+      s.logits = std::span<const float>(logits->data() + i * c.vocab, c.vocab);
+    }
+    if (after_layer) {
+      s.hidden_delta = std::span<const float>(host_delta_.data() + i * c.layers, c.layers);
+      s.num_layers = c.layers;
+    }
+    KVTIER_RETURN_IF_ERROR(local->ReportSignals(s));
   }
   return absl::OkStatus();
 }
@@ -337,6 +423,21 @@ absl::Status Decoder::StepDense(DenseKv& kv, int32_t token, std::vector<float>* 
         absl::StrFormat("step: the dense KV cache is full (%d tokens)", kv.capacity()));
   }
   return PrefillInto(nullptr, kv, {token}, logits, {});
+}
+
+absl::Status Decoder::ReportHiddenDelta(LocalSequence& seq, int64_t first_position, int64_t m,
+                                        int64_t row0) {
+  const int32_t n_layers = config_.layers;
+  KVTIER_RETURN_IF_ERROR(math_.device().Copy(stream_, host_delta_.data(),
+                                             delta_.as<float>() + row0 * n_layers,
+                                             m * n_layers * sizeof(float)));
+  KVTIER_RETURN_IF_ERROR(stream_.Synchronize());
+  StepSignals s;
+  s.first_position = first_position;
+  s.num_tokens = static_cast<int32_t>(m);
+  s.hidden_delta = std::span<const float>(host_delta_.data(), m * n_layers);
+  s.num_layers = n_layers;
+  return seq.ReportSignals(s);
 }
 
 }  // namespace kvtier::engine

@@ -16,6 +16,8 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -26,6 +28,18 @@
 
 namespace kvtier::engine {
 
+// One layer's rows of a forward pass, after RoPE, in host memory (F32): what an observer
+// (kvtier-run eval and trace) sees. Rows are the prompt chunk's tokens, or the decode batch's
+// sequences in order.
+struct LayerRows {
+  int32_t layer = 0;
+  int64_t rows = 0;
+  const int32_t* positions = nullptr;  // [rows]
+  const float* q = nullptr;            // [rows][Hq][d]
+  const float* k = nullptr;            // [rows][Hkv][d]
+  const float* v = nullptr;            // [rows][Hkv][d]
+};
+
 struct DecoderOptions {
   DType kv_dtype = DType::kF16;  // of the K/V (and q) handed to kvtier
   int32_t prefill_chunk = 256;   // prompt tokens per forward pass
@@ -34,7 +48,17 @@ struct DecoderOptions {
   int32_t observe_window = 32;
   // Report each step's next-token logits to the sequences' policies (ReportSignals).
   bool report_logits = true;
+  // Report each token's hidden-state change per layer, ‖h_l(t) − h_l(t−1)‖ with h_l the
+  // residual stream after layer l (0 for a sequence's first token), to the sequences'
+  // policies (StepSignals::hidden_delta: EpiKV). Computed on the device; per local sequence
+  // the decoder keeps the last h_l of every layer until Forget().
+  bool report_hidden_delta = true;
 };
+
+// Called for every layer of every forward pass (prefills and steps, dense ones too) with its
+// rows: evaluation and trace dumps only — it costs a copy to the host and a wait per layer.
+// An error stops the pass.
+using LayerObserver = std::function<absl::Status(const LayerRows&)>;
 
 // A dense F32 KV cache in device memory: K and V [layers][capacity][Hkv][d].
 class DenseKv {
@@ -84,6 +108,13 @@ class Decoder {
   // One decode step over the dense cache (batch 1).
   absl::Status StepDense(DenseKv& kv, int32_t token, std::vector<float>* logits);
 
+  // Installs (or, with an empty function, removes) the layer observer.
+  void SetLayerObserver(LayerObserver observer) { observer_ = std::move(observer); }
+
+  // Drops what the decoder keeps for `seq` (its last hidden states); call before the
+  // sequence is destroyed.
+  void Forget(const Sequence* seq) { last_hidden_.erase(seq); }
+
  private:
   Decoder(const LlamaConfig& config, const LlamaWeights& weights, Math& math, Stream& stream,
           const DecoderOptions& options)
@@ -92,13 +123,27 @@ class Decoder {
 
   // Attention of layer l for the m rows of q_, k_, v_ (RoPE applied) into attn_.
   using AttentionFn = std::function<absl::Status(int32_t layer, int64_t m)>;
+  // After layer l: its output rows x (the residual stream, device memory).
+  using AfterLayerFn = std::function<absl::Status(int32_t layer, const float* x)>;
   // The forward pass of m rows (ids_ and positions_ uploaded); with `k_rows`/`v_rows`
   // non-null, layer l's K/V rows are written at k_rows(l) instead of k_. Logits of the
   // last `logit_rows` rows into `logits`.
   absl::Status Forward(int64_t m, const std::function<float*(int32_t)>& k_rows,
                        const std::function<float*(int32_t)>& v_rows,
-                       const AttentionFn& attention, int64_t logit_rows,
-                       std::vector<float>* logits);
+                       const AttentionFn& attention, const AfterLayerFn& after_layer,
+                       int64_t logit_rows, std::vector<float>* logits);
+  // Hands layer l's rows to the observer (copied to the host).
+  absl::Status Observe(int32_t layer, int64_t m, const float* k, const float* v);
+  // The hidden-state change of rows [0, m) of x for layer l into delta_ [m][L]: rows
+  // follow each other (a prompt chunk) after `prev` (the sequence's last h_l, which then
+  // becomes x's last row); first_token: row 0 is the sequence's first (change 0).
+  absl::Status HiddenDelta(int32_t layer, const float* x, int64_t m, float* prev, int64_t row0,
+                           bool first_token);
+  // Copies delta_ rows [row0, row0 + m) to the host and reports them to `seq`.
+  absl::Status ReportHiddenDelta(LocalSequence& seq, int64_t first_position, int64_t m,
+                                 int64_t row0);
+  // The sequence's last-hidden buffer [L][dim] (created on first use).
+  absl::StatusOr<float*> LastHidden(const Sequence* seq);
   absl::Status PrefillInto(Sequence* seq, DenseKv& kv, const std::vector<int32_t>& ids,
                            std::vector<float>* logits,
                            const std::function<void(int64_t, int64_t)>& progress);
@@ -116,6 +161,11 @@ class Decoder {
   DeviceBuffer q_kv_, k_kv_, v_kv_, out_kv_;  // in the KV dtype
   DeviceBuffer observe_;                      // [layers][window][Hq][d], KV dtype
   std::vector<int32_t> host_ids_, host_positions_;
+  DeviceBuffer delta_;             // [rows][layers]: hidden-state changes of a pass
+  std::vector<float> host_delta_;  // its host copy
+  std::vector<float> host_q_, host_k_, host_v_;  // the observer's rows
+  std::unordered_map<const Sequence*, DeviceBuffer> last_hidden_;
+  LayerObserver observer_;
 };
 
 }  // namespace kvtier::engine

@@ -83,6 +83,7 @@ absl::StatusOr<std::unique_ptr<EngineSequence>> EngineSequence::Open(Engine& eng
                                                                      const SequenceSpec& spec,
                                                                      Client* client) {
   auto s = std::unique_ptr<EngineSequence>(new EngineSequence());
+  s->engine_ = &engine;
   const Geometry g =
       engine.config().KvGeometry(engine.decoder().options().kv_dtype, spec.page_size);
   SequenceOptions o = spec.options;
@@ -112,7 +113,12 @@ absl::StatusOr<std::unique_ptr<EngineSequence>> EngineSequence::Open(Engine& eng
   return s;
 }
 
+EngineSequence::~EngineSequence() {
+  if (session_ || local_) engine_->decoder().Forget(&sequence());
+}
+
 absl::Status EngineSequence::Close() {
+  engine_->decoder().Forget(&sequence());
   if (session_) return session_->Close();
   return local_->Close();
 }

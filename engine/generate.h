@@ -81,12 +81,14 @@ class EngineSequence {
   static absl::StatusOr<std::unique_ptr<EngineSequence>> Open(Engine& engine,
                                                               const SequenceSpec& spec,
                                                               Client* client);
+  ~EngineSequence();
   Sequence& sequence() { return session_ ? session_->sequence() : *local_; }
   // The kvtierd session's id; empty in-process.
   std::string session_id() const { return session_ ? session_->id() : std::string(); }
   absl::Status Close();
 
  private:
+  Engine* engine_ = nullptr;
   std::unique_ptr<LocalSequence> local_;
   std::unique_ptr<Session> session_;
 };

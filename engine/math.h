@@ -74,6 +74,12 @@ class Math {
   virtual absl::Status SiluMul(float* gate, const float* up, int64_t count) = 0;
   // y[i] += x[i].
   virtual absl::Status Add(float* y, const float* x, int64_t count) = 0;
+  // y[i] = x[i] for i < count (ordered with the other ops, unlike a Device copy on the CPU).
+  virtual absl::Status Copy(float* y, const float* x, int64_t count) = 0;
+  // out[i · out_stride] = ‖a[i] − b[i]‖₂ for rows i < m of d floats (the sum in double).
+  // The engine's hidden-state change per token and layer (StepSignals::hidden_delta).
+  virtual absl::Status RowDistance(const float* a, const float* b, float* out, int64_t m,
+                                   int64_t d, int64_t out_stride) = 0;
   // y[i][:] = table[ids[i]][:], table [vocab][d]. REQUIRES: ids in range (the engine checks).
   virtual absl::Status Embed(const int32_t* ids, const float* table, float* y, int64_t m,
                              int64_t d) = 0;

@@ -96,6 +96,24 @@ class CpuMath final : public Math {
     return absl::OkStatus();
   }
 
+  absl::Status Copy(float* y, const float* x, int64_t count) override {
+    if (count > 0) std::memmove(y, x, count * sizeof(float));
+    return absl::OkStatus();
+  }
+
+  absl::Status RowDistance(const float* a, const float* b, float* out, int64_t m, int64_t d,
+                           int64_t out_stride) override {
+    for (int64_t i = 0; i < m; ++i) {
+      double ss = 0;
+      for (int64_t j = 0; j < d; ++j) {
+        const double x = static_cast<double>(a[i * d + j]) - b[i * d + j];
+        ss += x * x;
+      }
+      out[i * out_stride] = static_cast<float>(std::sqrt(ss));
+    }
+    return absl::OkStatus();
+  }
+
   absl::Status Embed(const int32_t* ids, const float* table, float* y, int64_t m,
                      int64_t d) override {
     for (int64_t i = 0; i < m; ++i) {

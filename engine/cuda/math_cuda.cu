@@ -4,6 +4,7 @@
 //   - MatMul: one cublasSgemm (row-major y = x · wᵀ is column-major yᵀ = w · xᵀ, so w is
 //     passed transposed and x as is), then a bias kernel. The handle's math mode is
 //     CUBLAS_DEFAULT_MATH, so no TF32: results agree with OpenBLAS to fp32 rounding.
+//   - RowDistance: one block per row, the sum of squares in double as the CPU.
 //   - RmsNorm: one block per row; the sum of squares in double, as the CPU, then the same
 //     float expression for the scale.
 //   - Rope: one thread per (row, pair), angle and sin/cos in double as the CPU, the rotation
@@ -126,6 +127,29 @@ __global__ void RmsNormKernel(const float* x, const float* weight, float* y, int
   __syncthreads();
   const float inv = inv_shared;
   for (int64_t j = threadIdx.x; j < d; j += blockDim.x) out[j] = row[j] * inv * weight[j];
+}
+
+// One block per row: ‖a − b‖ with the sum of squares in double, as the CPU.
+__global__ void RowDistanceKernel(const float* a, const float* b, float* out, int64_t d,
+                                  int64_t out_stride) {
+  __shared__ double warp_sums[kThreads / kWarpSize];
+  const float* ra = a + blockIdx.x * d;
+  const float* rb = b + blockIdx.x * d;
+  double ss = 0;
+  for (int64_t j = threadIdx.x; j < d; j += blockDim.x) {
+    const double x = static_cast<double>(ra[j]) - rb[j];
+    ss += x * x;
+  }
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    ss += __shfl_xor_sync(kFullMask, ss, offset);
+  }
+  if (threadIdx.x % kWarpSize == 0) warp_sums[threadIdx.x / kWarpSize] = ss;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double total = 0;
+    for (int w = 0; w < static_cast<int>(blockDim.x) / kWarpSize; ++w) total += warp_sums[w];
+    out[blockIdx.x * out_stride] = static_cast<float>(sqrt(total));
+  }
 }
 
 // One thread per (row, pair): the angle's sin/cos once, applied to every head.
@@ -395,6 +419,26 @@ class CudaMath final : public Math {
     KVTIER_CUDA_SCOPED_DEVICE(ordinal_);
     AddKernel<<<GridFor(count), kThreads, 0, stream_>>>(y, x, count);
     return LaunchStatus("Add");
+  }
+
+  absl::Status Copy(float* y, const float* x, int64_t count) override {
+    KVTIER_RETURN_IF_ERROR(CheckCount("Copy", "count", count, INT64_MAX));
+    if (count == 0) return absl::OkStatus();
+    KVTIER_CUDA_SCOPED_DEVICE(ordinal_);
+    return CudaStatus(
+        cudaMemcpyAsync(y, x, count * sizeof(float), cudaMemcpyDeviceToDevice, stream_),
+        "Copy: cudaMemcpyAsync");
+  }
+
+  absl::Status RowDistance(const float* a, const float* b, float* out, int64_t m, int64_t d,
+                           int64_t out_stride) override {
+    KVTIER_RETURN_IF_ERROR(CheckCount("RowDistance", "m", m, INT_MAX));
+    KVTIER_RETURN_IF_ERROR(CheckCount("RowDistance", "d", d, INT64_MAX));
+    if (m == 0) return absl::OkStatus();
+    KVTIER_CUDA_SCOPED_DEVICE(ordinal_);
+    RowDistanceKernel<<<static_cast<unsigned>(m), kThreads, 0, stream_>>>(a, b, out, d,
+                                                                          out_stride);
+    return LaunchStatus("RowDistance");
   }
 
   absl::Status Embed(const int32_t* ids, const float* table, float* y, int64_t m,

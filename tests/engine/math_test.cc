@@ -278,6 +278,28 @@ TEST_P(MathTest, EmbedCopiesTableRows) {
   }
 }
 
+TEST_P(MathTest, RowDistanceIsTheNormOfRowDifferencesAtAStride) {
+  const int64_t m = 5, d = 300;  // d not a multiple of a block
+  const std::vector<float> a = RandomFloats(m * d, 21, -3.0f, 3.0f);
+  const std::vector<float> b = RandomFloats(m * d, 22, -3.0f, 3.0f);
+  const int64_t stride = 3;
+  std::vector<double> want(m * stride, -7.0), scale(m * stride, 1.0);
+  for (int64_t i = 0; i < m; ++i) {
+    double ss = 0;
+    for (int64_t j = 0; j < d; ++j) ss += std::pow(double(a[i * d + j]) - b[i * d + j], 2);
+    want[i * stride] = std::sqrt(ss);
+    scale[i * stride] = want[i * stride];
+  }
+  const std::vector<float> fill(m * stride, -7.0f);  // the gaps must stay untouched
+  DeviceBuffer da = Upload(a), db = Upload(b), dout = Upload(fill);
+  ASSERT_TRUE(math_->RowDistance(da.as<float>(), db.as<float>(), dout.as<float>(), m, d, stride).ok());
+  ExpectClose(Download<float>(dout, m * stride), want, scale, 1e-6, 0, "RowDistance");
+  // A row against itself is 0; Copy makes b's first row a's.
+  ASSERT_TRUE(math_->Copy(db.as<float>(), da.as<float>(), d).ok());
+  ASSERT_TRUE(math_->RowDistance(da.as<float>(), db.as<float>(), dout.as<float>(), 1, d, 1).ok());
+  EXPECT_EQ(Download<float>(dout, 1)[0], 0.0f);
+}
+
 // ---- CausalAttention ----------------------------------------------------------------------
 
 struct AttentionCase {
