@@ -4,6 +4,8 @@
 //
 //   kvtier-bench attention [--context N] [--batch B] [--json] ...
 //   kvtier-bench replay [--context N] [--steps N] [--budget B] [--tau 0.9,0.8] [--json] ...
+//   kvtier-bench replay --trace F [--layers all] [--step-range A:B] [--sink S --selected K
+//                       --recent R] [--backend cuda]        # a trace file (docs/trace-format.md)
 //   kvtier-bench replay --connect unix:///path/kvtierd.sock   # through kvtierd sessions
 //   kvtier-bench replay --policies [--budgets 512,1024] [--policy-list window,h2o] [--plot F]
 //   kvtier-bench ipc [--bytes N] [--json]
@@ -13,9 +15,11 @@
 #include <fstream>
 #include <iostream>
 #include <string>
+#include <vector>
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "bench/attention_bench.h"
@@ -42,11 +46,14 @@ int RunAttention(const kvtier::bench::AttentionBenchOptions& o, bool json, const
   return 0;
 }
 
+// Exit 2 for options the replay refused (INVALID_ARGUMENT) and a backend this build or
+// machine lacks (UNIMPLEMENTED); 1 for every other failure.
 int RunReplay(const kvtier::bench::ReplayBenchOptions& o, bool json, const std::string& out) {
   auto report = kvtier::bench::RunReplayBench(o, json ? std::cerr : std::cout);
   if (!report.ok()) {
     std::cerr << "kvtier-bench replay: " << report.status() << "\n";
-    return 1;
+    const absl::Status& st = report.status();
+    return absl::IsInvalidArgument(st) || absl::IsUnimplemented(st) ? 2 : 1;
   }
   if (json) std::cout << report->ToString() << "\n";
   if (!out.empty()) std::ofstream(out) << report->ToString() << "\n";
@@ -92,6 +99,119 @@ int RunIpc(const kvtier::bench::IpcBenchOptions& o, bool json, const std::string
   }
   if (json) std::cout << report->ToString() << "\n";
   if (!out.empty()) std::ofstream(out) << report->ToString() << "\n";
+  return 0;
+}
+
+// The replay's flags that are not plain fields of ReplayBenchOptions.
+struct ReplayFlags {
+  std::string layers, mass_layers, step_range, backend = "cpu";
+  int32_t sink = 0, selected = 0, recent = 0;
+};
+
+// The flags that describe the synthetic trace. With --trace, those that change what is
+// replayed (its sizes and geometry) are errors, the query process and seed a warning.
+struct SyntheticFlag {
+  const char* name;
+  bool error;
+  const char* hint;
+};
+constexpr SyntheticFlag kSyntheticFlags[] = {
+    {"--context", true, ""},
+    {"--steps", true, " (--step-range replays part of it)"},
+    {"--model-layers", true, " (--layers replays part of it)"},
+    {"--q-heads", true, ""},
+    {"--kv-heads", true, ""},
+    {"--head-dim", true, ""},
+    {"--page-size", true, ""},
+    {"--dtype", true, ""},
+    {"--step-cosine", false, ""},
+    {"--jump-probability", false, ""},
+    {"--seed", false, ""},
+};
+
+// "all" → kEveryLayer; otherwise an integer ≥ 0.
+bool ParseLayerCount(const std::string& s, int32_t* out) {
+  if (s == "all") {
+    *out = kvtier::bench::kEveryLayer;
+    return true;
+  }
+  return absl::SimpleAtoi(s, out) && *out >= 0;
+}
+
+// "A:B", "A:" (to the trace's end) or ":B" (from step 0), integers ≥ 0.
+bool ParseStepRange(const std::string& s, int32_t* begin, int32_t* end) {
+  const std::vector<std::string> parts = absl::StrSplit(s, ':');
+  if (parts.size() != 2) return false;
+  *begin = 0;
+  *end = -1;
+  if (!parts[0].empty() && (!absl::SimpleAtoi(parts[0], begin) || *begin < 0)) return false;
+  if (!parts[1].empty() && (!absl::SimpleAtoi(parts[1], end) || *end < 0)) return false;
+  return true;
+}
+
+// Checks and applies the replay flags that need to know which were given; 0, or the exit
+// code (2) after telling why.
+int ResolveReplayFlags(const CLI::App& replay, const ReplayFlags& f, bool policies,
+                       kvtier::bench::ReplayBenchOptions* ro) {
+  const auto given = [&](const char* name) { return replay.get_option(name)->count() > 0; };
+  const auto refuse = [](const std::string& why) {
+    std::cerr << "kvtier-bench replay: " << why << "\n";
+    return 2;
+  };
+  if (!ro->trace_path.empty()) {
+    for (const SyntheticFlag& s : kSyntheticFlags) {
+      if (!given(s.name)) continue;
+      if (s.error) {
+        return refuse(
+            absl::StrCat(s.name, " is for the synthetic trace; a trace file has its own", s.hint));
+      }
+      std::cerr << "kvtier-bench replay: warning: " << s.name
+                << " is for the synthetic trace; ignored with --trace\n";
+    }
+    if (given("--write-trace")) {
+      return refuse("--write-trace writes the synthetic trace; it cannot be used with --trace");
+    }
+  }
+  if (policies) {
+    for (const char* name : {"--sink", "--selected", "--recent", "--step-range"}) {
+      if (given(name)) return refuse(absl::StrCat(name, " is not used by --policies"));
+    }
+  }
+  if (given("--layers")) {
+    int32_t n = 0;
+    if (!ParseLayerCount(f.layers, &n)) {
+      return refuse("--layers must be a layer count (>= 1; 0 = all) or all, got " + f.layers);
+    }
+    ro->layers = n;
+  }
+  if (!ParseLayerCount(f.mass_layers, &ro->mass_layers)) {
+    return refuse("--mass-layers must be a layer count (>= 0) or all, got " + f.mass_layers);
+  }
+  const int split = given("--sink") + given("--selected") + given("--recent");
+  if (split != 0 && split != 3) {
+    return refuse(
+        "--sink, --selected and --recent go together (pages): give all three, or "
+        "--budget alone");
+  }
+  if (split == 3) {
+    ro->pages = kvtier::bench::ReplayBudgetPages{f.sink, f.selected, f.recent};
+    if (!given("--budget")) ro->budget_tokens = 0;  // their sum
+  }
+  if (given("--step-range") && !ParseStepRange(f.step_range, &ro->step_begin, &ro->step_end)) {
+    return refuse("--step-range must be A:B (half-open, A:, :B) with integers >= 0, got " +
+                  f.step_range);
+  }
+  if (!kvtier::ParseDeviceKind(f.backend, &ro->backend)) {
+    return refuse("--backend must be cpu, cuda or auto, got " + f.backend);
+  }
+  if (ro->backend == DeviceKind::kCuda && !kvtier::CudaBackendBuilt()) {
+    return refuse(
+        "--backend cuda: this build has no CUDA backend (configure with "
+        "-DKVTIER_WITH_CUDA=ON where nvcc is installed)");
+  }
+  if (ro->backend == DeviceKind::kCuda && kvtier::CudaDeviceCount() == 0) {
+    return refuse("--backend cuda: no usable CUDA device (kvtier-bench devices lists them)");
+  }
   return 0;
 }
 
@@ -158,8 +278,10 @@ int main(int argc, char** argv) {
   replay->add_option("--context", so.prefill_tokens, "synthetic: prefill tokens")
       ->capture_default_str();
   replay->add_option("--steps", so.num_steps, "synthetic: decode steps")->capture_default_str();
-  replay->add_option("--layers", ro.layers, "replay the first N layers (0 = all)")
-      ->capture_default_str();
+  ReplayFlags rf;
+  replay->add_option("--layers", rf.layers,
+                     "replay the first N layers, or all (default: 4 of the synthetic trace, all "
+                     "of a trace file)");
   replay->add_option("--model-layers", so.geometry.num_layers, "synthetic: layers of the shape")
       ->capture_default_str();
   replay->add_option("--q-heads", so.geometry.num_q_heads)->capture_default_str();
@@ -174,8 +296,21 @@ int main(int argc, char** argv) {
                    "synthetic: topic jumps per step and KV head")
       ->capture_default_str();
   replay->add_option("--seed", so.seed)->capture_default_str();
-  replay->add_option("--budget", ro.budget_tokens, "working-set budget in tokens")
+  replay
+      ->add_option("--budget", ro.budget_tokens,
+                   "working-set budget in tokens, split 1/4 sinks : 1/2 selected : 1/4 recent "
+                   "(a multiple of 4 pages)")
       ->capture_default_str();
+  replay->add_option("--sink,--sink-pages", rf.sink,
+                     "sink pages per layer (with --selected and --recent: the budget is their "
+                     "sum)");
+  replay->add_option("--selected,--selected-pages", rf.selected, "selected pages per layer");
+  replay->add_option("--recent,--recent-pages", rf.recent,
+                     "recent pages per layer (>= 1: the page being filled is one)");
+  replay->add_option("--step-range", rf.step_range,
+                     "score and time steps A..B-1 only (A:B, A:, :B); earlier steps are decoded "
+                     "unscored");
+  replay->add_option("--backend", rf.backend, "cpu, cuda or auto")->capture_default_str();
   replay
       ->add_option("--tau", taus,
                    "comma-separated correction thresholds, one speculative "
@@ -186,7 +321,10 @@ int main(int argc, char** argv) {
   replay
       ->add_option("--recall", recall, "recall strategy: auto, slab_dma, batched_dma or zero_copy")
       ->capture_default_str();
-  replay->add_option("--mass-layers", ro.mass_layers, "layers sampled for attn_mass_recall")
+  rf.mass_layers = std::to_string(ro.mass_layers);
+  replay
+      ->add_option("--mass-layers", rf.mass_layers,
+                   "replayed layers (evenly spaced) scored for attention mass recall, or all")
       ->capture_default_str();
   replay
       ->add_option("--profile-steps", ro.profile_steps,
@@ -259,6 +397,7 @@ int main(int argc, char** argv) {
     return RunIpc(io, json, out);
   }
   if (*replay) {
+    if (const int rc = ResolveReplayFlags(*replay, rf, policies, &ro); rc != 0) return rc;
     if (!kvtier::ParseDType(rdtype, &so.geometry.dtype)) {
       std::cerr << "kvtier-bench replay: --dtype must be fp16, bf16 or fp32\n";
       return 2;
@@ -297,7 +436,10 @@ int main(int argc, char** argv) {
       po.synthetic = so;
       if (replay->get_option("--context")->count() == 0) po.synthetic.prefill_tokens = 8192;
       if (replay->get_option("--steps")->count() == 0) po.synthetic.num_steps = 40;
-      po.layers = ro.layers;
+      po.layers =
+          ro.layers.value_or(ro.trace_path.empty() ? kvtier::bench::kDefaultSyntheticLayers : 0);
+      if (po.layers == kvtier::bench::kEveryLayer) po.layers = 0;
+      po.backend = ro.backend;
       po.threads = ro.threads;
       po.recall = ro.recall;
       po.policies.clear();

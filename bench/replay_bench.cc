@@ -5,10 +5,12 @@
 #include <cstring>
 #include <memory>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "bench/synthetic_kv.h"
 #include "core/status.h"
+#include "engine/eval_metrics.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/registry.h"
 
@@ -22,24 +24,26 @@ absl::Status OpenReplayTrace(const std::string& path, const SyntheticTraceOption
     KVTIER_ASSIGN_OR_RETURN(*trace, OpenTraceFile(path));
   }
   *g = (*trace)->geometry();
-  if (layers < 0 || layers > g->num_layers) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "--layers = %d: must be in [0, %d] (0 = all layers of the trace)", layers, g->num_layers));
+  if (layers < kEveryLayer || layers > g->num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--layers = %d: must be in [1, %d] or all (the trace has %d layers)",
+                        layers, g->num_layers, g->num_layers));
   }
   if (layers > 0) g->num_layers = layers;
   return absl::OkStatus();
 }
+
 namespace {
 
-float Dot(const float* a, const float* b, int32_t n) {
-  float s[4] = {0, 0, 0, 0};
-  int32_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    for (int j = 0; j < 4; ++j) s[j] += a[i + j] * b[i + j];
-  }
-  for (; i < n; ++i) s[0] += a[i] * b[i];
-  return (s[0] + s[1]) + (s[2] + s[3]);
-}
+// One layer's accuracy sums over the scored steps.
+struct LayerScore {
+  double mass_pages = 0;   // Σ attention mass recall over pages
+  double mass_tokens = 0;  // Σ attention mass recall over tokens
+  int64_t mass_samples = 0;
+  double rel_error = 0;
+  int64_t error_samples = 0;
+  int64_t corrected_heads = 0;
+};
 
 // One retrieval mode under test: a local sequence with its own host tier, or a session's.
 struct ModeRun {
@@ -53,13 +57,42 @@ struct ModeRun {
   std::vector<std::vector<uint8_t>> out_host;  // per layer
   std::vector<std::vector<int32_t>> tables;    // per layer [Hkv][S], after BeginStep
   std::unique_ptr<Event> done;
-  double mass_recall_sum = 0;
-  int64_t mass_samples = 0;
-  double rel_error_sum = 0;
-  int64_t error_samples = 0;
+  std::vector<LayerScore> layers;  // per layer
+  SequenceStats base;              // Stats() when the step range began
   double critical_us = 0;
   int64_t critical_steps = 0;
 };
+
+// The counters of `now` accumulated since `base` (same sequence, earlier snapshot).
+SequenceStats Since(const SequenceStats& now, const SequenceStats& base) {
+  SequenceStats d = now;
+  d.steps -= base.steps;
+  d.recalled_pages -= base.recalled_pages;
+  d.recalled_bytes -= base.recalled_bytes;
+  d.correction_pages -= base.correction_pages;
+  d.checked_heads -= base.checked_heads;
+  d.corrected_heads -= base.corrected_heads;
+  d.profiled_steps -= base.profiled_steps;
+  d.select_us -= base.select_us;
+  d.recall_us -= base.recall_us;
+  d.attention_us -= base.attention_us;
+  return d;
+}
+
+// held[i] = 1 for the tokens i < held->size() whose page KV head h's slot table holds (the
+// page being filled included: it sits in the recent region like any other).
+void HeldTokens(const std::vector<int32_t>& table, int32_t num_kv_heads, int32_t h,
+                int32_t page_size, std::vector<uint8_t>* held) {
+  std::fill(held->begin(), held->end(), 0);
+  const int64_t n = static_cast<int64_t>(held->size());
+  const size_t S = table.size() / num_kv_heads;
+  for (size_t s = 0; s < S; ++s) {
+    const int64_t page = table[h * S + s];
+    if (page < 0 || page * page_size >= n) continue;
+    std::fill(held->begin() + page * page_size, held->begin() + std::min(n, (page + 1) * page_size),
+              1);
+  }
+}
 
 class Replay {
  public:
@@ -68,19 +101,28 @@ class Replay {
 
  private:
   absl::Status Setup();
+  absl::Status ResolveSteps();
+  absl::Status ResolveBudget();
+  absl::Status CreateBackendOrExplain();
   absl::Status AddMode(std::string name, RetrievalMode mode, float tau);
   absl::Status Prefill();
-  absl::Status Step(int32_t step, bool profiled);
+  absl::Status Step(int32_t step, bool scored, bool profiled);
   absl::Status RunLayer(ModeRun& m, int32_t layer, bool timed, double* us);
   void Score(int32_t step);
+  void ScoreMass(size_t mi, int32_t tokens);
+  JsonObject ModeReport(const ModeRun& m) const;
   JsonObject Report() const;
 
   const ReplayBenchOptions o_;
   std::ostream& log_;
   std::unique_ptr<TraceSource> trace_;
-  Geometry g_;     // the replayed geometry (first `layers` layers of the trace's)
-  int32_t T_ = 0;  // prefill tokens
-  int32_t N_ = 0;  // steps
+  Geometry g_;         // the replayed geometry (first `layers` layers of the trace's)
+  int32_t T_ = 0;      // prefill tokens
+  int32_t N_ = 0;      // steps of the trace
+  int32_t begin_ = 0;  // the scored steps: [begin_, end_); end_ is also the last run + 1
+  int32_t end_ = 0;
+  SequenceOptions split_;  // sink/selected/recent pages of every mode
+  int32_t budget_tokens_ = 0;
   int32_t max_tokens_ = 0;
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<Stream> io_;
@@ -99,7 +141,9 @@ absl::Status Replay::AddMode(std::string name, RetrievalMode mode, float tau) {
   m.tau = tau;
   SequenceOptions ro;
   ro.mode = mode;
-  KVTIER_RETURN_IF_ERROR(ro.SetBudgetTokens(o_.budget_tokens, g_.page_size));
+  ro.sink_pages = split_.sink_pages;
+  ro.selected_pages = split_.selected_pages;
+  ro.recent_pages = split_.recent_pages;
   ro.max_tokens = max_tokens_;
   ro.correction_threshold = tau;
   ro.recall = o_.recall;
@@ -119,27 +163,114 @@ absl::Status Replay::AddMode(std::string name, RetrievalMode mode, float tau) {
   }
   m.out_host.assign(g_.num_layers, std::vector<uint8_t>(q_bytes));
   m.tables.resize(g_.num_layers);
+  m.layers.resize(g_.num_layers);
   KVTIER_ASSIGN_OR_RETURN(m.done, backend_->CreateEvent());
   modes_.push_back(std::move(m));
   return absl::OkStatus();
 }
 
-absl::Status Replay::Setup() {
-  KVTIER_RETURN_IF_ERROR(OpenReplayTrace(o_.trace_path, o_.synthetic, o_.layers, &trace_, &g_));
-  T_ = trace_->prefill_tokens();
+absl::Status Replay::ResolveSteps() {
   N_ = trace_->num_steps();
   if (N_ < 1) return absl::InvalidArgumentError("replay: the trace has no decode steps");
-  if (o_.taus.empty()) return absl::InvalidArgumentError("--tau: give at least one threshold");
-  if (o_.profile_steps < 0 || o_.profile_steps >= N_) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "--profile-steps = %d: must be in [0, %d) (steps of the trace)", o_.profile_steps, N_));
+  begin_ = o_.step_begin;
+  end_ = o_.step_end < 0 ? N_ : o_.step_end;
+  if (begin_ < 0 || begin_ >= end_ || end_ > N_) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--step-range = %d:%d: must satisfy 0 <= A < B <= %d, the trace's decode "
+                        "steps (half-open: steps A .. B-1 are scored)",
+                        o_.step_begin, end_, N_));
   }
-  if (o_.mass_layers < 0) return absl::InvalidArgumentError("--mass-layers must be >= 0");
-  max_tokens_ = T_ + N_;
+  if (o_.profile_steps < 0 || o_.profile_steps >= end_ - begin_) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--profile-steps = %d: must be in [0, %d) (the steps in range)",
+                        o_.profile_steps, end_ - begin_));
+  }
+  return absl::OkStatus();
+}
+
+// The working-set split of every mode, from --budget or --sink/--selected/--recent.
+absl::Status Replay::ResolveBudget() {
+  const int32_t p = g_.page_size;
+  if (o_.pages.has_value()) {
+    const ReplayBudgetPages& b = *o_.pages;
+    if (b.sink < 0 || b.selected < 0 || b.recent < 1) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "--sink = %d, --selected = %d, --recent = %d pages: sink and selected must be >= 0 "
+          "and recent >= 1 (it holds the page being filled)",
+          b.sink, b.selected, b.recent));
+    }
+    const int64_t tokens = (int64_t{b.sink} + b.selected + b.recent) * p;
+    if (tokens > INT32_MAX || (o_.budget_tokens != 0 && o_.budget_tokens != tokens)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "--budget = %d tokens disagrees with --sink %d + --selected %d + --recent %d pages "
+          "(%d tokens at page size %d): give one or the other",
+          o_.budget_tokens, b.sink, b.selected, b.recent, tokens, p));
+    }
+    split_.sink_pages = b.sink;
+    split_.selected_pages = b.selected;
+    split_.recent_pages = b.recent;
+  } else {
+    if (o_.budget_tokens <= 0) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("--budget = %d tokens: must be positive", o_.budget_tokens));
+    }
+    if (o_.budget_tokens % (4 * p) != 0) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "--budget = %d tokens is not a multiple of 4 pages (%d tokens at page size %d), which "
+          "the default split 1/4 sinks : 1/2 selected : 1/4 recent needs; give the split in "
+          "pages instead with --sink/--selected/--recent",
+          o_.budget_tokens, 4 * p, p));
+    }
+    KVTIER_RETURN_IF_ERROR(split_.SetBudgetTokens(o_.budget_tokens, p));
+  }
+  budget_tokens_ = split_.budget_pages() * p;
+  if (budget_tokens_ > T_) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--budget = %d tokens (%d pages): must be at most the trace's %d prefill tokens, or the "
+        "working set holds the whole context",
+        budget_tokens_, split_.budget_pages(), T_));
+  }
+  if (o_.open_session && o_.pages.has_value()) {
+    // kvtierd sessions take a budget in tokens and split it themselves.
+    SequenceOptions daemon;
+    if (!daemon.SetBudgetTokens(budget_tokens_, p).ok() || daemon.sink_pages != split_.sink_pages ||
+        daemon.recent_pages != split_.recent_pages) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "--sink/--selected/--recent = %d/%d/%d pages: kvtierd sessions (--connect) split the "
+          "budget 1/4 : 1/2 : 1/4; give --budget alone",
+          split_.sink_pages, split_.selected_pages, split_.recent_pages));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Replay::CreateBackendOrExplain() {
   DeviceOptions bo;
   bo.cpu_threads = o_.threads;
-  KVTIER_ASSIGN_OR_RETURN(backend_, CreateBackend(o_.backend, bo));
+  absl::StatusOr<std::unique_ptr<Backend>> backend = CreateBackend(o_.backend, bo);
+  if (!backend.ok()) {
+    return absl::Status(backend.status().code(),
+                        absl::StrCat("--backend ", std::string(DeviceKindName(o_.backend)), ": ",
+                                     backend.status().message()));
+  }
+  backend_ = *std::move(backend);
   KVTIER_ASSIGN_OR_RETURN(io_, backend_->CreateStream());
+  return absl::OkStatus();
+}
+
+absl::Status Replay::Setup() {
+  int32_t layers = o_.layers.value_or(o_.trace_path.empty() ? kDefaultSyntheticLayers : 0);
+  if (layers == kEveryLayer) layers = 0;
+  KVTIER_RETURN_IF_ERROR(OpenReplayTrace(o_.trace_path, o_.synthetic, layers, &trace_, &g_));
+  T_ = trace_->prefill_tokens();
+  KVTIER_RETURN_IF_ERROR(ResolveSteps());
+  if (o_.taus.empty()) return absl::InvalidArgumentError("--tau: give at least one threshold");
+  if (o_.mass_layers < kEveryLayer) {
+    return absl::InvalidArgumentError("--mass-layers must be >= 0 or all");
+  }
+  KVTIER_RETURN_IF_ERROR(ResolveBudget());
+  max_tokens_ = T_ + end_;
+  KVTIER_RETURN_IF_ERROR(CreateBackendOrExplain());
 
   KVTIER_RETURN_IF_ERROR(AddMode("full", RetrievalMode::kFull, 0.0f));
   for (size_t i = 0; i < o_.taus.size(); ++i) {
@@ -150,7 +281,8 @@ absl::Status Replay::Setup() {
   if (o_.sync) KVTIER_RETURN_IF_ERROR(AddMode("sync", RetrievalMode::kSync, 0.0f));
   if (o_.drop) KVTIER_RETURN_IF_ERROR(AddMode("drop", RetrievalMode::kDrop, 0.0f));
 
-  const int32_t nm = std::min(o_.mass_layers, g_.num_layers);
+  const int32_t nm =
+      o_.mass_layers == kEveryLayer ? g_.num_layers : std::min(o_.mass_layers, g_.num_layers);
   for (int32_t i = 0; i < nm; ++i) mass_layers_.push_back(i * g_.num_layers / nm);
   k_float_.resize(mass_layers_.size());
   const size_t q_bytes = static_cast<size_t>(g_.num_q_heads) * g_.head_dim * g_.element_bytes();
@@ -222,7 +354,9 @@ absl::Status Replay::RunLayer(ModeRun& m, int32_t l, bool timed, double* us) {
   return absl::OkStatus();
 }
 
-absl::Status Replay::Step(int32_t step, bool profiled) {
+// Decodes one step in every mode. Steps before the range (scored = false) only grow the
+// sequences: not timed, not scored.
+absl::Status Replay::Step(int32_t step, bool scored, bool profiled) {
   std::vector<uint8_t> k, v;
   const int64_t row = int64_t{g_.num_kv_heads} * g_.head_dim;
   for (int32_t l = 0; l < g_.num_layers; ++l) {
@@ -242,17 +376,21 @@ absl::Status Replay::Step(int32_t step, bool profiled) {
     if (LocalSequence* local = m.seq->local(); local != nullptr) local->SetProfiling(profiled);
     double us = 0;
     for (int32_t l = 0; l < g_.num_layers; ++l) {
-      KVTIER_RETURN_IF_ERROR(RunLayer(m, l, !profiled, &us));
+      KVTIER_RETURN_IF_ERROR(RunLayer(m, l, scored && !profiled, &us));
     }
     // Drain the background work before the next mode runs (not timed: in an engine the last
     // layers' recalls overlap the next step's first layers).
     KVTIER_RETURN_IF_ERROR(m.seq->Wait());
+    if (!scored) continue;
+    for (int32_t l = 0; l < g_.num_layers; ++l) {
+      m.layers[l].corrected_heads += m.seq->LastStep(l).corrected_heads;
+    }
     if (!profiled) {
       m.critical_us += us;
       ++m.critical_steps;
     }
   }
-  Score(step);
+  if (scored) Score(step);
   return absl::OkStatus();
 }
 
@@ -269,99 +407,115 @@ void Replay::Score(int32_t step) {
         const float diff = LoadAsFloat(m.out_host[l], g_.dtype, i) - LoadAsFloat(ref, g_.dtype, i);
         err += static_cast<double>(diff) * diff;
       }
-      m.rel_error_sum += ref_norm > 0 ? std::sqrt(err / ref_norm) : 0.0;
-      ++m.error_samples;
+      m.layers[l].rel_error += ref_norm > 0 ? std::sqrt(err / ref_norm) : 0.0;
+      ++m.layers[l].error_samples;
     }
   }
-  // Exact page masses per query head, then each mode's working-set share of the oracle's.
-  const int32_t tokens = T_ + step + 1;
-  const int32_t p = g_.page_size;
-  const int32_t pages = (tokens + p - 1) / p;
-  const int32_t budget_pages = o_.budget_tokens / p;
+  for (size_t mi = 0; mi < mass_layers_.size(); ++mi) ScoreMass(mi, T_ + step + 1);
+}
+
+// Attention mass recall of every mode's working set on mass layer `mi`, per query head,
+// over the first `tokens` tokens (the step's own included).
+void Replay::ScoreMass(size_t mi, int32_t tokens) {
+  const int32_t l = mass_layers_[mi];
+  const std::vector<float>& kf = k_float_[mi];
   const int32_t G = g_.group_size();
   const float scale = 1.0f / std::sqrt(static_cast<float>(g_.head_dim));
-  for (size_t mi = 0; mi < mass_layers_.size(); ++mi) {
-    const int32_t l = mass_layers_[mi];
-    const std::vector<float>& kf = k_float_[mi];
-    std::vector<std::vector<double>> mass(g_.num_q_heads, std::vector<double>(pages, 0.0));
-    pool_.ParallelFor(g_.num_q_heads, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> q(g_.head_dim), logit(tokens);
-      for (int64_t hq = begin; hq < end; ++hq) {
-        for (int32_t i = 0; i < g_.head_dim; ++i) {
-          q[i] = LoadAsFloat(q_host_[l], g_.dtype, hq * g_.head_dim + i);
-        }
-        const int32_t h = static_cast<int32_t>(hq) / G;
-        float mx = -INFINITY;
-        for (int32_t t = 0; t < tokens; ++t) {
-          logit[t] = scale * Dot(q.data(), &kf[(int64_t{t} * g_.num_kv_heads + h) * g_.head_dim],
-                                 g_.head_dim);
-          mx = std::max(mx, logit[t]);
-        }
-        double z = 0;
-        for (int32_t t = 0; t < tokens; ++t) {
-          const double e = std::exp(static_cast<double>(logit[t] - mx));
-          mass[hq][t / p] += e;
-          z += e;
-        }
-        for (double& x : mass[hq]) x /= z;
+  const size_t nm = modes_.size();
+  std::vector<engine::MassRecall> recall(static_cast<size_t>(g_.num_q_heads) * nm);
+  pool_.ParallelFor(g_.num_q_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(g_.head_dim), p;
+    std::vector<uint8_t> held(tokens);
+    for (int64_t hq = begin; hq < end; ++hq) {
+      for (int32_t i = 0; i < g_.head_dim; ++i) {
+        q[i] = LoadAsFloat(q_host_[l], g_.dtype, hq * g_.head_dim + i);
       }
-    });
-    for (int32_t hq = 0; hq < g_.num_q_heads; ++hq) {
-      std::vector<double> sorted = mass[hq];
-      const int32_t top = std::min(budget_pages, pages);
-      std::partial_sort(sorted.begin(), sorted.begin() + top, sorted.end(), std::greater<>());
-      double oracle = 0;
-      for (int32_t i = 0; i < top; ++i) oracle += sorted[i];
-      for (ModeRun& m : modes_) {
-        const int32_t S = static_cast<int32_t>(m.tables[l].size()) / g_.num_kv_heads;
-        double held = 0;
-        for (int32_t s = 0; s < S; ++s) {
-          const int32_t page = m.tables[l][(hq / G) * S + s];
-          if (page >= 0 && page < pages) held += mass[hq][page];
-        }
-        m.mass_recall_sum += oracle > 0 ? std::min(1.0, held / oracle) : 1.0;
-        ++m.mass_samples;
+      const int32_t h = static_cast<int32_t>(hq) / G;
+      engine::AttentionProbs(q.data(), kf.data(), tokens, g_.num_kv_heads, g_.head_dim, h, scale,
+                             &p);
+      for (size_t k = 0; k < nm; ++k) {
+        HeldTokens(modes_[k].tables[l], g_.num_kv_heads, h, g_.page_size, &held);
+        recall[hq * nm + k] = engine::AttentionMassRecall(p, held, budget_tokens_, g_.page_size);
       }
+    }
+  });
+  for (int32_t hq = 0; hq < g_.num_q_heads; ++hq) {
+    for (size_t k = 0; k < nm; ++k) {
+      LayerScore& s = modes_[k].layers[l];
+      s.mass_pages += recall[hq * nm + k].pages;
+      s.mass_tokens += recall[hq * nm + k].tokens;
+      ++s.mass_samples;
     }
   }
 }
 
+// One mode's report: the means over the scored steps, and per layer.
+JsonObject Replay::ModeReport(const ModeRun& m) const {
+  const SequenceStats st = Since(m.seq->Stats(), m.base);
+  const double steps = end_ - begin_;
+  const double profiled_steps =
+      std::max<double>(1.0, static_cast<double>(st.profiled_steps) / g_.num_layers);
+  const double checked_per_layer = static_cast<double>(st.checked_heads) / g_.num_layers;
+  LayerScore all;
+  std::vector<JsonObject> layers;
+  for (int32_t l = 0; l < g_.num_layers; ++l) {
+    const LayerScore& s = m.layers[l];
+    JsonObject j;
+    j.Add("layer", l);
+    if (s.mass_samples > 0) {
+      j.Add("attn_mass_recall_pages", s.mass_pages / s.mass_samples)
+          .Add("attn_mass_recall_tokens", s.mass_tokens / s.mass_samples);
+    }
+    j.Add("rel_error", s.error_samples ? s.rel_error / s.error_samples : 0.0)
+        .Add("correction_rate",
+             checked_per_layer > 0 ? s.corrected_heads / checked_per_layer : 0.0);
+    layers.push_back(std::move(j));
+    all.mass_pages += s.mass_pages;
+    all.mass_tokens += s.mass_tokens;
+    all.mass_samples += s.mass_samples;
+    all.rel_error += s.rel_error;
+    all.error_samples += s.error_samples;
+  }
+  JsonObject j;
+  if (all.mass_samples > 0) {
+    j.Add("attn_mass_recall_pages", all.mass_pages / all.mass_samples)
+        .Add("attn_mass_recall_tokens", all.mass_tokens / all.mass_samples);
+  }
+  j.Add("rel_error", all.error_samples ? all.rel_error / all.error_samples : 0.0)
+      .Add("correction_rate", st.correction_rate())
+      .Add("recall_bytes_per_step", static_cast<double>(st.recalled_bytes) / steps)
+      .Add("critical_path_us_per_step", m.critical_steps ? m.critical_us / m.critical_steps : 0.0)
+      .Add("select_us_per_step", st.select_us / profiled_steps)
+      .Add("recall_us_per_step", st.recall_us / profiled_steps)
+      .Add("attention_us_per_step", st.attention_us / profiled_steps)
+      .Add("recalled_head_pages", st.recalled_pages)
+      .Add("correction_head_pages", st.correction_pages)
+      .Add("corrected_heads", st.corrected_heads)
+      .Add("checked_heads", st.checked_heads);
+  if (m.mode == RetrievalMode::kSpeculative) j.Add("tau", static_cast<double>(m.tau));
+  j.AddArray("layers", layers);
+
+  const auto mean = [](double sum, int64_t n) { return n > 0 ? sum / n : NAN; };
+  log_ << absl::StrFormat(
+      "%-22s %9.4f %9.4f %10.4f %9.3f %13.1f %13.2f %8.2f/%6.2f/%7.2f\n", m.name,
+      mean(all.mass_pages, all.mass_samples), mean(all.mass_tokens, all.mass_samples),
+      mean(all.rel_error, all.error_samples), st.correction_rate(),
+      static_cast<double>(st.recalled_bytes) / steps / 1024,
+      (m.critical_steps ? m.critical_us / m.critical_steps : 0.0) / 1000,
+      st.select_us / profiled_steps / 1000, st.recall_us / profiled_steps / 1000,
+      st.attention_us / profiled_steps / 1000);
+  return j;
+}
+
 JsonObject Replay::Report() const {
   JsonObject modes;
-  log_ << absl::StrFormat("%-22s %9s %10s %9s %13s %13s %24s\n", "mode", "mass_rec", "rel_error",
-                          "corr_rate", "recall KiB/st", "critical ms/st",
+  log_ << absl::StrFormat("%-22s %9s %9s %10s %9s %13s %13s %24s\n", "mode", "mass_pg", "mass_tok",
+                          "rel_error", "corr_rate", "recall KiB/st", "critical ms/st",
                           "select/recall/attn ms/st");
   const ModeRun* spec = nullptr;
   const ModeRun* sync = nullptr;
   for (const ModeRun& m : modes_) {
-    const SequenceStats st = m.seq->Stats();
-    const double steps = N_;
-    const double profiled_steps =
-        std::max<double>(1.0, static_cast<double>(st.profiled_steps) / g_.num_layers);
-    const double mass = m.mass_samples ? m.mass_recall_sum / m.mass_samples : 0.0;
-    const double err = m.error_samples ? m.rel_error_sum / m.error_samples : 0.0;
-    const double crit = m.critical_steps ? m.critical_us / m.critical_steps : 0.0;
-    const double recall_bytes = static_cast<double>(st.recalled_bytes) / steps;
-    JsonObject j;
-    j.Add("attn_mass_recall", mass)
-        .Add("rel_error", err)
-        .Add("correction_rate", st.correction_rate())
-        .Add("recall_bytes_per_step", recall_bytes)
-        .Add("critical_path_us_per_step", crit)
-        .Add("select_us_per_step", st.select_us / profiled_steps)
-        .Add("recall_us_per_step", st.recall_us / profiled_steps)
-        .Add("attention_us_per_step", st.attention_us / profiled_steps)
-        .Add("recalled_head_pages", st.recalled_pages)
-        .Add("correction_head_pages", st.correction_pages)
-        .Add("corrected_heads", st.corrected_heads)
-        .Add("checked_heads", st.checked_heads);
-    if (m.mode == RetrievalMode::kSpeculative) j.Add("tau", static_cast<double>(m.tau));
-    modes.AddObject(m.name, j);
-    log_ << absl::StrFormat("%-22s %9.4f %10.4f %9.3f %13.1f %13.2f %8.2f/%6.2f/%7.2f\n", m.name,
-                            mass, err, st.correction_rate(), recall_bytes / 1024, crit / 1000,
-                            st.select_us / profiled_steps / 1000,
-                            st.recall_us / profiled_steps / 1000,
-                            st.attention_us / profiled_steps / 1000);
+    modes.AddObject(m.name, ModeReport(m));
     if (m.name == "speculative") spec = &m;
     if (m.name == "sync") sync = &m;
   }
@@ -374,9 +528,16 @@ JsonObject Replay::Report() const {
       .Add("geometry", g_.ToString())
       .Add("trace", o_.trace_path.empty() ? std::string("synthetic") : o_.trace_path)
       .Add("prefill_tokens", T_)
-      .Add("steps", N_)
+      .Add("trace_steps", N_)
+      .Add("step_begin", begin_)
+      .Add("step_end", end_)
+      .Add("steps", end_ - begin_)
+      .Add("trace_layers", trace_->geometry().num_layers)
       .Add("layers", g_.num_layers)
-      .Add("budget_tokens", o_.budget_tokens)
+      .Add("budget_tokens", budget_tokens_)
+      .Add("sink_pages", split_.sink_pages)
+      .Add("selected_pages", split_.selected_pages)
+      .Add("recent_pages", split_.recent_pages)
       .Add("recall", std::string(RecallStrategyName(o_.recall)))
       .Add("profiled_steps", o_.profile_steps)
       .Add("mass_layers", static_cast<int32_t>(mass_layers_.size()));
@@ -399,14 +560,23 @@ absl::StatusOr<JsonObject> Replay::Run() {
   KVTIER_RETURN_IF_ERROR(Setup());
   log_ << absl::StrFormat(
       "kvtier-bench replay: %s, commit %s\n  geometry %s (%d layers replayed), prefill %d "
-      "tokens, %d steps, budget %d tokens, %d profiled steps\n",
-      backend_->Describe(), Commit(), trace_->geometry().ToString(), g_.num_layers, T_, N_,
-      o_.budget_tokens, o_.profile_steps);
+      "tokens, steps %d..%d of %d scored, budget %d tokens (sink %d + selected %d + recent %d "
+      "pages), %d profiled steps\n",
+      backend_->Describe(), Commit(), trace_->geometry().ToString(), g_.num_layers, T_, begin_,
+      end_ - 1, N_, budget_tokens_, split_.sink_pages, split_.selected_pages, split_.recent_pages,
+      o_.profile_steps);
+  if (g_.num_layers == trace_->geometry().num_layers) {
+    log_ << absl::StrFormat("  replaying all %d layers of the trace\n", g_.num_layers);
+  }
   const absl::Time start = absl::Now();
   KVTIER_RETURN_IF_ERROR(Prefill());
   log_ << absl::StrFormat("  prefill done in %s\n", absl::FormatDuration(absl::Now() - start));
-  for (int32_t step = 0; step < N_; ++step) {
-    KVTIER_RETURN_IF_ERROR(Step(step, /*profiled=*/step >= N_ - o_.profile_steps));
+  for (int32_t step = 0; step < end_; ++step) {
+    if (step == begin_) {
+      for (ModeRun& m : modes_) m.base = m.seq->Stats();
+    }
+    KVTIER_RETURN_IF_ERROR(
+        Step(step, /*scored=*/step >= begin_, /*profiled=*/step >= end_ - o_.profile_steps));
   }
   log_ << absl::StrFormat("  decode done in %s\n", absl::FormatDuration(absl::Now() - start));
   return Report();
@@ -415,10 +585,6 @@ absl::StatusOr<JsonObject> Replay::Run() {
 }  // namespace
 
 absl::StatusOr<JsonObject> RunReplayBench(const ReplayBenchOptions& o, std::ostream& log) {
-  if (o.budget_tokens <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("--budget = %d tokens: must be positive", o.budget_tokens));
-  }
   Replay replay(o, log);
   return replay.Run();
 }
