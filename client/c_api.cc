@@ -92,6 +92,13 @@ kvtier::SessionOptions ToSessionOptions(const kvtier_session_options& o, absl::S
   }
   s.sequence.max_tokens = o.max_tokens;
   s.sequence.correction_threshold = o.correction_threshold;
+  if (o.correction_trigger != KVTIER_CORRECTION_TRIGGER_COSINE &&
+      o.correction_trigger != KVTIER_CORRECTION_TRIGGER_MASS) {
+    *st = absl::InvalidArgumentError(absl::StrFormat(
+        "correction_trigger = %d: must be a KVTIER_CORRECTION_TRIGGER_*", o.correction_trigger));
+  }
+  s.sequence.correction_trigger = static_cast<kvtier::CorrectionTrigger>(o.correction_trigger);
+  s.sequence.correction_max_loss = o.correction_max_loss;
   if (o.transport != KVTIER_TRANSPORT_SHM && o.transport != KVTIER_TRANSPORT_GRPC) {
     *st = absl::InvalidArgumentError(
         absl::StrFormat("transport = %d: must be a KVTIER_TRANSPORT_*", o.transport));
@@ -138,6 +145,8 @@ void kvtier_session_options_init(kvtier_session_options* o) {
   o->mode = KVTIER_MODE_SPECULATIVE;
   o->budget_tokens = kvtier::kDefaultBudgetTokens;
   o->correction_threshold = kvtier::kDefaultCorrectionThreshold;
+  o->correction_trigger = KVTIER_CORRECTION_TRIGGER_COSINE;
+  o->correction_max_loss = kvtier::kDefaultCorrectionMaxLoss;
   o->transport = KVTIER_TRANSPORT_SHM;
 }
 

@@ -44,6 +44,17 @@ absl::StatusOr<v1::OpenSessionRequest> BuildOpenSessionRequest(std::string_view 
   if (!std::isfinite(r.correction_threshold)) {
     return absl::InvalidArgumentError("sequence.correction_threshold: must be finite");
   }
+  if (r.correction_trigger != CorrectionTrigger::kCosine &&
+      r.correction_trigger != CorrectionTrigger::kMass) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "sequence.correction_trigger = %d: must be cosine (%d) or mass (%d)",
+        static_cast<int>(r.correction_trigger), static_cast<int>(CorrectionTrigger::kCosine),
+        static_cast<int>(CorrectionTrigger::kMass)));
+  }
+  if (!(r.correction_max_loss >= 0.0f && r.correction_max_loss <= 1.0f)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "sequence.correction_max_loss = %g: must be in [0, 1]", r.correction_max_loss));
+  }
   v1::OpenSessionRequest req;
   req.set_tenant(std::string(tenant));
   *req.mutable_geometry() = GeometryToProto(g);
@@ -52,6 +63,8 @@ absl::StatusOr<v1::OpenSessionRequest> BuildOpenSessionRequest(std::string_view 
   ro->set_budget_tokens(static_cast<uint32_t>(budget_tokens));
   ro->set_max_tokens(static_cast<uint32_t>(r.max_tokens));
   ro->set_correction_threshold(r.correction_threshold);
+  ro->set_correction_trigger(std::string(CorrectionTriggerName(r.correction_trigger)));
+  ro->set_correction_max_loss(r.correction_max_loss);
   req.set_transport(TransportToProto(options.transport));
   req.set_label(options.label);
   req.set_request_id(options.request_id.empty() ? RandomRequestId() : options.request_id);
@@ -71,6 +84,8 @@ absl::StatusOr<SequenceOptions> ResolveSequenceOptions(const SequenceOptions& lo
   }
   if (info.max_tokens != 0) o.max_tokens = info.max_tokens;
   o.correction_threshold = info.correction_threshold;
+  o.correction_trigger = info.correction_trigger;
+  o.correction_max_loss = info.correction_max_loss;
   return o;
 }
 
@@ -88,6 +103,15 @@ absl::StatusOr<SessionInfo> SessionInfoFromProto(const v1::SessionInfo& p) {
                           ToInt32(p.retrieval().max_tokens(), "retrieval.max_tokens"));
   if (p.retrieval().has_correction_threshold()) {
     info.correction_threshold = p.retrieval().correction_threshold();
+  }
+  if (!p.retrieval().correction_trigger().empty() &&
+      !ParseCorrectionTrigger(p.retrieval().correction_trigger(), &info.correction_trigger)) {
+    return absl::InvalidArgumentError(absl::StrCat("retrieval.correction_trigger = '",
+                                                   p.retrieval().correction_trigger(),
+                                                   "': must be one of cosine, mass"));
+  }
+  if (p.retrieval().has_correction_max_loss()) {
+    info.correction_max_loss = p.retrieval().correction_max_loss();
   }
   info.closing = p.state() == v1::SESSION_STATE_CLOSING;
   info.epoch = p.epoch();

@@ -2,6 +2,7 @@
 // device.h, protocol.h).
 #include "kvtier/options.h"
 
+#include <initializer_list>
 #include <string_view>
 
 #include "absl/status/status.h"
@@ -23,6 +24,26 @@ std::string_view RetrievalModeName(RetrievalMode mode) {
       return "drop";
   }
   return "unknown";
+}
+
+std::string_view CorrectionTriggerName(CorrectionTrigger trigger) {
+  switch (trigger) {
+    case CorrectionTrigger::kCosine:
+      return "cosine";
+    case CorrectionTrigger::kMass:
+      return "mass";
+  }
+  return "unknown";
+}
+
+bool ParseCorrectionTrigger(std::string_view name, CorrectionTrigger* out) {
+  for (const CorrectionTrigger t : {CorrectionTrigger::kCosine, CorrectionTrigger::kMass}) {
+    if (name == CorrectionTriggerName(t)) {
+      *out = t;
+      return true;
+    }
+  }
+  return false;
 }
 
 absl::Status SequenceOptions::SetBudgetTokens(int32_t budget_tokens, int32_t page_size) {

@@ -83,6 +83,10 @@ absl::StatusOr<OpenSessionParams> ParamsFromProto(const v1::OpenSessionRequest& 
   if (r.retrieval().has_correction_threshold()) {
     p.correction_threshold = r.retrieval().correction_threshold();
   }
+  p.correction_trigger = r.retrieval().correction_trigger();
+  if (r.retrieval().has_correction_max_loss()) {
+    p.correction_max_loss = r.retrieval().correction_max_loss();
+  }
   p.budget_policy = r.policy().budget_policy();
   p.residency_policy = r.policy().residency_policy();
   p.host_drop = r.policy().host_drop();
@@ -103,6 +107,9 @@ v1::SessionInfo SessionToProto(const SessionRecord& r) {
   ro->set_budget_tokens(static_cast<uint32_t>(r.spec.budget_tokens));
   ro->set_max_tokens(static_cast<uint32_t>(r.spec.sequence.max_tokens));
   ro->set_correction_threshold(r.spec.sequence.correction_threshold);
+  ro->set_correction_trigger(
+      std::string(CorrectionTriggerName(r.spec.sequence.correction_trigger)));
+  ro->set_correction_max_loss(r.spec.sequence.correction_max_loss);
   p.set_transport(r.spec.transport == Transport::kGrpc ? v1::TRANSPORT_GRPC : v1::TRANSPORT_SHM);
   p.set_state(r.closing ? v1::SESSION_STATE_CLOSING : v1::SESSION_STATE_OPEN);
   p.set_label(r.spec.label);

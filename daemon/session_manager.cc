@@ -306,6 +306,20 @@ absl::StatusOr<SessionSpec> SessionManager::ResolveSpec(const Caller& caller,
         "cosine similarity; -1 never corrects, 1 always)",
         tau));
   }
+  if (!p.correction_trigger.empty() &&
+      !ParseCorrectionTrigger(p.correction_trigger, &spec.sequence.correction_trigger)) {
+    return bad(absl::StrFormat(
+        "retrieval.correction_trigger = '%s': must be one of cosine, mass (empty: cosine)",
+        Printable(p.correction_trigger)));
+  }
+  spec.sequence.correction_max_loss = p.correction_max_loss.value_or(kDefaultCorrectionMaxLoss);
+  const float max_loss = spec.sequence.correction_max_loss;
+  if (!(max_loss >= 0.0f && max_loss <= 1.0f)) {
+    return bad(absl::StrFormat(
+        "retrieval.correction_max_loss = %g: must be in [0, 1] (the fraction of a head's "
+        "estimated attention mass its stale selection may lose; 0 corrects on any loss, 1 never)",
+        max_loss));
+  }
   PolicyConfig& pc = spec.sequence.policy;
   if (!p.budget_policy.empty()) pc.budget = p.budget_policy;
   if (!p.residency_policy.empty()) pc.residency = p.residency_policy;
@@ -365,11 +379,12 @@ namespace {
 
 // Everything that defines a session but its label, for comparing a retried request.
 std::string RequestFingerprint(const OpenSessionParams& p) {
-  std::string f = absl::StrFormat("%s|%s|%d|%d|%d|%g|%s|%s|%s|%d", p.geometry.ToString(),
-                                  RetrievalModeName(p.mode), p.budget_tokens, p.max_tokens,
-                                  p.correction_threshold.has_value(),
-                                  p.correction_threshold.value_or(0.0f), p.budget_policy,
-                                  p.residency_policy, p.host_drop, static_cast<int>(p.transport));
+  std::string f = absl::StrFormat(
+      "%s|%s|%d|%d|%d|%g|%s|%d|%g|%s|%s|%s|%d", p.geometry.ToString(), RetrievalModeName(p.mode),
+      p.budget_tokens, p.max_tokens, p.correction_threshold.has_value(),
+      p.correction_threshold.value_or(0.0f), p.correction_trigger,
+      p.correction_max_loss.has_value(), p.correction_max_loss.value_or(0.0f), p.budget_policy,
+      p.residency_policy, p.host_drop, static_cast<int>(p.transport));
   for (const auto& [k, v] : p.policy_params) absl::StrAppend(&f, "|", k, "=", v);
   return f;
 }

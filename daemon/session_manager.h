@@ -49,7 +49,8 @@ namespace kvtier::daemon {
 inline constexpr int32_t kSupportedPageSizes[] = {8, 16, 32, 64, 128};
 // The working set when OpenSession leaves budget_tokens 0 is kDefaultBudgetTokens
 // (kvtier/options.h), capped at the session's capacity; τ left unset is
-// kDefaultCorrectionThreshold.
+// kDefaultCorrectionThreshold, the trigger left empty "cosine" and the largest loss left unset
+// kDefaultCorrectionMaxLoss.
 
 // OpenSessionRequest, converted. Zero means the default as in the proto.
 struct OpenSessionParams {
@@ -59,6 +60,8 @@ struct OpenSessionParams {
   uint32_t budget_tokens = 0;
   uint32_t max_tokens = 0;
   std::optional<float> correction_threshold;
+  std::string correction_trigger;  // CorrectionTriggerName; empty: cosine
+  std::optional<float> correction_max_loss;
   std::string budget_policy;
   std::string residency_policy;
   std::string host_drop;

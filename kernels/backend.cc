@@ -46,6 +46,10 @@ absl::Status Backend::QueryCosine(Stream& s, const QueryCosineArgs& a) {
   KVTIER_RETURN_IF_ERROR(ValidateArgs(a));
   return DoQueryCosine(s, a);
 }
+absl::Status Backend::SelectionLoss(Stream& s, const SelectionLossArgs& a) {
+  KVTIER_RETURN_IF_ERROR(ValidateArgs(a));
+  return DoSelectionLoss(s, a);
+}
 absl::Status Backend::Recall(Stream& s, const RecallArgs& a) {
   KVTIER_RETURN_IF_ERROR(ValidateArgs(a));
   return DoRecall(s, a);

@@ -31,6 +31,7 @@ class Backend : public Device {
   absl::Status ScorePages(Stream& s, const ScorePagesArgs& a);
   absl::Status TopK(Stream& s, const TopKArgs& a);
   absl::Status QueryCosine(Stream& s, const QueryCosineArgs& a);
+  absl::Status SelectionLoss(Stream& s, const SelectionLossArgs& a);
   absl::Status Recall(Stream& s, const RecallArgs& a);
   absl::Status GatherSlabs(Stream& s, const GatherSlabsArgs& a);
   absl::Status ScatterSlabs(Stream& s, const ScatterSlabsArgs& a);
@@ -45,6 +46,7 @@ class Backend : public Device {
   virtual absl::Status DoScorePages(Stream& s, const ScorePagesArgs& a) = 0;
   virtual absl::Status DoTopK(Stream& s, const TopKArgs& a) = 0;
   virtual absl::Status DoQueryCosine(Stream& s, const QueryCosineArgs& a) = 0;
+  virtual absl::Status DoSelectionLoss(Stream& s, const SelectionLossArgs& a) = 0;
   virtual absl::Status DoRecall(Stream& s, const RecallArgs& a) = 0;
   virtual absl::Status DoGatherSlabs(Stream& s, const GatherSlabsArgs& a) = 0;
   virtual absl::Status DoScatterSlabs(Stream& s, const ScatterSlabsArgs& a) = 0;

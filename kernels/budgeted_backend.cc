@@ -77,6 +77,9 @@ class BudgetedBackend final : public Backend {
   absl::Status DoQueryCosine(Stream& s, const QueryCosineArgs& a) override {
     return inner_.QueryCosine(s, a);
   }
+  absl::Status DoSelectionLoss(Stream& s, const SelectionLossArgs& a) override {
+    return inner_.SelectionLoss(s, a);
+  }
   absl::Status DoRecall(Stream& s, const RecallArgs& a) override { return inner_.Recall(s, a); }
   absl::Status DoGatherSlabs(Stream& s, const GatherSlabsArgs& a) override {
     return inner_.GatherSlabs(s, a);

@@ -198,6 +198,23 @@ absl::Status ValidateArgs(const QueryCosineArgs& a) {
   return CheckPtrs(op, {{"q", a.q}, {"q_prev", a.q_prev}, {"group_mean", a.group_mean}});
 }
 
+absl::Status ValidateArgs(const SelectionLossArgs& a) {
+  constexpr const char* op = "SelectionLoss";
+  KVTIER_RETURN_IF_ERROR(ValidateShape(op, a.shape, 0));
+  KVTIER_RETURN_IF_ERROR(CheckRanges(op, {{"batch", a.batch, 1, kMaxBatch},
+                                          {"max_pages", a.max_pages, 1, kMaxPages},
+                                          {"k", a.k, 1, a.max_pages}}));
+  if (a.pool != PoolMode::kSoftmaxMean && a.pool != PoolMode::kRawMean) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: unknown pool mode %d", op, static_cast<int>(a.pool)));
+  }
+  if (!(a.threshold == a.threshold)) {
+    return absl::InvalidArgumentError(absl::StrFormat("%s: threshold is NaN", op));
+  }
+  return CheckPtrs(
+      op, {{"pooled", a.pooled}, {"current", a.current}, {"fresh", a.fresh}, {"loss", a.loss}});
+}
+
 absl::Status ValidateArgs(const RecallArgs& a) {
   constexpr const char* op = "Recall";
   KVTIER_RETURN_IF_ERROR(ValidateShape(op, a.shape, kPageShape));

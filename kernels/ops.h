@@ -125,6 +125,34 @@ struct QueryCosineArgs {
   uint8_t* drifted = nullptr;    // [B][Hkv] out, 1 where group_mean < τ; optional
 };
 
+// How much of a KV head's estimated attention mass its current (stale) selection loses
+// against a fresh one (the mass correction trigger, CorrectionTrigger::kMass): per (sequence,
+// KV head), with w(page) the page's weight,
+//   loss = (Σ_{fresh} w − Σ_{current} w) / Σ_{fresh} w, clamped to [0, 1] (0 unless
+//   Σ_{fresh} w > 0, and 0 for a NaN ratio), drifted = loss > threshold.
+// The sums run over the pages of the two selections, kEmptySlot entries ignored; the numerator
+// is computed as Σ over pages only in `fresh` minus Σ over pages only in `current`, so two
+// selections of the same pages (in any order) lose exactly 0. Weights: kSoftmaxMean pooled
+// scores are probabilities over pages, w = pooled; kRawMean ones are not, w =
+// exp(softmax_scale · (pooled − m)) with m the largest pooled score of the two selections: the
+// softmax over any page set holding both selections, whose normaliser cancels in the ratio.
+// A NaN weight counts as 0. An entry outside [0, max_pages) other than kEmptySlot fails the
+// stream with OUT_OF_RANGE. Reads shape.num_kv_heads.
+struct SelectionLossArgs {
+  KvShape shape{};
+  int32_t batch = 0;
+  int32_t max_pages = 0;                   // P
+  int32_t k = 0;                           // entries per (sequence, KV head) of both selections
+  const float* pooled = nullptr;           // [B][Hkv][P], as ScorePages wrote them
+  PoolMode pool = PoolMode::kSoftmaxMean;  // how `pooled` was pooled
+  float softmax_scale = 1.0f;              // kRawMean: the scale of the softmax over pages
+  const int32_t* current = nullptr;        // [B][Hkv][k] the selection attention would read
+  const int32_t* fresh = nullptr;          // [B][Hkv][k] TopK's selection with q_t
+  float threshold = 0.05f;                 // correction_max_loss
+  float* loss = nullptr;                   // [B][Hkv] out
+  uint8_t* drifted = nullptr;              // [B][Hkv] out, 1 where loss > threshold; optional
+};
+
 // One head-page to recall: the K+V slab of `kv_head` in host page `host_page`, written to
 // NHD global slot `dst_slot` (b·S + slot) for that head. An item whose host_page is
 // kSkipItem does nothing: fixed-size plans made on the device pad with it.
@@ -311,6 +339,7 @@ struct DenseAttentionArgs {
 absl::Status ValidateArgs(const ScorePagesArgs& a);
 absl::Status ValidateArgs(const TopKArgs& a);
 absl::Status ValidateArgs(const QueryCosineArgs& a);
+absl::Status ValidateArgs(const SelectionLossArgs& a);
 absl::Status ValidateArgs(const RecallArgs& a);
 absl::Status ValidateArgs(const GatherSlabsArgs& a);
 absl::Status ValidateArgs(const ScatterSlabsArgs& a);

@@ -121,6 +121,18 @@ absl::Status RetrieverImpl::Init() {
   if (!(options_.correction_threshold == options_.correction_threshold)) {
     return bad("sequence.correction_threshold is NaN");
   }
+  if (options_.correction_trigger != CorrectionTrigger::kCosine &&
+      options_.correction_trigger != CorrectionTrigger::kMass) {
+    return bad(absl::StrFormat("sequence.correction_trigger = %d: must be cosine (%d) or mass (%d)",
+                               static_cast<int>(options_.correction_trigger),
+                               static_cast<int>(CorrectionTrigger::kCosine),
+                               static_cast<int>(CorrectionTrigger::kMass)));
+  }
+  if (!(options_.correction_max_loss >= 0.0f && options_.correction_max_loss <= 1.0f)) {
+    return bad(absl::StrFormat(
+        "sequence.correction_max_loss = %g: must be in [0, 1] (a fraction of the attention mass)",
+        options_.correction_max_loss));
+  }
   if (options_.stream_chunk_items < 1 || options_.stream_chunk_items > 65536) {
     return bad(absl::StrFormat("sequence.stream_chunk_items = %d: must be in [1, 65536]",
                                options_.stream_chunk_items));
@@ -184,6 +196,10 @@ absl::Status RetrieverImpl::Init() {
       KVTIER_RETURN_IF_ERROR(Allocate(&l.select.num_misses, hkv * sizeof(int32_t)));
       KVTIER_RETURN_IF_ERROR(Allocate(&l.select.drifted, hkv));
       KVTIER_RETURN_IF_ERROR(Allocate(&l.select.group_mean, hkv * sizeof(float)));
+      if (mass_trigger()) {
+        KVTIER_RETURN_IF_ERROR(Allocate(&l.select.fresh, hkv * kk * sizeof(int32_t)));
+        KVTIER_RETURN_IF_ERROR(Allocate(&l.select.lost_mass, hkv * sizeof(float)));
+      }
       if (dma()) {
         KVTIER_ASSIGN_OR_RETURN(
             l.recall.recaller,
@@ -615,60 +631,6 @@ absl::StatusOr<RecallStrategy> RetrieverImpl::ResolveStrategy() {
   return cal.best;
 }
 
-absl::Status RetrieverImpl::Select(Stream& s, RecallPath path, int32_t layer, const void* q,
-                                   const int32_t* num_pages, const uint8_t* mask,
-                                   int32_t recent_full) {
-  LayerState& l = layers_[layer];
-  if (selected_pages() == 0) return absl::OkStatus();
-  absl::Time mark;
-  KVTIER_RETURN_IF_ERROR(Lap(s, &mark, nullptr));
-  ScorePagesArgs sa;
-  sa.shape = KvShapeOf(geometry_);
-  sa.batch = 1;
-  sa.max_pages = max_pages_;
-  sa.q = q;
-  sa.summaries = l.host.summaries.data();
-  sa.num_pages = num_pages;
-  sa.softmax_scale = scale_;
-  sa.pool = options_.pool;
-  sa.pooled = l.select.pooled.as<float>();
-  sa.head_mask = mask;
-  KVTIER_RETURN_IF_ERROR(backend_.ScorePages(s, sa));
-  TopKArgs ta;
-  ta.shape = KvShapeOf(geometry_);
-  ta.batch = 1;
-  ta.max_pages = max_pages_;
-  ta.k = selected_pages();
-  ta.pooled = l.select.pooled.as<float>();
-  ta.num_pages = num_pages;
-  ta.sink_pages = options_.sink_pages;
-  ta.recent_pages = recent_full;
-  ta.selected = l.select.selected.as<int32_t>();
-  ta.head_mask = mask;
-  if (policies_on()) {
-    ta.head_k = l.policy.head_k.as<int32_t>();
-    ta.page_flags = l.policy.page_flags.as<uint8_t>();
-  }
-  KVTIER_RETURN_IF_ERROR(backend_.TopK(s, ta));
-  ReplaceArgs ra;
-  ra.shape = KvShapeOf(geometry_);
-  ra.kv.num_slots = slots_per_layer_;
-  ra.kv.slot_table = l.ws.table.as<int32_t>();
-  ra.batch = 1;
-  ra.region_begin = options_.sink_pages;
-  ra.k = selected_pages();
-  ra.selected = l.select.selected.as<int32_t>();
-  ra.host_page_of = l.host.page_of.as<int64_t>();
-  ra.max_pages = max_pages_;
-  ra.head_mask = mask;
-  ra.items = l.select.items.as<RecallItem>();
-  ra.num_misses = l.select.num_misses.as<int32_t>();
-  KVTIER_RETURN_IF_ERROR(backend_.Replace(s, ra));
-  KVTIER_RETURN_IF_ERROR(Lap(s, &mark, &stats_.select_us));
-  KVTIER_RETURN_IF_ERROR(RecallPlan(s, path, l));
-  return Lap(s, &mark, &stats_.recall_us);
-}
-
 absl::Status RetrieverImpl::RecordStats(Stream& s, int32_t layer, int64_t step, bool background,
                                         bool checked) {
   LayerState& l = layers_[layer];
@@ -689,6 +651,11 @@ absl::Status RetrieverImpl::RecordStats(Stream& s, int32_t layer, int64_t step, 
     KVTIER_RETURN_IF_ERROR(backend_.Copy(s, r.drifted.data(), l.select.drifted.data(), hkv));
     KVTIER_RETURN_IF_ERROR(
         backend_.Copy(s, r.group_mean.data(), l.select.group_mean.data(), hkv * sizeof(float)));
+    if (mass_trigger()) {
+      r.lost_mass.resize(hkv);
+      KVTIER_RETURN_IF_ERROR(
+          backend_.Copy(s, r.lost_mass.data(), l.select.lost_mass.data(), hkv * sizeof(float)));
+    }
   }
   if (!background) {
     r.num_slots = Slots(l);
@@ -737,6 +704,7 @@ absl::Status RetrieverImpl::Collect(bool block) {
         stats_.corrected_heads += st.corrected_heads;
         st.drifted = r.drifted;
         st.group_mean = r.group_mean;
+        st.lost_mass = r.lost_mass;
       }
       l.last = std::move(st);
     }
@@ -793,23 +761,7 @@ absl::StatusOr<WorkingSetView> RetrieverImpl::BeginStep(int32_t layer, const voi
     if (st.ok()) st = RecordStats(c, layer, l.step, /*background=*/false, /*checked=*/false);
     recorded = true;
   } else if (st.ok() && speculative) {
-    QueryCosineArgs qa;
-    qa.shape = KvShapeOf(geometry_);
-    qa.batch = 1;
-    qa.q = l.select.q_cur.data();
-    qa.q_prev = l.select.q_prev.data();
-    qa.threshold = options_.correction_threshold;
-    qa.group_mean = l.select.group_mean.as<float>();
-    qa.drifted = l.select.drifted.as<uint8_t>();
-    if (st.ok()) st = backend_.QueryCosine(c, qa);
-    // Re-select only the drifted heads, with q_t; the others keep last step's pages.
-    if (st.ok()) {
-      // The correction recall is a few pages on the critical path: one fused op, no
-      // pipeline hand-offs.
-      st = Select(c, RecallPath::kGather, layer, l.select.q_cur.data(),
-                  &l.ws.counts.as<LayerCounts>()->full_pages, l.select.drifted.as<uint8_t>(),
-                  RecentFull(l));
-    }
+    st = Correct(c, layer);
     if (st.ok()) st = RecordStats(c, layer, l.step, /*background=*/false, /*checked=*/true);
     recorded = true;
   }

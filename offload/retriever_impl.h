@@ -1,5 +1,6 @@
 // RetrieverImpl: the Retriever's internals, shared by its source files (retriever.cc: the
-// decode path; retriever_policy.cc: budgets, residency and drop-mode eviction). Not part of
+// decode path; retriever_select.cc: selection and speculative mode's correction;
+// retriever_policy.cc: budgets, residency and drop-mode eviction). Not part of
 // the public API. The invariants are stated at the top of retriever.cc.
 #ifndef KVTIER_OFFLOAD_RETRIEVER_IMPL_H_
 #define KVTIER_OFFLOAD_RETRIEVER_IMPL_H_
@@ -59,6 +60,7 @@ struct StatRecord {
   std::vector<int32_t> misses;    // [Hkv]
   std::vector<uint8_t> drifted;   // [Hkv]
   std::vector<float> group_mean;  // [Hkv]
+  std::vector<float> lost_mass;   // [Hkv] when the mass trigger checked
   int32_t num_slots = 0;          // foreground: the working set attention read
   std::vector<int32_t> slot_table;  // [Hkv][num_slots]
   std::unique_ptr<Event> done;
@@ -112,6 +114,9 @@ struct LayerState {
     DeviceBuffer num_misses;     // int32 [Hkv]
     DeviceBuffer drifted;        // uint8 [Hkv]
     DeviceBuffer group_mean;     // float [Hkv]
+    // The mass trigger (speculative mode): q_t's selection and the stale one's relative loss.
+    DeviceBuffer fresh;      // int32 [Hkv][k]
+    DeviceBuffer lost_mass;  // float [Hkv]
   };
   // The background recall of the next step's pages (speculative mode).
   struct Recall {
@@ -294,9 +299,27 @@ class RetrieverImpl final : public Retriever {
     kBackground,  // the strategy: a DMA plan goes to the host, its DMAs are issued by Pump
     kForeground,  // the strategy, now: a DMA plan is waited for on the host (sync mode)
   };
-  // Score → TopK → Replace → recall of the layer's selected region on `s`.
+  // Score → TopK → Replace → recall of the layer's selected region on `s`. `scored`: the
+  // layer's pooled scores already hold q's for every head (the mass trigger computed them).
   absl::Status Select(Stream& s, RecallPath path, int32_t layer, const void* q,
-                      const int32_t* num_pages, const uint8_t* mask, int32_t recent_full);
+                      const int32_t* num_pages, const uint8_t* mask, int32_t recent_full,
+                      bool scored = false);
+  // The arguments of Select's ScorePages and TopK (into `out`, [Hkv][k]).
+  ScorePagesArgs ScoreArgs(LayerState& l, const void* q, const int32_t* num_pages,
+                           const uint8_t* mask) const;
+  TopKArgs SelectArgs(LayerState& l, const int32_t* num_pages, const uint8_t* mask,
+                      int32_t recent_full, int32_t* out) const;
+  // Speculative mode before attention: the drift check of every head of the layer with q_t
+  // (QueryCosine's group means always; the drift flags from the configured trigger), then
+  // the correction of the drifted heads.
+  absl::Status Correct(Stream& s, int32_t layer);
+  // The mass trigger: q_t's scores and selection for every head, and the drift flags from
+  // the relative mass the stale selection loses (SelectionLoss).
+  absl::Status MassDrift(Stream& s, LayerState& l, const int32_t* num_pages);
+  bool mass_trigger() const {
+    return options_.mode == RetrievalMode::kSpeculative &&
+           options_.correction_trigger == CorrectionTrigger::kMass;
+  }
   absl::Status RecallPlan(Stream& s, RecallPath path, LayerState& l);
   // Issues the DMAs of background plans that have reached the host: of every layer whose
   // plan is ready (layer < 0), or of `layer`, waiting for its plan (bounded by the

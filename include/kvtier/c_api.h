@@ -61,6 +61,8 @@ enum {
   KVTIER_MODE_FULL = 2,
   KVTIER_MODE_DROP = 3
 };
+/* Correction triggers of speculative mode (kvtier::CorrectionTrigger). */
+enum { KVTIER_CORRECTION_TRIGGER_COSINE = 0, KVTIER_CORRECTION_TRIGGER_MASS = 1 };
 /* Transports (kvtier::Transport). */
 enum { KVTIER_TRANSPORT_SHM = 0, KVTIER_TRANSPORT_GRPC = 1 };
 
@@ -94,10 +96,13 @@ typedef struct kvtier_session_options {
   float correction_threshold; /* tau */
   int32_t transport;          /* KVTIER_TRANSPORT_* */
   const char* label;          /* NULL: none */
+  int32_t correction_trigger; /* KVTIER_CORRECTION_TRIGGER_* */
+  float correction_max_loss;  /* mass trigger: largest relative loss kept, in [0, 1] */
 } kvtier_session_options;
 
 /* Fills the defaults: tenant "default", 30 s timeout; fp16 geometry with page size 32,
- * speculative mode, budget 2048, tau 0.9, SHM (kvtier/options.h: kDefault*). */
+ * speculative mode, budget 2048, tau 0.9, the cosine trigger, max loss 0.1, SHM
+ * (kvtier/options.h: kDefault*). */
 void kvtier_client_options_init(kvtier_client_options* options);
 void kvtier_session_options_init(kvtier_session_options* options);
 

@@ -114,6 +114,8 @@ struct SessionInfo {
   int32_t budget_tokens = 0;
   int32_t max_tokens = 0;  // per layer
   float correction_threshold = kDefaultCorrectionThreshold;
+  CorrectionTrigger correction_trigger = CorrectionTrigger::kCosine;
+  float correction_max_loss = kDefaultCorrectionMaxLoss;
   bool closing = false;  // CloseSession or Drain in progress
   uint64_t epoch = 0;
   std::vector<int64_t> committed_tokens;  // per layer

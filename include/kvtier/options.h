@@ -27,13 +27,13 @@ inline constexpr int32_t kDefaultPageSize = 32;
 inline constexpr int32_t kDefaultBudgetTokens = 2048;
 inline constexpr int32_t kDefaultMaxTokens = 131072;        // per layer
 inline constexpr float kDefaultCorrectionThreshold = 0.9f;  // τ
+inline constexpr float kDefaultCorrectionMaxLoss = 0.1f;    // of the selection's mass
 inline constexpr absl::Duration kDefaultDeadline = absl::Seconds(30);
 
 // How a sequence keeps its working set:
 //   speculative  attends over the pages selected with the previous step's query while the
 //                next selection and recall run in the background; heads whose query drifted
-//                (mean group cosine < τ) are re-selected and recalled before attention
-//                (FreeKV);
+//                (CorrectionTrigger) are re-selected and recalled before attention (FreeKV);
 //   sync         selects and recalls with q_t before attention (Quest, ArkVale);
 //   full         keeps every page resident (the accuracy ceiling);
 //   drop         no host tier: sinks plus a sliding window (StreamingLLM), the base the
@@ -41,6 +41,15 @@ inline constexpr absl::Duration kDefaultDeadline = absl::Seconds(30);
 enum class RetrievalMode : uint8_t { kSpeculative = 0, kSync = 1, kFull = 2, kDrop = 3 };
 // "speculative", "sync", "full", "drop".
 std::string_view RetrievalModeName(RetrievalMode mode);
+
+// How speculative mode decides which KV heads to correct before attention:
+//   cosine  mean cos(q_t, q_{t-1}) over the query group < τ (FreeKV; correction_threshold)
+//   mass    the summary-estimated attention mass of the head's stale selection falls short of
+//           the selection q_t would make by more than correction_max_loss (relative)
+enum class CorrectionTrigger : uint8_t { kCosine = 0, kMass = 1 };
+// "cosine", "mass".
+std::string_view CorrectionTriggerName(CorrectionTrigger trigger);
+bool ParseCorrectionTrigger(std::string_view name, CorrectionTrigger* out);
 
 // How per-query-head page scores are pooled into one score per KV head.
 enum class PoolMode : uint8_t {
@@ -115,8 +124,14 @@ struct SequenceOptions {
   // Capacity of the sequence in tokens per layer: sizes the summaries and page maps.
   int32_t max_tokens = kDefaultMaxTokens;
   // τ: a KV head whose mean cos(q_t, q_{t-1}) over its query group is below τ is corrected
-  // (speculative mode). τ ≤ -1 never corrects; τ > 1 always does.
+  // (speculative mode, trigger kCosine). τ ≤ -1 never corrects; τ > 1 always does.
   float correction_threshold = kDefaultCorrectionThreshold;
+  CorrectionTrigger correction_trigger = CorrectionTrigger::kCosine;
+  // Trigger kMass: a KV head is corrected when the selection q_t would make holds more than
+  // this fraction of its estimated attention mass beyond what the stale selection holds
+  // (loss = (mass(new) − mass(stale)) / mass(new), from the key summaries). In [0, 1]:
+  // 0 corrects every head whose selection q_t would improve, 1 never corrects.
+  float correction_max_loss = kDefaultCorrectionMaxLoss;
   PoolMode pool = PoolMode::kSoftmaxMean;
   SummaryMode summary = SummaryMode::kMinMax;
   float softmax_scale = 0.0f;  // 0: 1/sqrt(head_dim)

@@ -61,6 +61,9 @@ struct StepStats {
   int64_t background_pages = 0;     // head-pages recalled after this step
   std::vector<uint8_t> drifted;     // [Hkv] 1 = corrected
   std::vector<float> group_mean;    // [Hkv] mean cos(q_t, q_{t-1}) over the group
+  // [Hkv] mass trigger: the estimated relative loss of the stale selection (empty with the
+  // cosine trigger)
+  std::vector<float> lost_mass;
   std::vector<int32_t> budget;      // [Hkv] pages the budget policy gave each head this step
   int64_t resident_head_pages = 0;  // the layer's working set after this step's decisions
   int32_t num_slots = 0;            // S of the step

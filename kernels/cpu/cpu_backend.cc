@@ -82,6 +82,9 @@ class CpuBackend final : public Backend {
   absl::Status DoQueryCosine(Stream& s, const QueryCosineArgs& a) override {
     return Submit(s, [a, pool = PoolFor(s)] { return CpuQueryCosine(a, pool); });
   }
+  absl::Status DoSelectionLoss(Stream& s, const SelectionLossArgs& a) override {
+    return Submit(s, [a, pool = PoolFor(s)] { return CpuSelectionLoss(a, pool); });
+  }
   absl::Status DoRecall(Stream& s, const RecallArgs& a) override {
     return Submit(s, [a, pool = PoolFor(s)] { return CpuRecall(a, pool); });
   }

@@ -16,6 +16,7 @@ class ThreadPool;
 absl::Status CpuScorePages(const ScorePagesArgs& a, ThreadPool* pool);
 absl::Status CpuTopK(const TopKArgs& a, ThreadPool* pool);
 absl::Status CpuQueryCosine(const QueryCosineArgs& a, ThreadPool* pool);
+absl::Status CpuSelectionLoss(const SelectionLossArgs& a, ThreadPool* pool);
 absl::Status CpuRecall(const RecallArgs& a, ThreadPool* pool);
 absl::Status CpuGatherSlabs(const GatherSlabsArgs& a, ThreadPool* pool);
 absl::Status CpuScatterSlabs(const ScatterSlabsArgs& a, ThreadPool* pool);

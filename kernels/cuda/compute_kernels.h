@@ -1,5 +1,6 @@
 // Launchers of the CUDA arithmetic kernels: selection (select.cu: page scoring with group
-// pooling, top-k, query cosine and drift flags, page-cache replacement), attention
+// pooling, top-k, query cosine and drift flags, page-cache replacement; selection_loss.cu:
+// the mass correction trigger), attention
 // (attention.cu: sparse paged decode attention over per-KV-head slot tables, dense decode
 // attention) and the policy ops (policy_ops.cu: INT8 quantisation of head-slots, head-slot
 // moves).
@@ -28,6 +29,10 @@ cudaError_t LaunchTopK(const TopKArgs& a, const DeviceErrorSink& sink, cudaStrea
 cudaError_t LaunchQueryCosine(const QueryCosineArgs& a, const DeviceErrorSink& sink,
                               cudaStream_t stream);
 cudaError_t LaunchReplace(const ReplaceArgs& a, const DeviceErrorSink& sink, cudaStream_t stream);
+
+// selection_loss.cu. REQUIRES: ValidateArgs(a) is OK.
+cudaError_t LaunchSelectionLoss(const SelectionLossArgs& a, const DeviceErrorSink& sink,
+                                cudaStream_t stream);
 
 // attention.cu. REQUIRES: ValidateArgs(a) is OK.
 cudaError_t LaunchSparseAttention(const SparseAttentionArgs& a, const DeviceErrorSink& sink,

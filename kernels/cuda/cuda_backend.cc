@@ -120,6 +120,7 @@ class CudaBackend final : public Backend {
   absl::Status DoTopK(Stream& s, const TopKArgs& a) override;
   absl::Status DoReplace(Stream& s, const ReplaceArgs& a) override;
   absl::Status DoQueryCosine(Stream& s, const QueryCosineArgs& a) override;
+  absl::Status DoSelectionLoss(Stream& s, const SelectionLossArgs& a) override;
   absl::Status DoSparseAttention(Stream& s, const SparseAttentionArgs& a) override;
   absl::Status DoDenseAttention(Stream& s, const DenseAttentionArgs& a) override;
   absl::Status DoQuantizeSlots(Stream& s, const QuantizeSlotsArgs& a) override;
@@ -300,6 +301,12 @@ absl::Status CudaBackend::DoTopK(Stream& s, const TopKArgs& a) {
 absl::Status CudaBackend::DoQueryCosine(Stream& s, const QueryCosineArgs& a) {
   KVTIER_CUDA_LAUNCH_OP(QueryCosine, LaunchQueryCosine, false, KVTIER_VIEW(q), KVTIER_VIEW(q_prev),
                         KVTIER_VIEW(cosine), KVTIER_VIEW(group_mean), KVTIER_VIEW(drifted));
+}
+
+absl::Status CudaBackend::DoSelectionLoss(Stream& s, const SelectionLossArgs& a) {
+  KVTIER_CUDA_LAUNCH_OP(SelectionLoss, LaunchSelectionLoss, false, KVTIER_VIEW(pooled),
+                        KVTIER_VIEW(current), KVTIER_VIEW(fresh), KVTIER_VIEW(loss),
+                        KVTIER_VIEW(drifted));
 }
 
 absl::Status CudaBackend::DoReplace(Stream& s, const ReplaceArgs& a) {

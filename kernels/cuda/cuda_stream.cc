@@ -41,6 +41,8 @@ absl::string_view OpName(KernelOp op) {
       return "QuantizeSlots";
     case KernelOp::kMoveHeadSlots:
       return "MoveHeadSlots";
+    case KernelOp::kSelectionLoss:
+      return "SelectionLoss";
   }
   return "kernel";
 }
@@ -71,6 +73,10 @@ absl::string_view FieldName(ItemField field) {
       return "seq_len";
     case ItemField::kSlot:
       return "slot";
+    case ItemField::kCurrentPage:
+      return "current";
+    case ItemField::kFreshPage:
+      return "fresh";
   }
   return "index";
 }

@@ -30,6 +30,7 @@ enum class KernelOp : int32_t {
   kDenseAttention = 10,
   kQuantizeSlots = 11,
   kMoveHeadSlots = 12,
+  kSelectionLoss = 13,
 };
 
 // Which field of the failing item was out of range.
@@ -48,6 +49,8 @@ enum class ItemField : int32_t {
   kSlotTable = 10,    // slot_table[i]: a page ≥ 0 or -1
   kSeqLen = 11,       // seq_len[b]
   kSlot = 12,         // items[i].slot / src_slot / dst_slot of the policy ops
+  kCurrentPage = 13,  // current[...] of SelectionLoss: a page or kEmptySlot
+  kFreshPage = 14,    // fresh[...] of SelectionLoss: a page or kEmptySlot
 };
 
 struct DeviceErrorRecord {

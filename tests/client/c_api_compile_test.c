@@ -18,6 +18,8 @@ int kvtier_c_api_compile_check(void) {
   so.geometry.num_layers = 1;
   so.mode = KVTIER_MODE_SYNC;
   so.transport = KVTIER_TRANSPORT_GRPC;
+  so.correction_trigger = KVTIER_CORRECTION_TRIGGER_MASS;
+  so.correction_max_loss = 0.1f;
   if (strlen(kvtier_version()) == 0) return 1;
   /* Null arguments are refused with INVALID_ARGUMENT and a message, never a crash. */
   rc = kvtier_connect(NULL, &co, &client);

@@ -73,6 +73,9 @@ TEST(CApiTest, SessionOptionsDefaultsMatchTheCppDefaults) {
   const SequenceOptions cpp;
   EXPECT_EQ(o.budget_tokens, cpp.budget_pages() * 32);
   EXPECT_FLOAT_EQ(o.correction_threshold, cpp.correction_threshold);
+  EXPECT_EQ(o.correction_trigger, static_cast<int32_t>(cpp.correction_trigger));
+  EXPECT_EQ(o.correction_trigger, KVTIER_CORRECTION_TRIGGER_COSINE);
+  EXPECT_FLOAT_EQ(o.correction_max_loss, cpp.correction_max_loss);
   EXPECT_EQ(o.mode, static_cast<int32_t>(cpp.mode));
   EXPECT_EQ(o.transport, KVTIER_TRANSPORT_SHM);
   EXPECT_NE(std::string(kvtier_version()).find("protocol 1"), std::string::npos);

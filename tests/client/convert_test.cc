@@ -24,6 +24,8 @@ SessionOptions SmallOptions() {
   EXPECT_TRUE(o.sequence.SetBudgetTokens(512, 32).ok());
   o.sequence.max_tokens = 2048;
   o.sequence.correction_threshold = 0.8f;
+  o.sequence.correction_trigger = CorrectionTrigger::kMass;
+  o.sequence.correction_max_loss = 0.125f;
   o.sequence.mode = RetrievalMode::kSync;
   o.transport = Transport::kGrpc;
   o.label = "unit";
@@ -45,6 +47,9 @@ TEST(BuildOpenSessionRequestTest, CarriesEveryOption) {
   EXPECT_EQ(req->retrieval().max_tokens(), 2048u);
   ASSERT_TRUE(req->retrieval().has_correction_threshold());
   EXPECT_FLOAT_EQ(req->retrieval().correction_threshold(), 0.8f);
+  EXPECT_EQ(req->retrieval().correction_trigger(), "mass");
+  ASSERT_TRUE(req->retrieval().has_correction_max_loss());
+  EXPECT_FLOAT_EQ(req->retrieval().correction_max_loss(), 0.125f);
   EXPECT_EQ(req->transport(), v1::TRANSPORT_GRPC);
   EXPECT_EQ(req->label(), "unit");
 }
@@ -56,6 +61,8 @@ TEST(BuildOpenSessionRequestTest, DefaultSequenceOptionsAreFreeKvsBudget) {
   ASSERT_TRUE(req.ok()) << req.status();
   EXPECT_EQ(req->retrieval().budget_tokens(), 2048u);
   EXPECT_EQ(req->retrieval().mode(), v1::MODE_SPECULATIVE);
+  EXPECT_EQ(req->retrieval().correction_trigger(), "cosine");
+  EXPECT_FLOAT_EQ(req->retrieval().correction_max_loss(), 0.1f);
 }
 
 TEST(BuildOpenSessionRequestTest, BadGeometryIsInvalidArgumentNamingTheField) {
@@ -89,6 +96,23 @@ TEST(BuildOpenSessionRequestTest, NegativeMaxTokensAndNonFiniteTauAreInvalidArgu
   absl::StatusOr<v1::OpenSessionRequest> req = BuildOpenSessionRequest("a", o);
   EXPECT_EQ(req.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(req.status().message().find("correction_threshold"), std::string::npos);
+}
+
+TEST(BuildOpenSessionRequestTest, BadCorrectionTriggerOrMaxLossIsInvalidArgumentNamingIt) {
+  for (float bad : {-0.25f, 2.0f, std::numeric_limits<float>::quiet_NaN()}) {
+    SessionOptions o = SmallOptions();
+    o.sequence.correction_max_loss = bad;
+    absl::StatusOr<v1::OpenSessionRequest> req = BuildOpenSessionRequest("a", o);
+    EXPECT_EQ(req.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(req.status().message().find("correction_max_loss"), std::string::npos);
+    EXPECT_NE(req.status().message().find("[0, 1]"), std::string::npos);
+  }
+  SessionOptions o = SmallOptions();
+  o.sequence.correction_trigger = static_cast<CorrectionTrigger>(5);
+  absl::StatusOr<v1::OpenSessionRequest> req = BuildOpenSessionRequest("a", o);
+  EXPECT_EQ(req.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(req.status().message().find("correction_trigger = 5"), std::string::npos)
+      << req.status();
 }
 
 TEST(GeometryProtoTest, RoundTripsAndDefaultsThePageSize) {
@@ -137,6 +161,8 @@ TEST(SessionInfoProtoTest, ResolvedOptionsDriveTheLocalRetriever) {
   EXPECT_EQ(info->committed_tokens, (std::vector<int64_t>{64, 32}));
   EXPECT_EQ(info->region_offset, 65536u);
   EXPECT_FLOAT_EQ(info->correction_threshold, 0.9f);  // unset: the protocol's default
+  EXPECT_EQ(info->correction_trigger, CorrectionTrigger::kCosine);
+  EXPECT_FLOAT_EQ(info->correction_max_loss, 0.1f);
 
   SequenceOptions local;
   local.recall = RecallStrategy::kBatchedDma;
@@ -147,6 +173,18 @@ TEST(SessionInfoProtoTest, ResolvedOptionsDriveTheLocalRetriever) {
   EXPECT_EQ(o->recent_pages, 2);
   EXPECT_EQ(o->max_tokens, 1024);
   EXPECT_EQ(o->recall, RecallStrategy::kBatchedDma);  // local knobs stay
+
+  // The daemon's trigger drives the local Retriever; an unknown one is refused.
+  p.mutable_retrieval()->set_correction_trigger("mass");
+  p.mutable_retrieval()->set_correction_max_loss(0.3f);
+  absl::StatusOr<SessionInfo> mass = SessionInfoFromProto(p);
+  ASSERT_TRUE(mass.ok()) << mass.status();
+  absl::StatusOr<SequenceOptions> mo = ResolveSequenceOptions(local, *mass);
+  ASSERT_TRUE(mo.ok()) << mo.status();
+  EXPECT_EQ(mo->correction_trigger, CorrectionTrigger::kMass);
+  EXPECT_FLOAT_EQ(mo->correction_max_loss, 0.3f);
+  p.mutable_retrieval()->set_correction_trigger("entropy");
+  EXPECT_EQ(SessionInfoFromProto(p).status().code(), absl::StatusCode::kInvalidArgument);
 
   info->budget_tokens = 100;  // not a multiple of 4 pages: a daemon bug
   EXPECT_EQ(ResolveSequenceOptions(local, *info).status().code(), absl::StatusCode::kInternal);

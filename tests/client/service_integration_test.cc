@@ -643,6 +643,52 @@ TEST_F(ServiceTest, CApiDrivesAnShmSessionLikeTheCppApi) {
   ASSERT_OK((*ref)->Close());
 }
 
+TEST_F(ServiceTest, CApiCarriesTheCorrectionTriggerAndRefusesBadOnes) {
+  kvtier_client_options co;
+  kvtier_client_options_init(&co);
+  co.tenant = "a";
+  co.token = "ta";
+  kvtier_client* client = nullptr;
+  ASSERT_EQ(kvtier_connect(daemon_->target().c_str(), &co, &client), KVTIER_OK)
+      << kvtier_last_error();
+  kvtier_session_options so;
+  kvtier_session_options_init(&so);
+  so.geometry = {2, 8, 2, 64, 32, KVTIER_DTYPE_F16};
+  so.budget_tokens = 512;
+  so.max_tokens = 2048;
+  so.correction_trigger = KVTIER_CORRECTION_TRIGGER_MASS;
+  so.correction_max_loss = 0.2f;
+  so.label = "c-mass";
+  kvtier_session* cs = nullptr;
+  ASSERT_EQ(kvtier_open_session(client, &so, &cs), KVTIER_OK) << kvtier_last_error();
+  std::unique_ptr<Client> a = MustConnect("a", "ta");
+  ASSERT_NE(a, nullptr);
+  auto list = a->ListSessions();
+  ASSERT_TRUE(list.ok()) << list.status();
+  bool seen = false;
+  for (const SessionInfo& info : *list) {
+    if (info.id != kvtier_session_id(cs)) continue;
+    seen = true;
+    EXPECT_EQ(info.correction_trigger, CorrectionTrigger::kMass);
+    EXPECT_FLOAT_EQ(info.correction_max_loss, 0.2f);
+  }
+  EXPECT_TRUE(seen);
+  ASSERT_EQ(kvtier_close_session(cs), KVTIER_OK) << kvtier_last_error();
+  kvtier_session_free(cs);
+
+  so.correction_trigger = 7;
+  EXPECT_EQ(kvtier_open_session(client, &so, &cs), KVTIER_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvtier_last_error()).find("correction_trigger = 7"), std::string::npos)
+      << kvtier_last_error();
+  so.correction_trigger = KVTIER_CORRECTION_TRIGGER_MASS;
+  so.correction_max_loss = 1.5f;
+  EXPECT_EQ(kvtier_open_session(client, &so, &cs), KVTIER_INVALID_ARGUMENT);
+  const std::string error = kvtier_last_error();
+  EXPECT_NE(error.find("correction_max_loss = 1.5"), std::string::npos) << error;
+  EXPECT_NE(error.find("[0, 1]"), std::string::npos) << error;
+  kvtier_client_free(client);
+}
+
 // Its own daemon: this one is drained and stopped.
 TEST(ServiceShutdownTest, DrainThenSigtermExitsCleanlyAndRemovesTheSockets) {
   auto d = DaemonProcess::Start(TwoTenants());

@@ -260,6 +260,39 @@ TEST_F(KvTierServiceTest, MetadataAuthenticatesEveryCall) {
   }
 }
 
+TEST_F(KvTierServiceTest, OpenSessionCarriesTheCorrectionTriggerBothWays) {
+  const v1::SessionInfo plain = Open();
+  EXPECT_EQ(plain.retrieval().correction_trigger(), "cosine");  // resolved defaults echoed
+  ASSERT_TRUE(plain.retrieval().has_correction_max_loss());
+  EXPECT_FLOAT_EQ(plain.retrieval().correction_max_loss(), 0.1f);
+  const auto open = [&](const std::string& trigger, float max_loss, v1::OpenSessionReply* reply) {
+    grpc::ClientContext ctx;
+    As(&ctx, "a", "tok-a");
+    v1::OpenSessionRequest req;
+    req.set_tenant("a");
+    *req.mutable_geometry() = SmallGeometry();
+    req.mutable_retrieval()->set_budget_tokens(64);
+    req.mutable_retrieval()->set_max_tokens(256);
+    req.mutable_retrieval()->set_correction_trigger(trigger);
+    req.mutable_retrieval()->set_correction_max_loss(max_loss);
+    req.set_transport(v1::TRANSPORT_GRPC);
+    return stub_->OpenSession(&ctx, req, reply);
+  };
+  v1::OpenSessionReply reply;
+  grpc::Status st = open("mass", 0.25f, &reply);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(reply.session().retrieval().correction_trigger(), "mass");
+  EXPECT_FLOAT_EQ(reply.session().retrieval().correction_max_loss(), 0.25f);
+  st = open("Mass", 0.25f, &reply);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(st.error_message(), HasSubstr("correction_trigger = 'Mass'"));
+  EXPECT_THAT(st.error_message(), HasSubstr("cosine, mass"));
+  st = open("mass", -0.5f, &reply);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(st.error_message(), HasSubstr("correction_max_loss = -0.5"));
+  EXPECT_THAT(st.error_message(), HasSubstr("[0, 1]"));
+}
+
 TEST_F(KvTierServiceTest, OffloadThenFetchReturnsHndPages) {
   const v1::SessionInfo s = Open();
   EXPECT_EQ(s.transport(), v1::TRANSPORT_GRPC);

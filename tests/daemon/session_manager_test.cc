@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <random>
 #include <thread>
@@ -57,6 +58,8 @@ TEST_F(SessionManagerTest, OpenResolvesDefaultsAndCloseFreesTheRegion) {
   EXPECT_EQ(r.spec.sequence.max_tokens, 256);   // default_max_tokens
   EXPECT_EQ(r.spec.budget_tokens, 256);         // 2048 capped at the capacity
   EXPECT_FLOAT_EQ(r.spec.sequence.correction_threshold, 0.9f);
+  EXPECT_EQ(r.spec.sequence.correction_trigger, CorrectionTrigger::kCosine);
+  EXPECT_FLOAT_EQ(r.spec.sequence.correction_max_loss, 0.1f);
   EXPECT_EQ(r.epoch, 1u);
   EXPECT_EQ(r.committed_tokens, std::vector<uint64_t>(2, 0));
   EXPECT_EQ(r.region_offset % kRegionAlignment, 0u);
@@ -145,6 +148,20 @@ INSTANTIATE_TEST_SUITE_P(
                               },
                               absl::StatusCode::kInvalidArgument,
                               {"correction_threshold"}},
+                      BadOpen{"Trigger",
+                              [](OpenSessionParams* p) { p->correction_trigger = "entropy"; },
+                              absl::StatusCode::kInvalidArgument,
+                              {"retrieval.correction_trigger = 'entropy'", "cosine, mass"}},
+                      BadOpen{"MaxLoss",
+                              [](OpenSessionParams* p) { p->correction_max_loss = 1.5f; },
+                              absl::StatusCode::kInvalidArgument,
+                              {"retrieval.correction_max_loss = 1.5", "[0, 1]"}},
+                      BadOpen{"MaxLossNaN",
+                              [](OpenSessionParams* p) {
+                                p->correction_max_loss = std::numeric_limits<float>::quiet_NaN();
+                              },
+                              absl::StatusCode::kInvalidArgument,
+                              {"retrieval.correction_max_loss = nan", "[0, 1]"}},
                       BadOpen{"Policy",
                               [](OpenSessionParams* p) { p->budget_policy = "greedy"; },
                               absl::StatusCode::kInvalidArgument,
@@ -498,6 +515,25 @@ TEST_F(SessionManagerTest, ShmSessionReportsWhatTheEngineCommitted) {
   EXPECT_EQ(region->Commit(0, 2, 12, 8, 1).code(), absl::StatusCode::kFailedPrecondition);
   ExpectError(manager_->Step(Caller{"a"}, r.id, 0, std::string(256, '\0'), true).status(),
               absl::StatusCode::kFailedPrecondition, {"uses SHM", "steps run in the engine"});
+}
+
+TEST_F(SessionManagerTest, OpenTakesTheCorrectionTriggerAndARetryMustRepeatIt) {
+  OpenSessionParams p = GrpcParams("a");
+  p.correction_trigger = "mass";
+  p.correction_max_loss = 0.2f;
+  p.request_id = "trigger-1";
+  const SessionRecord r = Open(p);
+  EXPECT_EQ(r.spec.sequence.correction_trigger, CorrectionTrigger::kMass);
+  EXPECT_FLOAT_EQ(r.spec.sequence.correction_max_loss, 0.2f);
+  EXPECT_EQ(Open(p).id, r.id);  // the same request again: the same session
+  for (const auto& change : std::vector<std::function<void(OpenSessionParams*)>>{
+           [](OpenSessionParams* q) { q->correction_trigger = "cosine"; },
+           [](OpenSessionParams* q) { q->correction_max_loss.reset(); }}) {
+    OpenSessionParams other = p;
+    change(&other);
+    ExpectError(manager_->OpenSession(Caller{"a"}, other).status(),
+                absl::StatusCode::kFailedPrecondition, {"with other parameters"});
+  }
 }
 
 // ---- Step -----------------------------------------------------------------------------------

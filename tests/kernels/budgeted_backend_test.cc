@@ -96,6 +96,22 @@ TEST(BudgetedBackendTest, OpsAndCopiesReachTheInnerBackend) {
   EXPECT_EQ(via, direct);
   EXPECT_EQ(drift_via, drift_direct);
   EXPECT_EQ(std::memcmp(dq->data(), q.data(), q.bytes()), 0);
+  // The selection loss too: (0.8 − 0.2) / 0.8 of the mass is lost.
+  const std::vector<float> pooled = {0.5f, 0.3f, 0.1f, 0.1f};
+  const std::vector<int32_t> current = {2, 3}, fresh = {0, 1};
+  float loss = -1.0f;
+  SelectionLossArgs la;
+  la.shape.num_kv_heads = 1;
+  la.batch = 1;
+  la.max_pages = 4;
+  la.k = 2;
+  la.pooled = pooled.data();
+  la.current = current.data();
+  la.fresh = fresh.data();
+  la.loss = &loss;
+  ASSERT_TRUE(b->SelectionLoss(**s, la).ok());
+  ASSERT_TRUE((*s)->Synchronize().ok());
+  EXPECT_NEAR(loss, 0.75f, 1e-6f);
 }
 
 }  // namespace

@@ -102,6 +102,32 @@ OpRun ReplaceSelectedPageWithoutHostPage(uint32_t) {
   return r;
 }
 
+// A page beyond max_pages (or below kEmptySlot) in one of SelectionLoss's two selections.
+OpRun SelectionLossBadPage(bool in_current, uint32_t) {
+  constexpr int32_t kK = 2;
+  std::vector<int32_t> current{0, 1, 2, -1, 3, 4, 5, 6}, fresh{1, 0, 2, 3, -1, -1, 6, 5};
+  std::vector<int32_t>& bad = in_current ? current : fresh;
+  bad[5] = in_current ? kErrPages : -2;
+  OpRun r = OutOfRange(in_current ? absl::StrFormat("SelectionLoss: current[5] = %d", kErrPages)
+                                  : std::string("SelectionLoss: fresh[5] = -2"));
+  const int ipooled = r.in.Add(std::vector<float>(kErrB * kHkv * kErrPages, 0.125f));
+  const int icur = r.in.Add(current), ifr = r.in.Add(fresh);
+  const int iloss = r.in.Add(std::vector<float>(kErrB * kHkv));
+  r.op = [=](Backend& be, Stream& s, const OpPtrs& p) {
+    SelectionLossArgs a;
+    a.shape = kErrShape;
+    a.batch = kErrB;
+    a.max_pages = kErrPages;
+    a.k = kK;
+    a.pooled = p.get<float>(ipooled);
+    a.current = p.get<int32_t>(icur);
+    a.fresh = p.get<int32_t>(ifr);
+    a.loss = p.get<float>(iloss);
+    return be.SelectionLoss(s, a);
+  };
+  return r;
+}
+
 // partial_len beyond the page size, or a slot table entry below -1.
 OpRun SparseAttentionBadPartialLenOrSlotTable(bool bad_len, uint32_t seed) {
   constexpr int32_t kEntries = kErrB * kHkv * kErrS;
@@ -297,6 +323,10 @@ void AddErrorCases(std::vector<OpCase>& cases) {
   Add(cases, "ScorePages_error_num_pages", ScorePagesNumPagesBeyondMaxPages);
   Add(cases, "TopK_error_head_k", TopKHeadKBeyondK);
   Add(cases, "Replace_error_no_host_page", ReplaceSelectedPageWithoutHostPage);
+  for (const bool in_current : {true, false}) {
+    Add(cases, in_current ? "SelectionLoss_error_current" : "SelectionLoss_error_fresh",
+        [in_current](uint32_t seed) { return SelectionLossBadPage(in_current, seed); });
+  }
   for (const bool bad_len : {true, false}) {
     Add(cases, bad_len ? "SparseAttention_error_partial_len" : "SparseAttention_error_slot_table",
         [bad_len](uint32_t seed) {

@@ -74,7 +74,8 @@ KvShape ShapeOf(const HeadShape& s, int32_t page_size = 0);
 inline int32_t QueryHeads(const HeadShape& s) { return kHkv * s.group; }
 
 // Each family's cases.
-void AddSelectionCases(std::vector<OpCase>& cases);  // ScorePages, TopK, QueryCosine, Replace
+// ScorePages, TopK, QueryCosine, SelectionLoss, Replace
+void AddSelectionCases(std::vector<OpCase>& cases);
 void AddAttentionCases(std::vector<OpCase>& cases);  // SparseAttention, DenseAttention
 void AddPageCases(std::vector<OpCase>& cases);       // Recall, the slab halves, Offload, slot ops
 void AddErrorCases(std::vector<OpCase>& cases);      // data-dependent errors of every op

@@ -1,6 +1,6 @@
 // The selection ops against the CPU reference: page scores and their pooling, top-k (alone
-// and on the scores each backend computed), query cosines and drift flags, and page-cache
-// replacement.
+// and on the scores each backend computed), query cosines and drift flags, the mass trigger's
+// selection loss (also against losses worked out by hand), and page-cache replacement.
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -301,6 +301,169 @@ void AddTopKCases(std::vector<OpCase>& cases) {
   }
 }
 
+// ---- SelectionLoss ----
+
+constexpr float kMaxLoss = 0.05f;  // the default correction_max_loss
+
+// Hand-made heads (k = 2, P = 4), each with its expected loss at threshold 0.05. With kRawMean
+// the pooled scores are 2·ln(p) at softmax_scale 0.5, so the weights are p up to a factor
+// that cancels and the losses are the same.
+struct LossHead {
+  std::array<float, 4> p;
+  std::array<int32_t, 2> current, fresh;
+  float loss;
+};
+const std::vector<LossHead>& KnownLossHeads() {
+  static const std::vector<LossHead> heads = {
+      {{0.5f, 0.3f, 0.1f, 0.1f}, {2, 3}, {0, 1}, 0.75f},         // (0.8 − 0.2) / 0.8
+      {{0.5f, 0.3f, 0.1f, 0.1f}, {1, 0}, {0, 1}, 0.0f},          // the same pages, reordered
+      {{0.4f, 0.3f, 0.2f, 0.1f}, {0, -1}, {0, 1}, 0.3f / 0.7f},  // an empty slot
+      {{0.5f, 0.3f, 0.1f, 0.1f}, {0, 1}, {0, -1}, 0.0f},         // more than fresh: clamped to 0
+      {{0.25f, 0.25f, 0.25f, 0.25f}, {-1, -1}, {-1, -1}, 0.0f},  // nothing selected
+      {{0.5f, 0.3f, 0.28f, 0.1f}, {0, 2}, {0, 1}, 0.025f},       // (0.8 − 0.78) / 0.8: kept
+  };
+  return heads;
+}
+
+OpRun SelectionLossKnownRun(PoolMode pool) {
+  constexpr int32_t kK = 2, kP = 4;
+  const std::vector<LossHead>& heads = KnownLossHeads();
+  const auto n = static_cast<int32_t>(heads.size());  // batch n / kHkv
+  std::vector<float> pooled;
+  std::vector<int32_t> current, fresh;
+  for (const LossHead& h : heads) {
+    for (float p : h.p) pooled.push_back(pool == PoolMode::kRawMean ? 2.0f * std::log(p) : p);
+    current.insert(current.end(), h.current.begin(), h.current.end());
+    fresh.insert(fresh.end(), h.fresh.begin(), h.fresh.end());
+  }
+  OpRun r;
+  const int ipooled = r.in.Add(pooled), icur = r.in.Add(current), ifr = r.in.Add(fresh);
+  const int iloss = r.in.Add(std::vector<float>(static_cast<size_t>(n), 7.0f));
+  const int idrift = r.in.Add(std::vector<uint8_t>(static_cast<size_t>(n), 7));
+  r.op = [=](Backend& be, Stream& s, const OpPtrs& p) {
+    SelectionLossArgs a;
+    a.shape.num_kv_heads = kHkv;
+    a.batch = n / kHkv;
+    a.max_pages = kP;
+    a.k = kK;
+    a.pooled = p.get<float>(ipooled);
+    a.pool = pool;
+    a.softmax_scale = 0.5f;
+    a.current = p.get<int32_t>(icur);
+    a.fresh = p.get<int32_t>(ifr);
+    a.threshold = kMaxLoss;
+    a.loss = p.get<float>(iloss);
+    a.drifted = p.get<uint8_t>(idrift);
+    return be.SelectionLoss(s, a);
+  };
+  r.check = [=](const OpBuffers&, const OpResult& want, const OpResult& got) {
+    for (const OpResult* res : {&want, &got}) {
+      const std::vector<float> loss = res->Get<float>(iloss);
+      const std::vector<uint8_t> drifted = res->Get<uint8_t>(idrift);
+      for (size_t i = 0; i < heads.size(); ++i) {
+        EXPECT_NEAR(loss[i], heads[i].loss, 2e-6)
+            << (res == &want ? "cpu" : "backend") << " head " << i;
+        EXPECT_EQ(drifted[i], heads[i].loss > kMaxLoss ? 1 : 0) << "head " << i;
+      }
+      EXPECT_EQ(loss[1], 0.0f) << "the same pages must lose exactly nothing";
+    }
+  };
+  return r;
+}
+
+struct LossShape {
+  int32_t batch, kv_heads, max_pages, k;
+};
+
+// Random pooled rows (probabilities; or raw scores with some NaN and -inf) and pairs of
+// selections of distinct pages that share about half their pages, padded with kEmptySlot.
+OpRun SelectionLossRun(const LossShape& c, PoolMode pool, bool flags, uint32_t seed) {
+  const int32_t B = c.batch, H = c.kv_heads, P = c.max_pages, K = c.k;
+  std::mt19937 rng(seed);
+  std::vector<float> pooled(static_cast<size_t>(B) * H * P);
+  std::vector<int32_t> current(static_cast<size_t>(B) * H * K), fresh(current.size());
+  for (int64_t head = 0; head < int64_t{B} * H; ++head) {
+    float* row = pooled.data() + head * P;
+    double sum = 0;
+    for (int32_t p = 0; p < P; ++p) {
+      const float x = std::uniform_real_distribution<float>(0.0f, 1.0f)(rng);
+      row[p] = pool == PoolMode::kSoftmaxMean ? x * x * x : 6.0f * x - 3.0f;
+      sum += row[p];
+      if (pool == PoolMode::kRawMean && Chance(rng, 0.03)) row[p] = Chance(rng, 0.5) ? kNaN : -kInf;
+    }
+    if (pool == PoolMode::kSoftmaxMean) {
+      for (int32_t p = 0; p < P; ++p) row[p] = static_cast<float>(row[p] / sum);
+    }
+    std::vector<int32_t> pages = Iota(P);
+    std::shuffle(pages.begin(), pages.end(), rng);
+    const int32_t nf = head == 0 ? K : Uniform(rng, 0, K);
+    const int32_t nc = head == 0 ? K : Uniform(rng, 0, K);
+    for (int32_t i = 0; i < K; ++i) {
+      fresh[static_cast<size_t>(head * K + i)] =
+          i < nf ? pages[static_cast<size_t>(i)] : kEmptySlot;
+      // Current: fresh's page at the same rank half the time, else one fresh does not hold.
+      int32_t& cur = current[static_cast<size_t>(head * K + i)];
+      if (i >= nc) {
+        cur = kEmptySlot;
+      } else if (i < nf && Chance(rng, 0.5)) {
+        cur = pages[static_cast<size_t>(i)];
+      } else {
+        cur = pages[static_cast<size_t>(std::min(K + i, P - 1))];
+      }
+    }
+    std::shuffle(current.begin() + head * K, current.begin() + (head + 1) * K, rng);
+  }
+  OpRun r;
+  const int ipooled = r.in.Add(pooled), icur = r.in.Add(current), ifr = r.in.Add(fresh);
+  const int iloss = r.in.Add(std::vector<float>(static_cast<size_t>(B) * H, 7.0f));
+  const int idrift = flags ? r.in.Add(std::vector<uint8_t>(static_cast<size_t>(B) * H, 7)) : -1;
+  r.op = [=](Backend& be, Stream& s, const OpPtrs& p) {
+    SelectionLossArgs a;
+    a.shape.num_kv_heads = H;
+    a.batch = B;
+    a.max_pages = P;
+    a.k = K;
+    a.pooled = p.get<float>(ipooled);
+    a.pool = pool;
+    a.softmax_scale = 0.7f;
+    a.current = p.get<int32_t>(icur);
+    a.fresh = p.get<int32_t>(ifr);
+    a.threshold = 0.2f;
+    a.loss = p.get<float>(iloss);
+    a.drifted = p.get<uint8_t>(idrift);
+    return be.SelectionLoss(s, a);
+  };
+  r.check = [=](const OpBuffers&, const OpResult& want, const OpResult& got) {
+    const std::vector<float> w = want.Get<float>(iloss);
+    ExpectFloatsNear(w, got.Get<float>(iloss), 1e-5, 1e-5, "loss");
+    if (idrift < 0) return;
+    const std::vector<uint8_t> wd = want.Get<uint8_t>(idrift), gd = got.Get<uint8_t>(idrift);
+    for (size_t i = 0; i < wd.size(); ++i) {
+      if (std::fabs(w[i] - 0.2f) < 1e-5f) continue;  // within float noise of the threshold
+      EXPECT_EQ(gd[i], wd[i]) << "drifted[" << i << "], loss " << w[i];
+    }
+  };
+  return r;
+}
+
+void AddSelectionLossCases(std::vector<OpCase>& cases) {
+  for (const PoolMode pool : {PoolMode::kSoftmaxMean, PoolMode::kRawMean}) {
+    const std::string mode = pool == PoolMode::kSoftmaxMean ? "softmax" : "raw";
+    Add(cases, "SelectionLoss_known_" + mode,
+        [pool](uint32_t) { return SelectionLossKnownRun(pool); });
+    for (const LossShape& c :
+         {LossShape{1, 1, 16, 4}, LossShape{3, 2, 64, 8}, LossShape{2, 4, 300, 32},
+          LossShape{2, 8, 1000, 200}, LossShape{1, 2, 40, 40}}) {
+      for (const bool flags : {true, false}) {
+        Add(cases,
+            absl::StrFormat("SelectionLoss_b%d_hkv%d_p%d_k%d_%s%s", c.batch, c.kv_heads,
+                            c.max_pages, c.k, mode, flags ? "" : "_loss_only"),
+            [c, pool, flags](uint32_t seed) { return SelectionLossRun(c, pool, flags, seed); });
+      }
+    }
+  }
+}
+
 // ---- Replace ----
 
 struct ReplaceShape {
@@ -429,6 +592,7 @@ void AddSelectionCases(std::vector<OpCase>& cases) {
     }
   }
   AddTopKCases(cases);
+  AddSelectionLossCases(cases);
   AddReplaceCases(cases);
 }
 

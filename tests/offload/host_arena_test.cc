@@ -95,6 +95,9 @@ class RecordingBackend : public Backend {
   absl::Status DoScorePages(Stream&, const ScorePagesArgs&) override { return Unimplemented(); }
   absl::Status DoTopK(Stream&, const TopKArgs&) override { return Unimplemented(); }
   absl::Status DoQueryCosine(Stream&, const QueryCosineArgs&) override { return Unimplemented(); }
+  absl::Status DoSelectionLoss(Stream&, const SelectionLossArgs&) override {
+    return Unimplemented();
+  }
   absl::Status DoRecall(Stream&, const RecallArgs&) override { return Unimplemented(); }
   absl::Status DoGatherSlabs(Stream&, const GatherSlabsArgs&) override { return Unimplemented(); }
   absl::Status DoScatterSlabs(Stream&, const ScatterSlabsArgs&) override {

@@ -146,6 +146,9 @@ class ChaosBackend final : public Backend {
   absl::Status DoQueryCosine(Stream& s, const QueryCosineArgs& a) override {
     return Submit(s, [this, a] { return CpuQueryCosine(a, &pool_); });
   }
+  absl::Status DoSelectionLoss(Stream& s, const SelectionLossArgs& a) override {
+    return Submit(s, [this, a] { return CpuSelectionLoss(a, &pool_); });
+  }
   absl::Status DoRecall(Stream& s, const RecallArgs& a) override {
     return Submit(s, [this, a] { return CpuRecall(a, &pool_); });
   }

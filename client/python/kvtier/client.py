@@ -44,6 +44,8 @@ _MODES = {
     "drop": pb.MODE_DROP,
 }
 _TRANSPORTS = {"shm": pb.TRANSPORT_SHM, "grpc": pb.TRANSPORT_GRPC}
+# Speculative mode's correction triggers (RetrievalOptions.correction_trigger).
+_CORRECTION_TRIGGERS = ("cosine", "mass")
 # Room for an OffloadRequest's other fields when chunks are sized to the message limit.
 _MESSAGE_OVERHEAD_BYTES = 4096
 
@@ -281,6 +283,8 @@ class Client:
         max_tokens: int = 0,
         label: str = "",
         correction_threshold: Optional[float] = None,
+        correction_trigger: Optional[str] = None,
+        correction_max_loss: Optional[float] = None,
         budget_policy: str = "",
         policy_params: Optional[Mapping[str, str]] = None,
         request_id: Optional[str] = None,
@@ -289,6 +293,8 @@ class Client:
         budget_tokens / max_tokens take the daemon's defaults; `mode` is one of
         speculative, sync, full, drop; `transport` grpc or shm (shm sessions need
         libkvtier's in-process Retriever: this client only drives grpc ones).
+        `correction_trigger` is cosine or mass (None: the daemon's default, cosine);
+        `correction_max_loss` in [0, 1] is the mass trigger's threshold (None: 0.1).
         `request_id` makes a retry safe: while the session it opened is open, opening with
         the same id returns that session (default: a fresh random id per call)."""
         if not isinstance(geometry, Geometry):
@@ -302,6 +308,15 @@ class Client:
         )
         if correction_threshold is not None:
             retrieval.correction_threshold = correction_threshold
+        if correction_trigger is not None:
+            if correction_trigger not in _CORRECTION_TRIGGERS:
+                raise ValueError(
+                    f"correction_trigger {correction_trigger!r}; expected one of "
+                    f"{list(_CORRECTION_TRIGGERS)}"
+                )
+            retrieval.correction_trigger = correction_trigger
+        if correction_max_loss is not None:
+            retrieval.correction_max_loss = correction_max_loss
         request = pb.OpenSessionRequest(
             tenant=self.tenant,
             geometry=geometry.to_proto(),

@@ -306,6 +306,18 @@ class ClientTest(unittest.TestCase):
         other = self.open()
         self.assertNotEqual(other.id, first.id)
 
+    def test_correction_trigger_is_carried_and_checked(self) -> None:
+        self.assertEqual(self.open().info.retrieval.correction_trigger, "cosine")
+        session = self.open(correction_trigger="mass", correction_max_loss=0.25)
+        self.assertEqual(session.info.retrieval.correction_trigger, "mass")
+        self.assertAlmostEqual(session.info.retrieval.correction_max_loss, 0.25)
+        with self.assertRaises(ValueError):
+            self.open(correction_trigger="entropy")
+        with self.assertRaises(KvtierError) as ctx:
+            self.open(correction_trigger="mass", correction_max_loss=2.0)
+        self.assertEqual(ctx.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("correction_max_loss", ctx.exception.message)
+
     def test_steps_are_numbered_and_a_retry_replays(self) -> None:
         session = self.open()
         g = session.geometry

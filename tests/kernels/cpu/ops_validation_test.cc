@@ -1,4 +1,5 @@
 // Shape errors are refused when an op is enqueued; data errors fail the stream when it runs.
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -56,6 +57,36 @@ TEST_F(OpsValidationTest, TopKRejectsKLargerThanPages) {
   a.num_pages = ints_.data();
   a.selected = ints_.data();
   ExpectInvalid(backend_->TopK(*stream_, a), "TopK: k = 5 must be in [1, 4]");
+}
+
+TEST_F(OpsValidationTest, SelectionLossNamesTheBadField) {
+  SelectionLossArgs a;
+  a.shape.num_kv_heads = 2;
+  a.batch = 1;
+  a.max_pages = 4;
+  a.k = 5;
+  a.pooled = buf_.data();
+  a.current = a.fresh = ints_.data();
+  a.loss = buf_.data();
+  ExpectInvalid(backend_->SelectionLoss(*stream_, a), "SelectionLoss: k = 5 must be in [1, 4]");
+  a.k = 2;
+  a.shape.num_kv_heads = 0;
+  ExpectInvalid(backend_->SelectionLoss(*stream_, a), "SelectionLoss: shape.num_kv_heads = 0");
+  a.shape.num_kv_heads = 2;
+  a.fresh = nullptr;
+  ExpectInvalid(backend_->SelectionLoss(*stream_, a), "SelectionLoss: fresh must not be null");
+  a.fresh = ints_.data();
+  a.loss = nullptr;
+  ExpectInvalid(backend_->SelectionLoss(*stream_, a), "SelectionLoss: loss must not be null");
+  a.loss = buf_.data();
+  a.threshold = std::nanf("");
+  ExpectInvalid(backend_->SelectionLoss(*stream_, a), "SelectionLoss: threshold is NaN");
+  a.threshold = 0.05f;
+  a.pool = static_cast<PoolMode>(9);
+  ExpectInvalid(backend_->SelectionLoss(*stream_, a), "SelectionLoss: unknown pool mode 9");
+  a.pool = PoolMode::kRawMean;
+  EXPECT_TRUE(backend_->SelectionLoss(*stream_, a).ok());  // drifted is optional
+  EXPECT_TRUE(stream_->Synchronize().ok());
 }
 
 TEST_F(OpsValidationTest, ReplaceRegionMustFitTheSlots) {

@@ -1,0 +1,126 @@
+// Retriever: selection (Score → TopK → Replace → recall) and speculative mode's correction
+// before attention, with either trigger (docs/architecture.md#the-decode-step). Every flag
+// and selection stays on the device: the drift flags are the head mask of the ops.
+#include "core/status.h"
+#include "offload/retriever_impl.h"
+
+namespace kvtier::retriever_internal {
+
+ScorePagesArgs RetrieverImpl::ScoreArgs(LayerState& l, const void* q, const int32_t* num_pages,
+                                        const uint8_t* mask) const {
+  ScorePagesArgs sa;
+  sa.shape = KvShapeOf(geometry_);
+  sa.batch = 1;
+  sa.max_pages = max_pages_;
+  sa.q = q;
+  sa.summaries = l.host.summaries.data();
+  sa.num_pages = num_pages;
+  sa.softmax_scale = scale_;
+  sa.pool = options_.pool;
+  sa.pooled = l.select.pooled.as<float>();
+  sa.head_mask = mask;
+  return sa;
+}
+
+TopKArgs RetrieverImpl::SelectArgs(LayerState& l, const int32_t* num_pages, const uint8_t* mask,
+                                   int32_t recent_full, int32_t* out) const {
+  TopKArgs ta;
+  ta.shape = KvShapeOf(geometry_);
+  ta.batch = 1;
+  ta.max_pages = max_pages_;
+  ta.k = selected_pages();
+  ta.pooled = l.select.pooled.as<float>();
+  ta.num_pages = num_pages;
+  ta.sink_pages = options_.sink_pages;
+  ta.recent_pages = recent_full;
+  ta.selected = out;
+  ta.head_mask = mask;
+  if (policies_on()) {
+    ta.head_k = l.policy.head_k.as<int32_t>();
+    ta.page_flags = l.policy.page_flags.as<uint8_t>();
+  }
+  return ta;
+}
+
+absl::Status RetrieverImpl::Select(Stream& s, RecallPath path, int32_t layer, const void* q,
+                                   const int32_t* num_pages, const uint8_t* mask,
+                                   int32_t recent_full, bool scored) {
+  LayerState& l = layers_[layer];
+  if (selected_pages() == 0) return absl::OkStatus();
+  absl::Time mark;
+  KVTIER_RETURN_IF_ERROR(Lap(s, &mark, nullptr));
+  if (!scored) KVTIER_RETURN_IF_ERROR(backend_.ScorePages(s, ScoreArgs(l, q, num_pages, mask)));
+  KVTIER_RETURN_IF_ERROR(backend_.TopK(
+      s, SelectArgs(l, num_pages, mask, recent_full, l.select.selected.as<int32_t>())));
+  ReplaceArgs ra;
+  ra.shape = KvShapeOf(geometry_);
+  ra.kv.num_slots = slots_per_layer_;
+  ra.kv.slot_table = l.ws.table.as<int32_t>();
+  ra.batch = 1;
+  ra.region_begin = options_.sink_pages;
+  ra.k = selected_pages();
+  ra.selected = l.select.selected.as<int32_t>();
+  ra.host_page_of = l.host.page_of.as<int64_t>();
+  ra.max_pages = max_pages_;
+  ra.head_mask = mask;
+  ra.items = l.select.items.as<RecallItem>();
+  ra.num_misses = l.select.num_misses.as<int32_t>();
+  KVTIER_RETURN_IF_ERROR(backend_.Replace(s, ra));
+  KVTIER_RETURN_IF_ERROR(Lap(s, &mark, &stats_.select_us));
+  KVTIER_RETURN_IF_ERROR(RecallPlan(s, path, l));
+  return Lap(s, &mark, &stats_.recall_us);
+}
+
+absl::Status RetrieverImpl::MassDrift(Stream& s, LayerState& l, const int32_t* num_pages) {
+  const size_t hkv = geometry_.num_kv_heads;
+  if (selected_pages() == 0) {  // nothing is selected, so nothing can be lost
+    KVTIER_RETURN_IF_ERROR(backend_.Memset(s, l.select.drifted.data(), 0, hkv));
+    return backend_.Memset(s, l.select.lost_mass.data(), 0, hkv * sizeof(float));
+  }
+  absl::Time mark;
+  KVTIER_RETURN_IF_ERROR(Lap(s, &mark, nullptr));
+  // The selection q_t would make, with exactly Select's arguments, beside the stale one.
+  KVTIER_RETURN_IF_ERROR(
+      backend_.ScorePages(s, ScoreArgs(l, l.select.q_cur.data(), num_pages, nullptr)));
+  KVTIER_RETURN_IF_ERROR(backend_.TopK(
+      s, SelectArgs(l, num_pages, nullptr, RecentFull(l), l.select.fresh.as<int32_t>())));
+  SelectionLossArgs la;
+  la.shape = KvShapeOf(geometry_);
+  la.batch = 1;
+  la.max_pages = max_pages_;
+  la.k = selected_pages();
+  la.pooled = l.select.pooled.as<float>();
+  la.pool = options_.pool;
+  la.softmax_scale = scale_;
+  la.current = l.select.selected.as<int32_t>();
+  la.fresh = l.select.fresh.as<int32_t>();
+  la.threshold = options_.correction_max_loss;
+  la.loss = l.select.lost_mass.as<float>();
+  la.drifted = l.select.drifted.as<uint8_t>();
+  KVTIER_RETURN_IF_ERROR(backend_.SelectionLoss(s, la));
+  return Lap(s, &mark, &stats_.select_us);
+}
+
+absl::Status RetrieverImpl::Correct(Stream& s, int32_t layer) {
+  LayerState& l = layers_[layer];
+  const bool mass = mass_trigger();
+  // The group means are kept with either trigger, so the two can be compared step by step.
+  QueryCosineArgs qa;
+  qa.shape = KvShapeOf(geometry_);
+  qa.batch = 1;
+  qa.q = l.select.q_cur.data();
+  qa.q_prev = l.select.q_prev.data();
+  qa.threshold = options_.correction_threshold;
+  qa.group_mean = l.select.group_mean.as<float>();
+  qa.drifted = mass ? nullptr : l.select.drifted.as<uint8_t>();
+  KVTIER_RETURN_IF_ERROR(backend_.QueryCosine(s, qa));
+  const int32_t* num_pages = &l.ws.counts.as<LayerCounts>()->full_pages;
+  if (mass) KVTIER_RETURN_IF_ERROR(MassDrift(s, l, num_pages));
+  // Re-select only the drifted heads, with q_t; the others keep last step's pages. The
+  // correction recall is a few pages on the critical path: one fused op, no pipeline
+  // hand-offs. The mass trigger scored every head with q_t already.
+  return Select(s, RecallPath::kGather, layer, l.select.q_cur.data(), num_pages,
+                l.select.drifted.as<uint8_t>(), RecentFull(l), /*scored=*/mass);
+}
+
+}  // namespace kvtier::retriever_internal
