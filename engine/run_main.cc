@@ -5,6 +5,8 @@
 //       --modes speculative,full --budget 512 [--connect unix:///run/kvtier/kvtierd.sock
 //       --transport shm|grpc] [--config run.toml]
 //   kvtier-run info --model M.gguf
+//   kvtier-run eval --model M.gguf --text held_out.txt [--steps 256 --budgets 128,256,...]
+//   kvtier-run trace --model M.gguf --text T.txt --steps 64 --out T.kvtrace
 //
 // Each mode of --modes generates from the same prompt in turn (kvtier's full, sync,
 // speculative and drop modes, and `dense`: the same model over a plain dense KV cache of
@@ -32,6 +34,7 @@
 #include "core/json.h"
 #include "core/status.h"
 #include "engine/generate.h"
+#include "engine/run_eval.h"
 
 // The commit the binary was built from (engine/CMakeLists.txt passes git describe).
 #ifndef KVTIER_GIT_COMMIT
@@ -51,6 +54,8 @@ struct Flags {
   int32_t budget = 512;
   int32_t page_size = 32;
   float tau = kDefaultCorrectionThreshold;
+  std::string trigger = "cosine";
+  float max_loss = kDefaultCorrectionMaxLoss;
   std::string kv_dtype = "fp16";
   std::string device = "cpu";
   int threads = 0;
@@ -113,6 +118,8 @@ absl::Status ReadConfig(const std::string& path, Flags* f) {
     else if (key == "budget") st = num(&f->budget);
     else if (key == "page_size") st = num(&f->page_size);
     else if (key == "tau") st = num(&f->tau);
+    else if (key == "trigger") st = str(&f->trigger);
+    else if (key == "max_loss") st = num(&f->max_loss);
     else if (key == "threads") st = num(&f->threads);
     else if (key == "temperature") st = num(&f->temperature);
     else if (key == "top_k") st = num(&f->top_k);
@@ -150,7 +157,7 @@ absl::Status ReadConfig(const std::string& path, Flags* f) {
     } else {
       return absl::InvalidArgumentError(absl::StrFormat(
           "--config %s: unknown key '%s' (model, prompt, modes, reference, n, budget, "
-          "page_size, tau, kv_dtype, device, threads, connect, transport, tenant, temperature, "
+          "page_size, tau, trigger, max_loss, kv_dtype, device, threads, connect, transport, tenant, temperature, "
           "top_k, batch, prefill_chunk, [policy])",
           path, key));
     }
@@ -234,6 +241,11 @@ absl::StatusOr<ModeRun> RunMode(Engine& engine, const Flags& f, const std::strin
     const int64_t need = longest + f.n + f.page_size;
     spec.options.max_tokens = static_cast<int32_t>((need + f.page_size - 1) / f.page_size * f.page_size);
     spec.options.correction_threshold = f.tau;
+    if (!ParseCorrectionTrigger(f.trigger, &spec.options.correction_trigger)) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("--trigger: unknown '%s' (cosine, mass)", f.trigger));
+    }
+    spec.options.correction_max_loss = f.max_loss;
     spec.options.policy.budget = f.budget_policy;
     spec.options.policy.residency = f.residency_policy;
     spec.options.policy.host_drop = f.host_drop;
@@ -515,7 +527,11 @@ int main(int argc, char** argv) {
   gen->add_option("--reference", f.reference, "mode the others are compared with (default: full, else dense)");
   gen->add_option("--budget", f.budget, "working set in tokens (sync/speculative/drop), a multiple of 4 pages");
   gen->add_option("--page-size", f.page_size, "tokens per page");
-  gen->add_option("--tau", f.tau, "speculative correction threshold τ");
+  gen->add_option("--tau", f.tau, "speculative correction threshold τ (the cosine trigger)");
+  gen->add_option("--trigger", f.trigger,
+                  "speculative correction trigger: cosine (mean query cosine < τ) or mass (the "
+                  "stale selection's estimated mass loss > --max-loss)");
+  gen->add_option("--max-loss", f.max_loss, "the mass trigger's tolerated relative loss");
   gen->add_option("--kv-dtype", f.kv_dtype, "fp16, bf16 or fp32");
   gen->add_option("--device", f.device, "cpu, cuda or auto");
   gen->add_option("--threads", f.threads, "CPU threads (0: all cores)");
@@ -539,7 +555,13 @@ int main(int argc, char** argv) {
   std::string info_model;
   CLI::App* info = app.add_subcommand("info", "print a GGUF model's configuration");
   info->add_option("--model", info_model, "GGUF file")->required();
+  kvtier::engine::EvalFlags eval_flags;
+  CLI::App* eval = kvtier::engine::AddEvalCommand(app, &eval_flags);
+  kvtier::engine::TraceFlags trace_flags;
+  CLI::App* trace = kvtier::engine::AddTraceCommand(app, &trace_flags);
   CLI11_PARSE(app, argc, argv);
   if (*info) return kvtier::engine::Info(info_model);
+  if (*eval) return kvtier::engine::RunEvalCommand(eval_flags);
+  if (*trace) return kvtier::engine::RunTraceCommand(trace_flags);
   return kvtier::engine::RunGenerate(f);
 }

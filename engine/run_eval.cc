@@ -1,0 +1,441 @@
+#include "engine/run_eval.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <sstream>
+
+#include "absl/status/status.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "core/json.h"
+#include "core/plot.h"
+#include "core/status.h"
+#include "engine/eval.h"
+#include "engine/generate.h"
+#include "engine/trace_writer.h"
+
+#ifndef KVTIER_GIT_COMMIT
+#define KVTIER_GIT_COMMIT "unknown"
+#endif
+
+namespace kvtier::engine {
+namespace {
+
+// The evaluated variants, in the default order; docs/eval.md describes each.
+const std::vector<std::string>& VariantNames() {
+  static const auto* names = new std::vector<std::string>{
+      "sync",   "speculative", "speculative-mass", "speculative-never", "speculative+conf",
+      "window", "h2o",         "conf-kv",          "epikv",             "xkv",
+      "kv-compress"};
+  return *names;
+}
+
+// A variant's name, optionally with its trigger parameter: "speculative:tau=0.7",
+// "speculative-mass:loss=0.1" (for sweeps).
+absl::StatusOr<EvalVariant> MakeVariant(const std::string& spec, const EvalFlags& f) {
+  const std::vector<std::string> parts = absl::StrSplit(spec, absl::MaxSplits(':', 1));
+  const std::string& name = parts[0];
+  float tau = f.tau, loss = f.max_loss;
+  if (parts.size() == 2) {
+    const std::vector<std::string> kv = absl::StrSplit(parts[1], absl::MaxSplits('=', 1));
+    float value = 0;
+    const bool number = kv.size() == 2 && absl::SimpleAtof(kv[1], &value) && std::isfinite(value);
+    if (number && kv[0] == "tau" && (name == "speculative" || name == "speculative+conf")) {
+      tau = value;
+    } else if (number && kv[0] == "loss" && name == "speculative-mass" && value >= 0) {
+      loss = value;
+    } else {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "--variants: '%s': a parameter is tau=<number> (speculative, speculative+conf) or "
+          "loss=<number ≥ 0> (speculative-mass)",
+          spec));
+    }
+  }
+  EvalVariant v;
+  v.name = spec;
+  SequenceOptions& o = v.options;
+  PolicyConfig& p = o.policy;
+  o.correction_threshold = tau;
+  if (name == "sync") {
+    o.mode = RetrievalMode::kSync;
+  } else if (name == "speculative") {
+    o.mode = RetrievalMode::kSpeculative;
+  } else if (name == "speculative-mass") {
+    o.mode = RetrievalMode::kSpeculative;
+    o.correction_trigger = CorrectionTrigger::kMass;
+    if (loss >= 0) o.correction_max_loss = loss;
+  } else if (name == "speculative-never") {
+    o.mode = RetrievalMode::kSpeculative;
+    o.correction_threshold = -2.0f;  // never corrects
+  } else if (name == "speculative+conf") {
+    o.mode = RetrievalMode::kSpeculative;
+    p.budget = "confidence";
+  } else if (name == "window") {
+    o.mode = RetrievalMode::kDrop;
+  } else if (name == "h2o") {
+    o.mode = RetrievalMode::kDrop;
+    p.residency = "h2o";
+  } else if (name == "conf-kv") {
+    o.mode = RetrievalMode::kDrop;
+    p.budget = "confidence";
+    p.residency = "attention";
+  } else if (name == "epikv") {
+    o.mode = RetrievalMode::kDrop;
+    p.residency = "epiphany";
+  } else if (name == "xkv") {
+    o.mode = RetrievalMode::kDrop;
+    p.budget = "xkv";
+    p.residency = "attention";
+  } else if (name == "kv-compress") {
+    o.mode = RetrievalMode::kDrop;
+    p.budget = "kv_compress";
+    p.residency = "kv_compress";
+  } else {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--variants: unknown '%s' (%s)", name, absl::StrJoin(VariantNames(), ", ")));
+  }
+  return v;
+}
+
+absl::StatusOr<std::string> ReadText(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrFormat("cannot read %s", path));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// The engine and the text's tokens, or an exit code.
+struct Loaded {
+  std::unique_ptr<Engine> engine;
+  std::vector<int32_t> ids;
+};
+int Load(const ModelFlags& m, const char* cmd, Loaded* out) {
+  DType dt;
+  DeviceKind kind;
+  if (!ParseDType(m.kv_dtype, &dt)) {
+    std::cerr << "kvtier-run " << cmd << ": --kv-dtype: unknown '" << m.kv_dtype << "' (fp16, bf16, fp32)\n";
+    return 2;
+  }
+  if (!ParseDeviceKind(m.device, &kind)) {
+    std::cerr << "kvtier-run " << cmd << ": --device: unknown '" << m.device << "' (cpu, cuda, auto)\n";
+    return 2;
+  }
+  absl::StatusOr<std::string> text = ReadText(m.text_file);
+  if (!text.ok()) {
+    std::cerr << "kvtier-run " << cmd << ": --text: " << text.status().message() << "\n";
+    return 2;
+  }
+  EngineOptions eo;
+  eo.model_path = m.model;
+  eo.device = kind;
+  eo.threads = m.threads;
+  eo.decoder.kv_dtype = dt;
+  eo.decoder.prefill_chunk = m.prefill_chunk;
+  eo.decoder.max_batch = 1;
+  absl::StatusOr<std::unique_ptr<Engine>> engine = Engine::Open(eo);
+  if (!engine.ok()) {
+    std::cerr << "kvtier-run " << cmd << ": " << engine.status() << "\n";
+    return 1;
+  }
+  out->ids = (*engine)->tokenizer().Encode(*text);
+  out->engine = *std::move(engine);
+  return 0;
+}
+
+void PrintTable(const std::vector<EvalResult>& rs, int64_t context, std::ostream& os) {
+  const EvalResult& full = rs.front();
+  os << absl::StrFormat("%-18s %7s %8s %7s %6s %8s %7s %7s %6s %9s %9s %7s\n", "variant",
+                        "budget", "ppl", "Δppl%", "top1", "KL", "rec_tok", "rec_pg", "corr",
+                        "KB/tok", "resid KB", "ms/tok");
+  for (const EvalResult& r : rs) {
+    const std::string budget = r.budget_tokens > 0
+                                   ? absl::StrFormat("1/%.3g", double(context) / r.budget_tokens)
+                                   : std::string("all");
+    os << absl::StrFormat(
+        "%-18s %7s %8.3f %+7.2f %6.3f %8.5f %7.4f %7.4f %6.3f %9.1f %9.1f %7.2f\n", r.variant,
+        budget, r.perplexity, 100.0 * (r.perplexity / full.perplexity - 1), r.top1_agreement,
+        r.kl, r.recall_tokens, r.recall_pages, r.correction_rate,
+        r.recalled_bytes_per_token / 1024, r.resident_bytes / 1024, r.ms_per_token);
+  }
+}
+
+std::string ResultJson(const EvalResult& r, const EvalResult& full) {
+  std::ostringstream j;
+  j << "{\"variant\": \"" << JsonEscape(r.variant) << "\", \"mode\": \""
+    << RetrievalModeName(r.mode) << "\", \"budget_tokens\": " << r.budget_tokens
+    << ", \"steps\": " << r.steps << ", \"perplexity\": " << r.perplexity
+    << ", \"perplexity_vs_full\": " << r.perplexity / full.perplexity
+    << ", \"top1_agreement\": " << r.top1_agreement << ", \"kl\": " << r.kl
+    << ", \"attn_mass_recall_tokens\": " << r.recall_tokens
+    << ", \"attn_mass_recall_pages\": " << r.recall_pages << ", \"recall_steps\": " << r.recall_steps
+    << ", \"correction_rate\": " << r.correction_rate << ", \"checked_heads\": " << r.checked_heads
+    << ", \"corrected_heads\": " << r.corrected_heads
+    << ", \"recalled_bytes_per_token\": " << r.recalled_bytes_per_token
+    << ", \"resident_bytes\": " << r.resident_bytes << ", \"ms_per_token\": " << r.ms_per_token
+    << ", \"layers\": [";
+  for (size_t l = 0; l < r.layer_recall_tokens.size(); ++l) {
+    j << (l ? ", " : "") << "{\"layer\": " << l
+      << ", \"attn_mass_recall_tokens\": " << r.layer_recall_tokens[l]
+      << ", \"attn_mass_recall_pages\": " << r.layer_recall_pages[l] << "}";
+  }
+  j << "]}";
+  return j.str();
+}
+
+// One line per variant over the budgets (as fractions of the context); full dashed.
+absl::Status WritePlots(const std::string& prefix, const std::vector<EvalResult>& rs,
+                        int64_t context) {
+  std::map<std::string, PlotSeries> ppl, recall;
+  std::vector<std::string> order;
+  std::vector<int32_t> budgets;
+  for (const EvalResult& r : rs) {
+    if (r.budget_tokens == 0) continue;
+    if (!ppl.count(r.variant)) order.push_back(r.variant);
+    PlotSeries& p = ppl[r.variant];
+    PlotSeries& q = recall[r.variant];
+    p.name = q.name = r.variant;
+    const double x = double(r.budget_tokens) / context;
+    p.x.push_back(x);
+    p.y.push_back(r.perplexity);
+    q.x.push_back(x);
+    q.y.push_back(r.recall_tokens);
+    budgets.push_back(r.budget_tokens);
+  }
+  if (order.empty()) return absl::OkStatus();
+  const auto [lo, hi] = std::minmax_element(budgets.begin(), budgets.end());
+  PlotSeries full_ppl{"full", {double(*lo) / context, double(*hi) / context},
+                      {rs.front().perplexity, rs.front().perplexity}, true};
+  std::vector<PlotSeries> a = {full_ppl}, b;
+  for (const std::string& n : order) {
+    a.push_back(ppl[n]);
+    b.push_back(recall[n]);
+  }
+  PlotOptions o;
+  o.log_x = true;
+  o.x_label = "working-set budget / context";
+  o.title = "perplexity vs budget (held-out text, lower is better)";
+  o.y_label = "perplexity";
+  KVTIER_RETURN_IF_ERROR(WriteLinePlot(prefix + "-ppl.png", o, a));
+  o.title = "attention-mass recall over the top budget tokens";
+  o.y_label = "recall";
+  return WriteLinePlot(prefix + "-recall.png", o, b);
+}
+
+}  // namespace
+
+CLI::App* AddEvalCommand(CLI::App& app, EvalFlags* f) {
+  CLI::App* c = app.add_subcommand(
+      "eval", "quality of every mode and policy against full KV on held-out text");
+  c->add_option("--model", f->m.model, "GGUF file")->required();
+  c->add_option("--text", f->m.text_file, "held-out text (not seen in training)")->required();
+  c->add_option("--steps", f->steps, "scored decode steps")->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  c->add_option("--prefill", f->prefill, "prompt tokens before the steps (0: the context minus the steps)");
+  c->add_option("--context", f->context, "prefill + steps (0: the model's, or what the text holds)");
+  c->add_option("--budgets", f->budgets, "working-set budgets in tokens (default: 1/32, 1/16, 1/8 and 1/4 of the context)")
+      ->delimiter(',');
+  c->add_option("--variants", f->variants,
+                absl::StrCat("comma-separated, default all: ", absl::StrJoin(VariantNames(), ", "),
+                             "; sweeps: speculative:tau=X, speculative-mass:loss=X"));
+  c->add_option("--tau", f->tau, "τ of the cosine trigger (speculative, speculative+conf)");
+  c->add_option("--max-loss", f->max_loss, "the mass trigger's tolerated loss (speculative-mass)");
+  c->add_option("--recall-every", f->recall_every, "oracle recall on every k-th step")->check(CLI::Range(1, 1 << 20));
+  c->add_option("--page-size", f->m.page_size, "tokens per page");
+  c->add_option("--kv-dtype", f->m.kv_dtype, "fp16, bf16 or fp32");
+  c->add_option("--device", f->m.device, "cpu, cuda or auto");
+  c->add_option("--threads", f->m.threads, "CPU threads (0: all cores)");
+  c->add_option("--prefill-chunk", f->m.prefill_chunk, "prompt tokens per forward pass");
+  c->add_option("--json", f->json, "write the results as JSON");
+  c->add_option("--plot", f->plot, "PNG path prefix: PREFIX-ppl.png and PREFIX-recall.png");
+  c->add_flag("--quiet", f->m.quiet, "no progress on stderr");
+  return c;
+}
+
+int RunEvalCommand(const EvalFlags& f) {
+  std::vector<EvalVariant> variants;
+  std::vector<std::string> names = VariantNames();
+  if (!f.variants.empty()) names = absl::StrSplit(f.variants, ',', absl::SkipEmpty());
+  for (const std::string& n : names) {
+    absl::StatusOr<EvalVariant> v = MakeVariant(n, f);
+    if (!v.ok()) {
+      std::cerr << "kvtier-run eval: " << v.status().message() << "\n";
+      return 2;
+    }
+    variants.push_back(*std::move(v));
+  }
+  Loaded in;
+  if (int rc = Load(f.m, "eval", &in); rc != 0) return rc;
+  Engine& e = *in.engine;
+  const int64_t text_tokens = static_cast<int64_t>(in.ids.size());
+  int64_t context = f.context > 0 ? f.context : std::min<int64_t>(e.config().context, text_tokens - 1);
+  if (f.prefill > 0) context = f.prefill + f.steps;
+  EvalOptions o;
+  o.steps = f.steps;
+  o.prefill_tokens = context - f.steps;
+  o.page_size = f.m.page_size;
+  o.recall_every = f.recall_every;
+  o.budgets = f.budgets;
+  if (o.budgets.empty()) {
+    const int64_t unit = 4 * int64_t{f.m.page_size};
+    for (int div : {32, 16, 8, 4}) {
+      const int64_t b = context / div / unit * unit;
+      if (b >= unit && (o.budgets.empty() || b > o.budgets.back())) {
+        o.budgets.push_back(static_cast<int32_t>(b));
+      }
+    }
+  }
+  if (!f.m.quiet) {
+    std::fprintf(stderr,
+                 "model: %s\ndevice: %s; KV %s, page %d\ntext: %lld tokens; context %lld = "
+                 "prefill %lld + %lld scored steps; budgets %s; %zu variants\n",
+                 e.config().ToString().c_str(), e.device().Describe().c_str(), f.m.kv_dtype.c_str(),
+                 f.m.page_size, static_cast<long long>(text_tokens), static_cast<long long>(context),
+                 static_cast<long long>(o.prefill_tokens), static_cast<long long>(o.steps),
+                 absl::StrJoin(o.budgets, ",").c_str(), variants.size());
+  }
+  const int64_t runs = 1 + static_cast<int64_t>(variants.size() * o.budgets.size());
+  int64_t run_index = 0;
+  std::string current;
+  const absl::Time started = absl::Now();
+  absl::Time last = absl::InfinitePast();
+  auto progress = [&](const std::string& run, int64_t done, int64_t total) {
+    if (run != current) {
+      current = run;
+      ++run_index;
+    }
+    if (f.m.quiet || (absl::Now() - last < absl::Milliseconds(500) && done < total)) return;
+    last = absl::Now();
+    std::fprintf(stderr, "\r[%lld/%lld] %-28s step %lld/%lld  (%.0f s)%s",
+                 static_cast<long long>(run_index), static_cast<long long>(runs), run.c_str(),
+                 static_cast<long long>(done), static_cast<long long>(total),
+                 absl::ToDoubleSeconds(absl::Now() - started), done == total ? "\n" : "");
+  };
+  absl::StatusOr<std::vector<EvalResult>> rs = RunEval(e, in.ids, o, variants, progress);
+  if (!rs.ok()) {
+    std::cerr << "\nkvtier-run eval: " << rs.status() << "\n";
+    return absl::IsInvalidArgument(rs.status()) ? 2 : 1;
+  }
+  PrintTable(*rs, context, std::cout);
+  if (!f.json.empty()) {
+    std::ostringstream j;
+    j << "{\"bench\": \"kvtier-run eval\", \"commit\": \"" << KVTIER_GIT_COMMIT
+      << "\", \"model\": \"" << JsonEscape(e.config().ToString()) << "\", \"device\": \""
+      << JsonEscape(e.device().Describe()) << "\", \"kv_dtype\": \"" << f.m.kv_dtype
+      << "\", \"page_size\": " << f.m.page_size << ", \"text_tokens\": " << text_tokens
+      << ", \"context\": " << context << ", \"prefill_tokens\": " << o.prefill_tokens
+      << ", \"steps\": " << o.steps << ", \"recall_every\": " << o.recall_every
+      << ", \"tau\": " << f.tau << ", \"results\": [";
+    for (size_t i = 0; i < rs->size(); ++i) j << (i ? ",\n  " : "\n  ") << ResultJson((*rs)[i], rs->front());
+    j << "]}\n";
+    std::ofstream out(f.json);
+    out << j.str();
+    if (!out) {
+      std::cerr << "kvtier-run eval: cannot write --json " << f.json << "\n";
+      return 1;
+    }
+  }
+  if (!f.plot.empty()) {
+    if (absl::Status st = WritePlots(f.plot, *rs, context); !st.ok()) {
+      std::cerr << "kvtier-run eval: --plot: " << st << "\n";
+      return 1;
+    }
+  }
+  return 0;
+}
+
+CLI::App* AddTraceCommand(CLI::App& app, TraceFlags* t) {
+  CLI::App* c = app.add_subcommand(
+      "trace", "dump a real decode trace of the model (docs/trace-format.md)");
+  c->add_option("--model", t->m.model, "GGUF file")->required();
+  c->add_option("--text", t->m.text_file, "text: the prefill, then one decode step per token")->required();
+  c->add_option("--out", t->out, "the trace file to write")->required();
+  c->add_option("--steps", t->steps, "decode steps")->check(CLI::Range(int64_t{0}, int64_t{1} << 24));
+  c->add_option("--prefill", t->prefill, "prefill tokens (0: the text's tokens minus the steps)");
+  c->add_option("--dtype", t->dtype, "the trace's dtype: fp16, bf16 or fp32");
+  c->add_option("--page-size", t->m.page_size, "the page size recorded in the trace");
+  c->add_option("--device", t->m.device, "cpu, cuda or auto");
+  c->add_option("--threads", t->m.threads, "CPU threads (0: all cores)");
+  c->add_flag("--quiet", t->m.quiet, "no progress on stderr");
+  return c;
+}
+
+int RunTraceCommand(const TraceFlags& t) {
+  DType dt;
+  if (!ParseDType(t.dtype, &dt)) {
+    std::cerr << "kvtier-run trace: --dtype: unknown '" << t.dtype << "' (fp16, bf16, fp32)\n";
+    return 2;
+  }
+  ModelFlags m = t.m;
+  m.kv_dtype = "fp32";  // the decoder's KV dtype does not matter: the dense path is F32
+  Loaded in;
+  if (int rc = Load(m, "trace", &in); rc != 0) return rc;
+  Engine& e = *in.engine;
+  const LlamaConfig& c = e.config();
+  const int64_t text_tokens = static_cast<int64_t>(in.ids.size());
+  const int64_t prefill = t.prefill > 0 ? t.prefill : text_tokens - t.steps;
+  if (prefill < 1 || prefill + t.steps > text_tokens) {
+    std::cerr << absl::StrFormat(
+        "kvtier-run trace: --prefill %d + --steps %d need %d tokens; the text has %d\n", prefill,
+        t.steps, prefill + t.steps, text_tokens);
+    return 2;
+  }
+  TraceHeader h;
+  h.layers = c.layers;
+  h.q_heads = c.q_heads;
+  h.kv_heads = c.kv_heads;
+  h.head_dim = c.head_dim;
+  h.page_size = t.m.page_size;
+  h.dtype = dt;
+  h.prefill_tokens = prefill;
+  h.steps = t.steps;
+  absl::StatusOr<std::unique_ptr<TraceWriter>> w = TraceWriter::Create(t.out, h);
+  if (!w.ok()) {
+    std::cerr << "kvtier-run trace: " << w.status() << "\n";
+    return absl::IsInvalidArgument(w.status()) ? 2 : 1;
+  }
+  // The dense forward feeds the writer: prompt chunks' K/V, then each step's q, k, v.
+  int64_t step = -1;
+  Decoder& dec = e.decoder();
+  dec.SetLayerObserver([&](const LayerRows& r) -> absl::Status {
+    if (step < 0) return (*w)->WritePrefill(r.layer, r.positions[0], r.rows, r.k, r.v);
+    return (*w)->WriteStep(step, r.layer, r.q, r.k, r.v);
+  });
+  absl::Status st;
+  absl::StatusOr<std::unique_ptr<DenseKv>> kv = DenseKv::Create(c, e.device(), prefill + t.steps);
+  std::vector<float> logits;
+  if (!kv.ok()) st = kv.status();
+  if (st.ok()) {
+    st = dec.PrefillDense(**kv, std::vector<int32_t>(in.ids.begin(), in.ids.begin() + prefill),
+                          &logits);
+  }
+  for (step = 0; st.ok() && step < t.steps; ++step) {
+    st = dec.StepDense(**kv, in.ids[prefill + step], &logits);
+    if (!t.m.quiet && (step % 16 == 15 || step + 1 == t.steps)) {
+      std::fprintf(stderr, "\rtrace: step %lld/%lld", static_cast<long long>(step + 1),
+                   static_cast<long long>(t.steps));
+    }
+  }
+  dec.SetLayerObserver({});
+  if (st.ok()) st = (*w)->Close();
+  if (!st.ok()) {
+    std::cerr << "\nkvtier-run trace: " << st << "\n";
+    return 1;
+  }
+  if (!t.m.quiet) {
+    std::fprintf(stderr, "\nwrote %s: %d layers, Hq %d, Hkv %d, d %d, page %d, %s, T = %lld, N = %lld\n",
+                 t.out.c_str(), h.layers, h.q_heads, h.kv_heads, h.head_dim, h.page_size,
+                 t.dtype.c_str(), static_cast<long long>(prefill), static_cast<long long>(t.steps));
+  }
+  return 0;
+}
+
+}  // namespace kvtier::engine

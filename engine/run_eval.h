@@ -1,0 +1,60 @@
+// kvtier-run's evaluation subcommands (docs/eval.md):
+//   eval   quality of every mode and policy against full KV on held-out text (eval.h):
+//          a table on stderr, JSON and PNG plots;
+//   trace  a real decode trace of the model in the documented trace format
+//          (docs/trace-format.md), for kvtier-bench replay and outside tools.
+#ifndef KVTIER_ENGINE_RUN_EVAL_H_
+#define KVTIER_ENGINE_RUN_EVAL_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "CLI/CLI.hpp"
+
+namespace kvtier::engine {
+
+// What eval and trace share: the model and where it runs.
+struct ModelFlags {
+  std::string model;
+  std::string text_file;
+  std::string kv_dtype = "fp16";
+  std::string device = "cpu";
+  int threads = 0;
+  int32_t prefill_chunk = 256;
+  int32_t page_size = 32;
+  bool quiet = false;
+};
+
+struct EvalFlags {
+  ModelFlags m;
+  int64_t prefill = 0;  // 0: the context left after the steps
+  int64_t steps = 256;
+  int64_t context = 0;  // 0: the model's (or the text's, when shorter)
+  std::vector<int32_t> budgets;  // empty: 1/32, 1/16, 1/8, 1/4 of the context
+  std::string variants;          // empty: all
+  float tau = 0.9f;
+  float max_loss = -1;  // < 0: the library default
+  int32_t recall_every = 4;
+  std::string json;
+  std::string plot;  // PNG path prefix: <plot>-ppl.png, <plot>-recall.png
+};
+
+struct TraceFlags {
+  ModelFlags m;
+  int64_t prefill = 0;  // 0: the text's tokens minus the steps
+  int64_t steps = 64;
+  std::string out;
+  std::string dtype = "fp16";
+};
+
+// Registers the subcommands on `app`; the flags are written into `f` / `t`.
+CLI::App* AddEvalCommand(CLI::App& app, EvalFlags* f);
+CLI::App* AddTraceCommand(CLI::App& app, TraceFlags* t);
+// Process exit codes: 0 done, 1 runtime failure, 2 bad flags or input.
+int RunEvalCommand(const EvalFlags& f);
+int RunTraceCommand(const TraceFlags& t);
+
+}  // namespace kvtier::engine
+
+#endif  // KVTIER_ENGINE_RUN_EVAL_H_
