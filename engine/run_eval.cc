@@ -106,14 +106,6 @@ absl::StatusOr<EvalVariant> MakeVariant(const std::string& spec, const EvalFlags
   return v;
 }
 
-absl::StatusOr<std::string> ReadText(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrFormat("cannot read %s", path));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
 // The engine and the text's tokens, or an exit code.
 struct Loaded {
   std::unique_ptr<Engine> engine;
@@ -192,33 +184,36 @@ std::string ResultJson(const EvalResult& r, const EvalResult& full) {
   return j.str();
 }
 
-// One line per variant over the budgets (as fractions of the context); full dashed.
+// One line per variant over the budgets (as fractions of the context); full and the drop
+// variants dashed. Perplexity, KL from full KV, and token recall.
 absl::Status WritePlots(const std::string& prefix, const std::vector<EvalResult>& rs,
                         int64_t context) {
-  std::map<std::string, PlotSeries> ppl, recall;
+  std::map<std::string, PlotSeries> ppl, kl, recall;
   std::vector<std::string> order;
   std::vector<int32_t> budgets;
   for (const EvalResult& r : rs) {
     if (r.budget_tokens == 0) continue;
     if (!ppl.count(r.variant)) order.push_back(r.variant);
-    PlotSeries& p = ppl[r.variant];
-    PlotSeries& q = recall[r.variant];
-    p.name = q.name = r.variant;
     const double x = double(r.budget_tokens) / context;
-    p.x.push_back(x);
-    p.y.push_back(r.perplexity);
-    q.x.push_back(x);
-    q.y.push_back(r.recall_tokens);
+    for (auto [series, y] : {std::pair{&ppl, r.perplexity}, std::pair{&kl, r.kl},
+                             std::pair{&recall, r.recall_tokens}}) {
+      PlotSeries& s = (*series)[r.variant];
+      s.name = r.variant;
+      s.dashed = r.mode == RetrievalMode::kDrop;
+      s.x.push_back(x);
+      s.y.push_back(y);
+    }
     budgets.push_back(r.budget_tokens);
   }
   if (order.empty()) return absl::OkStatus();
   const auto [lo, hi] = std::minmax_element(budgets.begin(), budgets.end());
   PlotSeries full_ppl{"full", {double(*lo) / context, double(*hi) / context},
                       {rs.front().perplexity, rs.front().perplexity}, true};
-  std::vector<PlotSeries> a = {full_ppl}, b;
+  std::vector<PlotSeries> a = {full_ppl}, b, k;
   for (const std::string& n : order) {
     a.push_back(ppl[n]);
     b.push_back(recall[n]);
+    k.push_back(kl[n]);
   }
   PlotOptions o;
   o.log_x = true;
@@ -226,12 +221,25 @@ absl::Status WritePlots(const std::string& prefix, const std::vector<EvalResult>
   o.title = "perplexity vs budget (held-out text, lower is better)";
   o.y_label = "perplexity";
   KVTIER_RETURN_IF_ERROR(WriteLinePlot(prefix + "-ppl.png", o, a));
+  o.title = "KL divergence from full KV of the next-token distribution (lower is better)";
+  o.y_label = "KL (nats)";
+  o.log_y = true;
+  KVTIER_RETURN_IF_ERROR(WriteLinePlot(prefix + "-kl.png", o, k));
+  o.log_y = false;
   o.title = "attention-mass recall over the top budget tokens";
   o.y_label = "recall";
   return WriteLinePlot(prefix + "-recall.png", o, b);
 }
 
 }  // namespace
+
+absl::StatusOr<std::string> ReadText(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrFormat("cannot read %s", path));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
 
 CLI::App* AddEvalCommand(CLI::App& app, EvalFlags* f) {
   CLI::App* c = app.add_subcommand(
@@ -255,7 +263,7 @@ CLI::App* AddEvalCommand(CLI::App& app, EvalFlags* f) {
   c->add_option("--threads", f->m.threads, "CPU threads (0: all cores)");
   c->add_option("--prefill-chunk", f->m.prefill_chunk, "prompt tokens per forward pass");
   c->add_option("--json", f->json, "write the results as JSON");
-  c->add_option("--plot", f->plot, "PNG path prefix: PREFIX-ppl.png and PREFIX-recall.png");
+  c->add_option("--plot", f->plot, "PNG path prefix: PREFIX-ppl.png, PREFIX-kl.png, PREFIX-recall.png");
   c->add_flag("--quiet", f->m.quiet, "no progress on stderr");
   return c;
 }

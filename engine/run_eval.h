@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "CLI/CLI.hpp"
+#include "absl/status/statusor.h"
 
 namespace kvtier::engine {
 
@@ -37,7 +38,7 @@ struct EvalFlags {
   float max_loss = -1;  // < 0: the library default
   int32_t recall_every = 4;
   std::string json;
-  std::string plot;  // PNG path prefix: <plot>-ppl.png, <plot>-recall.png
+  std::string plot;  // PNG path prefix: <plot>-ppl.png, <plot>-kl.png, <plot>-recall.png
 };
 
 struct TraceFlags {
@@ -51,6 +52,9 @@ struct TraceFlags {
 // Registers the subcommands on `app`; the flags are written into `f` / `t`.
 CLI::App* AddEvalCommand(CLI::App& app, EvalFlags* f);
 CLI::App* AddTraceCommand(CLI::App& app, TraceFlags* t);
+// The whole file at `path` (prompts, texts); NOT_FOUND when it cannot be read.
+absl::StatusOr<std::string> ReadText(const std::string& path);
+
 // Process exit codes: 0 done, 1 runtime failure, 2 bad flags or input.
 int RunEvalCommand(const EvalFlags& f);
 int RunTraceCommand(const TraceFlags& t);

@@ -166,14 +166,6 @@ absl::Status ReadConfig(const std::string& path, Flags* f) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::string> ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrFormat("cannot read %s", path));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
 struct ModeRun {
   std::string mode;
   std::vector<GenerateResult> results;  // one per sequence of the batch
@@ -327,7 +319,7 @@ int RunGenerate(const Flags& f) {
   std::vector<std::string> texts;
   if (!f.prompt.empty()) texts.push_back(f.prompt);
   for (const std::string& p : f.prompt_files) {
-    absl::StatusOr<std::string> text = ReadFile(p);
+    absl::StatusOr<std::string> text = ReadText(p);
     if (!text.ok()) {
       std::cerr << "kvtier-run: --prompt-file: " << text.status().message() << "\n";
       return 2;
@@ -371,6 +363,15 @@ int RunGenerate(const Flags& f) {
   }
   std::vector<std::string> modes = absl::StrSplit(f.modes, ',', absl::SkipEmpty());
   // Flags every mode needs are checked before any mode runs.
+  CorrectionTrigger trigger;
+  if (!ParseCorrectionTrigger(f.trigger, &trigger)) {
+    std::cerr << "kvtier-run: --trigger: unknown '" << f.trigger << "' (cosine, mass)\n";
+    return 2;
+  }
+  if (!(f.max_loss >= 0.0f && f.max_loss <= 1.0f)) {
+    std::cerr << "kvtier-run: --max-loss = " << f.max_loss << ": must be in [0, 1]\n";
+    return 2;
+  }
   for (const std::string& m : modes) {
     RetrievalMode mode;
     if (m != "dense" && !ParseMode(m, &mode)) {

@@ -1,7 +1,8 @@
 # kvtier-run generate end to end on the shipped model (cmake -P script): settings from a TOML
 # config file with one flag overriding it, every mode side by side, the JSON report has one
 # run per mode with the numbers the summary promises; full mode's text equals the dense
-# loop's; a config with an unknown key is refused naming it (exit 2).
+# loop's; a config with an unknown key is refused naming it (exit 2); the mass correction
+# trigger runs and bad trigger flags are refused.
 #   -DRUN=<kvtier-run> -DMODEL_DIR=<engine/model> -DWORK=<scratch dir>
 cmake_minimum_required(VERSION 3.19)  # string(JSON)
 file(MAKE_DIRECTORY "${WORK}")
@@ -62,3 +63,28 @@ execute_process(COMMAND "${RUN}" generate --config "${WORK}/bad.toml" --prompt h
 if(NOT rc EQUAL 2 OR NOT err MATCHES "unknown key 'bugdet'")
   message(FATAL_ERROR "a config with an unknown key: exit ${rc}, stderr:\n${err}")
 endif()
+
+# The correction trigger: mass with a tolerated loss of 1 never corrects; bad values exit 2.
+execute_process(
+  COMMAND "${RUN}" generate --model "${MODEL_DIR}/kvtier-tiny.gguf" --prompt-file
+    "${MODEL_DIR}/golden/prompt.txt" -n 8 --modes speculative --budget 128 --trigger mass
+    --max-loss 1 --threads 2 --json "${WORK}/mass.json" --no-stream --quiet
+  RESULT_VARIABLE rc ERROR_VARIABLE err)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "generate --trigger mass failed (${rc}):\n${err}")
+endif()
+file(READ "${WORK}/mass.json" json)
+string(JSON rate GET "${json}" runs 0 correction_rate)
+if(NOT rate EQUAL 0)
+  message(FATAL_ERROR "--trigger mass --max-loss 1 corrected (rate ${rate})")
+endif()
+foreach(bad "--trigger;entropy;--trigger: unknown 'entropy'" "--max-loss;2;--max-loss = 2")
+  list(GET bad 0 flag)
+  list(GET bad 1 value)
+  list(GET bad 2 pattern)
+  execute_process(COMMAND "${RUN}" generate --model "${MODEL_DIR}/kvtier-tiny.gguf" --prompt hi
+    ${flag} ${value} RESULT_VARIABLE rc ERROR_VARIABLE err)
+  if(NOT rc EQUAL 2 OR NOT err MATCHES "${pattern}")
+    message(FATAL_ERROR "${flag} ${value}: exit ${rc} (want 2 naming it):\n${err}")
+  endif()
+endforeach()
