@@ -189,6 +189,10 @@ absl::Status Decoder::Forward(int64_t m, const std::function<float*(int32_t)>& k
   logits->resize(static_cast<size_t>(logit_rows * c.vocab));
   KVTIER_RETURN_IF_ERROR(math_.device().Copy(stream_, logits->data(), logits_.data(),
                                              logits->size() * sizeof(float)));
+  if (after_layer) {  // the hidden-state changes come back with the logits: one wait
+    KVTIER_RETURN_IF_ERROR(math_.device().Copy(stream_, host_delta_.data(), delta_.data(),
+                                               m * c.layers * sizeof(float)));
+  }
   return stream_.Synchronize();
 }
 
@@ -264,7 +268,7 @@ absl::Status Decoder::PrefillInto(Sequence* seq, DenseKv& kv, const std::vector<
     KVTIER_RETURN_IF_ERROR(Forward(
         m, [&](int32_t l) { return kv.k(l, pos0); }, [&](int32_t l) { return kv.v(l, pos0); },
         attention, after_layer, 1, logits));
-    if (after_layer) KVTIER_RETURN_IF_ERROR(ReportHiddenDelta(*local, pos0, m, 0));
+    if (after_layer) KVTIER_RETURN_IF_ERROR(ReportHiddenDelta(*local, pos0, m));
     done += m;
     kv.set_length(start + done);
     if (progress) progress(done, n);
@@ -393,11 +397,6 @@ absl::Status Decoder::Step(const std::vector<Sequence*>& seqs, const std::vector
     };
   }
   KVTIER_RETURN_IF_ERROR(Forward(b, nullptr, nullptr, attention, after_layer, b, logits));
-  if (after_layer) {
-    KVTIER_RETURN_IF_ERROR(math_.device().Copy(stream_, host_delta_.data(), delta_.data(),
-                                               b * c.layers * sizeof(float)));
-    KVTIER_RETURN_IF_ERROR(stream_.Synchronize());
-  }
   for (int64_t i = 0; i < b; ++i) {
     LocalSequence* local = seqs[i]->local();
     if (local == nullptr || (!options_.report_logits && !after_layer)) continue;
@@ -425,13 +424,8 @@ absl::Status Decoder::StepDense(DenseKv& kv, int32_t token, std::vector<float>* 
   return PrefillInto(nullptr, kv, {token}, logits, {});
 }
 
-absl::Status Decoder::ReportHiddenDelta(LocalSequence& seq, int64_t first_position, int64_t m,
-                                        int64_t row0) {
+absl::Status Decoder::ReportHiddenDelta(LocalSequence& seq, int64_t first_position, int64_t m) {
   const int32_t n_layers = config_.layers;
-  KVTIER_RETURN_IF_ERROR(math_.device().Copy(stream_, host_delta_.data(),
-                                             delta_.as<float>() + row0 * n_layers,
-                                             m * n_layers * sizeof(float)));
-  KVTIER_RETURN_IF_ERROR(stream_.Synchronize());
   StepSignals s;
   s.first_position = first_position;
   s.num_tokens = static_cast<int32_t>(m);

@@ -127,7 +127,8 @@ class Decoder {
   using AfterLayerFn = std::function<absl::Status(int32_t layer, const float* x)>;
   // The forward pass of m rows (ids_ and positions_ uploaded); with `k_rows`/`v_rows`
   // non-null, layer l's K/V rows are written at k_rows(l) instead of k_. Logits of the
-  // last `logit_rows` rows into `logits`.
+  // last `logit_rows` rows into `logits`; with `after_layer`, delta_'s m rows into
+  // host_delta_ too.
   absl::Status Forward(int64_t m, const std::function<float*(int32_t)>& k_rows,
                        const std::function<float*(int32_t)>& v_rows,
                        const AttentionFn& attention, const AfterLayerFn& after_layer,
@@ -139,9 +140,8 @@ class Decoder {
   // becomes x's last row); first_token: row 0 is the sequence's first (change 0).
   absl::Status HiddenDelta(int32_t layer, const float* x, int64_t m, float* prev, int64_t row0,
                            bool first_token);
-  // Copies delta_ rows [row0, row0 + m) to the host and reports them to `seq`.
-  absl::Status ReportHiddenDelta(LocalSequence& seq, int64_t first_position, int64_t m,
-                                 int64_t row0);
+  // Reports the m rows of host_delta_ (Forward brought them back) to `seq`.
+  absl::Status ReportHiddenDelta(LocalSequence& seq, int64_t first_position, int64_t m);
   // The sequence's last-hidden buffer [L][dim] (created on first use).
   absl::StatusOr<float*> LastHidden(const Sequence* seq);
   absl::Status PrefillInto(Sequence* seq, DenseKv& kv, const std::vector<int32_t>& ids,

@@ -21,7 +21,7 @@ namespace {
 class OracleRecorder {
  public:
   OracleRecorder(const LlamaConfig& c, int64_t capacity)
-      : c_(c), row_(int64_t{c.kv_heads} * c.head_dim), keys_(c.layers), queries_(c.layers) {
+      : row_(int64_t{c.kv_heads} * c.head_dim), keys_(c.layers), queries_(c.layers) {
     for (auto& k : keys_) k.resize(capacity * row_);
     for (auto& q : queries_) q.resize(int64_t{c.q_heads} * c.head_dim);
   }
@@ -43,7 +43,6 @@ class OracleRecorder {
   const float* query(int32_t layer) const { return queries_[layer].data(); }
 
  private:
-  const LlamaConfig& c_;
   const int64_t row_;
   std::vector<std::vector<float>> keys_;     // [layer][pos][Hkv][d]
   std::vector<std::vector<float>> queries_;  // [layer][Hq][d]
