@@ -112,14 +112,10 @@ struct Loaded {
   std::vector<int32_t> ids;
 };
 int Load(const ModelFlags& m, const char* cmd, Loaded* out) {
-  DType dt;
-  DeviceKind kind;
-  if (!ParseDType(m.kv_dtype, &dt)) {
-    std::cerr << "kvtier-run " << cmd << ": --kv-dtype: unknown '" << m.kv_dtype << "' (fp16, bf16, fp32)\n";
-    return 2;
-  }
-  if (!ParseDeviceKind(m.device, &kind)) {
-    std::cerr << "kvtier-run " << cmd << ": --device: unknown '" << m.device << "' (cpu, cuda, auto)\n";
+  absl::StatusOr<EngineOptions> eo =
+      EngineOptionsFrom(m.model, m.kv_dtype, m.device, m.threads, m.prefill_chunk, 1);
+  if (!eo.ok()) {
+    std::cerr << "kvtier-run " << cmd << ": " << eo.status().message() << "\n";
     return 2;
   }
   absl::StatusOr<std::string> text = ReadText(m.text_file);
@@ -127,14 +123,7 @@ int Load(const ModelFlags& m, const char* cmd, Loaded* out) {
     std::cerr << "kvtier-run " << cmd << ": --text: " << text.status().message() << "\n";
     return 2;
   }
-  EngineOptions eo;
-  eo.model_path = m.model;
-  eo.device = kind;
-  eo.threads = m.threads;
-  eo.decoder.kv_dtype = dt;
-  eo.decoder.prefill_chunk = m.prefill_chunk;
-  eo.decoder.max_batch = 1;
-  absl::StatusOr<std::unique_ptr<Engine>> engine = Engine::Open(eo);
+  absl::StatusOr<std::unique_ptr<Engine>> engine = Engine::Open(*eo);
   if (!engine.ok()) {
     std::cerr << "kvtier-run " << cmd << ": " << engine.status() << "\n";
     return 1;
@@ -232,6 +221,26 @@ absl::Status WritePlots(const std::string& prefix, const std::vector<EvalResult>
 }
 
 }  // namespace
+
+absl::StatusOr<EngineOptions> EngineOptionsFrom(const std::string& model,
+                                                const std::string& kv_dtype,
+                                                const std::string& device, int threads,
+                                                int32_t prefill_chunk, int32_t max_batch) {
+  EngineOptions eo;
+  if (!ParseDType(kv_dtype, &eo.decoder.kv_dtype)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--kv-dtype: unknown '%s' (fp16, bf16, fp32)", kv_dtype));
+  }
+  if (!ParseDeviceKind(device, &eo.device)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--device: unknown '%s' (cpu, cuda, auto)", device));
+  }
+  eo.model_path = model;
+  eo.threads = threads;
+  eo.decoder.prefill_chunk = prefill_chunk;
+  eo.decoder.max_batch = std::max(1, max_batch);
+  return eo;
+}
 
 absl::StatusOr<std::string> ReadText(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

@@ -12,6 +12,7 @@
 
 #include "CLI/CLI.hpp"
 #include "absl/status/statusor.h"
+#include "engine/generate.h"
 
 namespace kvtier::engine {
 
@@ -52,6 +53,13 @@ struct TraceFlags {
 // Registers the subcommands on `app`; the flags are written into `f` / `t`.
 CLI::App* AddEvalCommand(CLI::App& app, EvalFlags* f);
 CLI::App* AddTraceCommand(CLI::App& app, TraceFlags* t);
+// The engine's options from the flags every subcommand shares; INVALID_ARGUMENT naming
+// --kv-dtype or --device for a name it does not know.
+absl::StatusOr<EngineOptions> EngineOptionsFrom(const std::string& model,
+                                                const std::string& kv_dtype,
+                                                const std::string& device, int threads,
+                                                int32_t prefill_chunk, int32_t max_batch);
+
 // The whole file at `path` (prompts, texts); NOT_FOUND when it cannot be read.
 absl::StatusOr<std::string> ReadText(const std::string& path);
 

@@ -292,24 +292,14 @@ std::pair<double, int64_t> Agreement(const std::vector<int32_t>& a, const std::v
 }
 
 int RunGenerate(const Flags& f) {
-  DType dt;
-  if (!ParseDType(f.kv_dtype, &dt)) {
-    std::cerr << "kvtier-run: --kv-dtype: unknown '" << f.kv_dtype << "' (fp16, bf16, fp32)\n";
+  absl::StatusOr<EngineOptions> eo =
+      EngineOptionsFrom(f.model, f.kv_dtype, f.device, f.threads, f.prefill_chunk, f.batch);
+  if (!eo.ok()) {
+    std::cerr << "kvtier-run: " << eo.status().message() << "\n";
     return 2;
   }
-  DeviceKind kind;
-  if (!ParseDeviceKind(f.device, &kind)) {
-    std::cerr << "kvtier-run: --device: unknown '" << f.device << "' (cpu, cuda, auto)\n";
-    return 2;
-  }
-  EngineOptions eo;
-  eo.model_path = f.model;
-  eo.device = kind;
-  eo.threads = f.threads;
-  eo.decoder.kv_dtype = dt;
-  eo.decoder.prefill_chunk = f.prefill_chunk;
-  eo.decoder.max_batch = std::max(1, f.batch);
-  absl::StatusOr<std::unique_ptr<Engine>> engine = Engine::Open(eo);
+  const DType dt = eo->decoder.kv_dtype;
+  absl::StatusOr<std::unique_ptr<Engine>> engine = Engine::Open(*eo);
   if (!engine.ok()) {
     std::cerr << "kvtier-run: " << engine.status() << "\n";
     return 1;
