@@ -18,7 +18,7 @@ DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
 }
 
 void DeviceBuffer::Reset() {
-  if (data_ != nullptr) device_->Free(data_);
+  if (data_ != nullptr && device_ != nullptr) device_->Free(data_);
   device_ = nullptr;
   data_ = nullptr;
   bytes_ = 0;
@@ -32,6 +32,13 @@ absl::Status Device::CopyBatch(Stream& s, const CopyRange* ranges, size_t n) {
     KVTIER_RETURN_IF_ERROR(Copy(s, ranges[i].dst, ranges[i].src, ranges[i].bytes));
   }
   return absl::OkStatus();
+}
+
+absl::Status Backend::BeginCapture(Stream&) {
+  return absl::UnimplementedError("BeginCapture: this backend cannot capture streams");
+}
+absl::StatusOr<std::unique_ptr<Graph>> Backend::EndCapture(Stream&) {
+  return absl::UnimplementedError("EndCapture: this backend cannot capture streams");
 }
 
 absl::Status Backend::ScorePages(Stream& s, const ScorePagesArgs& a) {

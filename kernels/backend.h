@@ -20,13 +20,41 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "kernels/host_calls.h"
 #include "kernels/ops.h"
 #include "kvtier/device.h"
 
 namespace kvtier {
 
+// Work captured from a stream (Backend::EndCapture), launched again as one unit: a CUDA graph
+// on the cuda backend, the recorded task list on the cpu backend. Launching it enqueues
+// exactly the captured work, with the captured arguments, on any stream of the same backend.
+// The buffers it names must stay alive and keep their addresses. Destroy it only after its
+// launches have run.
+class Graph {
+ public:
+  virtual ~Graph() = default;
+  virtual absl::Status Launch(Stream& s) = 0;
+};
+
 class Backend : public Device {
  public:
+  // Stream capture (docs/retriever.md#graphs). Between BeginCapture and EndCapture, the ops,
+  // copies and memsets enqueued on `s` are recorded instead of run; EndCapture returns them
+  // as a Graph. Capture one stream only: Record, Wait and Synchronize on a capturing stream,
+  // and copies from or into pageable host memory, fail with FAILED_PRECONDITION (the capture
+  // is then abandoned by EndCapture's error). UNIMPLEMENTED where SupportsCapture() is false.
+  virtual bool SupportsCapture() const { return false; }
+  virtual absl::Status BeginCapture(Stream& s);
+  virtual absl::StatusOr<std::unique_ptr<Graph>> EndCapture(Stream& s);
+
+  // Bytes of SparseAttentionArgs::workspace the backend wants for an attention of this shape
+  // (batch, kv.num_slots, token_prob set or not); 0 when it uses none.
+  virtual size_t SparseAttentionWorkspaceBytes(const SparseAttentionArgs& a) const {
+    (void)a;
+    return 0;
+  }
+
   // The compute ops (kernels/ops.h). Each validates shapes, then enqueues.
   absl::Status ScorePages(Stream& s, const ScorePagesArgs& a);
   absl::Status TopK(Stream& s, const TopKArgs& a);

@@ -53,6 +53,14 @@ class BudgetedBackend final : public Backend {
     return inner_.CopyBatch(s, ranges, n);
   }
   std::string PciBusId() const override { return inner_.PciBusId(); }
+  bool SupportsCapture() const override { return inner_.SupportsCapture(); }
+  absl::Status BeginCapture(Stream& s) override { return inner_.BeginCapture(s); }
+  absl::StatusOr<std::unique_ptr<Graph>> EndCapture(Stream& s) override {
+    return inner_.EndCapture(s);
+  }
+  size_t SparseAttentionWorkspaceBytes(const SparseAttentionArgs& a) const override {
+    return inner_.SparseAttentionWorkspaceBytes(a);
+  }
 
  protected:
   void Free(void* data) override {

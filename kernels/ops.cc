@@ -281,7 +281,19 @@ absl::Status ValidateArgs(const SparseAttentionArgs& a) {
   KVTIER_RETURN_IF_ERROR(CheckRange(op, "batch", a.batch, 1, kMaxBatch));
   KVTIER_RETURN_IF_ERROR(
       ValidateWorkingSet(op, a.kv, kMaxPages, kCaches | kSlotTable | kPartialPage | kInt8Slots));
-  return CheckPtrs(op, {{"q", a.q}, {"out", a.out}});
+  KVTIER_RETURN_IF_ERROR(CheckPtrs(op, {{"q", a.q}, {"out", a.out}}));
+  // The alignment contract of every backend: K/V rows are read as 16-byte vectors (head_dim
+  // is a multiple of 8 elements, so every row of an aligned cache is aligned). A misaligned
+  // view is refused, never read slowly.
+  for (const auto& [name, ptr] : {std::pair<const char*, const void*>{"kv.k_cache", a.kv.k_cache},
+                                  {"kv.v_cache", a.kv.v_cache}}) {
+    if (reinterpret_cast<uintptr_t>(ptr) % kAttentionAlignment != 0) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: %s (%p) must be %d-byte aligned (K/V rows are read as %d-byte vectors)", op, name,
+          ptr, kAttentionAlignment, kAttentionAlignment));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ValidateArgs(const DenseAttentionArgs& a) {

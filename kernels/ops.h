@@ -265,6 +265,9 @@ struct OffloadArgs {
 // Reads every shape field, and of the working set ([B][S][p][Hkv][d], kv.num_slots = S per
 // sequence) the caches, the slot tables and the partial page; the INT8 storage
 // (kv.slot_int8, k_int8, v_int8, k_scale, v_scale) is optional, all five or none.
+// K and V caches of SparseAttention must be aligned to this many bytes (ValidateArgs refuses
+// others with INVALID_ARGUMENT on every backend).
+inline constexpr size_t kAttentionAlignment = 16;
 struct SparseAttentionArgs {
   KvShape shape{};
   PagedKv kv{};
@@ -279,6 +282,13 @@ struct SparseAttentionArgs {
   // Optional out: the softmax probability of every token, [B][Hq][S][p]; 0 for tokens not
   // attended (empty slots, beyond partial_len, masked). Policies read it (offload/policy).
   float* token_prob = nullptr;
+  // Backend memory the op may use as scratch (split-KV partials, softmax statistics), at
+  // least Backend::SparseAttentionWorkspaceBytes(*this) bytes, touched by no other work in
+  // flight. Null (or too small): a backend that needs scratch uses its own per-stream buffer,
+  // allocated on first use and on growth — a blocking allocation (kernels/host_calls.h), so
+  // the decode path always passes one.
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
 };
 
 // One KV head's part of one working-set slot (global slot b·S + s).

@@ -53,7 +53,8 @@ struct CopyRange {
   size_t bytes;
 };
 
-// Device memory, move-only; frees itself. The Device must outlive it.
+// Device memory, move-only; frees itself. The Device must outlive it. Made with a null
+// device it is a view that frees nothing.
 class DeviceBuffer {
  public:
   DeviceBuffer() = default;

@@ -1,9 +1,17 @@
 #include "kernels/cpu/cpu_backend.h"
 
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <memory>
+#include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_format.h"
+#include "core/mutex.h"
+#include "core/status.h"
+#include "kernels/host_calls.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/cpu_stream.h"
 #include "kernels/cpu/thread_pool.h"
@@ -12,6 +20,26 @@ namespace kvtier {
 namespace {
 
 constexpr size_t kAlignment = 256;  // bytes, as cudaMalloc guarantees
+
+// A captured task list (Backend::EndCapture): Launch enqueues every task again, in order.
+class CpuGraph final : public Graph {
+ public:
+  explicit CpuGraph(std::vector<std::function<absl::Status()>> tasks) : tasks_(std::move(tasks)) {}
+  absl::Status Launch(Stream& s) override {
+    auto* stream = dynamic_cast<CpuStream*>(&s);
+    if (stream == nullptr) {
+      return absl::InvalidArgumentError("Graph::Launch: stream was not created by a cpu backend");
+    }
+    if (stream->capturing()) {
+      return absl::FailedPreconditionError("Graph::Launch: the stream is capturing");
+    }
+    for (const auto& task : tasks_) stream->Enqueue(task);
+    return absl::OkStatus();
+  }
+
+ private:
+  const std::vector<std::function<absl::Status()>> tasks_;
+};
 
 class CpuBackend final : public Backend {
  public:
@@ -25,11 +53,13 @@ class CpuBackend final : public Backend {
   absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override {
     if (bytes == 0) return absl::InvalidArgumentError("Allocate: bytes must be > 0");
     const size_t rounded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
+    CountHostCall(HostCall::kAllocation);  // cudaMalloc may synchronise the device
     void* p = std::aligned_alloc(kAlignment, rounded);
     if (p == nullptr) {
       return absl::ResourceExhaustedError(
           absl::StrFormat("Allocate: out of host memory allocating %d bytes", bytes));
     }
+    Track(p, rounded, Memory::kDevice);
     return DeviceBuffer(this, p, bytes);
   }
 
@@ -47,15 +77,80 @@ class CpuBackend final : public Backend {
           "RegisterHost: need a non-null range of 1..%d bytes (got %d)", kMaxRegisterBytes,
           bytes));
     }
-    return absl::OkStatus();  // host memory is already "device" memory here
+    // Host memory is already "device" memory here; what registration changes is that
+    // copies into and out of the range no longer block (as pinned memory under CUDA).
+    CountHostCall(HostCall::kAllocation);
+    Track(data, bytes, Memory::kPinned);
+    return absl::OkStatus();
   }
-  absl::Status UnregisterHost(void*) override { return absl::OkStatus(); }
+  absl::Status UnregisterHost(void* data) override {
+    CountHostCall(HostCall::kFree);
+    Untrack(data);
+    return absl::OkStatus();
+  }
 
+  // CUDA's blocking rules for copies, modelled: memory this backend allocated or registered
+  // is device or pinned memory and copies are asynchronous; any other host memory is
+  // pageable, and a copy into it returns only once it has run (after everything enqueued
+  // before it on the stream), a copy out of it reads the source before returning. Both are
+  // counted as synchronous copies (kernels/host_calls.h).
   absl::Status Copy(Stream& s, void* dst, const void* src, size_t bytes) override {
-    return Submit(s, [dst, src, bytes] {
-      if (bytes > 0) std::memcpy(dst, src, bytes);
+    if (bytes == 0) return Submit(s, [] { return absl::OkStatus(); });
+    const bool pageable_dst = !Known(dst, bytes);
+    const bool pageable_src = !Known(src, bytes);
+    if (!pageable_dst && !pageable_src) {
+      return Submit(s, [dst, src, bytes] {
+        std::memcpy(dst, src, bytes);
+        return absl::OkStatus();
+      });
+    }
+    auto* stream = dynamic_cast<CpuStream*>(&s);
+    if (stream == nullptr) {
+      return absl::InvalidArgumentError("cpu backend: stream was not created by a cpu backend");
+    }
+    if (stream->capturing()) {
+      absl::Status st = absl::FailedPreconditionError(
+          "Copy: a captured copy may not touch pageable host memory (register it)");
+      stream->FailCapture(st);
+      return st;
+    }
+    CountHostCall(HostCall::kSyncCopy);
+    if (pageable_src && !pageable_dst) {
+      // Staged now, as the CUDA driver stages pageable sources.
+      auto staged = std::shared_ptr<uint8_t[]>(new uint8_t[bytes]);
+      std::memcpy(staged.get(), src, bytes);
+      stream->Enqueue([dst, staged, bytes] {
+        std::memcpy(dst, staged.get(), bytes);
+        return absl::OkStatus();
+      });
+      return absl::OkStatus();
+    }
+    // Into pageable memory: returns once the copy (and the work before it) has run.
+    auto done = std::make_shared<CpuEvent>();
+    const uint64_t seq = done->Arm();
+    stream->Enqueue([dst, src, bytes] {
+      std::memcpy(dst, src, bytes);
       return absl::OkStatus();
     });
+    KVTIER_RETURN_IF_ERROR(stream->Record(*done));
+    return done->WaitFor(seq);
+  }
+
+  bool SupportsCapture() const override { return true; }
+  absl::Status BeginCapture(Stream& s) override {
+    auto* stream = dynamic_cast<CpuStream*>(&s);
+    if (stream == nullptr) {
+      return absl::InvalidArgumentError("BeginCapture: stream was not created by a cpu backend");
+    }
+    return stream->BeginCapture();
+  }
+  absl::StatusOr<std::unique_ptr<Graph>> EndCapture(Stream& s) override {
+    auto* stream = dynamic_cast<CpuStream*>(&s);
+    if (stream == nullptr) {
+      return absl::InvalidArgumentError("EndCapture: stream was not created by a cpu backend");
+    }
+    KVTIER_ASSIGN_OR_RETURN(auto tasks, stream->EndCapture());
+    return std::unique_ptr<Graph>(std::make_unique<CpuGraph>(std::move(tasks)));
   }
   absl::Status Memset(Stream& s, void* dst, int value, size_t bytes) override {
     return Submit(s, [dst, value, bytes] {
@@ -65,7 +160,11 @@ class CpuBackend final : public Backend {
   }
 
  protected:
-  void Free(void* data) override { std::free(data); }
+  void Free(void* data) override {
+    CountHostCall(HostCall::kFree);
+    Untrack(data);
+    std::free(data);
+  }
 
   // Ops of a low-priority stream run on its own (low-priority) worker alone.
   ThreadPool* PoolFor(Stream& s) {
@@ -114,6 +213,29 @@ class CpuBackend final : public Backend {
   }
 
  private:
+  enum class Memory : uint8_t { kDevice, kPinned };
+  struct Range {
+    size_t bytes;
+    Memory kind;
+  };
+  void Track(const void* p, size_t bytes, Memory kind) {
+    MutexLock lock(&mu_);
+    ranges_[reinterpret_cast<uintptr_t>(p)] = Range{bytes, kind};
+  }
+  void Untrack(const void* p) {
+    MutexLock lock(&mu_);
+    ranges_.erase(reinterpret_cast<uintptr_t>(p));
+  }
+  // [p, p + bytes) lies in memory this backend allocated or registered.
+  bool Known(const void* p, size_t bytes) const {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    MutexLock lock(&mu_);
+    auto it = ranges_.upper_bound(a);
+    if (it == ranges_.begin()) return false;
+    --it;
+    return a - it->first < it->second.bytes && bytes <= it->second.bytes - (a - it->first);
+  }
+
   // Enqueues `task` on `s`, which must be a stream of this backend.
   static absl::Status Submit(Stream& s, std::function<absl::Status()> task) {
     auto* stream = dynamic_cast<CpuStream*>(&s);
@@ -125,6 +247,8 @@ class CpuBackend final : public Backend {
   }
 
   ThreadPool pool_;
+  mutable Mutex mu_;
+  std::map<uintptr_t, Range> ranges_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace

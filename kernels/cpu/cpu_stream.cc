@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "kernels/host_calls.h"
 
 namespace kvtier {
 
@@ -18,6 +19,7 @@ bool CpuEvent::Query() {
 }
 
 absl::Status CpuEvent::Wait(absl::Duration timeout) {
+  CountHostCall(HostCall::kWait);
   MutexLock lock(&mu_);
   const uint64_t target = armed_;
   auto done = [this, target]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -75,10 +77,36 @@ void CpuStream::Push(Task task) {
 }
 
 void CpuStream::Enqueue(std::function<absl::Status()> task) {
+  if (capturing_) {
+    captured_.push_back(std::move(task));
+    return;
+  }
   Push(Task{std::move(task), /*always_run=*/false});
 }
 
+absl::Status CpuStream::BeginCapture() {
+  if (capturing_) return absl::FailedPreconditionError("BeginCapture: the stream is capturing");
+  capturing_ = true;
+  capture_status_ = absl::OkStatus();
+  captured_.clear();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<std::function<absl::Status()>>> CpuStream::EndCapture() {
+  if (!capturing_) return absl::FailedPreconditionError("EndCapture: the stream is not capturing");
+  capturing_ = false;
+  std::vector<std::function<absl::Status()>> tasks = std::move(captured_);
+  captured_.clear();
+  if (!capture_status_.ok()) return capture_status_;
+  return tasks;
+}
+
 absl::Status CpuStream::Record(Event& event) {
+  if (capturing_) {
+    capture_status_ = absl::FailedPreconditionError(
+        "Record on a capturing stream: a capture covers one stream's work only");
+    return capture_status_;
+  }
   auto* e = dynamic_cast<CpuEvent*>(&event);
   if (e == nullptr) return absl::InvalidArgumentError("Record: event is not a cpu event");
   const uint64_t seq = e->Arm();
@@ -96,6 +124,11 @@ absl::Status CpuStream::Record(Event& event) {
 }
 
 absl::Status CpuStream::Wait(Event& event) {
+  if (capturing_) {
+    capture_status_ = absl::FailedPreconditionError(
+        "Wait on a capturing stream: a capture covers one stream's work only");
+    return capture_status_;
+  }
   auto* e = dynamic_cast<CpuEvent*>(&event);
   if (e == nullptr) return absl::InvalidArgumentError("Wait: event is not a cpu event");
   // The target is the record in force now, as cudaStreamWaitEvent captures it.
@@ -105,6 +138,11 @@ absl::Status CpuStream::Wait(Event& event) {
 }
 
 absl::Status CpuStream::Synchronize() {
+  if (capturing_) {
+    capture_status_ = absl::FailedPreconditionError("Synchronize on a capturing stream");
+    return capture_status_;
+  }
+  CountHostCall(HostCall::kWait);
   MutexLock lock(&mu_);
   idle_cv_.Await(&mu_, [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return Idle(); });
   return status_;

@@ -16,9 +16,11 @@
 #include <deque>
 #include <functional>
 #include <thread>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "kernels/backend.h"
 #include "core/mutex.h"
 
@@ -58,9 +60,21 @@ class CpuStream final : public Stream {
   absl::Status Synchronize() override;
 
   // Enqueues a task. Unless the stream has already failed, it runs after every task
-  // enqueued before it; its error becomes the stream's sticky status.
+  // enqueued before it; its error becomes the stream's sticky status. While the stream
+  // captures, the task is recorded instead (Backend::BeginCapture).
   void Enqueue(std::function<absl::Status()> task);
   bool low_priority() const { return low_priority_; }
+
+  // Capture (kernels/backend.h): tasks enqueued from BeginCapture to EndCapture are
+  // recorded, not run; Record, Wait and Synchronize fail FAILED_PRECONDITION meanwhile.
+  // FAILED_PRECONDITION when already (or not) capturing.
+  absl::Status BeginCapture();
+  absl::StatusOr<std::vector<std::function<absl::Status()>>> EndCapture();
+  bool capturing() const { return capturing_; }
+  // Fails the capture in progress: EndCapture returns `status`.
+  void FailCapture(absl::Status status) {
+    if (capture_status_.ok()) capture_status_ = std::move(status);
+  }
 
  private:
   struct Task {
@@ -72,6 +86,10 @@ class CpuStream final : public Stream {
   bool Idle() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return queue_.empty() && !busy_; }
 
   const bool low_priority_;
+  // Capture state: touched only by the feeding thread.
+  bool capturing_ = false;
+  absl::Status capture_status_;
+  std::vector<std::function<absl::Status()>> captured_;
   Mutex mu_;
   CondVar work_cv_;  // signalled when a task is queued or stopping_ is set
   CondVar idle_cv_;  // signalled when the worker finishes a task

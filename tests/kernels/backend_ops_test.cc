@@ -2,6 +2,8 @@
 // against the CPU reference backend. The cpu parameter runs another CPU backend (with a
 // different thread count, so work is split differently); the cuda parameter skips itself
 // when no CUDA device is usable.
+#include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -77,6 +79,45 @@ TEST_P(BackendOpsTest, MatchesTheCpuReference) {
 
 // gtest refuses duplicate parameter names, so the case names are checked unique here too.
 INSTANTIATE_TEST_SUITE_P(Table, BackendOpsTest, ::testing::ValuesIn(AllParams()), ParamName);
+
+// The alignment contract of sparse attention (kAttentionAlignment), checked when the op is
+// enqueued on every backend: a cache view off its 16-byte alignment is refused, naming the
+// field, instead of being read by a slow path.
+TEST(BackendOpsContractTest, MisalignedCachesAreRefused) {
+  absl::StatusOr<std::unique_ptr<Backend>> be = CreateBackend(DeviceKind::kCpu);
+  ASSERT_TRUE(be.ok()) << be.status();
+  std::unique_ptr<Stream> s = (*be)->CreateStream().value();
+  const KvShape shape{DType::kF16, 4, 2, 16, 8};
+  const size_t slot = size_t{8} * 2 * 16 * 2;
+  DeviceBuffer k = (*be)->Allocate(4 * slot + 64).value(), v = (*be)->Allocate(4 * slot + 64).value();
+  DeviceBuffer small = (*be)->Allocate(4096).value();
+  std::memset(small.data(), 0, small.size());
+  std::vector<int32_t> table(2 * 4 + 10, -1);  // empty slot tables; no partial page
+  table[17] = 0;                              // its length
+  std::memcpy(small.data(), table.data(), table.size() * sizeof(int32_t));
+  SparseAttentionArgs a;
+  a.shape = shape;
+  a.kv.k_cache = k.data();
+  a.kv.v_cache = v.data();
+  a.kv.num_slots = 4;
+  a.kv.slot_table = small.as<int32_t>();
+  a.kv.partial_page = small.as<int32_t>() + 16;
+  a.kv.partial_len = small.as<int32_t>() + 17;
+  a.batch = 1;
+  a.q = small.as<uint8_t>() + 256;
+  a.out = small.as<uint8_t>() + 512;
+  ASSERT_TRUE((*be)->SparseAttention(*s, a).ok());
+  a.kv.k_cache = k.as<uint8_t>() + 2;  // one fp16 element off
+  absl::Status st = (*be)->SparseAttention(*s, a);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(st.message(), "kv.k_cache")) << st;
+  a.kv.k_cache = k.data();
+  a.kv.v_cache = v.as<uint8_t>() + 8;
+  st = (*be)->SparseAttention(*s, a);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(st.message(), "kv.v_cache")) << st;
+  EXPECT_TRUE(s->Synchronize().ok());
+}
 
 }  // namespace
 }  // namespace kvtier::testing
