@@ -4,6 +4,19 @@
 // output rounded (nearest even) into the dtype, lse = m + log(l), -inf and zeros for a head
 // that attends nothing.
 //
+// Alignment contract of the sparse op (compute_kernels.h; CudaBackend::DoSparseAttention
+// refuses anything else with INVALID_ARGUMENT naming the field before launching): K and V
+// rows are read only as 16-byte vectors, so kv.k_cache and kv.v_cache are 16-byte aligned
+// and shape.head_dim is a multiple of 16 / sizeof(element) (8 for fp16/bf16, 4 for fp32);
+// the INT8 copies kv.k_int8 / kv.v_int8 are aligned to that many bytes and the scales
+// kv.k_scale / kv.v_scale to 16; q, out, lse, token_prob, the int32 tables, query_position
+// and the workspace to their element. kvtier's own buffers always qualify: cudaMalloc
+// returns 256-byte aligned memory, Geometry makes d a multiple of 8, and every slot, row and
+// head offset of the working set is a multiple of d elements. A misaligned view (a cache
+// offset by a fraction of a row) is refused, never run on a slower path: the sparse op has
+// no scalar path (which would read every K/V row once per query head, not once per group).
+// Dense attention, the accuracy reference, keeps a scalar path for any d and alignment.
+//
 // Main kernel, grid (B · splits, Hkv · head blocks), kThreads threads. A block owns one
 // (sequence, KV head), up to 8 query heads of its group (GQA: every K/V row is read once per
 // group; a group of more than 8 heads takes ceil(G / 8) blocks) and one contiguous range of
@@ -18,33 +31,38 @@
 // limit, INT8 flag); a step where no token of the warp is attended is skipped, and a step
 // holding INT8 slots goes token by token, dequantising as it loads (q · scale, as the CPU).
 // At the end the streams merge: within a warp by shuffles, across warps through shared
-// memory in a fixed order, so results are deterministic. Head dims that are not a multiple
-// of the 16-byte vector (or misaligned buffers) take a scalar path with the same structure,
-// one query head per block.
+// memory in a fixed order, so results are deterministic. Dense attention over head dims that
+// are not a multiple of the 16-byte vector (or misaligned buffers) takes a scalar path with
+// the same structure, one query head per block.
 //
 // Splits: enough that B · Hkv · head blocks · splits ≈ kBlocksPerSm blocks per SM (the SM
 // count is cached per device), with at least kMinTilesPerSplit tiles of tokens per split,
 // so batch 1 still fills the GPU. With one split the main kernel writes out and lse itself;
 // otherwise it writes per-split partials (m, l, unnormalised acc) and a combine kernel
-// merges them exactly as the CPU merges its chunks.
+// merges them exactly as the CPU merges its chunks. One function (PlanLaunch) makes the
+// plan for both the launch and SparseAttentionScratchBytes, so the two cannot disagree.
 //
 // token_prob (sparse only): the final (m, l) of every query head is kept (by the main
 // kernel with one split, else by the combine), then a third kernel walks the same tokens
 // with the same code, recomputes each score bit for bit and writes exp(s − m) · (1 / l), 0
 // for tokens not attended, as the CPU's second pass.
 //
-// Scratch. Launchers never allocate op buffers, but split partials and final (m, l) need
-// workspace that the op's arguments do not provide. This file owns it: one grow-only
-// device buffer per (device, stream) (per calling thread as well for cudaStreamPerThread),
-// created lazily with cudaMalloc and never freed before process exit. Keying by stream
-// makes concurrent launches on different streams safe; each entry has its own mutex, held
-// while an op enqueues its kernels, so two threads sharing one stream cannot interleave one
-// op's kernels with another's. A buffer is never freed when it grows (the old one is kept),
-// so a CUDA graph captured with it stays valid; growth during stream capture switches the
-// thread to relaxed capture mode for the cudaMalloc. A captured graph uses the scratch of
-// its capture stream: replaying it concurrently with direct launches on that stream, or
-// with another replay of itself, is not supported. With one split and no token_prob no
-// scratch is used at all.
+// Scratch. Split partials and final (m, l) need memory that the op's buffers do not
+// provide. The sparse op takes it from SparseAttentionArgs::workspace when that holds at
+// least SparseAttentionScratchBytes: nothing is allocated and no lock is taken (the caller
+// guarantees no other work in flight uses it). Otherwise, and always for dense attention,
+// this file owns it: one grow-only device buffer per (device, stream) (per calling thread
+// as well for cudaStreamPerThread), created lazily with cudaMalloc (counted as a blocking
+// HostCall::kAllocation) and never freed before process exit. Keying by stream makes
+// concurrent launches on different streams safe; each entry has its own mutex, held while
+// an op enqueues its kernels, so two threads sharing one stream cannot interleave one op's
+// kernels with another's. A buffer is never freed when it grows (the old one is kept), so a
+// CUDA graph captured with it stays valid; growth during stream capture switches the thread
+// to relaxed capture mode for the cudaMalloc. A graph captured with registry scratch uses
+// the scratch of its capture stream: replaying it concurrently with direct launches on that
+// stream is not supported (replays of one graph are serialised by CUDA); a graph captured
+// with a workspace has no such limit beyond the workspace's own. With one split and no
+// token_prob no scratch is used at all.
 //
 // Data-dependent errors (OUT_OF_RANGE on the CPU) are reported through the error sink:
 // partial_len[b] outside [0, p] and seq_len[b] outside [0, T] skip sequence b entirely
@@ -63,6 +81,7 @@
 
 #include "kernels/cuda/compute_kernels.h"
 #include "kernels/cuda/kernel_util.cuh"
+#include "kernels/host_calls.h"
 #include "kvtier/layout.h"
 #include "core/mutex.h"
 
@@ -107,7 +126,6 @@ struct WordOf<16> {
 };
 
 // 32-bit word i of a loaded word (i is a compile-time constant after unrolling).
-__device__ __forceinline__ uint32_t WordAt(uint8_t u, int) { return u; }
 __device__ __forceinline__ uint32_t WordAt(uint16_t u, int) { return u; }
 __device__ __forceinline__ uint32_t WordAt(uint32_t u, int) { return u; }
 __device__ __forceinline__ uint32_t WordAt(const uint2& u, int i) { return i == 0 ? u.x : u.y; }
@@ -423,19 +441,17 @@ __device__ __forceinline__ void LoadMixedRow(const void* base, const int8_t* bas
     if (!st.valid[u] || !vok[j]) continue;
     if (st.int8[u]) {
       const auto word = LoadWord<typename S::Int8Word>(base8 + st.row[u] + dim0);
+      // Sparse shapes only, all vectorised (the alignment contract): W is 4 or 8 and the
+      // scales of a lane's vector are 16-byte aligned.
+      static_assert(S::W % 4 == 0, "INT8 rows are read by the vector path only");
       float scale[S::W];
-      if constexpr (S::W % 4 == 0) {
 #pragma unroll
-        for (int c = 0; c < S::W / 4; ++c) {
-          const float4 f = __ldg(reinterpret_cast<const float4*>(scales + st.sc[u] + dim0) + c);
-          scale[4 * c] = f.x;
-          scale[4 * c + 1] = f.y;
-          scale[4 * c + 2] = f.z;
-          scale[4 * c + 3] = f.w;
-        }
-      } else {
-#pragma unroll
-        for (int e = 0; e < S::W; ++e) scale[e] = __ldg(scales + st.sc[u] + dim0 + e);
+      for (int c = 0; c < S::W / 4; ++c) {
+        const float4 f = __ldg(reinterpret_cast<const float4*>(scales + st.sc[u] + dim0) + c);
+        scale[4 * c] = f.x;
+        scale[4 * c + 1] = f.y;
+        scale[4 * c + 2] = f.z;
+        scale[4 * c + 3] = f.w;
       }
 #pragma unroll
       for (int e = 0; e < S::W; ++e) out[0][j * S::W + e] = Int8Of(word, e) * scale[e];
@@ -855,9 +871,10 @@ cudaError_t DispatchGroup(int32_t group, Fn&& fn) {
 // The shape for head dim d. With 16-byte vectors (`vector_ok`: d a multiple of a vector,
 // buffers aligned), fp16/bf16 with d ≤ 128 (the hot path) get a group size fitted to G;
 // larger d and fp32 (whose lanes hold few dims) use 8 (4 at d > 256, to bound registers).
-// Otherwise the scalar path: any d ≤ 512, one query head per block. Few shapes keep the
-// number of kernels (and the compile time) down.
-template <typename T, typename Fn>
+// Otherwise, with kScalar (dense attention), the scalar path: any d ≤ 512, one query head
+// per block; without it (the sparse op, whose contract rules this out) cudaErrorInvalidValue.
+// Few shapes keep the number of kernels (and the compile time) down.
+template <typename T, bool kScalar, typename Fn>
 cudaError_t DispatchShape(int32_t d, bool vector_ok, int32_t group, Fn&& fn) {
   if (vector_ok) {
     if constexpr (sizeof(T) == 2) {
@@ -871,7 +888,11 @@ cudaError_t DispatchShape(int32_t d, bool vector_ok, int32_t group, Fn&& fn) {
       return fn(Shape<T, 4, 4, 32, 4>{});
     }
   }
-  return fn(Shape<T, 1, 16, 32, 1>{});
+  if constexpr (kScalar) {
+    return fn(Shape<T, 1, 16, 32, 1>{});
+  } else {
+    return cudaErrorInvalidValue;
+  }
 }
 
 bool Aligned(const void* ptr, size_t bytes) {
@@ -892,6 +913,36 @@ SplitPlan PlanSplits(int64_t tokens, int tile, int64_t blocks_per_split, int sm_
   splits = std::clamp<int64_t>(splits, 1, most);
   const int64_t per_split = (tiles + splits - 1) / splits;
   return SplitPlan{static_cast<int32_t>((tiles + per_split - 1) / per_split), per_split * tile};
+}
+
+// What a launch of shape S does: blocks per KV head, the splits, and the scratch it needs
+// (floats: the final (m, l) when token_prob is wanted, then the split partials). The one
+// plan of both the launch and SparseAttentionScratchBytes. `p` needs the head counts, d and
+// the token count set.
+struct LaunchPlan {
+  int32_t head_blocks;
+  int32_t splits;
+  int64_t split_tokens;
+  int64_t final_floats;
+  int64_t part_floats;
+
+  size_t ScratchBytes() const {
+    return sizeof(float) * static_cast<size_t>(final_floats + part_floats);
+  }
+};
+
+template <class S>
+LaunchPlan PlanLaunch(const AttnParams& p, int32_t batch, bool want_prob, int sm_count) {
+  LaunchPlan plan{};
+  plan.head_blocks = (p.group + S::GM - 1) / S::GM;
+  const int64_t y_blocks = int64_t{p.num_kv_heads} * plan.head_blocks;
+  const SplitPlan split = PlanSplits(p.tokens, S::kTile, int64_t{batch} * y_blocks, sm_count);
+  plan.splits = split.splits;
+  plan.split_tokens = split.split_tokens;
+  const int64_t heads = int64_t{batch} * p.num_q_heads;
+  plan.final_floats = want_prob ? 2 * heads : 0;
+  plan.part_floats = plan.splits > 1 ? heads * plan.splits * (int64_t{p.head_dim} + 2) : 0;
+  return plan;
 }
 
 // The scratch of one (device, stream): see the header comment.
@@ -962,6 +1013,7 @@ class ScratchRegistry {
       err = cudaThreadExchangeStreamCaptureMode(&mode);
       if (err != cudaSuccess) return err;
     }
+    CountHostCall(HostCall::kAllocation);  // may synchronise the device
     err = cudaMalloc(out, bytes);
     if (capturing) {
       const cudaError_t restore = cudaThreadExchangeStreamCaptureMode(&mode);
@@ -980,12 +1032,13 @@ ScratchRegistry& Registry() {
   return *registry;
 }
 
-// Plans the splits, takes the scratch and enqueues the main kernel, the combine (more than
+// Plans the splits, takes the scratch (`workspace` when it holds `workspace_bytes` ≥ what
+// the plan needs, else the registry's) and enqueues the main kernel, the combine (more than
 // one split) and the token_prob pass (sparse, when wanted). `p` has every argument field
 // set; this fills the shape-dependent ones.
 template <bool kSparse>
 cudaError_t LaunchAttention(AttnParams p, DType dtype, int32_t batch, bool vector_ok,
-                            cudaStream_t stream) {
+                            void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   int device = 0;
   if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
   int sm_count = 0;
@@ -995,21 +1048,18 @@ cudaError_t LaunchAttention(AttnParams p, DType dtype, int32_t batch, bool vecto
   const bool want_prob = kSparse && p.token_prob != nullptr;
   return DispatchElement(dtype, [&](auto element_tag) {
     using T = typename decltype(element_tag)::type;
-    return DispatchShape<T>(p.head_dim, vector_ok, p.group, [&](auto shape) {
+    return DispatchShape<T, !kSparse>(p.head_dim, vector_ok, p.group, [&](auto shape) {
       using S = decltype(shape);
-      p.head_blocks = (p.group + S::GM - 1) / S::GM;
-      const int64_t y_blocks = int64_t{p.num_kv_heads} * p.head_blocks;
-      const SplitPlan plan = PlanSplits(p.tokens, S::kTile, int64_t{batch} * y_blocks, sm_count);
+      const LaunchPlan plan = PlanLaunch<S>(p, batch, want_prob, sm_count);
+      p.head_blocks = plan.head_blocks;
       p.splits = plan.splits;
       p.split_tokens = plan.split_tokens;
       const int64_t heads = int64_t{batch} * p.num_q_heads;
-      const int64_t final_floats = want_prob ? 2 * heads : 0;
-      const int64_t part_floats = p.splits > 1 ? heads * p.splits * (int64_t{p.head_dim} + 2) : 0;
       const dim3 grid(static_cast<unsigned>(int64_t{batch} * p.splits),
-                      static_cast<unsigned>(y_blocks));
+                      static_cast<unsigned>(int64_t{p.num_kv_heads} * p.head_blocks));
       auto enqueue = [&](float* scratch) -> cudaError_t {
         p.final_ml = want_prob ? scratch : nullptr;
-        p.part_ml = p.splits > 1 ? scratch + final_floats : nullptr;
+        p.part_ml = p.splits > 1 ? scratch + plan.final_floats : nullptr;
         p.part_acc = p.splits > 1 ? p.part_ml + heads * p.splits * 2 : nullptr;
         AttentionKernel<S, kSparse><<<grid, kThreads, 0, stream>>>(p);
         if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
@@ -1027,10 +1077,12 @@ cudaError_t LaunchAttention(AttnParams p, DType dtype, int32_t batch, bool vecto
         }
         return cudaSuccess;
       };
-      const int64_t floats = final_floats + part_floats;
-      if (floats == 0) return enqueue(nullptr);
-      return Registry().WithScratch(device, stream, sizeof(float) * static_cast<size_t>(floats),
-                                    enqueue);
+      const size_t bytes = plan.ScratchBytes();
+      if (bytes == 0) return enqueue(nullptr);
+      if (workspace != nullptr && workspace_bytes >= bytes) {
+        return enqueue(static_cast<float*>(workspace));
+      }
+      return Registry().WithScratch(device, stream, bytes, enqueue);
     });
   });
 }
@@ -1053,10 +1105,8 @@ AttnParams CommonParams(const void* q, const void* k, const void* v, void* out, 
   return p;
 }
 
-}  // namespace
-
-cudaError_t LaunchSparseAttention(const SparseAttentionArgs& a, const DeviceErrorSink& sink,
-                                  cudaStream_t stream) {
+// The kernel parameters of a sparse attention (the shape-dependent ones left unset).
+AttnParams SparseParams(const SparseAttentionArgs& a, const DeviceErrorSink& sink) {
   AttnParams p = CommonParams(a.q, a.kv.k_cache, a.kv.v_cache, a.out, a.lse, a.shape.num_q_heads,
                               a.shape.num_kv_heads, a.shape.head_dim, a.softmax_scale, sink);
   p.tokens = int64_t{a.kv.num_slots} * a.shape.page_size;
@@ -1072,17 +1122,53 @@ cudaError_t LaunchSparseAttention(const SparseAttentionArgs& a, const DeviceErro
   p.v_int8 = a.kv.v_int8;
   p.k_scale = a.kv.k_scale;
   p.v_scale = a.kv.v_scale;
-  const size_t elem = DTypeSize(a.shape.dtype);
-  if (elem == 0) return cudaErrorInvalidValue;
-  const int32_t vec = static_cast<int32_t>(16 / elem);  // elements per 16-byte vector
-  bool vector_ok =
-      a.shape.head_dim % vec == 0 && Aligned(a.kv.k_cache, 16) && Aligned(a.kv.v_cache, 16);
+  return p;
+}
+
+}  // namespace
+
+size_t SparseAttentionScratchBytes(const SparseAttentionArgs& a, int device) {
+  const KvShape& s = a.shape;
+  const int32_t vec = AttentionVectorElements(s.dtype);
+  if (vec == 0 || a.batch < 1 || a.kv.num_slots < 1 || s.page_size < 1 || s.num_kv_heads < 1 ||
+      s.num_q_heads < s.num_kv_heads || s.num_q_heads % s.num_kv_heads != 0 ||
+      s.head_dim < 1 || s.head_dim > Geometry::kMaxHeadDim || s.head_dim % vec != 0) {
+    return 0;  // not launchable: ValidateArgs or the alignment contract refuses it
+  }
+  int sm_count = 0;
+  if (Registry().SmCount(device, &sm_count) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;  // the launch fails the same way
+  }
+  const AttnParams p = SparseParams(a, DeviceErrorSink{});
+  size_t bytes = 0;
+  (void)DispatchElement(s.dtype, [&](auto element_tag) {
+    using T = typename decltype(element_tag)::type;
+    return DispatchShape<T, false>(s.head_dim, /*vector_ok=*/true, p.group, [&](auto shape) {
+      bytes = PlanLaunch<decltype(shape)>(p, a.batch, a.token_prob != nullptr, sm_count)
+                  .ScratchBytes();
+      return cudaSuccess;
+    });
+  });
+  return bytes;
+}
+
+cudaError_t LaunchSparseAttention(const SparseAttentionArgs& a, const DeviceErrorSink& sink,
+                                  cudaStream_t stream) {
+  const int32_t vec = AttentionVectorElements(a.shape.dtype);
+  if (vec == 0) return cudaErrorInvalidValue;
+  // The contract (header); the backend has refused anything else, so this is a backstop.
+  bool vector_ok = a.shape.head_dim % vec == 0 && Aligned(a.kv.k_cache, kAttentionVectorBytes) &&
+                   Aligned(a.kv.v_cache, kAttentionVectorBytes);
   if (a.kv.slot_int8 != nullptr) {
     vector_ok = vector_ok && Aligned(a.kv.k_int8, static_cast<size_t>(vec)) &&
-                Aligned(a.kv.v_int8, static_cast<size_t>(vec)) && Aligned(a.kv.k_scale, 16) &&
-                Aligned(a.kv.v_scale, 16);
+                Aligned(a.kv.v_int8, static_cast<size_t>(vec)) &&
+                Aligned(a.kv.k_scale, kAttentionVectorBytes) &&
+                Aligned(a.kv.v_scale, kAttentionVectorBytes);
   }
-  return LaunchAttention<true>(p, a.shape.dtype, a.batch, vector_ok, stream);
+  if (!vector_ok) return cudaErrorInvalidValue;
+  return LaunchAttention<true>(SparseParams(a, sink), a.shape.dtype, a.batch, vector_ok,
+                               a.workspace, a.workspace_bytes, stream);
 }
 
 cudaError_t LaunchDenseAttention(const DenseAttentionArgs& a, const DeviceErrorSink& sink,
@@ -1092,11 +1178,12 @@ cudaError_t LaunchDenseAttention(const DenseAttentionArgs& a, const DeviceErrorS
   p.tokens = a.max_tokens;
   p.max_tokens = a.max_tokens;
   p.seq_len = a.seq_len;
-  const size_t elem = DTypeSize(a.shape.dtype);
-  if (elem == 0) return cudaErrorInvalidValue;
-  const int32_t vec = static_cast<int32_t>(16 / elem);
-  const bool vector_ok = a.shape.head_dim % vec == 0 && Aligned(a.k, 16) && Aligned(a.v, 16);
-  return LaunchAttention<false>(p, a.shape.dtype, a.batch, vector_ok, stream);
+  const int32_t vec = AttentionVectorElements(a.shape.dtype);
+  if (vec == 0) return cudaErrorInvalidValue;
+  const bool vector_ok = a.shape.head_dim % vec == 0 && Aligned(a.k, kAttentionVectorBytes) &&
+                         Aligned(a.v, kAttentionVectorBytes);
+  return LaunchAttention<false>(p, a.shape.dtype, a.batch, vector_ok, /*workspace=*/nullptr, 0,
+                                stream);
 }
 
 }  // namespace kvtier::cuda

@@ -9,13 +9,17 @@
 // pointers must already be device-accessible (device memory, or the device view of
 // registered host memory), an error sink (device_error.h) for data-dependent errors (an
 // index out of range: the item is skipped and the first such error is reported) and a
-// stream. The launchers never allocate and never synchronise; each returns the launch's
+// stream. The launchers never synchronise and never allocate, except attention's own scratch
+// when the caller passes no workspace (attention.cu); each returns the launch's
 // cudaError_t. The semantics, tie-breaking included, are the CPU reference's
 // (kernels/cpu/), which the GPU tests compare against.
 #ifndef KVTIER_KERNELS_CUDA_COMPUTE_KERNELS_H_
 #define KVTIER_KERNELS_CUDA_COMPUTE_KERNELS_H_
 
 #include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
 
 #include "kernels/cuda/device_error.h"
 #include "kernels/ops.h"
@@ -34,7 +38,23 @@ cudaError_t LaunchReplace(const ReplaceArgs& a, const DeviceErrorSink& sink, cud
 cudaError_t LaunchSelectionLoss(const SelectionLossArgs& a, const DeviceErrorSink& sink,
                                 cudaStream_t stream);
 
-// attention.cu. REQUIRES: ValidateArgs(a) is OK.
+// attention.cu. The sparse kernel reads K and V rows as 16-byte vectors only (the contract
+// at the top of attention.cu): the caches must be kAttentionVectorBytes-aligned and the
+// head dim a multiple of AttentionVectorElements(dtype); the INT8 copies are read that many
+// bytes at a time and their scales 16 bytes at a time. Every other pointer needs its
+// element's alignment.
+inline constexpr size_t kAttentionVectorBytes = 16;
+// Elements of `t` per vector; 0 for an invalid dtype.
+constexpr int32_t AttentionVectorElements(DType t) {
+  return DTypeSize(t) == 0 ? 0 : static_cast<int32_t>(kAttentionVectorBytes / DTypeSize(t));
+}
+// Bytes of scratch LaunchSparseAttention needs for `a` on `device` (the split plan for the
+// shape, a.batch, a.kv.num_slots, the device's SM count, and whether a.token_prob is set):
+// the launch uses a.workspace when a.workspace_bytes is at least this, else its own
+// per-stream buffer (a counted blocking allocation on first use and growth). 0 when it
+// needs none, and for shapes it cannot launch (no pointer of `a` is read).
+size_t SparseAttentionScratchBytes(const SparseAttentionArgs& a, int device);
+// REQUIRES: ValidateArgs(a) is OK, and for the sparse op the alignment above.
 cudaError_t LaunchSparseAttention(const SparseAttentionArgs& a, const DeviceErrorSink& sink,
                                   cudaStream_t stream);
 cudaError_t LaunchDenseAttention(const DenseAttentionArgs& a, const DeviceErrorSink& sink,

@@ -1,15 +1,22 @@
-// The CUDA backend (docs/architecture.md#backends): device memory, non-blocking streams and events, host
-// registration for DMA and zero-copy kernels, copies (single and batched), the copy kernels
-// (recall.cu, slabs.cu, offload.cu) and the arithmetic kernels (select.cu, attention.cu,
-// policy_ops.cu).
+// The CUDA backend (docs/architecture.md#backends): device memory, non-blocking streams and
+// events, host registration for DMA and zero-copy kernels, copies (single and batched), the
+// copy kernels (recall.cu, slabs.cu, offload.cu), the arithmetic kernels (select.cu,
+// attention.cu, policy_ops.cu) and stream capture into CUDA graphs (cuda_stream.h).
 //
 // Every method first makes this backend's device current (restoring the caller's device
-// afterwards), so one process may drive several GPUs through several backends.
+// afterwards), so one process may drive several GPUs through several backends. Blocking
+// host calls are counted (kernels/host_calls.h): event waits and stream synchronisations
+// (cuda_stream.cc), cudaMalloc/cudaFree and host (un)registration, the attention scratch's
+// own cudaMalloc (attention.cu), and copies into or out of pageable host memory. Memory is
+// classified by the ranges this backend allocated or registered (a map lookup), else by
+// cudaPointerGetAttributes.
 #include "kernels/cuda/cuda_backend.h"
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <map>
 #include <string>
 #include <utility>
@@ -23,6 +30,7 @@
 #include "kernels/cuda/copy_kernels.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_stream.h"
+#include "kernels/host_calls.h"
 #include "core/mutex.h"
 #include "core/status.h"
 
@@ -30,6 +38,8 @@ namespace kvtier {
 namespace {
 
 using cuda::CudaStatus;
+
+constexpr int kBatchCopyVersion = 12080;  // cudaMemcpyBatchAsync: runtime and driver 12.8
 
 // "cuda: NVIDIA H100 80GB HBM3 (sm_90), 79 GiB, driver 13.0, runtime 13.0".
 absl::StatusOr<std::string> DescribeDevice(int device) {
@@ -45,21 +55,57 @@ absl::StatusOr<std::string> DescribeDevice(int device) {
                          runtime / 1000, runtime % 1000 / 10);
 }
 
+// Why CopyBatch must copy range by range from the start, or "" when cudaMemcpyBatchAsync may
+// be tried: it needs runtime and driver 12.8; KVTIER_CUDA_NO_BATCH_COPY=1 forces the
+// fallback (tests, and a way out should a driver mishandle batches).
+std::string BatchCopyOff() {
+  const char* forced = std::getenv("KVTIER_CUDA_NO_BATCH_COPY");
+  if (forced != nullptr && absl::string_view(forced) == "1") {
+    return "KVTIER_CUDA_NO_BATCH_COPY=1";
+  }
+#if CUDART_VERSION < 12080
+  return "built with a CUDA runtime before 12.8";
+#else
+  int driver = 0;
+  if (cudaDriverGetVersion(&driver) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return "driver version unknown";
+  }
+  if (driver < kBatchCopyVersion) {
+    return absl::StrFormat("driver %d.%d before 12.8", driver / 1000, driver % 1000 / 10);
+  }
+  return "";
+#endif
+}
+
 class CudaBackend final : public Backend {
  public:
-  CudaBackend(int device, std::string description)
-      : device_(device), description_(std::move(description)), slots_(device) {}
+  // `batch_copy_off`: why CopyBatch must not use cudaMemcpyBatchAsync ("" when it may).
+  CudaBackend(int device, std::string description, std::string batch_copy_off)
+      : device_(device),
+        description_(std::move(description)),
+        slots_(device),
+        batch_copy_(batch_copy_off.empty()),
+        batch_copy_off_(std::move(batch_copy_off)) {}
 
   DeviceKind kind() const override { return DeviceKind::kCuda; }
-  std::string Describe() const override { return description_; }
+  // The device line, and ", batched copies off (why)" when CopyBatch copies range by range.
+  std::string Describe() const override {
+    MutexLock lock(&mu_);
+    if (batch_copy_off_.empty()) return description_;
+    return absl::StrCat(description_, ", batched copies off (", batch_copy_off_, ")");
+  }
 
   absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override {
     if (bytes == 0) return absl::InvalidArgumentError("Allocate: bytes must be > 0");
     KVTIER_CUDA_SCOPED_DEVICE(device_);
     void* data = nullptr;
+    CountHostCall(HostCall::kAllocation);  // cudaMalloc may synchronise the device
     KVTIER_RETURN_IF_ERROR(
         CudaStatus(cudaMalloc(&data, bytes),
                    absl::StrFormat("cudaMalloc(%d bytes) on cuda:%d", bytes, device_)));
+    const uintptr_t address = reinterpret_cast<uintptr_t>(data);
+    Track(Range{address, bytes, address});
     return DeviceBuffer(this, data, bytes);
   }
 
@@ -80,10 +126,17 @@ class CudaBackend final : public Backend {
   absl::Status RegisterHost(void* data, size_t bytes) override;
   absl::Status UnregisterHost(void* data) override;
 
+  // Copies into or out of pageable host memory (memory neither allocated nor registered
+  // here, and not pinned by anyone else) are synchronous for the host: each such call
+  // counts one HostCall::kSyncCopy, and while `s` captures it is refused.
   absl::Status Copy(Stream& s, void* dst, const void* src, size_t bytes) override {
     KVTIER_ASSIGN_OR_RETURN(cuda::CudaStream * stream, cuda::AsCudaStream(s, this, "Copy"));
     if (bytes == 0) return absl::OkStatus();
     KVTIER_CUDA_SCOPED_DEVICE(device_);
+    if (TouchesPageable(dst, src, bytes)) {
+      if (stream->capturing()) return RefuseWhileCapturing(*stream, "Copy");
+      CountHostCall(HostCall::kSyncCopy);
+    }
     // cudaMemcpyDefault: unified addressing tells host, registered and device memory apart.
     return CudaStatus(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream->handle()),
                       absl::StrFormat("cudaMemcpyAsync(%d bytes)", bytes));
@@ -97,18 +150,41 @@ class CudaBackend final : public Backend {
     return id;
   }
 
+  // A kernel on the device (or zero-copy) view: never a synchronous copy. While `s`
+  // captures, pageable host memory is refused.
   absl::Status Memset(Stream& s, void* dst, int value, size_t bytes) override {
     KVTIER_ASSIGN_OR_RETURN(cuda::CudaStream * stream, cuda::AsCudaStream(s, this, "Memset"));
     if (bytes == 0) return absl::OkStatus();
     KVTIER_CUDA_SCOPED_DEVICE(device_);
+    if (stream->capturing() && Pageable(dst, bytes)) {
+      return RefuseWhileCapturing(*stream, "Memset");
+    }
     return CudaStatus(cudaMemsetAsync(DeviceView(dst), value, bytes, stream->handle()),
                       absl::StrFormat("cudaMemsetAsync(%d bytes)", bytes));
+  }
+
+  // CUDA graphs (cuda_stream.h: the error slot of a graph, and the limits).
+  bool SupportsCapture() const override { return true; }
+  absl::Status BeginCapture(Stream& s) override {
+    KVTIER_ASSIGN_OR_RETURN(cuda::CudaStream * stream, cuda::AsCudaStream(s, this, "BeginCapture"));
+    return stream->BeginCapture(slots_);
+  }
+  absl::StatusOr<std::unique_ptr<Graph>> EndCapture(Stream& s) override {
+    KVTIER_ASSIGN_OR_RETURN(cuda::CudaStream * stream, cuda::AsCudaStream(s, this, "EndCapture"));
+    return stream->EndCapture();
+  }
+
+  size_t SparseAttentionWorkspaceBytes(const SparseAttentionArgs& a) const override {
+    return cuda::SparseAttentionScratchBytes(a, device_);
   }
 
  protected:
   void Free(void* data) override {
     cuda::DeviceGuard guard(device_);
-    (void)cudaFree(data);  // nothing to report to: DeviceBuffer frees in its destructor
+    Untrack(data);
+    CountHostCall(HostCall::kFree);  // cudaFree may synchronise the device
+    // Nothing to report a failure to: DeviceBuffer frees in its destructor.
+    (void)cudaFree(data);
   }
 
   absl::Status DoRecall(Stream& s, const RecallArgs& a) override;
@@ -127,10 +203,34 @@ class CudaBackend final : public Backend {
   absl::Status DoMoveHeadSlots(Stream& s, const MoveHeadSlotsArgs& a) override;
 
  private:
-  struct Registration {
+  // Memory this backend allocated (device view = itself) or registered (device view of the
+  // host range), by first byte.
+  struct Range {
+    uintptr_t base;  // first byte
     size_t bytes;
-    uintptr_t device;  // device view of the range's first byte
+    uintptr_t device;  // device view of the first byte
   };
+
+  void Track(Range range) {
+    MutexLock lock(&mu_);
+    ranges_[range.base] = range;
+  }
+  void Untrack(const void* p) {
+    MutexLock lock(&mu_);
+    ranges_.erase(reinterpret_cast<uintptr_t>(p));
+  }
+  // The tracked range holding [p, p + bytes), or null.
+  const Range* Find(const void* p, size_t bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // [p, p + bytes) is pageable host memory: not tracked here, and cudaPointerGetAttributes
+  // knows it as unregistered host memory (or does not know it). Nothing is cached: memory
+  // freed and reused may change kind.
+  bool Pageable(const void* p, size_t bytes) const;
+  bool TouchesPageable(const void* dst, const void* src, size_t bytes) const {
+    return Pageable(dst, bytes) || Pageable(src, bytes);
+  }
+  // FAILED_PRECONDITION for `op` touching pageable memory while `stream` captures; fails
+  // the capture.
+  static absl::Status RefuseWhileCapturing(cuda::CudaStream& stream, absl::string_view op);
 
   // The device view of `p` when it lies in host memory registered here, else `p` itself
   // (device memory, or host memory whose pointer the device can use as is).
@@ -142,12 +242,24 @@ class CudaBackend final : public Backend {
   // `kv` with every pointer replaced by its device view.
   PagedKv DeviceView(const PagedKv& kv) const;
 
+  // CopyBatch's two ways: one cudaMemcpyBatchAsync (raw error: the caller decides whether it
+  // means "unsupported") and one cudaMemcpyAsync per range.
+  static cudaError_t BatchCopy(cudaStream_t stream, const CopyRange* ranges, size_t n);
+  static absl::Status CopyEach(cudaStream_t stream, const CopyRange* ranges, size_t n);
+  void DisableBatchCopy(std::string why) {
+    batch_copy_.store(false, std::memory_order_relaxed);
+    MutexLock lock(&mu_);
+    if (batch_copy_off_.empty()) batch_copy_off_ = std::move(why);
+  }
+
   const int device_;
   const std::string description_;
   cuda::ErrorSlotPool slots_;
+  // False once cudaMemcpyBatchAsync is known not to work here; never true again.
+  std::atomic<bool> batch_copy_;
   mutable Mutex mu_;
-  // Host ranges registered through this backend, by first byte.
-  std::map<uintptr_t, Registration> registered_ ABSL_GUARDED_BY(mu_);
+  std::string batch_copy_off_ ABSL_GUARDED_BY(mu_);
+  std::map<uintptr_t, Range> ranges_ ABSL_GUARDED_BY(mu_);
 };
 
 absl::Status CudaBackend::RegisterHost(void* data, size_t bytes) {
@@ -157,6 +269,7 @@ absl::Status CudaBackend::RegisterHost(void* data, size_t bytes) {
         kMaxRegisterBytes, bytes));
   }
   KVTIER_CUDA_SCOPED_DEVICE(device_);
+  CountHostCall(HostCall::kAllocation);  // cudaHostRegister may synchronise the device
   KVTIER_RETURN_IF_ERROR(
       CudaStatus(cudaHostRegister(data, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped),
                  absl::StrFormat("cudaHostRegister(%p, %d bytes)", data, bytes)));
@@ -164,33 +277,61 @@ absl::Status CudaBackend::RegisterHost(void* data, size_t bytes) {
   absl::Status status =
       CudaStatus(cudaHostGetDevicePointer(&device_view, data, 0), "cudaHostGetDevicePointer");
   if (!status.ok()) {
+    CountHostCall(HostCall::kFree);
     (void)cudaHostUnregister(data);
     return status;
   }
-  MutexLock lock(&mu_);
-  registered_[reinterpret_cast<uintptr_t>(data)] =
-      Registration{bytes, reinterpret_cast<uintptr_t>(device_view)};
+  Track(Range{reinterpret_cast<uintptr_t>(data), bytes, reinterpret_cast<uintptr_t>(device_view)});
   return absl::OkStatus();
 }
 
 absl::Status CudaBackend::UnregisterHost(void* data) {
   KVTIER_CUDA_SCOPED_DEVICE(device_);
-  {
-    MutexLock lock(&mu_);
-    registered_.erase(reinterpret_cast<uintptr_t>(data));
-  }
+  Untrack(data);
+  CountHostCall(HostCall::kFree);
   return CudaStatus(cudaHostUnregister(data), absl::StrFormat("cudaHostUnregister(%p)", data));
 }
 
-const void* CudaBackend::DeviceAddress(const void* p) const {
+const CudaBackend::Range* CudaBackend::Find(const void* p, size_t bytes) const {
   const uintptr_t address = reinterpret_cast<uintptr_t>(p);
-  MutexLock lock(&mu_);
-  auto it = registered_.upper_bound(address);
-  if (it == registered_.begin()) return p;
+  auto it = ranges_.upper_bound(address);
+  if (it == ranges_.begin()) return nullptr;
   --it;
   const uintptr_t offset = address - it->first;
-  if (offset >= it->second.bytes) return p;
-  return reinterpret_cast<const void*>(it->second.device + offset);
+  if (offset >= it->second.bytes || bytes > it->second.bytes - offset) return nullptr;
+  return &it->second;
+}
+
+bool CudaBackend::Pageable(const void* p, size_t bytes) const {
+  {
+    MutexLock lock(&mu_);
+    if (Find(p, bytes) != nullptr) return false;
+  }
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky; a pointer CUDA does not know is host memory
+    return true;
+  }
+  // Pinned memory (cudaHostAlloc, or registered by someone else) has a device view.
+  return attr.type == cudaMemoryTypeUnregistered ||
+         (attr.type == cudaMemoryTypeHost && attr.devicePointer == nullptr);
+}
+
+absl::Status CudaBackend::RefuseWhileCapturing(cuda::CudaStream& stream, absl::string_view op) {
+  absl::Status status = absl::FailedPreconditionError(absl::StrFormat(
+      "%s on a capturing stream touches pageable host memory (register it: a graph replays "
+      "copies asynchronously)",
+      op));
+  stream.FailCapture(status);
+  return status;
+}
+
+const void* CudaBackend::DeviceAddress(const void* p) const {
+  MutexLock lock(&mu_);
+  const Range* range = Find(p, 1);
+  if (range == nullptr) return p;
+  return reinterpret_cast<const void*>(range->device +
+                                       (reinterpret_cast<uintptr_t>(p) - range->base));
 }
 
 PagedKv CudaBackend::DeviceView(const PagedKv& kv) const {
@@ -208,6 +349,15 @@ PagedKv CudaBackend::DeviceView(const PagedKv& kv) const {
   return d;
 }
 
+// One cudaMemcpyBatchAsync where the runtime and the driver have it (and it has not been
+// found wanting), else one cudaMemcpyAsync per range. The range-by-range way is taken for a
+// batch touching pageable memory (each such range then counts as a synchronous copy; the
+// batch API's handling of it is not relied on) and while capturing (plain copies are
+// capturable on every driver). Fallback at run time: cudaErrorNotSupported or
+// cudaErrorCallRequiresNewerDriver turn the batch API off for good; cudaErrorInvalidValue
+// does when the same ranges then copy one by one (so it was the batch API that refused
+// them, not the ranges). Copying a range twice is harmless: the ranges are independent and
+// run in stream order. Zero-byte ranges are skipped.
 absl::Status CudaBackend::CopyBatch(Stream& s, const CopyRange* ranges, size_t n) {
   KVTIER_ASSIGN_OR_RETURN(cuda::CudaStream * stream, cuda::AsCudaStream(s, this, "CopyBatch"));
   if (n == 0) return absl::OkStatus();
@@ -215,15 +365,46 @@ absl::Status CudaBackend::CopyBatch(Stream& s, const CopyRange* ranges, size_t n
     return absl::InvalidArgumentError("CopyBatch: ranges must be non-null when n > 0");
   }
   KVTIER_CUDA_SCOPED_DEVICE(device_);
-#if CUDART_VERSION >= 12080
-  std::vector<void*> dsts(n);
-  std::vector<const void*> srcs(n);
-  std::vector<size_t> sizes(n);
+  size_t pageable = 0;
   for (size_t i = 0; i < n; ++i) {
-    dsts[i] = ranges[i].dst;
-    srcs[i] = ranges[i].src;
-    sizes[i] = ranges[i].bytes;
+    if (ranges[i].bytes > 0 && TouchesPageable(ranges[i].dst, ranges[i].src, ranges[i].bytes)) {
+      ++pageable;
+    }
   }
+  if (pageable > 0 && stream->capturing()) return RefuseWhileCapturing(*stream, "CopyBatch");
+  for (size_t i = 0; i < pageable; ++i) CountHostCall(HostCall::kSyncCopy);
+  if (pageable > 0 || stream->capturing() || !batch_copy_.load(std::memory_order_relaxed)) {
+    return CopyEach(stream->handle(), ranges, n);
+  }
+  const cudaError_t err = BatchCopy(stream->handle(), ranges, n);
+  if (err == cudaSuccess) return absl::OkStatus();
+  if (err != cudaErrorNotSupported && err != cudaErrorCallRequiresNewerDriver &&
+      err != cudaErrorInvalidValue) {
+    return CudaStatus(err, absl::StrFormat("cudaMemcpyBatchAsync(%d copies)", n));
+  }
+  (void)cudaGetLastError();  // none of the three is sticky: clear it for later checks
+  absl::Status each = CopyEach(stream->handle(), ranges, n);
+  if (each.ok() || err != cudaErrorInvalidValue) {
+    DisableBatchCopy(absl::StrCat("cudaMemcpyBatchAsync: ", cudaGetErrorName(err)));
+  }
+  return each;
+}
+
+cudaError_t CudaBackend::BatchCopy(cudaStream_t stream, const CopyRange* ranges, size_t n) {
+#if CUDART_VERSION >= 12080
+  std::vector<void*> dsts;
+  std::vector<const void*> srcs;
+  std::vector<size_t> sizes;
+  dsts.reserve(n);
+  srcs.reserve(n);
+  sizes.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    if (ranges[i].bytes == 0) continue;
+    dsts.push_back(ranges[i].dst);
+    srcs.push_back(ranges[i].src);
+    sizes.push_back(ranges[i].bytes);
+  }
+  if (sizes.empty()) return cudaSuccess;
   // One attribute for every copy: stream-ordered sources (they may have been written by
   // earlier work on the stream), copies overlapping compute where the hardware can.
   cudaMemcpyAttributes attr{};
@@ -231,25 +412,75 @@ absl::Status CudaBackend::CopyBatch(Stream& s, const CopyRange* ranges, size_t n
   attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
   size_t attr_index = 0;
 #if CUDART_VERSION >= 13000
-  return CudaStatus(cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), n, &attr,
-                                         &attr_index, 1, stream->handle()),
-                    absl::StrFormat("cudaMemcpyBatchAsync(%d copies)", n));
+  return cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), sizes.size(), &attr,
+                              &attr_index, 1, stream);
 #else
   size_t fail_index = 0;
-  return CudaStatus(
-      cudaMemcpyBatchAsync(const_cast<void**>(dsts.data()), const_cast<void**>(srcs.data()),
-                           sizes.data(), n, &attr, &attr_index, 1, &fail_index, stream->handle()),
-      absl::StrFormat("cudaMemcpyBatchAsync(%d copies)", n));
+  return cudaMemcpyBatchAsync(const_cast<void**>(dsts.data()), const_cast<void**>(srcs.data()),
+                              sizes.data(), sizes.size(), &attr, &attr_index, 1, &fail_index,
+                              stream);
 #endif
 #else
+  (void)stream;
+  (void)ranges;
+  (void)n;
+  return cudaErrorNotSupported;  // never called: batch_copy_ starts false (NewCudaBackend)
+#endif
+}
+
+absl::Status CudaBackend::CopyEach(cudaStream_t stream, const CopyRange* ranges, size_t n) {
   for (size_t i = 0; i < n; ++i) {
-    KVTIER_RETURN_IF_ERROR(
-        CudaStatus(cudaMemcpyAsync(ranges[i].dst, ranges[i].src, ranges[i].bytes, cudaMemcpyDefault,
-                                   stream->handle()),
-                   absl::StrFormat("cudaMemcpyAsync(%d bytes)", ranges[i].bytes)));
+    if (ranges[i].bytes == 0) continue;
+    KVTIER_RETURN_IF_ERROR(CudaStatus(
+        cudaMemcpyAsync(ranges[i].dst, ranges[i].src, ranges[i].bytes, cudaMemcpyDefault, stream),
+        absl::StrFormat("cudaMemcpyAsync(%d bytes)", ranges[i].bytes)));
   }
   return absl::OkStatus();
-#endif
+}
+
+// The sparse op's alignment contract (attention.cu, compute_kernels.h), checked on the
+// device views the kernel reads: INVALID_ARGUMENT naming the first field that breaks it.
+absl::Status CheckSparseAttentionAlignment(const SparseAttentionArgs& a) {
+  constexpr const char* op = "SparseAttention";
+  const int32_t vec = cuda::AttentionVectorElements(a.shape.dtype);
+  if (vec == 0 || a.shape.head_dim % vec != 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: shape.head_dim = %d must be a multiple of %d on the cuda backend (K/V rows are "
+        "read as %d-byte vectors)",
+        op, a.shape.head_dim, vec, cuda::kAttentionVectorBytes));
+  }
+  const size_t element = DTypeSize(a.shape.dtype);
+  const size_t vector = cuda::kAttentionVectorBytes;
+  struct Field {
+    const char* name;
+    const void* ptr;
+    size_t alignment;  // bytes
+  };
+  const Field fields[] = {
+      {"kv.k_cache", a.kv.k_cache, vector},
+      {"kv.v_cache", a.kv.v_cache, vector},
+      {"kv.k_int8", a.kv.k_int8, static_cast<size_t>(vec)},
+      {"kv.v_int8", a.kv.v_int8, static_cast<size_t>(vec)},
+      {"kv.k_scale", a.kv.k_scale, vector},
+      {"kv.v_scale", a.kv.v_scale, vector},
+      {"q", a.q, element},
+      {"out", a.out, element},
+      {"lse", a.lse, sizeof(float)},
+      {"token_prob", a.token_prob, sizeof(float)},
+      {"kv.slot_table", a.kv.slot_table, sizeof(int32_t)},
+      {"kv.partial_page", a.kv.partial_page, sizeof(int32_t)},
+      {"kv.partial_len", a.kv.partial_len, sizeof(int32_t)},
+      {"query_position", a.query_position, sizeof(int64_t)},
+      {"workspace", a.workspace, sizeof(float)},
+  };
+  for (const Field& f : fields) {
+    if (f.ptr != nullptr && reinterpret_cast<uintptr_t>(f.ptr) % f.alignment != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s: %s (%p) must be %d-byte aligned on the cuda backend", op, f.name,
+                          f.ptr, f.alignment));
+    }
+  }
+  return absl::OkStatus();
 }
 
 // The ops: once the stream is known to be this backend's, nothing is launched when `empty`
@@ -315,10 +546,18 @@ absl::Status CudaBackend::DoReplace(Stream& s, const ReplaceArgs& a) {
                         KVTIER_VIEW(num_misses));
 }
 
+// Refuses views that break the kernel's alignment contract before launching; takes its
+// split scratch from a.workspace when that is large enough (attention.cu).
 absl::Status CudaBackend::DoSparseAttention(Stream& s, const SparseAttentionArgs& a) {
-  KVTIER_CUDA_LAUNCH_OP(SparseAttention, LaunchSparseAttention, false, KVTIER_VIEW(kv),
-                        KVTIER_VIEW(q), KVTIER_VIEW(out), KVTIER_VIEW(lse),
-                        KVTIER_VIEW(query_position), KVTIER_VIEW(token_prob));
+  KVTIER_ASSIGN_OR_RETURN(cuda::CudaStream * stream,
+                          cuda::AsCudaStream(s, this, "SparseAttention"));
+  KVTIER_CUDA_SCOPED_DEVICE(device_);
+  auto d = a;
+  KVTIER_VIEW(kv), KVTIER_VIEW(q), KVTIER_VIEW(out), KVTIER_VIEW(lse), KVTIER_VIEW(query_position),
+      KVTIER_VIEW(token_prob), KVTIER_VIEW(workspace);
+  KVTIER_RETURN_IF_ERROR(CheckSparseAttentionAlignment(d));
+  return CudaStatus(cuda::LaunchSparseAttention(d, stream->NextOp(), stream->handle()),
+                    "SparseAttention kernel launch");
 }
 
 absl::Status CudaBackend::DoDenseAttention(Stream& s, const DenseAttentionArgs& a) {
@@ -364,7 +603,7 @@ absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(const DeviceOptions& opt
     return absl::UnavailableError(absl::StrFormat("cuda backend: device %d is not usable: %s",
                                                   device, description.status().message()));
   }
-  return std::make_unique<CudaBackend>(device, *std::move(description));
+  return std::make_unique<CudaBackend>(device, *std::move(description), BatchCopyOff());
 }
 
 int CudaDeviceCountImpl() {

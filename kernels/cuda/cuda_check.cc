@@ -27,6 +27,16 @@ absl::StatusCode CodeOf(cudaError_t err) {
       return absl::StatusCode::kAlreadyExists;
     case cudaErrorHostMemoryNotRegistered:
       return absl::StatusCode::kNotFound;
+    case cudaErrorStreamCaptureUnsupported:
+    case cudaErrorStreamCaptureInvalidated:
+    case cudaErrorStreamCaptureMerge:
+    case cudaErrorStreamCaptureUnmatched:
+    case cudaErrorStreamCaptureUnjoined:
+    case cudaErrorStreamCaptureIsolation:
+    case cudaErrorStreamCaptureImplicit:
+    case cudaErrorCapturedEvent:
+    case cudaErrorStreamCaptureWrongThread:
+      return absl::StatusCode::kFailedPrecondition;
     default:  // cudaError_t is CUDA's enum, not ours: everything else is a fault.
       return absl::StatusCode::kInternal;
   }

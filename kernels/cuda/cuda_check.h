@@ -23,6 +23,8 @@ namespace kvtier::cuda {
 //   cudaErrorInvalidValue                          → INVALID_ARGUMENT
 //   cudaErrorHostMemoryAlreadyRegistered           → ALREADY_EXISTS
 //   cudaErrorHostMemoryNotRegistered               → NOT_FOUND
+//   stream capture errors (a call a capture cannot hold, a capture invalidated by one,
+//     capture ended on another thread)             → FAILED_PRECONDITION
 //   anything else (faults, launch failures)        → INTERNAL
 // Clears the thread's last-error slot for non-sticky errors, so a later launch check does
 // not report this error a second time.

@@ -7,6 +7,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/host_calls.h"
 
 namespace kvtier::cuda {
 namespace {
@@ -120,6 +121,12 @@ ErrorSlotPool::~ErrorSlotPool() {
 }
 
 absl::StatusOr<std::shared_ptr<ErrorSlot>> ErrorSlotPool::Acquire(cudaStream_t stream) {
+  KVTIER_ASSIGN_OR_RETURN(std::shared_ptr<ErrorSlot> slot, Take());
+  KVTIER_CUDA_RETURN_IF_ERROR(slot->ResetClaim(stream));
+  return slot;
+}
+
+absl::StatusOr<std::shared_ptr<ErrorSlot>> ErrorSlotPool::Take() {
   ErrorSlot* raw = nullptr;
   {
     MutexLock lock(&mu_);
@@ -134,7 +141,6 @@ absl::StatusOr<std::shared_ptr<ErrorSlot>> ErrorSlotPool::Acquire(cudaStream_t s
   if (raw->host_record_ == nullptr) KVTIER_RETURN_IF_ERROR(Allocate(*raw));
   std::memset(raw->host_record_, 0, sizeof(DeviceErrorRecord));
   raw->retired_.store(false, std::memory_order_relaxed);
-  KVTIER_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(raw->claim_, 0, sizeof(int32_t), stream));
   return slot;
 }
 
@@ -211,6 +217,7 @@ bool CudaEvent::Query() {
 }
 
 absl::Status CudaEvent::Wait(absl::Duration timeout) {
+  CountHostCall(HostCall::kWait);  // counted whether or not the event was complete
   const ErrorDeps deps = captured();
   KVTIER_CUDA_SCOPED_DEVICE(device_);
   if (timeout == absl::InfiniteDuration()) {
@@ -254,11 +261,14 @@ ErrorDeps CudaEvent::captured() const {
 absl::StatusOr<std::unique_ptr<CudaStream>> CudaStream::Create(const Backend* owner, int device,
                                                                ErrorSlotPool& slots,
                                                                bool low_priority) {
-  int least = 0, greatest = 0;  // numerically: least is the lowest priority
+  // Numerically greatest <= least (lower numbers run first); 0 is the default priority and
+  // also the least on current GPUs, so normal streams take `greatest` to be above both the
+  // low ones and any stream created at the default (see the header).
+  int least = 0, greatest = 0;
   KVTIER_CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&least, &greatest));
   cudaStream_t stream = nullptr;
-  KVTIER_CUDA_RETURN_IF_ERROR(
-      cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, low_priority ? least : 0));
+  KVTIER_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking,
+                                                           low_priority ? least : greatest));
   absl::StatusOr<std::shared_ptr<ErrorSlot>> errors = slots.Acquire(stream);
   if (!errors.ok()) {
     (void)cudaStreamDestroy(stream);
@@ -269,13 +279,30 @@ absl::StatusOr<std::unique_ptr<CudaStream>> CudaStream::Create(const Backend* ow
 
 CudaStream::~CudaStream() {
   DeviceGuard guard(device_);
+  if (capturing_) {  // abandoned: end the capture, drop what it made
+    cudaGraph_t graph = nullptr;
+    if (cudaStreamEndCapture(stream_, &graph) == cudaSuccess && graph != nullptr) {
+      (void)cudaGraphDestroy(graph);
+    }
+    (void)cudaGetLastError();
+    errors_ = std::move(saved_errors_);
+    capturing_ = false;
+  }
   // Kernels still queued write into errors_; drain them before it can be freed.
   if (cudaStreamSynchronize(stream_) == cudaSuccess) errors_->Retire();
   (void)cudaStreamDestroy(stream_);
 }
 
+absl::Status CudaStream::RefuseWhileCapturing(absl::string_view op) {
+  absl::Status status = absl::FailedPreconditionError(
+      absl::StrFormat("%s on a capturing stream: a capture covers one stream's work only", op));
+  FailCapture(status);
+  return status;
+}
+
 absl::Status CudaStream::Record(Event& event) {
   KVTIER_ASSIGN_OR_RETURN(CudaEvent * e, AsCudaEvent(event, owner_, "Record"));
+  if (capturing_) return RefuseWhileCapturing("Record");
   KVTIER_CUDA_SCOPED_DEVICE(device_);
   ErrorDeps deps = upstream_;
   deps.Add(errors_, op_seq_);
@@ -284,6 +311,7 @@ absl::Status CudaStream::Record(Event& event) {
 
 absl::Status CudaStream::Wait(Event& event) {
   KVTIER_ASSIGN_OR_RETURN(CudaEvent * e, AsCudaEvent(event, owner_, "Wait"));
+  if (capturing_) return RefuseWhileCapturing("Wait");
   KVTIER_CUDA_SCOPED_DEVICE(device_);
   KVTIER_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, e->handle(), 0));
   upstream_.Merge(e->captured());
@@ -291,6 +319,8 @@ absl::Status CudaStream::Wait(Event& event) {
 }
 
 absl::Status CudaStream::Synchronize() {
+  if (capturing_) return RefuseWhileCapturing("Synchronize");
+  CountHostCall(HostCall::kWait);  // counted whether or not the stream was idle
   KVTIER_CUDA_SCOPED_DEVICE(device_);
   absl::Status status = CudaStatus(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
   if (!sticky_.ok()) return sticky_;
@@ -298,6 +328,68 @@ absl::Status CudaStream::Synchronize() {
   if (status.ok()) status = upstream_.Check();
   sticky_ = status;
   return status;
+}
+
+absl::Status CudaStream::BeginCapture(ErrorSlotPool& slots) {
+  if (capturing_) return absl::FailedPreconditionError("BeginCapture: the stream is capturing");
+  KVTIER_CUDA_SCOPED_DEVICE(device_);
+  // Taken before the capture starts: a new slot allocates, which a capture refuses.
+  KVTIER_ASSIGN_OR_RETURN(std::shared_ptr<ErrorSlot> slot, slots.Take());
+  KVTIER_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+  // The graph's first node clears its claim word, so every replay starts claimable in the
+  // launching stream's order, whichever stream that is.
+  if (const cudaError_t err = slot->ResetClaim(stream_); err != cudaSuccess) {
+    cudaGraph_t graph = nullptr;
+    if (cudaStreamEndCapture(stream_, &graph) == cudaSuccess && graph != nullptr) {
+      (void)cudaGraphDestroy(graph);
+    }
+    return CudaStatus(err, "BeginCapture: cudaMemsetAsync of the graph's claim word");
+  }
+  saved_errors_ = std::exchange(errors_, std::move(slot));
+  saved_op_seq_ = std::exchange(op_seq_, 0);
+  capture_status_ = absl::OkStatus();
+  capturing_ = true;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Graph>> CudaStream::EndCapture() {
+  if (!capturing_) return absl::FailedPreconditionError("EndCapture: the stream is not capturing");
+  KVTIER_CUDA_SCOPED_DEVICE(device_);
+  // The stream gets its own slot and sequence back whatever happens below.
+  capturing_ = false;
+  std::shared_ptr<ErrorSlot> slot = std::exchange(errors_, std::move(saved_errors_));
+  const uint64_t ops = std::exchange(op_seq_, saved_op_seq_);
+  absl::Status status = std::exchange(capture_status_, absl::OkStatus());
+  cudaGraph_t graph = nullptr;
+  const absl::Status ended =
+      CudaStatus(cudaStreamEndCapture(stream_, &graph), "cudaStreamEndCapture");
+  if (status.ok()) status = ended;
+  cudaGraphExec_t exec = nullptr;
+  if (status.ok()) {
+    status = CudaStatus(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
+  }
+  if (graph != nullptr) (void)cudaGraphDestroy(graph);  // the executable graph is independent
+  if (!status.ok()) return status;  // `slot` goes back to the pool: nothing ran with it
+  return std::unique_ptr<Graph>(new CudaGraph(owner_, device_, exec, std::move(slot), ops));
+}
+
+// ---- CudaGraph ----
+
+CudaGraph::~CudaGraph() {
+  DeviceGuard guard(device_);
+  (void)cudaGraphExecDestroy(exec_);
+  errors_->Retire();  // its launches have run (Graph's contract)
+}
+
+absl::Status CudaGraph::Launch(Stream& s) {
+  KVTIER_ASSIGN_OR_RETURN(CudaStream * stream, AsCudaStream(s, owner_, "Graph::Launch"));
+  if (stream->capturing()) {
+    return absl::FailedPreconditionError("Graph::Launch: the stream is capturing");
+  }
+  KVTIER_CUDA_SCOPED_DEVICE(device_);
+  KVTIER_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(exec_, stream->handle()));
+  stream->DependOn(errors_, ops_);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<CudaStream*> AsCudaStream(Stream& stream, const Backend* owner,

@@ -1,5 +1,5 @@
-// The CUDA backend's Stream and Event, and the per-stream error slot that the copy kernels
-// report into (device_error.h).
+// The CUDA backend's Stream and Event, the per-stream error slot that the kernels report
+// into (device_error.h), and the Graph that stream capture makes.
 //
 // Errors: a CUDA fault, or an item out of range found by a kernel, makes the stream's
 // status sticky: Synchronize() returns it, Wait() on an event recorded after the failing
@@ -13,7 +13,25 @@
 // with dynamic_cast and an owner pointer; anything else is INVALID_ARGUMENT). The backend
 // must outlive them.
 //
-// Thread-safety: CudaEvent is thread-safe. A CudaStream is fed from one thread at a time.
+// Capture (Backend::BeginCapture): while a stream captures, its kernels report into an
+// error slot of the graph's own, numbered by the graph's own op sequence, and the stream's
+// own slot and sequence are set aside. A replayed graph's failure is reported like a failure
+// of work the launching stream waited on: Launch adds the graph's slot (up to its last op)
+// to that stream's dependencies, so its next Record and Synchronize see it. Limits:
+//   - A graph's failure is sticky for the graph: its record is never cleared, so once a
+//     replay failed, every stream that launched the graph reports it at its next check,
+//     even for replays of its own that ran clean (an over-report, never a miss). The claim
+//     word is reset by the graph's first node, in the launching stream's order, so a later
+//     failing replay may rewrite the description while the host is not reading it.
+//   - One stream per capture: Record, Wait and Synchronize on a capturing stream fail
+//     FAILED_PRECONDITION, and so does a copy or memset touching pageable host memory
+//     (cuda_backend.cc); the first such refusal is what EndCapture returns. CopyBatch
+//     captures one memcpy node per range. BeginCapture and EndCapture run on one thread.
+//   - A graph cannot be launched into a capturing stream.
+//   - The attention scratch a graph uses: attention.cu.
+//
+// Thread-safety: CudaEvent and CudaGraph are thread-safe. A CudaStream is fed from one
+// thread at a time (capture included: cudaStreamCaptureModeThreadLocal).
 #ifndef KVTIER_KERNELS_CUDA_CUDA_STREAM_H_
 #define KVTIER_KERNELS_CUDA_CUDA_STREAM_H_
 
@@ -22,6 +40,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -45,6 +64,10 @@ class ErrorSlot {
   ErrorSlot& operator=(const ErrorSlot&) = delete;
 
   DeviceErrorSink Sink(uint64_t op_seq) const { return {claim_, device_record_, op_seq}; }
+  // Clears the claim word in `stream`'s order (a captured memset while `stream` captures).
+  cudaError_t ResetClaim(cudaStream_t stream) const {
+    return cudaMemsetAsync(claim_, 0, sizeof(int32_t), stream);
+  }
   // OUT_OF_RANGE describing the recorded failure if it was an op with sequence number ≤
   // `seq`, else OK. REQUIRES: the stream's work up to op `seq` has completed.
   absl::Status FailureUpTo(uint64_t seq) const;
@@ -78,6 +101,10 @@ class ErrorSlotPool {
   // A cleared slot whose claim word is reset in `stream`'s order, before any kernel of
   // that stream can use it. REQUIRES: the pool's device is current.
   absl::StatusOr<std::shared_ptr<ErrorSlot>> Acquire(cudaStream_t stream);
+  // A slot with a cleared host record whose claim word the caller must reset (ResetClaim)
+  // before any kernel uses it. May allocate (never during a capture: call it before).
+  // REQUIRES: the pool's device is current.
+  absl::StatusOr<std::shared_ptr<ErrorSlot>> Take();
 
  private:
   absl::Status Allocate(ErrorSlot& slot);
@@ -113,7 +140,8 @@ class CudaEvent final : public Event {
 
   bool Query() override;
   // Infinite timeout: cudaEventSynchronize. Otherwise polls cudaEventQuery with a short
-  // exponential backoff and returns DEADLINE_EXCEEDED once `timeout` has passed.
+  // exponential backoff and returns DEADLINE_EXCEEDED once `timeout` has passed. Every call
+  // counts one HostCall::kWait (kernels/host_calls.h).
   absl::Status Wait(absl::Duration timeout) override;
 
   const Backend* owner() const { return owner_; }
@@ -137,34 +165,87 @@ class CudaEvent final : public Event {
 class CudaStream final : public Stream {
  public:
   // A non-blocking stream on `device` (which must be current), reporting into a slot of
-  // `slots`; low priority uses the device's lowest stream priority.
+  // `slots`. Normal streams take the device's greatest (highest) priority, low ones its
+  // least. A stream an engine creates itself outside kvtier (cudaStreamCreate, PyTorch's
+  // streams) runs at the default priority, which is the least: for background recall on a
+  // low kvtier stream to yield to the engine's compute, the engine creates its compute
+  // stream through Device::CreateStream (kvtier's normal priority).
   static absl::StatusOr<std::unique_ptr<CudaStream>> Create(const Backend* owner, int device,
                                                             ErrorSlotPool& slots,
                                                             bool low_priority = false);
-  // Waits for the enqueued work, then destroys the stream.
+  // Abandons a capture in progress, waits for the enqueued work, then destroys the stream.
   ~CudaStream() override;
 
+  // FAILED_PRECONDITION while capturing (and the capture then fails). Synchronize counts one
+  // HostCall::kWait per call it serves.
   absl::Status Record(Event& event) override;
   absl::Status Wait(Event& event) override;
   absl::Status Synchronize() override;
 
   const Backend* owner() const { return owner_; }
   cudaStream_t handle() const { return stream_; }
-  // The error sink of the next kernel enqueued here; advances the op sequence.
+  // The error sink of the next kernel enqueued here; advances the op sequence (the
+  // graph's, while capturing).
   DeviceErrorSink NextOp() { return errors_->Sink(++op_seq_); }
+
+  // Capture (kernels/backend.h, the header above). BeginCapture takes a slot of `slots` for
+  // the graph and starts a thread-local cudaStreamBeginCapture; EndCapture instantiates
+  // what was captured. FAILED_PRECONDITION when already (or not) capturing; EndCapture
+  // returns the first failure recorded by FailCapture or by a refused call meanwhile.
+  // REQUIRES: both on the same thread (CUDA's rule for thread-local capture).
+  absl::Status BeginCapture(ErrorSlotPool& slots);
+  absl::StatusOr<std::unique_ptr<Graph>> EndCapture();
+  bool capturing() const { return capturing_; }
+  // Fails the capture in progress: EndCapture returns `status` (the first one).
+  void FailCapture(absl::Status status) {
+    if (capture_status_.ok()) capture_status_ = std::move(status);
+  }
+  // Work enqueued from now on depends on op `seq` of `slot` (a graph launched here).
+  void DependOn(const std::shared_ptr<ErrorSlot>& slot, uint64_t seq) { upstream_.Add(slot, seq); }
 
  private:
   CudaStream(const Backend* owner, int device, cudaStream_t stream,
              std::shared_ptr<ErrorSlot> errors)
       : owner_(owner), device_(device), stream_(stream), errors_(std::move(errors)) {}
+  // FAILED_PRECONDITION naming `op`, recorded as the capture's failure.
+  absl::Status RefuseWhileCapturing(absl::string_view op);
 
   const Backend* const owner_;
   const int device_;
   const cudaStream_t stream_;
-  const std::shared_ptr<ErrorSlot> errors_;
-  uint64_t op_seq_ = 0;  // kernels enqueued so far
-  ErrorDeps upstream_;   // failures of work this stream waited on
+  std::shared_ptr<ErrorSlot> errors_;  // the graph's slot while capturing
+  uint64_t op_seq_ = 0;                // kernels enqueued so far (into errors_)
+  ErrorDeps upstream_;                 // failures of work this stream waited on
   absl::Status sticky_;
+  // Capture state: the stream's own slot and sequence, set aside meanwhile.
+  bool capturing_ = false;
+  absl::Status capture_status_;
+  std::shared_ptr<ErrorSlot> saved_errors_;
+  uint64_t saved_op_seq_ = 0;
+};
+
+// An instantiated CUDA graph (Backend::EndCapture) with the error slot its kernels report
+// into. Launch: cudaGraphLaunch on a stream of the same backend (CUDA orders launches of one
+// graph behind each other, so replays never share its scratch concurrently), then that
+// stream depends on the graph's ops (the header above). The destructor destroys the
+// executable graph. REQUIRES (Graph): destroyed only after its launches have run.
+class CudaGraph final : public Graph {
+ public:
+  CudaGraph(const Backend* owner, int device, cudaGraphExec_t exec,
+            std::shared_ptr<ErrorSlot> errors, uint64_t ops)
+      : owner_(owner), device_(device), exec_(exec), errors_(std::move(errors)), ops_(ops) {}
+  ~CudaGraph() override;
+  CudaGraph(const CudaGraph&) = delete;
+  CudaGraph& operator=(const CudaGraph&) = delete;
+
+  absl::Status Launch(Stream& s) override;
+
+ private:
+  const Backend* const owner_;
+  const int device_;
+  const cudaGraphExec_t exec_;
+  const std::shared_ptr<ErrorSlot> errors_;
+  const uint64_t ops_;  // kernels captured: their sequence numbers are 1..ops_
 };
 
 // `stream` / `event` as this backend's own type, or INVALID_ARGUMENT naming `op` when it
