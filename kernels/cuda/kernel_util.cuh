@@ -1,5 +1,6 @@
 // Device helpers shared by the copy kernels: the copy unit (the widest word that every row
-// and base address allows), dispatch over units and element types, and error reporting.
+// and base address allows), the batched slab copy, dispatch over units and element types,
+// and error reporting.
 // Included only by .cu files.
 #ifndef KVTIER_KERNELS_CUDA_KERNEL_UTIL_CUH_
 #define KVTIER_KERNELS_CUDA_KERNEL_UTIL_CUH_
@@ -25,6 +26,48 @@ inline int CopyUnitBytes(size_t row_bytes, std::initializer_list<const void*> ba
     if (bits % static_cast<uintptr_t>(unit) == 0) return unit;
   }
   return 1;
+}
+
+// Slab copies (recall.cu, slabs.cu): one block per head-page slab, each thread holding
+// kSlabUnroll copy units in registers at a time. A thread issues all its loads before its
+// first store, so the loads are independent and a block keeps blockDim.x · kSlabUnroll
+// units in flight at once (the whole 16 KiB slab at p = 32, d = 128, fp16: 256 threads of
+// four 16-byte loads) instead of one load-store chain per thread. Over PCIe (zero-copy
+// host pages) each round trip costs microseconds, so the number of rounds per slab is what
+// the copy's latency is.
+constexpr int kSlabUnroll = 4;
+constexpr int kSlabMaxThreads = 1024;
+
+// Threads per block for slabs of `units` copy units: one round of kSlabUnroll loads each
+// when the slab allows it, a multiple of 32 in [32, kSlabMaxThreads].
+inline int SlabCopyThreads(int64_t units) {
+  const int64_t per_round = 32 * kSlabUnroll;
+  const int64_t warps = (units + per_round - 1) / per_round;
+  const int64_t threads = warps * 32;
+  if (threads < 32) return 32;
+  return threads > kSlabMaxThreads ? kSlabMaxThreads : static_cast<int>(threads);
+}
+
+// Copies units [0, n) of one slab, *dst_at(u) = *src_at(u), with the whole block. Thread t
+// takes units t + j·blockDim.x of each round of blockDim.x · kSlabUnroll (consecutive threads,
+// consecutive units: coalesced), loads all of them, then stores them. Units past n are
+// neither loaded nor stored, so any n works.
+template <typename U, typename SrcAt, typename DstAt>
+__device__ __forceinline__ void CopySlabUnits(int32_t n, const SrcAt& src_at, const DstAt& dst_at) {
+  const auto stride = static_cast<int32_t>(blockDim.x);
+  for (int32_t base = static_cast<int32_t>(threadIdx.x); base < n; base += stride * kSlabUnroll) {
+    U v[kSlabUnroll];
+#pragma unroll
+    for (int j = 0; j < kSlabUnroll; ++j) {
+      const int32_t u = base + j * stride;
+      if (u < n) v[j] = *src_at(u);
+    }
+#pragma unroll
+    for (int j = 0; j < kSlabUnroll; ++j) {
+      const int32_t u = base + j * stride;
+      if (u < n) *dst_at(u) = v[j];
+    }
+  }
 }
 
 // A type as a value, for dispatching to generic lambdas:

@@ -1,7 +1,10 @@
 // Recall transform on the GPU: one thread block per RecallItem copies the K and V slab of
 // item.kv_head from its HND host page (registered host memory read zero-copy, or device
-// memory) into p rows of the NHD working set (row stride Hkv·d). Bit-exact: raw words are
-// copied, never converted, so one kernel serves every dtype.
+// memory) into p rows of the NHD working set (row stride Hkv·d). The slab is contiguous
+// ([K|V][token][dim]), so unit u of it is unit u of the source; each thread loads its
+// kSlabUnroll units before storing any (CopySlabUnits), so the whole slab is in flight over
+// the link at once. Bit-exact: raw words are copied, never converted, so one kernel serves
+// every dtype.
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/copy_kernels.h"
@@ -10,8 +13,6 @@
 
 namespace kvtier::cuda {
 namespace {
-
-constexpr int kRecallThreads = 256;
 
 struct RecallParams {
   const char* host_pages;
@@ -37,24 +38,30 @@ __device__ bool CheckItem(const RecallParams& p, const RecallItem& it, int64_t i
 
 // Unit u of the slab is row u / units_per_row of [K|V][token], word u % units_per_row.
 template <typename U>
-__global__ void __launch_bounds__(kRecallThreads) RecallKernel(const RecallParams p) {
+__global__ void __launch_bounds__(kSlabMaxThreads) RecallKernel(const RecallParams p) {
   const int64_t index = blockIdx.x;
   const RecallItem it = p.items[index];
   if (it.host_page == kSkipItem || !CheckItem(p, it, index)) return;
   const int32_t page_size = p.host.page_size;
-  const char* page = p.host_pages + it.host_page * p.host.page_elements() * p.elem_bytes;
-  const int32_t units = 2 * page_size * p.units_per_row;
-  for (int32_t u = threadIdx.x; u < units; u += blockDim.x) {
-    const int32_t row = u / p.units_per_row;
-    const int32_t word = u - row * p.units_per_row;
-    const int32_t kind = row < page_size ? kKey : kValue;
-    const int32_t token = row - kind * page_size;
-    const U* src =
-        reinterpret_cast<const U*>(page + p.host.Offset(it.kv_head, kind, token, 0) * p.elem_bytes);
-    U* dst = reinterpret_cast<U*>(
-        p.cache[kind] + p.working_set.Offset(it.dst_slot, token, it.kv_head, 0) * p.elem_bytes);
-    dst[word] = src[word];
-  }
+  const int32_t units_per_row = p.units_per_row;
+  const U* slab = reinterpret_cast<const U*>(
+      p.host_pages +
+      (it.host_page * p.host.page_elements() + p.host.SlabOffset(it.kv_head)) * p.elem_bytes);
+  // Token 0 of this head in the destination slot, in K and in V; tokens are rows of stride
+  // Hkv·d elements (NHD).
+  const int64_t row0 = p.working_set.Offset(int64_t{it.dst_slot}, 0, it.kv_head, 0) * p.elem_bytes;
+  char* const k_row0 = p.cache[kKey] + row0;
+  char* const v_row0 = p.cache[kValue] + row0;
+  const int64_t row_stride = p.working_set.token_stride() * p.elem_bytes;
+  const auto src_at = [slab](int32_t u) { return slab + u; };
+  const auto dst_at = [=](int32_t u) {
+    const int32_t row = u / units_per_row;
+    const int32_t word = u - row * units_per_row;
+    const bool value = row >= page_size;
+    const int32_t token = value ? row - page_size : row;
+    return reinterpret_cast<U*>((value ? v_row0 : k_row0) + token * row_stride) + word;
+  };
+  CopySlabUnits<U>(2 * page_size * units_per_row, src_at, dst_at);
 }
 
 }  // namespace
@@ -78,7 +85,8 @@ cudaError_t LaunchRecall(const RecallArgs& a, const DeviceErrorSink& sink, cudaS
   return DispatchCopyUnit(unit, [&](auto unit_tag) {
     using U = typename decltype(unit_tag)::type;
     p.units_per_row = static_cast<int32_t>(row_bytes / sizeof(U));
-    RecallKernel<U><<<a.num_items, kRecallThreads, 0, stream>>>(p);
+    const int threads = SlabCopyThreads(int64_t{2} * a.shape.page_size * p.units_per_row);
+    RecallKernel<U><<<a.num_items, threads, 0, stream>>>(p);
     return cudaGetLastError();
   });
 }

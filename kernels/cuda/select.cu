@@ -17,20 +17,28 @@
 // row holds fewer than two tiles, one block per KV head does all three steps with the
 // statistics in shared memory.
 //
-// TopK: one block per (sequence, KV head). Every candidate gets a distinct 64-bit key whose
-// unsigned order is the CPU's order: pinned bit | score (order-preserving bits, -0 as +0,
-// NaN below -inf) | inverted page index. An MSB-first radix select (8-bit digits, block
-// histograms) finds the k_h-th largest key; the keys at or above it are compacted and
-// sorted with a bitonic network that sorts every block in the same direction, so the
-// sequence needs no padding elements (shared memory for up to kTopKSortKeys selections,
-// else in place in the output row). Keys are cached in shared memory when P is small.
+// TopK: one block per (sequence, KV head), 512 threads, each warp owning a contiguous share
+// of the candidates. Every candidate gets a 33-bit select key whose unsigned order is the
+// CPU's order up to its page tie-break: pinned bit | score (order-preserving bits, -0 as +0,
+// NaN below -inf), so equal keys are exactly the CPU's ties. An MSB-first radix select
+// (a 1-bit pinned digit, then 8-bit digits) finds the k_h-th largest key T; each pass counts
+// digits into per-warp histograms (lanes with equal digits combined by __match_any_sync, one
+// uncontended shared atomic per distinct digit) that are summed once per pass. The selection
+// is every key above T plus the first ties at T in page order: an ordered compaction (per-warp
+// ballot counts, then each warp writes at its prefix offset, no shared counter) places it,
+// and a bitonic network sorts it by (select key, page) (shared memory for up to kTopKSortKeys
+// selections, else in place in the output row). The keys' low words and pinned bits are
+// cached in shared memory when P is small.
 //
 // QueryCosine: one block per (sequence, KV head), a warp per query head.
 //
-// Replace: one block per (sequence, KV head) running the CPU's three steps over the region
-// in chunks of one slot (or selection entry) per thread: evict, rank the misses in
-// selection order, hand the freed slots out in slot order (block-wide prefix counts). The
-// membership tests are linear scans, O(k²) per head, which is small for k in the hundreds.
+// Replace: one block per (sequence, KV head) running the CPU's steps over the region: evict,
+// rank the free slots in slot order and the misses in selection order (block-wide prefix
+// counts), give the r-th miss the r-th free slot. Membership (is a slot's page selected, is
+// it the page's first slot, is a selected page resident, is it the page's first entry) is
+// one probe of two page → first-index hash tables in shared memory, built once per block,
+// so a head costs O(k); regions over kReplaceSharedK slots fall back to scanning global
+// memory.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -460,14 +468,17 @@ unsigned GridBlocks(int64_t items) {
 // ---------------------------------------------------------------------------------------
 // TopK
 
-constexpr int kTopKThreads = 256;
+constexpr int kTopKThreads = 512;
+constexpr int kTopKWarps = kTopKThreads / kWarpSize;
+constexpr int kTopKBatch = 4;              // 32-key steps a warp loads before it uses them
 constexpr int32_t kTopKCachedKeys = 4096;  // keys cached in shared memory when P ≤ this
 constexpr int32_t kTopKSortKeys = 1024;    // selections sorted in shared memory
 constexpr int kPageBits = 24;              // kMaxPages (ops.cc) = 2^24
 constexpr uint32_t kPageMask = (1u << kPageBits) - 1u;
 constexpr int kRadixBits = 8;
 constexpr int kRadixBins = 1 << kRadixBits;
-constexpr int kTopKey = 56;  // the highest digit's shift: keys use bits [0, 57)
+constexpr int kClassShift = 32;  // the select key's pinned bit (and its highest digit)
+constexpr int32_t kTakeAll = std::numeric_limits<int32_t>::max();
 
 struct TopKParams {
   const float* pooled;
@@ -485,31 +496,55 @@ struct TopKParams {
   DeviceErrorSink sink;
 };
 
-// The CPU's Better order as unsigned order, larger first: bit 56 pinned, bits [24, 56) the
-// score (sign-magnitude flipped to unsigned order, -0 as +0, NaN = 1 below -inf's 0x7fffff),
-// bits [0, 24) 2^24 − 1 − page (lower pages first). Never 0: 0 marks a non-candidate.
-__device__ __forceinline__ uint64_t RankKey(float score, bool pinned, int32_t page) {
+// The CPU's Better order without its page tie-break, as unsigned order, larger first: bit 32
+// pinned, bits [0, 32) the score (sign-magnitude flipped to unsigned order, -0 as +0, NaN = 1
+// below -inf's 0x7fffff). Two candidates tie on the CPU exactly when their keys are equal.
+// Never 0: 0 marks a non-candidate.
+__device__ __forceinline__ uint64_t SelectKey(float score, bool pinned) {
   uint32_t bits = 1u;
   if (!isnan(score)) {
     const uint32_t u = score == 0.0f ? 0u : __float_as_uint(score);
     bits = (u & 0x80000000u) != 0 ? ~u : (u | 0x80000000u);
   }
-  return (static_cast<uint64_t>(pinned ? 1 : 0) << kTopKey) |
-         (static_cast<uint64_t>(bits) << kPageBits) |
-         static_cast<uint64_t>(kPageMask - static_cast<uint32_t>(page));
+  return (static_cast<uint64_t>(pinned ? 1 : 0) << kClassShift) | bits;
+}
+
+// The whole CPU order as unsigned order: the select key, then 2^24 − 1 − page (lower pages
+// first). Distinct for distinct pages.
+__device__ __forceinline__ uint64_t RankKey(uint64_t select_key, int32_t page) {
+  return (select_key << kPageBits) | static_cast<uint64_t>(kPageMask - static_cast<uint32_t>(page));
 }
 
 __device__ __forceinline__ int32_t PageOfKey(uint64_t key) {
   return static_cast<int32_t>(kPageMask - (static_cast<uint32_t>(key) & kPageMask));
 }
 
-// Key of `page` of this head (flags: the head's [P] flags or null), 0 when excluded.
+// Select key of `page` of this head (flags: the head's [P] flags or null), 0 when excluded.
 __device__ __forceinline__ uint64_t CandidateKey(const float* score, const uint8_t* flags,
                                                  int32_t page) {
   const uint8_t f = flags != nullptr ? flags[page] : kPageNormal;
   if ((f & kPageExcluded) != 0) return 0;
-  return RankKey(score[page], (f & kPagePinned) != 0, page);
+  return SelectKey(score[page], (f & kPagePinned) != 0);
 }
+
+// Select key of candidate i (page begin + i), read from global memory each time...
+struct GlobalKeys {
+  const float* score;
+  const uint8_t* flags;
+  int32_t begin;
+  __device__ uint64_t operator()(int32_t i) const { return CandidateKey(score, flags, begin + i); }
+};
+
+// ...or from shared memory: the key's low 32 bits per candidate (0: not a candidate) and its
+// pinned bit, one word per 32 candidates.
+struct CachedKeys {
+  const uint32_t* low;
+  const uint32_t* pinned;
+  __device__ uint64_t operator()(int32_t i) const {
+    const uint32_t pin = (pinned[i / kWarpSize] >> (i % kWarpSize)) & 1u;
+    return (static_cast<uint64_t>(pin) << kClassShift) | low[i];
+  }
+};
 
 // Sort storage: keys in shared memory.
 struct SharedKeys {
@@ -525,7 +560,8 @@ struct RowPages {
   const uint8_t* flags;
   __device__ uint64_t Load(int32_t i) const {
     const int32_t page = pages[i];
-    return RankKey(score[page], flags != nullptr && (flags[page] & kPagePinned) != 0, page);
+    const bool pinned = flags != nullptr && (flags[page] & kPagePinned) != 0;
+    return RankKey(SelectKey(score[page], pinned), page);
   }
   __device__ void Store(int32_t i, uint64_t key) const { pages[i] = PageOfKey(key); }
 };
@@ -569,6 +605,32 @@ __device__ void BitonicSortDescending(const Keys& keys, int32_t m) {
   }
 }
 
+// The warp's share [lo, hi) of the candidates [0, len): contiguous, in whole steps of 32, so
+// candidate order is warp order, then step order, then lane order.
+__device__ __forceinline__ void WarpChunk(int32_t len, int32_t* lo, int32_t* hi) {
+  const int32_t per_warp =
+      ((len + kTopKWarps - 1) / kTopKWarps + kWarpSize - 1) / kWarpSize * kWarpSize;
+  *lo = min(len, Warp() * per_warp);
+  *hi = min(len, *lo + per_warp);
+}
+
+// fn(i, key) for every candidate i of the warp's share, in candidate order, kTopKBatch steps
+// of 32 keys loaded before any is used (independent loads in flight). Every lane calls fn in
+// every step, with key 0 past hi, so fn may use warp intrinsics.
+template <typename Keys, typename Fn>
+__device__ __forceinline__ void ForWarpKeys(int32_t lo, int32_t hi, const Keys& key_at, Fn&& fn) {
+  for (int32_t j = lo; j < hi; j += kWarpSize * kTopKBatch) {
+    uint64_t keys[kTopKBatch];
+#pragma unroll
+    for (int s = 0; s < kTopKBatch; ++s) {
+      const int32_t i = j + s * kWarpSize + Lane();
+      keys[s] = i < hi ? key_at(i) : 0;
+    }
+#pragma unroll
+    for (int s = 0; s < kTopKBatch; ++s) fn(j + s * kWarpSize + Lane(), keys[s]);
+  }
+}
+
 struct RadixState {
   uint64_t prefix;     // digits chosen so far
   uint64_t threshold;  // when done: the selection is every candidate key ≥ threshold
@@ -577,11 +639,51 @@ struct RadixState {
   int32_t done;
 };
 
+struct TopKShared {
+  int32_t warp_hist[kTopKWarps][kRadixBins];  // each warp's own histogram of a pass
+  int32_t hist[kRadixBins];                   // their sum
+  uint64_t sorted[kTopKSortKeys];
+  int32_t warp_above[kTopKWarps];  // compaction: keys above the threshold per warp
+  int32_t warp_equal[kTopKWarps];  // and keys equal to it
+  RadixState st;
+};
+
+// One radix pass: the histogram of the digit at `shift` of the keys that match `prefix` on
+// `mask`. Each warp counts its share into its own histogram (lanes with the same digit
+// combine with __match_any_sync, so one shared atomic per distinct digit per step, on a row
+// no other warp touches); then thread t sums bin t over the warps. Every thread calls it.
+template <typename Keys>
+__device__ void DigitHistogram(const Keys& key_at, int32_t lo, int32_t hi, uint64_t mask,
+                               uint64_t prefix, int shift, TopKShared& sh) {
+  int32_t* mine = sh.warp_hist[Warp()];
+  for (int bin = Lane(); bin < kRadixBins; bin += kWarpSize) mine[bin] = 0;
+  __syncwarp();
+  ForWarpKeys(lo, hi, key_at, [&](int32_t, uint64_t key) {
+    const bool in = key != 0 && (key & mask) == prefix;
+    const int digit = in ? static_cast<int>(key >> shift) & (kRadixBins - 1) : -1;
+    const unsigned peers = __match_any_sync(kFullMask, digit);
+    if (in && Lane() == __ffs(peers) - 1) atomicAdd(&mine[digit], __popc(peers));
+  });
+  __syncthreads();
+  for (int bin = threadIdx.x; bin < kRadixBins; bin += blockDim.x) {
+    int32_t sum = 0;
+    for (int w = 0; w < kTopKWarps; ++w) sum += sh.warp_hist[w][bin];
+    sh.hist[bin] = sum;
+  }
+  __syncthreads();
+}
+
 // Warp 0: picks the digit (at `shift`) of the bucket holding the remaining-th largest key
-// among those matching the prefix. Lane l owns bins [8l, 8l + 8).
-__device__ void SelectDigit(const int32_t* hist, int shift, int32_t k_h, RadixState* st) {
+// among those matching the prefix. Lane l owns bins [8l, 8l + 8). The first pass counts
+// every candidate and fixes need = min(k_h, candidates).
+__device__ void SelectDigit(const int32_t* hist, int shift, bool first, int32_t k_h,
+                            RadixState* st) {
   const int lane = Lane();
   constexpr int kBinsPerLane = kRadixBins / kWarpSize;
+  // The state is read by every lane before the one that picks the digit writes it.
+  const uint64_t chosen = st->prefix;
+  int32_t remaining = st->remaining;
+  __syncwarp();
   int32_t local = 0;
 #pragma unroll
   for (int j = 0; j < kBinsPerLane; ++j) local += hist[lane * kBinsPerLane + j];
@@ -591,8 +693,7 @@ __device__ void SelectDigit(const int32_t* hist, int shift, int32_t k_h, RadixSt
     if (lane + offset < kWarpSize) suffix += v;
   }
   const int32_t total = __shfl_sync(kFullMask, suffix, 0);
-  int32_t remaining = st->remaining;
-  if (shift == kTopKey) {
+  if (first) {
     const int32_t need = min(k_h, total);
     if (need == 0 || need == total) {  // nothing, or every candidate
       if (lane == 0) {
@@ -610,7 +711,7 @@ __device__ void SelectDigit(const int32_t* hist, int shift, int32_t k_h, RadixSt
     const int32_t bin = lane * kBinsPerLane + j;
     const int32_t count = hist[bin];
     if (above < remaining && remaining <= above + count) {
-      const uint64_t prefix = st->prefix | (static_cast<uint64_t>(bin) << shift);
+      const uint64_t prefix = chosen | (static_cast<uint64_t>(bin) << shift);
       const int32_t rest = remaining - above;
       st->prefix = prefix;
       st->remaining = rest;
@@ -623,12 +724,117 @@ __device__ void SelectDigit(const int32_t* hist, int shift, int32_t k_h, RadixSt
   }
 }
 
+// Where a radix select cut: the selection is every key above `threshold` and the first
+// `take_equal` keys equal to it in candidate order (the ties at the last place go to the
+// lower pages), `need` keys in all.
+struct Cut {
+  uint64_t threshold;
+  int32_t take_equal;
+  int32_t need;
+};
+
+// Radix select of the k_h-th largest select key of the candidates, most significant digit
+// first. Without flags no key is pinned, and the pinned digit is skipped. Every thread calls
+// it (sh.st zeroed and the block synchronised before).
+template <typename Keys>
+__device__ Cut RadixSelect(const Keys& key_at, int32_t lo, int32_t hi, int32_t k_h, bool has_flags,
+                           TopKShared& sh) {
+  const int first_shift = has_flags ? kClassShift : kClassShift - kRadixBits;
+  uint64_t mask = 0;  // the digits fixed so far
+  for (int shift = first_shift; shift >= 0; shift -= kRadixBits) {
+    const uint64_t prefix = sh.st.prefix;
+    DigitHistogram(key_at, lo, hi, mask, prefix, shift, sh);
+    if (Warp() == 0) SelectDigit(sh.hist, shift, shift == first_shift, k_h, &sh.st);
+    __syncthreads();
+    if (sh.st.done != 0) break;
+    mask |= static_cast<uint64_t>(kRadixBins - 1) << shift;
+  }
+  // Ended on a whole bucket: every key ≥ threshold. Else after the last digit: the keys
+  // above the exact key `prefix` and `remaining` of those equal to it.
+  if (sh.st.done != 0) return Cut{sh.st.threshold, kTakeAll, sh.st.need};
+  return Cut{sh.st.prefix, sh.st.remaining, sh.st.need};
+}
+
+// Ordered compaction of the selection into sh.sorted (as rank keys) when it fits, else into
+// out (as pages), in any order: each warp counts its keys above and equal to the threshold,
+// then writes its share at the offset the warps before it leave (no shared counter). Key 0
+// (not a candidate) is neither above nor equal, as threshold ≥ 1. Returns with the block
+// synchronised.
+template <typename Keys>
+__device__ void CompactSelection(const Keys& key_at, int32_t lo, int32_t hi, int32_t begin,
+                                 const Cut& cut, int32_t* out, TopKShared& sh) {
+  int32_t above = 0;
+  int32_t equal = 0;
+  ForWarpKeys(lo, hi, key_at, [&](int32_t, uint64_t key) {
+    above += __popc(__ballot_sync(kFullMask, key > cut.threshold));
+    equal += __popc(__ballot_sync(kFullMask, key != 0 && key == cut.threshold));
+  });
+  if (Lane() == 0) {
+    sh.warp_above[Warp()] = above;
+    sh.warp_equal[Warp()] = equal;
+  }
+  __syncthreads();
+  int32_t pos = 0;           // selected keys before this warp's next step
+  int32_t equal_before = 0;  // keys equal to the threshold before this warp's share
+  for (int w = 0; w < Warp(); ++w) {
+    const int32_t e = sh.warp_equal[w];
+    pos += sh.warp_above[w] + max(0, min(e, cut.take_equal - equal_before));
+    equal_before += e;
+  }
+  int32_t equal_left = max(0, cut.take_equal - equal_before);  // ties this warp may take
+  const bool in_shared = cut.need <= kTopKSortKeys;
+  const unsigned lower_lanes = (1u << Lane()) - 1u;
+  ForWarpKeys(lo, hi, key_at, [&](int32_t i, uint64_t key) {
+    const bool eq = key != 0 && key == cut.threshold;
+    const unsigned eq_ballot = __ballot_sync(kFullMask, eq);
+    const bool take = key > cut.threshold || (eq && __popc(eq_ballot & lower_lanes) < equal_left);
+    const unsigned take_ballot = __ballot_sync(kFullMask, take);
+    const int32_t at = pos + __popc(take_ballot & lower_lanes);
+    if (take && at < cut.need) {  // always: exactly `need` keys are taken
+      if (in_shared) {
+        sh.sorted[at] = RankKey(key, begin + i);
+      } else {
+        out[at] = begin + i;
+      }
+    }
+    pos += __popc(take_ballot);
+    equal_left -= __popc(eq_ballot);
+  });
+  __syncthreads();
+}
+
+// Selects the k_h best of candidates [0, len) (page begin + i) into out[0, k), -1 after the
+// selection: the cut, the compaction, then the sort by the whole order (select key, then
+// page). Every thread calls it.
+template <typename Keys>
+__device__ __forceinline__ void SelectHead(const Keys& key_at, int32_t len, int32_t begin,
+                                           int32_t k, int32_t k_h, bool has_flags,
+                                           const float* score, const uint8_t* flags, int32_t* out,
+                                           TopKShared& sh) {
+  int32_t lo;
+  int32_t hi;
+  WarpChunk(len, &lo, &hi);
+  const Cut cut = RadixSelect(key_at, lo, hi, k_h, has_flags, sh);
+  CompactSelection(key_at, lo, hi, begin, cut, out, sh);
+  const bool in_shared = cut.need <= kTopKSortKeys;
+  if (in_shared) {
+    BitonicSortDescending(SharedKeys{sh.sorted}, cut.need);
+  } else {
+    BitonicSortDescending(RowPages{out, score, flags}, cut.need);
+  }
+  for (int32_t i = threadIdx.x; i < k; i += blockDim.x) {
+    if (i >= cut.need) {
+      out[i] = kEmptySlot;
+    } else if (in_shared) {
+      out[i] = PageOfKey(sh.sorted[i]);
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kTopKThreads) TopKKernel(const TopKParams p) {
-  extern __shared__ uint64_t topk_keys[];  // [P] when p.cache_keys
-  __shared__ uint64_t sorted[kTopKSortKeys];
-  __shared__ int32_t hist[kRadixBins];
-  __shared__ RadixState st;
-  __shared__ int32_t count;
+  // When p.cache_keys: [P] low key words, then [⌈P/32⌉] pinned bits.
+  extern __shared__ uint32_t topk_cache[];
+  __shared__ TopKShared sh;
   const int64_t bh = blockIdx.x;
   const auto b = static_cast<int32_t>(bh / p.num_kv_heads);
   int32_t n;
@@ -648,67 +854,26 @@ __global__ void __launch_bounds__(kTopKThreads) TopKKernel(const TopKParams p) {
   const float* score = p.pooled + bh * p.max_pages;
   const uint8_t* flags = p.page_flags != nullptr ? p.page_flags + bh * p.max_pages : nullptr;
   int32_t* out = p.selected + bh * p.k;
-  const bool cached = p.cache_keys;  // len ≤ P ≤ kTopKCachedKeys
-  if (cached) {
-    for (int32_t i = threadIdx.x; i < len; i += blockDim.x) {
-      topk_keys[i] = CandidateKey(score, flags, begin + i);
-    }
-  }
-  auto key_at = [&](int32_t i) {
-    return cached ? topk_keys[i] : CandidateKey(score, flags, begin + i);
-  };
-  if (threadIdx.x == 0) st = RadixState{0, 0, 0, 0, 0};
-
-  // Radix select of the k_h-th largest key, most significant digit first.
-  uint64_t mask = 0;  // the digits fixed so far
-  for (int shift = kTopKey; shift >= 0; shift -= kRadixBits) {
-    for (int i = threadIdx.x; i < kRadixBins; i += blockDim.x) hist[i] = 0;
+  const bool has_flags = flags != nullptr;
+  const GlobalKeys global{score, flags, begin};
+  if (threadIdx.x == 0) sh.st = RadixState{0, 0, 0, 0, 0};
+  if (p.cache_keys) {  // len ≤ P ≤ kTopKCachedKeys
+    uint32_t* low = topk_cache;
+    uint32_t* pinned = topk_cache + p.max_pages;
+    int32_t lo;
+    int32_t hi;
+    WarpChunk(len, &lo, &hi);
+    ForWarpKeys(lo, hi, global, [&](int32_t i, uint64_t key) {
+      if (i < hi) low[i] = static_cast<uint32_t>(key);
+      const unsigned pin = __ballot_sync(kFullMask, ((key >> kClassShift) & 1u) != 0);
+      const int32_t step = i - Lane();  // a multiple of 32
+      if (Lane() == 0 && step < hi) pinned[step / kWarpSize] = pin;
+    });
     __syncthreads();
-    const uint64_t prefix = st.prefix;
-    for (int32_t i = threadIdx.x; i < len; i += blockDim.x) {
-      const uint64_t key = key_at(i);
-      if (key != 0 && (key & mask) == prefix) {
-        atomicAdd(&hist[static_cast<int>(key >> shift) & (kRadixBins - 1)], 1);
-      }
-    }
-    __syncthreads();
-    if (Warp() == 0) SelectDigit(hist, shift, k_h, &st);
-    __syncthreads();
-    if (st.done != 0) break;
-    mask |= static_cast<uint64_t>(kRadixBins - 1) << shift;
-  }
-
-  // Compaction of the selection (in any order), then the sort.
-  const int32_t need = st.need;
-  const uint64_t threshold = st.threshold;
-  const bool in_shared = need <= kTopKSortKeys;
-  if (threadIdx.x == 0) count = 0;
-  __syncthreads();
-  for (int32_t i = threadIdx.x; i < len; i += blockDim.x) {
-    const uint64_t key = key_at(i);
-    if (key != 0 && key >= threshold) {
-      const int32_t pos = atomicAdd(&count, 1);
-      if (pos < need) {  // always: keys are distinct, so exactly `need` pass
-        if (in_shared) {
-          sorted[pos] = key;
-        } else {
-          out[pos] = PageOfKey(key);
-        }
-      }
-    }
-  }
-  __syncthreads();
-  if (in_shared) {
-    BitonicSortDescending(SharedKeys{sorted}, need);
+    SelectHead(CachedKeys{low, pinned}, len, begin, p.k, k_h, has_flags, score, flags, out, sh);
   } else {
-    BitonicSortDescending(RowPages{out, score, flags}, need);
-  }
-  for (int32_t i = threadIdx.x; i < p.k; i += blockDim.x) {
-    if (i >= need) {
-      out[i] = kEmptySlot;
-    } else if (in_shared) {
-      out[i] = PageOfKey(sorted[i]);
-    }
+    __syncthreads();
+    SelectHead(global, len, begin, p.k, k_h, has_flags, score, flags, out, sh);
   }
 }
 
@@ -762,8 +927,174 @@ __global__ void __launch_bounds__(kCosineThreads) QueryCosineKernel(const QueryC
 // ---------------------------------------------------------------------------------------
 // Replace
 
-constexpr int kReplaceThreads = 128;
+constexpr int kReplaceThreads = 256;
+constexpr int32_t kReplaceSharedK = 1024;  // regions up to this size use shared page indexes
+constexpr int32_t kNoPage = -1;            // an empty entry of a page index
+constexpr int32_t kAbsent = std::numeric_limits<int32_t>::max();
 
+// A page → smallest-index table in shared memory: open addressing with linear probing over
+// 2^bits ≥ 2·(entries) slots, so a probe always ends at the page or an empty slot. Filled
+// with atomics by every thread, then read only (after a barrier); the answer is the same in
+// any insertion order.
+struct PageIndex {
+  int32_t* pages;  // [2^bits] a page, or kNoPage
+  int32_t* first;  // [2^bits] the smallest index inserted with that page
+  int bits;
+
+  __device__ uint32_t Home(int32_t page) const {
+    return (static_cast<uint32_t>(page) * 2654435769u) >> (32 - bits);  // Fibonacci hashing
+  }
+  __device__ uint32_t Next(uint32_t slot) const { return (slot + 1u) & ((1u << bits) - 1u); }
+  __device__ void Clear() const {
+    for (int32_t i = threadIdx.x; i < (1 << bits); i += blockDim.x) {
+      pages[i] = kNoPage;
+      first[i] = kAbsent;
+    }
+  }
+  // REQUIRES: page ≥ 0.
+  __device__ void Insert(int32_t page, int32_t index) const {
+    for (uint32_t slot = Home(page);; slot = Next(slot)) {
+      const int32_t held = atomicCAS(&pages[slot], kNoPage, page);
+      if (held == kNoPage || held == page) {
+        atomicMin(&first[slot], index);
+        return;
+      }
+    }
+  }
+  // The smallest index inserted with `page`, or kAbsent. REQUIRES: page ≥ 0.
+  __device__ int32_t Find(int32_t page) const {
+    for (uint32_t slot = Home(page);; slot = Next(slot)) {
+      const int32_t held = pages[slot];
+      if (held == page) return first[slot];
+      if (held == kNoPage) return kAbsent;
+    }
+  }
+};
+
+// log2 of the page index size for k entries: the power of two ≥ 2k.
+int PageIndexBits(int32_t k) {
+  int bits = 1;
+  while ((int32_t{1} << bits) < 2 * k) ++bits;
+  return bits;
+}
+
+// Dynamic shared memory of ReplaceKernel: two page indexes and the free-slot list.
+size_t ReplaceSharedBytes(int32_t k) {
+  return (size_t{4} << PageIndexBits(k)) * sizeof(int32_t) +
+         static_cast<size_t>(k) * sizeof(int32_t);
+}
+
+// Heads whose mask is zero: k skip items and no misses. Returns whether the head is masked.
+__device__ bool SkipMaskedHead(const ReplaceArgs& a, int64_t bh, int32_t h) {
+  if (a.head_mask == nullptr || a.head_mask[bh] != 0) return false;
+  RecallItem* items = a.items + bh * a.k;
+  for (int32_t j = threadIdx.x; j < a.k; j += blockDim.x) items[j] = RecallItem{kSkipItem, h, 0};
+  if (threadIdx.x == 0 && a.num_misses != nullptr) a.num_misses[bh] = 0;
+  return true;
+}
+
+// Every selected page needs a host page; otherwise the head is reported and left untouched.
+// Returns whether all have one (uniform across the block; synchronises it).
+__device__ bool CheckHostPages(const ReplaceArgs& a, const DeviceErrorSink& sink, int64_t bh,
+                               const int32_t* sel, const int64_t* host_page_of, int32_t* bad) {
+  if (threadIdx.x == 0) *bad = 0;
+  __syncthreads();
+  for (int32_t i = threadIdx.x; i < a.k; i += blockDim.x) {
+    const int32_t page = sel[i];
+    if (page == kEmptySlot) continue;
+    if (page < 0 || page >= a.max_pages || host_page_of[page] < 0) {
+      ReportItemError(sink, KernelOp::kReplace, ItemField::kSelectedPage, bh * a.k + i, page,
+                      a.max_pages);
+      *bad = 1;
+    }
+  }
+  __syncthreads();
+  return *bad == 0;
+}
+
+// One block per (sequence, KV head), k ≤ kReplaceSharedK. The CPU's loops, with each
+// membership test one probe of a shared page index instead of a scan:
+//   slot s keeps its page  ⇔  page ≥ 0, page is selected, and s is the page's first slot
+//     (the CPU evicts a page not in the selection and every later copy of a page);
+//   selection entry i misses  ⇔  page ≥ 0, i is the page's first entry, and the page is in
+//     no slot of the region (a resident page is kept; a repeat finds the first placed).
+// Free slots are ranked in slot order, misses in selection order (block-wide prefix counts);
+// the r-th miss takes the r-th free slot, as the CPU's free_slots[misses++].
+__global__ void __launch_bounds__(kReplaceThreads)
+    ReplaceKernel(const ReplaceArgs a, const DeviceErrorSink sink, const int bits) {
+  extern __shared__ int32_t replace_shared[];
+  __shared__ int32_t warp_counts[kReplaceThreads / kWarpSize];
+  __shared__ int32_t bad;
+  const int64_t bh = blockIdx.x;
+  const auto b = static_cast<int32_t>(bh / a.shape.num_kv_heads);
+  const auto h = static_cast<int32_t>(bh % a.shape.num_kv_heads);
+  if (SkipMaskedHead(a, bh, h)) return;
+  const int32_t k = a.k;
+  RecallItem* items = a.items + bh * k;
+  const int32_t* sel = a.selected + bh * k;
+  const int64_t* host_page_of = a.host_page_of + int64_t{b} * a.max_pages;
+  int32_t* region = a.kv.slot_table + SlotTableLayout{a.shape.num_kv_heads, a.kv.num_slots}.Offset(
+                                          b, h, a.region_begin);
+  const int32_t size = 1 << bits;
+  const PageIndex selected{replace_shared, replace_shared + size, bits};
+  const PageIndex resident{replace_shared + 2 * size, replace_shared + 3 * size, bits};
+  int32_t* free_at = replace_shared + 4 * size;  // [k] the r-th free slot
+  selected.Clear();
+  resident.Clear();
+  if (!CheckHostPages(a, sink, bh, sel, host_page_of, &bad)) return;  // synchronises
+
+  for (int32_t i = threadIdx.x; i < k; i += blockDim.x) {
+    const int32_t page = sel[i];
+    if (page >= 0) selected.Insert(page, i);
+    const int32_t held = region[i];
+    if (held >= 0) resident.Insert(held, i);
+  }
+  __syncthreads();
+
+  // 1. Evictions, and the free slots in slot order.
+  int32_t freed = 0;
+  for (int32_t base = 0; base < k; base += blockDim.x) {
+    const int32_t s = base + static_cast<int32_t>(threadIdx.x);
+    bool free_slot = false;
+    if (s < k) {
+      const int32_t page = region[s];
+      free_slot = page < 0 || resident.Find(page) != s || selected.Find(page) == kAbsent;
+      if (free_slot) region[s] = kEmptySlot;
+    }
+    int32_t total;
+    const int32_t rank = freed + BlockRank(free_slot, warp_counts, &total);
+    if (free_slot) free_at[rank] = s;
+    freed += total;
+  }
+
+  // 2. Misses in selection order, each into the free slot of its rank.
+  int32_t misses = 0;
+  for (int32_t base = 0; base < k; base += blockDim.x) {
+    const int32_t i = base + static_cast<int32_t>(threadIdx.x);
+    bool miss = false;
+    int32_t page = kEmptySlot;
+    if (i < k) {
+      page = sel[i];
+      miss = page >= 0 && selected.Find(page) == i && resident.Find(page) == kAbsent;
+    }
+    int32_t total;
+    const int32_t rank = misses + BlockRank(miss, warp_counts, &total);
+    if (miss && rank < freed) {  // always: distinct selected pages ≤ k = kept + freed
+      const int32_t s = free_at[rank];
+      region[s] = page;
+      items[rank] = RecallItem{host_page_of[page], h, b * a.kv.num_slots + a.region_begin + s};
+    }
+    misses += total;
+  }
+  misses = min(misses, freed);
+  for (int32_t j = misses + static_cast<int32_t>(threadIdx.x); j < k; j += blockDim.x) {
+    items[j] = RecallItem{kSkipItem, h, 0};
+  }
+  if (threadIdx.x == 0 && a.num_misses != nullptr) a.num_misses[bh] = misses;
+}
+
+// Regions larger than kReplaceSharedK: the same steps with membership by scanning the
+// selection and the region in global memory (O(k²) per head).
 __device__ __forceinline__ bool Contains(const int32_t* v, int32_t n, int32_t x) {
   for (int32_t i = 0; i < n; ++i) {
     if (v[i] == x) return true;
@@ -772,38 +1103,20 @@ __device__ __forceinline__ bool Contains(const int32_t* v, int32_t n, int32_t x)
 }
 
 __global__ void __launch_bounds__(kReplaceThreads)
-    ReplaceKernel(const ReplaceArgs a, const DeviceErrorSink sink) {
+    ReplaceScanKernel(const ReplaceArgs a, const DeviceErrorSink sink) {
   __shared__ int32_t warp_counts[kReplaceThreads / kWarpSize];
   __shared__ int32_t bad;
   const int64_t bh = blockIdx.x;
   const auto b = static_cast<int32_t>(bh / a.shape.num_kv_heads);
   const auto h = static_cast<int32_t>(bh % a.shape.num_kv_heads);
+  if (SkipMaskedHead(a, bh, h)) return;
   const int32_t k = a.k;
   RecallItem* items = a.items + bh * k;
-  if (a.head_mask != nullptr && a.head_mask[bh] == 0) {
-    for (int32_t j = threadIdx.x; j < k; j += blockDim.x) items[j] = RecallItem{kSkipItem, h, 0};
-    if (threadIdx.x == 0 && a.num_misses != nullptr) a.num_misses[bh] = 0;
-    return;
-  }
   const int32_t* sel = a.selected + bh * k;
   const int64_t* host_page_of = a.host_page_of + int64_t{b} * a.max_pages;
   int32_t* region = a.kv.slot_table + SlotTableLayout{a.shape.num_kv_heads, a.kv.num_slots}.Offset(
                                           b, h, a.region_begin);
-
-  // Every selected page needs a host page; otherwise the head is left untouched.
-  if (threadIdx.x == 0) bad = 0;
-  __syncthreads();
-  for (int32_t i = threadIdx.x; i < k; i += blockDim.x) {
-    const int32_t page = sel[i];
-    if (page == kEmptySlot) continue;
-    if (page < 0 || page >= a.max_pages || host_page_of[page] < 0) {
-      ReportItemError(sink, KernelOp::kReplace, ItemField::kSelectedPage, bh * k + i, page,
-                      a.max_pages);
-      bad = 1;
-    }
-  }
-  __syncthreads();
-  if (bad != 0) return;
+  if (!CheckHostPages(a, sink, bh, sel, host_page_of, &bad)) return;  // synchronises
 
   // 1. Evict every slot whose page is not selected, and every later copy of a page. Chunks
   // run in slot order, as the CPU's loop: earlier chunks' evictions are already written,
@@ -924,7 +1237,8 @@ cudaError_t LaunchTopK(const TopKArgs& a, const DeviceErrorSink& sink, cudaStrea
   p.recent_pages = a.recent_pages;
   p.cache_keys = a.max_pages <= kTopKCachedKeys;
   p.sink = sink;
-  const size_t smem = p.cache_keys ? static_cast<size_t>(a.max_pages) * sizeof(uint64_t) : 0;
+  const size_t words = static_cast<size_t>(a.max_pages) + (a.max_pages + kWarpSize - 1) / kWarpSize;
+  const size_t smem = p.cache_keys ? words * sizeof(uint32_t) : 0;
   const auto heads = static_cast<unsigned>(int64_t{a.batch} * a.shape.num_kv_heads);
   TopKKernel<<<heads, kTopKThreads, smem, stream>>>(p);
   return cudaGetLastError();
@@ -943,7 +1257,12 @@ cudaError_t LaunchQueryCosine(const QueryCosineArgs& a, const DeviceErrorSink& /
 cudaError_t LaunchReplace(const ReplaceArgs& a, const DeviceErrorSink& sink,
                           cudaStream_t stream) {
   const auto heads = static_cast<unsigned>(int64_t{a.batch} * a.shape.num_kv_heads);
-  ReplaceKernel<<<heads, kReplaceThreads, 0, stream>>>(a, sink);
+  if (a.k <= kReplaceSharedK) {
+    ReplaceKernel<<<heads, kReplaceThreads, ReplaceSharedBytes(a.k), stream>>>(a, sink,
+                                                                               PageIndexBits(a.k));
+  } else {
+    ReplaceScanKernel<<<heads, kReplaceThreads, 0, stream>>>(a, sink);
+  }
   return cudaGetLastError();
 }
 

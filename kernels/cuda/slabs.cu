@@ -2,8 +2,9 @@
 // GatherSlabs copies the contiguous K+V slab of item.kv_head from its HND host page
 // (registered host memory read zero-copy, or device memory) into staging slab j;
 // ScatterSlabs copies staging slab j into p rows of the NHD working set (row stride
-// Hkv·d). Bit-exact: raw words are copied, never converted, so one kernel serves every
-// dtype.
+// Hkv·d). Both copy with CopySlabUnits (kernel_util.cuh): each thread loads its kSlabUnroll
+// units before storing any, so a block has the whole slab in flight at once. Bit-exact: raw
+// words are copied, never converted, so one kernel serves every dtype.
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/copy_kernels.h"
@@ -12,8 +13,6 @@
 
 namespace kvtier::cuda {
 namespace {
-
-constexpr int kSlabThreads = 256;
 
 struct GatherParams {
   const char* host_pages;
@@ -40,7 +39,7 @@ struct ScatterParams {
 
 // Slab `index` is one straight copy: no index arithmetic per unit beyond the base.
 template <typename U>
-__global__ void __launch_bounds__(kSlabThreads) GatherSlabsKernel(const GatherParams p) {
+__global__ void __launch_bounds__(kSlabMaxThreads) GatherSlabsKernel(const GatherParams p) {
   const int64_t index = blockIdx.x;
   const RecallItem it = p.items[index];
   if (it.host_page == kSkipItem) return;
@@ -52,13 +51,14 @@ __global__ void __launch_bounds__(kSlabThreads) GatherSlabsKernel(const GatherPa
   const int64_t src = it.host_page * p.host.page_elements() + p.host.SlabOffset(it.kv_head);
   const U* from = reinterpret_cast<const U*>(p.host_pages + src * p.elem_bytes);
   U* to = reinterpret_cast<U*>(p.staging + index * p.host.slab_elements() * p.elem_bytes);
-  for (int32_t u = threadIdx.x; u < p.units_per_slab; u += blockDim.x) to[u] = from[u];
+  CopySlabUnits<U>(
+      p.units_per_slab, [from](int32_t u) { return from + u; }, [to](int32_t u) { return to + u; });
 }
 
 // Unit u of the slab is row u / units_per_row of [K|V][token], word u % units_per_row;
 // the staged slab is contiguous, so it is also unit u of the source.
 template <typename U>
-__global__ void __launch_bounds__(kSlabThreads) ScatterSlabsKernel(const ScatterParams p) {
+__global__ void __launch_bounds__(kSlabMaxThreads) ScatterSlabsKernel(const ScatterParams p) {
   const int64_t index = blockIdx.x;
   const RecallItem it = p.items[index];
   if (it.host_page == kSkipItem) return;
@@ -68,18 +68,24 @@ __global__ void __launch_bounds__(kSlabThreads) ScatterSlabsKernel(const Scatter
     return;
   }
   const int32_t page_size = p.slab.page_size;
+  const int32_t units_per_row = p.units_per_row;
   const U* from =
       reinterpret_cast<const U*>(p.staging + index * p.slab.page_elements() * p.elem_bytes);
-  const int32_t units = 2 * page_size * p.units_per_row;
-  for (int32_t u = threadIdx.x; u < units; u += blockDim.x) {
-    const int32_t row = u / p.units_per_row;
-    const int32_t word = u - row * p.units_per_row;
-    const int32_t kind = row < page_size ? kKey : kValue;
-    const int32_t token = row - kind * page_size;
-    U* dst = reinterpret_cast<U*>(
-        p.cache[kind] + p.working_set.Offset(it.dst_slot, token, it.kv_head, 0) * p.elem_bytes);
-    dst[word] = from[u];
-  }
+  // Token 0 of this head in the destination slot, in K and in V; tokens are rows of stride
+  // Hkv·d elements (NHD).
+  const int64_t row0 = p.working_set.Offset(int64_t{it.dst_slot}, 0, it.kv_head, 0) * p.elem_bytes;
+  char* const k_row0 = p.cache[kKey] + row0;
+  char* const v_row0 = p.cache[kValue] + row0;
+  const int64_t row_stride = p.working_set.token_stride() * p.elem_bytes;
+  const auto dst_at = [=](int32_t u) {
+    const int32_t row = u / units_per_row;
+    const int32_t word = u - row * units_per_row;
+    const bool value = row >= page_size;
+    const int32_t token = value ? row - page_size : row;
+    return reinterpret_cast<U*>((value ? v_row0 : k_row0) + token * row_stride) + word;
+  };
+  CopySlabUnits<U>(
+      2 * page_size * units_per_row, [from](int32_t u) { return from + u; }, dst_at);
 }
 
 }  // namespace
@@ -101,7 +107,7 @@ cudaError_t LaunchGatherSlabs(const GatherSlabsArgs& a, const DeviceErrorSink& s
   return DispatchCopyUnit(unit, [&](auto unit_tag) {
     using U = typename decltype(unit_tag)::type;
     p.units_per_slab = static_cast<int32_t>(slab_bytes / sizeof(U));
-    GatherSlabsKernel<U><<<a.num_items, kSlabThreads, 0, stream>>>(p);
+    GatherSlabsKernel<U><<<a.num_items, SlabCopyThreads(p.units_per_slab), 0, stream>>>(p);
     return cudaGetLastError();
   });
 }
@@ -125,7 +131,8 @@ cudaError_t LaunchScatterSlabs(const ScatterSlabsArgs& a, const DeviceErrorSink&
   return DispatchCopyUnit(unit, [&](auto unit_tag) {
     using U = typename decltype(unit_tag)::type;
     p.units_per_row = static_cast<int32_t>(row_bytes / sizeof(U));
-    ScatterSlabsKernel<U><<<a.num_items, kSlabThreads, 0, stream>>>(p);
+    const int threads = SlabCopyThreads(int64_t{2} * a.shape.page_size * p.units_per_row);
+    ScatterSlabsKernel<U><<<a.num_items, threads, 0, stream>>>(p);
     return cudaGetLastError();
   });
 }

@@ -43,8 +43,9 @@ constexpr int32_t kCopyHostPages = 5;
 constexpr int32_t kCopySlots = 6;  // B·S global slots
 
 // Distinct (slot, head) targets, some left alone, host pages reused across items; with
-// `skips`, every fourth a skip item with wild fields.
-std::vector<RecallItem> CopyItems(const KvShape& c, bool skips) {
+// `skips`, every fourth a skip item with wild fields; with `odd`, a last skip item if the
+// count would be even.
+std::vector<RecallItem> CopyItems(const KvShape& c, bool skips, bool odd = false) {
   std::vector<RecallItem> items;
   for (int32_t s = 0; s < kCopySlots; ++s) {
     for (int32_t h = 0; h < c.num_kv_heads; ++h) {
@@ -56,15 +57,17 @@ std::vector<RecallItem> CopyItems(const KvShape& c, bool skips) {
     }
   }
   if (items.empty()) items.push_back({4, 0, 0});
+  if (odd && items.size() % 2 == 0) items.push_back({kSkipItem, 3, 1 << 30});
   return items;
 }
 
 // Host pages, then K and V caches whose rows no item writes must survive unchanged.
-OpRun RecallRun(const KvShape& c, Placement pages_at, size_t misalign, uint32_t seed) {
+OpRun RecallRun(const KvShape& c, Placement pages_at, size_t misalign, uint32_t seed,
+                bool odd = false) {
   const HostPageLayout hl{c.num_kv_heads, c.page_size, c.head_dim};
   TypedBuffer pages(c.dtype, kCopyHostPages * hl.page_elements());
   pages.FillNormal(seed + 1);
-  const std::vector<RecallItem> items = CopyItems(c, /*skips=*/true);
+  const std::vector<RecallItem> items = CopyItems(c, /*skips=*/true, odd);
   OpRun r;
   const int ipages = r.in.Add(pages, pages_at, misalign), iitems = r.in.Add(items);
   const WorkingSetBuffers ws(r.in, kCopySlots, RandomCache(c, kCopySlots, seed + 2),
@@ -86,11 +89,11 @@ OpRun RecallRun(const KvShape& c, Placement pages_at, size_t misalign, uint32_t 
 }
 
 // Staging starts random, so slabs of skip items must be left as they were.
-OpRun GatherSlabsRun(const KvShape& c, Placement pages_at, uint32_t seed) {
+OpRun GatherSlabsRun(const KvShape& c, Placement pages_at, uint32_t seed, bool odd = false) {
   const HostPageLayout hl{c.num_kv_heads, c.page_size, c.head_dim};
   TypedBuffer pages(c.dtype, kCopyHostPages * hl.page_elements());
   pages.FillNormal(seed + 1);
-  const std::vector<RecallItem> items = CopyItems(c, /*skips=*/true);
+  const std::vector<RecallItem> items = CopyItems(c, /*skips=*/true, odd);
   const auto n = static_cast<int32_t>(items.size());
   TypedBuffer staging(c.dtype, n * hl.slab_elements());
   staging.FillNormal(seed + 2);
@@ -113,8 +116,8 @@ OpRun GatherSlabsRun(const KvShape& c, Placement pages_at, uint32_t seed) {
   return r;
 }
 
-OpRun ScatterSlabsRun(const KvShape& c, uint32_t seed) {
-  const std::vector<RecallItem> items = CopyItems(c, /*skips=*/true);
+OpRun ScatterSlabsRun(const KvShape& c, uint32_t seed, bool odd = false) {
+  const std::vector<RecallItem> items = CopyItems(c, /*skips=*/true, odd);
   const auto n = static_cast<int32_t>(items.size());
   TypedBuffer staging(c.dtype, n * HostPageLayout{1, c.page_size, c.head_dim}.page_elements());
   staging.FillNormal(seed + 1);
@@ -281,6 +284,25 @@ void AddPageCases(std::vector<OpCase>& cases) {
     // Host pages and caches one element off their alignment: the narrow copy units.
     Add(cases, "Recall_" + shape + "_misaligned",
         [c](uint32_t seed) { return RecallRun(c, Placement::kDevice, DTypeSize(c.dtype), seed); });
+  }
+  // The batched slab copies: the 16 KiB slab of p = 32, d = 128, fp16 (one round of four
+  // 16-byte loads per thread) with an odd number of items, skips among them; and slabs that
+  // fill no whole round (p = 33, d = 136), also in narrow units over several rounds.
+  for (const KvShape& c : {KvShape{DType::kF16, 8, 8, 128, 32}, KvShape{DType::kF32, 2, 2, 136, 33},
+                           KvShape{DType::kF16, 3, 3, 136, 33}}) {
+    const std::string shape = NameOf(c) + "_odd";
+    for (const Placement where : {Placement::kDevice, Placement::kRegisteredHost}) {
+      const std::string suffix = std::string("_") + NameOf(where);
+      Add(cases, "Recall_" + shape + suffix,
+          [c, where](uint32_t seed) { return RecallRun(c, where, 0, seed, /*odd=*/true); });
+      Add(cases, "GatherSlabs_" + shape + suffix,
+          [c, where](uint32_t seed) { return GatherSlabsRun(c, where, seed, /*odd=*/true); });
+    }
+    Add(cases, "ScatterSlabs_" + shape,
+        [c](uint32_t seed) { return ScatterSlabsRun(c, seed, /*odd=*/true); });
+    Add(cases, "Recall_" + shape + "_misaligned", [c](uint32_t seed) {
+      return RecallRun(c, Placement::kDevice, DTypeSize(c.dtype), seed, /*odd=*/true);
+    });
   }
   for (const KvShape& c : PageShapes({1, 4})) {
     const std::string shape = NameOf(c);

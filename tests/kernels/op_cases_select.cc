@@ -225,8 +225,9 @@ struct TopKVariant {
 
 // Scores with many ties (a few distinct values), NaN and ±inf; a full sequence, a random
 // one and one with fewer candidates than k; per-head budgets; pinned, excluded, both bits
-// (excluded wins) and unknown bits (normal).
-OpRun TopKRun(const TopKShape& c, const TopKVariant& v, uint32_t seed) {
+// (excluded wins) and unknown bits (normal). With `wide_scores`, half the scores are
+// continuous (every bit of the key matters, ±0 tie) and the rest ties as above.
+OpRun TopKRun(const TopKShape& c, const TopKVariant& v, uint32_t seed, bool wide_scores = false) {
   const int32_t B = c.batch, H = c.kv_heads, P = c.max_pages;
   std::mt19937 rng(seed);
   std::vector<float> pooled(static_cast<size_t>(B) * H * P);
@@ -236,6 +237,11 @@ OpRun TopKRun(const TopKShape& c, const TopKVariant& v, uint32_t seed) {
         : r < 7 ? -kInf
         : r < 8 ? kInf
                 : static_cast<float>(Uniform(rng, -3, 4)) * 0.5f;
+    if (wide_scores && r >= 8 && r < 58) {
+      x = r < 10   ? (r == 8 ? 0.0f : -0.0f)
+          : r < 20 ? std::ldexp(std::uniform_real_distribution<float>(-1.0f, 1.0f)(rng), -100)
+                   : std::uniform_real_distribution<float>(-4.0f, 4.0f)(rng);
+    }
   }
   std::vector<int32_t> num_pages;
   for (int32_t b = 0; b < B; ++b) {
@@ -298,6 +304,27 @@ void AddTopKCases(std::vector<OpCase>& cases) {
                           v.name),
           [c, v](uint32_t seed) { return TopKRun(c, v, seed); });
     }
+  }
+  // The GPU's large paths: k = 1024 over about 4096 pages (keys cached in shared memory, the
+  // cutoff inside a run of ties and across the pinned boundary), beyond the cache (4500 and
+  // 32768 pages), and a selection larger than the shared sort (k = 1500, sorted in place).
+  for (const TopKShape& c : {TopKShape{2, 4, 4096, 1024}, TopKShape{2, 2, 4500, 1024},
+                             TopKShape{1, 2, 32768, 1024}, TopKShape{1, 2, 3000, 1500}}) {
+    for (const TopKVariant& v : {TopKVariant{"plain", false, false, false, 0, 0},
+                                 TopKVariant{"all", true, true, true, 2, 2}}) {
+      for (const bool wide : {false, true}) {
+        Add(cases,
+            absl::StrFormat("TopK_b%d_hkv%d_p%d_k%d_%s%s", c.batch, c.kv_heads, c.max_pages, c.k,
+                            v.name, wide ? "_wide" : ""),
+            [c, v, wide](uint32_t seed) { return TopKRun(c, v, seed, wide); });
+      }
+    }
+    Add(cases,
+        absl::StrFormat("TopK_b%d_hkv%d_p%d_k%d_page_flags_wide", c.batch, c.kv_heads, c.max_pages,
+                        c.k),
+        [c](uint32_t seed) {
+          return TopKRun(c, TopKVariant{"page_flags", false, false, true, 0, 0}, seed, true);
+        });
   }
 }
 
@@ -473,7 +500,10 @@ struct ReplaceShape {
 // Regions of distinct pages with a fifth of the slots empty (anything outside them, which
 // must stay untouched); selections of up to k distinct pages, about half of them resident
 // (hits), best first; every selected page with a host page and some others without one.
-OpRun ReplaceRun(const ReplaceShape& c, bool mask, bool misses, uint32_t seed) {
+// With `corrupt`, tables no TopK makes: repeated pages in the region (later copies are
+// evicted) and in the selection (a repeat is a hit), and negative entries other than -1.
+OpRun ReplaceRun(const ReplaceShape& c, bool mask, bool misses, uint32_t seed,
+                 bool corrupt = false) {
   const int32_t B = c.batch, H = c.kv_heads, S = c.num_slots, K = c.k, P = c.max_pages;
   const SlotTableLayout tl{H, S};
   std::mt19937 rng(seed);
@@ -508,6 +538,18 @@ OpRun ReplaceRun(const ReplaceShape& c, bool mask, bool misses, uint32_t seed) {
         sel.push_back(pages[j]);  // not in the region: a miss
       }
       std::shuffle(sel.begin(), sel.end(), rng);
+      if (corrupt && !sel.empty()) {
+        for (int32_t s = c.region_begin; s < c.region_begin + K; ++s) {
+          int32_t& e = slot_table[tl.Offset(b, h, s)];
+          const int32_t r = Uniform(rng, 0, 9);
+          if (r == 0) e = -5;
+          if (r == 1) e = slot_table[tl.Offset(b, h, Uniform(rng, c.region_begin, s))];
+        }
+        for (size_t j = 1; j < sel.size(); ++j) {
+          const int32_t earlier = Uniform(rng, 0, static_cast<int32_t>(j) - 1);
+          if (Chance(rng, 0.1)) sel[j] = sel[static_cast<size_t>(earlier)];
+        }
+      }
       for (int32_t i = 0; i < K; ++i) {
         const int32_t page =
             i < static_cast<int32_t>(sel.size()) ? sel[static_cast<size_t>(i)] : kEmptySlot;
@@ -568,6 +610,18 @@ void AddReplaceCases(std::vector<OpCase>& cases) {
           absl::StrFormat("Replace_b%d_hkv%d_s%d_r%d_k%d_p%d_%s", c.batch, c.kv_heads, c.num_slots,
                           c.region_begin, c.k, c.max_pages, v.name),
           [c, v](uint32_t seed) { return ReplaceRun(c, v.mask, v.misses, seed); });
+    }
+  }
+  // The GPU's shared page indexes at their largest (k = 1024, regions partly resident) and
+  // corrupt tables, and a region beyond them (k = 1100, the scanning fallback).
+  for (const ReplaceShape& c :
+       {ReplaceShape{2, 4, 1100, 40, 1024, 4096}, ReplaceShape{1, 2, 1100, 0, 1100, 3000},
+        ReplaceShape{3, 2, 40, 4, 33, 100}}) {
+    for (const bool corrupt : {false, true}) {
+      Add(cases,
+          absl::StrFormat("Replace_b%d_hkv%d_s%d_r%d_k%d_p%d_%s", c.batch, c.kv_heads, c.num_slots,
+                          c.region_begin, c.k, c.max_pages, corrupt ? "corrupt" : "masked"),
+          [c, corrupt](uint32_t seed) { return ReplaceRun(c, true, true, seed, corrupt); });
     }
   }
 }
