@@ -1,5 +1,6 @@
 #include "offload/page_offloader.h"
 
+#include <cstring>
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
@@ -32,7 +33,8 @@ absl::StatusOr<std::vector<OffloadItem>> PlanOffload(std::span<const int64_t> sr
 
 absl::StatusOr<std::unique_ptr<PageOffloader>> PageOffloader::Create(const Geometry& geometry,
                                                                      Backend& backend,
-                                                                     PagePool& pool) {
+                                                                     PagePool& pool,
+                                                                     StagingRing* ring) {
   if (pool.slot_stride() != geometry.host_page_bytes()) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "page pool stride %d bytes != host page size %d bytes of geometry %s: make the pool "
@@ -40,7 +42,7 @@ absl::StatusOr<std::unique_ptr<PageOffloader>> PageOffloader::Create(const Geome
         pool.slot_stride(), geometry.host_page_bytes(), geometry.ToString(),
         PagePool::kSlotAlignment));
   }
-  return std::unique_ptr<PageOffloader>(new PageOffloader(geometry, backend, pool));
+  return std::unique_ptr<PageOffloader>(new PageOffloader(geometry, backend, pool, ring));
 }
 
 PageOffloader::~PageOffloader() { (void)Drain(); }
@@ -140,7 +142,18 @@ absl::Status PageOffloader::OffloadPages(Stream& stream, PageTable& table,
   Batch batch;
   KVTIER_ASSIGN_OR_RETURN(batch.items,
                           PlanOffload(request.src_slots, host_pages, request.logical_pages));
-  KVTIER_ASSIGN_OR_RETURN(batch.device_items, backend_.Allocate(n * sizeof(OffloadItem)));
+  const size_t bytes = n * sizeof(OffloadItem);
+  if (ring_ != nullptr && bytes <= ring_->capacity() / 8) {
+    const StagingRing::Block b = ring_->TryAcquire(bytes);
+    if (b.data != nullptr) {
+      std::memcpy(b.data, batch.items.data(), bytes);
+      batch.staged = reinterpret_cast<const OffloadItem*>(b.data);
+      batch.ticket = b.ticket;
+    }
+  }
+  if (batch.staged == nullptr) {
+    KVTIER_ASSIGN_OR_RETURN(batch.device_items, backend_.Allocate(bytes));
+  }
   KVTIER_RETURN_IF_ERROR(Enqueue(stream, request, std::move(batch)));
   for (size_t i = 0; i < n; ++i) {
     // Validate() ruled out every reason Insert could fail.
@@ -160,16 +173,21 @@ OffloadArgs PageOffloader::MakeArgs(const OffloadRequest& request, const Batch& 
   a.num_host_pages = pool_.num_slots();
   a.summaries = request.summaries;
   a.num_summary_pages = request.num_summary_pages;
-  a.items = batch.device_items.as<const OffloadItem>();
+  a.items = batch.staged != nullptr ? batch.staged : batch.device_items.as<const OffloadItem>();
   a.num_items = static_cast<int32_t>(batch.items.size());
   return a;
 }
 
 absl::Status PageOffloader::Enqueue(Stream& stream, const OffloadRequest& request, Batch batch) {
   const OffloadArgs args = MakeArgs(request, batch);
-  KVTIER_RETURN_IF_ERROR(ValidateArgs(args));
-  KVTIER_RETURN_IF_ERROR(backend_.Copy(stream, batch.device_items.data(), batch.items.data(),
-                                       batch.items.size() * sizeof(OffloadItem)));
+  if (absl::Status st = ValidateArgs(args); !st.ok()) {
+    if (ring_ != nullptr) ring_->Release(batch.ticket);
+    return st;
+  }
+  if (batch.staged == nullptr) {
+    KVTIER_RETURN_IF_ERROR(backend_.Copy(stream, batch.device_items.data(), batch.items.data(),
+                                         batch.items.size() * sizeof(OffloadItem)));
+  }
   // The upload is enqueued: whatever happens next, `batch` must outlive it.
   const absl::Status enqueued = backend_.Offload(stream, args);
   const absl::Status parked = Park(stream, std::move(batch));
@@ -184,7 +202,9 @@ absl::Status PageOffloader::Park(Stream& stream, Batch batch) {
     return absl::OkStatus();
   }
   // No event to track the work: wait for it here, then `batch` may go.
-  return stream.Synchronize();
+  absl::Status st = stream.Synchronize();
+  if (ring_ != nullptr) ring_->Release(batch.ticket);
+  return st;
 }
 
 absl::StatusOr<std::unique_ptr<Event>> PageOffloader::TakeEvent() {
@@ -198,6 +218,7 @@ void PageOffloader::Reap() {
   size_t kept = 0;
   for (size_t i = 0; i < in_flight_.size(); ++i) {
     if (in_flight_[i].done->Query()) {
+      if (ring_ != nullptr) ring_->Release(in_flight_[i].ticket);
       spare_events_.push_back(std::move(in_flight_[i].done));
     } else {
       if (kept != i) in_flight_[kept] = std::move(in_flight_[i]);
@@ -212,6 +233,7 @@ absl::Status PageOffloader::Drain() {
   for (Batch& batch : in_flight_) {
     absl::Status s = batch.done->Wait();
     if (first.ok() && !s.ok()) first = s;
+    if (ring_ != nullptr) ring_->Release(batch.ticket);
     spare_events_.push_back(std::move(batch.done));
   }
   in_flight_.clear();

@@ -24,6 +24,7 @@
 #include "kernels/ops.h"
 #include "kvtier/geometry.h"
 #include "offload/page_pool.h"
+#include "offload/staging_ring.h"
 #include "offload/page_table.h"
 
 namespace kvtier {
@@ -53,8 +54,12 @@ class PageOffloader {
   // INVALID_ARGUMENT unless pool.slot_stride() == geometry.host_page_bytes() (the ops index
   // host page i at base + i · host_page_bytes). REQUIRES: `geometry` is validated; `backend`
   // and `pool` outlive the offloader, and the pool's memory is registered with `backend`.
+  // `ring`: where item lists are staged for the op to read in place, so an offload on the
+  // decode path allocates nothing (null, or a list too large for it: a device buffer, a
+  // counted allocation); it must outlive the offloader.
   static absl::StatusOr<std::unique_ptr<PageOffloader>> Create(const Geometry& geometry,
-                                                               Backend& backend, PagePool& pool);
+                                                               Backend& backend, PagePool& pool,
+                                                               StagingRing* ring = nullptr);
   PageOffloader(const PageOffloader&) = delete;
   PageOffloader& operator=(const PageOffloader&) = delete;
   // Waits for the uploads still in flight (Drain).
@@ -88,12 +93,14 @@ class PageOffloader {
   // An uploaded item list, kept until `done` fires.
   struct Batch {
     std::vector<OffloadItem> items;  // host copy: the upload's source
-    DeviceBuffer device_items;       // the op's argument
+    DeviceBuffer device_items;       // the op's argument, or
+    const OffloadItem* staged = nullptr;  // the list in a block of the ring
+    uint64_t ticket = 0;
     std::unique_ptr<Event> done;
   };
 
-  PageOffloader(const Geometry& geometry, Backend& backend, PagePool& pool)
-      : geometry_(geometry), backend_(backend), pool_(pool) {}
+  PageOffloader(const Geometry& geometry, Backend& backend, PagePool& pool, StagingRing* ring)
+      : geometry_(geometry), backend_(backend), pool_(pool), ring_(ring) {}
 
   absl::Status Validate(const PageTable& table, const OffloadRequest& request) const;
   absl::StatusOr<std::vector<PageHandle>> AllocatePages(size_t count);
@@ -110,6 +117,7 @@ class PageOffloader {
   const Geometry geometry_;
   Backend& backend_;
   PagePool& pool_;
+  StagingRing* const ring_;
   std::vector<Batch> in_flight_;
   std::vector<std::unique_ptr<Event>> spare_events_;
 };

@@ -72,6 +72,55 @@ absl::Status RetrieverImpl::Allocate(DeviceBuffer* buf, size_t bytes) {
   return absl::OkStatus();
 }
 
+absl::Status RetrieverImpl::Allocate(DeviceBuffer* buf, size_t bytes, int32_t layer, Field field) {
+  KVTIER_ASSIGN_OR_RETURN(*buf, shared_->View(layer, field, bytes, slot_));
+  return absl::OkStatus();
+}
+
+size_t RetrieverImpl::RingBytes(const Geometry& g, const SequenceOptions& o) {
+  // Per layer-step at most: the live counts, the host-owned table entries, the host page of
+  // the pages filled, a foreground and a background statistics record (the slot table of
+  // the working set), and, for policies that read attention, the probe. Records stay until
+  // the next steps collect them: room for four steps of every layer, and the probes of two.
+  const size_t hkv = g.num_kv_heads;
+  const size_t slots = static_cast<size_t>(o.sink_pages) + o.selected_pages + o.recent_pages;
+  const size_t a = StagingRing::kAlign;
+  const auto round = [a](size_t b) { return (b + a - 1) / a * a + a; };
+  const size_t record = round(hkv * (4 + 1 + 4 + 4) + hkv * slots * 4);
+  const size_t uploads = round(16 * 4096) + 2 * round(hkv * slots * 4) + round(8 * o.recent_pages);
+  size_t per_layer = 2 * record + uploads;
+  size_t bytes = 4 * per_layer * g.num_layers;
+  if (!o.policy.is_default()) {
+    const size_t probe = round(static_cast<size_t>(g.num_q_heads) * slots * g.page_size * 4) +
+                         round(hkv * slots * 4);
+    bytes += 2 * probe * g.num_layers + (size_t{1} << 20);
+  }
+  return std::max<size_t>(bytes, size_t{256} << 10);
+}
+
+absl::StatusOr<StagingRing::Block> RetrieverImpl::Stage(size_t bytes) {
+  StagingRing& ring = shared_->ring();
+  if (bytes > ring.capacity() / 4) return StagingRing::Block{};
+  StagingRing::Block b = ring.TryAcquire(bytes);
+  if (b.data != nullptr) return b;
+  Reap();
+  (void)Collect(/*block=*/false);
+  b = ring.TryAcquire(bytes);
+  if (b.data != nullptr) return b;
+  // Everything staged is still in flight: wait for it (counted, as every blocking call).
+  KVTIER_RETURN_IF_ERROR(compute_->Synchronize());
+  KVTIER_RETURN_IF_ERROR(recall_->Synchronize());
+  Reap();
+  KVTIER_RETURN_IF_ERROR(Collect(/*block=*/true));
+  b = ring.TryAcquire(bytes);
+  if (b.data == nullptr) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "staging ring: %d bytes asked, %d of %d in use by work not yet reaped", bytes,
+        ring.in_use(), ring.capacity()));
+  }
+  return b;
+}
+
 absl::StatusOr<std::unique_ptr<Event>> RetrieverImpl::TakeEvent() {
   if (!spare_events_.empty()) {
     std::unique_ptr<Event> e = std::move(spare_events_.back());
@@ -141,25 +190,25 @@ absl::Status RetrieverImpl::Init() {
   if (!(options_.softmax_scale >= 0.0f)) return bad("sequence.softmax_scale must be >= 0");
   scale_ = options_.softmax_scale > 0 ? options_.softmax_scale
                                       : 1.0f / std::sqrt(float(geometry_.head_dim));
+  if (has_host_tier() && pool_ == nullptr) {
+    return bad(absl::StrFormat("sequence mode %s needs a host page pool",
+                               RetrievalModeName(options_.mode)));
+  }
+  if (shared_ == nullptr) {
+    KVTIER_ASSIGN_OR_RETURN(shared_, BatchShared::Create(geometry_, options_, backend_,
+                                                         /*max_batch=*/1,
+                                                         RingBytes(geometry_, options_)));
+  }
+  KVTIER_ASSIGN_OR_RETURN(slot_, shared_->TakeSlot());
+  compute_ = &shared_->compute();
+  recall_ = &shared_->recall();
+  xform_fg_ = &shared_->xform_fg();
+  xform_bg_ = &shared_->xform_bg();
+  dma_ = &shared_->dma();
   if (has_host_tier()) {
-    if (pool_ == nullptr) {
-      return bad(absl::StrFormat("sequence mode %s needs a host page pool",
-                                 RetrievalModeName(options_.mode)));
-    }
-    KVTIER_ASSIGN_OR_RETURN(offloader_, PageOffloader::Create(geometry_, backend_, *pool_));
+    KVTIER_ASSIGN_OR_RETURN(offloader_,
+                            PageOffloader::Create(geometry_, backend_, *pool_, &shared_->ring()));
   }
-
-  if (options_.compute_stream != nullptr) {
-    compute_ = options_.compute_stream;
-  } else {
-    KVTIER_ASSIGN_OR_RETURN(own_compute_, backend_.CreateStream());
-    compute_ = own_compute_.get();
-  }
-  // Background work runs at low priority so it yields to attention.
-  KVTIER_ASSIGN_OR_RETURN(recall_, backend_.CreateStream(StreamPriority::kLow));
-  KVTIER_ASSIGN_OR_RETURN(xform_fg_, backend_.CreateStream());
-  KVTIER_ASSIGN_OR_RETURN(xform_bg_, backend_.CreateStream(StreamPriority::kLow));
-  KVTIER_ASSIGN_OR_RETURN(dma_, backend_.CreateStream(StreamPriority::kLow));
   KVTIER_ASSIGN_OR_RETURN(sync_compute_, backend_.CreateEvent());
   KVTIER_ASSIGN_OR_RETURN(sync_recall_, backend_.CreateEvent());
   KVTIER_ASSIGN_OR_RETURN(sync_dma_, backend_.CreateEvent());
@@ -175,30 +224,55 @@ absl::Status RetrieverImpl::Init() {
   layers_.resize(geometry_.num_layers);
   stats_.corrections.assign(static_cast<size_t>(geometry_.num_layers) * hkv, 0);
   const bool managed = options_.mode == RetrievalMode::kDrop && policies_on();
-  for (LayerState& l : layers_) {
+  if (managed && shared_->max_batch() > 1) {
+    return bad("sequence: a drop-mode working set managed by policies changes size, so it "
+               "cannot share a batch");
+  }
+  for (int32_t li = 0; li < geometry_.num_layers; ++li) {
+    LayerState& l = layers_[li];
+    const auto field = [&](DeviceBuffer* buf, size_t bytes, Field f) {
+      return Allocate(buf, bytes, li, f);
+    };
     if (managed)
       l.ws.managed = std::make_unique<HeadSlotTable>(geometry_.num_kv_heads, min_capacity_);
     const int32_t slots = Slots(l);
-    KVTIER_RETURN_IF_ERROR(Allocate(&l.ws.k, slots * slot_bytes));
-    KVTIER_RETURN_IF_ERROR(Allocate(&l.ws.v, slots * slot_bytes));
-    KVTIER_RETURN_IF_ERROR(Allocate(&l.ws.table, hkv * slots * sizeof(int32_t)));
-    KVTIER_RETURN_IF_ERROR(Allocate(&l.ws.counts, sizeof(LayerCounts)));
-    KVTIER_RETURN_IF_ERROR(Allocate(&l.select.q_cur, q_bytes()));
-    KVTIER_RETURN_IF_ERROR(Allocate(&l.select.q_prev, q_bytes()));
+    if (managed) {  // resized by the policies: buffers of its own
+      KVTIER_RETURN_IF_ERROR(Allocate(&l.ws.k, slots * slot_bytes));
+      KVTIER_RETURN_IF_ERROR(Allocate(&l.ws.v, slots * slot_bytes));
+      KVTIER_RETURN_IF_ERROR(Allocate(&l.ws.table, hkv * slots * sizeof(int32_t)));
+    } else {
+      KVTIER_RETURN_IF_ERROR(field(&l.ws.k, slots * slot_bytes, Field::kK));
+      KVTIER_RETURN_IF_ERROR(field(&l.ws.v, slots * slot_bytes, Field::kV));
+      KVTIER_RETURN_IF_ERROR(field(&l.ws.table, hkv * slots * sizeof(int32_t), Field::kTable));
+    }
+    KVTIER_RETURN_IF_ERROR(shared_->EnsureCounts(li));
+    l.ws.counts.full_pages = shared_->live(li, kFullPages, slot_);
+    l.ws.counts.candidates = shared_->live(li, kCandidates, slot_);
+    l.ws.counts.partial_page = shared_->live(li, kPartialPage, slot_);
+    l.ws.counts.partial_len = shared_->live(li, kPartialLen, slot_);
+    l.ws.counts.full_at_end = shared_->end(li, kFullAtEnd, slot_);
+    l.ws.counts.cand_at_end = shared_->end(li, kCandAtEnd, slot_);
+    UpdateCounts(li);
+    KVTIER_RETURN_IF_ERROR(field(&l.select.q_cur, q_bytes(), Field::kQCur));
+    KVTIER_RETURN_IF_ERROR(field(&l.select.q_prev, q_bytes(), Field::kQPrev));
     if (select) {
+      KVTIER_RETURN_IF_ERROR(field(
+          &l.host.summaries, static_cast<size_t>(max_pages_) * geometry_.summary_bytes(),
+          Field::kSummaries));
       KVTIER_RETURN_IF_ERROR(
-          Allocate(&l.host.summaries, static_cast<size_t>(max_pages_) * geometry_.summary_bytes()));
+          field(&l.host.page_of, static_cast<size_t>(max_pages_) * sizeof(int64_t), Field::kPageOf));
       KVTIER_RETURN_IF_ERROR(
-          Allocate(&l.host.page_of, static_cast<size_t>(max_pages_) * sizeof(int64_t)));
-      KVTIER_RETURN_IF_ERROR(Allocate(&l.select.pooled, hkv * max_pages_ * sizeof(float)));
-      KVTIER_RETURN_IF_ERROR(Allocate(&l.select.selected, hkv * kk * sizeof(int32_t)));
-      KVTIER_RETURN_IF_ERROR(Allocate(&l.select.items, hkv * kk * sizeof(RecallItem)));
-      KVTIER_RETURN_IF_ERROR(Allocate(&l.select.num_misses, hkv * sizeof(int32_t)));
-      KVTIER_RETURN_IF_ERROR(Allocate(&l.select.drifted, hkv));
-      KVTIER_RETURN_IF_ERROR(Allocate(&l.select.group_mean, hkv * sizeof(float)));
+          field(&l.select.pooled, hkv * max_pages_ * sizeof(float), Field::kPooled));
+      KVTIER_RETURN_IF_ERROR(
+          field(&l.select.selected, hkv * kk * sizeof(int32_t), Field::kSelected));
+      KVTIER_RETURN_IF_ERROR(field(&l.select.items, hkv * kk * sizeof(RecallItem), Field::kItems));
+      KVTIER_RETURN_IF_ERROR(
+          field(&l.select.num_misses, hkv * sizeof(int32_t), Field::kNumMisses));
+      KVTIER_RETURN_IF_ERROR(field(&l.select.drifted, hkv, Field::kDrifted));
+      KVTIER_RETURN_IF_ERROR(field(&l.select.group_mean, hkv * sizeof(float), Field::kGroupMean));
       if (mass_trigger()) {
-        KVTIER_RETURN_IF_ERROR(Allocate(&l.select.fresh, hkv * kk * sizeof(int32_t)));
-        KVTIER_RETURN_IF_ERROR(Allocate(&l.select.lost_mass, hkv * sizeof(float)));
+        KVTIER_RETURN_IF_ERROR(field(&l.select.fresh, hkv * kk * sizeof(int32_t), Field::kFresh));
+        KVTIER_RETURN_IF_ERROR(field(&l.select.lost_mass, hkv * sizeof(float), Field::kLostMass));
       }
       if (dma()) {
         KVTIER_ASSIGN_OR_RETURN(
@@ -212,9 +286,8 @@ absl::Status RetrieverImpl::Init() {
     for (auto* e : {&l.recall.attn_done, &l.recall.done, &l.ready, &l.recall.plan_ready}) {
       KVTIER_ASSIGN_OR_RETURN(*e, backend_.CreateEvent());
     }
-    // Empty slot tables (0xFF bytes = −1), zero counts, zero previous query (cosine 0).
+    // Empty slot tables (0xFF bytes = −1), zero previous query (cosine 0).
     KVTIER_RETURN_IF_ERROR(backend_.Memset(*compute_, l.ws.table.data(), 0xFF, l.ws.table.size()));
-    KVTIER_RETURN_IF_ERROR(backend_.Memset(*compute_, l.ws.counts.data(), 0, l.ws.counts.size()));
     KVTIER_RETURN_IF_ERROR(
         backend_.Memset(*compute_, l.select.q_prev.data(), 0, l.select.q_prev.size()));
     if (select) {
@@ -224,8 +297,13 @@ absl::Status RetrieverImpl::Init() {
           backend_.Memset(*compute_, l.host.summaries.data(), 0, l.host.summaries.size()));
     }
     l.ws.table_mirror.assign(hkv * slots_per_layer_, kEmptySlot);
-    KVTIER_RETURN_IF_ERROR(InitLayerPolicies(l));
+    KVTIER_RETURN_IF_ERROR(InitLayerPolicies(li));
   }
+  // The attention workspace, for the largest attention this sequence (or its batch) runs.
+  LayerState& l0 = layers_[0];
+  SparseAttentionArgs probe = AttentionArgs(l0, nullptr, nullptr, nullptr);
+  probe.batch = shared_->max_batch();
+  KVTIER_RETURN_IF_ERROR(shared_->ReserveWorkspace(backend_.SparseAttentionWorkspaceBytes(probe)));
   return Wait();
 }
 
@@ -242,19 +320,31 @@ absl::Status RetrieverImpl::CheckCall(int32_t layer, std::string_view what) cons
 }
 
 absl::Status RetrieverImpl::Upload(Stream& s, void* dst, const void* src, size_t bytes) {
-  auto buf = std::make_unique<uint8_t[]>(bytes);
-  std::memcpy(buf.get(), src, bytes);
-  KVTIER_RETURN_IF_ERROR(backend_.Copy(s, dst, buf.get(), bytes));
-  staged_.push_back(std::move(buf));
-  return absl::OkStatus();
+  KVTIER_ASSIGN_OR_RETURN(StagingRing::Block b, Stage(bytes));
+  if (b.data == nullptr) {
+    // Too large for the ring (a restore, a policy's bulk upload): ordinary memory, whose copy
+    // the backend may serve synchronously.
+    auto buf = std::make_unique<uint8_t[]>(bytes);
+    std::memcpy(buf.get(), src, bytes);
+    KVTIER_RETURN_IF_ERROR(backend_.Copy(s, dst, buf.get(), bytes));
+    staged_.push_back(std::move(buf));
+    return absl::OkStatus();
+  }
+  std::memcpy(b.data, src, bytes);
+  staged_tickets_.push_back(b.ticket);
+  return backend_.Copy(s, dst, b.data, bytes);
 }
 
 absl::Status RetrieverImpl::Park(Stream& s) {
   Reap();
-  if (staged_.empty() && staged_device_.empty()) return absl::OkStatus();
+  if (staged_.empty() && staged_device_.empty() && staged_tickets_.empty()) {
+    return absl::OkStatus();
+  }
   Parked p;
   p.buffers = std::move(staged_);
   staged_.clear();
+  p.tickets = std::move(staged_tickets_);
+  staged_tickets_.clear();
   p.device = std::move(staged_device_);
   staged_device_.clear();
   KVTIER_ASSIGN_OR_RETURN(p.done, TakeEvent());
@@ -265,6 +355,7 @@ absl::Status RetrieverImpl::Park(Stream& s) {
 
 void RetrieverImpl::Reap() {
   while (!parked_.empty() && parked_.front().done->Query()) {
+    for (uint64_t t : parked_.front().tickets) shared_->ring().Release(t);
     spare_events_.push_back(std::move(parked_.front().done));
     parked_.pop_front();
   }
@@ -307,15 +398,32 @@ absl::Status RetrieverImpl::UploadTable(LayerState& l) {
   return absl::OkStatus();
 }
 
-absl::Status RetrieverImpl::UploadCounts(LayerState& l) {
+void RetrieverImpl::UpdateCounts(int32_t layer) {
+  const LayerState& l = layers_[layer];
   const int32_t p = geometry_.page_size;
-  LayerCounts counts;
-  counts.full_pages = l.tokens / p;
-  counts.partial_page = l.tokens % p == 0 ? -1 : l.tokens / p;
-  counts.partial_len = l.tokens % p;
-  // Not the snapshot: the background selection in flight reads it.
-  return Upload(*compute_, l.ws.counts.data(), &counts,
-                offsetof(LayerCounts, full_pages_at_end_step));
+  const int32_t full = l.tokens / p;
+  *shared_->mirror(layer, kFullPages, slot_) = full;
+  *shared_->mirror(layer, kCandidates, slot_) = full - RecentFull(l);
+  *shared_->mirror(layer, kPartialPage, slot_) = l.tokens % p == 0 ? -1 : full;
+  *shared_->mirror(layer, kPartialLen, slot_) = l.tokens % p;
+  shared_->MarkCountsDirty(layer);
+}
+
+absl::Status RetrieverImpl::UploadCountsIfDirty(int32_t layer) {
+  if (!shared_->counts_dirty(layer)) return absl::OkStatus();
+  // The live rows only, of the whole batch: the snapshot rows are the background
+  // selection's, and every other sequence's column is its current value.
+  KVTIER_ASSIGN_OR_RETURN(StagingRing::Block b, Stage(shared_->counts_bytes()));
+  if (b.data == nullptr) {
+    std::vector<int32_t> tmp(shared_->counts_bytes() / sizeof(int32_t));
+    shared_->TakeCounts(layer, tmp.data());
+    return Upload(*compute_, shared_->live(layer, kFullPages, 0), tmp.data(),
+                  shared_->counts_bytes());
+  }
+  shared_->TakeCounts(layer, b.data);
+  staged_tickets_.push_back(b.ticket);
+  return backend_.Copy(*compute_, shared_->live(layer, kFullPages, 0), b.data,
+                       shared_->counts_bytes());
 }
 
 absl::Status RetrieverImpl::FlushOffloads(int32_t layer, std::vector<PageHandle>* restoring) {
@@ -451,6 +559,14 @@ absl::Status RetrieverImpl::Restore(int32_t layer, std::vector<PageHandle> pages
 }
 
 absl::Status RetrieverImpl::Append(int32_t layer, const void* k, const void* v, int32_t n_tokens) {
+  const HostCalls start = ThreadHostCalls();
+  absl::Status st = AppendChecked(layer, k, v, n_tokens);
+  Meter(layer, start);
+  return st;
+}
+
+absl::Status RetrieverImpl::AppendChecked(int32_t layer, const void* k, const void* v,
+                                          int32_t n_tokens) {
   KVTIER_RETURN_IF_ERROR(CheckCall(layer, "Append"));
   if (k == nullptr || v == nullptr) {
     return absl::InvalidArgumentError("Append: k and v must be non-null");
@@ -528,19 +644,22 @@ absl::Status RetrieverImpl::AppendTokens(int32_t layer, const void* k, const voi
   }
   absl::Status st = FlushOffloads(layer, restoring);
   if (st.ok()) st = UploadTable(l);
-  if (st.ok()) st = UploadCounts(l);
+  UpdateCounts(layer);
   if (st.ok()) st = Park(*compute_);
   if (!st.ok()) return Fail(st);
   if (restoring == nullptr) stats_.appended_tokens += n_tokens;
   return absl::OkStatus();
 }
 
-absl::Status RetrieverImpl::RecallPlan(Stream& s, RecallPath path, LayerState& l) {
-  const int32_t n = geometry_.num_kv_heads * selected_pages();
+absl::Status RetrieverImpl::RecallPlan(Stream& s, RecallPath path, LayerState& l, int32_t batch) {
   if (path == RecallPath::kGather || !dma()) {
-    return backend_.Recall(
-        s, ZeroCopyRecallArgs(geometry_, Target(l), l.select.items.as<RecallItem>(), n));
+    return backend_.Recall(s, ZeroCopyRecallArgs(geometry_, Target(l, batch),
+                                                 l.select.items.as<RecallItem>(),
+                                                 batch * geometry_.num_kv_heads * selected_pages()));
   }
+  // DMA strategies drive one sequence (a batch recalls zero-copy).
+  KVTIER_CHECK(batch == 1);
+  const int32_t n = geometry_.num_kv_heads * selected_pages();
   // The copy engines are driven from the host: the plan goes to the layer's host plan buffer.
   KVTIER_RETURN_IF_ERROR(
       backend_.Copy(s, l.recall.recaller->plan(), l.select.items.data(), n * sizeof(RecallItem)));
@@ -560,9 +679,9 @@ absl::Status RetrieverImpl::RecallPlan(Stream& s, RecallPath path, LayerState& l
   return l.recall.recaller->Enqueue(s, *xform_fg_, n, Target(l)).status();
 }
 
-RecallTarget RetrieverImpl::Target(const LayerState& l) const {
+RecallTarget RetrieverImpl::Target(const LayerState& l, int32_t n) const {
   return RecallTarget{pool_->base(), pool_->num_slots(), l.ws.k.data(), l.ws.v.data(),
-                      slots_per_layer_};
+                      n * slots_per_layer_};
 }
 
 absl::Status RetrieverImpl::LaunchPlanned(LayerState& l) {
@@ -640,34 +759,54 @@ absl::Status RetrieverImpl::RecordStats(Stream& s, int32_t layer, int64_t step, 
   r.background = background;
   r.checked = checked;
   const size_t hkv = geometry_.num_kv_heads;
-  if (l.select.num_misses.data() != nullptr) {  // selecting modes
-    r.misses.resize(hkv);
-    KVTIER_RETURN_IF_ERROR(
-        backend_.Copy(s, r.misses.data(), l.select.num_misses.data(), hkv * sizeof(int32_t)));
+  const bool selects = l.select.num_misses.data() != nullptr;
+  const bool mass = checked && mass_trigger();
+  const int32_t slots = background ? 0 : Slots(l);
+  // One block: misses, group means, lost mass, slot table, drift flags (4-byte fields first).
+  const size_t misses = selects ? hkv * sizeof(int32_t) : 0;
+  const size_t means = checked ? hkv * sizeof(float) : 0;
+  const size_t lost = mass ? hkv * sizeof(float) : 0;
+  const size_t table = hkv * static_cast<size_t>(slots) * sizeof(int32_t);
+  const size_t flags = checked ? hkv : 0;
+  const size_t total = misses + means + lost + table + flags;
+  if (total == 0) return absl::OkStatus();
+  KVTIER_ASSIGN_OR_RETURN(StagingRing::Block b, Stage(total));
+  if (b.data == nullptr) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "layer %d: a statistics record of %d bytes exceeds the staging ring", layer, total));
   }
-  if (checked) {
-    r.drifted.resize(hkv);
-    r.group_mean.resize(hkv);
-    KVTIER_RETURN_IF_ERROR(backend_.Copy(s, r.drifted.data(), l.select.drifted.data(), hkv));
-    KVTIER_RETURN_IF_ERROR(
-        backend_.Copy(s, r.group_mean.data(), l.select.group_mean.data(), hkv * sizeof(float)));
-    if (mass_trigger()) {
-      r.lost_mass.resize(hkv);
-      KVTIER_RETURN_IF_ERROR(
-          backend_.Copy(s, r.lost_mass.data(), l.select.lost_mass.data(), hkv * sizeof(float)));
+  r.ticket = b.ticket;
+  uint8_t* at = b.data;
+  absl::Status st;
+  const auto take = [&](size_t bytes, const void* src) -> uint8_t* {
+    uint8_t* dst = at;
+    at += bytes;
+    if (bytes > 0 && st.ok()) st = backend_.Copy(s, dst, src, bytes);
+    return bytes > 0 ? dst : nullptr;
+  };
+  r.misses = reinterpret_cast<const int32_t*>(take(misses, l.select.num_misses.data()));
+  r.group_mean = reinterpret_cast<const float*>(take(means, l.select.group_mean.data()));
+  r.lost_mass = reinterpret_cast<const float*>(take(lost, l.select.lost_mass.data()));
+  r.slot_table = reinterpret_cast<const int32_t*>(take(table, l.ws.table.data()));
+  r.num_slots = slots;
+  r.drifted = take(flags, l.select.drifted.data());
+  if (st.ok()) {
+    absl::StatusOr<std::unique_ptr<Event>> e = TakeEvent();
+    if (e.ok()) {
+      r.done = *std::move(e);
+      st = s.Record(*r.done);
+    } else {
+      st = e.status();
     }
   }
-  if (!background) {
-    r.num_slots = Slots(l);
-    r.slot_table.resize(hkv * static_cast<size_t>(r.num_slots));
-    KVTIER_RETURN_IF_ERROR(backend_.Copy(s, r.slot_table.data(), l.ws.table.data(),
-                                         r.slot_table.size() * sizeof(int32_t)));
+  if (!st.ok()) {
+    // Copies may be queued into the block: it goes back once the stream has run them.
+    (void)s.Synchronize();
+    shared_->ring().Release(r.ticket);
+    return st;
   }
-  KVTIER_ASSIGN_OR_RETURN(r.done, TakeEvent());
-  absl::Status st = s.Record(*r.done);
-  // Queued even on error: the copies above were enqueued and write into r's vectors.
   records_.push_back(std::move(r));
-  return st;
+  return absl::OkStatus();
 }
 
 absl::Status RetrieverImpl::Collect(bool block) {
@@ -680,8 +819,11 @@ absl::Status RetrieverImpl::Collect(bool block) {
       break;
     }
     LayerState& l = layers_[r.layer];
+    const size_t hkv = geometry_.num_kv_heads;
     int64_t pages = 0;
-    for (int32_t m : r.misses) pages += m;
+    if (r.misses != nullptr) {
+      for (size_t h = 0; h < hkv; ++h) pages += r.misses[h];
+    }
     stats_.recalled_pages += pages;
     stats_.recalled_bytes +=
         pages * static_cast<int64_t>(geometry_.slab_elements() * static_cast<int64_t>(elem()));
@@ -693,7 +835,7 @@ absl::Status RetrieverImpl::Collect(bool block) {
       st.step = r.step;
       st.correction_pages = pages;
       st.num_slots = r.num_slots;
-      st.slot_table = std::move(r.slot_table);
+      st.slot_table.assign(r.slot_table, r.slot_table + hkv * static_cast<size_t>(r.num_slots));
       if (r.checked) {
         for (int32_t h = 0; h < geometry_.num_kv_heads; ++h) {
           const bool d = r.drifted[h] != 0;
@@ -702,19 +844,21 @@ absl::Status RetrieverImpl::Collect(bool block) {
         }
         stats_.checked_heads += geometry_.num_kv_heads;
         stats_.corrected_heads += st.corrected_heads;
-        st.drifted = r.drifted;
-        st.group_mean = r.group_mean;
-        st.lost_mass = r.lost_mass;
+        st.drifted.assign(r.drifted, r.drifted + hkv);
+        st.group_mean.assign(r.group_mean, r.group_mean + hkv);
+        if (r.lost_mass != nullptr) st.lost_mass.assign(r.lost_mass, r.lost_mass + hkv);
       }
       l.last = std::move(st);
     }
+    shared_->ring().Release(r.ticket);
     spare_events_.push_back(std::move(r.done));
     records_.pop_front();
   }
   return absl::OkStatus();
 }
 
-absl::StatusOr<WorkingSetView> RetrieverImpl::BeginStep(int32_t layer, const void* q) {
+absl::StatusOr<RetrieverImpl::BeginPath> RetrieverImpl::BeginHost(int32_t layer, const void* q,
+                                                                   bool copy_q) {
   KVTIER_RETURN_IF_ERROR(CheckCall(layer, "BeginStep"));
   if (q == nullptr) return absl::InvalidArgumentError("BeginStep: q must be non-null");
   LayerState& l = layers_[layer];
@@ -738,7 +882,6 @@ absl::StatusOr<WorkingSetView> RetrieverImpl::BeginStep(int32_t layer, const voi
   }
   (void)Collect(/*block=*/false);
   Stream& c = *compute_;
-  const uint8_t* no_mask = nullptr;
   const bool speculative = options_.mode == RetrievalMode::kSpeculative;
   absl::Status st;
   // The background recall writes the working set and reads the policy buffers: wait for it
@@ -746,28 +889,47 @@ absl::StatusOr<WorkingSetView> RetrieverImpl::BeginStep(int32_t layer, const voi
   if (speculative && l.recall.in_flight) st = c.Wait(*l.recall.done);
   l.recall.in_flight = false;
   bool reselect = false;
-  bool recorded = false;  // a stats record of this step (with its slot table) was enqueued
   if (st.ok()) st = ApplyPolicies(layer, &reselect);
-  if (st.ok()) st = backend_.Copy(c, l.select.q_cur.data(), q, q_bytes());
-  if (st.ok() &&
-      (options_.mode == RetrievalMode::kSync || (speculative && (l.step == 0 || reselect)))) {
-    // Select every head with q_t before attention.
-    // Sync mode recalls with its strategy; speculative mode's first (and re-)selection is on
-    // the critical path and planned on the device, so it gathers zero-copy.
-    st = Select(
-        c, options_.mode == RetrievalMode::kSync ? RecallPath::kForeground : RecallPath::kGather,
-        layer, l.select.q_cur.data(), &l.ws.counts.as<LayerCounts>()->full_pages, no_mask,
-        RecentFull(l));
-    if (st.ok()) st = RecordStats(c, layer, l.step, /*background=*/false, /*checked=*/false);
-    recorded = true;
-  } else if (st.ok() && speculative) {
-    st = Correct(c, layer);
-    if (st.ok()) st = RecordStats(c, layer, l.step, /*background=*/false, /*checked=*/true);
-    recorded = true;
+  if (st.ok()) st = UploadCountsIfDirty(layer);
+  if (st.ok() && copy_q) st = backend_.Copy(c, l.select.q_cur.data(), q, q_bytes());
+  if (!st.ok()) return Fail(st);
+  if (options_.mode == RetrievalMode::kSync || (speculative && (l.step == 0 || reselect))) {
+    return BeginPath::kSelect;
   }
+  return speculative ? BeginPath::kCorrect : BeginPath::kNone;
+}
+
+absl::Status RetrieverImpl::BeginDevice(int32_t layer, BeginPath path, int32_t n) {
+  LayerState& l = layers_[layer];
+  Stream& c = *compute_;
+  absl::Status st;
+  switch (path) {
+    case BeginPath::kSelect:
+      // Select every head with q_t before attention. Sync mode recalls with its strategy;
+      // speculative mode's first (and re-)selection is on the critical path and planned on
+      // the device, so it gathers zero-copy.
+      st = Select(c,
+                  options_.mode == RetrievalMode::kSync ? RecallPath::kForeground
+                                                        : RecallPath::kGather,
+                  layer, l.select.q_cur.data(), l.ws.counts.full_pages, l.ws.counts.candidates,
+                  /*mask=*/nullptr, /*scored=*/false, n);
+      break;
+    case BeginPath::kCorrect:
+      st = RunCaptured(c, l, &l.graphs.correct, n, [&] { return Correct(c, layer, n); });
+      break;
+    case BeginPath::kNone:
+      break;
+  }
+  return st.ok() ? st : Fail(st);
+}
+
+absl::StatusOr<WorkingSetView> RetrieverImpl::BeginFinish(int32_t layer, BeginPath path) {
+  LayerState& l = layers_[layer];
+  Stream& c = *compute_;
   // Full and drop mode select nothing: the record carries the slot table alone.
-  if (st.ok() && !recorded)
-    st = RecordStats(c, layer, l.step, /*background=*/false, /*checked=*/false);
+  absl::Status st = RecordStats(c, layer, l.step, /*background=*/false,
+                                /*checked=*/path == BeginPath::kCorrect);
+  if (st.ok()) st = Park(c);
   if (st.ok()) st = c.Record(*l.ready);
   if (!st.ok()) return Fail(st);
   l.in_step = true;
@@ -779,49 +941,67 @@ absl::StatusOr<WorkingSetView> RetrieverImpl::BeginStep(int32_t layer, const voi
   view.v_cache = l.ws.v.data();
   view.num_slots = Slots(l);
   view.slot_table = l.ws.table.as<int32_t>();
-  view.partial_page = &l.ws.counts.as<LayerCounts>()->partial_page;
-  view.partial_len = &l.ws.counts.as<LayerCounts>()->partial_len;
+  view.partial_page = l.ws.counts.partial_page;
+  view.partial_len = l.ws.counts.partial_len;
   view.num_tokens = l.tokens;
   view.ready = l.ready.get();
   return view;
 }
 
+absl::StatusOr<WorkingSetView> RetrieverImpl::BeginStep(int32_t layer, const void* q) {
+  const HostCalls start = ThreadHostCalls();
+  absl::StatusOr<WorkingSetView> view = [&]() -> absl::StatusOr<WorkingSetView> {
+    KVTIER_ASSIGN_OR_RETURN(BeginPath path, BeginHost(layer, q, /*copy_q=*/true));
+    KVTIER_RETURN_IF_ERROR(BeginDevice(layer, path, 1));
+    return BeginFinish(layer, path);
+  }();
+  Meter(layer, start);
+  return view;
+}
+
 SparseAttentionArgs RetrieverImpl::AttentionArgs(LayerState& l, const void* q, void* out,
-                                                 float* lse) {
+                                                 float* lse, int32_t n) {
   SparseAttentionArgs a;
   a.shape = KvShapeOf(geometry_);
   a.kv.k_cache = l.ws.k.data();
   a.kv.v_cache = l.ws.v.data();
   a.kv.num_slots = Slots(l);
   a.kv.slot_table = l.ws.table.as<int32_t>();
-  a.kv.partial_page = &l.ws.counts.as<LayerCounts>()->partial_page;
-  a.kv.partial_len = &l.ws.counts.as<LayerCounts>()->partial_len;
-  a.batch = 1;
+  a.kv.partial_page = l.ws.counts.partial_page;
+  a.kv.partial_len = l.ws.counts.partial_len;
+  a.batch = n;
   a.q = q;
   a.softmax_scale = scale_;
   a.out = out;
   a.lse = lse;
+  a.workspace = shared_->workspace();
+  a.workspace_bytes = shared_->workspace_bytes();
   SetPolicyArgs(l, &a);
   return a;
 }
 
 absl::Status RetrieverImpl::Attend(int32_t layer, const void* q, void* out, float* lse) {
-  KVTIER_RETURN_IF_ERROR(CheckCall(layer, "Attend"));
-  const LayerState& l = layers_[layer];
-  if (!l.in_step) {
-    return absl::FailedPreconditionError(
-        absl::StrFormat("Attend: layer %d: call BeginStep first", layer));
-  }
-  SparseAttentionArgs a = AttentionArgs(layers_[layer], q, out, lse);
-  absl::Time mark;
-  KVTIER_RETURN_IF_ERROR(Lap(*compute_, &mark, nullptr));
-  KVTIER_RETURN_IF_ERROR(backend_.SparseAttention(*compute_, a));
-  KVTIER_RETURN_IF_ERROR(Lap(*compute_, &mark, &stats_.attention_us));
-  if (!reads_attention()) return absl::OkStatus();
-  return TakeProbe(layer, l.step, l.tokens - 1);
+  const HostCalls start = ThreadHostCalls();
+  absl::Status st = [&]() -> absl::Status {
+    KVTIER_RETURN_IF_ERROR(CheckCall(layer, "Attend"));
+    const LayerState& l = layers_[layer];
+    if (!l.in_step) {
+      return absl::FailedPreconditionError(
+          absl::StrFormat("Attend: layer %d: call BeginStep first", layer));
+    }
+    SparseAttentionArgs a = AttentionArgs(layers_[layer], q, out, lse);
+    absl::Time mark;
+    KVTIER_RETURN_IF_ERROR(Lap(*compute_, &mark, nullptr));
+    KVTIER_RETURN_IF_ERROR(backend_.SparseAttention(*compute_, a));
+    KVTIER_RETURN_IF_ERROR(Lap(*compute_, &mark, &stats_.attention_us));
+    if (!reads_attention()) return absl::OkStatus();
+    return TakeProbe(layer, l.step, l.tokens - 1);
+  }();
+  Meter(layer, start);
+  return st;
 }
 
-absl::Status RetrieverImpl::EndStep(int32_t layer, const void* q) {
+absl::StatusOr<bool> RetrieverImpl::EndHost(int32_t layer, const void* q) {
   KVTIER_RETURN_IF_ERROR(CheckCall(layer, "EndStep"));
   if (q == nullptr) return absl::InvalidArgumentError("EndStep: q must be non-null");
   LayerState& l = layers_[layer];
@@ -830,8 +1010,8 @@ absl::Status RetrieverImpl::EndStep(int32_t layer, const void* q) {
         absl::StrFormat("EndStep: layer %d: call BeginStep first", layer));
   }
   l.in_step = false;
-  const int64_t step = l.step++;
-  if (options_.mode != RetrievalMode::kSpeculative) return CommitStored(/*wait=*/false);
+  ++l.step;
+  if (options_.mode != RetrievalMode::kSpeculative) return false;
   // Fresh events for this step (FreeKV re-records one event per layer, which is only safe
   // while nobody can still be about to wait on the old record): the previous step's are
   // retired and reused only once they have fired.
@@ -840,29 +1020,99 @@ absl::Status RetrieverImpl::EndStep(int32_t layer, const void* q) {
     if (!fresh.ok()) return Fail(fresh.status());
     retired_events_.push_back(std::exchange(*e, *std::move(fresh)));
   }
-  // On the compute stream, after attention: remember q_t and snapshot the page count.
+  return true;
+}
+
+absl::Status RetrieverImpl::EndDevice(int32_t layer, const void* q, int32_t n) {
+  LayerState& l = layers_[layer];
+  // On the compute stream, after attention: remember q_t and snapshot the page counts.
   Stream& c = *compute_;
-  auto* counts = l.ws.counts.as<LayerCounts>();
-  absl::Status st = backend_.Copy(c, l.select.q_prev.data(), q, q_bytes());
+  absl::Status st = backend_.Copy(c, l.select.q_prev.data(), q, q_bytes() * n);
   if (st.ok()) {
-    st = backend_.Copy(c, &counts->full_pages_at_end_step, &counts->full_pages, sizeof(int32_t));
+    st = backend_.Copy(c, l.ws.counts.full_at_end, l.ws.counts.full_pages, sizeof(int32_t) * n);
+  }
+  if (st.ok()) {
+    st = backend_.Copy(c, l.ws.counts.cand_at_end, l.ws.counts.candidates, sizeof(int32_t) * n);
   }
   if (st.ok()) st = c.Record(*l.recall.attn_done);
   // In the background, once attention is done with the working set: select with q_t and
   // recall the misses into the slots of evicted pages.
   if (st.ok()) st = recall_->Wait(*l.recall.attn_done);
   if (st.ok()) {
-    st = Select(*recall_, RecallPath::kBackground, layer, l.select.q_prev.data(),
-                &counts->full_pages_at_end_step, nullptr, RecentFull(l));
+    st = RunCaptured(*recall_, l, &l.graphs.select, n, [&] {
+      return Select(*recall_, RecallPath::kBackground, layer, l.select.q_prev.data(),
+                    l.ws.counts.full_at_end, l.ws.counts.cand_at_end, nullptr, /*scored=*/false,
+                    n);
+    });
   }
-  if (st.ok()) st = RecordStats(*recall_, layer, step, /*background=*/true, /*checked=*/false);
-  // A DMA plan's recall_done is recorded when Pump issues its copies.
-  if (st.ok() && !l.recall.plan_pending) st = recall_->Record(*l.recall.done);
+  return st.ok() ? st : Fail(st);
+}
+
+absl::Status RetrieverImpl::RunCaptured(Stream& s, LayerState& l,
+                                        std::map<int32_t, std::unique_ptr<Graph>>* cache,
+                                        int32_t n, const std::function<absl::Status()>& work) {
+  if (!graphs_on() || l.graphs.refused) return work();
+  std::unique_ptr<Graph>& graph = (*cache)[n];
+  if (graph == nullptr) {
+    // Every argument of the captured ops is a buffer of the layer (or of the batch slots of
+    // the run) or a constant of the options, so one capture serves every later step.
+    KVTIER_RETURN_IF_ERROR(backend_.BeginCapture(s));
+    const absl::Status worked = work();
+    absl::StatusOr<std::unique_ptr<Graph>> captured = backend_.EndCapture(s);
+    if (!worked.ok() || !captured.ok()) {
+      // Nothing was enqueued: run the work directly, and never capture this layer again.
+      l.graphs.refused = true;
+      cache->erase(n);
+      return work();
+    }
+    graph = *std::move(captured);
+  }
+  ++stats_.graph_launches;
+  return graph->Launch(s);
+}
+
+absl::Status RetrieverImpl::EndFinish(int32_t layer) {
+  LayerState& l = layers_[layer];
+  absl::Status st =
+      RecordStats(*recall_, layer, l.step - 1, /*background=*/true, /*checked=*/false);
+  // A DMA plan's recall_done is recorded when Pump issues its copies, after plan_ready: moved
+  // here, past the record's copy of num_misses, so that the next step's selection (ordered
+  // after recall_done) cannot overwrite it before the copy has read it.
+  if (st.ok()) {
+    st = recall_->Record(l.recall.plan_pending ? *l.recall.plan_ready : *l.recall.done);
+  }
   if (!st.ok()) return Fail(st);
   l.recall.in_flight = true;
   l.recall.launched = absl::Now();
   if (absl::Status ps = Pump(-1); !ps.ok()) return Fail(ps);
-  return CommitStored(/*wait=*/false);
+  return absl::OkStatus();
+}
+
+void RetrieverImpl::CloseStepCalls(int32_t layer) {
+  LayerState& l = layers_[layer];
+  l.last_calls = l.calls;
+  l.last_calls_step = l.step - 1;
+  stats_.host_waits += l.calls.total();
+  stats_.host_event_waits += l.calls.waits;
+  stats_.host_sync_copies += l.calls.sync_copies;
+  stats_.host_allocations += l.calls.allocations;
+  stats_.host_frees += l.calls.frees;
+  l.calls = HostCalls{};
+}
+
+absl::Status RetrieverImpl::EndStep(int32_t layer, const void* q) {
+  const HostCalls start = ThreadHostCalls();
+  absl::Status st = [&]() -> absl::Status {
+    KVTIER_ASSIGN_OR_RETURN(bool background, EndHost(layer, q));
+    if (background) {
+      KVTIER_RETURN_IF_ERROR(EndDevice(layer, q, 1));
+      KVTIER_RETURN_IF_ERROR(EndFinish(layer));
+    }
+    return CommitStored(/*wait=*/false);
+  }();
+  Meter(layer, start);
+  if (layer >= 0 && layer < geometry_.num_layers && st.ok()) CloseStepCalls(layer);
+  return st;
 }
 
 absl::Status RetrieverImpl::Wait() {
@@ -904,6 +1154,11 @@ absl::Status RetrieverImpl::Close() {
   }
   stored_.clear();  // their pages are freed: nothing left to report
   stored_ready_.clear();
+  // The batch slot is free for a new member (this one's views are never used again).
+  if (st.ok() && slot_ >= 0) {
+    shared_->FreeSlot(slot_);
+    slot_ = -1;
+  }
   return st;
 }
 

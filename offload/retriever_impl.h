@@ -7,6 +7,8 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string_view>
@@ -16,6 +18,8 @@
 #include "absl/status/status.h"
 #include "absl/time/clock.h"
 #include "kvtier/layout.h"
+#include "kernels/host_calls.h"
+#include "offload/batch_shared.h"
 #include "offload/head_slot_table.h"
 #include "offload/page_offloader.h"
 #include "offload/page_pool.h"
@@ -40,7 +44,8 @@ void SetInt8Buffers(const Layer& l, Args* a) {
 // Host buffers read or written by enqueued copies, kept until the event after them fires.
 struct Parked {
   std::vector<std::unique_ptr<uint8_t[]>> buffers;
-  std::vector<DeviceBuffer> device;  // backend buffers (op arguments staged per call)
+  std::vector<uint64_t> tickets;     // staging ring blocks
+  std::vector<DeviceBuffer> device;  // backend buffers replaced by a managed layer's growth
   std::unique_ptr<Event> done;
 };
 
@@ -52,28 +57,33 @@ struct StoredBatch {
 
 // A device → host copy of one step's selection results, accumulated into the stats once its
 // event has fired.
+// The copies land in one block of the staging ring (pinned: no copy blocks the host).
 struct StatRecord {
   int32_t layer = 0;
   int64_t step = 0;
   bool background = false;
-  bool checked = false;           // drift flags are meaningful (a correction check ran)
-  std::vector<int32_t> misses;    // [Hkv]
-  std::vector<uint8_t> drifted;   // [Hkv]
-  std::vector<float> group_mean;  // [Hkv]
-  std::vector<float> lost_mass;   // [Hkv] when the mass trigger checked
-  int32_t num_slots = 0;          // foreground: the working set attention read
-  std::vector<int32_t> slot_table;  // [Hkv][num_slots]
+  bool checked = false;              // drift flags are meaningful (a correction check ran)
+  const int32_t* misses = nullptr;   // [Hkv], or null
+  const uint8_t* drifted = nullptr;  // [Hkv] when checked
+  const float* group_mean = nullptr;  // [Hkv] when checked
+  const float* lost_mass = nullptr;   // [Hkv] when the mass trigger checked
+  int32_t num_slots = 0;              // foreground: the working set attention read
+  const int32_t* slot_table = nullptr;  // [Hkv][num_slots], foreground
+  uint64_t ticket = 0;                  // the ring block holding them
   std::unique_ptr<Event> done;
 };
 
-// A layer's page counts in backend memory, read by the ops (ScorePages' num_pages, the
-// attention's partial page). The first three are uploaded by Append; EndStep snapshots
-// full_pages for the background selection, which must not see pages appended after it.
-struct LayerCounts {
-  int32_t full_pages = 0;
-  int32_t partial_page = -1;  // logical page being filled, or −1
-  int32_t partial_len = 0;    // its tokens
-  int32_t full_pages_at_end_step = 0;
+// A layer's page counts in backend memory (batch_shared.h: rows of the batch's count
+// tables, this sequence's column). The live ones are uploaded before the next op reads them;
+// EndStep snapshots full pages and candidates for the background selection, which must not
+// see pages appended after it.
+struct CountsView {
+  int32_t* full_pages = nullptr;
+  int32_t* candidates = nullptr;  // full pages before the recent window (TopK's end)
+  int32_t* partial_page = nullptr;
+  int32_t* partial_len = nullptr;
+  int32_t* full_at_end = nullptr;
+  int32_t* cand_at_end = nullptr;
 };
 
 // One layer of the sequence, grouped by concern. S: working-set slots, P: max pages, k:
@@ -83,7 +93,7 @@ struct LayerState {
   struct WorkingSet {
     DeviceBuffer k, v;                  // [S][p][Hkv][d]
     DeviceBuffer table;                 // int32 [Hkv][S]: logical page per slot and KV head
-    DeviceBuffer counts;                // LayerCounts
+    CountsView counts;
     std::vector<int32_t> table_mirror;  // [Hkv][S]; host-owned entries are authoritative
     bool table_dirty = true;
     // Drop mode with policies: the per-head slot table (authoritative; table_mirror unused)
@@ -139,8 +149,10 @@ struct LayerState {
     DeviceBuffer token_prob;             // float [Hq][S][p] (policies that read attention)
     // Attention of the last step, copied to the host for the policies (ConsumeProbe).
     struct Probe {
-      std::vector<float> prob;     // [Hq][S][p]
-      std::vector<int32_t> table;  // [Hkv][S]
+      const float* prob = nullptr;     // [Hq][S][p], in the staging ring
+      const int32_t* table = nullptr;  // [Hkv][S]
+      uint64_t ticket = 0;
+      std::vector<uint8_t> heap;  // when the ring could not hold it
       int32_t slots = 0;
       int64_t step = 0;
       int64_t position = 0;
@@ -161,13 +173,30 @@ struct LayerState {
   bool in_step = false;
   std::unique_ptr<Event> ready;  // recorded after BeginStep's retrieval work
   StepStats last;
+  // Blocking host calls of the step in progress (Append since the last step included) and of
+  // the last ended step.
+  HostCalls calls;
+  HostCalls last_calls;
+  int64_t last_calls_step = -1;
+  // Captured device work (SequenceOptions::capture_graphs), by the length of the run of
+  // batch slots starting at this sequence's: the correction before attention and the
+  // background selection after it.
+  struct Graphs {
+    std::map<int32_t, std::unique_ptr<Graph>> correct, select;
+    bool refused = false;  // a capture failed: direct launches from then on
+  } graphs;
 };
+
+class SequenceBatchImpl;
 
 class RetrieverImpl final : public Retriever {
  public:
+  // `shared`: the batch this sequence joins (null: a batch of one of its own).
   RetrieverImpl(const Geometry& g, const SequenceOptions& o, Backend& backend,
-                std::unique_ptr<HostTier> host, policy::LayerBudgetStore* policy_store)
-      : geometry_(g),
+                std::unique_ptr<HostTier> host, policy::LayerBudgetStore* policy_store,
+                std::shared_ptr<BatchShared> shared = nullptr)
+      : shared_(std::move(shared)),
+        geometry_(g),
         options_(o),
         backend_(backend),
         policy_store_(policy_store),
@@ -176,14 +205,27 @@ class RetrieverImpl final : public Retriever {
 
   ~RetrieverImpl() override {
     // Work still queued may touch the buffers below: let it run first.
-    if (compute_ != nullptr) (void)compute_->Synchronize();
-    for (Stream* s : {recall_.get(), dma_.get(), xform_fg_.get(), xform_bg_.get()}) {
+    for (Stream* s : {compute_, recall_, dma_, xform_fg_, xform_bg_}) {
       if (s != nullptr) (void)s->Synchronize();
     }
     if (offloader_ != nullptr) (void)offloader_->Drain();
+    if (shared_ == nullptr) return;
+    for (auto& r : records_) shared_->ring().Release(r.ticket);
+    for (auto& p : parked_) {
+      for (uint64_t t : p.tickets) shared_->ring().Release(t);
+    }
+    for (uint64_t t : staged_tickets_) shared_->ring().Release(t);
+    for (LayerState& l : layers_) {
+      if (l.policy.probe != nullptr) shared_->ring().Release(l.policy.probe->ticket);
+    }
+    if (slot_ >= 0) shared_->FreeSlot(slot_);
   }
 
   absl::Status Init();
+  // The bytes of pinned staging one sequence of this shape needs for its decode path.
+  static size_t RingBytes(const Geometry& g, const SequenceOptions& o);
+  int32_t slot() const { return slot_; }
+  BatchShared& shared() { return *shared_; }
 
   absl::Status Append(int32_t layer, const void* k, const void* v, int32_t n_tokens) override;
   absl::Status Flush() override;
@@ -207,6 +249,9 @@ class RetrieverImpl final : public Retriever {
     (void)Collect(/*block=*/false);
     if (layer < 0 || layer >= geometry_.num_layers) return {};
     StepStats st = layers_[layer].last;
+    if (layers_[layer].last_calls_step == st.step) {
+      st.host_waits = layers_[layer].last_calls.total();
+    }
     st.budget = layers_[layer].policy.budget;
     st.resident_head_pages = ResidentHeadPages(layers_[layer]);
     return st;
@@ -220,6 +265,7 @@ class RetrieverImpl final : public Retriever {
   }
 
  private:
+  friend class SequenceBatchImpl;
   bool has_host_tier() const {
     return options_.mode == RetrievalMode::kSpeculative || options_.mode == RetrievalMode::kSync;
   }
@@ -246,7 +292,7 @@ class RetrieverImpl final : public Retriever {
   bool policies_on() const { return policies_.budget != nullptr; }
   bool reads_attention() const;
   absl::Status InitPolicies();
-  absl::Status InitLayerPolicies(LayerState& l);
+  absl::Status InitLayerPolicies(int32_t layer);
   // BeginStep: feeds the last step's attention to the policies, takes this step's budget
   // and pins, and applies them (drop mode: evicts, quantises; selecting modes: uploads
   // head_k and flags). *reselect: the device's selection is stale (budget or pins changed).
@@ -266,7 +312,8 @@ class RetrieverImpl final : public Retriever {
   // Uploads `bytes` of host data into a new backend buffer parked with the next Park.
   absl::StatusOr<void*> StageArgs(const void* src, size_t bytes);
   // The sparse attention of q over the layer's working set, with the policies' fields.
-  SparseAttentionArgs AttentionArgs(LayerState& l, const void* q, void* out, float* lse);
+  SparseAttentionArgs AttentionArgs(LayerState& l, const void* q, void* out, float* lse,
+                                    int32_t n = 1);
   // Host tier full: drops `n` of the layer's pages (host_drop = evict) or refuses.
   absl::Status DropHostPages(int32_t layer, int64_t n);
   int64_t ResidentHeadPages(const LayerState& l) const;
@@ -274,6 +321,21 @@ class RetrieverImpl final : public Retriever {
 
   absl::Status CheckCall(int32_t layer, std::string_view what) const;
   absl::Status Allocate(DeviceBuffer* buf, size_t bytes);
+  // A view of this sequence's part of the batch's (layer, field) storage.
+  absl::Status Allocate(DeviceBuffer* buf, size_t bytes, int32_t layer, Field field);
+  // A block of the staging ring: when it is full, the blocks of work already done are taken
+  // back first; when that is not enough, the streams are waited for (counted host waits).
+  // A null block when `bytes` exceeds a quarter of the ring (the caller copies through
+  // ordinary memory instead).
+  absl::StatusOr<StagingRing::Block> Stage(size_t bytes);
+  // Uploads the layer's live counts (the whole batch's rows) if they changed.
+  absl::Status UploadCountsIfDirty(int32_t layer);
+  // Accumulates the blocking host calls made since `start` into the layer's step.
+  void Meter(int32_t layer, const HostCalls& start) {
+    if (layer >= 0 && layer < geometry_.num_layers) {
+      layers_[layer].calls += ThreadHostCalls() - start;
+    }
+  }
   absl::StatusOr<std::unique_ptr<Event>> TakeEvent();
   // Copies `bytes` of host data into a parked buffer and enqueues its upload.
   absl::Status Upload(Stream& s, void* dst, const void* src, size_t bytes);
@@ -281,6 +343,7 @@ class RetrieverImpl final : public Retriever {
   absl::Status Park(Stream& s);
   void Reap();
 
+  absl::Status AppendChecked(int32_t layer, const void* k, const void* v, int32_t n_tokens);
   // Appends validated tokens. `restoring`: the host pages that already hold the layer's
   // logical pages (indexed by logical page), offloaded into instead of new ones (Restore).
   absl::Status AppendTokens(int32_t layer, const void* k, const void* v, int32_t n_tokens,
@@ -292,7 +355,8 @@ class RetrieverImpl final : public Retriever {
   // Moves the pages of completed StoredBatches to stored_ready_.
   void HarvestStored();
   absl::Status UploadTable(LayerState& l);
-  absl::Status UploadCounts(LayerState& l);
+  // Writes the layer's counts into the batch's mirror (uploaded before the next step).
+  void UpdateCounts(int32_t layer);
   // How Select recalls the misses of its plan (made on the device by Replace).
   enum class RecallPath : uint8_t {
     kGather,      // the zero-copy gather op on the same stream, reading the device plan
@@ -301,35 +365,68 @@ class RetrieverImpl final : public Retriever {
   };
   // Score → TopK → Replace → recall of the layer's selected region on `s`. `scored`: the
   // layer's pooled scores already hold q's for every head (the mass trigger computed them).
+  // `n`: the run of sequences in consecutive batch slots starting at this one's (batch.h).
   absl::Status Select(Stream& s, RecallPath path, int32_t layer, const void* q,
-                      const int32_t* num_pages, const uint8_t* mask, int32_t recent_full,
-                      bool scored = false);
-  // The arguments of Select's ScorePages and TopK (into `out`, [Hkv][k]).
+                      const int32_t* num_pages, const int32_t* candidates, const uint8_t* mask,
+                      bool scored = false, int32_t n = 1);
+  // The arguments of Select's ScorePages and TopK (into `out`, [n][Hkv][k]).
   ScorePagesArgs ScoreArgs(LayerState& l, const void* q, const int32_t* num_pages,
-                           const uint8_t* mask) const;
-  TopKArgs SelectArgs(LayerState& l, const int32_t* num_pages, const uint8_t* mask,
-                      int32_t recent_full, int32_t* out) const;
+                           const uint8_t* mask, int32_t n = 1) const;
+  TopKArgs SelectArgs(LayerState& l, const int32_t* candidates, const uint8_t* mask, int32_t* out,
+                      int32_t n = 1) const;
   // Speculative mode before attention: the drift check of every head of the layer with q_t
   // (QueryCosine's group means always; the drift flags from the configured trigger), then
   // the correction of the drifted heads.
-  absl::Status Correct(Stream& s, int32_t layer);
+  absl::Status Correct(Stream& s, int32_t layer, int32_t n = 1);
   // The mass trigger: q_t's scores and selection for every head, and the drift flags from
   // the relative mass the stale selection loses (SelectionLoss).
-  absl::Status MassDrift(Stream& s, LayerState& l, const int32_t* num_pages);
+  absl::Status MassDrift(Stream& s, LayerState& l, const int32_t* num_pages,
+                         const int32_t* candidates, int32_t n);
   bool mass_trigger() const {
     return options_.mode == RetrievalMode::kSpeculative &&
            options_.correction_trigger == CorrectionTrigger::kMass;
   }
-  absl::Status RecallPlan(Stream& s, RecallPath path, LayerState& l);
+  absl::Status RecallPlan(Stream& s, RecallPath path, LayerState& l, int32_t n = 1);
   // Issues the DMAs of background plans that have reached the host: of every layer whose
   // plan is ready (layer < 0), or of `layer`, waiting for its plan (bounded by the
   // deadline) when it is not there yet. Never blocks for other layers.
   absl::Status Pump(int32_t layer);
   absl::Status LaunchPlanned(LayerState& l);
-  RecallTarget Target(const LayerState& l) const;
+  RecallTarget Target(const LayerState& l, int32_t n = 1) const;
   // kAuto → the calibrated strategy (cached per backend device and shape).
   absl::StatusOr<RecallStrategy> ResolveStrategy();
   absl::Status RecordStats(Stream& s, int32_t layer, int64_t step, bool background, bool checked);
+
+  // The phases of BeginStep and EndStep, so that a batch (sequence_batch.cc) runs each
+  // phase for every member and the device work once per run of consecutive slots.
+  enum class BeginPath : uint8_t {
+    kSelect,   // select every head before attention (sync; speculative's first or re-selection)
+    kCorrect,  // speculative: the drift check and correction
+    kNone,     // full and drop modes
+  };
+  // Checks, the wait for the background recall (on the stream), policies, the counts and
+  // (copy_q) the query into q_cur.
+  absl::StatusOr<BeginPath> BeginHost(int32_t layer, const void* q, bool copy_q);
+  // The device work of `path` for the run of n sequences starting at this one.
+  absl::Status BeginDevice(int32_t layer, BeginPath path, int32_t n);
+  // The statistics record, the ready event and the view.
+  absl::StatusOr<WorkingSetView> BeginFinish(int32_t layer, BeginPath path);
+  // Ends the step on the host; true when a background selection follows (speculative).
+  absl::StatusOr<bool> EndHost(int32_t layer, const void* q);
+  // q_prev (n rows of q), the count snapshot and the background selection of the run.
+  absl::Status EndDevice(int32_t layer, const void* q, int32_t n);
+  absl::Status EndFinish(int32_t layer);
+  // The step's blocking host calls go to the last step's and the sequence's statistics.
+  void CloseStepCalls(int32_t layer);
+  bool graphs_on() const {
+    return options_.capture_graphs && options_.mode == RetrievalMode::kSpeculative && !dma() &&
+           !profiling_ && backend_.SupportsCapture();
+  }
+  // Enqueues `work` on `s` through the graph cached in (*cache)[n], capturing it on first
+  // use; directly when graphs are off or a capture was refused.
+  absl::Status RunCaptured(Stream& s, LayerState& l,
+                           std::map<int32_t, std::unique_ptr<Graph>>* cache, int32_t n,
+                           const std::function<absl::Status()>& work);
   absl::Status Collect(bool block);
   // While profiling: waits for `s` and adds the time since *mark to *total_us.
   absl::Status Lap(Stream& s, absl::Time* mark, double* total_us) {
@@ -345,6 +442,9 @@ class RetrieverImpl final : public Retriever {
     return st;
   }
 
+  // First: the batch's storage outlives every view below.
+  std::shared_ptr<BatchShared> shared_;
+  int32_t slot_ = -1;
   const Geometry geometry_;
   const SequenceOptions options_;
   Backend& backend_;
@@ -363,6 +463,7 @@ class RetrieverImpl final : public Retriever {
   int32_t min_capacity_ = 0;  // managed layers never shrink below it
   std::unique_ptr<PageOffloader> offloader_;
   std::vector<std::unique_ptr<uint8_t[]>> staged_;  // not yet parked
+  std::vector<uint64_t> staged_tickets_;            // not yet parked
   std::vector<DeviceBuffer> staged_device_;         // not yet parked
   std::deque<Parked> parked_;
   std::deque<StatRecord> records_;
@@ -375,10 +476,12 @@ class RetrieverImpl final : public Retriever {
   bool profiling_ = false;
   absl::Status failed_;
 
-  // Streams last: destroyed first, running their queued work while the buffers still exist.
-  std::unique_ptr<Stream> own_compute_;
+  // The batch's streams.
   Stream* compute_ = nullptr;
-  std::unique_ptr<Stream> recall_, xform_fg_, xform_bg_, dma_;
+  Stream* recall_ = nullptr;
+  Stream* xform_fg_ = nullptr;
+  Stream* xform_bg_ = nullptr;
+  Stream* dma_ = nullptr;
   std::unique_ptr<Event> sync_compute_, sync_recall_, sync_dma_;
 };
 

@@ -57,14 +57,16 @@ absl::Status RetrieverImpl::InitPolicies() {
   return absl::OkStatus();
 }
 
-absl::Status RetrieverImpl::InitLayerPolicies(LayerState& l) {
+absl::Status RetrieverImpl::InitLayerPolicies(int32_t layer) {
+  LayerState& l = layers_[layer];
   const size_t hkv = geometry_.num_kv_heads;
   l.policy.budget.assign(hkv, options_.selected_pages);
   l.policy.selected_with = l.policy.budget;
   if (!policies_on()) return absl::OkStatus();
   if (has_host_tier()) {
-    KVTIER_RETURN_IF_ERROR(Allocate(&l.policy.head_k, hkv * sizeof(int32_t)));
-    KVTIER_RETURN_IF_ERROR(Allocate(&l.policy.page_flags, hkv * max_pages_));
+    KVTIER_RETURN_IF_ERROR(Allocate(&l.policy.head_k, hkv * sizeof(int32_t), layer, Field::kHeadK));
+    KVTIER_RETURN_IF_ERROR(
+        Allocate(&l.policy.page_flags, hkv * max_pages_, layer, Field::kPageFlags));
     l.policy.flags_mirror.assign(hkv * max_pages_, kPageNormal);
     KVTIER_RETURN_IF_ERROR(
         Upload(*compute_, l.policy.head_k.data(), l.policy.budget.data(), hkv * sizeof(int32_t)));
@@ -74,8 +76,12 @@ absl::Status RetrieverImpl::InitLayerPolicies(LayerState& l) {
   const size_t slots = Slots(l);
   const size_t p = geometry_.page_size;
   if (reads_attention()) {
-    KVTIER_RETURN_IF_ERROR(
-        Allocate(&l.policy.token_prob, geometry_.num_q_heads * slots * p * sizeof(float)));
+    const size_t bytes = geometry_.num_q_heads * slots * p * sizeof(float);
+    if (l.ws.managed != nullptr) {  // resized with the working set
+      KVTIER_RETURN_IF_ERROR(Allocate(&l.policy.token_prob, bytes));
+    } else {
+      KVTIER_RETURN_IF_ERROR(Allocate(&l.policy.token_prob, bytes, layer, Field::kTokenProb));
+    }
   }
   if (l.ws.managed != nullptr && policies_.int8_window_pages > 0) {
     const size_t elems = slots * p * hkv * geometry_.head_dim;
@@ -93,7 +99,14 @@ absl::Status RetrieverImpl::InitLayerPolicies(LayerState& l) {
 }
 
 absl::StatusOr<void*> RetrieverImpl::StageArgs(const void* src, size_t bytes) {
-  DeviceBuffer buf;
+  // Ops read staging blocks in place (registered host memory): nothing is allocated.
+  KVTIER_ASSIGN_OR_RETURN(StagingRing::Block b, Stage(bytes));
+  if (b.data != nullptr) {
+    std::memcpy(b.data, src, bytes);
+    staged_tickets_.push_back(b.ticket);
+    return b.data;
+  }
+  DeviceBuffer buf;  // larger than the ring allows: a device buffer (a counted allocation)
   KVTIER_RETURN_IF_ERROR(Allocate(&buf, bytes));
   KVTIER_RETURN_IF_ERROR(Upload(*compute_, buf.data(), src, bytes));
   void* data = buf.data();
@@ -118,14 +131,19 @@ absl::Status RetrieverImpl::TakeProbe(int32_t layer, int64_t step, int64_t posit
   pr->step = step;
   pr->position = position;
   pr->tokens = l.tokens;
-  pr->prob.resize(static_cast<size_t>(geometry_.num_q_heads) * pr->slots * geometry_.page_size);
-  pr->table.resize(static_cast<size_t>(geometry_.num_kv_heads) * pr->slots);
-  absl::Status st = backend_.Copy(*compute_, pr->prob.data(), l.policy.token_prob.data(),
-                                  pr->prob.size() * sizeof(float));
-  if (st.ok()) {
-    st = backend_.Copy(*compute_, pr->table.data(), l.ws.table.data(),
-                       pr->table.size() * sizeof(int32_t));
+  const size_t prob_bytes = sizeof(float) * geometry_.num_q_heads * pr->slots * geometry_.page_size;
+  const size_t table_bytes = sizeof(int32_t) * geometry_.num_kv_heads * pr->slots;
+  KVTIER_ASSIGN_OR_RETURN(StagingRing::Block b, Stage(prob_bytes + table_bytes));
+  uint8_t* at = b.data;
+  if (at == nullptr) {  // larger than the ring allows (a managed layer grew): ordinary memory
+    pr->heap.resize(prob_bytes + table_bytes);
+    at = pr->heap.data();
   }
+  pr->ticket = b.ticket;
+  pr->prob = reinterpret_cast<const float*>(at);
+  pr->table = reinterpret_cast<const int32_t*>(at + prob_bytes);
+  absl::Status st = backend_.Copy(*compute_, at, l.policy.token_prob.data(), prob_bytes);
+  if (st.ok()) st = backend_.Copy(*compute_, at + prob_bytes, l.ws.table.data(), table_bytes);
   absl::StatusOr<std::unique_ptr<Event>> ev = TakeEvent();
   if (st.ok() && !ev.ok()) st = ev.status();
   if (st.ok()) {
@@ -133,8 +151,9 @@ absl::Status RetrieverImpl::TakeProbe(int32_t layer, int64_t step, int64_t posit
     st = compute_->Record(*pr->done);
   }
   if (!st.ok()) {
-    // Copies may be queued into pr's vectors: keep them until the stream has run.
+    // Copies may be queued into pr's block: keep it until the stream has run.
     (void)compute_->Synchronize();
+    shared_->ring().Release(pr->ticket);
     return Fail(st);
   }
   l.policy.probe = std::move(pr);
@@ -145,15 +164,23 @@ absl::Status RetrieverImpl::ConsumeProbe(int32_t layer) {
   LayerState& l = layers_[layer];
   if (l.policy.probe == nullptr) return absl::OkStatus();
   std::unique_ptr<LayerState::PolicyState::Probe> pr = std::move(l.policy.probe);
-  absl::Status st = pr->done->Wait(options_.deadline);
+  // The policies see step t's attention before step t+1's decisions: a deliberate host wait
+  // per layer-step for policies that read attention (docs/retriever.md#host-waits), made
+  // only when the copy has not landed yet.
+  absl::Status st = pr->done->Query() ? absl::OkStatus() : pr->done->Wait(options_.deadline);
+  const auto release = [&] { shared_->ring().Release(pr->ticket); };
   if (absl::IsDeadlineExceeded(st)) {
     (void)compute_->Synchronize();  // the copies write into pr
+    release();
     return Fail(absl::DeadlineExceededError(
         absl::StrFormat("layer %d: the attention of step %d did not complete within the "
                         "deadline of %s",
                         layer, pr->step, absl::FormatDuration(options_.deadline))));
   }
-  if (!st.ok()) return Fail(st);
+  if (!st.ok()) {
+    release();
+    return Fail(st);
+  }
   policy::AttentionObservation obs;
   obs.layer = layer;
   obs.step = pr->step;
@@ -162,13 +189,16 @@ absl::Status RetrieverImpl::ConsumeProbe(int32_t layer) {
   obs.num_kv_heads = geometry_.num_kv_heads;
   obs.num_slots = pr->slots;
   obs.page_size = geometry_.page_size;
-  obs.slot_table = pr->table;
-  obs.token_prob = pr->prob;
+  obs.slot_table = std::span<const int32_t>(
+      pr->table, static_cast<size_t>(geometry_.num_kv_heads) * pr->slots);
+  obs.token_prob = std::span<const float>(
+      pr->prob, static_cast<size_t>(geometry_.num_q_heads) * pr->slots * geometry_.page_size);
   obs.num_tokens = pr->tokens;
   if (policies_.budget->needs_attention()) policies_.budget->OnAttention(obs);
   if (policies_.residency != nullptr && policies_.residency->needs_attention()) {
     policies_.residency->OnAttention(obs);
   }
+  release();
   spare_events_.push_back(std::move(pr->done));
   return absl::OkStatus();
 }
@@ -498,6 +528,7 @@ absl::Status RetrieverImpl::ObserveQueries(int32_t layer, const void* q, int32_t
         absl::StrFormat("ObserveQueries: layer %d must hold tokens and be outside a step", layer));
   }
   if (!reads_attention()) return absl::OkStatus();
+  KVTIER_RETURN_IF_ERROR(UploadCountsIfDirty(layer));
   DeviceBuffer out;
   KVTIER_RETURN_IF_ERROR(Allocate(&out, q_bytes()));
   for (int32_t i = 0; i < n; ++i) {

@@ -146,6 +146,13 @@ struct SequenceOptions {
   absl::Duration deadline = kDefaultDeadline;
   // The engine's compute stream (local sequences); null: the sequence creates its own.
   Stream* compute_stream = nullptr;
+  // Local sequences in speculative mode recalling zero-copy, on a backend that can capture
+  // streams (CUDA graphs; the cpu backend records task lists): the steady-state device work
+  // of a layer-step (the drift check and correction before attention, the background
+  // selection and recall after it) is captured once per layer (and batch run) and launched
+  // as one graph from then on, instead of ~10 launches (docs/retriever.md#graphs).
+  // Ignored elsewhere and while profiling.
+  bool capture_graphs = false;
   // Budget, residency and host-drop policies (docs/policies.md). The default (fixed budget,
   // no residency policy, refuse) is the behaviour of the modes above. In drop mode any
   // other policy makes the working set per-head managed: pages are evicted per KV head by

@@ -26,6 +26,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -68,6 +69,12 @@ struct StepStats {
   int64_t resident_head_pages = 0;  // the layer's working set after this step's decisions
   int32_t num_slots = 0;            // S of the step
   std::vector<int32_t> slot_table;  // [Hkv][S]: the logical page each slot held for attention
+  // Blocking host calls the step made (its Appends since the previous step, BeginStep,
+  // Attend and EndStep): event waits and stream synchronisations, copies into or out of
+  // pageable host memory, device allocations and frees. Speculative mode makes none after
+  // warm-up; what makes one is in docs/retriever.md#host-waits. A batch's calls count for
+  // every member of it.
+  int64_t host_waits = 0;
 };
 
 // Cumulative statistics of a sequence. A head-page is one KV head's K+V of one page.
@@ -96,6 +103,16 @@ struct SequenceStats {
   int64_t budget_changes = 0;       // layer-steps whose budget differed from the previous
   int64_t host_dropped_pages = 0;   // host tier full, host_drop = evict: dropped for good
   int64_t host_refusals = 0;        // host tier full, host_drop = refuse
+  // Blocking host calls of the ended layer-steps (StepStats::host_waits, summed), and their
+  // kinds.
+  int64_t host_waits = 0;
+  int64_t host_event_waits = 0;   // Event::Wait, Stream::Synchronize
+  int64_t host_sync_copies = 0;   // copies into or out of pageable host memory
+  int64_t host_allocations = 0;   // device allocations, host registrations
+  int64_t host_frees = 0;
+  // Layer-steps whose device work ran as captured graphs (SequenceOptions::capture_graphs):
+  // launches of the correction graph and of the background selection graph.
+  int64_t graph_launches = 0;
   double correction_rate() const {
     return checked_heads == 0 ? 0.0 : static_cast<double>(corrected_heads) / checked_heads;
   }
@@ -194,6 +211,52 @@ class LocalSequence : public Sequence {
 absl::StatusOr<std::unique_ptr<LocalSequence>> NewLocalSequence(const Geometry& geometry,
                                                                 const SequenceOptions& options,
                                                                 Device& device);
+
+// A decode batch (docs/retriever.md#batches): local sequences of one geometry and one set of
+// options whose layer steps run together, each op launched once for a run of members (one
+// run when the members are passed in the order their sequences were made), instead of once
+// per sequence. Members keep their own lengths (ragged), budgets and policy state; each step
+// call names the members taking part, so sequences join (NewSequence) and leave (Close, or
+// destruction) between steps, and a member may still be stepped alone through its own
+// LocalSequence calls. The batch's storage for max_batch sequences is allocated when it is
+// made (and each member's host tier with it): nothing on the decode path allocates.
+// A batch recalls zero-copy (recall strategy zero_copy; the DMA strategies drive one
+// sequence), and a drop-mode working set managed by policies, which changes size, cannot
+// join one.
+//
+// Thread-compatible: one thread drives a batch and its members at a time.
+class SequenceBatch {
+ public:
+  virtual ~SequenceBatch() = default;
+
+  // A new, empty member. RESOURCE_EXHAUSTED when max_batch members are open.
+  virtual absl::StatusOr<std::unique_ptr<LocalSequence>> NewSequence() = 0;
+
+  // One layer step of `members` (sequences of this batch, each at most once), their queries
+  // q [n][Hq][d] in the order given: each member's BeginStep, Attend and EndStep, with the
+  // same results, errors and statistics as calling them member by member. out [n][Hq][d],
+  // lse [n][Hq] (optional). INVALID_ARGUMENT when a member is not of this batch or repeated,
+  // or n is not in [1, max_batch]; a member's own precondition errors before any work.
+  virtual absl::StatusOr<std::vector<WorkingSetView>> BeginStep(
+      int32_t layer, std::span<LocalSequence* const> members, const void* q) = 0;
+  virtual absl::Status Attend(int32_t layer, std::span<LocalSequence* const> members,
+                              const void* q, void* out, float* lse) = 0;
+  virtual absl::Status EndStep(int32_t layer, std::span<LocalSequence* const> members,
+                               const void* q) = 0;
+
+  virtual int32_t max_batch() const = 0;
+  // The members' compute stream (options.compute_stream, or one the batch made).
+  virtual Stream& compute_stream() = 0;
+};
+
+// A batch of up to max_batch sequences of `geometry` with `options` (every member's), each
+// with a private host tier of max_tokens per layer. INVALID_ARGUMENT for invalid geometry or
+// options, max_batch outside [1, 4096], a DMA recall strategy, or a device kvtier did not
+// create; RESOURCE_EXHAUSTED when memory runs out. REQUIRES: `device` (and
+// options.compute_stream) outlive the batch and its members.
+absl::StatusOr<std::unique_ptr<SequenceBatch>> NewSequenceBatch(const Geometry& geometry,
+                                                                const SequenceOptions& options,
+                                                                int32_t max_batch, Device& device);
 
 }  // namespace kvtier
 

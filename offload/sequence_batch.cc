@@ -1,0 +1,282 @@
+// SequenceBatch (kvtier/sequence.h, docs/retriever.md#batches): every member's host phases
+// in order, and the device work of BeginStep, Attend and EndStep once per run of members in
+// consecutive batch slots (RetrieverImpl's phases with n > 1 over the batch storage of
+// offload/batch_shared.h). What a member does alone and in a batch is the same work: the
+// ops compute each sequence of a batch independently.
+#include <algorithm>
+#include <functional>
+#include <memory>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_format.h"
+#include "core/status.h"
+#include "kernels/registry.h"
+#include "offload/batch_shared.h"
+#include "offload/host_tier.h"
+#include "offload/retriever_impl.h"
+#include "offload/sequence_batch.h"
+
+namespace kvtier {
+namespace retriever_internal {
+
+class SequenceBatchImpl final : public SequenceBatch {
+ public:
+  SequenceBatchImpl(const Geometry& g, const SequenceOptions& o, Backend& backend,
+                    std::shared_ptr<BatchShared> shared)
+      : g_(g), o_(o), backend_(backend), shared_(std::move(shared)) {}
+
+  absl::StatusOr<std::unique_ptr<LocalSequence>> NewSequence() override {
+    std::unique_ptr<HostTier> host;
+    if (shared_->host() != nullptr) host = std::make_unique<PoolHostTier>(shared_->host()->pool());
+    auto r = std::make_unique<RetrieverImpl>(g_, o_, backend_, std::move(host),
+                                             /*policy_store=*/nullptr, shared_);
+    KVTIER_RETURN_IF_ERROR(r->Init());
+    return std::unique_ptr<LocalSequence>(std::move(r));
+  }
+
+  absl::StatusOr<std::vector<WorkingSetView>> BeginStep(int32_t layer,
+                                                        std::span<LocalSequence* const> members,
+                                                        const void* q) override {
+    KVTIER_ASSIGN_OR_RETURN(std::vector<RetrieverImpl*> m, Members(members, "BeginStep"));
+    for (RetrieverImpl* r : m) KVTIER_RETURN_IF_ERROR(r->CheckCall(layer, "BeginStep"));
+    if (q == nullptr) return absl::InvalidArgumentError("BeginStep: q must be non-null");
+    for (RetrieverImpl* r : m) {
+      const LayerState& l = r->layers_[layer];
+      if (l.tokens == 0 || l.in_step) {
+        return absl::FailedPreconditionError(absl::StrFormat(
+            "BeginStep: layer %d of the member in slot %d %s", layer, r->slot(),
+            l.tokens == 0 ? "has no tokens: Append first" : "is in a step not yet ended"));
+      }
+    }
+    const HostCalls start = ThreadHostCalls();
+    const size_t qb = m[0]->q_bytes();
+    const auto* qs = static_cast<const uint8_t*>(q);
+    std::vector<RetrieverImpl::BeginPath> paths(m.size());
+    absl::Status st;
+    for (size_t i = 0; i < m.size() && st.ok(); ++i) {
+      absl::StatusOr<RetrieverImpl::BeginPath> p =
+          m[i]->BeginHost(layer, qs + i * qb, /*copy_q=*/false);
+      if (p.ok()) paths[i] = *p;
+      st = p.status();
+    }
+    // Once per run of consecutive slots taking the same path: the queries, then the ops.
+    ForRuns(m, &paths, [&](size_t i, int32_t n) -> absl::Status {
+      RetrieverImpl& first = *m[i];
+      KVTIER_RETURN_IF_ERROR(backend_.Copy(*first.compute_,
+                                           first.layers_[layer].select.q_cur.data(), qs + i * qb,
+                                           qb * n));
+      return first.BeginDevice(layer, paths[i], n);
+    }, &st);
+    std::vector<WorkingSetView> views;
+    for (size_t i = 0; i < m.size() && st.ok(); ++i) {
+      absl::StatusOr<WorkingSetView> v = m[i]->BeginFinish(layer, paths[i]);
+      if (v.ok()) views.push_back(*v);
+      st = v.status();
+    }
+    Meter(m, layer, start);
+    if (!st.ok()) return st;
+    return views;
+  }
+
+  absl::Status Attend(int32_t layer, std::span<LocalSequence* const> members, const void* q,
+                      void* out, float* lse) override {
+    KVTIER_ASSIGN_OR_RETURN(std::vector<RetrieverImpl*> m, Members(members, "Attend"));
+    for (RetrieverImpl* r : m) {
+      KVTIER_RETURN_IF_ERROR(r->CheckCall(layer, "Attend"));
+      if (!r->layers_[layer].in_step) {
+        return absl::FailedPreconditionError(absl::StrFormat(
+            "Attend: layer %d of the member in slot %d: call BeginStep first", layer, r->slot()));
+      }
+    }
+    const HostCalls start = ThreadHostCalls();
+    const size_t qb = m[0]->q_bytes();
+    const int32_t hq = g_.num_q_heads;
+    absl::Status st;
+    ForRuns(m, nullptr, [&](size_t i, int32_t n) -> absl::Status {
+      RetrieverImpl& first = *m[i];
+      SparseAttentionArgs a = first.AttentionArgs(
+          first.layers_[layer], static_cast<const uint8_t*>(q) + i * qb,
+          static_cast<uint8_t*>(out) + i * qb, lse == nullptr ? nullptr : lse + i * hq, n);
+      absl::Time mark;
+      KVTIER_RETURN_IF_ERROR(first.Lap(*first.compute_, &mark, nullptr));
+      KVTIER_RETURN_IF_ERROR(backend_.SparseAttention(*first.compute_, a));
+      return first.Lap(*first.compute_, &mark, &first.stats_.attention_us);
+    }, &st);
+    for (size_t i = 0; i < m.size() && st.ok(); ++i) {
+      RetrieverImpl& r = *m[i];
+      if (r.reads_attention()) {
+        const LayerState& l = r.layers_[layer];
+        st = r.TakeProbe(layer, l.step, l.tokens - 1);
+      }
+    }
+    Meter(m, layer, start);
+    return st;
+  }
+
+  absl::Status EndStep(int32_t layer, std::span<LocalSequence* const> members,
+                       const void* q) override {
+    KVTIER_ASSIGN_OR_RETURN(std::vector<RetrieverImpl*> m, Members(members, "EndStep"));
+    if (q == nullptr) return absl::InvalidArgumentError("EndStep: q must be non-null");
+    for (RetrieverImpl* r : m) {
+      KVTIER_RETURN_IF_ERROR(r->CheckCall(layer, "EndStep"));
+      if (!r->layers_[layer].in_step) {
+        return absl::FailedPreconditionError(absl::StrFormat(
+            "EndStep: layer %d of the member in slot %d: call BeginStep first", layer, r->slot()));
+      }
+    }
+    const HostCalls start = ThreadHostCalls();
+    const size_t qb = m[0]->q_bytes();
+    absl::Status st;
+    bool background = false;
+    for (size_t i = 0; i < m.size() && st.ok(); ++i) {
+      absl::StatusOr<bool> b = m[i]->EndHost(layer, qs(q) + i * qb);
+      if (b.ok()) background = *b;
+      st = b.status();
+    }
+    if (background) {
+      ForRuns(m, nullptr, [&](size_t i, int32_t n) -> absl::Status {
+        return m[i]->EndDevice(layer, qs(q) + i * qb, n);
+      }, &st);
+      for (size_t i = 0; i < m.size() && st.ok(); ++i) st = m[i]->EndFinish(layer);
+    }
+    for (size_t i = 0; i < m.size() && st.ok(); ++i) st = m[i]->CommitStored(/*wait=*/false);
+    Meter(m, layer, start);
+    if (st.ok()) {
+      for (RetrieverImpl* r : m) r->CloseStepCalls(layer);
+    }
+    return st;
+  }
+
+  int32_t max_batch() const override { return shared_->max_batch(); }
+  Stream& compute_stream() override { return shared_->compute(); }
+
+ private:
+  static const uint8_t* qs(const void* q) { return static_cast<const uint8_t*>(q); }
+
+  absl::StatusOr<std::vector<RetrieverImpl*>> Members(std::span<LocalSequence* const> members,
+                                                      const char* what) const {
+    if (members.empty() || members.size() > static_cast<size_t>(shared_->max_batch())) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: %d members: must be in [1, %d] (max_batch)", what, members.size(),
+          shared_->max_batch()));
+    }
+    std::vector<RetrieverImpl*> m;
+    absl::flat_hash_set<RetrieverImpl*> seen;
+    for (size_t i = 0; i < members.size(); ++i) {
+      auto* r = dynamic_cast<RetrieverImpl*>(members[i]);
+      if (r == nullptr || r->shared_.get() != shared_.get() || r->slot() < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("%s: members[%d] is not an open sequence of this batch", what, i));
+      }
+      if (!seen.insert(r).second) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("%s: members[%d] is given twice", what, i));
+      }
+      m.push_back(r);
+    }
+    return m;
+  }
+
+  // Calls fn(first index, length) for each maximal run of members in consecutive slots (and,
+  // with `paths`, the same path); stops at the first error, into *st.
+  template <typename Fn>
+  static void ForRuns(const std::vector<RetrieverImpl*>& m,
+                      const std::vector<RetrieverImpl::BeginPath>* paths, Fn fn,
+                      absl::Status* st) {
+    size_t i = 0;
+    while (i < m.size() && st->ok()) {
+      size_t j = i + 1;
+      while (j < m.size() && m[j]->slot() == m[j - 1]->slot() + 1 &&
+             (paths == nullptr || (*paths)[j] == (*paths)[i])) {
+        ++j;
+      }
+      *st = fn(i, static_cast<int32_t>(j - i));
+      i = j;
+    }
+  }
+
+  // The batch call's blocking host calls count for every member's step.
+  static void Meter(const std::vector<RetrieverImpl*>& m, int32_t layer, const HostCalls& start) {
+    const HostCalls d = ThreadHostCalls() - start;
+    for (RetrieverImpl* r : m) r->layers_[layer].calls += d;
+  }
+
+  const Geometry g_;
+  const SequenceOptions o_;
+  Backend& backend_;
+  std::shared_ptr<BatchShared> shared_;
+};
+
+}  // namespace retriever_internal
+
+namespace {
+
+// The checks and the shared storage of both makers; `host` is the members' page source.
+absl::StatusOr<std::unique_ptr<SequenceBatch>> MakeBatch(
+    const Geometry& geometry, const SequenceOptions& options, int32_t max_batch, Backend& backend,
+    const std::function<absl::StatusOr<std::unique_ptr<HostTier>>(const SequenceOptions&)>& host) {
+  KVTIER_RETURN_IF_ERROR(geometry.Validate());
+  if (max_batch < 1 || max_batch > 4096) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("NewSequenceBatch: max_batch = %d must be in [1, 4096]", max_batch));
+  }
+  SequenceOptions o = options;
+  if (o.recall == RecallStrategy::kAuto) o.recall = RecallStrategy::kZeroCopy;
+  if (o.recall != RecallStrategy::kZeroCopy) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "NewSequenceBatch: recall strategy %s drives one sequence's DMAs: a batch recalls "
+        "zero_copy (or auto)",
+        RecallStrategyName(o.recall)));
+  }
+  if (o.max_tokens <= 0 || o.max_tokens > (1 << 30)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("sequence.max_tokens = %d: must be in [1, 2^30]", o.max_tokens));
+  }
+  const size_t ring = retriever_internal::RetrieverImpl::RingBytes(geometry, o) * max_batch;
+  KVTIER_ASSIGN_OR_RETURN(
+      std::shared_ptr<retriever_internal::BatchShared> shared,
+      retriever_internal::BatchShared::Create(geometry, o, backend, max_batch, ring));
+  if (o.mode == RetrievalMode::kSpeculative || o.mode == RetrievalMode::kSync) {
+    KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<HostTier> h, host(o));
+    shared->set_host(std::move(h));
+  }
+  return std::unique_ptr<SequenceBatch>(std::make_unique<retriever_internal::SequenceBatchImpl>(
+      geometry, o, backend, std::move(shared)));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<SequenceBatch>> NewSequenceBatch(const Geometry& geometry,
+                                                                const SequenceOptions& options,
+                                                                int32_t max_batch,
+                                                                Device& device) {
+  KVTIER_ASSIGN_OR_RETURN(Backend * backend, BackendOf(device, "NewSequenceBatch"));
+  return MakeBatch(geometry, options, max_batch, *backend,
+                   [&](const SequenceOptions& o) -> absl::StatusOr<std::unique_ptr<HostTier>> {
+                     const int64_t tokens = int64_t{o.max_tokens} * max_batch;
+                     if (tokens > (int64_t{1} << 30)) {
+                       return absl::InvalidArgumentError(absl::StrFormat(
+                           "NewSequenceBatch: max_tokens × max_batch = %d exceeds 2^30", tokens));
+                     }
+                     return NewOwnedHostTier(geometry, static_cast<int32_t>(tokens), *backend);
+                   });
+}
+
+absl::StatusOr<std::unique_ptr<SequenceBatch>> NewSequenceBatchOverPool(
+    const Geometry& geometry, const SequenceOptions& options, int32_t max_batch, Backend& backend,
+    PagePool* pool) {
+  return MakeBatch(geometry, options, max_batch, backend,
+                   [&](const SequenceOptions& o) -> absl::StatusOr<std::unique_ptr<HostTier>> {
+                     if (pool == nullptr) {
+                       return absl::InvalidArgumentError(absl::StrFormat(
+                           "NewSequenceBatchOverPool: mode %s needs a host page pool",
+                           RetrievalModeName(o.mode)));
+                     }
+                     return std::unique_ptr<HostTier>(std::make_unique<PoolHostTier>(*pool));
+                   });
+}
+
+}  // namespace kvtier
