@@ -43,7 +43,8 @@ class CpuGraph final : public Graph {
 
 class CpuBackend final : public Backend {
  public:
-  explicit CpuBackend(int num_threads) : pool_(num_threads) {}
+  explicit CpuBackend(int num_threads)
+      : pool_(num_threads), low_pool_(pool_.num_threads(), /*low_priority=*/true) {}
 
   DeviceKind kind() const override { return DeviceKind::kCpu; }
   std::string Describe() const override {
@@ -166,10 +167,11 @@ class CpuBackend final : public Backend {
     std::free(data);
   }
 
-  // Ops of a low-priority stream run on its own (low-priority) worker alone.
+  // Ops of a low-priority stream run on its (low-priority) worker and the low-priority
+  // pool, so background work of a whole batch is parallel and still yields to the rest.
   ThreadPool* PoolFor(Stream& s) {
     auto* cs = dynamic_cast<CpuStream*>(&s);
-    return cs != nullptr && cs->low_priority() ? nullptr : &pool_;
+    return cs != nullptr && cs->low_priority() ? &low_pool_ : &pool_;
   }
 
   absl::Status DoScorePages(Stream& s, const ScorePagesArgs& a) override {
@@ -247,6 +249,7 @@ class CpuBackend final : public Backend {
   }
 
   ThreadPool pool_;
+  ThreadPool low_pool_;  // nice 19 workers for the ops of low-priority streams
   mutable Mutex mu_;
   std::map<uintptr_t, Range> ranges_ ABSL_GUARDED_BY(mu_);
 };

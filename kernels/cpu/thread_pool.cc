@@ -1,5 +1,9 @@
 #include "kernels/cpu/thread_pool.h"
 
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <memory>
@@ -46,11 +50,17 @@ struct Job {
 
 }  // namespace
 
-ThreadPool::ThreadPool(int num_threads) {
+ThreadPool::ThreadPool(int num_threads, bool low_priority) {
   if (num_threads <= 0) num_threads = static_cast<int>(std::thread::hardware_concurrency());
   num_threads = std::max(num_threads, 1);
   workers_.reserve(static_cast<size_t>(num_threads - 1));
-  for (int i = 1; i < num_threads; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+  for (int i = 1; i < num_threads; ++i) {
+    workers_.emplace_back([this, low_priority] {
+      // Best effort: without the right to lower its priority the thread keeps the default.
+      if (low_priority) (void)setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), 19);
+      WorkerLoop();
+    });
+  }
 }
 
 ThreadPool::~ThreadPool() {

@@ -22,7 +22,9 @@ class ThreadPool {
  public:
   // `num_threads` is the total parallelism including the caller: num_threads − 1 workers
   // are started. ≤ 0 means std::thread::hardware_concurrency().
-  explicit ThreadPool(int num_threads);
+  // `low_priority`: the workers run at the lowest OS priority (nice 19), for background
+  // work that must yield to the rest.
+  explicit ThreadPool(int num_threads, bool low_priority = false);
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
   ~ThreadPool();
