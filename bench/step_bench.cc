@@ -28,6 +28,7 @@
 #include "kvtier/dtype.h"
 #include "offload/host_arena.h"
 #include "offload/page_pool.h"
+#include "offload/sequence_batch.h"
 
 namespace kvtier::bench {
 namespace {
@@ -37,6 +38,8 @@ using Clock = std::chrono::steady_clock;
 // Targets the report prints (not asserted).
 constexpr double kSpeculativeOverResidentMax = 1.15;
 constexpr double kSyncOverSpeculativeMin = 5.0;
+// A batched layer-step of B sequences against B lone ones (batch 1), on the cpu backend.
+constexpr double kBatchedOverLoneMax = 0.5;
 constexpr int32_t kMaxBatch = 1024;
 
 double Us(Clock::duration d) { return std::chrono::duration<double, std::micro>(d).count(); }
@@ -85,7 +88,9 @@ struct Counters {
   int64_t correction_pages = 0;
   int64_t checked_heads = 0;
   int64_t corrected_heads = 0;
+  int64_t host_waits = 0;  // blocking host calls inside the sequences' calls
   void Add(const SequenceStats& s, int64_t sign) {
+    host_waits += sign * s.host_waits;
     steps += sign * s.steps;
     recalled_pages += sign * s.recalled_pages;
     recalled_bytes += sign * s.recalled_bytes;
@@ -106,9 +111,10 @@ struct RetrieverRun {
 
 struct BatchResult {
   int32_t batch = 0;
-  Timing dense, resident, resident_per_seq, speculative, sync;
-  Counters spec_counters, sync_counters;
+  Timing dense, resident, resident_per_seq, speculative, sync, batched;
+  Counters spec_counters, sync_counters, batched_counters;
   bool has_sync = false;
+  bool has_batched = false;
 };
 
 class StepBench {
@@ -140,7 +146,8 @@ class StepBench {
                                    const std::function<absl::Status()>& after_warmup);
   absl::Status Dense(int32_t step, int32_t B);
   absl::Status Resident(int32_t step, int32_t B, bool per_sequence);
-  absl::StatusOr<RetrieverRun> Retrievers(int32_t B, RetrievalMode mode);
+  // `batched`: the B sequences are members of one SequenceBatch stepped together.
+  absl::StatusOr<RetrieverRun> Retrievers(int32_t B, RetrievalMode mode, bool batched = false);
   JsonObject Report(const std::vector<BatchResult>& results, std::ostream& log) const;
 
   const StepBenchOptions o_;
@@ -408,7 +415,7 @@ absl::Status StepBench::Resident(int32_t step, int32_t B, bool per_sequence) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<RetrieverRun> StepBench::Retrievers(int32_t B, RetrievalMode mode) {
+absl::StatusOr<RetrieverRun> StepBench::Retrievers(int32_t B, RetrievalMode mode, bool batched) {
   SequenceOptions ro = ro_;
   ro.mode = mode;
   ro.max_tokens = max_tokens_;
@@ -416,10 +423,21 @@ absl::StatusOr<RetrieverRun> StepBench::Retrievers(int32_t B, RetrievalMode mode
   ro.recall = o_.recall;
   ro.deadline = absl::Minutes(5);
   ro.compute_stream = compute_.get();
-  std::vector<std::unique_ptr<Retriever>> rs;
+  std::vector<std::unique_ptr<LocalSequence>> rs;
+  std::unique_ptr<SequenceBatch> batch;
+  std::vector<LocalSequence*> members;
+  if (batched) {
+    KVTIER_ASSIGN_OR_RETURN(batch, NewSequenceBatchOverPool(g_, ro, B, *be_, pool_.get()));
+  }
   for (int32_t b = 0; b < B; ++b) {
-    KVTIER_ASSIGN_OR_RETURN(auto r, Retriever::Create(g_, ro, *be_, pool_.get()));
-    rs.push_back(std::move(r));
+    if (batched) {
+      KVTIER_ASSIGN_OR_RETURN(auto r, batch->NewSequence());
+      members.push_back(r.get());
+      rs.push_back(std::move(r));
+    } else {
+      KVTIER_ASSIGN_OR_RETURN(auto r, Retriever::Create(g_, ro, *be_, pool_.get()));
+      rs.push_back(std::move(r));
+    }
   }
   // Prefill: the context of every layer, from the dense K/V (not timed).
   for (int32_t b = 0; b < B; ++b) {
@@ -431,8 +449,18 @@ absl::StatusOr<RetrieverRun> StepBench::Retrievers(int32_t B, RetrievalMode mode
   for (auto& r : rs) KVTIER_RETURN_IF_ERROR(r->Wait());
   auto step = [&](int32_t s) -> absl::Status {
     for (int32_t l = 0; l < g_.num_layers; ++l) {
+      if (batched) {
+        for (int32_t b = 0; b < B; ++b) {
+          KVTIER_RETURN_IF_ERROR(rs[b]->Append(l, TokK(s, l, b), TokV(s, l, b), 1));
+        }
+        // One launch of each op for the B sequences (their queries are consecutive rows).
+        KVTIER_RETURN_IF_ERROR(batch->BeginStep(l, members, Q(s, l, 0)).status());
+        KVTIER_RETURN_IF_ERROR(batch->Attend(l, members, Q(s, l, 0), out_[l].data(), nullptr));
+        KVTIER_RETURN_IF_ERROR(batch->EndStep(l, members, Q(s, l, 0)));
+        continue;
+      }
       for (int32_t b = 0; b < B; ++b) {
-        Retriever& r = *rs[b];
+        LocalSequence& r = *rs[b];
         const void* q = Q(s, l, b);
         KVTIER_RETURN_IF_ERROR(r.Append(l, TokK(s, l, b), TokV(s, l, b), 1));
         KVTIER_RETURN_IF_ERROR(r.BeginStep(l, q).status());
@@ -481,7 +509,12 @@ JsonObject StepBench::Report(const std::vector<BatchResult>& results, std::ostre
       Bytes(double(device_bytes_)));
 
   JsonObject dense_us, resident_us, resident_seq_us, spec_us, sync_us, dense_med, resident_med,
-      resident_seq_med, spec_med, sync_med, ratios, correction, stats;
+      resident_seq_med, spec_med, sync_med, batched_us, batched_med, ratios, correction, stats;
+  // Batch 1's speculative step: the lone sequence a batch is compared with.
+  double lone_us = NAN;
+  for (const BatchResult& r : results) {
+    if (r.batch == 1) lone_us = r.speculative.mean_us;
+  }
   for (const BatchResult& r : results) {
     const std::string key = absl::StrCat(r.batch);
     const double spec_over_res = r.speculative.mean_us / r.resident.mean_us;
@@ -516,6 +549,32 @@ JsonObject StepBench::Report(const std::vector<BatchResult>& results, std::ostre
                              sync_over_spec >= kSyncOverSpeculativeMin ? "met" : "MISSED");
     }
     log << absl::StrFormat("    dense / speculative      %6.2fx\n", dense_over_spec);
+    const double batched_over_seq = r.has_batched ? r.batched.mean_us / r.speculative.mean_us : NAN;
+    const double batched_over_lone = r.has_batched ? r.batched.mean_us / (r.batch * lone_us) : NAN;
+    if (r.has_batched) {
+      line("speculative, batched", r.batched,
+           absl::StrFormat("   one launch per op for the batch; correction rate %.3f",
+                           r.batched_counters.correction_rate()));
+      log << absl::StrFormat("    batched / sequential     %6.2fx  (the same %d sequences, one "
+                             "by one, this run)\n",
+                             batched_over_seq, r.batch);
+      if (r.batch > 1 && std::isfinite(lone_us)) {
+        log << absl::StrFormat("    batched / (%d x batch 1)  %6.2fx  (target <= %.2fx on the cpu "
+                               "backend: %s)\n",
+                               r.batch, batched_over_lone, kBatchedOverLoneMax,
+                               batched_over_lone <= kBatchedOverLoneMax ? "met" : "MISSED");
+      }
+      batched_us.Add(key, r.batched.mean_us);
+      batched_med.Add(key, r.batched.median_us);
+    }
+    log << absl::StrFormat(
+        "    host waits per layer-step: speculative %.3f%s\n",
+        double(r.spec_counters.host_waits) / std::max<double>(1, double(r.spec_counters.steps)),
+        r.has_batched
+            ? absl::StrFormat(", batched %.3f",
+                              double(r.batched_counters.host_waits) /
+                                  std::max<double>(1, double(r.batched_counters.steps)))
+            : std::string());
 
     dense_us.Add(key, r.dense.mean_us);
     resident_us.Add(key, r.resident.mean_us);
@@ -538,6 +597,13 @@ JsonObject StepBench::Report(const std::vector<BatchResult>& results, std::ostre
       ratio.Add("sync_over_speculative", sync_over_spec)
           .Add("sync_target_met", sync_over_spec >= kSyncOverSpeculativeMin);
     }
+    if (r.has_batched) {
+      ratio.Add("batched_over_sequential", batched_over_seq);
+      if (r.batch > 1 && std::isfinite(lone_us)) {
+        ratio.Add("batched_over_lone", batched_over_lone)
+            .Add("batched_target_met", batched_over_lone <= kBatchedOverLoneMax);
+      }
+    }
     ratios.AddObject(key, ratio);
     correction.Add(key, r.spec_counters.correction_rate());
     auto counters = [&](const Counters& c) {
@@ -548,11 +614,13 @@ JsonObject StepBench::Report(const std::vector<BatchResult>& results, std::ostre
           .Add("correction_pages", c.correction_pages)
           .Add("checked_heads", c.checked_heads)
           .Add("corrected_heads", c.corrected_heads)
+          .Add("host_waits", c.host_waits)
           .Add("recalled_pages_per_seq_layer_step", double(c.recalled_pages) / per_seq_step);
       return j;
     };
     JsonObject st;
     st.AddObject("speculative", counters(r.spec_counters));
+    if (r.has_batched) st.AddObject("batched", counters(r.batched_counters));
     if (r.has_sync) st.AddObject("sync", counters(r.sync_counters));
     stats.AddObject(key, st);
   }
@@ -578,6 +646,7 @@ JsonObject StepBench::Report(const std::vector<BatchResult>& results, std::ostre
       .Add("backend_bytes", static_cast<int64_t>(device_bytes_));
   JsonObject targets;
   targets.Add("speculative_over_resident_max", kSpeculativeOverResidentMax)
+      .Add("batched_over_lone_max_cpu", kBatchedOverLoneMax)
       .Add("sync_over_speculative_min", kSyncOverSpeculativeMin);
 
   JsonObject j;
@@ -600,11 +669,13 @@ JsonObject StepBench::Report(const std::vector<BatchResult>& results, std::ostre
       .AddObject("resident_per_seq_us", resident_seq_us)
       .AddObject("speculative_us", spec_us)
       .AddObject("sync_us", sync_us)
+      .AddObject("speculative_batched_us", batched_us)
       .AddObject("dense_median_us", dense_med)
       .AddObject("resident_median_us", resident_med)
       .AddObject("resident_per_seq_median_us", resident_seq_med)
       .AddObject("speculative_median_us", spec_med)
       .AddObject("sync_median_us", sync_med)
+      .AddObject("speculative_batched_median_us", batched_med)
       .AddObject("ratios", ratios)
       .AddObject("targets", targets)
       .AddObject("correction_rate", correction)
@@ -629,6 +700,14 @@ absl::StatusOr<JsonObject> StepBench::Run(std::ostream& log) {
     r.speculative = spec.timing;
     r.spec_counters = spec.counters;
     strategies_.insert(spec.strategies.begin(), spec.strategies.end());
+    // A batch recalls zero-copy: measured whenever the asked strategy allows it.
+    if (o_.recall == RecallStrategy::kAuto || o_.recall == RecallStrategy::kZeroCopy) {
+      KVTIER_ASSIGN_OR_RETURN(RetrieverRun bat,
+                              Retrievers(B, RetrievalMode::kSpeculative, /*batched=*/true));
+      r.batched = bat.timing;
+      r.batched_counters = bat.counters;
+      r.has_batched = true;
+    }
     if (o_.sync) {
       KVTIER_ASSIGN_OR_RETURN(RetrieverRun sync, Retrievers(B, RetrievalMode::kSync));
       r.sync = sync.timing;
