@@ -12,7 +12,9 @@
 #include <initializer_list>
 
 #include "kernels/cuda/device_error.h"
+#include "kernels/ops.h"
 #include "kvtier/dtype.h"
+#include "kvtier/layout.h"
 
 namespace kvtier::cuda {
 
@@ -46,6 +48,33 @@ inline int SlabCopyThreads(int64_t units) {
   const int64_t threads = warps * 32;
   if (threads < 32) return 32;
   return threads > kSlabMaxThreads ? kSlabMaxThreads : static_cast<int>(threads);
+}
+
+// Where unit u of one head's contiguous K+V slab ([K|V][p][d] as units of U, units_per_row a
+// row) lands in the NHD working set: token (row mod p) of the item's head in its destination
+// slot, in K for rows below p and in V for the rest. Params: the copy kernels' parameters
+// (working_set, cache[K|V], elem_bytes).
+template <typename U>
+struct NhdSlabTarget {
+  char* k_row0;  // token 0 of the head in the destination slot, in K and in V
+  char* v_row0;
+  int64_t row_stride;  // bytes between tokens (Hkv·d elements)
+  int32_t units_per_row;
+  int32_t page_size;
+  __device__ U* operator()(int32_t u) const {
+    const int32_t row = u / units_per_row;
+    const int32_t word = u - row * units_per_row;
+    const bool value = row >= page_size;
+    const int32_t token = value ? row - page_size : row;
+    return reinterpret_cast<U*>((value ? v_row0 : k_row0) + token * row_stride) + word;
+  }
+};
+template <typename U, typename Params>
+__device__ NhdSlabTarget<U> SlabTarget(const Params& p, const RecallItem& it,
+                                       int32_t units_per_row, int32_t page_size) {
+  const int64_t row0 = p.working_set.Offset(int64_t{it.dst_slot}, 0, it.kv_head, 0) * p.elem_bytes;
+  return NhdSlabTarget<U>{p.cache[kKey] + row0, p.cache[kValue] + row0,
+                          p.working_set.token_stride() * p.elem_bytes, units_per_row, page_size};
 }
 
 // Copies units [0, n) of one slab, *dst_at(u) = *src_at(u), with the whole block. Thread t

@@ -71,19 +71,7 @@ __global__ void __launch_bounds__(kSlabMaxThreads) ScatterSlabsKernel(const Scat
   const int32_t units_per_row = p.units_per_row;
   const U* from =
       reinterpret_cast<const U*>(p.staging + index * p.slab.page_elements() * p.elem_bytes);
-  // Token 0 of this head in the destination slot, in K and in V; tokens are rows of stride
-  // Hkv·d elements (NHD).
-  const int64_t row0 = p.working_set.Offset(int64_t{it.dst_slot}, 0, it.kv_head, 0) * p.elem_bytes;
-  char* const k_row0 = p.cache[kKey] + row0;
-  char* const v_row0 = p.cache[kValue] + row0;
-  const int64_t row_stride = p.working_set.token_stride() * p.elem_bytes;
-  const auto dst_at = [=](int32_t u) {
-    const int32_t row = u / units_per_row;
-    const int32_t word = u - row * units_per_row;
-    const bool value = row >= page_size;
-    const int32_t token = value ? row - page_size : row;
-    return reinterpret_cast<U*>((value ? v_row0 : k_row0) + token * row_stride) + word;
-  };
+  const NhdSlabTarget<U> dst_at = SlabTarget<U>(p, it, units_per_row, page_size);
   CopySlabUnits<U>(
       2 * page_size * units_per_row, [from](int32_t u) { return from + u; }, dst_at);
 }
