@@ -337,10 +337,30 @@ absl::Status Decoder::Step(const std::vector<Sequence*>& seqs, const std::vector
   const size_t e = DTypeSize(dt);
   const bool host_memory = math_.device().kind() == DeviceKind::kCpu;
   std::vector<uint8_t> staging;  // remote sequences on a GPU engine: host copies
+  // Members of one SequenceBatch step together: one launch of each op for the whole batch.
+  SequenceBatch* batch = seqs[0]->local() != nullptr ? seqs[0]->local()->batch() : nullptr;
+  std::vector<LocalSequence*> members;
+  for (int64_t i = 0; i < b && batch != nullptr; ++i) {
+    LocalSequence* local = seqs[i]->local();
+    if (local == nullptr || local->batch() != batch) batch = nullptr;
+    if (local != nullptr) members.push_back(local);
+  }
   auto attention = [&](int32_t l, int64_t rows) -> absl::Status {
     KVTIER_RETURN_IF_ERROR(math_.ToDType(q_.as<float>(), q_kv_.data(), dt, rows * qd));
     KVTIER_RETURN_IF_ERROR(math_.ToDType(k_.as<float>(), k_kv_.data(), dt, rows * kvd));
     KVTIER_RETURN_IF_ERROR(math_.ToDType(v_.as<float>(), v_kv_.data(), dt, rows * kvd));
+    if (batch != nullptr) {
+      for (int64_t i = 0; i < rows; ++i) {
+        auto* k = static_cast<uint8_t*>(k_kv_.data()) + i * kvd * e;
+        auto* v = static_cast<uint8_t*>(v_kv_.data()) + i * kvd * e;
+        KVTIER_RETURN_IF_ERROR(members[i]->Append(l, k, v, 1));
+      }
+      KVTIER_RETURN_IF_ERROR(batch->BeginStep(l, members, q_kv_.data()).status());
+      KVTIER_RETURN_IF_ERROR(batch->Attend(l, members, q_kv_.data(), out_kv_.data(), nullptr));
+      KVTIER_RETURN_IF_ERROR(batch->EndStep(l, members, q_kv_.data()));
+      KVTIER_RETURN_IF_ERROR(math_.Fence());
+      return math_.FromDType(out_kv_.data(), dt, attn_.as<float>(), rows * qd);
+    }
     for (int64_t i = 0; i < rows; ++i) {
       Sequence& s = *seqs[i];
       auto* q = static_cast<uint8_t*>(q_kv_.data()) + i * qd * e;

@@ -79,13 +79,10 @@ bool ParseMode(std::string_view name, RetrievalMode* out) {
   return false;
 }
 
-absl::StatusOr<std::unique_ptr<EngineSequence>> EngineSequence::Open(Engine& engine,
-                                                                     const SequenceSpec& spec,
-                                                                     Client* client) {
-  auto s = std::unique_ptr<EngineSequence>(new EngineSequence());
-  s->engine_ = &engine;
-  const Geometry g =
-      engine.config().KvGeometry(engine.decoder().options().kv_dtype, spec.page_size);
+namespace {
+
+// The options a spec's sequences run with on `engine`.
+absl::StatusOr<SequenceOptions> OptionsOf(Engine& engine, const SequenceSpec& spec) {
   SequenceOptions o = spec.options;
   o.compute_stream = &engine.stream();
   // Full mode keeps every page resident and ignores the budget, but the daemon still checks
@@ -95,8 +92,38 @@ absl::StatusOr<std::unique_ptr<EngineSequence>> EngineSequence::Open(Engine& eng
       o.max_tokens >= unit) {
     KVTIER_RETURN_IF_ERROR(o.SetBudgetTokens(o.max_tokens / unit * unit, spec.page_size));
   }
+  return o;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<SequenceBatch>> EngineBatch(Engine& engine, const SequenceSpec& spec,
+                                                           int32_t max_batch) {
+  if (spec.placement != Placement::kInProcess) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "a sequence batch holds in-process sequences, not %s ones", PlacementName(spec.placement)));
+  }
+  KVTIER_ASSIGN_OR_RETURN(SequenceOptions o, OptionsOf(engine, spec));
+  const Geometry g =
+      engine.config().KvGeometry(engine.decoder().options().kv_dtype, spec.page_size);
+  return NewSequenceBatch(g, o, max_batch, engine.device());
+}
+
+absl::StatusOr<std::unique_ptr<EngineSequence>> EngineSequence::Open(Engine& engine,
+                                                                     const SequenceSpec& spec,
+                                                                     Client* client,
+                                                                     SequenceBatch* batch) {
+  auto s = std::unique_ptr<EngineSequence>(new EngineSequence());
+  s->engine_ = &engine;
+  const Geometry g =
+      engine.config().KvGeometry(engine.decoder().options().kv_dtype, spec.page_size);
+  KVTIER_ASSIGN_OR_RETURN(SequenceOptions o, OptionsOf(engine, spec));
   if (spec.placement == Placement::kInProcess) {
-    KVTIER_ASSIGN_OR_RETURN(s->local_, NewLocalSequence(g, o, engine.device()));
+    if (batch != nullptr) {
+      KVTIER_ASSIGN_OR_RETURN(s->local_, batch->NewSequence());
+    } else {
+      KVTIER_ASSIGN_OR_RETURN(s->local_, NewLocalSequence(g, o, engine.device()));
+    }
     return s;
   }
   if (client == nullptr) {

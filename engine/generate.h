@@ -75,12 +75,20 @@ struct SequenceSpec {
   std::string label = "kvtier-run";
 };
 
+// A SequenceBatch of up to max_batch in-process sequences of `spec`, for EngineSequence::Open:
+// the decoder steps its members with one launch of each op per layer for the batch.
+absl::StatusOr<std::unique_ptr<SequenceBatch>> EngineBatch(Engine& engine, const SequenceSpec& spec,
+                                                           int32_t max_batch);
+
 // One sequence the engine decodes over, and what owns it (a Session, or itself).
 class EngineSequence {
  public:
+  // `batch`: in-process sequences become members of it (SequenceBatch::NewSequence), which
+  // the decoder steps together; its geometry and options must be the spec's (EngineBatch).
   static absl::StatusOr<std::unique_ptr<EngineSequence>> Open(Engine& engine,
                                                               const SequenceSpec& spec,
-                                                              Client* client);
+                                                              Client* client,
+                                                              SequenceBatch* batch = nullptr);
   ~EngineSequence();
   Sequence& sequence() { return session_ ? session_->sequence() : *local_; }
   // The kvtierd session's id; empty in-process.

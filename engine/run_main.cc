@@ -249,12 +249,27 @@ absl::StatusOr<ModeRun> RunMode(Engine& engine, const Flags& f, const std::strin
       return absl::InvalidArgumentError(
           absl::StrFormat("--transport: unknown '%s' (shm, grpc)", f.transport));
     }
+    // In-process sequences of a batch decode as one SequenceBatch (one launch of each op per
+    // layer for the batch); what a batch cannot hold (a DMA recall strategy, a policy-managed
+    // drop-mode working set) decodes sequence by sequence.
+    std::unique_ptr<SequenceBatch> batch;
+    if (spec.placement == Placement::kInProcess && prompts.size() > 1) {
+      absl::StatusOr<std::unique_ptr<SequenceBatch>> made =
+          EngineBatch(engine, spec, static_cast<int32_t>(prompts.size()));
+      if (made.ok()) batch = *std::move(made);
+    }
     std::vector<std::unique_ptr<EngineSequence>> owned;
     std::vector<Sequence*> seqs;
     for (size_t b = 0; b < prompts.size(); ++b) {
-      KVTIER_ASSIGN_OR_RETURN(auto s, EngineSequence::Open(engine, spec, client));
-      seqs.push_back(&s->sequence());
-      owned.push_back(std::move(s));
+      absl::StatusOr<std::unique_ptr<EngineSequence>> s =
+          EngineSequence::Open(engine, spec, client, batch.get());
+      if (!s.ok() && batch != nullptr && b == 0 && absl::IsInvalidArgument(s.status())) {
+        batch.reset();
+        s = EngineSequence::Open(engine, spec, client);
+      }
+      if (!s.ok()) return s.status();
+      seqs.push_back(&(*s)->sequence());
+      owned.push_back(*std::move(s));
     }
     KVTIER_ASSIGN_OR_RETURN(run.results, Generate(engine, seqs, prompts, g, on_token, progress));
     for (Sequence* s : seqs) {

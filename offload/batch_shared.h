@@ -22,6 +22,7 @@
 #include "kernels/backend.h"
 #include "kvtier/geometry.h"
 #include "kvtier/options.h"
+#include "kvtier/sequence.h"
 #include "offload/host_tier.h"
 #include "offload/staging_ring.h"
 
@@ -102,6 +103,10 @@ class BatchShared {
   void set_host(std::unique_ptr<HostTier> host) { host_ = std::move(host); }
   HostTier* host() { return host_.get(); }
 
+  // The SequenceBatch object of the members (null for a sequence alone, or once it is gone).
+  void set_owner(SequenceBatch* owner) { owner_ = owner; }
+  SequenceBatch* owner() const { return owner_; }
+
  private:
   BatchShared(Backend& backend, int32_t max_batch, int32_t num_layers)
       : backend_(backend), max_batch_(max_batch), layers_(num_layers), used_(max_batch, false) {}
@@ -121,6 +126,7 @@ class BatchShared {
   std::vector<Layer> layers_;
   std::vector<bool> used_;
   std::unique_ptr<HostTier> host_;
+  SequenceBatch* owner_ = nullptr;
   std::unique_ptr<StagingRing> ring_;
   DeviceBuffer workspace_;
   // Streams last: destroyed first, running their queued work while the buffers still exist.

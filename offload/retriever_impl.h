@@ -258,6 +258,7 @@ class RetrieverImpl final : public Retriever {
   }
   void SetProfiling(bool on) override { profiling_ = on; }
   Stream& compute_stream() override { return *compute_; }
+  SequenceBatch* batch() override { return shared_ != nullptr ? shared_->owner() : nullptr; }
   const Geometry& geometry() const override { return geometry_; }
   const SequenceOptions& options() const override { return options_; }
   int32_t num_tokens(int32_t layer) const override {

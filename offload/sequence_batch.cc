@@ -26,7 +26,11 @@ class SequenceBatchImpl final : public SequenceBatch {
  public:
   SequenceBatchImpl(const Geometry& g, const SequenceOptions& o, Backend& backend,
                     std::shared_ptr<BatchShared> shared)
-      : g_(g), o_(o), backend_(backend), shared_(std::move(shared)) {}
+      : g_(g), o_(o), backend_(backend), shared_(std::move(shared)) {
+    shared_->set_owner(this);
+  }
+  // Members may outlive the batch object (they keep its storage): they stop naming it.
+  ~SequenceBatchImpl() override { shared_->set_owner(nullptr); }
 
   absl::StatusOr<std::unique_ptr<LocalSequence>> NewSequence() override {
     std::unique_ptr<HostTier> host;

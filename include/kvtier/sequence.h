@@ -119,6 +119,7 @@ struct SequenceStats {
 };
 
 class LocalSequence;
+class SequenceBatch;
 
 class Sequence {
  public:
@@ -201,6 +202,9 @@ class LocalSequence : public Sequence {
 
   virtual Stream& compute_stream() = 0;
   LocalSequence* local() override { return this; }
+  // The batch this sequence is a member of (SequenceBatch::NewSequence), or null; null too
+  // once the batch object is gone.
+  virtual SequenceBatch* batch() { return nullptr; }
 };
 
 // A local sequence with a private host tier of pinned host memory sized for max_tokens per
