@@ -35,9 +35,10 @@
 // are not a multiple of the 16-byte vector (or misaligned buffers) takes a scalar path with
 // the same structure, one query head per block.
 //
-// Splits: enough that B · Hkv · head blocks · splits ≈ kBlocksPerSm blocks per SM (the SM
-// count is cached per device), with at least kMinTilesPerSplit tiles of tokens per split,
-// so batch 1 still fills the GPU. With one split the main kernel writes out and lse itself;
+// Splits: enough that Hkv · head blocks · splits ≈ kBlocksPerSm blocks per SM (the SM count
+// is cached per device), with at least kMinTilesPerSplit tiles of tokens per split, so batch
+// 1 fills the GPU; planned per sequence, not per batch, so that a sequence's result does not
+// depend on the batch it is launched in. With one split the main kernel writes out and lse itself;
 // otherwise it writes per-split partials (m, l, unnormalised acc) and a combine kernel
 // merges them exactly as the CPU merges its chunks. One function (PlanLaunch) makes the
 // plan for both the launch and SparseAttentionScratchBytes, so the two cannot disagree.
@@ -936,7 +937,11 @@ LaunchPlan PlanLaunch(const AttnParams& p, int32_t batch, bool want_prob, int sm
   LaunchPlan plan{};
   plan.head_blocks = (p.group + S::GM - 1) / S::GM;
   const int64_t y_blocks = int64_t{p.num_kv_heads} * plan.head_blocks;
-  const SplitPlan split = PlanSplits(p.tokens, S::kTile, int64_t{batch} * y_blocks, sm_count);
+  // Planned for one sequence, whatever the batch: a sequence's splits (and so its rounding)
+  // do not depend on which sequences share its launch, so a batch gives each member the
+  // bits it gets alone (docs/retriever.md#batches). A large batch gets more blocks than it
+  // needs to fill the GPU, never fewer.
+  const SplitPlan split = PlanSplits(p.tokens, S::kTile, y_blocks, sm_count);
   plan.splits = split.splits;
   plan.split_tokens = split.split_tokens;
   const int64_t heads = int64_t{batch} * p.num_q_heads;

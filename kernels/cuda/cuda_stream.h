@@ -197,9 +197,7 @@ class CudaStream final : public Stream {
   absl::StatusOr<std::unique_ptr<Graph>> EndCapture();
   bool capturing() const { return capturing_; }
   // Fails the capture in progress: EndCapture returns `status` (the first one).
-  void FailCapture(absl::Status status) {
-    if (capture_status_.ok()) capture_status_ = std::move(status);
-  }
+  void FailCapture(const absl::Status& status) { capture_status_.Update(status); }
   // Work enqueued from now on depends on op `seq` of `slot` (a graph launched here).
   void DependOn(const std::shared_ptr<ErrorSlot>& slot, uint64_t seq) { upstream_.Add(slot, seq); }
 
