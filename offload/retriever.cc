@@ -992,7 +992,7 @@ absl::Status RetrieverImpl::Attend(int32_t layer, const void* q, void* out, floa
     SparseAttentionArgs a = AttentionArgs(layers_[layer], q, out, lse);
     absl::Time mark;
     KVTIER_RETURN_IF_ERROR(Lap(*compute_, &mark, nullptr));
-    KVTIER_RETURN_IF_ERROR(backend_.SparseAttention(*compute_, a));
+    KVTIER_RETURN_IF_ERROR(AttendCaptured(layers_[layer], a));
     KVTIER_RETURN_IF_ERROR(Lap(*compute_, &mark, &stats_.attention_us));
     if (!reads_attention()) return absl::OkStatus();
     return TakeProbe(layer, l.step, l.tokens - 1);
@@ -1046,6 +1046,23 @@ absl::Status RetrieverImpl::EndDevice(int32_t layer, const void* q, int32_t n) {
     });
   }
   return st.ok() ? st : Fail(st);
+}
+
+absl::Status RetrieverImpl::AttendCaptured(LayerState& l, const SparseAttentionArgs& a) {
+  const LayerState::Graphs::AttendKey key{a.q, a.out, a.lse, a.batch};
+  const auto direct = [&] { return backend_.SparseAttention(*compute_, a); };
+  if (!graphs_on() || l.graphs.refused) return direct();
+  if (!(key == l.graphs.attend_last)) {
+    // New pointers: launch directly, and capture if they come back next step.
+    l.graphs.attend_last = key;
+    l.graphs.attend.reset();
+    return direct();
+  }
+  std::map<int32_t, std::unique_ptr<Graph>> one;
+  if (l.graphs.attend != nullptr) one[0] = std::move(l.graphs.attend);
+  absl::Status st = RunCaptured(*compute_, l, &one, 0, direct);
+  if (one.count(0) != 0) l.graphs.attend = std::move(one[0]);
+  return st;
 }
 
 absl::Status RetrieverImpl::RunCaptured(Stream& s, LayerState& l,

@@ -183,6 +183,17 @@ struct LayerState {
   // background selection after it.
   struct Graphs {
     std::map<int32_t, std::unique_ptr<Graph>> correct, select;
+    // Attention reads the engine's q, out and lse: captured only once the same pointers
+    // (and run) came back on the next step, and kept for those alone.
+    struct AttendKey {
+      const void* q = nullptr;
+      void* out = nullptr;
+      float* lse = nullptr;
+      int32_t n = 0;
+      bool operator==(const AttendKey&) const = default;
+    };
+    AttendKey attend_last;
+    std::unique_ptr<Graph> attend;  // captured for attend_last
     bool refused = false;  // a capture failed: direct launches from then on
   } graphs;
 };
@@ -428,6 +439,9 @@ class RetrieverImpl final : public Retriever {
   absl::Status RunCaptured(Stream& s, LayerState& l,
                            std::map<int32_t, std::unique_ptr<Graph>>* cache, int32_t n,
                            const std::function<absl::Status()>& work);
+  // The sparse attention of `a` (a run of a.batch sequences from this one) on the compute
+  // stream: as a graph once the same q, out and lse came back on consecutive steps.
+  absl::Status AttendCaptured(LayerState& l, const SparseAttentionArgs& a);
   absl::Status Collect(bool block);
   // While profiling: waits for `s` and adds the time since *mark to *total_us.
   absl::Status Lap(Stream& s, absl::Time* mark, double* total_us) {

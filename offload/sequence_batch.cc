@@ -106,7 +106,7 @@ class SequenceBatchImpl final : public SequenceBatch {
           static_cast<uint8_t*>(out) + i * qb, lse == nullptr ? nullptr : lse + i * hq, n);
       absl::Time mark;
       KVTIER_RETURN_IF_ERROR(first.Lap(*first.compute_, &mark, nullptr));
-      KVTIER_RETURN_IF_ERROR(backend_.SparseAttention(*first.compute_, a));
+      KVTIER_RETURN_IF_ERROR(first.AttendCaptured(first.layers_[layer], a));
       return first.Lap(*first.compute_, &mark, &first.stats_.attention_us);
     }, &st);
     for (size_t i = 0; i < m.size() && st.ok(); ++i) {

@@ -148,9 +148,10 @@ struct SequenceOptions {
   Stream* compute_stream = nullptr;
   // Local sequences in speculative mode recalling zero-copy, on a backend that can capture
   // streams (CUDA graphs; the cpu backend records task lists): the steady-state device work
-  // of a layer-step (the drift check and correction before attention, the background
-  // selection and recall after it) is captured once per layer (and batch run) and launched
-  // as one graph from then on, instead of ~10 launches (docs/retriever.md#graphs).
+  // of a layer-step (the drift check and correction before attention, the attention when
+  // its q and out buffers stay the same, the background selection and recall after it) is
+  // captured once per layer (and batch run) and launched as graphs from then on, instead of
+  // ~10 launches (docs/retriever.md#graphs).
   // Ignored elsewhere and while profiling.
   bool capture_graphs = false;
   // Budget, residency and host-drop policies (docs/policies.md). The default (fixed budget,

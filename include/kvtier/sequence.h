@@ -110,8 +110,8 @@ struct SequenceStats {
   int64_t host_sync_copies = 0;   // copies into or out of pageable host memory
   int64_t host_allocations = 0;   // device allocations, host registrations
   int64_t host_frees = 0;
-  // Layer-steps whose device work ran as captured graphs (SequenceOptions::capture_graphs):
-  // launches of the correction graph and of the background selection graph.
+  // Launches of captured graphs (SequenceOptions::capture_graphs): the correction before
+  // attention, the attention, and the background selection after it.
   int64_t graph_launches = 0;
   double correction_rate() const {
     return checked_heads == 0 ? 0.0 : static_cast<double>(corrected_heads) / checked_heads;
