@@ -1,6 +1,5 @@
 #include "offload/batch_shared.h"
 
-#include <cstring>
 
 #include "absl/strings/str_format.h"
 #include "core/status.h"
@@ -72,11 +71,6 @@ absl::Status BatchShared::EnsureCounts(int32_t layer) {
   KVTIER_RETURN_IF_ERROR(backend_.Memset(*compute_, l.end.data(), 0, l.end.size()));
   l.dirty = true;
   return absl::OkStatus();
-}
-
-void BatchShared::TakeCounts(int32_t layer, void* dst) {
-  std::memcpy(dst, layers_[layer].mirror.data(), counts_bytes());
-  layers_[layer].dirty = false;
 }
 
 absl::Status BatchShared::ReserveWorkspace(size_t bytes) {

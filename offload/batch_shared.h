@@ -88,10 +88,10 @@ class BatchShared {
   }
   void MarkCountsDirty(int32_t layer) { layers_[layer].dirty = true; }
   bool counts_dirty(int32_t layer) const { return layers_[layer].dirty; }
-  // Copies the mirror of `layer` into staging block `dst` (kLiveRows × max_batch int32) and
-  // clears the dirty mark; the caller enqueues the upload.
+  // The live rows' bytes (kLiveRows × max_batch int32), which the caller uploads from the
+  // mirror (row kFullPages, slot 0 is their start) after clearing the dirty mark.
   size_t counts_bytes() const { return sizeof(int32_t) * kLiveRows * max_batch_; }
-  void TakeCounts(int32_t layer, void* dst);
+  void ClearCountsDirty(int32_t layer) { layers_[layer].dirty = false; }
 
   // The attention workspace (null when the backend needs none), grown only by Reserve.
   void* workspace() const { return workspace_.data(); }

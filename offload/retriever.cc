@@ -413,17 +413,9 @@ absl::Status RetrieverImpl::UploadCountsIfDirty(int32_t layer) {
   if (!shared_->counts_dirty(layer)) return absl::OkStatus();
   // The live rows only, of the whole batch: the snapshot rows are the background
   // selection's, and every other sequence's column is its current value.
-  KVTIER_ASSIGN_OR_RETURN(StagingRing::Block b, Stage(shared_->counts_bytes()));
-  if (b.data == nullptr) {
-    std::vector<int32_t> tmp(shared_->counts_bytes() / sizeof(int32_t));
-    shared_->TakeCounts(layer, tmp.data());
-    return Upload(*compute_, shared_->live(layer, kFullPages, 0), tmp.data(),
-                  shared_->counts_bytes());
-  }
-  shared_->TakeCounts(layer, b.data);
-  staged_tickets_.push_back(b.ticket);
-  return backend_.Copy(*compute_, shared_->live(layer, kFullPages, 0), b.data,
-                       shared_->counts_bytes());
+  shared_->ClearCountsDirty(layer);
+  return Upload(*compute_, shared_->live(layer, kFullPages, 0),
+                shared_->mirror(layer, kFullPages, 0), shared_->counts_bytes());
 }
 
 absl::Status RetrieverImpl::FlushOffloads(int32_t layer, std::vector<PageHandle>* restoring) {
@@ -915,7 +907,7 @@ absl::Status RetrieverImpl::BeginDevice(int32_t layer, BeginPath path, int32_t n
                   /*mask=*/nullptr, /*scored=*/false, n);
       break;
     case BeginPath::kCorrect:
-      st = RunCaptured(c, l, &l.graphs.correct, n, [&] { return Correct(c, layer, n); });
+      st = RunCaptured(c, l, &l.graphs.correct[n], [&] { return Correct(c, layer, n); });
       break;
     case BeginPath::kNone:
       break;
@@ -1039,7 +1031,7 @@ absl::Status RetrieverImpl::EndDevice(int32_t layer, const void* q, int32_t n) {
   // recall the misses into the slots of evicted pages.
   if (st.ok()) st = recall_->Wait(*l.recall.attn_done);
   if (st.ok()) {
-    st = RunCaptured(*recall_, l, &l.graphs.select, n, [&] {
+    st = RunCaptured(*recall_, l, &l.graphs.select[n], [&] {
       return Select(*recall_, RecallPath::kBackground, layer, l.select.q_prev.data(),
                     l.ws.counts.full_at_end, l.ws.counts.cand_at_end, nullptr, /*scored=*/false,
                     n);
@@ -1058,19 +1050,13 @@ absl::Status RetrieverImpl::AttendCaptured(LayerState& l, const SparseAttentionA
     l.graphs.attend.reset();
     return direct();
   }
-  std::map<int32_t, std::unique_ptr<Graph>> one;
-  if (l.graphs.attend != nullptr) one[0] = std::move(l.graphs.attend);
-  absl::Status st = RunCaptured(*compute_, l, &one, 0, direct);
-  if (one.count(0) != 0) l.graphs.attend = std::move(one[0]);
-  return st;
+  return RunCaptured(*compute_, l, &l.graphs.attend, direct);
 }
 
-absl::Status RetrieverImpl::RunCaptured(Stream& s, LayerState& l,
-                                        std::map<int32_t, std::unique_ptr<Graph>>* cache,
-                                        int32_t n, const std::function<absl::Status()>& work) {
+absl::Status RetrieverImpl::RunCaptured(Stream& s, LayerState& l, std::unique_ptr<Graph>* graph,
+                                        const std::function<absl::Status()>& work) {
   if (!graphs_on() || l.graphs.refused) return work();
-  std::unique_ptr<Graph>& graph = (*cache)[n];
-  if (graph == nullptr) {
+  if (*graph == nullptr) {
     // Every argument of the captured ops is a buffer of the layer (or of the batch slots of
     // the run) or a constant of the options, so one capture serves every later step.
     KVTIER_RETURN_IF_ERROR(backend_.BeginCapture(s));
@@ -1079,13 +1065,12 @@ absl::Status RetrieverImpl::RunCaptured(Stream& s, LayerState& l,
     if (!worked.ok() || !captured.ok()) {
       // Nothing was enqueued: run the work directly, and never capture this layer again.
       l.graphs.refused = true;
-      cache->erase(n);
       return work();
     }
-    graph = *std::move(captured);
+    *graph = *std::move(captured);
   }
   ++stats_.graph_launches;
-  return graph->Launch(s);
+  return (*graph)->Launch(s);
 }
 
 absl::Status RetrieverImpl::EndFinish(int32_t layer) {

@@ -434,10 +434,9 @@ class RetrieverImpl final : public Retriever {
     return options_.capture_graphs && options_.mode == RetrievalMode::kSpeculative && !dma() &&
            !profiling_ && backend_.SupportsCapture();
   }
-  // Enqueues `work` on `s` through the graph cached in (*cache)[n], capturing it on first
-  // use; directly when graphs are off or a capture was refused.
-  absl::Status RunCaptured(Stream& s, LayerState& l,
-                           std::map<int32_t, std::unique_ptr<Graph>>* cache, int32_t n,
+  // Enqueues `work` on `s` through *graph, capturing it into *graph when empty; directly
+  // when graphs are off or a capture of the layer was refused.
+  absl::Status RunCaptured(Stream& s, LayerState& l, std::unique_ptr<Graph>* graph,
                            const std::function<absl::Status()>& work);
   // The sparse attention of `a` (a run of a.batch sequences from this one) on the compute
   // stream: as a graph once the same q, out and lse came back on consecutive steps.

@@ -456,9 +456,8 @@ absl::Status CheckSparseAttentionAlignment(const SparseAttentionArgs& a) {
     const void* ptr;
     size_t alignment;  // bytes
   };
+  // kv.k_cache and kv.v_cache: ValidateArgs checks them for every backend (kAttentionAlignment).
   const Field fields[] = {
-      {"kv.k_cache", a.kv.k_cache, vector},
-      {"kv.v_cache", a.kv.v_cache, vector},
       {"kv.k_int8", a.kv.k_int8, static_cast<size_t>(vec)},
       {"kv.v_int8", a.kv.v_int8, static_cast<size_t>(vec)},
       {"kv.k_scale", a.kv.k_scale, vector},
