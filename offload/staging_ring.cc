@@ -35,6 +35,10 @@ StagingRing::~StagingRing() {
 StagingRing::Block StagingRing::TryAcquire(size_t bytes) {
   const uint64_t size = (bytes + kAlign - 1) / kAlign * kAlign;
   if (bytes == 0 || size > capacity_) return {};
+  if (blocks_.empty() && head_ % capacity_ != 0) {
+    // Nothing is held: start again at the ring's beginning, so a block of any size fits.
+    head_ = tail_ = head_ + (capacity_ - head_ % capacity_);
+  }
   uint64_t begin = head_;
   const uint64_t offset = begin % capacity_;
   if (offset + size > capacity_) begin += capacity_ - offset;  // skip the ring's tail end
