@@ -5,6 +5,14 @@
 // few heads still uses every thread. Sparse attention also takes a causal limit, INT8 slots
 // (dequantised to fp32 as they are loaded) and, on request, a second pass that writes every
 // token's softmax probability.
+//
+// Two implementations share the sources (which tokens a block holds) and the checks: the
+// scalar reference (GroupState below: the loops every other kernel is tested against, and
+// the old speed kept reachable as cpu::Isa::kScalar), and the vectorised one
+// (attention_simd.inc, compiled for AVX2 and AVX-512 and chosen at run time), written for
+// the memory system: q converted and pre-scaled once, one task per (sequence, range of
+// blocks) over every KV head so each thread streams a contiguous part of NHD K/V, all query
+// heads of a group per pass over a row, a vectorised exp, and the next block prefetched.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -13,6 +21,7 @@
 #include "absl/strings/str_format.h"
 #include "kernels/cpu/convert.h"
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/simd.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kvtier/layout.h"
 
@@ -183,6 +192,30 @@ void RunAttention(const Source& src, int32_t B, int32_t Hq, int32_t Hkv, int32_t
   });
 }
 
+// What the vectorised kernel needs of one block of one KV head: its n tokens' K and V rows
+// (dtype T, or INT8 with per-channel scales when k8 is set), `stride` elements apart, and
+// where the raw scores go for token_prob (head g of the group at raw + g·raw_stride).
+struct AttentionBlock {
+  int32_t n = 0;
+  int64_t stride = 0;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const int8_t* k8 = nullptr;
+  const int8_t* v8 = nullptr;
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
+  float* raw = nullptr;
+  int64_t raw_stride = 0;
+};
+
+// A block's K and V across every KV head: contiguous in NHD, `bytes` each. The vectorised
+// kernel prefetches the next block's region while it computes this one.
+struct BlockRegion {
+  const void* k = nullptr;
+  const void* v = nullptr;
+  int64_t bytes = 0;
+};
+
 // Blocks of a working set: block = slot; per KV head, only slots holding a page count, and
 // of those only the tokens at or before the query position. A slot flagged in slot_int8
 // is read from the INT8 copies.
@@ -231,6 +264,44 @@ struct SparseSource {
     }
   }
 
+  // The vectorised kernel's view (attention_simd.inc).
+  int32_t num_kv_heads() const { return a.shape.num_kv_heads; }
+  int32_t head_dim() const { return a.shape.head_dim; }
+  int32_t group() const { return a.shape.num_q_heads / a.shape.num_kv_heads; }
+  int32_t max_block_tokens() const { return a.shape.page_size; }
+  AttentionBlock Block(int32_t b, int32_t h, int64_t blk) const {
+    AttentionBlock bl;
+    const auto slot = static_cast<int32_t>(blk);
+    bl.n = Tokens(b, h, slot);
+    if (bl.n <= 0) return bl;
+    bl.stride = wl.token_stride();
+    const int64_t off = wl.Offset(b, slot, 0, h, 0);
+    if (IsInt8(b, h, slot)) {
+      const int64_t so = ScaleOffset(b, slot, h);
+      bl.k8 = a.kv.k_int8 + off;
+      bl.v8 = a.kv.v_int8 + off;
+      bl.k_scale = a.kv.k_scale + so;
+      bl.v_scale = a.kv.v_scale + so;
+    } else {
+      bl.k = static_cast<const T*>(a.kv.k_cache) + off;
+      bl.v = static_cast<const T*>(a.kv.v_cache) + off;
+    }
+    if (a.token_prob != nullptr) {
+      const int32_t G = group(), p = a.shape.page_size;
+      const int64_t hq = int64_t{b} * a.shape.num_q_heads + int64_t{h} * G;
+      bl.raw = a.token_prob + (hq * a.kv.num_slots + slot) * p;
+      bl.raw_stride = int64_t{a.kv.num_slots} * p;
+    }
+    return bl;
+  }
+  // The fp caches of the slot (INT8 slots are read where they are, unprefetched).
+  BlockRegion Region(int32_t b, int64_t blk) const {
+    const int64_t off = wl.Offset(b, static_cast<int32_t>(blk), 0, 0, 0);
+    return BlockRegion{static_cast<const T*>(a.kv.k_cache) + off,
+                       static_cast<const T*>(a.kv.v_cache) + off,
+                       wl.slot_elements() * static_cast<int64_t>(sizeof(T))};
+  }
+
   // Loads the keys of the first n tokens of `slot` for (b, h) into st.kf.
   KVTIER_CPU_INLINE void LoadKeys(GroupState& st, int32_t b, int32_t h, int32_t slot, int32_t n,
                                   int64_t stride) const {
@@ -258,6 +329,31 @@ struct DenseSource {
     const int64_t off = kl.Offset(b, first, h, 0);
     st.AddBlock(static_cast<const T*>(a.k) + off, static_cast<const T*>(a.v) + off, stride, n,
                 scale);
+  }
+
+  // The vectorised kernel's view (attention_simd.inc).
+  int32_t num_kv_heads() const { return a.shape.num_kv_heads; }
+  int32_t head_dim() const { return a.shape.head_dim; }
+  int32_t group() const { return a.shape.num_q_heads / a.shape.num_kv_heads; }
+  int32_t max_block_tokens() const { return kDenseBlock; }
+  AttentionBlock Block(int32_t b, int32_t h, int64_t blk) const {
+    AttentionBlock bl;
+    const auto first = static_cast<int32_t>(blk * kDenseBlock);
+    bl.n = std::min(kDenseBlock, a.seq_len[b] - first);
+    if (bl.n <= 0) return bl;
+    bl.stride = int64_t{a.shape.num_kv_heads} * a.shape.head_dim;
+    const int64_t off = kl.Offset(b, first, h, 0);
+    bl.k = static_cast<const T*>(a.k) + off;
+    bl.v = static_cast<const T*>(a.v) + off;
+    return bl;
+  }
+  BlockRegion Region(int32_t b, int64_t blk) const {
+    const auto first = static_cast<int32_t>(blk * kDenseBlock);
+    const int32_t n = std::max(0, std::min(kDenseBlock, a.seq_len[b] - first));
+    const int64_t off = kl.Offset(b, first, 0, 0);
+    return BlockRegion{static_cast<const T*>(a.k) + off, static_cast<const T*>(a.v) + off,
+                       int64_t{n} * a.shape.num_kv_heads * a.shape.head_dim *
+                           static_cast<int64_t>(sizeof(T))};
   }
 };
 
@@ -344,6 +440,164 @@ void WriteTokenProbs(const SparseSource<T>& src, const float* final_ml, ThreadPo
               });
 }
 
+
+#if KVTIER_CPU_SIMD
+// The vectorised kernel, once per instruction set.
+KVTIER_SIMD_BEGIN_AVX2
+namespace simd_avx2 {
+using V = cpu::Avx2;
+#include "kernels/cpu/attention_simd.inc"
+}  // namespace simd_avx2
+KVTIER_SIMD_END
+KVTIER_SIMD_BEGIN_AVX512
+namespace simd_avx512 {
+using V = cpu::Avx512;
+#include "kernels/cpu/attention_simd.inc"
+}  // namespace simd_avx512
+KVTIER_SIMD_END
+#endif
+
+// The instruction set the attention runs for a request of `isa`: the widest the CPU has at
+// most `isa`, AVX2 where head_dim is not a multiple of AVX-512's 16 lanes; kScalar (the
+// reference) when nothing wider can run.
+cpu::Isa AttentionIsa(cpu::Isa isa, int32_t head_dim) {
+#if KVTIER_CPU_SIMD
+  if (!cpu::IsaSupported(isa)) isa = cpu::DetectedIsa();
+  if (isa == cpu::Isa::kAvx512 && head_dim % cpu::Avx512::kLanes != 0) isa = cpu::Isa::kAvx2;
+  return isa;
+#else
+  (void)head_dim;
+  return cpu::Isa::kScalar;
+#endif
+}
+
+// The vectorised attention over `src` (isa kAvx2 or kAvx512): one task per (sequence, chunk
+// of blocks) covering every KV head, its state in `partials` (per task: (m, l) per query
+// head, then acc[Hq][d]), merged per query head afterwards as RunAttention does.
+template <typename T, typename Source>
+void RunAttentionSimd(cpu::Isa isa, const Source& src, int32_t B, int32_t Hq, int32_t d,
+                      float scale, const void* q_ptr, void* out_ptr, float* lse, float* final_ml,
+                      ThreadPool* pool) {
+  const int32_t G = src.group();
+  const HeadsLayout ql{Hq, d};
+  const T* q = static_cast<const T*>(q_ptr);
+  std::vector<float> qf(static_cast<size_t>(B) * Hq * d);  // [B][Hq][d], times scale
+  for (int64_t i = 0; i < int64_t{B} * Hq; ++i) {
+    float* row = qf.data() + i * d;
+    cpu::LoadRow(q + ql.Offset(static_cast<int32_t>(i / Hq), static_cast<int32_t>(i % Hq), 0), d,
+                 row);
+    for (int32_t j = 0; j < d; ++j) row[j] *= scale;
+  }
+  int64_t max_blocks = 1;
+  for (int32_t b = 0; b < B; ++b) max_blocks = std::max(max_blocks, src.NumBlocks(b));
+  const int64_t threads = pool != nullptr ? pool->num_threads() : 1;
+  const int64_t chunks = std::clamp<int64_t>((2 * threads + B - 1) / B, 1,
+                                             std::max<int64_t>(1, max_blocks / kMinBlocksPerChunk));
+  const int64_t per_chunk = (max_blocks + chunks - 1) / chunks;
+  const int64_t tasks = int64_t{B} * chunks;
+  const int64_t task_floats = int64_t{Hq} * (d + 2);
+  std::vector<float> partials(static_cast<size_t>(tasks * task_floats));
+  const int64_t scratch_floats =
+      int64_t{G} * ((src.max_block_tokens() + 15) / 16 * 16) + G;
+
+  ParallelFor(pool, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(static_cast<size_t>(scratch_floats));
+    for (int64_t task = begin; task < end; ++task) {
+      const auto b = static_cast<int32_t>(task / chunks);
+      const int64_t c = task % chunks;
+      float* ml = partials.data() + task * task_floats;
+      float* acc = ml + 2 * int64_t{Hq};
+      for (int32_t i = 0; i < Hq; ++i) {
+        ml[2 * i] = kNegInf;
+        ml[2 * i + 1] = 0;
+      }
+      std::fill(acc, acc + int64_t{Hq} * d, 0.0f);
+      const int64_t first = c * per_chunk, last = std::min(src.NumBlocks(b), first + per_chunk);
+      if (first >= last) continue;
+      const float* qb = qf.data() + int64_t{b} * Hq * d;
+#if KVTIER_CPU_SIMD
+      if (isa == cpu::Isa::kAvx512) {
+        simd_avx512::AttendRange<T>(src, qb, b, first, last, ml, acc, scratch.data());
+      } else {
+        simd_avx2::AttendRange<T>(src, qb, b, first, last, ml, acc, scratch.data());
+      }
+#else
+      (void)isa, (void)qb;
+#endif
+    }
+  });
+
+  T* out = static_cast<T*>(out_ptr);
+  ParallelFor(pool, int64_t{B} * Hq, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(static_cast<size_t>(d));
+    for (int64_t i = begin; i < end; ++i) {
+      const auto b = static_cast<int32_t>(i / Hq);
+      const auto hq = static_cast<int32_t>(i % Hq);
+      const float* first = partials.data() + int64_t{b} * chunks * task_floats;
+      float m = kNegInf;
+      for (int64_t c = 0; c < chunks; ++c) m = std::max(m, first[c * task_floats + 2 * hq]);
+      float l = 0;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t c = 0; c < chunks && m != kNegInf; ++c) {
+        const float* ml = first + c * task_floats;
+        if (ml[2 * hq + 1] == 0) continue;
+        const float w = std::exp(ml[2 * hq] - m);
+        l += ml[2 * hq + 1] * w;
+        const float* part = ml + 2 * int64_t{Hq} + int64_t{hq} * d;
+        for (int32_t j = 0; j < d; ++j) acc[static_cast<size_t>(j)] += part[j] * w;
+      }
+      const float inv = l > 0 ? 1.0f / l : 0.0f;
+      for (int32_t j = 0; j < d; ++j) acc[static_cast<size_t>(j)] *= inv;
+      cpu::StoreRow(acc.data(), d, out + ql.Offset(b, hq, 0));
+      if (lse != nullptr) lse[i] = l > 0 ? m + std::log(l) : kNegInf;
+      if (final_ml != nullptr) {
+        final_ml[2 * i] = m;
+        final_ml[2 * i + 1] = l;
+      }
+    }
+  });
+  (void)G;
+}
+
+// The vectorised kernel's second token_prob pass: the main pass left each attended token's
+// scaled score in token_prob; this turns it into exp(score − m)·(1/l) with the final (m, l)
+// of its query head, and zeroes every token not attended.
+template <typename T>
+void NormaliseTokenProbs(cpu::Isa isa, const SparseSource<T>& src, const float* final_ml,
+                         ThreadPool* pool) {
+  const SparseAttentionArgs& a = src.a;
+  const int32_t Hkv = a.shape.num_kv_heads, S = a.kv.num_slots, p = a.shape.page_size,
+                Hq = a.shape.num_q_heads, G = Hq / Hkv;
+  ParallelFor(pool, int64_t{a.batch} * Hkv * S, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const auto s = static_cast<int32_t>(i % S);
+      const auto h = static_cast<int32_t>((i / S) % Hkv);
+      const auto b = static_cast<int32_t>(i / S / Hkv);
+      const int32_t n = src.Tokens(b, h, s);
+      for (int32_t g = 0; g < G; ++g) {
+        const int64_t hq = int64_t{b} * Hq + int64_t{h} * G + g;
+        float* prob = a.token_prob + (hq * S + s) * p;
+        const float m = final_ml[2 * hq], l = final_ml[2 * hq + 1];
+        const float inv = l > 0 ? 1.0f / l : 0.0f;
+        if (n > 0 && l > 0) {
+#if KVTIER_CPU_SIMD
+          if (isa == cpu::Isa::kAvx512) {
+            simd_avx512::ExpShiftScale(prob, n, m, inv);
+          } else {
+            simd_avx2::ExpShiftScale(prob, n, m, inv);
+          }
+#else
+          (void)isa;
+#endif
+          std::fill(prob + n, prob + p, 0.0f);
+        } else {
+          std::fill(prob, prob + p, 0.0f);
+        }
+      }
+    }
+  });
+}
+
 absl::Status CheckSparse(const SparseAttentionArgs& a) {
   for (int32_t b = 0; b < a.batch; ++b) {
     if (a.kv.partial_len[b] < 0 || a.kv.partial_len[b] > a.shape.page_size) {
@@ -366,7 +620,12 @@ absl::Status CheckSparse(const SparseAttentionArgs& a) {
 }  // namespace
 
 absl::Status CpuSparseAttention(const SparseAttentionArgs& a, ThreadPool* pool) {
+  return CpuSparseAttention(a, pool, cpu::ActiveIsa());
+}
+
+absl::Status CpuSparseAttention(const SparseAttentionArgs& a, ThreadPool* pool, cpu::Isa isa) {
   if (absl::Status st = CheckSparse(a); !st.ok()) return st;
+  isa = AttentionIsa(isa, a.shape.head_dim);
   return cpu::DispatchDType(a.shape.dtype, [&]<typename T>() {
     SparseSource<T> src{
         a,
@@ -374,15 +633,25 @@ absl::Status CpuSparseAttention(const SparseAttentionArgs& a, ThreadPool* pool) 
         SlotTableLayout{a.shape.num_kv_heads, a.kv.num_slots}};
     std::vector<float> final_ml;  // only for token_prob: the default path pays nothing
     if (a.token_prob != nullptr) final_ml.resize(size_t{2} * a.batch * a.shape.num_q_heads);
-    RunAttention<T>(src, a.batch, a.shape.num_q_heads, a.shape.num_kv_heads, a.shape.head_dim,
-                    a.softmax_scale, a.q, a.out, a.lse,
-                    final_ml.empty() ? nullptr : final_ml.data(), pool);
-    if (a.token_prob != nullptr) WriteTokenProbs(src, final_ml.data(), pool);
+    float* ml = final_ml.empty() ? nullptr : final_ml.data();
+    if (isa == cpu::Isa::kScalar) {
+      RunAttention<T>(src, a.batch, a.shape.num_q_heads, a.shape.num_kv_heads, a.shape.head_dim,
+                      a.softmax_scale, a.q, a.out, a.lse, ml, pool);
+      if (a.token_prob != nullptr) WriteTokenProbs(src, ml, pool);
+    } else {
+      RunAttentionSimd<T>(isa, src, a.batch, a.shape.num_q_heads, a.shape.head_dim,
+                          a.softmax_scale, a.q, a.out, a.lse, ml, pool);
+      if (a.token_prob != nullptr) NormaliseTokenProbs(isa, src, ml, pool);
+    }
     return absl::OkStatus();
   });
 }
 
 absl::Status CpuDenseAttention(const DenseAttentionArgs& a, ThreadPool* pool) {
+  return CpuDenseAttention(a, pool, cpu::ActiveIsa());
+}
+
+absl::Status CpuDenseAttention(const DenseAttentionArgs& a, ThreadPool* pool, cpu::Isa isa) {
   for (int32_t b = 0; b < a.batch; ++b) {
     if (a.seq_len[b] < 0 || a.seq_len[b] > a.max_tokens) {
       return absl::OutOfRangeError(absl::StrFormat(
@@ -390,10 +659,16 @@ absl::Status CpuDenseAttention(const DenseAttentionArgs& a, ThreadPool* pool) {
           a.max_tokens));
     }
   }
+  isa = AttentionIsa(isa, a.shape.head_dim);
   return cpu::DispatchDType(a.shape.dtype, [&]<typename T>() {
     DenseSource<T> src{a, DenseKvLayout{a.max_tokens, a.shape.num_kv_heads, a.shape.head_dim}};
-    RunAttention<T>(src, a.batch, a.shape.num_q_heads, a.shape.num_kv_heads, a.shape.head_dim,
-                    a.softmax_scale, a.q, a.out, a.lse, nullptr, pool);
+    if (isa == cpu::Isa::kScalar) {
+      RunAttention<T>(src, a.batch, a.shape.num_q_heads, a.shape.num_kv_heads, a.shape.head_dim,
+                      a.softmax_scale, a.q, a.out, a.lse, nullptr, pool);
+    } else {
+      RunAttentionSimd<T>(isa, src, a.batch, a.shape.num_q_heads, a.shape.head_dim,
+                          a.softmax_scale, a.q, a.out, a.lse, nullptr, pool);
+    }
     return absl::OkStatus();
   });
 }

@@ -7,6 +7,7 @@
 #define KVTIER_KERNELS_CPU_CPU_OPS_H_
 
 #include "absl/status/status.h"
+#include "kernels/cpu/isa.h"
 #include "kernels/ops.h"
 
 namespace kvtier {
@@ -26,6 +27,17 @@ absl::Status CpuSparseAttention(const SparseAttentionArgs& a, ThreadPool* pool);
 absl::Status CpuDenseAttention(const DenseAttentionArgs& a, ThreadPool* pool);
 absl::Status CpuQuantizeSlots(const QuantizeSlotsArgs& a, ThreadPool* pool);
 absl::Status CpuMoveHeadSlots(const MoveHeadSlotsArgs& a, ThreadPool* pool);
+
+// The hot ops with the instruction set named: cpu::Isa::kScalar runs the scalar reference
+// (the loops every vectorised kernel is tested against, and the old speed the benchmarks
+// compare with); a wider ISA runs the vectorised kernel, or the widest narrower one where
+// the CPU lacks it or the shape does not suit it (AVX-512 needs head_dim % 16 == 0). The
+// overloads above run cpu::ActiveIsa(). Same contract and errors for every ISA; results
+// agree to float rounding (TopK: exactly).
+absl::Status CpuScorePages(const ScorePagesArgs& a, ThreadPool* pool, cpu::Isa isa);
+absl::Status CpuTopK(const TopKArgs& a, ThreadPool* pool, cpu::Isa isa);
+absl::Status CpuSparseAttention(const SparseAttentionArgs& a, ThreadPool* pool, cpu::Isa isa);
+absl::Status CpuDenseAttention(const DenseAttentionArgs& a, ThreadPool* pool, cpu::Isa isa);
 
 }  // namespace kvtier
 

@@ -1,4 +1,7 @@
-// Page scoring (Quest) and group pooling on the CPU.
+// Page scoring (Quest) and group pooling on the CPU. Two implementations: the scalar
+// reference below (per (sequence, KV head), a strided walk over the summaries; kept as
+// cpu::Isa::kScalar, the loops the vectorised kernel is tested against) and the vectorised
+// one of score_simd.cc (AVX2, AVX-512), chosen at run time.
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -6,6 +9,8 @@
 #include "absl/strings/str_format.h"
 #include "kernels/cpu/convert.h"
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/score_simd.h"
+#include "kernels/cpu/simd.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kvtier/layout.h"
 
@@ -92,17 +97,9 @@ KVTIER_CPU_CLONES void ScoreGroupOf(const ScorePagesArgs& a, int32_t b, int32_t 
   ScoreGroup<float>(a, b, h, scratch);
 }
 
-}  // namespace
-
-absl::Status CpuScorePages(const ScorePagesArgs& a, ThreadPool* pool) {
-  for (int32_t b = 0; b < a.batch; ++b) {
-    if (a.num_pages[b] < 0 || a.num_pages[b] > a.max_pages) {
-      return absl::OutOfRangeError(absl::StrFormat(
-          "ScorePages: num_pages[%d] = %d must be in [0, max_pages = %d]", b, a.num_pages[b],
-          a.max_pages));
-    }
-  }
-  return cpu::DispatchDType(a.shape.dtype, [&]<typename T>() {
+// The scalar reference (num_pages already checked).
+void ScorePagesScalar(const ScorePagesArgs& a, ThreadPool* pool) {
+  cpu::DispatchDType(a.shape.dtype, [&]<typename T>() {
     ParallelFor(pool, int64_t{a.batch} * a.shape.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scratch;
       for (int64_t i = begin; i < end; ++i) {
@@ -112,8 +109,39 @@ absl::Status CpuScorePages(const ScorePagesArgs& a, ThreadPool* pool) {
                      static_cast<const T*>(nullptr));
       }
     });
-    return absl::OkStatus();
   });
+}
+
+// The kernel that runs for `isa`: the widest the CPU supports up to it; AVX-512 only for
+// head_dim % 16 == 0 (its vectors are 16 floats), else AVX2.
+cpu::Isa ScoreIsa(cpu::Isa isa, int32_t head_dim) {
+  if (!KVTIER_CPU_SIMD) return cpu::Isa::kScalar;
+  if (!cpu::IsaSupported(isa)) isa = cpu::DetectedIsa();
+  if (isa == cpu::Isa::kAvx512 && head_dim % 16 != 0) isa = cpu::Isa::kAvx2;
+  return isa;
+}
+
+}  // namespace
+
+absl::Status CpuScorePages(const ScorePagesArgs& a, ThreadPool* pool) {
+  return CpuScorePages(a, pool, cpu::ActiveIsa());
+}
+
+absl::Status CpuScorePages(const ScorePagesArgs& a, ThreadPool* pool, cpu::Isa isa) {
+  for (int32_t b = 0; b < a.batch; ++b) {
+    if (a.num_pages[b] < 0 || a.num_pages[b] > a.max_pages) {
+      return absl::OutOfRangeError(absl::StrFormat(
+          "ScorePages: num_pages[%d] = %d must be in [0, max_pages = %d]", b, a.num_pages[b],
+          a.max_pages));
+    }
+  }
+  isa = ScoreIsa(isa, a.shape.head_dim);
+  if (isa == cpu::Isa::kScalar) {
+    ScorePagesScalar(a, pool);
+  } else {
+    cpu::ScorePagesSimd(a, pool, isa);
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace kvtier
