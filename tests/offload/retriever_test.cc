@@ -60,6 +60,36 @@ TEST(RetrieverTest, SyncWorkingSetEqualsSelection) {
   }
 }
 
+// A 128K-token context (the long contexts the benchmarks' defaults cover): page indices
+// past 8K, positions past 2^16 and a host tier of 16K pages per layer; the working set is
+// still exactly the host model's selection, step after step.
+TEST(RetrieverTest, LongContextOf128KTokensSelectsLikeTheHostModel) {
+  Geometry g = SmallGeometry(DType::kF16);
+  g.page_size = 16;
+  g.head_dim = 8;
+  SequenceOptions o = SmallOptions(RetrievalMode::kSync);
+  o.selected_pages = 8;
+  o.max_tokens = 131072 + 64;
+  Harness h(g, o);
+  h.Append(131072 + 5);
+  for (int step = 0; step < 3; ++step) {
+    const TypedBuffer q = h.seq.Query(500 + step);
+    auto r = h.Step(q, /*end=*/false);
+    for (int32_t l = 0; l < g.num_layers; ++l) {
+      ExpectWorkingSetConsistent(g, o, h.seq, r.views[l]);
+      EXPECT_EQ(r.views[l].num_tokens, h.seq.tokens());
+      for (int32_t kh = 0; kh < g.num_kv_heads; ++kh) {
+        EXPECT_EQ(SelectedRegion(r.views[l], o, kh), h.seq.Select(l, q, kh, h.seq.tokens(), o))
+            << "layer " << l << " head " << kh << " step " << step;
+      }
+    }
+    for (int32_t l = 0; l < g.num_layers; ++l) ASSERT_TRUE(h.retriever->EndStep(l, q.data()).ok());
+    h.Append(1);
+  }
+  ASSERT_TRUE(h.retriever->Wait().ok());
+  EXPECT_GE(h.retriever->num_tokens(0), 131072);
+}
+
 TEST(RetrieverTest, UncorrectedHeadsAttendOverPreviousSelection) {
   const Geometry g = SmallGeometry();
   SequenceOptions o = SmallOptions(RetrievalMode::kSpeculative);
