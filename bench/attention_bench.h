@@ -1,6 +1,13 @@
 // `kvtier-bench attention`: decode attention at long context, dense over the full KV vs
 // sparse over a working set chosen by the scoring path (summaries → page scores → top-k →
 // recall), in one process on one backend, with the ratio and the sparse output's error.
+//
+// Every phase is timed twice, named as such: warm, on the same buffers every iteration (a
+// working set that fits in the last-level cache is then read from it), and cold, with a
+// buffer larger than the cache streamed through it before each iteration, outside the timer
+// (cpu backend: read; cuda: a device memset, which goes through L2). A decode step reads a
+// layer's working set once, after every other layer's, so the cold times are the ones a
+// real step sees; dense attention over a KV larger than the cache is cold either way.
 #ifndef KVTIER_BENCH_ATTENTION_BENCH_H_
 #define KVTIER_BENCH_ATTENTION_BENCH_H_
 
@@ -21,7 +28,10 @@ struct AttentionBenchOptions {
   int32_t sink_pages = 16;
   int32_t selected_pages = 32;
   int32_t recent_pages = 16;  // includes the partial page when context % page_size != 0
-  int32_t iters = 5;          // timed repetitions; the median is reported
+  int32_t iters = 5;          // timed repetitions; the median (and min, max) is reported
+  bool cold = true;           // time the cold variants too
+  int64_t evict_bytes = 0;    // cold: bytes streamed before each iteration;
+                              // 0 = max(2 × last-level cache, 256 MiB)
   DeviceKind backend = DeviceKind::kCpu;
   int threads = 0;            // cpu backend threads; 0 = all
   float heavy_logit = 8.0f;

@@ -1,26 +1,33 @@
 #include "bench/ipc_bench.h"
 
+#include <fcntl.h>
 #include <grpcpp/grpcpp.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <random>
+#include <sstream>
 #include <string>
+#include <thread>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "bench/redis_server.h"
 #include "bench/resp_client.h"
-#include "client/shm_attach.h"
 #include "core/status.h"
-#include "daemon/config.h"
-#include "daemon/daemon.h"
-#include "daemon/logging.h"
+#include "kvtier/client.h"
+#include "kvtier/device.h"
 #include "kvtier/v1/kvtier.grpc.pb.h"
-#include "offload/session_region.h"
 
 namespace kvtier::bench {
 namespace {
@@ -29,9 +36,224 @@ namespace pb = ::kvtier::v1;
 using Clock = std::chrono::steady_clock;
 
 constexpr char kTenant[] = "bench";
+constexpr uint64_t kMaxMessageBytes = 4 << 20;  // the daemon's, and the raw gRPC channel's
+constexpr int32_t kBudgetTokens = 512;          // the sessions' working set, when they are longer
+// Tokens per Append of the shm path: the pages arrive as a chunked prefill would send them.
+constexpr int64_t kAppendTokens = 2048;
+// Safety nets against a daemon that hangs, never measurements.
+constexpr absl::Duration kDaemonStartTimeout = absl::Seconds(60);
+constexpr absl::Duration kDaemonStopTimeout = absl::Seconds(30);
 
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 double Gbps(int64_t bytes, double seconds) { return seconds > 0 ? bytes / seconds / 1e9 : 0; }
+
+// Adds `key` (the median) and key_p10 / key_p90 to `j`.
+void AddSpread(JsonObject& j, const std::string& key, const Spread& s) {
+  j.Add(key, s.median).Add(key + "_p10", s.p10).Add(key + "_p90", s.p90);
+}
+
+// The kvtierd binary: `flag` when given; else kvtierd next to this executable (installed
+// side by side) or daemon/kvtierd of the build tree this executable's bench/ is in.
+absl::StatusOr<std::string> FindKvtierd(const std::string& flag) {
+  if (!flag.empty()) {
+    if (::access(flag.c_str(), X_OK) == 0) return flag;
+    return absl::NotFoundError(absl::StrCat("--kvtierd ", flag, ": no executable kvtierd there"));
+  }
+  std::error_code ec;
+  const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (ec) {
+    return absl::NotFoundError(
+        absl::StrCat("cannot find kvtierd: this executable's path is unknown (", ec.message(),
+                     "); pass --kvtierd PATH"));
+  }
+  std::vector<std::string> tried;
+  for (const std::filesystem::path& candidate :
+       {self.parent_path() / "kvtierd", self.parent_path().parent_path() / "daemon" / "kvtierd"}) {
+    if (::access(candidate.c_str(), X_OK) == 0) return candidate.string();
+    tried.push_back(candidate.string());
+  }
+  return absl::NotFoundError(absl::StrCat("no kvtierd binary at ", tried[0], " or ", tried[1],
+                                          ": build the kvtierd target, or pass --kvtierd PATH"));
+}
+
+// A private temporary directory, removed with everything in it when destroyed.
+class TempDir {
+ public:
+  static absl::StatusOr<TempDir> Create() {
+    char tmpl[] = "/tmp/kvtier-ipc-XXXXXX";
+    if (::mkdtemp(tmpl) == nullptr) {
+      return absl::InternalError(absl::StrCat("mkdtemp: ", std::strerror(errno)));
+    }
+    return TempDir(tmpl);
+  }
+  TempDir(TempDir&& other) noexcept : path_(std::exchange(other.path_, std::string())) {}
+  TempDir& operator=(TempDir&&) = delete;
+  ~TempDir() {
+    std::error_code ec;
+    if (!path_.empty()) std::filesystem::remove_all(path_, ec);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  explicit TempDir(std::string path) : path_(std::move(path)) {}
+  std::string path_;
+};
+
+// kvtierd as a child process, on a configuration file and with its log (stdout and stderr)
+// in `dir`: ready once the log says it serves, stopped with SIGTERM (SIGKILL after
+// kDaemonStopTimeout) by Stop() or the destructor. It gets SIGTERM too when this process
+// dies first, so a crashed benchmark leaves no daemon behind.
+class KvtierdProcess {
+ public:
+  // INTERNAL with the tail of the daemon's log when it exits or stays silent at start-up.
+  static absl::StatusOr<std::unique_ptr<KvtierdProcess>> Start(const std::string& binary,
+                                                               const std::string& dir,
+                                                               const std::string& config);
+  ~KvtierdProcess() { (void)Stop(); }
+  KvtierdProcess(const KvtierdProcess&) = delete;
+  KvtierdProcess& operator=(const KvtierdProcess&) = delete;
+
+  // Stops the daemon; INTERNAL when it did not exit 0 on SIGTERM (with its log's tail).
+  absl::Status Stop();
+  const std::string& unix_socket() const { return unix_socket_; }
+  int tcp_port() const { return tcp_port_; }
+  pid_t pid() const { return pid_; }
+
+ private:
+  KvtierdProcess(pid_t pid, std::string dir)
+      : pid_(pid), log_path_(dir + "/kvtierd.log"), unix_socket_(dir + "/kvtierd.sock") {}
+  std::string Log() const {
+    std::ifstream in(log_path_);
+    std::ostringstream text;
+    text << in.rdbuf();
+    return text.str();
+  }
+  std::string LogTail() const {
+    const std::string log = Log();
+    return log.size() > 2000 ? "..." + log.substr(log.size() - 2000) : log;
+  }
+  // Waits for "kvtierd serving ... tcp port N" in the log (the daemon's last start-up line).
+  absl::Status WaitServing();
+
+  pid_t pid_;
+  std::string log_path_;
+  std::string unix_socket_;
+  int tcp_port_ = 0;
+};
+
+absl::StatusOr<std::unique_ptr<KvtierdProcess>> KvtierdProcess::Start(const std::string& binary,
+                                                                      const std::string& dir,
+                                                                      const std::string& config) {
+  const std::string config_path = dir + "/kvtierd.toml";
+  {
+    std::ofstream file(config_path);
+    file << config;
+    if (!file) return absl::InternalError(absl::StrCat("cannot write ", config_path));
+  }
+  std::vector<std::string> args = {binary, "--config", config_path};
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  const std::string log_path = dir + "/kvtierd.log";
+  const int log_fd = ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (log_fd < 0) {
+    return absl::InternalError(
+        absl::StrCat("cannot create ", log_path, ": ", std::strerror(errno)));
+  }
+  const pid_t parent = ::getpid();
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    // The child: only async-signal-safe calls until execv.
+    ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (::getppid() != parent) ::_exit(127);  // the parent died before prctl
+    ::dup2(log_fd, STDOUT_FILENO);
+    ::dup2(log_fd, STDERR_FILENO);
+    ::execv(argv[0], argv.data());
+    ::_exit(127);
+  }
+  const int fork_errno = errno;
+  ::close(log_fd);
+  if (pid < 0) return absl::InternalError(absl::StrCat("fork: ", std::strerror(fork_errno)));
+  std::unique_ptr<KvtierdProcess> daemon(new KvtierdProcess(pid, dir));
+  KVTIER_RETURN_IF_ERROR(daemon->WaitServing());
+  return daemon;
+}
+
+absl::Status KvtierdProcess::WaitServing() {
+  constexpr std::string_view kServing = "kvtierd serving", kTcpPort = "tcp port ";
+  const absl::Time deadline = absl::Now() + kDaemonStartTimeout;
+  while (true) {
+    const std::string log = Log();
+    const size_t serving = log.find(kServing);
+    if (serving != std::string::npos) {
+      const size_t at = log.find(kTcpPort, serving);
+      const size_t end =
+          at == std::string::npos ? at : log.find_first_not_of("0123456789", at + kTcpPort.size());
+      if (at == std::string::npos ||
+          !absl::SimpleAtoi(log.substr(at + kTcpPort.size(), end - at - kTcpPort.size()),
+                            &tcp_port_) ||
+          tcp_port_ <= 0) {
+        return absl::InternalError(
+            absl::StrCat("kvtierd serves, but its log names no TCP port:\n", LogTail()));
+      }
+      return absl::OkStatus();
+    }
+    int status = 0;
+    if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+      pid_ = -1;
+      return absl::InternalError(absl::StrFormat(
+          "kvtierd exited at start-up (%s %d):\n%s", WIFEXITED(status) ? "exit status" : "signal",
+          WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status), LogTail()));
+    }
+    if (absl::Now() > deadline) {
+      return absl::InternalError(absl::StrCat("kvtierd did not serve within ",
+                                              absl::FormatDuration(kDaemonStartTimeout), ":\n",
+                                              LogTail()));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
+absl::Status KvtierdProcess::Stop() {
+  if (pid_ <= 0) return absl::OkStatus();
+  const pid_t pid = std::exchange(pid_, -1);
+  ::kill(pid, SIGTERM);
+  int status = 0;
+  const absl::Time deadline = absl::Now() + kDaemonStopTimeout;
+  pid_t done = 0;
+  while ((done = ::waitpid(pid, &status, WNOHANG)) == 0 && absl::Now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  if (done == 0) {
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, &status, 0);
+    return absl::InternalError(absl::StrCat("kvtierd did not exit within ",
+                                            absl::FormatDuration(kDaemonStopTimeout),
+                                            " of SIGTERM; killed:\n", LogTail()));
+  }
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    return absl::InternalError(
+        absl::StrFormat("kvtierd did not exit cleanly on SIGTERM (%s %d):\n%s",
+                        WIFEXITED(status) ? "exit status" : "signal",
+                        WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status), LogTail()));
+  }
+  return absl::OkStatus();
+}
+
+// The daemon's configuration: its sockets in `dir`, TCP on an ephemeral loopback port, one
+// tenant with room for two sessions of bytes_per_run at once (plus their directories), and
+// sessions long enough for bytes_per_run of the smallest page.
+std::string DaemonConfigToml(const std::string& dir, const IpcBenchOptions& o) {
+  const int64_t max_tokens = std::max<int64_t>(o.bytes_per_run / 16384 * 32, 131072);
+  const int64_t host_bytes = 2 * o.bytes_per_run + (int64_t{64} << 20);
+  return absl::StrFormat(
+      "[server]\nunix_socket = \"%s/kvtierd.sock\"\ntcp_address = \"127.0.0.1:0\"\n"
+      "max_message_bytes = %d\nshutdown_grace_ms = 5000\n"
+      "[limits]\nmax_tokens_per_session = %d\n"
+      "[log]\nlevel = \"info\"\n"
+      "[[tenant]]\nname = \"%s\"\nhost_memory_bytes = %d\nhugepages = \"auto\"\nlock = false\n",
+      dir, kMaxMessageBytes, max_tokens, kTenant, host_bytes);
+}
 
 absl::Status FromGrpc(const grpc::Status& s, std::string_view what) {
   if (s.ok()) return absl::OkStatus();
@@ -54,6 +276,12 @@ pb::Geometry GeometryFor(int64_t page_bytes) {
   return g;
 }
 
+// The working set of a session of `pages` pages of 32 tokens: kBudgetTokens, or fewer for a
+// short session (a whole number of 4 pages, the budget split's unit, and at least 4 pages).
+int32_t BudgetTokens(int64_t pages) {
+  return static_cast<int32_t>(std::clamp<int64_t>(pages / 4 * 4 * 32, 128, kBudgetTokens));
+}
+
 Geometry ToGeometry(const pb::Geometry& p) {
   Geometry g;
   g.num_layers = static_cast<int32_t>(p.num_layers());
@@ -73,7 +301,7 @@ absl::StatusOr<pb::SessionInfo> Open(pb::KvTier::Stub& stub, int64_t page_bytes,
   req.set_tenant(kTenant);
   *req.mutable_geometry() = GeometryFor(page_bytes);
   req.mutable_retrieval()->set_mode(pb::MODE_SPECULATIVE);
-  req.mutable_retrieval()->set_budget_tokens(512);
+  req.mutable_retrieval()->set_budget_tokens(static_cast<uint32_t>(BudgetTokens(pages)));
   req.mutable_retrieval()->set_max_tokens(static_cast<uint32_t>(pages * 32));
   req.set_transport(transport);
   req.set_label("ipc-bench");
@@ -109,28 +337,74 @@ struct Source {
   std::string data;
 };
 
-// shm: copy each page into its slot of the session region, then commit its stamp.
-// The arena is mapped once, as an engine maps it once for all its sessions.
-absl::StatusOr<double> ShmWrite(pb::KvTier::Stub& stub, const AttachedArena& att,
-                                int64_t page_bytes, int64_t pages, const Source& src) {
-  KVTIER_ASSIGN_OR_RETURN(pb::SessionInfo info, Open(stub, page_bytes, pages, pb::TRANSPORT_SHM));
-  char* base = static_cast<char*>(att.arena->data()) + info.region_offset();
-  KVTIER_ASSIGN_OR_RETURN(
-      SessionRegion region,
-      SessionRegion::Open(base, info.region_bytes(), ToGeometry(info.geometry())));
-  if (region.num_slots() < pages) {
-    return absl::InternalError(absl::StrCat("region has ", region.num_slots(), " slots"));
+// K and V of bytes_per_run / 2 each on the engine's device, random, for the shm path:
+// [tokens][Hkv][d] at any of the page sizes (Hkv × tokens is the same for all of them).
+struct DeviceKv {
+  DeviceBuffer k, v;
+};
+
+absl::StatusOr<DeviceKv> MakeDeviceKv(Device& device, int64_t bytes_per_run) {
+  const size_t half = static_cast<size_t>(bytes_per_run / 2);
+  std::string host(half, '\0');
+  std::mt19937_64 rng(11);
+  DeviceKv kv;
+  KVTIER_ASSIGN_OR_RETURN(kv.k, device.Allocate(half));
+  KVTIER_ASSIGN_OR_RETURN(kv.v, device.Allocate(half));
+  KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<Stream> stream, device.CreateStream());
+  for (DeviceBuffer* b : {&kv.k, &kv.v}) {
+    for (size_t i = 0; i + 8 <= host.size(); i += 8) {
+      const uint64_t x = rng() & 0x3bff3bff3bff3bffULL;  // finite fp16 values
+      std::memcpy(&host[i], &x, 8);
+    }
+    KVTIER_RETURN_IF_ERROR(device.Copy(*stream, b->data(), host.data(), half));
+    KVTIER_RETURN_IF_ERROR(stream->Synchronize());
   }
-  const uint64_t epoch = region.epoch();
+  return kv;
+}
+
+struct ShmTimes {
+  double open_s = 0;  // OpenSession: arena attach and mapping, region, sequence
+  double data_s = 0;  // every page appended, through Flush
+};
+
+// shm through the client library against the daemon process: OpenSession (SHM), then the
+// pages' tokens appended kAppendTokens per call and Flush, timed; then the daemon is asked
+// how many tokens it sees committed (they must all be) and the session is closed (untimed).
+absl::StatusOr<ShmTimes> ShmWrite(Client& client, Device& device, const DeviceKv& kv,
+                                  int64_t page_bytes, int64_t pages) {
+  SessionOptions so;
+  so.geometry = ToGeometry(GeometryFor(page_bytes));
+  const Geometry& g = so.geometry;
+  so.sequence.mode = RetrievalMode::kSpeculative;
+  KVTIER_RETURN_IF_ERROR(so.sequence.SetBudgetTokens(BudgetTokens(pages), g.page_size));
+  so.sequence.max_tokens = static_cast<int32_t>(pages * g.page_size);
+  so.transport = Transport::kShm;
+  so.device = &device;
+  so.label = "ipc-bench";
+  const int64_t tokens = pages * g.page_size;
+  const size_t row = static_cast<size_t>(g.num_kv_heads) * g.head_dim * g.element_bytes();
+  ShmTimes t;
   const auto t0 = Clock::now();
-  for (int64_t i = 0; i < pages; ++i) {
-    std::memcpy(const_cast<void*>(region.SlotData(i)), src.Page(i), static_cast<size_t>(page_bytes));
-    KVTIER_RETURN_IF_ERROR(region.Commit(0, i, i, 1, epoch));
+  KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<Session> session, client.OpenSession(so));
+  const auto t1 = Clock::now();
+  Sequence& seq = session->sequence();
+  for (int64_t first = 0; first < tokens; first += kAppendTokens) {
+    const size_t at = static_cast<size_t>(first) * row;  // NHD: token-major
+    const auto n = static_cast<int32_t>(std::min(kAppendTokens, tokens - first));
+    KVTIER_RETURN_IF_ERROR(seq.Append(0, kv.k.as<uint8_t>() + at, kv.v.as<uint8_t>() + at, n));
   }
-  const double s = Seconds(Clock::now() - t0);
-  if (region.CommittedPrefix(0) != pages) return absl::InternalError("shm: pages not committed");
-  KVTIER_RETURN_IF_ERROR(Close(stub, info.session_id()));
-  return Gbps(pages * page_bytes, s);
+  KVTIER_RETURN_IF_ERROR(session->Flush());
+  const auto t2 = Clock::now();
+  t.open_s = Seconds(t1 - t0);
+  t.data_s = Seconds(t2 - t1);
+  KVTIER_ASSIGN_OR_RETURN(const SessionInfo info, session->Info());
+  if (info.committed_tokens.empty() || info.committed_tokens[0] != tokens) {
+    return absl::InternalError(absl::StrCat(
+        "shm: the daemon sees ", info.committed_tokens.empty() ? 0 : info.committed_tokens[0],
+        " tokens committed, want ", tokens));
+  }
+  KVTIER_RETURN_IF_ERROR(session->Close());
+  return t;
 }
 
 // The same bytes copied between two private buffers: the ceiling of any copy-in path.
@@ -271,17 +545,6 @@ absl::StatusOr<Latency> UnaryRoundTrip(const std::string& target, int32_t calls)
   return l;
 }
 
-template <typename F>
-auto BestOf(int32_t repeats, F&& f) -> decltype(f()) {
-  auto best = f();
-  for (int32_t i = 1; i < repeats && best.ok(); ++i) {
-    auto next = f();
-    if (!next.ok()) return next;
-    if (*next > *best) best = std::move(next);
-  }
-  return best;
-}
-
 }  // namespace
 
 absl::StatusOr<JsonObject> RunIpcBench(const IpcBenchOptions& o, std::ostream& log) {
@@ -291,33 +554,28 @@ absl::StatusOr<JsonObject> RunIpcBench(const IpcBenchOptions& o, std::ostream& l
         "ipc: --bytes must be >= 1 MiB, --repeats >= 1, --unary-calls >= 10, "
         "--redis-pipeline >= 1");
   }
-  char tmpl[] = "/tmp/kvtier-ipc-XXXXXX";
-  if (::mkdtemp(tmpl) == nullptr) return absl::InternalError("mkdtemp failed");
-  const std::string dir = tmpl;
-  daemon::DaemonConfig config = daemon::DefaultConfig();
-  config.unix_socket = dir + "/kvtierd.sock";
-  config.attach_socket = dir + "/kvtierd.attach";
-  config.tcp_address = "127.0.0.1:0";
-  config.max_message_bytes = 4 << 20;
-  config.max_tokens_per_session =
-      static_cast<uint32_t>(std::max<int64_t>(o.bytes_per_run / 16384 * 32, 131072));
-  config.log_level = "warn";
-  daemon::TenantConfig tenant;
-  tenant.name = kTenant;
-  // Two sessions of bytes_per_run may be open at once (shm, then grpc), plus directories.
-  tenant.host_memory_bytes = static_cast<uint64_t>(2 * o.bytes_per_run + (int64_t{64} << 20));
-  tenant.hugepages = "auto";
-  tenant.lock = false;
-  config.tenants = {tenant};
-  KVTIER_RETURN_IF_ERROR(daemon::SetUpLogging(config));
-  KVTIER_ASSIGN_OR_RETURN(auto daemon, daemon::Daemon::Start(config));
+  KVTIER_ASSIGN_OR_RETURN(const std::string kvtierd, FindKvtierd(o.kvtierd));
+  // The daemon first, before this process starts threads of its own (gRPC's, redis's): it is
+  // forked, and the child only execs.
+  KVTIER_ASSIGN_OR_RETURN(const TempDir dir, TempDir::Create());
+  KVTIER_ASSIGN_OR_RETURN(
+      std::unique_ptr<KvtierdProcess> daemon,
+      KvtierdProcess::Start(kvtierd, dir.path(), DaemonConfigToml(dir.path(), o)));
   const std::string uds = "unix:" + daemon->unix_socket();
   const std::string tcp = absl::StrCat("127.0.0.1:", daemon->tcp_port());
+  ClientOptions co;
+  co.tenant = kTenant;
+  co.client_name = "kvtier-bench ipc";
+  KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<Client> client,
+                          Client::Connect("unix://" + daemon->unix_socket(), co));
+  if (!client->capabilities().shm_available) {
+    return absl::FailedPreconditionError("ipc: kvtierd offers no shared-memory attach");
+  }
   grpc::ChannelArguments args;
-  args.SetMaxSendMessageSize(static_cast<int>(config.max_message_bytes));
-  args.SetMaxReceiveMessageSize(static_cast<int>(config.max_message_bytes));
-  auto stub = pb::KvTier::NewStub(
-      grpc::CreateCustomChannel(uds, grpc::InsecureChannelCredentials(), args));
+  args.SetMaxSendMessageSize(static_cast<int>(kMaxMessageBytes));
+  args.SetMaxReceiveMessageSize(static_cast<int>(kMaxMessageBytes));
+  auto stub =
+      pb::KvTier::NewStub(grpc::CreateCustomChannel(uds, grpc::InsecureChannelCredentials(), args));
 
   std::unique_ptr<RedisServer> redis_server;
   std::unique_ptr<RespClient> redis;
@@ -331,98 +589,110 @@ absl::StatusOr<JsonObject> RunIpcBench(const IpcBenchOptions& o, std::ostream& l
       redis_note = started.status().ToString();
     }
   }
+  // The engine's device of the shm path (the arena is registered with it at each attach).
+  KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<Device> device, CreateDevice(DeviceKind::kCpu));
+  KVTIER_ASSIGN_OR_RETURN(const DeviceKv kv, MakeDeviceKv(*device, o.bytes_per_run));
 
   log << absl::StreamFormat(
-      "kvtier-bench ipc: %d MiB per run, best of %d, GB/s; redis pipeline %d; commit %s\n",
-      o.bytes_per_run >> 20, o.repeats, o.redis_pipeline, Commit());
-  KVTIER_ASSIGN_OR_RETURN(AttachedArena arena,
-                          AttachToArena(daemon->attach_socket(), kTenant, ""));
-  log << absl::StreamFormat("%8s %8s %8s %9s %10s %9s %9s %9s\n", "page", "memcpy", "shm",
-                            "grpc off", "grpc fetch", "redis SET", "redis GET", "shm/SET");
+      "kvtier-bench ipc: kvtierd %s as its own process (pid %d), %d MiB per run, median of %d "
+      "(p10-p90 below it), GB/s; redis pipeline %d; commit %s\n",
+      client->capabilities().server_version, daemon->pid(), o.bytes_per_run >> 20, o.repeats,
+      o.redis_pipeline, Commit());
+  log << absl::StreamFormat("%8s %11s %11s %11s %11s %11s %11s %8s %9s\n", "page", "memcpy", "shm",
+                            "grpc off", "grpc fetch", "redis SET", "redis GET", "shm/SET",
+                            "shm open");
   JsonObject pages_json;
-  double top_shm = 0, top_off = 0, top_fetch = 0, top_set = 0, top_get = 0;
+  struct {
+    Spread shm, off, fetch, set, get, open;
+    double ratio = 0;
+  } top;  // the last page size's
   for (int64_t page_bytes : o.page_bytes) {
     const int64_t pages = o.bytes_per_run / page_bytes;
+    const int64_t bytes = pages * page_bytes;
     const Source src(page_bytes);
-    double memcpy_gbps = 0;
+    std::vector<double> memcpy_s, shm_s, open_ms, off_s, fetch_s, set_s, get_s;
     for (int32_t i = 0; i < o.repeats; ++i) {
-      memcpy_gbps = std::max(memcpy_gbps, MemcpyPeak(page_bytes, pages, src));
-    }
-    KVTIER_ASSIGN_OR_RETURN(double shm, BestOf(o.repeats, [&] {
-                              return ShmWrite(*stub, arena, page_bytes, pages, src);
-                            }));
-    GrpcRates grpc_best;
-    for (int32_t i = 0; i < o.repeats; ++i) {
-      KVTIER_ASSIGN_OR_RETURN(GrpcRates g, GrpcOffloadFetch(*stub, page_bytes, pages, src));
-      grpc_best.offload_gbps = std::max(grpc_best.offload_gbps, g.offload_gbps);
-      grpc_best.fetch_gbps = std::max(grpc_best.fetch_gbps, g.fetch_gbps);
-    }
-    RedisRates redis_best;
-    if (redis != nullptr) {
-      for (int32_t i = 0; i < o.repeats; ++i) {
-        KVTIER_ASSIGN_OR_RETURN(RedisRates r,
+      memcpy_s.push_back(MemcpyPeak(page_bytes, pages, src));
+      KVTIER_ASSIGN_OR_RETURN(const ShmTimes shm,
+                              ShmWrite(*client, *device, kv, page_bytes, pages));
+      shm_s.push_back(Gbps(bytes, shm.data_s));
+      open_ms.push_back(shm.open_s * 1e3);
+      KVTIER_ASSIGN_OR_RETURN(const GrpcRates g, GrpcOffloadFetch(*stub, page_bytes, pages, src));
+      off_s.push_back(g.offload_gbps);
+      fetch_s.push_back(g.fetch_gbps);
+      if (redis != nullptr) {
+        KVTIER_ASSIGN_OR_RETURN(const RedisRates r,
                                 RedisSetGet(*redis, page_bytes, pages, o.redis_pipeline, src));
-        redis_best.set_gbps = std::max(redis_best.set_gbps, r.set_gbps);
-        redis_best.get_gbps = std::max(redis_best.get_gbps, r.get_gbps);
+        set_s.push_back(r.set_gbps);
+        get_s.push_back(r.get_gbps);
       }
     }
-    const double ratio = redis_best.set_gbps > 0 ? shm / redis_best.set_gbps : 0;
-    log << absl::StreamFormat("%7lldK %8.2f %8.2f %9.2f %10.2f %9.2f %9.2f %8.1fx\n",
-                              page_bytes >> 10, memcpy_gbps, shm, grpc_best.offload_gbps,
-                              grpc_best.fetch_gbps, redis_best.set_gbps, redis_best.get_gbps,
-                              ratio);
+    const Spread memcpy_gbps = SpreadOf(memcpy_s), shm = SpreadOf(shm_s), open = SpreadOf(open_ms),
+                 off = SpreadOf(off_s), fetch = SpreadOf(fetch_s), set = SpreadOf(set_s),
+                 get = SpreadOf(get_s);
+    const double ratio = set.median > 0 ? shm.median / set.median : 0;
+    const auto range = [](const Spread& s) { return absl::StrFormat("%.2f-%.2f", s.p10, s.p90); };
+    log << absl::StreamFormat("%7lldK %11.2f %11.2f %11.2f %11.2f %11.2f %11.2f %7.1fx %6.2f ms\n",
+                              page_bytes >> 10, memcpy_gbps.median, shm.median, off.median,
+                              fetch.median, set.median, get.median, ratio, open.median);
+    log << absl::StreamFormat("%8s %11s %11s %11s %11s %11s %11s %8s %9s\n", "", range(memcpy_gbps),
+                              range(shm), range(off), range(fetch), range(set), range(get), "",
+                              range(open));
     JsonObject p;
-    p.Add("page_bytes", page_bytes)
-        .Add("pages", pages)
-        .Add("memcpy_gbps", memcpy_gbps)
-        .Add("shm_gbps", shm)
-        .Add("shm_fraction_of_memcpy", memcpy_gbps > 0 ? shm / memcpy_gbps : 0.0)
-        .Add("grpc_offload_gbps", grpc_best.offload_gbps)
-        .Add("grpc_fetch_gbps", grpc_best.fetch_gbps)
-        .Add("redis_set_gbps", redis_best.set_gbps)
-        .Add("redis_get_gbps", redis_best.get_gbps)
-        .Add("shm_over_redis_set", ratio);
+    p.Add("page_bytes", page_bytes).Add("pages", pages);
+    AddSpread(p, "memcpy_gbps", memcpy_gbps);
+    AddSpread(p, "shm_gbps", shm);
+    AddSpread(p, "shm_open_ms", open);
+    p.Add("shm_fraction_of_memcpy", memcpy_gbps.median > 0 ? shm.median / memcpy_gbps.median : 0.0);
+    AddSpread(p, "grpc_offload_gbps", off);
+    AddSpread(p, "grpc_fetch_gbps", fetch);
+    AddSpread(p, "redis_set_gbps", set);
+    AddSpread(p, "redis_get_gbps", get);
+    p.Add("shm_over_redis_set", ratio);
     pages_json.AddObject(absl::StrCat(page_bytes), p);
-    if (page_bytes == o.page_bytes.back()) {
-      top_shm = shm;
-      top_off = grpc_best.offload_gbps;
-      top_fetch = grpc_best.fetch_gbps;
-      top_set = redis_best.set_gbps;
-      top_get = redis_best.get_gbps;
-    }
+    if (page_bytes == o.page_bytes.back()) top = {shm, off, fetch, set, get, open, ratio};
   }
   KVTIER_ASSIGN_OR_RETURN(Latency lu, UnaryRoundTrip(uds, o.unary_calls));
   KVTIER_ASSIGN_OR_RETURN(Latency lt, UnaryRoundTrip(tcp, o.unary_calls));
-  log << absl::StreamFormat("unary Hello round trip: unix p50 %.1f us p99 %.1f us; "
-                            "tcp p50 %.1f us p99 %.1f us\n",
-                            lu.p50_us, lu.p99_us, lt.p50_us, lt.p99_us);
+  log << absl::StreamFormat(
+      "unary Hello round trip: unix p50 %.1f us p99 %.1f us; "
+      "tcp p50 %.1f us p99 %.1f us\n",
+      lu.p50_us, lu.p99_us, lt.p50_us, lt.p99_us);
   if (!redis_note.empty()) log << "redis baseline skipped: " << redis_note << "\n";
+  const std::string server_version = client->capabilities().server_version;
+  stub.reset();
+  client.reset();
+  KVTIER_RETURN_IF_ERROR(daemon->Stop());
 
   JsonObject out;
   out.Add("bench", "ipc")
       .Add("commit", Commit())
       .Add("host", HostCpu())
       .Add("time", UtcNow())
+      .Add("daemon", "kvtierd in its own process")
+      .Add("kvtierd_version", server_version)
+      .Add("shm_path",
+           "client library: OpenSession (SHM, arena attached over the attach socket), Append "
+           "2048 tokens per call on a cpu device, Flush")
       .Add("bytes_per_run", o.bytes_per_run)
       .Add("repeats", static_cast<int64_t>(o.repeats))
+      .Add("statistic", "median over repeats, with p10/p90")
       .Add("redis_pipeline", static_cast<int64_t>(o.redis_pipeline))
       .Add("redis_version", redis_server ? redis_server->version() : std::string("none"))
-      .Add("page_bytes", o.page_bytes.back())
-      .Add("shm_gbps", top_shm)
-      .Add("grpc_offload_gbps", top_off)
-      .Add("grpc_fetch_gbps", top_fetch)
-      .Add("redis_set_gbps", top_set)
-      .Add("redis_get_gbps", top_get)
-      .Add("shm_over_redis_set", top_set > 0 ? top_shm / top_set : 0.0)
+      .Add("page_bytes", o.page_bytes.back());
+  AddSpread(out, "shm_gbps", top.shm);
+  AddSpread(out, "grpc_offload_gbps", top.off);
+  AddSpread(out, "grpc_fetch_gbps", top.fetch);
+  AddSpread(out, "redis_set_gbps", top.set);
+  AddSpread(out, "redis_get_gbps", top.get);
+  AddSpread(out, "shm_open_ms", top.open);
+  out.Add("shm_over_redis_set", top.ratio)
       .AddObject("pages", pages_json)
       .Add("unary_calls", static_cast<int64_t>(o.unary_calls))
       .Add("unary_p50_us_uds", lu.p50_us)
       .Add("unary_p99_us_uds", lu.p99_us)
       .Add("unary_p50_us_tcp", lt.p50_us)
       .Add("unary_p99_us_tcp", lt.p99_us);
-  daemon->Shutdown();
-  std::error_code ec;
-  std::filesystem::remove_all(dir, ec);
   return out;
 }
 

@@ -8,9 +8,10 @@
 //                       --recent R] [--backend cuda]        # a trace file (docs/trace-format.md)
 //   kvtier-bench replay --connect unix:///path/kvtierd.sock   # through kvtierd sessions
 //   kvtier-bench replay --policies [--budgets 512,1024] [--policy-list window,h2o] [--plot F]
-//   kvtier-bench ipc [--bytes N] [--json]
+//   kvtier-bench ipc [--bytes N] [--kvtierd PATH] [--json]
 //   kvtier-bench pcie [--backend cuda] [--json] [--plot F]   # host↔device transfers, recall
 //   kvtier-bench step [--backend cuda] [--context N] [--json]  # per-layer decode step times
+//   kvtier-bench roofline [--contexts 32768,131072] [--json]  # cpu ops vs read bandwidth
 //   kvtier-bench devices
 #include <fstream>
 #include <iostream>
@@ -28,6 +29,7 @@
 #include "bench/policy_replay.h"
 #include "bench/replay_bench.h"
 #include "bench/replay_session.h"
+#include "bench/roofline_bench.h"
 #include "bench/step_bench.h"
 #include "kernels/registry.h"
 
@@ -250,6 +252,13 @@ int main(int argc, char** argv) {
   attn->add_option("--iters", ao.iters, "timed repetitions (median reported)")
       ->capture_default_str();
   attn->add_option("--threads", ao.threads, "cpu backend threads (0 = all)")->capture_default_str();
+  bool no_cold = false;
+  int64_t evict_mib = 0;
+  attn->add_flag("--no-cold", no_cold, "skip the cold-cache variants");
+  attn->add_option("--evict-mib", evict_mib,
+                   "cold: bytes streamed through the cache before each iteration (0 = "
+                   "max(2 x last-level cache, 256 MiB))")
+      ->capture_default_str();
   attn->add_option("--backend", backend, "cpu, cuda or auto")->capture_default_str();
   attn->add_option("--heavy-logit", ao.heavy_logit, "synthetic KV: logit boost of heavy pages")
       ->capture_default_str();
@@ -367,16 +376,20 @@ int main(int argc, char** argv) {
   kvtier::bench::IpcBenchOptions io;
   auto* ipc = app.add_subcommand(
       "ipc",
-      "page movement engine <-> kvtierd on loopback (shared memory, gRPC streams, unary "
-      "round trips) against Redis SET/GET as the peer baseline");
+      "page movement engine <-> kvtierd (its own process) on loopback (shared memory through "
+      "the client library, gRPC streams, unary round trips) against Redis SET/GET as the peer "
+      "baseline");
   ipc->add_option("--bytes", io.bytes_per_run, "bytes moved per throughput measurement")
       ->capture_default_str();
-  ipc->add_option("--repeats", io.repeats, "runs per measurement (best reported)")
+  ipc->add_option("--repeats", io.repeats, "runs per measurement (median and p10/p90 reported)")
       ->capture_default_str();
   ipc->add_option("--unary-calls", io.unary_calls, "Hello calls per transport")
       ->capture_default_str();
   ipc->add_option("--redis-pipeline", io.redis_pipeline, "Redis commands in flight")
       ->capture_default_str();
+  ipc->add_option("--kvtierd", io.kvtierd,
+                  "the kvtierd binary to start (default: next to kvtier-bench, or the build "
+                  "tree's daemon/kvtierd)");
   bool no_redis = false;
   ipc->add_flag("--no-redis", no_redis, "skip the Redis baseline");
   ipc->add_flag("--json", json, "print one JSON object on stdout");
@@ -385,6 +398,8 @@ int main(int argc, char** argv) {
   int pcie_rc = 0, step_rc = 0;
   auto* pcie = kvtier::bench::AddPcieCommand(app, &pcie_rc);
   auto* step = kvtier::bench::AddStepCommand(app, &step_rc);
+  int roofline_rc = 0;
+  auto* roofline = kvtier::bench::AddRooflineCommand(app, &roofline_rc);
 
   auto* devices = app.add_subcommand("devices", "list the backends this build can use");
 
@@ -392,6 +407,7 @@ int main(int argc, char** argv) {
   if (*devices) return ListDevices();
   if (*pcie) return pcie_rc;
   if (*step) return step_rc;
+  if (*roofline) return roofline_rc;
   if (*ipc) {
     io.redis = !no_redis;
     return RunIpc(io, json, out);
@@ -477,5 +493,7 @@ int main(int argc, char** argv) {
     std::cerr << "kvtier-bench: --backend must be cpu, cuda or auto (got " << backend << ")\n";
     return 2;
   }
+  ao.cold = !no_cold;
+  ao.evict_bytes = evict_mib * (int64_t{1} << 20);
   return RunAttention(ao, json, out);
 }

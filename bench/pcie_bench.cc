@@ -39,6 +39,24 @@ constexpr double kGB = 1e9;
 
 double Gbps(double bytes, double seconds) { return seconds > 0 ? bytes / seconds / kGB : 0; }
 
+// The bandwidths of `bytes` moved in each of the times `s` summarises (seconds): the
+// slowest time is the lowest bandwidth, so the percentiles swap.
+Spread GbpsOf(double bytes, const Spread& s) {
+  Spread g;
+  g.median = Gbps(bytes, s.median);
+  g.p10 = Gbps(bytes, s.p90);
+  g.p90 = Gbps(bytes, s.p10);
+  g.min = Gbps(bytes, s.max);
+  g.max = Gbps(bytes, s.min);
+  g.n = s.n;
+  return g;
+}
+
+// Adds `key` (the median) and key_p10 / key_p90 to `j`.
+void AddGbps(JsonObject& j, const std::string& key, const Spread& g) {
+  j.Add(key, g.median).Add(key + "_p10", g.p10).Add(key + "_p90", g.p90);
+}
+
 std::string Bytes(int64_t b) {
   if (b >= kMiB && b % kMiB == 0) return absl::StrCat(b / kMiB, " MiB");
   if (b >= 1024 && b % 1024 == 0) return absl::StrCat(b / 1024, " KiB");
@@ -95,7 +113,8 @@ class HostBuffer {
 struct CopyRow {
   int64_t bytes = 0;
   int32_t copies_per_sample = 0;
-  double pinned_h2d = 0, pinned_d2h = 0, pageable_h2d = 0, pageable_d2h = 0;  // GB/s
+  double pinned_h2d = 0, pinned_d2h = 0, pageable_h2d = 0, pageable_d2h = 0;  // GB/s, medians
+  Spread pinned_h2d_spread, pinned_d2h_spread, pageable_h2d_spread, pageable_d2h_spread;
 };
 
 struct RecallRow {
@@ -103,7 +122,8 @@ struct RecallRow {
   int32_t churn = 0;                           // percent
   int32_t items = 0;                           // slabs per plan
   int64_t bytes = 0;                           // recalled bytes per plan
-  std::array<double, 3> seconds = {0, 0, 0};   // per kRecallStrategies entry
+  std::array<double, 3> seconds = {0, 0, 0};   // per kRecallStrategies entry (median)
+  std::array<Spread, 3> spread;                // per kRecallStrategies entry, seconds
   std::array<int64_t, 3> ranges = {0, 0, 0};   // copy ranges the DMA strategies issued
   std::vector<std::vector<RecallItem>> plans;  // 1 warm-up + iters
 };
@@ -123,17 +143,25 @@ class PcieBench {
   absl::Status Plot() const;
   JsonObject Report() const;
 
-  // Median seconds of `iters` runs of (enqueue(i); synchronize drive), after one warm-up
-  // run (i = 0; timed runs get i = 1..iters). `before(i)` runs untimed before each.
-  absl::StatusOr<double> Time(const std::function<absl::Status(int)>& enqueue,
+  // Seconds of `iters` runs of (enqueue(i); synchronize drive), after one warm-up run
+  // (i = 0; timed runs get i = 1..iters): their median and spread. `before(i)` runs untimed
+  // before each.
+  absl::StatusOr<Spread> Time(const std::function<absl::Status(int)>& enqueue,
                               const std::function<void(int)>& before = nullptr);
   absl::StatusOr<std::unique_ptr<HostArena>> MakeArena(size_t bytes, int node) const;
-  // Recall of the reference plans with recaller `s` from `host_pages`; median seconds.
-  absl::StatusOr<double> TimeRecall(size_t s, const RecallRow& row, const void* host_pages,
+  // Recall of the reference plans with recaller `s` from `host_pages`; seconds.
+  absl::StatusOr<Spread> TimeRecall(size_t s, const RecallRow& row, const void* host_pages,
                                     int64_t* ranges);
   std::vector<RecallItem> MakePlan(int32_t per_head, std::mt19937_64& rng) const;
   const RecallRow& Reference() const { return recall_[reference_]; }
-  double Fraction(double gbps) const { return peak_h2d_ > 0 ? gbps / peak_h2d_ : 0; }
+  // `gbps` over the peak pinned H2D bandwidth: a GPU backend's PCIe peak. On the cpu backend
+  // the "peak" is the best memcpy of the sweep, cache-resident at its smaller sizes, so no
+  // fraction of it means anything: NaN (null in the JSON, "n/a" in the log).
+  double Fraction(double gbps) const { return gpu() && peak_h2d_ > 0 ? gbps / peak_h2d_ : NAN; }
+  std::string FractionText(double gbps) const {
+    return gpu() ? absl::StrFormat("%4.2f", Fraction(gbps)) : std::string(" n/a");
+  }
+  bool gpu() const { return backend_->kind() != DeviceKind::kCpu; }
   size_t slab_bytes() const { return static_cast<size_t>(g_.slab_elements()) * g_.element_bytes(); }
   size_t fragment_bytes() const { return static_cast<size_t>(g_.head_dim) * g_.element_bytes(); }
 
@@ -163,7 +191,7 @@ class PcieBench {
   double seconds_ = 0;
 };
 
-absl::StatusOr<double> PcieBench::Time(const std::function<absl::Status(int)>& enqueue,
+absl::StatusOr<Spread> PcieBench::Time(const std::function<absl::Status(int)>& enqueue,
                                        const std::function<void(int)>& before) {
   std::vector<double> samples;
   for (int i = 0; i <= o_.iters; ++i) {
@@ -174,7 +202,7 @@ absl::StatusOr<double> PcieBench::Time(const std::function<absl::Status(int)>& e
     const auto t1 = std::chrono::steady_clock::now();
     if (i > 0) samples.push_back(std::chrono::duration<double>(t1 - t0).count());
   }
-  return Median(std::move(samples));
+  return SpreadOf(std::move(samples));
 }
 
 absl::StatusOr<std::unique_ptr<HostArena>> PcieBench::MakeArena(size_t bytes, int node) const {
@@ -258,7 +286,9 @@ absl::Status PcieBench::CopySweep() {
   KVTIER_RETURN_IF_ERROR(drive_->Synchronize());
 
   log_ << absl::StrFormat(
-      "\n[1] host<->device copies (median of %d; GB/s, and / peak pinned H2D)\n", o_.iters);
+      "\n[1] host<->device copies (median of %d, p10/p90 in the JSON; GB/s, and / peak pinned "
+      "H2D%s)\n",
+      o_.iters, gpu() ? "" : ": n/a on the cpu backend");
   for (int64_t size : sizes) {
     CopyRow r;
     r.bytes = size;
@@ -267,9 +297,9 @@ absl::Status PcieBench::CopySweep() {
     // Consecutive copies of a sample walk through the buffer (wrapping), so a small size is
     // not one cache-hot line copied over and over.
     const int64_t slots = std::max<int64_t>(1, o_.max_bytes / size);
-    auto run = [&](char* host, bool h2d) -> absl::StatusOr<double> {
+    auto run = [&](char* host, bool h2d, Spread* spread) -> absl::StatusOr<double> {
       KVTIER_ASSIGN_OR_RETURN(
-          const double s, Time([&](int) -> absl::Status {
+          const Spread s, Time([&](int) -> absl::Status {
             for (int32_t c = 0; c < r.copies_per_sample; ++c) {
               const int64_t off = (c % slots) * size;
               char* d = dev.as<char>() + off;
@@ -280,12 +310,13 @@ absl::Status PcieBench::CopySweep() {
             }
             return absl::OkStatus();
           }));
-      return Gbps(static_cast<double>(size) * r.copies_per_sample, s);
+      *spread = GbpsOf(static_cast<double>(size) * r.copies_per_sample, s);
+      return spread->median;
     };
-    KVTIER_ASSIGN_OR_RETURN(r.pinned_h2d, run(pinned->data(), true));
-    KVTIER_ASSIGN_OR_RETURN(r.pinned_d2h, run(pinned->data(), false));
-    KVTIER_ASSIGN_OR_RETURN(r.pageable_h2d, run(pageable->data(), true));
-    KVTIER_ASSIGN_OR_RETURN(r.pageable_d2h, run(pageable->data(), false));
+    KVTIER_ASSIGN_OR_RETURN(r.pinned_h2d, run(pinned->data(), true, &r.pinned_h2d_spread));
+    KVTIER_ASSIGN_OR_RETURN(r.pinned_d2h, run(pinned->data(), false, &r.pinned_d2h_spread));
+    KVTIER_ASSIGN_OR_RETURN(r.pageable_h2d, run(pageable->data(), true, &r.pageable_h2d_spread));
+    KVTIER_ASSIGN_OR_RETURN(r.pageable_d2h, run(pageable->data(), false, &r.pageable_d2h_spread));
     copies_.push_back(r);
   }
   // Peak: the best pinned H2D among the large sizes (>= 1 MiB, or the largest size run).
@@ -299,15 +330,22 @@ absl::Status PcieBench::CopySweep() {
   log_ << absl::StrFormat("  %10s %6s | %-15s %-15s | %-15s %-15s | %s\n", "size", "copies",
                           "pinned H2D", "pinned D2H", "pageable H2D", "pageable D2H",
                           "pinned/pageable H2D");
-  auto cell = [&](double v) { return absl::StrFormat("%7.2f (%4.2f)", v, Fraction(v)); };
+  auto cell = [&](double v) { return absl::StrFormat("%7.2f (%s)", v, FractionText(v)); };
   for (const CopyRow& r : copies_) {
     log_ << absl::StrFormat("  %10s %6d | %-15s %-15s | %-15s %-15s | %.2fx\n", Bytes(r.bytes),
                             r.copies_per_sample, cell(r.pinned_h2d), cell(r.pinned_d2h),
                             cell(r.pageable_h2d), cell(r.pageable_d2h),
                             r.pageable_h2d > 0 ? r.pinned_h2d / r.pageable_h2d : 0.0);
   }
-  log_ << absl::StrFormat("  peak pinned H2D: %.2f GB/s (at %s)\n", peak_h2d_,
-                          Bytes(peak_h2d_bytes_));
+  if (gpu()) {
+    log_ << absl::StrFormat("  peak pinned H2D: %.2f GB/s (at %s)\n", peak_h2d_,
+                            Bytes(peak_h2d_bytes_));
+  } else {
+    log_ << absl::StrFormat(
+        "  best memcpy of %s or more: %.2f GB/s (at %s); not a PCIe or DRAM peak (the smaller "
+        "sizes stay in cache), so no fraction of it is reported on the cpu backend\n",
+        Bytes(std::min<int64_t>(kMiB, sizes.back())), peak_h2d_, Bytes(peak_h2d_bytes_));
+  }
   log_.flush();
   return absl::OkStatus();
 }
@@ -333,7 +371,7 @@ std::vector<RecallItem> PcieBench::MakePlan(int32_t per_head, std::mt19937_64& r
   return plan;
 }
 
-absl::StatusOr<double> PcieBench::TimeRecall(size_t s, const RecallRow& row, const void* host_pages,
+absl::StatusOr<Spread> PcieBench::TimeRecall(size_t s, const RecallRow& row, const void* host_pages,
                                              int64_t* ranges) {
   SlabRecaller& rec = *recallers_[s];
   RecallTarget t;
@@ -396,7 +434,8 @@ absl::Status PcieBench::MakePlans() {
 absl::Status PcieBench::Recall() {
   for (RecallRow& r : recall_) {
     for (size_t s = 0; s < recallers_.size(); ++s) {
-      KVTIER_ASSIGN_OR_RETURN(r.seconds[s], TimeRecall(s, r, area_->data(), &r.ranges[s]));
+      KVTIER_ASSIGN_OR_RETURN(r.spread[s], TimeRecall(s, r, area_->data(), &r.ranges[s]));
+      r.seconds[s] = r.spread[s].median;
     }
   }
   const RecallRow& ref = Reference();
@@ -405,8 +444,8 @@ absl::Status PcieBench::Recall() {
   }
 
   log_ << absl::StrFormat(
-      "\n[3] recall strategies: %s slabs from %d host pages (%s) into %d slots (median of %d; "
-      "GB/s and / peak)\n",
+      "\n[3] recall strategies: %s slabs from %d host pages (%s) into %d slots (median of %d, "
+      "p10/p90 in the JSON; GB/s and / peak)\n",
       Bytes(static_cast<int64_t>(slab_bytes())), host_pages_,
       Bytes(static_cast<int64_t>(area_->size())), num_slots_, o_.iters);
   log_ << absl::StrFormat("  %6s %5s %6s %9s |", "budget", "churn", "items", "bytes");
@@ -419,17 +458,17 @@ absl::Status PcieBench::Recall() {
     for (size_t s = 0; s < kRecallStrategies.size(); ++s) {
       const double gbps = Gbps(static_cast<double>(r.bytes), r.seconds[s]);
       best = std::max(best, gbps);
-      log_ << absl::StrFormat(" %7.2f (%4.2f) %5dr |", gbps, Fraction(gbps), r.ranges[s]);
+      log_ << absl::StrFormat(" %7.2f (%s) %5dr |", gbps, FractionText(gbps), r.ranges[s]);
     }
     const double slab = Gbps(static_cast<double>(r.bytes), r.seconds[0]);
     log_ << absl::StrFormat(" %.2fx\n", slab > 0 ? best / slab : 0.0);
   }
+  const Spread best = GbpsOf(static_cast<double>(ref.bytes), ref.spread[best_]);
   log_ << absl::StrFormat(
-      "  best at %d tokens, %d%% churn: %s, %.2f GB/s = %.2f of peak (r = copy "
-      "ranges issued)\n",
-      ref.budget, ref.churn, RecallStrategyName(kRecallStrategies[best_]),
-      Gbps(static_cast<double>(ref.bytes), ref.seconds[best_]),
-      Fraction(Gbps(static_cast<double>(ref.bytes), ref.seconds[best_])));
+      "  best at %d tokens, %d%% churn: %s, %.2f GB/s (p10-p90 %.2f-%.2f)%s (r = copy ranges "
+      "issued)\n",
+      ref.budget, ref.churn, RecallStrategyName(kRecallStrategies[best_]), best.median, best.p10,
+      best.p90, gpu() ? absl::StrFormat(" = %.2f of peak", Fraction(best.median)) : std::string());
   log_.flush();
   return absl::OkStatus();
 }
@@ -459,7 +498,7 @@ absl::Status PcieBench::NhdVsHnd() {
     }
   }
   KVTIER_ASSIGN_OR_RETURN(
-      const double hnd, Time([&](int) -> absl::Status {
+      const Spread hnd, Time([&](int) -> absl::Status {
         for (size_t i = 0; i < n; ++i) {
           const char* src = base + static_cast<size_t>(pairs[i].host_page) * page_bytes +
                             static_cast<size_t>(pairs[i].kv_head) * slab;
@@ -468,29 +507,30 @@ absl::Status PcieBench::NhdVsHnd() {
         return absl::OkStatus();
       }));
   KVTIER_ASSIGN_OR_RETURN(
-      const double nhd, Time([&](int) -> absl::Status {
+      const Spread nhd, Time([&](int) -> absl::Status {
         for (const CopyRange& r : fragments) {
           KVTIER_RETURN_IF_ERROR(backend_->Copy(*drive_, r.dst, r.src, r.bytes));
         }
         return absl::OkStatus();
       }));
-  KVTIER_ASSIGN_OR_RETURN(const double nhd_batch, Time([&](int) -> absl::Status {
+  KVTIER_ASSIGN_OR_RETURN(const Spread nhd_batch, Time([&](int) -> absl::Status {
                             return backend_->CopyBatch(*drive_, fragments.data(), fragments.size());
                           }));
   const double bytes = static_cast<double>(n * slab);
-  nhd_ = {Gbps(bytes, hnd), Gbps(bytes, nhd), Gbps(bytes, nhd_batch),
-          static_cast<int64_t>(n * slab)};
+  const Spread hnd_gbps = GbpsOf(bytes, hnd), nhd_gbps = GbpsOf(bytes, nhd),
+               nhd_batch_gbps = GbpsOf(bytes, nhd_batch);
+  nhd_ = {hnd_gbps.median, nhd_gbps.median, nhd_batch_gbps.median, static_cast<int64_t>(n * slab)};
   nhd_json_.Add("pairs", static_cast<int64_t>(n))
       .Add("budget_tokens", Reference().budget)
       .Add("bytes", nhd_.bytes)
       .Add("hnd_slab_bytes", static_cast<int64_t>(slab))
       .Add("hnd_copies", static_cast<int64_t>(n))
       .Add("nhd_fragment_bytes", static_cast<int64_t>(frag))
-      .Add("nhd_copies", static_cast<int64_t>(fragments.size()))
-      .Add("hnd_gbps", nhd_.hnd)
-      .Add("nhd_gbps", nhd_.nhd)
-      .Add("nhd_batched_gbps", nhd_.nhd_batch)
-      .Add("hnd_fraction_of_peak", Fraction(nhd_.hnd))
+      .Add("nhd_copies", static_cast<int64_t>(fragments.size()));
+  AddGbps(nhd_json_, "hnd_gbps", hnd_gbps);
+  AddGbps(nhd_json_, "nhd_gbps", nhd_gbps);
+  AddGbps(nhd_json_, "nhd_batched_gbps", nhd_batch_gbps);
+  nhd_json_.Add("hnd_fraction_of_peak", Fraction(nhd_.hnd))
       .Add("nhd_fraction_of_peak", Fraction(nhd_.nhd))
       .Add("nhd_batched_fraction_of_peak", Fraction(nhd_.nhd_batch))
       .Add("hnd_over_nhd", nhd_.nhd > 0 ? nhd_.hnd / nhd_.nhd : 0.0)
@@ -498,16 +538,16 @@ absl::Status PcieBench::NhdVsHnd() {
   log_ << absl::StrFormat(
       "\n[2] NHD vs HND: the same %d (page, head) pairs (%s, %d tokens per head), median of %d\n"
       "  %-34s %8s %10s %9s\n"
-      "  %-34s %8d %7.2f GB/s %9.2f\n"
-      "  %-34s %8d %7.2f GB/s %9.2f\n"
-      "  %-34s %8d %7.2f GB/s %9.2f\n"
+      "  %-34s %8d %7.2f GB/s %9s\n"
+      "  %-34s %8d %7.2f GB/s %9s\n"
+      "  %-34s %8d %7.2f GB/s %9s\n"
       "  HND slabs / NHD fragments: %.1fx (one copy each), %.1fx (batched)\n",
       n, Bytes(nhd_.bytes), Reference().budget, o_.iters, "layout (one copy per)", "copies",
       "bandwidth", "/ peak", absl::StrCat("HND ", Bytes(static_cast<int64_t>(slab)), " slab"), n,
-      nhd_.hnd, Fraction(nhd_.hnd),
+      nhd_.hnd, FractionText(nhd_.hnd),
       absl::StrCat("NHD ", Bytes(static_cast<int64_t>(frag)), " token fragment"), fragments.size(),
-      nhd_.nhd, Fraction(nhd_.nhd), "NHD fragments, one CopyBatch", fragments.size(),
-      nhd_.nhd_batch, Fraction(nhd_.nhd_batch), nhd_.nhd > 0 ? nhd_.hnd / nhd_.nhd : 0.0,
+      nhd_.nhd, FractionText(nhd_.nhd), "NHD fragments, one CopyBatch", fragments.size(),
+      nhd_.nhd_batch, FractionText(nhd_.nhd_batch), nhd_.nhd > 0 ? nhd_.hnd / nhd_.nhd : 0.0,
       nhd_.nhd_batch > 0 ? nhd_.hnd / nhd_.nhd_batch : 0.0);
   log_.flush();
   return absl::OkStatus();
@@ -567,34 +607,36 @@ absl::Status PcieBench::Numa() {
     return skip(absl::StrCat("no other node to bind to: ", remote_notes));
 
   KVTIER_ASSIGN_OR_RETURN(DeviceBuffer dev, backend_->Allocate(kNumaCopyBytes));
-  auto h2d = [&](const HostArena& a) -> absl::StatusOr<double> {
-    KVTIER_ASSIGN_OR_RETURN(const double s, Time([&](int) {
+  auto h2d = [&](const HostArena& a) -> absl::StatusOr<Spread> {
+    KVTIER_ASSIGN_OR_RETURN(const Spread s, Time([&](int) {
                               return backend_->Copy(*drive_, dev.data(), a.data(), kNumaCopyBytes);
                             }));
-    return Gbps(static_cast<double>(kNumaCopyBytes), s);
+    return GbpsOf(static_cast<double>(kNumaCopyBytes), s);
   };
-  auto recall = [&](const HostArena& a) -> absl::StatusOr<double> {
-    KVTIER_ASSIGN_OR_RETURN(const double s, TimeRecall(best_, Reference(), a.data(), nullptr));
-    return Gbps(static_cast<double>(Reference().bytes), s);
+  auto recall = [&](const HostArena& a) -> absl::StatusOr<Spread> {
+    KVTIER_ASSIGN_OR_RETURN(const Spread s, TimeRecall(best_, Reference(), a.data(), nullptr));
+    return GbpsOf(static_cast<double>(Reference().bytes), s);
   };
-  KVTIER_ASSIGN_OR_RETURN(const double local_h2d, h2d(*local_arena));
-  KVTIER_ASSIGN_OR_RETURN(const double remote_h2d, h2d(*remote_arena));
-  KVTIER_ASSIGN_OR_RETURN(const double local_recall, recall(*local_arena));
-  KVTIER_ASSIGN_OR_RETURN(const double remote_recall, recall(*remote_arena));
+  KVTIER_ASSIGN_OR_RETURN(const Spread local_h2d_gbps, h2d(*local_arena));
+  KVTIER_ASSIGN_OR_RETURN(const Spread remote_h2d_gbps, h2d(*remote_arena));
+  KVTIER_ASSIGN_OR_RETURN(const Spread local_recall_gbps, recall(*local_arena));
+  KVTIER_ASSIGN_OR_RETURN(const Spread remote_recall_gbps, recall(*remote_arena));
+  const double local_h2d = local_h2d_gbps.median, remote_h2d = remote_h2d_gbps.median;
+  const double local_recall = local_recall_gbps.median, remote_recall = remote_recall_gbps.median;
   const std::string strategy(RecallStrategyName(kRecallStrategies[best_]));
   numa_json_.Add("nodes", nodes)
       .Add("local_from", source)
       .Add("local_node", local)
       .Add("remote_node", remote)
-      .Add("h2d_bytes", kNumaCopyBytes)
-      .Add("local_h2d_gbps", local_h2d)
-      .Add("remote_h2d_gbps", remote_h2d)
-      .Add("remote_over_local_h2d", local_h2d > 0 ? remote_h2d / local_h2d : 0.0)
+      .Add("h2d_bytes", kNumaCopyBytes);
+  AddGbps(numa_json_, "local_h2d_gbps", local_h2d_gbps);
+  AddGbps(numa_json_, "remote_h2d_gbps", remote_h2d_gbps);
+  numa_json_.Add("remote_over_local_h2d", local_h2d > 0 ? remote_h2d / local_h2d : 0.0)
       .Add("recall_strategy", strategy)
-      .Add("recall_bytes", Reference().bytes)
-      .Add("local_recall_gbps", local_recall)
-      .Add("remote_recall_gbps", remote_recall)
-      .Add("remote_over_local_recall", local_recall > 0 ? remote_recall / local_recall : 0.0)
+      .Add("recall_bytes", Reference().bytes);
+  AddGbps(numa_json_, "local_recall_gbps", local_recall_gbps);
+  AddGbps(numa_json_, "remote_recall_gbps", remote_recall_gbps);
+  numa_json_.Add("remote_over_local_recall", local_recall > 0 ? remote_recall / local_recall : 0.0)
       .Add("hugetlb", local_arena->report().hugetlb && remote_arena->report().hugetlb);
   log_ << absl::StrFormat(
       "  local node %d (%s) vs remote node %d, of %d; median of %d\n"
@@ -663,13 +705,12 @@ JsonObject PcieBench::Report() const {
   std::vector<JsonObject> copies;
   for (const CopyRow& r : copies_) {
     JsonObject j;
-    j.Add("bytes", r.bytes)
-        .Add("copies_per_sample", r.copies_per_sample)
-        .Add("pinned_h2d_gbps", r.pinned_h2d)
-        .Add("pinned_d2h_gbps", r.pinned_d2h)
-        .Add("pageable_h2d_gbps", r.pageable_h2d)
-        .Add("pageable_d2h_gbps", r.pageable_d2h)
-        .Add("pinned_h2d_fraction_of_peak", Fraction(r.pinned_h2d))
+    j.Add("bytes", r.bytes).Add("copies_per_sample", r.copies_per_sample);
+    AddGbps(j, "pinned_h2d_gbps", r.pinned_h2d_spread);
+    AddGbps(j, "pinned_d2h_gbps", r.pinned_d2h_spread);
+    AddGbps(j, "pageable_h2d_gbps", r.pageable_h2d_spread);
+    AddGbps(j, "pageable_d2h_gbps", r.pageable_d2h_spread);
+    j.Add("pinned_h2d_fraction_of_peak", Fraction(r.pinned_h2d))
         .Add("pinned_d2h_fraction_of_peak", Fraction(r.pinned_d2h))
         .Add("pageable_h2d_fraction_of_peak", Fraction(r.pageable_h2d))
         .Add("pageable_d2h_fraction_of_peak", Fraction(r.pageable_d2h));
@@ -678,17 +719,16 @@ JsonObject PcieBench::Report() const {
   std::vector<JsonObject> recall;
   for (const RecallRow& r : recall_) {
     for (size_t s = 0; s < kRecallStrategies.size(); ++s) {
-      const double gbps = Gbps(static_cast<double>(r.bytes), r.seconds[s]);
+      const Spread gbps = GbpsOf(static_cast<double>(r.bytes), r.spread[s]);
       JsonObject j;
       j.Add("strategy", RecallStrategyName(kRecallStrategies[s]))
           .Add("budget_tokens", r.budget)
           .Add("churn_percent", r.churn)
           .Add("items", r.items)
           .Add("bytes", r.bytes)
-          .Add("us", r.seconds[s] * 1e6)
-          .Add("gbps", gbps)
-          .Add("fraction_of_peak", Fraction(gbps))
-          .Add("copy_ranges", r.ranges[s]);
+          .Add("us", r.seconds[s] * 1e6);
+      AddGbps(j, "gbps", gbps);
+      j.Add("fraction_of_peak", Fraction(gbps.median)).Add("copy_ranges", r.ranges[s]);
       recall.push_back(std::move(j));
     }
   }
@@ -756,6 +796,7 @@ JsonObject PcieBench::Report() const {
       .Add("best_strategy", RecallStrategyName(kRecallStrategies[best_]))
       .Add("best_recall_gbps", best_gbps)
       .Add("best_fraction_of_peak", Fraction(best_gbps))
+      .Add("fractions_of_peak_apply", gpu())
       .AddArray("copies", copies)
       .AddArray("recall", recall)
       .AddObject("nhd_vs_hnd", nhd_json_)

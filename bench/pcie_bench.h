@@ -3,8 +3,10 @@
 //
 //   1. copies: pinned (registered, page-aligned) vs pageable (malloc'd) host memory, H2D and
 //      D2H, for sizes min..max bytes in powers of 4; each sample enqueues a batch of copies
-//      and synchronizes once. peak_h2d_gbps is the best pinned H2D of the large sizes; every
-//      other bandwidth is also reported as a fraction of it.
+//      and synchronizes once. peak_h2d_gbps is the best pinned H2D of the large sizes; on a
+//      GPU backend every other bandwidth is also reported as a fraction of it. On the cpu
+//      backend that "peak" is a memcpy whose smaller sizes stay in cache, so the fractions
+//      are null in the JSON and "n/a" in the log.
 //   2. nhd_vs_hnd: the same selected (page, KV head) pairs recalled from an HND host area as
 //      whole K+V slabs (one copy each) and from an NHD host area as per-token fragments
 //      (one copy per token, K and V; and the same fragments as one CopyBatch).
@@ -12,7 +14,8 @@
 //      budget × churn, plans of random distinct host slabs into distinct working-set slots.
 //   4. numa: pinned memory bound to the GPU's NUMA node vs another node (H2D and recall),
 //      or "skipped" with the reason.
-// Optionally a PNG plot of bandwidth vs bytes per transfer.
+// Every bandwidth is the median of --iters timed samples, with their p10 and p90 (the
+// JSON's <key>_p10 / <key>_p90). Optionally a PNG plot of bandwidth vs bytes per transfer.
 #ifndef KVTIER_BENCH_PCIE_BENCH_H_
 #define KVTIER_BENCH_PCIE_BENCH_H_
 

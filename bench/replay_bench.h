@@ -12,9 +12,18 @@
 //   - correction_rate: corrected / checked KV heads (speculative modes);
 //   - layers: the four above per replayed layer (mass recall only on sampled layers);
 //   - recall_bytes_per_step: recalled K+V bytes per decode step (all layers);
-//   - critical_path_us_per_step: what an engine waits for per decode step (all layers):
-//     append, BeginStep, attention up to its output, EndStep's launch; background work of
-//     speculative mode overlaps it. Averaged over the unprofiled steps;
+//   - critical_path_us_per_step: what the engine thread waits for per decode step (all
+//     layers): append, BeginStep, attention up to its output, EndStep's launch; averaged
+//     over the unprofiled steps (critical_path_us: their median, p10/p90, min/max). The
+//     background work a step leaves (speculative mode's selection and recall) is drained
+//     after each step and mode outside this timer, so it is not in this figure; on the cpu
+//     backend that work runs on the same cores as the next step, so this flatters
+//     speculative mode;
+//   - wall_us_per_step / wall_us (median, p10/p90, min/max): wall time per decode step from
+//     its first append to the end of that drain, i.e. the critical path plus the background
+//     work the step caused (the accuracy metrics' readback comes after it, untimed);
+//     drain_us_per_step is the drain alone. sync_over_speculative_wall (medians) is the
+//     ratio to quote; sync_over_speculative_critical_path (means) is the critical path's;
 //   - select_us / recall_us / attention_us per step: the split, measured on separate
 //     profiled steps (every phase synchronised), so it shows cost, not overlap.
 // Not thread-safe; one replay per call.

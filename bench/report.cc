@@ -86,4 +86,36 @@ double Median(std::vector<double> samples) {
   return n % 2 ? samples[n / 2] : (samples[n / 2 - 1] + samples[n / 2]) / 2;
 }
 
+Spread SpreadOf(std::vector<double> samples) {
+  Spread s;
+  if (samples.empty()) return s;
+  std::sort(samples.begin(), samples.end());
+  const size_t n = samples.size();
+  // The q-quantile between the two nearest ranks (rank q·(n−1) of the sorted samples).
+  const auto quantile = [&](double q) {
+    const double rank = q * static_cast<double>(n - 1);
+    const size_t lo = static_cast<size_t>(rank);
+    const size_t hi = std::min(lo + 1, n - 1);
+    return samples[lo] + (samples[hi] - samples[lo]) * (rank - static_cast<double>(lo));
+  };
+  s.median = quantile(0.5);
+  s.p10 = quantile(0.1);
+  s.p90 = quantile(0.9);
+  s.min = samples.front();
+  s.max = samples.back();
+  s.n = static_cast<int64_t>(n);
+  return s;
+}
+
+JsonObject SpreadJson(const Spread& s) {
+  JsonObject j;
+  j.Add("median", s.median)
+      .Add("p10", s.p10)
+      .Add("p90", s.p90)
+      .Add("min", s.min)
+      .Add("max", s.max)
+      .Add("n", s.n);
+  return j;
+}
+
 }  // namespace kvtier::bench

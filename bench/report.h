@@ -36,6 +36,21 @@ class JsonObject {
 // Median of `samples` (copied, not modified).
 double Median(std::vector<double> samples);
 
+// Repeated measurements of one quantity summarised by their middle and spread, so a report
+// shows what a typical run gives and how much runs vary instead of the best run.
+struct Spread {
+  double median = 0;
+  double p10 = 0;  // 10th and 90th percentiles, linearly interpolated between samples
+  double p90 = 0;
+  double min = 0;
+  double max = 0;
+  int64_t n = 0;  // samples
+};
+// Of `samples` (copied, not modified); all zero when there are none.
+Spread SpreadOf(std::vector<double> samples);
+// {"median": …, "p10": …, "p90": …, "min": …, "max": …, "n": …}
+JsonObject SpreadJson(const Spread& s);
+
 }  // namespace kvtier::bench
 
 #endif  // KVTIER_BENCH_REPORT_H_

@@ -14,7 +14,12 @@
 //
 // A decode step runs every layer; the compute stream is synchronised before the first timed
 // step and at the end of each step (host wall clock), and the per-layer time is the wall
-// time over steps × layers (the median of the per-step times is reported too). Queries drift:
+// time over steps × layers (the median, p10/p90 and min/max of the per-step times are
+// reported too). Background work overlaps the following steps, as in an engine; what the
+// last timed step leaves is waited for inside the timer, so no work the timed steps started
+// is left out. The targets speculative / resident ≤ 1.15 and sync / speculative ≥ 5 are GPU
+// targets: judged only on a GPU backend (on the cpu backend the report says they do not
+// apply and the JSON has null for them). Queries drift:
 // q_t = |q|·normalize(q̂_{t−1} + noise) with cos(q_t, q_{t−1}) ≈ step_cosine per query head,
 // and now and then (jump_probability per step, layer, sequence and KV head) a KV head's
 // query group jumps to fresh directions, so speculative correction happens sometimes.

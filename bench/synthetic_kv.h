@@ -4,6 +4,13 @@
 // along it that adds about `heavy_logit` to their scaled logits; everything else is noise.
 // Values are N(0, 1). Deterministic from the seed. Not a model: a stand-in until traces of
 // real models are fed through the replay benchmark.
+//
+// The planted structure is generous by default: 24 heavy pages per head, fewer than the 32
+// pages the benchmarks select, so a perfect selection captures all of it and the sparse
+// output's error only measures the unplanted tail. That bounds what selection can reach; it
+// is not a measure of real attention. HarderSyntheticKv() plants more heavy pages than
+// there are selected slots, so any selection must leave planted mass behind; benchmarks
+// report both.
 #ifndef KVTIER_BENCH_SYNTHETIC_KV_H_
 #define KVTIER_BENCH_SYNTHETIC_KV_H_
 
@@ -34,6 +41,10 @@ struct SyntheticKv {
 };
 
 SyntheticKv MakeSyntheticKv(const Geometry& g, const SyntheticKvOptions& o);
+
+// `o` with twice as many heavy pages per head as `selected_pages` (at least one more): the
+// variant where the planted structure does not fit in the working set.
+SyntheticKvOptions HarderSyntheticKv(SyntheticKvOptions o, int32_t selected_pages);
 
 // Element i of a `t` array as float.
 float LoadAsFloat(const std::vector<uint8_t>& data, DType t, int64_t i);

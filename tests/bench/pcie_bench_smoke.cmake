@@ -1,6 +1,8 @@
 # kvtier-bench pcie end to end at a tiny size on the cpu backend (cmake -P script, so the
 # check needs nothing but CMake): the JSON has the keys the benchmark promises, a recall
-# entry for every budget × churn × strategy, a positive peak, and --plot wrote a PNG.
+# entry for every budget × churn × strategy with its median and p10/p90, a positive peak,
+# no fraction of that peak (null: on the cpu backend it is a memcpy partly in cache), and
+# --plot wrote a PNG.
 #   -DBENCH=<kvtier-bench> -DWORK_DIR=<scratch directory>
 cmake_minimum_required(VERSION 3.19)  # string(JSON)
 file(REMOVE_RECURSE "${WORK_DIR}")
@@ -17,7 +19,7 @@ if(NOT rc EQUAL 0)
 endif()
 message("${err}")
 
-foreach(key device driver cuda commit host peak_h2d_gbps best_fraction_of_peak best_strategy)
+foreach(key device driver cuda commit host peak_h2d_gbps best_recall_gbps best_strategy)
   string(JSON value ERROR_VARIABLE json_error GET "${out}" ${key})
   if(json_error OR value STREQUAL "")
     message(FATAL_ERROR "the JSON has no \"${key}\":\n${out}")
@@ -51,13 +53,29 @@ string(JSON n LENGTH "${out}" copies)
 if(NOT n EQUAL 5)
   message(FATAL_ERROR "copies has ${n} sizes, want 5")
 endif()
-foreach(key pinned_h2d_gbps pinned_d2h_gbps pageable_h2d_gbps pageable_d2h_gbps
-    pinned_h2d_fraction_of_peak)
-  string(JSON type ERROR_VARIABLE json_error TYPE "${out}" copies 0 ${key})
-  if(json_error OR NOT type STREQUAL "NUMBER")
-    message(FATAL_ERROR "copies[0].${key} is not a number (${json_error})")
+foreach(direction pinned_h2d pinned_d2h pageable_h2d pageable_d2h)
+  foreach(key ${direction}_gbps ${direction}_gbps_p10 ${direction}_gbps_p90)
+    string(JSON type ERROR_VARIABLE json_error TYPE "${out}" copies 0 ${key})
+    if(json_error OR NOT type STREQUAL "NUMBER")
+      message(FATAL_ERROR "copies[0].${key} is not a number (${json_error})")
+    endif()
+  endforeach()
+  string(JSON type ERROR_VARIABLE json_error TYPE "${out}" copies 0 ${direction}_fraction_of_peak)
+  if(json_error OR NOT type STREQUAL "NULL")
+    message(FATAL_ERROR "copies[0].${direction}_fraction_of_peak is ${type} on the cpu backend, "
+      "want null (${json_error})")
   endif()
 endforeach()
+foreach(key best_fraction_of_peak)
+  string(JSON type TYPE "${out}" ${key})
+  if(NOT type STREQUAL "NULL")
+    message(FATAL_ERROR "${key} is ${type} on the cpu backend, want null")
+  endif()
+endforeach()
+string(JSON apply GET "${out}" fractions_of_peak_apply)
+if(apply)
+  message(FATAL_ERROR "fractions_of_peak_apply is ${apply} on the cpu backend")
+endif()
 # 2 budgets × 4 churns × 3 strategies, each with a positive bandwidth.
 string(JSON n LENGTH "${out}" recall)
 if(NOT n EQUAL 24)
@@ -66,12 +84,16 @@ endif()
 math(EXPR last "${n} - 1")
 foreach(i RANGE ${last})
   string(JSON gbps GET "${out}" recall ${i} gbps)
+  string(JSON p10 GET "${out}" recall ${i} gbps_p10)
+  string(JSON p90 GET "${out}" recall ${i} gbps_p90)
   string(JSON fraction_type TYPE "${out}" recall ${i} fraction_of_peak)
-  if(NOT gbps GREATER 0 OR NOT fraction_type STREQUAL "NUMBER")
-    message(FATAL_ERROR "recall[${i}]: gbps ${gbps}, fraction_of_peak ${fraction_type}")
+  if(NOT gbps GREATER 0 OR p10 GREATER gbps OR gbps GREATER p90 OR
+     NOT fraction_type STREQUAL "NULL")
+    message(FATAL_ERROR "recall[${i}]: gbps ${gbps} (p10 ${p10}, p90 ${p90}), fraction_of_peak "
+      "${fraction_type}")
   endif()
 endforeach()
-foreach(key hnd_gbps nhd_gbps nhd_batched_gbps hnd_over_nhd)
+foreach(key hnd_gbps hnd_gbps_p10 hnd_gbps_p90 nhd_gbps nhd_batched_gbps hnd_over_nhd)
   string(JSON type ERROR_VARIABLE json_error TYPE "${out}" nhd_vs_hnd ${key})
   if(json_error OR NOT type STREQUAL "NUMBER")
     message(FATAL_ERROR "nhd_vs_hnd.${key} is not a number (${json_error})")
