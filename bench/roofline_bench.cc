@@ -44,6 +44,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 // Targets the report prints (not asserted).
+constexpr int32_t kRowBandwidthPasses = 5;  // read-bandwidth passes after each row
 constexpr double kDenseMinFraction = 0.6;   // cold dense attention, of the read bandwidth
 constexpr double kSparseMinFraction = 0.5;  // cold sparse attention
 constexpr double kDenseMinSpeedup = 3.0;    // cold dense, new kernels over old
@@ -245,6 +246,7 @@ struct Row {
   bool evict = false;
   bool fits_llc = true;
   Spread old_ms, new_ms;
+  Spread bw;  // GB/s: the read bandwidth measured right after the row's calls
   bool has_old = false;
   std::vector<Target> targets;
 };
@@ -266,7 +268,7 @@ class RooflineBench {
   int64_t PeakBytes() const;
   // Median read bandwidth over o_.bw_reps passes of the buffer, GB/s, on the pool's threads
   // (`parallel`) or the calling thread.
-  Spread ReadBandwidth(bool parallel);
+  Spread ReadBandwidth(bool parallel, int32_t passes = 0);  // passes ≤ 0: --bw-reps
   uint64_t ParallelReadSum(const uint8_t* p, size_t bytes);
   absl::Status Evict();
   absl::Status Measure(const OpCase& c);
@@ -379,11 +381,12 @@ uint64_t RooflineBench::ParallelReadSum(const uint8_t* p, size_t bytes) {
   return std::accumulate(sums.begin(), sums.end(), uint64_t{0});
 }
 
-Spread RooflineBench::ReadBandwidth(bool parallel) {
+Spread RooflineBench::ReadBandwidth(bool parallel, int32_t passes) {
   const uint8_t* p = bw_buf_.data();
   const size_t n = bw_buf_.size();
   std::vector<double> gbps;
-  for (int32_t r = 0; r <= o_.bw_reps; ++r) {  // pass 0 is a warm-up
+  if (passes <= 0) passes = o_.bw_reps;
+  for (int32_t r = 0; r <= passes; ++r) {  // pass 0 is a warm-up
     const Clock::time_point t0 = Clock::now();
     sink_ += parallel ? ParallelReadSum(p, n) : ReadSum(p, n);
     const double s = std::chrono::duration<double>(Clock::now() - t0).count();
@@ -441,6 +444,9 @@ absl::Status RooflineBench::Measure(const OpCase& c) {
     row.has_old = o_.old;
     if (o_.old) row.old_ms = SpreadOf(ms.front());
     row.new_ms = SpreadOf(ms.back());
+    // The denominator of this row: the machine's read bandwidth now, not only at the start
+    // (it drifts on a shared host by tens of percent within a run).
+    row.bw = ReadBandwidth(/*parallel=*/true, kRowBandwidthPasses);
     rows_.push_back(row);
   }
   return absl::OkStatus();
@@ -727,9 +733,11 @@ JsonObject RooflineBench::Report(std::ostream& log) const {
       Bytes(double(bw_bytes_)), o_.bw_reps, threads_, bw_mt_.median, bw_mt_.p10, bw_mt_.p90,
       bw_1t_.median, bw_1t_.p10, bw_1t_.p90, bw_end_.median, o_.cold_factor,
       Bytes(o_.cold_factor * double(llc_.bytes)), o_.cold_factor, o_.reps);
-  log << absl::StrFormat("  %-11s %7s %10s %-5s %-8s %17s %17s %8s %8s %6s %7s  %s\n", "op",
+  log << "  of BW: new GB/s over the read bandwidth measured right after the row (BW, median of "
+      << kRowBandwidthPasses << " passes)\n";
+  log << absl::StrFormat("  %-11s %7s %10s %-5s %-8s %17s %17s %8s %8s %6s %6s %7s  %s\n", "op",
                          "context", "reads", "cache", "copies", "old ms", "new ms", "old GB/s",
-                         "new GB/s", "of BW", "new/old", "targets (cold, new kernels)");
+                         "new GB/s", "BW", "of BW", "new/old", "targets (cold, new kernels)");
 
   // Cold times of the selection per context, for the doubling ratios.
   std::vector<std::pair<int32_t, Row>> sel_cold;
@@ -738,7 +746,8 @@ JsonObject RooflineBench::Report(std::ostream& log) const {
   for (Row& r : rows) {
     const double new_gbps = gbps(r.read_bytes, r.new_ms);
     const double old_gbps = r.has_old ? gbps(r.read_bytes, r.old_ms) : NAN;
-    const double fraction = new_gbps / bw;
+    const double row_bw = r.bw.n > 0 ? r.bw.median : bw;
+    const double fraction = new_gbps / row_bw;
     const double speedup = r.has_old ? r.old_ms.median / r.new_ms.median : NAN;
     if (r.cold) {
       if (r.op == "dense") {
@@ -767,10 +776,10 @@ JsonObject RooflineBench::Report(std::ostream& log) const {
     auto ms = [](const Spread& s) {
       return absl::StrFormat("%9.3f +-%3.0f%%", s.median, 100 * RelSpread(s));
     };
-    log << absl::StrFormat("  %-11s %7d %10s %-5s %-8s %17s %17s %8.2f %8.2f %6.3f %7s%s\n",
+    log << absl::StrFormat("  %-11s %7d %10s %-5s %-8s %17s %17s %8.2f %8.2f %6.1f %6.3f %7s%s\n",
                            r.op, r.context, Bytes(double(r.read_bytes)), r.cold ? "cold" : "warm",
                            copies, r.has_old ? ms(r.old_ms) : std::string("-"), ms(r.new_ms),
-                           old_gbps, new_gbps, fraction,
+                           old_gbps, new_gbps, row_bw, fraction,
                            r.has_old ? absl::StrFormat("%.2fx", speedup) : std::string("-"),
                            note.empty() ? note : "  " + note);
 
@@ -788,11 +797,13 @@ JsonObject RooflineBench::Report(std::ostream& log) const {
     if (!r.cold && !r.fits_llc) j.Add("note", "exceeds LLC: same as cold");
     j.AddObject("new_ms", SpreadJson(r.new_ms))
         .Add("new_gbps", new_gbps)
-        .Add("new_fraction_of_read_bw", fraction);
+        .Add("new_fraction_of_read_bw", fraction)
+        .Add("read_bw_gbps", row_bw);
+    if (r.bw.n > 0) j.AddObject("read_bw", SpreadJson(r.bw));
     if (r.has_old) {
       j.AddObject("old_ms", SpreadJson(r.old_ms))
           .Add("old_gbps", old_gbps)
-          .Add("old_fraction_of_read_bw", old_gbps / bw)
+          .Add("old_fraction_of_read_bw", old_gbps / row_bw)
           .Add("speedup", speedup);
     }
     std::vector<JsonObject> targets;
