@@ -576,7 +576,9 @@ JsonObject Replay::Report() const {
   for (const ModeRun& m : modes_) {
     double mass = NAN;
     modes.AddObject(m.name, ModeReport(m, &mass));
-    if (!std::isnan(mass) && mass < kMassRecallTarget && m.mode != RetrievalMode::kFull) {
+    // The target is the retrieval modes' (drop is the eviction baseline it is compared with).
+    if (!std::isnan(mass) && mass < kMassRecallTarget &&
+        (m.mode == RetrievalMode::kSpeculative || m.mode == RetrievalMode::kSync)) {
       below.push_back(m.name);
       quality += absl::StrFormat("%s%s %.3f", quality.empty() ? "" : ", ", m.name, mass);
     }

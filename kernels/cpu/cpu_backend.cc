@@ -1,5 +1,7 @@
 #include "kernels/cpu/cpu_backend.h"
 
+#include <sys/mman.h>
+
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -20,6 +22,7 @@ namespace kvtier {
 namespace {
 
 constexpr size_t kAlignment = 256;  // bytes, as cudaMalloc guarantees
+constexpr size_t kHugePage = size_t{2} << 20;  // x86-64 transparent huge page
 
 // A captured task list (Backend::EndCapture): Launch enqueues every task again, in order.
 class CpuGraph final : public Graph {
@@ -53,13 +56,19 @@ class CpuBackend final : public Backend {
 
   absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override {
     if (bytes == 0) return absl::InvalidArgumentError("Allocate: bytes must be > 0");
-    const size_t rounded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
+    // Buffers of a huge page or more are huge-page aligned and backed by transparent huge
+    // pages where the kernel allows it (madvise mode): a working set or KV cache read once
+    // per step after other layers' data has evicted it otherwise pays a TLB miss, and a
+    // page-table walk from DRAM, every 4 KiB.
+    const size_t align = bytes >= kHugePage ? kHugePage : kAlignment;
+    const size_t rounded = (bytes + align - 1) / align * align;
     CountHostCall(HostCall::kAllocation);  // cudaMalloc may synchronise the device
-    void* p = std::aligned_alloc(kAlignment, rounded);
+    void* p = std::aligned_alloc(align, rounded);
     if (p == nullptr) {
       return absl::ResourceExhaustedError(
           absl::StrFormat("Allocate: out of host memory allocating %d bytes", bytes));
     }
+    if (align == kHugePage) (void)madvise(p, rounded, MADV_HUGEPAGE);  // a hint: best effort
     Track(p, rounded, Memory::kDevice);
     return DeviceBuffer(this, p, bytes);
   }
