@@ -5,8 +5,11 @@
 #include <fstream>
 #include <thread>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "core/json.h"
@@ -38,6 +41,20 @@ std::string HostCpu() {
 
 std::string UtcNow() {
   return absl::FormatTime("%Y-%m-%dT%H:%M:%SZ", absl::Now(), absl::UTCTimeZone());
+}
+
+int64_t HostMemAvailable() {
+  std::ifstream in("/proc/meminfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    absl::string_view rest = line;
+    if (!absl::ConsumePrefix(&rest, "MemAvailable:")) continue;
+    rest = absl::StripAsciiWhitespace(rest);
+    absl::ConsumeSuffix(&rest, "kB");
+    int64_t kib = 0;
+    if (absl::SimpleAtoi(absl::StripAsciiWhitespace(rest), &kib)) return kib * 1024;
+  }
+  return -1;
 }
 
 JsonObject& JsonObject::Add(std::string_view key, std::string_view value) {

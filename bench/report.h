@@ -16,6 +16,9 @@ std::string_view Commit();
 std::string HostCpu();
 // UTC time now, ISO 8601.
 std::string UtcNow();
+// MemAvailable of /proc/meminfo in bytes; -1 when unknown (the big benchmarks check it
+// before they allocate).
+int64_t HostMemAvailable();
 
 class JsonObject {
  public:

@@ -63,21 +63,6 @@ std::string Bytes(double bytes) {
   return absl::StrFormat("%.1f KiB", bytes / 1024.0);
 }
 
-// MemAvailable of /proc/meminfo in bytes; -1 when unknown.
-int64_t HostMemAvailable() {
-  std::ifstream in("/proc/meminfo");
-  std::string line;
-  while (std::getline(in, line)) {
-    absl::string_view rest = line;
-    if (!absl::ConsumePrefix(&rest, "MemAvailable:")) continue;
-    rest = absl::StripAsciiWhitespace(rest);
-    absl::ConsumeSuffix(&rest, "kB");
-    int64_t kib = 0;
-    if (absl::SimpleAtoi(absl::StripAsciiWhitespace(rest), &kib)) return kib * 1024;
-  }
-  return -1;
-}
-
 // "32768K" / "1M" / "512" (a sysfs cache size) in bytes; 0 when it does not parse.
 int64_t ParseCacheSize(absl::string_view s) {
   s = absl::StripAsciiWhitespace(s);

@@ -46,21 +46,6 @@ constexpr int32_t kMaxBatch = 1024;
 
 double Us(Clock::duration d) { return std::chrono::duration<double, std::micro>(d).count(); }
 
-// MemAvailable of /proc/meminfo in bytes; -1 when unknown.
-int64_t HostMemAvailable() {
-  std::ifstream in("/proc/meminfo");
-  std::string line;
-  while (std::getline(in, line)) {
-    absl::string_view rest = line;
-    if (!absl::ConsumePrefix(&rest, "MemAvailable:")) continue;
-    rest = absl::StripAsciiWhitespace(rest);
-    absl::ConsumeSuffix(&rest, "kB");
-    int64_t kib = 0;
-    if (absl::SimpleAtoi(absl::StripAsciiWhitespace(rest), &kib)) return kib * 1024;
-  }
-  return -1;
-}
-
 // "driver 12.4" and "runtime 12.4" out of the cuda backend's Describe() line.
 void ParseCudaVersions(const std::string& describe, std::string* driver, std::string* cuda) {
   for (absl::string_view part : absl::StrSplit(describe, ',')) {

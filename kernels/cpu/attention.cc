@@ -119,6 +119,21 @@ inline float* PartialAt(std::vector<float>& partials, int64_t task, int32_t g, i
   return partials.data() + (task * G + g) * (int64_t{d} + 2);
 }
 
+// Writes one query head's merged result: out = acc / l in the dtype, lse = m + log l, and
+// (m, l) when final_ml is wanted; a head that attended nothing gets zeros and lse = -inf.
+template <typename T>
+void FinishHead(float m, float l, std::vector<float>& acc, T* out, float* lse, float* final_ml,
+                int64_t i) {
+  const float inv = l > 0 ? 1.0f / l : 0.0f;
+  for (float& x : acc) x *= inv;
+  cpu::StoreRow(acc.data(), static_cast<int32_t>(acc.size()), out);
+  if (lse != nullptr) lse[i] = l > 0 ? m + std::log(l) : kNegInf;
+  if (final_ml != nullptr) {
+    final_ml[2 * i] = m;
+    final_ml[2 * i + 1] = l;
+  }
+}
+
 // Runs attention for every (batch, kv head) over `source`, which yields blocks of tokens:
 //   int64_t NumBlocks(b) const;
 //   void Fold(GroupState& st, b, h, blk, stride, scale) const;  // st.AddBlock*(its tokens)
@@ -180,14 +195,7 @@ void RunAttention(const Source& src, int32_t B, int32_t Hq, int32_t Hkv, int32_t
         l += part[1] * w;
         for (int32_t j = 0; j < d; ++j) acc[static_cast<size_t>(j)] += part[2 + j] * w;
       }
-      const float inv = l > 0 ? 1.0f / l : 0.0f;
-      for (int32_t j = 0; j < d; ++j) acc[static_cast<size_t>(j)] *= inv;
-      cpu::StoreRow(acc.data(), d, out + ql.Offset(b, hq, 0));
-      if (lse != nullptr) lse[i] = l > 0 ? m + std::log(l) : kNegInf;
-      if (final_ml != nullptr) {
-        final_ml[2 * i] = m;
-        final_ml[2 * i + 1] = l;
-      }
+      FinishHead(m, l, acc, out + ql.Offset(b, hq, 0), lse, final_ml, i);
     }
   });
 }
@@ -546,17 +554,9 @@ void RunAttentionSimd(cpu::Isa isa, const Source& src, int32_t B, int32_t Hq, in
         const float* part = ml + 2 * int64_t{Hq} + int64_t{hq} * d;
         for (int32_t j = 0; j < d; ++j) acc[static_cast<size_t>(j)] += part[j] * w;
       }
-      const float inv = l > 0 ? 1.0f / l : 0.0f;
-      for (int32_t j = 0; j < d; ++j) acc[static_cast<size_t>(j)] *= inv;
-      cpu::StoreRow(acc.data(), d, out + ql.Offset(b, hq, 0));
-      if (lse != nullptr) lse[i] = l > 0 ? m + std::log(l) : kNegInf;
-      if (final_ml != nullptr) {
-        final_ml[2 * i] = m;
-        final_ml[2 * i + 1] = l;
-      }
+      FinishHead(m, l, acc, out + ql.Offset(b, hq, 0), lse, final_ml, i);
     }
   });
-  (void)G;
 }
 
 // The vectorised kernel's second token_prob pass: the main pass left each attended token's
