@@ -257,6 +257,12 @@ class RooflineBench {
   uint64_t ParallelReadSum(const uint8_t* p, size_t bytes);
   absl::Status Evict();
   absl::Status Measure(const OpCase& c);
+  // Attention's inputs: q, out, and `copies` K/V pairs of kv_bytes each, random.
+  struct AttentionInputs {
+    HostBuffer q, out;
+    std::vector<HostBuffer> k, v;
+  };
+  absl::StatusOr<AttentionInputs> MakeInputs(size_t kv_bytes, int32_t copies) const;
   absl::Status MeasureDense(int32_t T);
   absl::Status MeasureSparse(int32_t T);
   absl::Status MeasureSelection(int32_t T);
@@ -437,22 +443,30 @@ absl::Status RooflineBench::Measure(const OpCase& c) {
   return absl::OkStatus();
 }
 
-absl::Status RooflineBench::MeasureDense(int32_t T) {
-  const size_t kv_bytes = size_t{1} * T * RowBytes();
-  const ColdPlan plan = Plan(static_cast<int64_t>(2 * kv_bytes));
+absl::StatusOr<RooflineBench::AttentionInputs> RooflineBench::MakeInputs(size_t kv_bytes,
+                                                                         int32_t copies) const {
   const size_t q_bytes = size_t{1} * g_.num_q_heads * g_.head_dim * g_.element_bytes();
-  KVTIER_ASSIGN_OR_RETURN(HostBuffer q, HostBuffer::Make(q_bytes));
-  KVTIER_ASSIGN_OR_RETURN(HostBuffer out, HostBuffer::Make(q_bytes));
-  FillRandom(q.data(), q_bytes, g_.dtype, o_.seed);
-  std::vector<HostBuffer> k, v;
-  for (int32_t c = 0; c < plan.copies; ++c) {
+  AttentionInputs in;
+  KVTIER_ASSIGN_OR_RETURN(in.q, HostBuffer::Make(q_bytes));
+  KVTIER_ASSIGN_OR_RETURN(in.out, HostBuffer::Make(q_bytes));
+  FillRandom(in.q.data(), q_bytes, g_.dtype, o_.seed);
+  for (int32_t c = 0; c < copies; ++c) {
     KVTIER_ASSIGN_OR_RETURN(HostBuffer kb, HostBuffer::Make(kv_bytes));
     KVTIER_ASSIGN_OR_RETURN(HostBuffer vb, HostBuffer::Make(kv_bytes));
     FillRandom(kb.data(), kv_bytes, g_.dtype, o_.seed + 2 * c + 1);
     FillRandom(vb.data(), kv_bytes, g_.dtype, o_.seed + 2 * c + 2);
-    k.push_back(std::move(kb));
-    v.push_back(std::move(vb));
+    in.k.push_back(std::move(kb));
+    in.v.push_back(std::move(vb));
   }
+  return in;
+}
+
+absl::Status RooflineBench::MeasureDense(int32_t T) {
+  const size_t kv_bytes = size_t{1} * T * RowBytes();
+  const ColdPlan plan = Plan(static_cast<int64_t>(2 * kv_bytes));
+  KVTIER_ASSIGN_OR_RETURN(AttentionInputs in, MakeInputs(kv_bytes, plan.copies));
+  HostBuffer &q = in.q, &out = in.out;
+  std::vector<HostBuffer>&k = in.k, &v = in.v;
   const int32_t seq_len = T;
   DenseAttentionArgs a;
   a.shape = KvShapeOf(g_);
@@ -484,19 +498,9 @@ absl::Status RooflineBench::MeasureSparse(int32_t T) {
   const int32_t S = WorkingSetPages(T), P = T / g_.page_size, Hkv = g_.num_kv_heads;
   const size_t cache_bytes = size_t{1} * S * g_.page_size * RowBytes();
   const ColdPlan plan = Plan(static_cast<int64_t>(2 * cache_bytes));
-  const size_t q_bytes = size_t{1} * g_.num_q_heads * g_.head_dim * g_.element_bytes();
-  KVTIER_ASSIGN_OR_RETURN(HostBuffer q, HostBuffer::Make(q_bytes));
-  KVTIER_ASSIGN_OR_RETURN(HostBuffer out, HostBuffer::Make(q_bytes));
-  FillRandom(q.data(), q_bytes, g_.dtype, o_.seed);
-  std::vector<HostBuffer> k, v;
-  for (int32_t c = 0; c < plan.copies; ++c) {
-    KVTIER_ASSIGN_OR_RETURN(HostBuffer kb, HostBuffer::Make(cache_bytes));
-    KVTIER_ASSIGN_OR_RETURN(HostBuffer vb, HostBuffer::Make(cache_bytes));
-    FillRandom(kb.data(), cache_bytes, g_.dtype, o_.seed + 2 * c + 1);
-    FillRandom(vb.data(), cache_bytes, g_.dtype, o_.seed + 2 * c + 2);
-    k.push_back(std::move(kb));
-    v.push_back(std::move(vb));
-  }
+  KVTIER_ASSIGN_OR_RETURN(AttentionInputs in, MakeInputs(cache_bytes, plan.copies));
+  HostBuffer &q = in.q, &out = in.out;
+  std::vector<HostBuffer>&k = in.k, &v = in.v;
   // Every slot full; each KV head's table its own random choice of S of the P pages.
   std::vector<int32_t> table(static_cast<size_t>(Hkv) * S);
   std::mt19937_64 rng(o_.seed * 0x9e3779b97f4a7c15ULL + static_cast<uint64_t>(T));
