@@ -112,6 +112,10 @@ absl::StatusOr<StagingRing::Block> RetrieverImpl::Stage(size_t bytes) {
   KVTIER_RETURN_IF_ERROR(recall_->Synchronize());
   Reap();
   KVTIER_RETURN_IF_ERROR(Collect(/*block=*/true));
+  // The page offloader shares the ring: its batches are released only as it reaps them,
+  // which it does when it offloads again. A prefill appended in small chunks fills the ring
+  // with batches that have long run; take them back.
+  if (offloader_ != nullptr) KVTIER_RETURN_IF_ERROR(offloader_->Drain());
   b = ring.TryAcquire(bytes);
   if (b.data == nullptr) {
     return absl::ResourceExhaustedError(absl::StrFormat(

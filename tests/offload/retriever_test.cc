@@ -351,6 +351,25 @@ TEST(RetrieverTest, DelayedAndReorderedWorkGivesTheSameResults) {
   EXPECT_LT(st.corrected_heads, st.checked_heads);  // speculation was used, not bypassed
 }
 
+// A prefill appended a page at a time while the compute stream is held up (a slow kernel
+// ahead of it): the page offloader's staged batches stay in flight, and once the staging
+// ring runs dry the sequence must wait for them and take them back, not refuse the append
+// with RESOURCE_EXHAUSTED ("in use by work not yet reaped").
+TEST(RetrieverTest, SmallAppendsBehindASlowStreamDoNotExhaustTheStagingRing) {
+  const Geometry g = SmallGeometry(DType::kF16);
+  SequenceOptions o = SmallOptions(RetrievalMode::kSpeculative);
+  o.max_tokens = 4096 * g.page_size;
+  testing::ChaosOptions co;
+  co.max_delay = absl::ZeroDuration();
+  auto chaos = testing::NewChaosBackend(co);
+  Harness h(g, o, chaos.get());
+  ASSERT_TRUE(
+      testing::EnqueueStall(*chaos, h.retriever->compute_stream(), absl::Milliseconds(300)).ok());
+  for (int call = 0; call < 4000; ++call) h.Append(g.page_size);
+  ASSERT_TRUE(h.retriever->Wait().ok());
+  EXPECT_EQ(h.retriever->num_tokens(0), 4000 * g.page_size);
+}
+
 TEST(RetrieverTest, DroppedWaitsAreCaught) {
 #if defined(__SANITIZE_THREAD__)
   GTEST_SKIP() << "a backend that drops waits races by design; ThreadSanitizer reports it";
