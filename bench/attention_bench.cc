@@ -1,14 +1,12 @@
 #include "bench/attention_bench.h"
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
 #include <functional>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/strings/str_format.h"
@@ -235,20 +233,8 @@ absl::Status AttentionBench::Evict() {
   if (be_.kind() == DeviceKind::kCpu) {
     // Read on every thread, as the backend's ops run: one thread evicting while the others
     // idle left the next op paying the idle cores' wake-up (about a millisecond on a VM).
-    const int threads = o_.threads > 0 ? o_.threads
-                                       : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
-    if (evict_pool_ == nullptr) evict_pool_ = std::make_unique<ThreadPool>(threads);
-    const int64_t parts = int64_t{threads} * 8;
-    const size_t part = evict_.size() / static_cast<size_t>(parts);
-    std::atomic<uint64_t> sum{0};
-    evict_pool_->ParallelFor(parts, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const size_t off = static_cast<size_t>(i) * part;
-        const size_t n = i + 1 == parts ? evict_.size() - off : part;
-        sum += ReadSum(static_cast<const uint8_t*>(evict_.data()) + off, n);
-      }
-    });
-    g_evict_sink = g_evict_sink + sum.load();
+    if (evict_pool_ == nullptr) evict_pool_ = std::make_unique<ThreadPool>(o_.threads);  // 0: all
+    g_evict_sink = g_evict_sink + ParallelReadSum(*evict_pool_, evict_.data(), evict_.size());
     return absl::OkStatus();
   }
   KVTIER_RETURN_IF_ERROR(be_.Memset(s_, evict_.data(), 2, evict_.size()));

@@ -254,7 +254,6 @@ class RooflineBench {
   // Median read bandwidth over o_.bw_reps passes of the buffer, GB/s, on the pool's threads
   // (`parallel`) or the calling thread.
   Spread ReadBandwidth(bool parallel, int32_t passes = 0);  // passes ≤ 0: --bw-reps
-  uint64_t ParallelReadSum(const uint8_t* p, size_t bytes);
   absl::Status Evict();
   absl::Status Measure(const OpCase& c);
   // Attention's inputs: q, out, and `copies` K/V pairs of kv_bytes each, random.
@@ -357,21 +356,6 @@ int64_t RooflineBench::PeakBytes() const {
   return bw_bytes_ + op_max + (evict > bw_bytes_ ? evict : 0);
 }
 
-uint64_t RooflineBench::ParallelReadSum(const uint8_t* p, size_t bytes) {
-  // Several contiguous parts per thread, taken dynamically, so a late-waking worker does not
-  // leave another thread with two shares.
-  const int64_t parts = int64_t{threads_} * 8;
-  const size_t part = (bytes / static_cast<size_t>(parts) + 4095) / 4096 * 4096;
-  std::vector<uint64_t> sums(static_cast<size_t>(parts), 0);
-  ParallelFor(pool_.get(), parts, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const size_t off = std::min(bytes, static_cast<size_t>(i) * part);
-      sums[static_cast<size_t>(i)] = ReadSum(p + off, std::min(part, bytes - off));
-    }
-  });
-  return std::accumulate(sums.begin(), sums.end(), uint64_t{0});
-}
-
 Spread RooflineBench::ReadBandwidth(bool parallel, int32_t passes) {
   const uint8_t* p = bw_buf_.data();
   const size_t n = bw_buf_.size();
@@ -379,7 +363,7 @@ Spread RooflineBench::ReadBandwidth(bool parallel, int32_t passes) {
   if (passes <= 0) passes = o_.bw_reps;
   for (int32_t r = 0; r <= passes; ++r) {  // pass 0 is a warm-up
     const Clock::time_point t0 = Clock::now();
-    sink_ += parallel ? ParallelReadSum(p, n) : ReadSum(p, n);
+    sink_ += parallel ? ParallelReadSum(*pool_, p, n) : ReadSum(p, n);
     const double s = std::chrono::duration<double>(Clock::now() - t0).count();
     if (r > 0) gbps.push_back(static_cast<double>(n) / s / 1e9);
   }
@@ -389,14 +373,14 @@ Spread RooflineBench::ReadBandwidth(bool parallel, int32_t passes) {
 absl::Status RooflineBench::Evict() {
   const auto bytes = static_cast<size_t>(o_.cold_factor * static_cast<double>(llc_.bytes));
   if (bw_buf_.size() >= bytes) {
-    sink_ += ParallelReadSum(bw_buf_.data(), bytes);
+    sink_ += ParallelReadSum(*pool_, bw_buf_.data(), bytes);
     return absl::OkStatus();
   }
   if (evict_buf_.size() < bytes) {
     KVTIER_ASSIGN_OR_RETURN(evict_buf_, HostBuffer::Make(bytes));
     std::memset(evict_buf_.data(), 1, bytes);
   }
-  sink_ += ParallelReadSum(evict_buf_.data(), bytes);
+  sink_ += ParallelReadSum(*pool_, evict_buf_.data(), bytes);
   return absl::OkStatus();
 }
 
@@ -999,6 +983,20 @@ uint64_t ReadSum(const void* p, size_t bytes) {
   if (HaveAvx2()) return ReadSumAvx2(b, bytes);
 #endif
   return ReadSumPortable(b, bytes);
+}
+
+uint64_t ParallelReadSum(ThreadPool& pool, const void* p, size_t bytes) {
+  const auto* base = static_cast<const uint8_t*>(p);
+  const int64_t parts = int64_t{pool.num_threads()} * 8;
+  const size_t part = (bytes / static_cast<size_t>(parts) + 4095) / 4096 * 4096;
+  std::vector<uint64_t> sums(static_cast<size_t>(parts), 0);
+  pool.ParallelFor(parts, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const size_t off = std::min(bytes, static_cast<size_t>(i) * part);
+      sums[static_cast<size_t>(i)] = ReadSum(base + off, std::min(part, bytes - off));
+    }
+  });
+  return std::accumulate(sums.begin(), sums.end(), uint64_t{0});
 }
 
 absl::StatusOr<JsonObject> RunRooflineBench(const RooflineBenchOptions& o, std::ostream& log) {

@@ -48,6 +48,10 @@
 #include "kernels/cpu/isa.h"
 #include "kvtier/geometry.h"
 
+namespace kvtier {
+class ThreadPool;
+}  // namespace kvtier
+
 namespace kvtier::bench {
 
 struct RooflineBenchOptions {
@@ -86,6 +90,10 @@ CacheInfo LastLevelCache();
 // reads cannot be optimised away: the loop of the read-bandwidth measurement and of cache
 // eviction.
 uint64_t ReadSum(const void* p, size_t bytes);
+
+// ReadSum over `bytes` at `p` on every thread of `pool`, eight parts per thread taken
+// dynamically (so a late-waking worker leaves no thread with two shares).
+uint64_t ParallelReadSum(ThreadPool& pool, const void* p, size_t bytes);
 
 // Runs the benchmark, writing a human-readable report to `log`; returns the JSON report.
 // INVALID_ARGUMENT for inconsistent options; RESOURCE_EXHAUSTED when the run would need more

@@ -465,20 +465,6 @@ using V = cpu::Avx512;
 KVTIER_SIMD_END
 #endif
 
-// The instruction set the attention runs for a request of `isa`: the widest the CPU has at
-// most `isa`, AVX2 where head_dim is not a multiple of AVX-512's 16 lanes; kScalar (the
-// reference) when nothing wider can run.
-cpu::Isa AttentionIsa(cpu::Isa isa, int32_t head_dim) {
-#if KVTIER_CPU_SIMD
-  if (!cpu::IsaSupported(isa)) isa = cpu::DetectedIsa();
-  if (isa == cpu::Isa::kAvx512 && head_dim % cpu::Avx512::kLanes != 0) isa = cpu::Isa::kAvx2;
-  return isa;
-#else
-  (void)head_dim;
-  return cpu::Isa::kScalar;
-#endif
-}
-
 // The vectorised attention over `src` (isa kAvx2 or kAvx512): one task per (sequence, chunk
 // of blocks) covering every KV head, its state in `partials` (per task: (m, l) per query
 // head, then acc[Hq][d]), merged per query head afterwards as RunAttention does.
@@ -625,7 +611,7 @@ absl::Status CpuSparseAttention(const SparseAttentionArgs& a, ThreadPool* pool) 
 
 absl::Status CpuSparseAttention(const SparseAttentionArgs& a, ThreadPool* pool, cpu::Isa isa) {
   if (absl::Status st = CheckSparse(a); !st.ok()) return st;
-  isa = AttentionIsa(isa, a.shape.head_dim);
+  isa = cpu::RunnableIsa(isa, a.shape.head_dim);
   return cpu::DispatchDType(a.shape.dtype, [&]<typename T>() {
     SparseSource<T> src{
         a,
@@ -659,7 +645,7 @@ absl::Status CpuDenseAttention(const DenseAttentionArgs& a, ThreadPool* pool, cp
           a.max_tokens));
     }
   }
-  isa = AttentionIsa(isa, a.shape.head_dim);
+  isa = cpu::RunnableIsa(isa, a.shape.head_dim);
   return cpu::DispatchDType(a.shape.dtype, [&]<typename T>() {
     DenseSource<T> src{a, DenseKvLayout{a.max_tokens, a.shape.num_kv_heads, a.shape.head_dim}};
     if (isa == cpu::Isa::kScalar) {

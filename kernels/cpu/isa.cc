@@ -60,4 +60,10 @@ Isa ActiveIsa() {
   return active;
 }
 
+Isa RunnableIsa(Isa isa, int32_t head_dim) {
+  if (!IsaSupported(isa)) isa = DetectedIsa();
+  if (isa == Isa::kAvx512 && head_dim % 16 != 0) isa = Isa::kAvx2;
+  return isa;
+}
+
 }  // namespace kvtier::cpu

@@ -6,6 +6,7 @@
 #ifndef KVTIER_KERNELS_CPU_ISA_H_
 #define KVTIER_KERNELS_CPU_ISA_H_
 
+#include <cstdint>
 #include <string_view>
 
 namespace kvtier::cpu {
@@ -27,6 +28,11 @@ Isa ActiveIsa();
 
 // True when `isa` can run here (≤ DetectedIsa()).
 inline bool IsaSupported(Isa isa) { return static_cast<int>(isa) <= static_cast<int>(DetectedIsa()); }
+
+// The kernel an op runs when asked for `isa`: `isa` where the CPU has it, else the widest it
+// has; AVX-512 (16 fp32 lanes) only when head_dim is a multiple of 16, else AVX2 (head_dim is
+// always a multiple of 8). head_dim 0: an op without a vector width constraint.
+Isa RunnableIsa(Isa isa, int32_t head_dim = 0);
 
 }  // namespace kvtier::cpu
 

@@ -112,15 +112,6 @@ void ScorePagesScalar(const ScorePagesArgs& a, ThreadPool* pool) {
   });
 }
 
-// The kernel that runs for `isa`: the widest the CPU supports up to it; AVX-512 only for
-// head_dim % 16 == 0 (its vectors are 16 floats), else AVX2.
-cpu::Isa ScoreIsa(cpu::Isa isa, int32_t head_dim) {
-  if (!KVTIER_CPU_SIMD) return cpu::Isa::kScalar;
-  if (!cpu::IsaSupported(isa)) isa = cpu::DetectedIsa();
-  if (isa == cpu::Isa::kAvx512 && head_dim % 16 != 0) isa = cpu::Isa::kAvx2;
-  return isa;
-}
-
 }  // namespace
 
 absl::Status CpuScorePages(const ScorePagesArgs& a, ThreadPool* pool) {
@@ -135,7 +126,7 @@ absl::Status CpuScorePages(const ScorePagesArgs& a, ThreadPool* pool, cpu::Isa i
           a.max_pages));
     }
   }
-  isa = ScoreIsa(isa, a.shape.head_dim);
+  isa = cpu::RunnableIsa(isa, a.shape.head_dim);
   if (isa == cpu::Isa::kScalar) {
     ScorePagesScalar(a, pool);
   } else {

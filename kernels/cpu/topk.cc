@@ -239,9 +239,7 @@ absl::Status CpuTopK(const TopKArgs& a, ThreadPool* pool) {
 
 absl::Status CpuTopK(const TopKArgs& a, ThreadPool* pool, cpu::Isa isa) {
   if (absl::Status s = CheckTopK(a); !s.ok()) return s;
-  // As the vectorised kernels, an ISA the CPU lacks falls back to what it has (here: the
-  // reference only on a CPU or build without any).
-  if (!cpu::IsaSupported(isa)) isa = cpu::DetectedIsa();
+  isa = cpu::RunnableIsa(isa);  // the reference only on a CPU or build without any
   if (isa == cpu::Isa::kScalar) {
     ParallelFor(pool, int64_t{a.batch} * a.shape.num_kv_heads, 4, [&](int64_t begin, int64_t end) {
       std::vector<int32_t> cand;
