@@ -15,12 +15,14 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/backend.h"
 #include "kvtier/geometry.h"
+#include "offload/telemetry.h"
 
 namespace kvtier {
 
@@ -41,6 +43,9 @@ class HostTier {
   // Publishes pages whose bytes are in their slots, in offload order (per layer, ascending
   // logical pages). An error fails the sequence: nothing later is committed.
   virtual absl::Status Commit(std::span<const StoredPage> pages) = 0;
+  // Where the sequence publishes its retrieval telemetry (offload/telemetry.h); nullopt:
+  // nobody reads it (the default).
+  virtual std::optional<TelemetryBlock> telemetry() { return std::nullopt; }
 };
 
 // A host tier that is only a pool (not owned): nothing to publish.

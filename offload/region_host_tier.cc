@@ -21,16 +21,20 @@ absl::StatusOr<std::unique_ptr<RegionHostTier>> RegionHostTier::Create(
 }
 
 absl::Status RegionHostTier::Commit(std::span<const StoredPage> pages) {
+  uint64_t committed = 0;
   for (const StoredPage& p : pages) {
     const uint64_t epoch = epoch_.has_value() ? *epoch_ : region_.epoch();
     absl::Status st = region_.Commit(p.layer, p.page, p.slot, p.generation, epoch);
     if (!st.ok()) {
+      region_.telemetry().AddCommitted(committed);
       refused_ = absl::Status(
           st.code(), absl::StrFormat("commit of layer %d page %d (epoch %d) refused: %s", p.layer,
                                      p.page, epoch, st.message()));
       return refused_;
     }
+    ++committed;
   }
+  region_.telemetry().AddCommitted(committed);
   return absl::OkStatus();
 }
 

@@ -35,7 +35,9 @@ class RegionHostTier final : public HostTier {
                                                                 std::optional<uint64_t> epoch);
 
   PagePool& pool() override { return *pool_; }
+  // Also counts the pages in the region's telemetry block (pages_committed).
   absl::Status Commit(std::span<const StoredPage> pages) override;
+  std::optional<TelemetryBlock> telemetry() override { return region_.telemetry(); }
   const SessionRegion& region() const { return region_; }
   // The first refused commit (OK while none was): FAILED_PRECONDITION when another holder
   // reattached.

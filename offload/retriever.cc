@@ -220,6 +220,10 @@ absl::Status RetrieverImpl::Init() {
     KVTIER_ASSIGN_OR_RETURN(strategy_, ResolveStrategy());
   }
   stats_.recall_strategy = strategy_;
+  if (host_ != nullptr) telemetry_block_ = host_->telemetry();
+  if (telemetry_block_.has_value()) {
+    telemetry_base_ = telemetry_block_->Read().value_or(TelemetryValues{});
+  }
 
   const size_t hkv = geometry_.num_kv_heads;
   const size_t slot_bytes = static_cast<size_t>(geometry_.page_size) * token_bytes();
@@ -500,7 +504,9 @@ absl::Status RetrieverImpl::CommitStored(bool wait) {
 
 absl::Status RetrieverImpl::Flush() {
   if (closed_) return absl::FailedPreconditionError("Flush: the sequence is closed");
-  return CommitStored(/*wait=*/true);
+  absl::Status st = CommitStored(/*wait=*/true);
+  PublishTelemetry(/*gauges=*/true);
+  return st;
 }
 
 absl::Status RetrieverImpl::Restore(int32_t layer, std::vector<PageHandle> pages) {
@@ -643,7 +649,10 @@ absl::Status RetrieverImpl::AppendTokens(int32_t layer, const void* k, const voi
   UpdateCounts(layer);
   if (st.ok()) st = Park(*compute_);
   if (!st.ok()) return Fail(st);
-  if (restoring == nullptr) stats_.appended_tokens += n_tokens;
+  if (restoring == nullptr) {
+    stats_.appended_tokens += n_tokens;
+    PublishTelemetry(/*gauges=*/false);
+  }
   return absl::OkStatus();
 }
 
@@ -840,6 +849,18 @@ absl::Status RetrieverImpl::Collect(bool block) {
         }
         stats_.checked_heads += geometry_.num_kv_heads;
         stats_.corrected_heads += st.corrected_heads;
+        const int c = HeadClassOf(r.layer, geometry_.num_layers);
+        telemetry_own_.checked_heads[c] += hkv;
+        telemetry_own_.corrected_heads[c] += static_cast<uint64_t>(st.corrected_heads);
+        if (r.lost_mass != nullptr) {
+          // A corrected head attends a fresh selection: the summaries estimate no loss.
+          for (size_t h = 0; h < hkv; ++h) {
+            const float loss = r.drifted[h] != 0 ? 0.0f : r.lost_mass[h];
+            const double kept = std::clamp(1.0 - static_cast<double>(loss), 0.0, 1.0);
+            telemetry_own_.mass_recall_micros += static_cast<uint64_t>(std::llround(kept * 1e6));
+          }
+          telemetry_own_.mass_recall_count += hkv;
+        }
         st.drifted.assign(r.drifted, r.drifted + hkv);
         st.group_mean.assign(r.group_mean, r.group_mean + hkv);
         if (r.lost_mass != nullptr) st.lost_mass.assign(r.lost_mass, r.lost_mass + hkv);
@@ -858,6 +879,7 @@ absl::StatusOr<RetrieverImpl::BeginPath> RetrieverImpl::BeginHost(int32_t layer,
   KVTIER_RETURN_IF_ERROR(CheckCall(layer, "BeginStep"));
   if (q == nullptr) return absl::InvalidArgumentError("BeginStep: q must be non-null");
   LayerState& l = layers_[layer];
+  l.step_begun = absl::Now();
   if (l.tokens == 0) {
     return absl::FailedPreconditionError(
         absl::StrFormat("BeginStep: layer %d has no tokens: Append first", layer));
@@ -1104,6 +1126,32 @@ void RetrieverImpl::CloseStepCalls(int32_t layer) {
   stats_.host_allocations += l.calls.allocations;
   stats_.host_frees += l.calls.frees;
   l.calls = HostCalls{};
+  if (telemetry_block_.has_value()) {
+    telemetry_own_.AddStepTime(absl::ToDoubleSeconds(absl::Now() - l.step_begun));
+    PublishTelemetry(/*gauges=*/layer == geometry_.num_layers - 1);
+  }
+}
+
+void RetrieverImpl::PublishTelemetry(bool gauges) {
+  if (!telemetry_block_.has_value()) return;
+  TelemetryValues& v = telemetry_own_;
+  const auto u = [](int64_t x) { return static_cast<uint64_t>(std::max<int64_t>(x, 0)); };
+  v.steps = u(stats_.steps);
+  v.appended_tokens = u(stats_.appended_tokens);
+  v.recalled_pages = u(stats_.recalled_pages);
+  v.recalled_bytes = u(stats_.recalled_bytes);
+  v.correction_pages = u(stats_.correction_pages);
+  v.host_waits = u(stats_.host_waits);
+  v.evicted_head_pages = u(stats_.evicted_head_pages);
+  v.recall_strategy = has_host_tier() ? static_cast<uint64_t>(strategy_) + 1 : 0;
+  if (gauges) {
+    SequenceStats st;
+    FillPolicyStats(&st);
+    v.resident_bytes = u(st.resident_bytes);
+    v.resident_head_pages = u(st.resident_head_pages);
+    v.host_dropped_pages = u(st.host_dropped_pages);
+  }
+  telemetry_block_->Publish(v.ContinuedFrom(telemetry_base_));
 }
 
 absl::Status RetrieverImpl::EndStep(int32_t layer, const void* q) {
@@ -1145,7 +1193,9 @@ absl::Status RetrieverImpl::Wait() {
   }
   Reap();
   KVTIER_RETURN_IF_ERROR(Collect(/*block=*/true));
-  return CommitStored(/*wait=*/true);
+  absl::Status st = CommitStored(/*wait=*/true);
+  PublishTelemetry(/*gauges=*/true);
+  return st;
 }
 
 absl::Status RetrieverImpl::Close() {

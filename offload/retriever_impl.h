@@ -27,6 +27,7 @@
 #include "offload/policy/config.h"
 #include "offload/recall_strategy.h"
 #include "offload/retriever.h"
+#include "offload/telemetry.h"
 
 namespace kvtier::retriever_internal {
 
@@ -171,6 +172,7 @@ struct LayerState {
   int32_t tokens = 0;
   int64_t step = 0;
   bool in_step = false;
+  absl::Time step_begun;  // BeginStep's entry, for the telemetry's layer-step time
   std::unique_ptr<Event> ready;  // recorded after BeginStep's retrieval work
   StepStats last;
   // Blocking host calls of the step in progress (Append since the last step included) and of
@@ -252,6 +254,8 @@ class RetrieverImpl final : public Retriever {
                               int64_t first_position) override;
   SequenceStats Stats() override {
     (void)Collect(/*block=*/false);
+    // What Stats says, the telemetry block says too (a scrape after it reads these counts).
+    PublishTelemetry(/*gauges=*/true);
     SequenceStats st = stats_;
     FillPolicyStats(&st);
     return st;
@@ -430,6 +434,9 @@ class RetrieverImpl final : public Retriever {
   absl::Status EndFinish(int32_t layer);
   // The step's blocking host calls go to the last step's and the sequence's statistics.
   void CloseStepCalls(int32_t layer);
+  // Publishes the statistics into the host tier's telemetry block (offload/telemetry.h), when
+  // it has one; `gauges`: also the working-set gauges, which walk every layer.
+  void PublishTelemetry(bool gauges);
   bool graphs_on() const {
     return options_.capture_graphs && options_.mode == RetrievalMode::kSpeculative && !dma() &&
            !profiling_ && backend_.SupportsCapture();
@@ -486,6 +493,11 @@ class RetrieverImpl final : public Retriever {
   std::vector<std::unique_ptr<Event>> spare_events_;
   std::deque<std::unique_ptr<Event>> retired_events_;  // per-step events, until they fire
   SequenceStats stats_;
+  // Telemetry: the block (nullopt: none), what it held when this writer took it over (a
+  // reattached session continues its counts), and the counts SequenceStats has no field for.
+  std::optional<TelemetryBlock> telemetry_block_;
+  TelemetryValues telemetry_base_;
+  TelemetryValues telemetry_own_;
   bool closed_ = false;
   bool profiling_ = false;
   absl::Status failed_;

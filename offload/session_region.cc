@@ -12,6 +12,7 @@
 #include "core/status.h"
 #include "offload/host_arena.h"
 #include "offload/page_pool.h"
+#include "offload/telemetry.h"
 
 namespace kvtier {
 namespace {
@@ -21,6 +22,9 @@ namespace {
 // bounds. Every shared word that changes after Format (epoch, directory entries) is
 // accessed through std::atomic_ref.
 constexpr uint64_t kHeaderBytes = 4096;
+// The retrieval telemetry block (offload/telemetry.h) in the second half of the header page.
+constexpr uint64_t kTelemetryOffset = 2048;
+static_assert(kTelemetryOffset + kTelemetryBytes <= kHeaderBytes);
 
 struct RegionHeader {
   uint64_t magic;
@@ -39,7 +43,7 @@ struct RegionHeader {
   uint64_t slot_stride;
   alignas(std::atomic_ref<uint64_t>::required_alignment) uint64_t epoch;  // atomic
 };
-static_assert(sizeof(RegionHeader) <= kHeaderBytes);
+static_assert(sizeof(RegionHeader) <= kTelemetryOffset);
 static_assert(std::is_standard_layout_v<RegionHeader>);
 static_assert(std::is_trivially_copyable_v<RegionHeader>);
 
@@ -173,6 +177,7 @@ absl::StatusOr<SessionRegion> SessionRegion::Format(void* base, size_t bytes, co
   h.slot_stride = l.slot_stride;
   h.epoch = 1;
   std::memcpy(p, &h, sizeof(h));
+  TelemetryBlock(p + kTelemetryOffset).Format();
   auto* header = reinterpret_cast<RegionHeader*>(p);
   Atomic(header->magic).store(kRegionMagic, std::memory_order_release);
   return SessionRegion(p, l, g);
@@ -210,6 +215,8 @@ absl::StatusOr<SessionRegion> SessionRegion::Open(void* base, size_t bytes,
   }
   return SessionRegion(p, *l, expected);
 }
+
+TelemetryBlock SessionRegion::telemetry() const { return TelemetryBlock(base_ + kTelemetryOffset); }
 
 void* SessionRegion::slots() const { return base_ + layout_.slots_offset; }
 

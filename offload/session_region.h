@@ -9,7 +9,8 @@
 // a writer that dies mid-page leaves that page uncommitted, never half visible.
 //
 // Layout, all offsets from the region's first byte (kRegionAlignment-aligned in the arena):
-//   [0, 4096)          RegionHeader: magic, layout version, geometry, counts, offsets, epoch
+//   [0, 2048)          RegionHeader: magic, layout version, geometry, counts, offsets, epoch
+//   [2048, 4096)       the retrieval telemetry block (offload/telemetry.h), its writer's counters
 //   [dir_offset, ...)  DirEntry   [num_layers][max_pages_per_layer]
 //   [slots_offset, …)  host pages [num_slots], slot_stride bytes apart (HND, layout.h)
 //
@@ -28,10 +29,11 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kvtier/geometry.h"
+#include "offload/telemetry.h"
 
 namespace kvtier {
 
-inline constexpr uint32_t kRegionLayoutVersion = 1;
+inline constexpr uint32_t kRegionLayoutVersion = 2;  // 2: the telemetry block
 inline constexpr uint64_t kRegionMagic = 0x314e4752'5654564bull;  // "KVTVRGN1"
 inline constexpr size_t kRegionAlignment = size_t{64} << 10;      // 64 KiB
 
@@ -78,6 +80,9 @@ class SessionRegion {
   int64_t num_slots() const { return layout_.num_slots; }
   size_t slot_stride() const { return layout_.slot_stride; }
   const void* SlotData(int64_t slot) const;  // REQUIRES: 0 <= slot < num_slots()
+  // The retrieval telemetry block: the writer publishes into it, the daemon reads it. Its
+  // words are only ever counts (offload/telemetry.h says how a reader treats them).
+  TelemetryBlock telemetry() const;
 
   // Writer: makes (layer, page) visible in `slot` with stamp `generation` (>= 1), fenced by
   // `epoch`: FAILED_PRECONDITION when the region's epoch has moved past it (another holder
