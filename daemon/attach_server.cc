@@ -19,6 +19,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <array>
 #include <atomic>
 #include <boost/asio/executor_work_guard.hpp>
 #include <boost/asio/io_context.hpp>
@@ -40,6 +41,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_format.h"
 #include "core/mutex.h"
 #include "core/status.h"
@@ -228,6 +230,23 @@ class AttachServerImpl final : public AttachServer {
   uint64_t granted() const override { return granted_.load(); }
   uint64_t refused() const override { return refused_.load(); }
   uint64_t dropped() const override { return dropped_.load(); }
+  std::vector<std::pair<std::string, uint64_t>> Outcomes() const override {
+    std::vector<std::pair<std::string, uint64_t>> out;
+    for (size_t c = 0; c < refused_by_code_.size(); ++c) {
+      const uint64_t n = c == 0 ? granted_.load() : refused_by_code_[c].load();
+      if (n == 0) continue;
+      out.emplace_back(
+          absl::AsciiStrToLower(absl::StatusCodeToString(static_cast<absl::StatusCode>(c))), n);
+    }
+    const std::pair<const char*, const std::atomic<uint64_t>*> drops[] = {
+        {"dropped_peer_limit", &dropped_peer_limit_},
+        {"dropped_global_limit", &dropped_global_limit_},
+        {"dropped_timeout", &dropped_timeout_}};
+    for (const auto& [name, n] : drops) {
+      if (n->load() != 0) out.emplace_back(name, n->load());
+    }
+    return out;
+  }
 
  private:
   friend class Connection;
@@ -267,6 +286,7 @@ class AttachServerImpl final : public AttachServer {
     auto mine = by_peer_.find(peer.pid);
     if (mine != by_peer_.end() && mine->second.size() >= options_.max_connections_per_peer) {
       ++dropped_;  // the socket closes here: the client sees the end without a reply
+      ++dropped_peer_limit_;
       return;
     }
     if (live_ >= options_.max_connections) {
@@ -276,6 +296,7 @@ class AttachServerImpl final : public AttachServer {
       }
       if (heaviest == by_peer_.end()) return;  // cannot happen while live_ > 0
       ++dropped_;
+      ++dropped_global_limit_;
       heaviest->second.front()->Close();
     }
     std::make_shared<Connection>(*this, std::move(socket), peer)->Start();
@@ -310,6 +331,11 @@ class AttachServerImpl final : public AttachServer {
   std::atomic<uint64_t> granted_{0};
   std::atomic<uint64_t> refused_{0};
   std::atomic<uint64_t> dropped_{0};
+  std::atomic<uint64_t> dropped_peer_limit_{0};
+  std::atomic<uint64_t> dropped_global_limit_{0};
+  std::atomic<uint64_t> dropped_timeout_{0};
+  // Refusals by absl::StatusCode (index 0 unused: granted_ counts the OK ones).
+  std::array<std::atomic<uint64_t>, 17> refused_by_code_{};
   Mutex stop_mu_;
   bool stopped_ ABSL_GUARDED_BY(stop_mu_) = false;
 };
@@ -327,7 +353,10 @@ void Connection::Start() {
   deadline_.expires_after(absl::ToChronoNanoseconds(server_.options_.handshake_timeout));
   deadline_.async_wait([self = shared_from_this()](boost::system::error_code ec) {
     if (ec) return;
-    if (!self->answered_) ++self->server_.dropped_;  // too slow: drop it, no reply
+    if (!self->answered_) {  // too slow: drop it, no reply
+      ++self->server_.dropped_;
+      ++self->server_.dropped_timeout_;
+    }
     self->Close();
   });
   asio::async_read(socket_, asio::buffer(header_),
@@ -398,6 +427,8 @@ void Connection::Refuse(const absl::Status& status) {
   reply.set_code(static_cast<int32_t>(status.code()));
   reply.set_message(std::string(status.message()));
   ++server_.refused_;
+  const auto code = static_cast<size_t>(status.code());
+  if (code > 0 && code < server_.refused_by_code_.size()) ++server_.refused_by_code_[code];
   Send(reply, -1);
 }
 

@@ -28,6 +28,8 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -84,6 +86,11 @@ class AttachServer {
   // Connections closed unanswered: over a peer's limit, replaced at the global limit, or
   // silent past the handshake timeout.
   virtual uint64_t dropped() const = 0;
+  // Every handshake's outcome and how many ended so: "ok", a refusal's code in lower case
+  // ("permission_denied", "not_found", "unavailable", "invalid_argument", ...), or a
+  // connection closed unanswered ("dropped_peer_limit", "dropped_global_limit",
+  // "dropped_timeout"). Outcomes that never happened are left out.
+  virtual std::vector<std::pair<std::string, uint64_t>> Outcomes() const = 0;
 
  protected:
   AttachServer() = default;

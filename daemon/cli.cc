@@ -18,7 +18,7 @@ namespace {
 
 // Flag values as CLI11 fills them; each CLI::Option says whether its flag was given at all.
 struct RawFlags {
-  std::string unix_socket, tcp_address, attach_socket, log_level, log_format;
+  std::string unix_socket, tcp_address, attach_socket, log_level, log_format, metrics_address;
   int32_t cpu_threads = 0;
 };
 
@@ -60,6 +60,11 @@ absl::StatusOr<CommandLine> ParseCommandLine(int argc, const char* const* argv) 
       app.add_option("--cpu-threads", raw.cpu_threads,
                      "CPU backend threads, 0: all cores (server.cpu_threads)")
           ->type_name("N");
+  const CLI::Option* metrics_address =
+      app.add_option("--metrics-address", raw.metrics_address,
+                     "serve GET /metrics here: auto | off | unix:/PATH | HOST:PORT "
+                     "(metrics.address)")
+          ->type_name("ADDRESS");
   app.add_flag("--print-default-config", out.print_default_config,
                "print the embedded default configuration and exit");
   app.add_flag("--check-config", out.check_config,
@@ -81,6 +86,7 @@ absl::StatusOr<CommandLine> ParseCommandLine(int argc, const char* const* argv) 
   SetIfGiven(log_level, raw.log_level, &out.log_level);
   SetIfGiven(log_format, raw.log_format, &out.log_format);
   SetIfGiven(cpu_threads, raw.cpu_threads, &out.cpu_threads);
+  SetIfGiven(metrics_address, raw.metrics_address, &out.metrics_address);
   return out;
 }
 
@@ -96,6 +102,7 @@ absl::StatusOr<DaemonConfig> ConfigFromCommandLine(const CommandLine& command_li
   if (command_line.log_level) config.log_level = *command_line.log_level;
   if (command_line.log_format) config.log_format = *command_line.log_format;
   if (command_line.cpu_threads) config.cpu_threads = *command_line.cpu_threads;
+  if (command_line.metrics_address) config.metrics_address = *command_line.metrics_address;
   KVTIER_RETURN_IF_ERROR(config.Validate());
   return config;
 }

@@ -41,6 +41,7 @@ struct CommandLine {
   std::optional<std::string> log_level;
   std::optional<std::string> log_format;
   std::optional<int32_t> cpu_threads;
+  std::optional<std::string> metrics_address;
   bool print_default_config = false;
   bool check_config = false;
   // Set when --help or --version was given: print it to stdout and exit 0.

@@ -148,6 +148,10 @@ constexpr ConfigField kLogFields[] = {
     {"format", [](const toml::node& n, std::string_view k, DaemonConfig* c) { return ReadString(n, k, &c->log_format); }},
     {"file", [](const toml::node& n, std::string_view k, DaemonConfig* c) { return ReadString(n, k, &c->log_file); }},
 };
+constexpr ConfigField kMetricsFields[] = {
+    {"address", [](const toml::node& n, std::string_view k, DaemonConfig* c) { return ReadString(n, k, &c->metrics_address); }},
+    {"allow_remote", [](const toml::node& n, std::string_view k, DaemonConfig* c) { return ReadBool(n, k, &c->metrics_allow_remote); }},
+};
 constexpr TenantField kTenantFields[] = {
     {"name", [](const toml::node& n, std::string_view k, TenantConfig* t) { return ReadString(n, k, &t->name); }},
     {"token", [](const toml::node& n, std::string_view k, TenantConfig* t) { return ReadString(n, k, &t->token); }},
@@ -165,7 +169,8 @@ struct Section {
   std::span<const ConfigField> fields;
 };
 constexpr Section kSections[] = {
-    {"server", kServerFields}, {"limits", kLimitsFields}, {"log", kLogFields}};
+    {"server", kServerFields}, {"limits", kLimitsFields}, {"metrics", kMetricsFields},
+    {"log", kLogFields}};
 constexpr std::string_view kTenantTable = "tenant";
 
 template <class T>

@@ -61,6 +61,12 @@ struct DaemonConfig {
   uint32_t max_layers = 256;
   uint32_t max_tokens_per_offload = 4096;       // tokens in one OffloadRequest
   uint32_t max_inflight_calls_per_tenant = 64;  // calls (streams included) at once
+  // [metrics] (docs/metrics.md)
+  // Where GET /metrics is served: "auto" (a Unix socket, <unix_socket>.metrics), "off",
+  // "unix:/path" or "host:port". A TCP address that is not loopback is refused unless
+  // metrics_allow_remote: the metrics name tenants and sessions.
+  std::string metrics_address = "auto";
+  bool metrics_allow_remote = false;
   // [log]
   std::string log_level = "info";   // trace | debug | info | warn | error | off
   std::string log_format = "text";  // text | json
@@ -90,7 +96,8 @@ absl::StatusOr<DaemonConfig> LoadConfigFile(const std::string& path, const Daemo
 std::string DefaultUnixSocketPath();
 
 // `config` with the empty socket paths filled in (unix_socket: DefaultUnixSocketPath();
-// attach_socket: unix_socket + ".attach") and the directories that hold them created (mode
+// attach_socket: unix_socket + ".attach"; metrics_address "auto": "unix:" + unix_socket +
+// ".metrics", "off": "") and the directories that hold them created (mode
 // 0700 when this creates them). FAILED_PRECONDITION when a directory cannot be created, or
 // when the runtime-default directory exists but belongs to another user; INVALID_ARGUMENT
 // when a resolved path is longer than a Unix socket address allows.

@@ -90,15 +90,47 @@ absl::Status CheckToken(std::string_view key, std::string_view token) {
 }
 
 // "host:port" or "[v6]:port", port in [0, 65535] (0: any free port).
-absl::Status CheckTcpAddress(std::string_view address) {
+absl::Status CheckTcpAddress(std::string_view key, std::string_view address) {
   const size_t colon = address.rfind(':');
   uint32_t port = 0;
   if (colon == std::string_view::npos || colon == 0 ||
       !absl::SimpleAtoi(std::string(address.substr(colon + 1)), &port) || port > 65535) {
     return absl::InvalidArgumentError(
-        absl::StrFormat("server.tcp_address = \"%s\" is not host:port with a port in [0, 65535] "
+        absl::StrFormat("%s = \"%s\" is not host:port with a port in [0, 65535] "
                         "(e.g. \"127.0.0.1:50551\", \"[::]:50551\")",
-                        address));
+                        key, address));
+  }
+  return absl::OkStatus();
+}
+
+// The host of "host:port" is a loopback one (127.0.0.0/8, ::1, localhost).
+bool IsLoopbackHost(std::string_view address) {
+  std::string_view host = address.substr(0, address.rfind(':'));
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  return host == "localhost" || host == "::1" || host.starts_with("127.");
+}
+
+constexpr std::string_view kUnixPrefix = "unix:";
+
+absl::Status ValidateMetrics(const DaemonConfig& c) {
+  const std::string& a = c.metrics_address;
+  if (a.empty() || a == "auto" || a == "off") return absl::OkStatus();
+  if (a.starts_with(kUnixPrefix)) {
+    const std::string path = a.substr(kUnixPrefix.size());
+    if (path.empty() || path.front() != '/') {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "metrics.address = \"%s\": a Unix socket address must be unix:/absolute/path", a));
+    }
+    return CheckSocketPath("metrics.address", path);
+  }
+  KVTIER_RETURN_IF_ERROR(CheckTcpAddress("metrics.address", a));
+  if (!IsLoopbackHost(a) && !c.metrics_allow_remote) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "metrics.address = \"%s\" is not a loopback address: /metrics names tenants and "
+        "sessions and has no authentication; set metrics.allow_remote = true to serve it there",
+        a));
   }
   return absl::OkStatus();
 }
@@ -158,7 +190,9 @@ absl::Status ValidateServer(const DaemonConfig& c) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "server.attach_socket = \"%s\" is the same path as server.unix_socket", c.attach_socket));
   }
-  if (!c.tcp_address.empty()) KVTIER_RETURN_IF_ERROR(CheckTcpAddress(c.tcp_address));
+  if (!c.tcp_address.empty()) {
+    KVTIER_RETURN_IF_ERROR(CheckTcpAddress("server.tcp_address", c.tcp_address));
+  }
   KVTIER_RETURN_IF_ERROR(CheckToken("server.admin_token", c.admin_token));
   if (c.max_message_bytes < 64 * 1024 || c.max_message_bytes > kGiB) {
     return absl::InvalidArgumentError(
@@ -251,6 +285,7 @@ std::string DirectoryOf(const std::string& path) {
 absl::Status DaemonConfig::Validate() const {
   KVTIER_RETURN_IF_ERROR(ValidateServer(*this));
   KVTIER_RETURN_IF_ERROR(ValidateLimits(*this));
+  KVTIER_RETURN_IF_ERROR(ValidateMetrics(*this));
   KVTIER_RETURN_IF_ERROR(ValidateLog(*this));
   if (tenants.empty()) {
     return absl::InvalidArgumentError("no [[tenant]]: at least one tenant is required");
@@ -283,7 +318,16 @@ absl::StatusOr<DaemonConfig> ResolvePaths(DaemonConfig config) {
   if (config.attach_socket.empty()) config.attach_socket = config.unix_socket + ".attach";
   KVTIER_RETURN_IF_ERROR(CheckSocketPath("server.unix_socket", config.unix_socket));
   KVTIER_RETURN_IF_ERROR(CheckSocketPath("server.attach_socket", config.attach_socket));
+  if (config.metrics_address == "off") config.metrics_address.clear();
+  if (config.metrics_address == "auto") {
+    config.metrics_address = std::string(kUnixPrefix) + config.unix_socket + ".metrics";
+    KVTIER_RETURN_IF_ERROR(ValidateMetrics(config));
+  }
   KVTIER_RETURN_IF_ERROR(MakeSocketDirectory(DirectoryOf(config.unix_socket), runtime_default));
+  if (config.metrics_address.starts_with(kUnixPrefix)) {
+    KVTIER_RETURN_IF_ERROR(MakeSocketDirectory(
+        DirectoryOf(config.metrics_address.substr(kUnixPrefix.size())), false));
+  }
   if (config.shm) {
     KVTIER_RETURN_IF_ERROR(MakeSocketDirectory(DirectoryOf(config.attach_socket), false));
   }

@@ -24,8 +24,10 @@
 #include "absl/time/time.h"
 #include "core/status.h"
 #include "daemon/attach_server.h"
+#include "daemon/http.h"
 #include "daemon/kvtier_service.h"
 #include "daemon/logging.h"
+#include "daemon/metrics.h"
 #include "daemon/reflection_v1.h"
 #include "daemon/session_manager.h"
 #include "daemon/work_queue.h"
@@ -34,6 +36,7 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/support/server_interceptor.h"
 #include "kvtier/v1/kvtier.grpc.pb.h"
 #include "spdlog/spdlog.h"
 
@@ -91,6 +94,47 @@ int WorkThreads(const DaemonConfig& c) {
   return std::max(2, static_cast<int>(std::thread::hardware_concurrency()));
 }
 
+// Counts every gRPC call (any service) by method and status, with its wall time: from the
+// interceptor's creation, when the call arrives, to its destruction, when the call is done.
+// A call that ends without a status sent (cancelled) counts as CANCELLED.
+class RpcMetricsInterceptor final : public grpc::experimental::Interceptor {
+ public:
+  RpcMetricsInterceptor(grpc::experimental::ServerRpcInfo* info, RpcMetrics& metrics)
+      : metrics_(metrics), method_(info->method() != nullptr ? info->method() : "unknown") {
+    metrics_.Begin();
+  }
+  ~RpcMetricsInterceptor() override {
+    metrics_.End(method_,
+                 absl::StatusCodeToString(static_cast<absl::StatusCode>(code_)),
+                 absl::ToDoubleSeconds(absl::Now() - start_));
+  }
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    if (methods->QueryInterceptionHookPoint(
+            grpc::experimental::InterceptionHookPoints::PRE_SEND_STATUS)) {
+      code_ = methods->GetSendStatus().error_code();
+    }
+    methods->Proceed();
+  }
+
+ private:
+  RpcMetrics& metrics_;
+  const std::string method_;
+  const absl::Time start_ = absl::Now();
+  grpc::StatusCode code_ = grpc::StatusCode::CANCELLED;
+};
+
+class RpcMetricsFactory final : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  explicit RpcMetricsFactory(RpcMetrics& metrics) : metrics_(metrics) {}
+  grpc::experimental::Interceptor* CreateServerInterceptor(
+      grpc::experimental::ServerRpcInfo* info) override {
+    return new RpcMetricsInterceptor(info, metrics_);
+  }
+
+ private:
+  RpcMetrics& metrics_;
+};
+
 void UnlinkIfPresent(const std::string& path) {
   if (::unlink(path.c_str()) == 0) spdlog::info("shutdown: removed socket {}", path);
 }
@@ -126,12 +170,15 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonConfig config) {
   daemon->LogTenants();
   KVTIER_ASSIGN_OR_RETURN(daemon->work_, WorkQueue::Create({.threads = WorkThreads(c),
                                                             .max_queued = c.max_queued_calls}));
-  // The attach socket first: Hello reports it from the first call on.
+  daemon->rpc_metrics_ = std::make_unique<RpcMetrics>();
+  // The attach socket and metrics first: Hello reports them from the first call on.
   if (c.shm) KVTIER_RETURN_IF_ERROR(daemon->StartAttach());
+  if (!c.metrics_address.empty()) KVTIER_RETURN_IF_ERROR(daemon->StartMetrics());
   KVTIER_RETURN_IF_ERROR(daemon->StartGrpc());
-  spdlog::info("kvtierd serving unix:{}{}{}", c.unix_socket,
+  spdlog::info("kvtierd serving unix:{}{}{} metrics {}", c.unix_socket,
                daemon->tcp_port_ != 0 ? absl::StrCat(" tcp port ", daemon->tcp_port_) : "",
-               c.shm ? absl::StrCat(" attach ", daemon->attach_socket_) : " (shm off)");
+               c.shm ? absl::StrCat(" attach ", daemon->attach_socket_) : " (shm off)",
+               daemon->metrics_address_.empty() ? "off" : daemon->metrics_address_);
   return daemon;
 }
 
@@ -152,6 +199,7 @@ absl::Status Daemon::StartGrpc() {
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   service_ = std::make_unique<KvTierService>(*manager_, *work_, config_);
   service_->set_shm_endpoint({.available = attach_server_ != nullptr, .path = attach_socket_});
+  service_->set_metrics_address(metrics_address_);
   reflection_v1_ = NewReflectionV1Service(
       {kvtier::v1::KvTier::service_full_name(), "grpc.health.v1.Health",
        "grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"});
@@ -167,6 +215,9 @@ absl::Status Daemon::StartGrpc() {
     quota.SetMaxThreads(config_.rpc_threads);
     builder.SetResourceQuota(quota);
   }
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(std::make_unique<RpcMetricsFactory>(*rpc_metrics_));
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   builder.RegisterService(service_.get());
   builder.RegisterService(reflection_v1_.get());
   server_ = builder.BuildAndStart();
@@ -219,6 +270,51 @@ absl::Status Daemon::StartAttach() {
   return absl::OkStatus();
 }
 
+absl::Status Daemon::StartMetrics() {
+  HttpServerOptions options;
+  options.address = config_.metrics_address;
+  KVTIER_ASSIGN_OR_RETURN(
+      metrics_server_,
+      HttpServer::Start(options, [this](const HttpRequest& request) -> HttpResponse {
+        const std::string_view path =
+            std::string_view(request.target).substr(0, request.target.find('?'));
+        if (path == "/metrics") {
+          return {.status = 200,
+                  .content_type = "text/plain; version=0.0.4; charset=utf-8",
+                  .body = RenderMetrics()};
+        }
+        if (path == "/healthz") {
+          const bool draining = manager_->draining();
+          return {.status = draining ? 503 : 200, .body = draining ? "draining\n" : "ok\n"};
+        }
+        return {.status = 404, .body = "not found: try /metrics or /healthz\n"};
+      }));
+  metrics_address_ = metrics_server_->address();
+  return absl::OkStatus();
+}
+
+std::string Daemon::RenderMetrics() const {
+  Exposition out;
+  out.Family("kvtier_build_info", "gauge", "1, with the version of kvtierd in the labels.");
+  out.Sample("kvtier_build_info", {{"version", KVTIER_VERSION_STRING}}, 1);
+  out.Family("process_start_time_seconds", "gauge",
+             "Start time of the process since the Unix epoch, seconds.");
+  out.Sample("process_start_time_seconds", {},
+             absl::ToDoubleSeconds(manager_->start_time() - absl::UnixEpoch()));
+  manager_->WriteMetrics(out);
+  rpc_metrics_->Write(out);
+  out.Family("kvtier_attach_handshakes_total", "counter",
+             "Shared-memory attach handshakes, by outcome (ok, a refusal's code, or dropped "
+             "unanswered).");
+  if (attach_server_ != nullptr) {
+    for (const auto& [outcome, n] : attach_server_->Outcomes()) {
+      out.Sample("kvtier_attach_handshakes_total", {{"outcome", outcome}},
+                 static_cast<double>(n));
+    }
+  }
+  return out.Take();
+}
+
 void Daemon::Shutdown() {
   {
     MutexLock lock(&mu_);
@@ -267,6 +363,11 @@ void Daemon::Stop() {
                service_ != nullptr ? service_->InflightCalls() : 0);
   if (server_ != nullptr && server_->GetHealthCheckService() != nullptr) {
     server_->GetHealthCheckService()->SetServingStatus(false);
+  }
+  // The metrics read every member below: the endpoint goes first.
+  if (metrics_server_ != nullptr) {
+    metrics_server_->Stop();
+    metrics_server_.reset();
   }
   if (manager_ != nullptr) manager_->StartDrain();
   if (attach_server_ != nullptr) {

@@ -1,13 +1,16 @@
 // Daemon: kvtierd's running parts put together (docs/architecture.md#processes) — the
 // SessionManager (tenants, arenas, sessions), the gRPC server (kvtier.v1.KvTier, the standard
 // health service and reflection) on a Unix socket and optionally TCP, and the shared-memory attach
-// socket. kvtierd's main() is Start, wait for SIGTERM, Shutdown; tests run it in-process.
+// socket, and the metrics endpoint (GET /metrics and /healthz; docs/metrics.md). kvtierd's
+// main() is Start, wait for SIGTERM, Shutdown; tests run it in-process.
 //
 // Start-up order: validate and resolve paths (config.h ResolvePaths), make sure neither socket path
 // belongs to a live daemon (a stale socket file is replaced), create the tenants' arenas, serve
-// the attach socket, start the work queue, serve gRPC (kvtier.v1.KvTier, health, reflection v1
-// and v1alpha; Hello reports the attach socket). Shutdown order: health NOT_SERVING, refuse new
-// sessions and attaches (StartDrain), stop the attach socket, stop accepting gRPC calls and let
+// the attach socket, serve metrics, start the work queue, serve gRPC (kvtier.v1.KvTier, health,
+// reflection v1 and v1alpha; Hello reports the attach socket and the metrics address), every
+// call counted by an interceptor. Shutdown order: health NOT_SERVING, stop serving metrics,
+// refuse new sessions and attaches (StartDrain), stop the attach socket, stop accepting gRPC
+// calls and let
 // the calls in flight finish until shutdown_grace (then cancel them); as soon as none is left,
 // close every connection (idle clients are not waited for), stop the work queue, close every
 // session, release the arenas, unlink the sockets. A Drain call turns health NOT_SERVING too.
@@ -32,7 +35,9 @@ class Service;
 namespace kvtier::daemon {
 
 class AttachServer;
+class HttpServer;
 class KvTierService;
+class RpcMetrics;
 class SessionManager;
 class WorkQueue;
 
@@ -61,27 +66,38 @@ class Daemon {
   const std::string& attach_socket() const { return attach_socket_; }
   // The bound TCP port (the chosen one when tcp_address asked for port 0); 0 without TCP.
   int tcp_port() const { return tcp_port_; }
+  // Where /metrics is served, as bound ("unix:/path" or "127.0.0.1:9464" with the port
+  // chosen for port 0); empty when metrics are off.
+  const std::string& metrics_address() const { return metrics_address_; }
+  // The /metrics text now (docs/metrics.md), as the endpoint serves it.
+  std::string RenderMetrics() const;
 
  private:
   explicit Daemon(DaemonConfig config);
   absl::Status StartGrpc();
   absl::Status StartAttach();
+  absl::Status StartMetrics();
   void LogTenants() const;
   void Stop();
   void StopGrpc();
 
   const DaemonConfig config_;
   std::string attach_socket_;
+  std::string metrics_address_;
   int tcp_port_ = 0;
   bool grpc_bound_ = false;  // the Unix socket file is ours to unlink
   // Destroyed in reverse: the servers go before the services, the work queue and the manager
   // they call.
   std::unique_ptr<SessionManager> manager_;
+  // The gRPC server's interceptors count into it: it outlives the server.
+  std::unique_ptr<RpcMetrics> rpc_metrics_;
   std::unique_ptr<WorkQueue> work_;
   std::unique_ptr<KvTierService> service_;
   std::unique_ptr<grpc::Service> reflection_v1_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<AttachServer> attach_server_;
+  // Renders from the members above: stopped first.
+  std::unique_ptr<HttpServer> metrics_server_;
 
   enum class State { kServing, kStopping, kStopped };
   Mutex mu_;

@@ -44,6 +44,10 @@ max_layers = 256
 max_tokens_per_offload = 4096
 max_inflight_calls_per_tenant = 64
 
+[metrics]
+address = "auto"          # a Unix socket beside the gRPC one: <unix_socket>.metrics
+allow_remote = false
+
 [log]
 level = "info"
 format = "text"

@@ -334,6 +334,7 @@ absl::Status KvTierService::DoHello(const Caller& caller, const v1::HelloRequest
   reply->set_tenant(caller.tenant);
   reply->set_shm_available(shm_.available);
   reply->set_attach_socket(shm_.path);
+  reply->set_metrics_address(metrics_address_);
   reply->set_tenant_quota_bytes(manager_.tenant(caller.tenant).quota_bytes());
   spdlog::debug("Hello from '{}' (protocol {}), tenant '{}'", request.client_name(), v,
                 caller.tenant);

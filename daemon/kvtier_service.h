@@ -73,6 +73,8 @@ class KvTierService final : public RawKvTierService {
 
   // Call before the server starts (not synchronized with calls).
   void set_shm_endpoint(ShmEndpoint endpoint) { shm_ = std::move(endpoint); }
+  // Where /metrics is served, for Hello (empty: off). Call before the server starts.
+  void set_metrics_address(std::string address) { metrics_address_ = std::move(address); }
 
   // RPCs in progress now (streams count until they finish).
   uint32_t InflightCalls() const { return inflight_.load(std::memory_order_acquire); }
@@ -160,6 +162,7 @@ class KvTierService final : public RawKvTierService {
   WorkQueue& work_;
   const DaemonConfig config_;
   ShmEndpoint shm_;
+  std::string metrics_address_;
   std::atomic<uint32_t> inflight_{0};
   std::atomic<uint64_t> rpcs_{0};
   std::atomic<uint64_t> errors_{0};

@@ -10,12 +10,14 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "core/status.h"
 #include "daemon/logging.h"
 #include "kernels/registry.h"
 #include "offload/policy/config.h"
+#include "offload/telemetry.h"
 #include "spdlog/spdlog.h"
 
 namespace kvtier::daemon {
@@ -464,6 +466,7 @@ absl::StatusOr<SessionRecord> SessionManager::DoOpenSession(const Caller& caller
     sessions_.emplace(id, Entry{next_seq_++, session, request_key});
     if (!request_key.empty()) requests_[request_key].session_id = id;
   }
+  session_events_.Add({"opened", caller.tenant, std::string(TransportName(params.transport))});
   SessionRecord r = session->Record();
   LogLimited(spdlog::level::info, "session opened",
              "session {} opened: tenant '{}', {} {}, {} {} tokens per layer, budget {}, "
@@ -489,6 +492,8 @@ absl::StatusOr<CloseResult> SessionManager::CloseSession(const Caller& caller,
                              "session %s was closed meanwhile by another call", (*s)->id())));
   }
   absl::StatusOr<CloseResult> r = (*s)->Close();
+  session_events_.Add(
+      {"closed", (*s)->tenant(), std::string(TransportName((*s)->spec().transport))});
   if (r.ok()) {
     LogLimited(spdlog::level::info, "session closed",
                "session {} closed: {} committed pages, {} bytes freed", (*s)->id(),
@@ -522,6 +527,8 @@ absl::StatusOr<SessionRecord> SessionManager::Reattach(const Caller& caller,
   if (absl::Status live = caller.CheckLive("Reattach"); !live.ok()) return Tally(caller, live);
   absl::StatusOr<SessionRecord> r = (*s)->Reattach();
   if (!r.ok()) return Tally(caller, r.status());
+  session_events_.Add(
+      {"reattached", (*s)->tenant(), std::string(TransportName((*s)->spec().transport))});
   LogLimited(spdlog::level::info, "session reattached", "session {} reattached: epoch {}", r->id,
              r->epoch);
   return r;
@@ -635,7 +642,11 @@ size_t SessionManager::CloseAllSessions() {
     all.swap(sessions_);
     requests_.clear();
   }
-  for (auto& [id, e] : all) (void)e.session->Close();
+  for (auto& [id, e] : all) {
+    (void)e.session->Close();
+    session_events_.Add({"closed", e.session->tenant(),
+                         std::string(TransportName(e.session->spec().transport))});
+  }
   if (!all.empty()) spdlog::info("closed {} sessions", all.size());
   return all.size();
 }
@@ -668,7 +679,11 @@ absl::StatusOr<std::unique_ptr<FetchCursor>> SessionManager::DoStartFetch(
 
 FetchCursor::FetchCursor(SessionManager* manager, std::shared_ptr<TenantSession> session,
                          int32_t layer, std::vector<int64_t> pages)
-    : inflight_(manager), session_(std::move(session)), layer_(layer), pages_(std::move(pages)) {}
+    : manager_(manager),
+      inflight_(manager),
+      session_(std::move(session)),
+      layer_(layer),
+      pages_(std::move(pages)) {}
 
 absl::StatusOr<std::vector<PageData>> FetchCursor::Next(uint64_t max_message_bytes) {
   if (done()) return std::vector<PageData>();
@@ -683,6 +698,7 @@ absl::StatusOr<std::vector<PageData>> FetchCursor::Next(uint64_t max_message_byt
   KVTIER_ASSIGN_OR_RETURN(std::vector<PageData> out,
                           session_->ReadPages(layer_, pages_.data() + next_, n));
   next_ += n;
+  manager_->fetched_pages_.Add({session_->tenant()}, out.size());
   return out;
 }
 
@@ -834,6 +850,241 @@ absl::Status OffloadStream::Break(const absl::Status& why, bool at_next_message)
   if (!failed_.ok()) return failed_;
   return Fail(why, at_next_message ? absl::StrFormat("message %d", messages_ + 1)
                                    : absl::StrFormat("stream (after message %d)", messages_));
+}
+
+// ---- metrics ------------------------------------------------------------------------------
+
+void SessionManager::WriteMetrics(Exposition& out) const {
+  std::vector<std::string> tenant_names;
+  for (const auto& [name, t] : tenants_) tenant_names.push_back(name);
+  std::sort(tenant_names.begin(), tenant_names.end());
+  std::vector<std::pair<uint64_t, std::shared_ptr<TenantSession>>> open;
+  {
+    MutexLock lock(&mu_);
+    for (const auto& [id, e] : sessions_) open.emplace_back(e.seq, e.session);
+  }
+  std::sort(open.begin(), open.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  constexpr std::string_view kTransports[] = {"shm", "grpc"};
+  const auto per_tenant = [&](std::string_view name, std::string_view type, std::string_view help,
+                              auto value) {
+    out.Family(name, type, help);
+    for (const std::string& t : tenant_names) {
+      out.Sample(name, {{"tenant", t}}, static_cast<double>(value(*tenants_.at(t))));
+    }
+  };
+
+  // Tenants and their arenas.
+  per_tenant("kvtier_tenant_quota_bytes", "gauge", "The tenant's host memory (its arena).",
+             [](const Tenant& t) { return t.quota_bytes(); });
+  per_tenant("kvtier_tenant_used_bytes", "gauge",
+             "Host memory in use: session regions plus the daemon memory of GRPC sessions.",
+             [](const Tenant& t) { return t.used_bytes(); });
+  per_tenant("kvtier_tenant_daemon_bytes", "gauge",
+             "Daemon memory of the tenant's GRPC sessions (part of used_bytes).",
+             [](const Tenant& t) { return t.charged_bytes(); });
+  per_tenant("kvtier_tenant_refused_requests_total", "counter",
+             "Requests of the tenant's callers that ended in an error.",
+             [](const Tenant& t) { return t.refused_requests(); });
+  out.Family("kvtier_tenant_sessions", "gauge", "Open sessions, by transport.");
+  for (const std::string& t : tenant_names) {
+    for (std::string_view tr : kTransports) {
+      int64_t n = 0;
+      for (const auto& [seq, s] : open) {
+        n += s->tenant() == t && TransportName(s->spec().transport) == tr;
+      }
+      out.Sample("kvtier_tenant_sessions", {{"tenant", t}, {"transport", tr}},
+                 static_cast<double>(n));
+    }
+  }
+  per_tenant("kvtier_arena_bytes", "gauge", "Bytes mapped for the tenant's arena.",
+             [](const Tenant& t) { return t.arena().report().mapped_bytes; });
+  per_tenant("kvtier_arena_hugepage_bytes", "gauge",
+             "Page size of the arena's hugetlb pages; 0 when it has none.",
+             [](const Tenant& t) {
+               const ArenaReport& r = t.arena().report();
+               return r.hugetlb ? r.page_bytes : size_t{0};
+             });
+  per_tenant("kvtier_arena_transparent_hugepages", "gauge",
+             "1 when the arena's normal pages are advised as transparent hugepages.",
+             [](const Tenant& t) { return t.arena().report().transparent_hugepages ? 1 : 0; });
+  per_tenant("kvtier_arena_numa_node", "gauge",
+             "NUMA node the arena is bound to; -1 when it is not bound.", [](const Tenant& t) {
+               const ArenaReport& r = t.arena().report();
+               return r.numa_policy == NumaPolicy::kNone ? -1 : r.numa_node;
+             });
+  per_tenant("kvtier_arena_locked", "gauge", "1 when the arena is locked in memory (mlock).",
+             [](const Tenant& t) { return t.arena().report().locked ? 1 : 0; });
+
+  // Session events and fetched pages: every tenant and transport, zeros included, so rates
+  // start from the first scrape.
+  const std::map<std::vector<std::string>, uint64_t> events = session_events_.Snapshot();
+  const std::pair<const char*, const char*> kEvents[] = {
+      {"opened", "Sessions opened."},
+      {"closed", "Sessions closed (by CloseSession or at shutdown)."},
+      {"reattached", "Sessions taken over by Reattach."}};
+  for (const auto& [event, help] : kEvents) {
+    const std::string name = absl::StrCat("kvtier_sessions_", event, "_total");
+    out.Family(name, "counter", help);
+    for (const std::string& t : tenant_names) {
+      for (std::string_view tr : kTransports) {
+        auto it = events.find({event, t, std::string(tr)});
+        out.Sample(name, {{"tenant", t}, {"transport", tr}},
+                   it == events.end() ? 0.0 : static_cast<double>(it->second));
+      }
+    }
+  }
+  const std::map<std::vector<std::string>, uint64_t> fetched = fetched_pages_.Snapshot();
+  out.Family("kvtier_pages_fetched_total", "counter", "Committed pages sent by Fetch.");
+  for (const std::string& t : tenant_names) {
+    auto it = fetched.find({t});
+    out.Sample("kvtier_pages_fetched_total", {{"tenant", t}},
+               it == fetched.end() ? 0.0 : static_cast<double>(it->second));
+  }
+
+  // Open sessions: the directory and the telemetry block, read now.
+  struct Row {
+    std::string tenant, id, transport;
+    const TenantSession* session;
+    std::optional<TelemetryValues> t;
+  };
+  std::vector<Row> rows;
+  for (const auto& [seq, s] : open) {
+    rows.push_back({s->tenant(), s->id(), std::string(TransportName(s->spec().transport)),
+                    s.get(), s->Telemetry()});
+  }
+  out.Family("kvtier_session_info", "gauge",
+             "1 per open session, its shape and retrieval mode in the labels.");
+  for (const Row& r : rows) {
+    const SessionSpec& spec = r.session->spec();
+    const std::string layers = absl::StrCat(spec.geometry.num_layers);
+    const std::string kv_heads = absl::StrCat(spec.geometry.num_kv_heads);
+    const std::string page = absl::StrCat(spec.geometry.page_size);
+    const std::string budget = absl::StrCat(spec.budget_tokens);
+    const Label labels[] = {{"tenant", r.tenant},
+                            {"session", r.id},
+                            {"transport", r.transport},
+                            {"mode", RetrievalModeName(spec.sequence.mode)},
+                            {"dtype", DTypeName(spec.geometry.dtype)},
+                            {"layers", layers},
+                            {"kv_heads", kv_heads},
+                            {"page_size", page},
+                            {"budget_tokens", budget},
+                            {"label", spec.label}};
+    out.Sample("kvtier_session_info", labels, 1);
+  }
+  const auto session_family = [&](std::string_view name, std::string_view type,
+                                   std::string_view help, auto value) {
+    out.Family(name, type, help);
+    for (const Row& r : rows) {
+      const std::optional<double> v = value(r);
+      if (!v.has_value()) continue;
+      out.Sample(name, {{"tenant", r.tenant}, {"session", r.id}, {"transport", r.transport}}, *v);
+    }
+  };
+  session_family("kvtier_session_committed_pages", "gauge",
+                 "(layer, page) pairs committed in the session's region now.",
+                 [](const Row& r) -> std::optional<double> {
+                   return static_cast<double>(r.session->CommittedPageCount());
+                 });
+  // The retrieval telemetry (offload/telemetry.h): sessions whose block reads back.
+  const auto telemetry = [&](std::string_view name, std::string_view type, std::string_view help,
+                             auto field) {
+    session_family(name, type, help, [&](const Row& r) -> std::optional<double> {
+      if (!r.t.has_value()) return std::nullopt;
+      return static_cast<double>(field(*r.t));
+    });
+  };
+  telemetry("kvtier_session_pages_committed_total", "counter",
+            "(layer, page) pairs the session's writer committed.",
+            [](const TelemetryValues& t) { return t.pages_committed; });
+  telemetry("kvtier_retrieval_steps_total", "counter", "Layer-steps begun (BeginStep calls).",
+            [](const TelemetryValues& t) { return t.steps; });
+  telemetry("kvtier_retrieval_appended_tokens_total", "counter",
+            "Tokens appended, per layer, summed over layers.",
+            [](const TelemetryValues& t) { return t.appended_tokens; });
+  telemetry("kvtier_retrieval_recalled_pages_total", "counter",
+            "Head-pages recalled from the host tier (background and correction).",
+            [](const TelemetryValues& t) { return t.recalled_pages; });
+  telemetry("kvtier_retrieval_recalled_bytes_total", "counter",
+            "K+V bytes of the recalled head-pages.",
+            [](const TelemetryValues& t) { return t.recalled_bytes; });
+  telemetry("kvtier_retrieval_correction_pages_total", "counter",
+            "Head-pages recalled before attention, for corrected heads.",
+            [](const TelemetryValues& t) { return t.correction_pages; });
+  const auto per_class = [&](std::string_view name, std::string_view help, bool corrected) {
+    out.Family(name, "counter", help);
+    for (const Row& r : rows) {
+      if (!r.t.has_value()) continue;
+      for (int c = 0; c < kHeadClasses; ++c) {
+        const uint64_t n = corrected ? r.t->corrected_heads[c] : r.t->checked_heads[c];
+        out.Sample(name,
+                   {{"tenant", r.tenant},
+                    {"session", r.id},
+                    {"transport", r.transport},
+                    {"head_class", kHeadClassNames[c]}},
+                   static_cast<double>(n));
+      }
+    }
+  };
+  per_class("kvtier_retrieval_checked_heads_total",
+            "(layer-step, KV head) pairs checked for query drift, by the depth class of the "
+            "layer.",
+            false);
+  per_class("kvtier_retrieval_corrected_heads_total",
+            "Checked heads that were corrected (re-selected and recalled before attention), by "
+            "the depth class of the layer.",
+            true);
+  out.Family("kvtier_retrieval_recall_strategy", "gauge",
+             "1 for the recall strategy the session uses (after calibration).");
+  for (const Row& r : rows) {
+    if (!r.t.has_value() || r.t->recall_strategy == 0 || r.t->recall_strategy > 4) continue;
+    const std::string_view name =
+        RecallStrategyName(static_cast<RecallStrategy>(r.t->recall_strategy - 1));
+    out.Sample("kvtier_retrieval_recall_strategy",
+               {{"tenant", r.tenant},
+                {"session", r.id},
+                {"transport", r.transport},
+                {"strategy", name}},
+               1);
+  }
+  telemetry("kvtier_retrieval_host_waits_total", "counter",
+            "Blocking host calls (event waits, synchronous copies, allocations) of ended "
+            "layer-steps.",
+            [](const TelemetryValues& t) { return t.host_waits; });
+  telemetry("kvtier_retrieval_host_dropped_pages_total", "counter",
+            "Pages dropped for good because the host tier was full (host_drop = evict).",
+            [](const TelemetryValues& t) { return t.host_dropped_pages; });
+  telemetry("kvtier_retrieval_evicted_head_pages_total", "counter",
+            "Head-pages evicted for good by drop-mode policies.",
+            [](const TelemetryValues& t) { return t.evicted_head_pages; });
+  telemetry("kvtier_retrieval_resident_bytes", "gauge",
+            "K+V bytes of the working sets, all layers.",
+            [](const TelemetryValues& t) { return t.resident_bytes; });
+  telemetry("kvtier_retrieval_resident_head_pages", "gauge",
+            "Head-pages in the working sets, all layers.",
+            [](const TelemetryValues& t) { return t.resident_head_pages; });
+  out.Family("kvtier_retrieval_estimated_mass_recall", "summary",
+             "Share of the attention mass the attended selection keeps, as the page summaries "
+             "estimate it, per checked head (mass correction trigger only).");
+  for (const Row& r : rows) {
+    if (!r.t.has_value() || r.t->mass_recall_count == 0) continue;
+    const Label labels[] = {{"tenant", r.tenant}, {"session", r.id}, {"transport", r.transport}};
+    out.Sample("kvtier_retrieval_estimated_mass_recall_sum", labels,
+               static_cast<double>(r.t->mass_recall_micros) * 1e-6);
+    out.Sample("kvtier_retrieval_estimated_mass_recall_count", labels,
+               static_cast<double>(r.t->mass_recall_count));
+  }
+  out.Family("kvtier_retrieval_layer_step_duration_seconds", "histogram",
+             "Wall time of a layer-step, BeginStep to the end of EndStep (the engine's "
+             "attention in between included).");
+  for (const Row& r : rows) {
+    if (!r.t.has_value()) continue;
+    const Label labels[] = {{"tenant", r.tenant}, {"session", r.id}, {"transport", r.transport}};
+    out.Histogram("kvtier_retrieval_layer_step_duration_seconds", labels,
+                  kLayerStepBucketsSeconds, r.t->step_buckets,
+                  static_cast<double>(r.t->step_nanos) * 1e-9);
+  }
 }
 
 }  // namespace kvtier::daemon

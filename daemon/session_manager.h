@@ -38,6 +38,7 @@
 #include "daemon/attach_server.h"
 #include "daemon/caller.h"
 #include "daemon/config.h"
+#include "daemon/metrics.h"
 #include "daemon/tenant.h"
 #include "daemon/tenant_session.h"
 #include "kernels/backend.h"
@@ -204,6 +205,7 @@ class FetchCursor {
   friend class SessionManager;
   FetchCursor(SessionManager* manager, std::shared_ptr<TenantSession> session, int32_t layer,
               std::vector<int64_t> pages);
+  SessionManager* manager_;
   InflightCall inflight_;
   std::shared_ptr<TenantSession> session_;
   int32_t layer_;
@@ -284,6 +286,12 @@ class SessionManager {
   // holding a session see NOT_FOUND. Returns the number closed.
   size_t CloseAllSessions() ABSL_LOCKS_EXCLUDED(mu_);
 
+  // --- metrics (docs/metrics.md) ---------------------------------------------------------
+  // Writes the tenant, arena, session and retrieval families: tenants and arenas as they
+  // are, sessions' counters of opens, closes, reattaches and fetched pages, and every open
+  // session's committed pages and telemetry block (offload/telemetry.h), read now.
+  void WriteMetrics(Exposition& out) const ABSL_LOCKS_EXCLUDED(mu_);
+
   const DaemonConfig& config() const { return config_; }
   absl::Time start_time() const { return start_time_; }
   // REQUIRES: the name of a configured tenant, for the daemon's own use (logs, tests).
@@ -361,6 +369,9 @@ class SessionManager {
     std::string fingerprint;
   };
   absl::flat_hash_map<std::string, RequestEntry> requests_ ABSL_GUARDED_BY(mu_);
+  // Metrics: {event ("opened", "closed", "reattached"), tenant, transport}, and {tenant}.
+  Counters session_events_;
+  Counters fetched_pages_;
 };
 
 }  // namespace kvtier::daemon

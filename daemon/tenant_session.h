@@ -166,6 +166,13 @@ class TenantSession {
   // with the largest value).
   absl::StatusOr<SessionRecord> Reattach() ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<SessionStatsRecord> Stats() ABSL_LOCKS_EXCLUDED(mu_);
+  // The region's telemetry block as its writer last published it (nullopt when it does
+  // not read back: overwritten by the engine). Does not wait for a call in progress.
+  std::optional<TelemetryValues> Telemetry() const { return region_.telemetry().Read(); }
+  // (layer, page) pairs committed in the region now. Does not wait either.
+  uint64_t CommittedPageCount() const {
+    return static_cast<uint64_t>(region_.CommittedPages());
+  }
 
   // Closes the Retriever and frees the pool; the region returns to the tenant when the last
   // reference to the session is dropped. NOT_FOUND when already closed.

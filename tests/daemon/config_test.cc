@@ -282,6 +282,18 @@ INSTANTIATE_TEST_SUITE_P(
         BadValue{"TcpPortTooLarge",
                  [](DaemonConfig* c) { c->tcp_address = "[::]:65536"; },
                  {"server.tcp_address", "65535"}},
+        BadValue{"MetricsRemoteWithoutOptIn",
+                 [](DaemonConfig* c) { c->metrics_address = "0.0.0.0:9464"; },
+                 {"metrics.address", "metrics.allow_remote"}},
+        BadValue{"MetricsBadTcp",
+                 [](DaemonConfig* c) { c->metrics_address = "localhost"; },
+                 {"metrics.address", "host:port"}},
+        BadValue{"MetricsRelativeUnixPath",
+                 [](DaemonConfig* c) { c->metrics_address = "unix:metrics.sock"; },
+                 {"metrics.address", "unix:/absolute/path"}},
+        BadValue{"MetricsUnixPathTooLong",
+                 [](DaemonConfig* c) { c->metrics_address = "unix:/" + std::string(120, 'm'); },
+                 {"metrics.address", "107"}},
         BadValue{"AdminToken",
                  [](DaemonConfig* c) { c->admin_token = std::string(1025, 'x'); },
                  {"server.admin_token", "1024"}},
@@ -348,7 +360,7 @@ TEST(LoadConfigFileTest, ErrorsNameTheFileAndLine) {
 TEST(KnownConfigKeysTest, AreUniqueAndQualified) {
   const std::vector<std::string> keys = KnownConfigKeys();
   EXPECT_EQ(std::set<std::string>(keys.begin(), keys.end()).size(), keys.size());
-  EXPECT_EQ(keys.size(), 32u);  // 15 server, 6 limits, 3 log, 8 tenant
+  EXPECT_EQ(keys.size(), 34u);  // 15 server, 6 limits, 2 metrics, 3 log, 8 tenant
   for (const std::string& key : keys) EXPECT_NE(key.find('.'), std::string::npos) << key;
 }
 
@@ -450,6 +462,29 @@ TEST(ResolvePathsTest, KeepsGivenPathsAndCreatesMissingParents) {
   struct stat st;
   EXPECT_EQ(::stat((dir + "/a/b").c_str(), &st), 0);
   EXPECT_EQ(::stat((dir + "/c").c_str(), &st), 0);
+}
+
+TEST(ResolvePathsTest, MetricsAutoIsAUnixSocketBesideTheGrpcOneAndOffIsEmpty) {
+  const std::string dir = MakeTempDir();
+  DaemonConfig config = OneTenant();
+  config.unix_socket = dir + "/grpc.sock";
+  ASSERT_EQ(config.metrics_address, "auto");  // the default
+  absl::StatusOr<DaemonConfig> resolved = ResolvePaths(config);
+  ASSERT_TRUE(resolved.ok()) << resolved.status();
+  EXPECT_EQ(resolved->metrics_address, "unix:" + dir + "/grpc.sock.metrics");
+  config.metrics_address = "off";
+  resolved = ResolvePaths(config);
+  ASSERT_TRUE(resolved.ok()) << resolved.status();
+  EXPECT_EQ(resolved->metrics_address, "");
+  // Loopback TCP needs no opt-in; another address does.
+  for (const char* loopback : {"127.0.0.1:0", "localhost:9464", "[::1]:9464"}) {
+    config.metrics_address = loopback;
+    EXPECT_TRUE(config.Validate().ok()) << loopback << ": " << config.Validate();
+  }
+  config.metrics_address = "0.0.0.0:9464";
+  EXPECT_FALSE(config.Validate().ok());
+  config.metrics_allow_remote = true;
+  EXPECT_TRUE(config.Validate().ok()) << config.Validate();
 }
 
 TEST(ResolvePathsTest, ReportsADirectoryThatCannotBeMade) {
