@@ -1,27 +1,16 @@
 #include "bench/ipc_bench.h"
 
-#include <fcntl.h>
 #include <grpcpp/grpcpp.h>
-#include <signal.h>
-#include <sys/prctl.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <random>
-#include <sstream>
 #include <string>
-#include <thread>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/time/clock.h"
-#include "absl/time/time.h"
+#include "bench/kvtierd_child.h"
 #include "bench/redis_server.h"
 #include "bench/resp_client.h"
 #include "core/status.h"
@@ -40,9 +29,6 @@ constexpr uint64_t kMaxMessageBytes = 4 << 20;  // the daemon's, and the raw gRP
 constexpr int32_t kBudgetTokens = 512;          // the sessions' working set, when they are longer
 // Tokens per Append of the shm path: the pages arrive as a chunked prefill would send them.
 constexpr int64_t kAppendTokens = 2048;
-// Safety nets against a daemon that hangs, never measurements.
-constexpr absl::Duration kDaemonStartTimeout = absl::Seconds(60);
-constexpr absl::Duration kDaemonStopTimeout = absl::Seconds(30);
 
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 double Gbps(int64_t bytes, double seconds) { return seconds > 0 ? bytes / seconds / 1e9 : 0; }
@@ -50,194 +36,6 @@ double Gbps(int64_t bytes, double seconds) { return seconds > 0 ? bytes / second
 // Adds `key` (the median) and key_p10 / key_p90 to `j`.
 void AddSpread(JsonObject& j, const std::string& key, const Spread& s) {
   j.Add(key, s.median).Add(key + "_p10", s.p10).Add(key + "_p90", s.p90);
-}
-
-// The kvtierd binary: `flag` when given; else kvtierd next to this executable (installed
-// side by side) or daemon/kvtierd of the build tree this executable's bench/ is in.
-absl::StatusOr<std::string> FindKvtierd(const std::string& flag) {
-  if (!flag.empty()) {
-    if (::access(flag.c_str(), X_OK) == 0) return flag;
-    return absl::NotFoundError(absl::StrCat("--kvtierd ", flag, ": no executable kvtierd there"));
-  }
-  std::error_code ec;
-  const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", ec);
-  if (ec) {
-    return absl::NotFoundError(
-        absl::StrCat("cannot find kvtierd: this executable's path is unknown (", ec.message(),
-                     "); pass --kvtierd PATH"));
-  }
-  std::vector<std::string> tried;
-  for (const std::filesystem::path& candidate :
-       {self.parent_path() / "kvtierd", self.parent_path().parent_path() / "daemon" / "kvtierd"}) {
-    if (::access(candidate.c_str(), X_OK) == 0) return candidate.string();
-    tried.push_back(candidate.string());
-  }
-  return absl::NotFoundError(absl::StrCat("no kvtierd binary at ", tried[0], " or ", tried[1],
-                                          ": build the kvtierd target, or pass --kvtierd PATH"));
-}
-
-// A private temporary directory, removed with everything in it when destroyed.
-class TempDir {
- public:
-  static absl::StatusOr<TempDir> Create() {
-    char tmpl[] = "/tmp/kvtier-ipc-XXXXXX";
-    if (::mkdtemp(tmpl) == nullptr) {
-      return absl::InternalError(absl::StrCat("mkdtemp: ", std::strerror(errno)));
-    }
-    return TempDir(tmpl);
-  }
-  TempDir(TempDir&& other) noexcept : path_(std::exchange(other.path_, std::string())) {}
-  TempDir& operator=(TempDir&&) = delete;
-  ~TempDir() {
-    std::error_code ec;
-    if (!path_.empty()) std::filesystem::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  explicit TempDir(std::string path) : path_(std::move(path)) {}
-  std::string path_;
-};
-
-// kvtierd as a child process, on a configuration file and with its log (stdout and stderr)
-// in `dir`: ready once the log says it serves, stopped with SIGTERM (SIGKILL after
-// kDaemonStopTimeout) by Stop() or the destructor. It gets SIGTERM too when this process
-// dies first, so a crashed benchmark leaves no daemon behind.
-class KvtierdProcess {
- public:
-  // INTERNAL with the tail of the daemon's log when it exits or stays silent at start-up.
-  static absl::StatusOr<std::unique_ptr<KvtierdProcess>> Start(const std::string& binary,
-                                                               const std::string& dir,
-                                                               const std::string& config);
-  ~KvtierdProcess() { (void)Stop(); }
-  KvtierdProcess(const KvtierdProcess&) = delete;
-  KvtierdProcess& operator=(const KvtierdProcess&) = delete;
-
-  // Stops the daemon; INTERNAL when it did not exit 0 on SIGTERM (with its log's tail).
-  absl::Status Stop();
-  const std::string& unix_socket() const { return unix_socket_; }
-  int tcp_port() const { return tcp_port_; }
-  pid_t pid() const { return pid_; }
-
- private:
-  KvtierdProcess(pid_t pid, std::string dir)
-      : pid_(pid), log_path_(dir + "/kvtierd.log"), unix_socket_(dir + "/kvtierd.sock") {}
-  std::string Log() const {
-    std::ifstream in(log_path_);
-    std::ostringstream text;
-    text << in.rdbuf();
-    return text.str();
-  }
-  std::string LogTail() const {
-    const std::string log = Log();
-    return log.size() > 2000 ? "..." + log.substr(log.size() - 2000) : log;
-  }
-  // Waits for "kvtierd serving ... tcp port N" in the log (the daemon's last start-up line).
-  absl::Status WaitServing();
-
-  pid_t pid_;
-  std::string log_path_;
-  std::string unix_socket_;
-  int tcp_port_ = 0;
-};
-
-absl::StatusOr<std::unique_ptr<KvtierdProcess>> KvtierdProcess::Start(const std::string& binary,
-                                                                      const std::string& dir,
-                                                                      const std::string& config) {
-  const std::string config_path = dir + "/kvtierd.toml";
-  {
-    std::ofstream file(config_path);
-    file << config;
-    if (!file) return absl::InternalError(absl::StrCat("cannot write ", config_path));
-  }
-  std::vector<std::string> args = {binary, "--config", config_path};
-  std::vector<char*> argv;
-  for (std::string& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  const std::string log_path = dir + "/kvtierd.log";
-  const int log_fd = ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-  if (log_fd < 0) {
-    return absl::InternalError(
-        absl::StrCat("cannot create ", log_path, ": ", std::strerror(errno)));
-  }
-  const pid_t parent = ::getpid();
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    // The child: only async-signal-safe calls until execv.
-    ::prctl(PR_SET_PDEATHSIG, SIGTERM);
-    if (::getppid() != parent) ::_exit(127);  // the parent died before prctl
-    ::dup2(log_fd, STDOUT_FILENO);
-    ::dup2(log_fd, STDERR_FILENO);
-    ::execv(argv[0], argv.data());
-    ::_exit(127);
-  }
-  const int fork_errno = errno;
-  ::close(log_fd);
-  if (pid < 0) return absl::InternalError(absl::StrCat("fork: ", std::strerror(fork_errno)));
-  std::unique_ptr<KvtierdProcess> daemon(new KvtierdProcess(pid, dir));
-  KVTIER_RETURN_IF_ERROR(daemon->WaitServing());
-  return daemon;
-}
-
-absl::Status KvtierdProcess::WaitServing() {
-  constexpr std::string_view kServing = "kvtierd serving", kTcpPort = "tcp port ";
-  const absl::Time deadline = absl::Now() + kDaemonStartTimeout;
-  while (true) {
-    const std::string log = Log();
-    const size_t serving = log.find(kServing);
-    if (serving != std::string::npos) {
-      const size_t at = log.find(kTcpPort, serving);
-      const size_t end =
-          at == std::string::npos ? at : log.find_first_not_of("0123456789", at + kTcpPort.size());
-      if (at == std::string::npos ||
-          !absl::SimpleAtoi(log.substr(at + kTcpPort.size(), end - at - kTcpPort.size()),
-                            &tcp_port_) ||
-          tcp_port_ <= 0) {
-        return absl::InternalError(
-            absl::StrCat("kvtierd serves, but its log names no TCP port:\n", LogTail()));
-      }
-      return absl::OkStatus();
-    }
-    int status = 0;
-    if (::waitpid(pid_, &status, WNOHANG) == pid_) {
-      pid_ = -1;
-      return absl::InternalError(absl::StrFormat(
-          "kvtierd exited at start-up (%s %d):\n%s", WIFEXITED(status) ? "exit status" : "signal",
-          WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status), LogTail()));
-    }
-    if (absl::Now() > deadline) {
-      return absl::InternalError(absl::StrCat("kvtierd did not serve within ",
-                                              absl::FormatDuration(kDaemonStartTimeout), ":\n",
-                                              LogTail()));
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-}
-
-absl::Status KvtierdProcess::Stop() {
-  if (pid_ <= 0) return absl::OkStatus();
-  const pid_t pid = std::exchange(pid_, -1);
-  ::kill(pid, SIGTERM);
-  int status = 0;
-  const absl::Time deadline = absl::Now() + kDaemonStopTimeout;
-  pid_t done = 0;
-  while ((done = ::waitpid(pid, &status, WNOHANG)) == 0 && absl::Now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  if (done == 0) {
-    ::kill(pid, SIGKILL);
-    ::waitpid(pid, &status, 0);
-    return absl::InternalError(absl::StrCat("kvtierd did not exit within ",
-                                            absl::FormatDuration(kDaemonStopTimeout),
-                                            " of SIGTERM; killed:\n", LogTail()));
-  }
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-    return absl::InternalError(
-        absl::StrFormat("kvtierd did not exit cleanly on SIGTERM (%s %d):\n%s",
-                        WIFEXITED(status) ? "exit status" : "signal",
-                        WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status), LogTail()));
-  }
-  return absl::OkStatus();
 }
 
 // The daemon's configuration: its sockets in `dir`, TCP on an ephemeral loopback port, one
@@ -557,7 +355,7 @@ absl::StatusOr<JsonObject> RunIpcBench(const IpcBenchOptions& o, std::ostream& l
   KVTIER_ASSIGN_OR_RETURN(const std::string kvtierd, FindKvtierd(o.kvtierd));
   // The daemon first, before this process starts threads of its own (gRPC's, redis's): it is
   // forked, and the child only execs.
-  KVTIER_ASSIGN_OR_RETURN(const TempDir dir, TempDir::Create());
+  KVTIER_ASSIGN_OR_RETURN(const TempDir dir, TempDir::Create("kvtier-ipc"));
   KVTIER_ASSIGN_OR_RETURN(
       std::unique_ptr<KvtierdProcess> daemon,
       KvtierdProcess::Start(kvtierd, dir.path(), DaemonConfigToml(dir.path(), o)));

@@ -9,6 +9,7 @@
 //   kvtier-bench replay --connect unix:///path/kvtierd.sock   # through kvtierd sessions
 //   kvtier-bench replay --policies [--budgets 512,1024] [--policy-list window,h2o] [--plot F]
 //   kvtier-bench ipc [--bytes N] [--kvtierd PATH] [--json]
+//   kvtier-bench scrape [--context N] [--repeats N] [--scrape-ms 100] [--json]  # /metrics cost
 //   kvtier-bench pcie [--backend cuda] [--json] [--plot F]   # host↔device transfers, recall
 //   kvtier-bench step [--backend cuda] [--context N] [--json]  # per-layer decode step times
 //   kvtier-bench roofline [--contexts 32768,131072] [--json]  # cpu ops vs read bandwidth
@@ -30,6 +31,7 @@
 #include "bench/replay_bench.h"
 #include "bench/replay_session.h"
 #include "bench/roofline_bench.h"
+#include "bench/scrape_bench.h"
 #include "bench/step_bench.h"
 #include "kernels/registry.h"
 
@@ -400,6 +402,8 @@ int main(int argc, char** argv) {
   auto* step = kvtier::bench::AddStepCommand(app, &step_rc);
   int roofline_rc = 0;
   auto* roofline = kvtier::bench::AddRooflineCommand(app, &roofline_rc);
+  int scrape_rc = 0;
+  auto* scrape = kvtier::bench::AddScrapeCommand(app, &scrape_rc);
 
   auto* devices = app.add_subcommand("devices", "list the backends this build can use");
 
@@ -408,6 +412,7 @@ int main(int argc, char** argv) {
   if (*pcie) return pcie_rc;
   if (*step) return step_rc;
   if (*roofline) return roofline_rc;
+  if (*scrape) return scrape_rc;
   if (*ipc) {
     io.redis = !no_redis;
     return RunIpc(io, json, out);

@@ -110,6 +110,8 @@ class Replay {
  public:
   Replay(const ReplayBenchOptions& o, std::ostream& log) : o_(o), log_(log) {}
   absl::StatusOr<JsonObject> Run();
+  // After Run: every mode's timing samples.
+  std::vector<ReplayModeTimes> Times() const;
 
  private:
   absl::Status Setup();
@@ -641,6 +643,12 @@ JsonObject Replay::Report() const {
   return j;
 }
 
+std::vector<ReplayModeTimes> Replay::Times() const {
+  std::vector<ReplayModeTimes> times;
+  for (const ModeRun& m : modes_) times.push_back({m.name, m.critical_us, m.wall_us, m.drain_us});
+  return times;
+}
+
 absl::StatusOr<JsonObject> Replay::Run() {
   KVTIER_RETURN_IF_ERROR(Setup());
   log_ << absl::StrFormat(
@@ -669,9 +677,12 @@ absl::StatusOr<JsonObject> Replay::Run() {
 
 }  // namespace
 
-absl::StatusOr<JsonObject> RunReplayBench(const ReplayBenchOptions& o, std::ostream& log) {
+absl::StatusOr<JsonObject> RunReplayBench(const ReplayBenchOptions& o, std::ostream& log,
+                                          std::vector<ReplayModeTimes>* times) {
   Replay replay(o, log);
-  return replay.Run();
+  KVTIER_ASSIGN_OR_RETURN(JsonObject report, replay.Run());
+  if (times != nullptr) *times = replay.Times();
+  return report;
 }
 
 }  // namespace kvtier::bench

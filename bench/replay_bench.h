@@ -100,14 +100,24 @@ struct ReplayBenchOptions {
 absl::Status OpenReplayTrace(const std::string& path, const SyntheticTraceOptions& synthetic,
                              int32_t layers, std::unique_ptr<TraceSource>* trace, Geometry* g);
 
+// One mode's timing samples behind the report's spreads, one per timed step (scored and
+// unprofiled), in step order: µs.
+struct ReplayModeTimes {
+  std::string name;  // the report's mode name: "full", "speculative", ...
+  std::vector<double> critical_us, wall_us, drain_us;
+};
+
 // Runs the replay, writing a human-readable table to `log`; returns
 // {"modes": {"speculative": {...}, "sync": {...}, "full": {...}, ...}, ...}
-// (docs/trace-format.md lists the keys). INVALID_ARGUMENT for inconsistent options, naming
-// the command-line flag and the limit (a budget the 1/4 : 1/2 : 1/4 split cannot express, a
-// budget over the trace's prefill tokens, a step range outside the trace, ...); the
-// backend's error, prefixed with "--backend", when it cannot be created (UNIMPLEMENTED for
-// cuda in a build without CUDA); the trace's and the sequences' errors otherwise.
-absl::StatusOr<JsonObject> RunReplayBench(const ReplayBenchOptions& o, std::ostream& log);
+// (docs/trace-format.md lists the keys), and when `times` is not null fills it with every
+// mode's samples (for callers that aggregate several replays). INVALID_ARGUMENT for
+// inconsistent options, naming the command-line flag and the limit (a budget the
+// 1/4 : 1/2 : 1/4 split cannot express, a budget over the trace's prefill tokens, a step
+// range outside the trace, ...); the backend's error, prefixed with "--backend", when it
+// cannot be created (UNIMPLEMENTED for cuda in a build without CUDA); the trace's and the
+// sequences' errors otherwise.
+absl::StatusOr<JsonObject> RunReplayBench(const ReplayBenchOptions& o, std::ostream& log,
+                                          std::vector<ReplayModeTimes>* times = nullptr);
 
 }  // namespace kvtier::bench
 
