@@ -214,7 +214,9 @@ class HttpServerImpl final : public HttpServer {
   // Binds and listens. On failure the caller destroys the server, which unlinks whatever
   // was bound.
   absl::Status Listen(const HttpAddress& address) {
-    KVTIER_ASSIGN_OR_RETURN(std::vector<Generic::endpoint> endpoints, Resolve(address));
+    absl::StatusOr<std::vector<Generic::endpoint>> resolved = Resolve(address);
+    if (!resolved.ok()) return absl::FailedPreconditionError(resolved.status().message());
+    const std::vector<Generic::endpoint>& endpoints = *resolved;
     if (address.kind == HttpAddress::Kind::kUnix) {
       KVTIER_RETURN_IF_ERROR(ClearStaleSocket(address.path));
     }

@@ -276,6 +276,14 @@ TEST(HttpServerTest, ServesGetOnAnyFreeTcpPort) {
   EXPECT_EQ(r->content_type, "text/plain; charset=utf-8");
 }
 
+TEST(HttpServerTest, ResolvesAHostName) {
+  auto server = MustStart({.address = "localhost:0"});
+  ASSERT_NE(server, nullptr);
+  auto r = HttpGet(absl::StrCat("localhost:", server->port()), "/named", kGetTimeout);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->body, "GET /named\n");
+}
+
 TEST(HttpServerTest, ServesGetOnAUnixSocketWithMode0660) {
   TempDir dir;
   const std::string path = dir.Path("metrics.sock");
