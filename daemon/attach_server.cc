@@ -45,6 +45,7 @@
 #include "absl/strings/str_format.h"
 #include "core/mutex.h"
 #include "core/status.h"
+#include "daemon/unix_socket.h"
 #include "kvtier/v1/kvtier.pb.h"
 #include "offload/session_region.h"
 
@@ -71,47 +72,6 @@ absl::Status CheckPath(const std::string& path) {
     return absl::InvalidArgumentError(
         absl::StrFormat("attach socket path is %d bytes; a Unix socket path holds at most %d",
                         path.size(), kMaxPath));
-  }
-  return absl::OkStatus();
-}
-
-// Removes a socket file that nobody listens on any more (a daemon that died without
-// unlinking it). Anything else at `path` stays, and is an error.
-absl::Status ClearStaleSocket(const std::string& path) {
-  struct stat st {};
-  if (lstat(path.c_str(), &st) != 0) {
-    if (errno == ENOENT) return absl::OkStatus();
-    return absl::FailedPreconditionError(
-        absl::StrFormat("attach socket path %s: %s", path, ErrnoText(errno)));
-  }
-  if (!S_ISSOCK(st.st_mode)) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "attach socket path %s exists and is not a socket; remove it or choose another", path));
-  }
-  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-  if (fd < 0) {
-    return absl::ResourceExhaustedError(
-        absl::StrFormat("socket() to probe %s: %s", path, ErrnoText(errno)));
-  }
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  std::memcpy(addr.sun_path, path.data(), path.size());
-  // Non-blocking: a live listener with a full backlog answers EAGAIN instead of blocking.
-  const int rc = connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr));
-  const int err = errno;
-  close(fd);
-  if (rc == 0 || err == EAGAIN || err == EINPROGRESS) {
-    return absl::FailedPreconditionError(
-        absl::StrFormat("attach socket %s is in use by a live process (another kvtierd?)", path));
-  }
-  if (err != ECONNREFUSED) {
-    return absl::FailedPreconditionError(
-        absl::StrFormat("attach socket %s exists and probing it failed (%s); not replacing it",
-                        path, ErrnoText(err)));
-  }
-  if (unlink(path.c_str()) != 0 && errno != ENOENT) {
-    return absl::FailedPreconditionError(
-        absl::StrFormat("removing stale attach socket %s: %s", path, ErrnoText(errno)));
   }
   return absl::OkStatus();
 }
@@ -515,7 +475,8 @@ absl::StatusOr<std::unique_ptr<AttachServer>> AttachServer::Start(
         absl::StrFormat("protocol versions [%d, %d]: need 1 <= min <= max",
                         options.min_protocol_version, options.max_protocol_version));
   }
-  KVTIER_RETURN_IF_ERROR(ClearStaleSocket(path));
+  KVTIER_RETURN_IF_ERROR(
+      ClaimUnixSocketPath("attach socket", path, "another kvtierd?").status());
   auto server = std::make_unique<AttachServerImpl>(path, std::move(authorize), options);
   KVTIER_RETURN_IF_ERROR(server->Listen());
   server->Run();

@@ -30,6 +30,7 @@
 #include "daemon/metrics.h"
 #include "daemon/reflection_v1.h"
 #include "daemon/session_manager.h"
+#include "daemon/unix_socket.h"
 #include "daemon/work_queue.h"
 #include "grpc/grpc.h"
 #include "grpc/support/log.h"
@@ -43,40 +44,14 @@
 namespace kvtier::daemon {
 namespace {
 
-// Makes `path` free to bind: nothing there, or a stale socket (connecting is refused), which is
-// removed. FAILED_PRECONDITION for a live socket or a file that is not a socket.
+// Makes `path` free to bind (daemon/unix_socket.h), logging a stale socket it replaced.
 absl::Status ClaimSocketPath(std::string_view key, const std::string& path) {
-  struct stat st;
-  if (::lstat(path.c_str(), &st) != 0) return absl::OkStatus();  // nothing there
-  if (!S_ISSOCK(st.st_mode)) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "%s %s exists and is not a socket; remove it or choose another path", key, path));
-  }
-  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-  if (fd < 0) return absl::InternalError(absl::StrCat("socket(AF_UNIX): ", std::strerror(errno)));
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  path.copy(addr.sun_path, sizeof(addr.sun_path) - 1);
-  const int rc = ::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr));
-  const int error = errno;
-  ::close(fd);
-  if (rc != 0 && error == ECONNREFUSED) {
-    spdlog::info("replacing stale socket {}={}", key, path);
-    if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
-      return absl::FailedPreconditionError(absl::StrFormat(
-          "%s %s is stale but cannot be removed: %s", key, path, std::strerror(errno)));
-    }
-    return absl::OkStatus();
-  }
-  if (rc == 0 || error == EAGAIN || error == EINPROGRESS) {
-    return absl::FailedPreconditionError(
-        absl::StrFormat("%s %s is in use by a running daemon; stop it or choose another path "
-                        "(--unix-socket / --attach-socket)",
-                        key, path));
-  }
-  return absl::FailedPreconditionError(
-      absl::StrFormat("%s %s exists and cannot be probed (%s); remove it or choose another path",
-                      key, path, std::strerror(error)));
+  KVTIER_ASSIGN_OR_RETURN(
+      const bool replaced,
+      ClaimUnixSocketPath(key, path,
+                          "stop it or choose another path (--unix-socket / --attach-socket)"));
+  if (replaced) spdlog::info("replaced stale socket {}={}", key, path);
+  return absl::OkStatus();
 }
 
 // gRPC's own log lines, through the daemon's logger (so JSON logs stay JSON), rate-limited:

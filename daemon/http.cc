@@ -51,6 +51,7 @@
 #include "absl/strings/str_format.h"
 #include "core/mutex.h"
 #include "core/status.h"
+#include "daemon/unix_socket.h"
 
 namespace kvtier::daemon {
 namespace {
@@ -79,45 +80,6 @@ std::string ErrnoText(int err) { return std::strerror(err); }
 absl::Status BadAddress(std::string_view address, std::string_view why) {
   return absl::InvalidArgumentError(
       absl::StrFormat("HTTP address '%s': %s; %s", address, why, kAcceptedForms));
-}
-
-// Removes a socket file nobody listens on (a server that died without unlinking it); anything
-// else at `path` stays, and is an error.
-absl::Status ClearStaleSocket(const std::string& path) {
-  struct stat st {};
-  if (lstat(path.c_str(), &st) != 0) {
-    if (errno == ENOENT) return absl::OkStatus();
-    return absl::FailedPreconditionError(absl::StrFormat("unix:%s: %s", path, ErrnoText(errno)));
-  }
-  if (!S_ISSOCK(st.st_mode)) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "unix:%s exists and is not a socket; remove it or choose another path", path));
-  }
-  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-  if (fd < 0) {
-    return absl::ResourceExhaustedError(
-        absl::StrFormat("socket() to probe unix:%s: %s", path, ErrnoText(errno)));
-  }
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  std::memcpy(addr.sun_path, path.data(), path.size());
-  // Non-blocking: a live listener with a full backlog answers EAGAIN instead of blocking.
-  const int rc = connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr));
-  const int err = errno;
-  close(fd);
-  if (rc == 0 || err == EAGAIN || err == EINPROGRESS) {
-    return absl::FailedPreconditionError(
-        absl::StrFormat("unix:%s is in use by a live process", path));
-  }
-  if (err != ECONNREFUSED) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "unix:%s exists and probing it failed (%s); not replacing it", path, ErrnoText(err)));
-  }
-  if (unlink(path.c_str()) != 0 && errno != ENOENT) {
-    return absl::FailedPreconditionError(
-        absl::StrFormat("removing stale socket unix:%s: %s", path, ErrnoText(errno)));
-  }
-  return absl::OkStatus();
 }
 
 // The endpoints `address` names: the Unix path, or every address a TCP host resolves to.
@@ -218,7 +180,7 @@ class HttpServerImpl final : public HttpServer {
     if (!resolved.ok()) return absl::FailedPreconditionError(resolved.status().message());
     const std::vector<Generic::endpoint>& endpoints = *resolved;
     if (address.kind == HttpAddress::Kind::kUnix) {
-      KVTIER_RETURN_IF_ERROR(ClearStaleSocket(address.path));
+      KVTIER_RETURN_IF_ERROR(ClaimUnixSocketPath("HTTP socket", address.path).status());
     }
     const Generic::endpoint& endpoint = endpoints.front();
     boost::system::error_code ec;
