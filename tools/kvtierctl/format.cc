@@ -48,7 +48,8 @@ std::string HumanBytes(std::optional<double> bytes) {
 }
 
 std::string HumanDuration(absl::Duration d) {
-  if (d < absl::ZeroDuration()) return "-" + HumanDuration(-d);
+  // (absl::StrCat, not "-" + std::string: GCC 12 at -O3 warns falsely about that operator+.)
+  if (d < absl::ZeroDuration()) return absl::StrCat("-", HumanDuration(-d));
   const double ns = absl::ToDoubleNanoseconds(d);
   // Three significant digits below a minute.
   auto sig3 = [](double v, const char* unit) {
