@@ -41,3 +41,7 @@ endif()
 # (Unicode letters, numbers, white space).
 pkg_check_modules(OPENBLAS REQUIRED IMPORTED_TARGET openblas)
 find_package(ICU REQUIRED COMPONENTS uc)
+
+# The Redis Cluster cold tier (daemon/redis_cluster.h): hiredis parses RESP and does the socket
+# I/O; Debian 12's hiredis (0.14) has no cluster support, so the routing is kvtier's own.
+pkg_check_modules(HIREDIS REQUIRED IMPORTED_TARGET hiredis)

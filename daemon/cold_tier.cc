@@ -1,0 +1,211 @@
+#include "daemon/cold_tier.h"
+
+#include <zlib.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace kvtier::daemon {
+namespace {
+
+constexpr char kMagic[4] = {'K', 'V', 'T', 'C'};
+constexpr uint16_t kVersion = 1;
+
+void PutLe(char* p, uint64_t v, int bytes) {
+  for (int i = 0; i < bytes; ++i) p[i] = static_cast<char>((v >> (8 * i)) & 0xff);
+}
+uint64_t GetLe(const char* p, int bytes) {
+  uint64_t v = 0;
+  for (int i = 0; i < bytes; ++i) v |= uint64_t{static_cast<unsigned char>(p[i])} << (8 * i);
+  return v;
+}
+uint32_t Crc32(const char* p, size_t n) {
+  return static_cast<uint32_t>(
+      crc32_z(crc32(0L, Z_NULL, 0), reinterpret_cast<const Bytef*>(p), n));
+}
+
+bool ValidPrefix(std::string_view s) {
+  if (s.empty() || s.size() > 32) return false;
+  return std::all_of(s.begin(), s.end(), [](char c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+           c == '_' || c == '.' || c == '-';
+  });
+}
+
+}  // namespace
+
+std::string EncodeColdValue(uint64_t generation, std::string_view data) {
+  std::string v(kColdHeaderBytes + data.size(), '\0');
+  char* h = v.data();
+  std::memcpy(h, kMagic, 4);
+  PutLe(h + 4, kVersion, 2);
+  PutLe(h + 8, generation, 8);
+  PutLe(h + 16, data.size(), 8);
+  PutLe(h + 24, Crc32(data.data(), data.size()), 4);
+  PutLe(h + 28, Crc32(h, 28), 4);
+  if (!data.empty()) std::memcpy(h + kColdHeaderBytes, data.data(), data.size());
+  return v;
+}
+
+absl::StatusOr<ColdPage> DecodeColdValue(std::string_view value, uint64_t expected_generation) {
+  if (value.size() < kColdHeaderBytes) {
+    return absl::DataLossError(absl::StrFormat(
+        "cold value of %d bytes: shorter than its %d-byte header", value.size(), kColdHeaderBytes));
+  }
+  const char* h = value.data();
+  if (std::memcmp(h, kMagic, 4) != 0) return absl::DataLossError("cold value: bad magic");
+  if (GetLe(h + 28, 4) != Crc32(h, 28)) {
+    return absl::DataLossError("cold value: header checksum mismatch");
+  }
+  if (GetLe(h + 4, 2) != kVersion) {
+    return absl::DataLossError(
+        absl::StrFormat("cold value: version %d, expected %d", GetLe(h + 4, 2), kVersion));
+  }
+  const uint64_t bytes = GetLe(h + 16, 8);
+  if (bytes != value.size() - kColdHeaderBytes) {
+    return absl::DataLossError(absl::StrFormat("cold value: header says %d bytes, %d follow",
+                                               bytes, value.size() - kColdHeaderBytes));
+  }
+  const std::string_view data = value.substr(kColdHeaderBytes);
+  if (GetLe(h + 24, 4) != Crc32(data.data(), data.size())) {
+    return absl::DataLossError("cold value: payload checksum mismatch");
+  }
+  ColdPage page;
+  page.generation = GetLe(h + 8, 8);
+  if (expected_generation != 0 && page.generation != expected_generation) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("cold value of generation %d, expected %d (a stale commit)",
+                        page.generation, expected_generation));
+  }
+  page.data = std::string(data);
+  return page;
+}
+
+absl::StatusOr<std::unique_ptr<ColdTier>> ColdTier::Create(RedisCluster* cluster,
+                                                           std::string prefix) {
+  if (cluster == nullptr) return absl::InvalidArgumentError("cold tier: no cluster");
+  if (!ValidPrefix(prefix)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "cold tier key prefix \"%s\": must be 1 to 32 of [A-Za-z0-9_.-]", prefix));
+  }
+  return std::unique_ptr<ColdTier>(new ColdTier(cluster, std::move(prefix)));
+}
+
+std::string ColdKey(std::string_view prefix, std::string_view tenant, std::string_view session,
+                    int32_t layer, int64_t page) {
+  std::string key;
+  ((((((key += prefix) += ':') += tenant) += ":{") += session) += ':');
+  key += absl::StrCat(layer, "}:", page);
+  return key;
+}
+
+absl::Status ColdTier::Put(std::string_view tenant, std::string_view session,
+                           std::span<const ColdPageRef> pages, absl::Time deadline) {
+  std::vector<std::vector<std::string>> commands;
+  commands.reserve(pages.size());
+  int64_t bytes = 0;
+  for (const ColdPageRef& p : pages) {
+    if (p.generation == 0 || p.layer < 0 || p.page < 0 || p.data.empty()) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "cold tier put of layer %d page %d (generation %d, %d bytes): layer and page must be "
+          ">= 0, generation >= 1, data non-empty",
+          p.layer, p.page, p.generation, p.data.size()));
+    }
+    commands.push_back({"SET", Key(tenant, session, p.layer, p.page),
+                        EncodeColdValue(p.generation, p.data)});
+    bytes += static_cast<int64_t>(p.data.size());
+  }
+  std::vector<absl::StatusOr<RedisReply>> replies = cluster_->Pipeline(commands, deadline);
+  for (size_t i = 0; i < replies.size(); ++i) {
+    if (!replies[i].ok()) {
+      return absl::Status(replies[i].status().code(),
+                          absl::StrFormat("cold tier put of layer %d page %d: %s", pages[i].layer,
+                                          pages[i].page, replies[i].status().message()));
+    }
+  }
+  MutexLock lock(&mu_);
+  stats_.pages_written += static_cast<int64_t>(pages.size());
+  stats_.bytes_written += bytes;
+  return absl::OkStatus();
+}
+
+std::vector<absl::StatusOr<ColdPage>> ColdTier::Get(std::string_view tenant,
+                                                    std::string_view session, int32_t layer,
+                                                    std::span<const int64_t> pages,
+                                                    std::span<const uint64_t> generations,
+                                                    absl::Time deadline) {
+  std::vector<std::vector<std::string>> commands;
+  commands.reserve(pages.size());
+  for (int64_t p : pages) commands.push_back({"GET", Key(tenant, session, layer, p)});
+  std::vector<absl::StatusOr<RedisReply>> replies = cluster_->Pipeline(commands, deadline);
+  std::vector<absl::StatusOr<ColdPage>> out;
+  out.reserve(pages.size());
+  int64_t read = 0, bytes = 0, failures = 0, recoveries = 0;
+  for (size_t i = 0; i < pages.size(); ++i) {
+    const uint64_t want = i < generations.size() ? generations[i] : 0;
+    const auto decode = [&](const absl::StatusOr<RedisReply>& r) -> absl::StatusOr<ColdPage> {
+      if (!r.ok()) return r.status();
+      if (r->type == RedisReply::Type::kNil) {
+        return absl::NotFoundError(absl::StrFormat("cold tier: layer %d page %d of session %s "
+                                                   "is not stored",
+                                                   layer, pages[i], session));
+      }
+      if (r->type != RedisReply::Type::kString) {
+        return absl::DataLossError(absl::StrFormat(
+            "cold tier: layer %d page %d: the key holds no string value", layer, pages[i]));
+      }
+      return DecodeColdValue(r->str, want);
+    };
+    absl::StatusOr<ColdPage> page = decode(replies[i]);
+    if (absl::IsDataLoss(page.status())) {
+      ++failures;
+      // A replica may still hold the intact copy (the master's was corrupted after the write).
+      absl::StatusOr<ColdPage> again =
+          decode(cluster_->RunOnReplica(commands[i], deadline));
+      if (again.ok()) {
+        ++recoveries;
+        page = std::move(again);
+      } else {
+        page = absl::DataLossError(absl::StrFormat(
+            "cold tier: layer %d page %d of session %s: %s; replica: %s", layer, pages[i],
+            session, page.status().message(), again.status().ToString()));
+      }
+    }
+    if (page.ok()) {
+      page->layer = layer;
+      page->page = pages[i];
+      ++read;
+      bytes += static_cast<int64_t>(page->data.size());
+    }
+    out.push_back(std::move(page));
+  }
+  MutexLock lock(&mu_);
+  stats_.pages_read += read;
+  stats_.bytes_read += bytes;
+  stats_.checksum_failures += failures;
+  stats_.replica_recoveries += recoveries;
+  return out;
+}
+
+absl::Status ColdTier::Delete(std::string_view tenant, std::string_view session, int32_t layer,
+                              std::span<const int64_t> pages, absl::Time deadline) {
+  std::vector<std::vector<std::string>> commands;
+  commands.reserve(pages.size());
+  for (int64_t p : pages) commands.push_back({"DEL", Key(tenant, session, layer, p)});
+  for (const absl::StatusOr<RedisReply>& r : cluster_->Pipeline(commands, deadline)) {
+    if (!r.ok()) return r.status();
+  }
+  return absl::OkStatus();
+}
+
+ColdTierStats ColdTier::stats() const {
+  MutexLock lock(&mu_);
+  return stats_;
+}
+
+}  // namespace kvtier::daemon
