@@ -10,6 +10,7 @@
 //   kvtier-bench replay --policies [--budgets 512,1024] [--policy-list window,h2o] [--plot F]
 //   kvtier-bench ipc [--bytes N] [--kvtierd PATH] [--json]
 //   kvtier-bench scrape [--context N] [--repeats N] [--scrape-ms 100] [--json]  # /metrics cost
+//   kvtier-bench tier [--masters 3] [--page-bytes N] [--pages N] [--json]  # cold tier vs Redis
 //   kvtier-bench pcie [--backend cuda] [--json] [--plot F]   # host↔device transfers, recall
 //   kvtier-bench step [--backend cuda] [--context N] [--json]  # per-layer decode step times
 //   kvtier-bench roofline [--contexts 32768,131072] [--json]  # cpu ops vs read bandwidth
@@ -33,6 +34,7 @@
 #include "bench/roofline_bench.h"
 #include "bench/scrape_bench.h"
 #include "bench/step_bench.h"
+#include "bench/tier_bench.h"
 #include "kernels/registry.h"
 
 namespace {
@@ -404,6 +406,8 @@ int main(int argc, char** argv) {
   auto* roofline = kvtier::bench::AddRooflineCommand(app, &roofline_rc);
   int scrape_rc = 0;
   auto* scrape = kvtier::bench::AddScrapeCommand(app, &scrape_rc);
+  int tier_rc = 0;
+  auto* tier = kvtier::bench::AddTierCommand(app, &tier_rc);
 
   auto* devices = app.add_subcommand("devices", "list the backends this build can use");
 
@@ -413,6 +417,7 @@ int main(int argc, char** argv) {
   if (*step) return step_rc;
   if (*roofline) return roofline_rc;
   if (*scrape) return scrape_rc;
+  if (*tier) return tier_rc;
   if (*ipc) {
     io.redis = !no_redis;
     return RunIpc(io, json, out);

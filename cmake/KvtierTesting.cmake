@@ -15,3 +15,18 @@ function(kvtier_add_test)
   endif()
   set_tests_properties(${T_NAME} PROPERTIES LABELS "${labels}" TIMEOUT 600)
 endfunction()
+
+# kvtier_redis_testutil: a real Redis Cluster of redis-server processes
+# (tests/testutil/redis_cluster_process.h), for the tests and for `kvtier-bench tier`; defined
+# by whichever of tests/ and bench/ asks first.
+function(kvtier_redis_testutil_library)
+  if(TARGET kvtier_redis_testutil)
+    return()
+  endif()
+  add_library(kvtier_redis_testutil STATIC
+    ${PROJECT_SOURCE_DIR}/tests/testutil/redis_cluster_process.cc)
+  target_include_directories(kvtier_redis_testutil PUBLIC ${PROJECT_SOURCE_DIR})
+  target_link_libraries(kvtier_redis_testutil PUBLIC kvtier_core absl::status absl::statusor
+    absl::time PRIVATE PkgConfig::HIREDIS absl::strings)
+  kvtier_set_warnings(kvtier_redis_testutil)
+endfunction()
