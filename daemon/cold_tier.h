@@ -8,8 +8,8 @@
 // to one node, while a session's layers spread over the cluster.
 //
 // Values: a 32-byte header, then the page (HND [Hkv][2][p][d], as the host tier holds it):
-//   magic "KVTC" | version u16 | reserved u16 | generation u64 | bytes u64 | crc32 u32 |
-//   header crc32 u32 (of the 28 bytes before it), little-endian.
+//   magic "KVTC" | version u16 | reserved u16 | generation u64 | bytes u64 | crc32c u32 |
+//   header crc32c u32 (of the 28 bytes before it), little-endian.
 // The page's generation is its commit stamp: a reader asks for the generation it expects and
 // refuses any other (a stale value of an earlier commit of that page). A value whose header or
 // payload checksum fails is read again from a replica of its slot, when there is one; when
@@ -54,6 +54,10 @@ struct ColdPage {
 // The key of a page: "<prefix>:<tenant>:{<session>:<layer>}:<page>".
 std::string ColdKey(std::string_view prefix, std::string_view tenant, std::string_view session,
                     int32_t layer, int64_t page);
+
+// The checksum of the value format: CRC-32C, with the SSE4.2 instruction when
+// `allow_hardware` and the CPU has it, else a table (both give the same value).
+uint32_t ColdChecksum(std::string_view data, bool allow_hardware = true);
 
 // The value format (exposed for tests and the benchmark).
 inline constexpr size_t kColdHeaderBytes = 32;

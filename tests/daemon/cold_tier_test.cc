@@ -30,6 +30,21 @@ std::string Page(size_t n) {
   return s;
 }
 
+TEST(ColdValueTest, TheChecksumIsCrc32cInHardwareAndInSoftware) {
+  // The standard check value of CRC-32C.
+  EXPECT_EQ(ColdChecksum("123456789", false), 0xE3069283u);
+  EXPECT_EQ(ColdChecksum("123456789", true), 0xE3069283u);
+  EXPECT_EQ(ColdChecksum("", true), 0u);
+  // Every length and alignment agrees between the two.
+  const std::string data = Page(300);
+  for (size_t start = 0; start < 9; ++start) {
+    for (size_t n = 0; n + start <= data.size(); n += 7) {
+      const std::string_view v(data.data() + start, n);
+      ASSERT_EQ(ColdChecksum(v, true), ColdChecksum(v, false)) << start << " " << n;
+    }
+  }
+}
+
 TEST(ColdValueTest, RoundTripsBinaryPagesWithTheirGeneration) {
   for (size_t n : {size_t{1}, size_t{4096}, size_t{65536} + 3}) {
     const std::string data = Page(n);
