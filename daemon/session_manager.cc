@@ -886,6 +886,19 @@ void SessionManager::WriteMetrics(Exposition& out) const {
   per_tenant("kvtier_tenant_refused_requests_total", "counter",
              "Requests of the tenant's callers that ended in an error.",
              [](const Tenant& t) { return t.refused_requests(); });
+  absl::flat_hash_map<std::string, uint32_t> calls;
+  {
+    MutexLock lock(&mu_);
+    calls = tenant_calls_;
+  }
+  out.Family("kvtier_tenant_calls_in_flight", "gauge",
+             "Calls of the tenant's callers in progress (streams while open); at "
+             "limits.max_inflight_calls_per_tenant more are refused.");
+  for (const std::string& t : tenant_names) {
+    auto it = calls.find(t);
+    out.Sample("kvtier_tenant_calls_in_flight", {{"tenant", t}},
+               it == calls.end() ? 0.0 : static_cast<double>(it->second));
+  }
   out.Family("kvtier_tenant_sessions", "gauge", "Open sessions, by transport.");
   for (const std::string& t : tenant_names) {
     for (std::string_view tr : kTransports) {

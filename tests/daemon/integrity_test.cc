@@ -34,6 +34,7 @@
 #include "client/shm_attach.h"
 #include "gmock/gmock.h"
 #include "grpc/reflection/v1/reflection.pb.h"
+#include "daemon/http.h"
 #include "gtest/gtest.h"
 #include "kvtier/v1/kvtier.grpc.pb.h"
 #include "tests/client/daemon_process.h"
@@ -693,7 +694,22 @@ TEST_F(IntegrityTest, TenantPastItsInflightLimitIsRefusedWithARetryHintOthersAre
   auto w2 = stub_->Offload(&c2, &r2);
   ASSERT_TRUE(w1->Write(Chunk(id, 0, 0, 8, false)));
   ASSERT_TRUE(w2->Write(Chunk(id, 1, 0, 8, false)));
-  // The streams are in the daemon once a write came back: the third call of a is refused.
+  // A write that came back only reached the transport: wait until the daemon counts both
+  // streams in flight (its metrics say so), or a probe below could take the second slot
+  // first and get the stream refused instead.
+  const std::string metrics = "unix:" + daemon_->socket_path() + ".metrics";
+  const absl::Time until = absl::Now() + absl::Seconds(20);
+  std::string seen;
+  while (absl::Now() < until) {
+    absl::StatusOr<daemon::HttpResponse> r =
+        daemon::HttpGet(metrics, "/metrics", absl::Seconds(5));
+    if (r.ok()) seen = r->body;
+    if (seen.find("kvtier_tenant_calls_in_flight{tenant=\"a\"} 2\n") != std::string::npos) break;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_NE(seen.find("kvtier_tenant_calls_in_flight{tenant=\"a\"} 2\n"), std::string::npos)
+      << "the daemon never counted both streams; last metrics:\n" << seen;
+  // Both slots are taken: the third call of a is refused.
   RawCallResult busy;
   for (int i = 0; i < 1000; ++i) {
     v1::HelloRequest hello;
