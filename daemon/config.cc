@@ -107,6 +107,19 @@ absl::Status ReadUids(const toml::node& node, std::string_view key, std::vector<
   return absl::OkStatus();
 }
 
+absl::Status ReadStrings(const toml::node& node, std::string_view key,
+                         std::vector<std::string>* out) {
+  const toml::array* array = node.as_array();
+  if (array == nullptr) return WrongType(node, key, "an array of strings");
+  out->clear();
+  for (size_t i = 0; i < array->size(); ++i) {
+    std::string value;
+    KVTIER_RETURN_IF_ERROR(ReadString((*array)[i], absl::StrFormat("%s[%d]", key, i), &value));
+    out->push_back(std::move(value));
+  }
+  return absl::OkStatus();
+}
+
 // One known key of a section: reads `node` (named `key` in messages) into *T.
 template <class T>
 struct Field {
@@ -152,6 +165,17 @@ constexpr ConfigField kMetricsFields[] = {
     {"address", [](const toml::node& n, std::string_view k, DaemonConfig* c) { return ReadString(n, k, &c->metrics_address); }},
     {"allow_remote", [](const toml::node& n, std::string_view k, DaemonConfig* c) { return ReadBool(n, k, &c->metrics_allow_remote); }},
 };
+constexpr ConfigField kColdTierFields[] = {
+    {"nodes", [](const toml::node& n, std::string_view k, DaemonConfig* c) { return ReadStrings(n, k, &c->cold_tier.nodes); }},
+    {"key_prefix", [](const toml::node& n, std::string_view k, DaemonConfig* c) { return ReadString(n, k, &c->cold_tier.key_prefix); }},
+    {"user", [](const toml::node& n, std::string_view k, DaemonConfig* c) { return ReadString(n, k, &c->cold_tier.user); }},
+    {"password", [](const toml::node& n, std::string_view k, DaemonConfig* c) { return ReadString(n, k, &c->cold_tier.password); }},
+    {"connect_timeout_ms", [](const toml::node& n, std::string_view k, DaemonConfig* c) { return ReadMillis(n, k, &c->cold_tier.connect_timeout); }},
+    {"command_timeout_ms", [](const toml::node& n, std::string_view k, DaemonConfig* c) { return ReadMillis(n, k, &c->cold_tier.command_timeout); }},
+    {"operation_timeout_ms", [](const toml::node& n, std::string_view k, DaemonConfig* c) { return ReadMillis(n, k, &c->cold_tier.operation_timeout); }},
+    {"min_replicas", [](const toml::node& n, std::string_view k, DaemonConfig* c) { return ReadInt(n, k, &c->cold_tier.min_replicas); }},
+    {"persist_on_shutdown", [](const toml::node& n, std::string_view k, DaemonConfig* c) { return ReadBool(n, k, &c->cold_tier.persist_on_shutdown); }},
+};
 constexpr TenantField kTenantFields[] = {
     {"name", [](const toml::node& n, std::string_view k, TenantConfig* t) { return ReadString(n, k, &t->name); }},
     {"token", [](const toml::node& n, std::string_view k, TenantConfig* t) { return ReadString(n, k, &t->token); }},
@@ -161,6 +185,9 @@ constexpr TenantField kTenantFields[] = {
     {"hugepages", [](const toml::node& n, std::string_view k, TenantConfig* t) { return ReadString(n, k, &t->hugepages); }},
     {"lock", [](const toml::node& n, std::string_view k, TenantConfig* t) { return ReadBool(n, k, &t->lock); }},
     {"uids", [](const toml::node& n, std::string_view k, TenantConfig* t) { return ReadUids(n, k, &t->uids); }},
+    {"cold_quota_bytes", [](const toml::node& n, std::string_view k, TenantConfig* t) { return ReadInt(n, k, &t->cold_quota_bytes); }},
+    {"redis_user", [](const toml::node& n, std::string_view k, TenantConfig* t) { return ReadString(n, k, &t->redis_user); }},
+    {"redis_password", [](const toml::node& n, std::string_view k, TenantConfig* t) { return ReadString(n, k, &t->redis_password); }},
 };
 // clang-format on
 
@@ -168,9 +195,11 @@ struct Section {
   std::string_view name;
   std::span<const ConfigField> fields;
 };
-constexpr Section kSections[] = {
-    {"server", kServerFields}, {"limits", kLimitsFields}, {"metrics", kMetricsFields},
-    {"log", kLogFields}};
+constexpr Section kSections[] = {{"server", kServerFields},
+                                 {"limits", kLimitsFields},
+                                 {"metrics", kMetricsFields},
+                                 {"cold_tier", kColdTierFields},
+                                 {"log", kLogFields}};
 constexpr std::string_view kTenantTable = "tenant";
 
 template <class T>
@@ -238,7 +267,8 @@ absl::Status ReadRoot(const toml::table& root, DaemonConfig* config) {
     }
     if (section == nullptr) {
       return absl::InvalidArgumentError(absl::StrFormat(
-          "line %d: unknown key %s (known tables: [server], [limits], [log], [[tenant]])",
+          "line %d: unknown key %s (known tables: [server], [limits], [metrics], [cold_tier], "
+          "[log], [[tenant]])",
           key.source().begin.line, key.str()));
     }
     if (!node.is_table()) return WrongType(node, key.str(), "a table");

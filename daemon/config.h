@@ -19,6 +19,21 @@
 
 namespace kvtier::daemon {
 
+// [cold_tier] (docs/service.md#the-cold-tier): a Redis Cluster behind the host tier.
+struct ColdTierConfig {
+  std::vector<std::string> nodes;     // seed nodes, "host:port"; empty: no cold tier
+  std::string key_prefix = "kvtier";  // [A-Za-z0-9_.-]{1,32}, the first part of every key
+  std::string user;                   // the daemon's AUTH user (Redis ACL); empty: default
+  std::string password;               // AUTH password; empty: no AUTH
+  absl::Duration connect_timeout = absl::Seconds(1);     // per TCP connect
+  absl::Duration command_timeout = absl::Seconds(2);     // per network round trip
+  absl::Duration operation_timeout = absl::Seconds(30);  // one session's demotion or promotion
+  uint32_t min_replicas = 0;        // replicas (WAIT) a demotion must reach before it counts
+  bool persist_on_shutdown = true;  // a clean shutdown demotes every session first
+  bool enabled() const { return !nodes.empty(); }
+  friend bool operator==(const ColdTierConfig&, const ColdTierConfig&) = default;
+};
+
 // One tenant: an isolated host-memory arena and its sessions.
 struct TenantConfig {
   std::string name;                // [A-Za-z0-9_.-]{1,64}
@@ -30,6 +45,12 @@ struct TenantConfig {
   bool lock = true;                // mlock the arena (best effort)
   // Uids that may map the arena through the attach socket; empty: the daemon's own uid.
   std::vector<uint32_t> uids;
+  // Bytes of this tenant's pages the cold tier may hold; 0: the tenant has no cold tier.
+  uint64_t cold_quota_bytes = 0;
+  // The tenant's own Redis ACL user for its keys ("~<key_prefix>:<tenant>:*"); empty: the
+  // daemon's connection ([cold_tier] user/password) serves the tenant.
+  std::string redis_user;
+  std::string redis_password;
 
   friend bool operator==(const TenantConfig&, const TenantConfig&) = default;
 };
@@ -57,7 +78,7 @@ struct DaemonConfig {
   // [limits]
   uint32_t max_sessions_per_tenant = 64;
   uint32_t max_tokens_per_session = kDefaultMaxTokens;  // per layer
-  uint32_t default_max_tokens = 32768;       // when OpenSession leaves max_tokens 0
+  uint32_t default_max_tokens = 32768;                  // when OpenSession leaves max_tokens 0
   uint32_t max_layers = 256;
   uint32_t max_tokens_per_offload = 4096;       // tokens in one OffloadRequest
   uint32_t max_inflight_calls_per_tenant = 64;  // calls (streams included) at once
@@ -67,6 +88,8 @@ struct DaemonConfig {
   // metrics_allow_remote: the metrics name tenants and sessions.
   std::string metrics_address = "auto";
   bool metrics_allow_remote = false;
+  // [cold_tier]
+  ColdTierConfig cold_tier;
   // [log]
   std::string log_level = "info";   // trace | debug | info | warn | error | off
   std::string log_format = "text";  // text | json

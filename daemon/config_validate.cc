@@ -45,6 +45,10 @@ constexpr int64_t kMaxQueuedCalls = 1 << 20;
 constexpr int64_t kMaxHandshakeMs = 60000;
 constexpr int64_t kMaxAttachConnections = 65536;
 constexpr int64_t kMaxInflightCallsPerTenant = 1 << 20;
+constexpr int64_t kMaxColdTimeoutMs = 10 * 60 * 1000;  // 10 min
+constexpr int64_t kMaxMinReplicas = 16;
+constexpr size_t kMaxKeyPrefixBytes = 32;
+constexpr size_t kMaxRedisUserBytes = 64;
 
 // "key = value is out of range [lo, hi]" when value is outside [lo, hi].
 absl::Status CheckRange(std::string_view key, int64_t value, int64_t lo, int64_t hi,
@@ -114,6 +118,79 @@ bool IsLoopbackHost(std::string_view address) {
 
 constexpr std::string_view kUnixPrefix = "unix:";
 
+bool IsNameChar(char c) {
+  return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '.' || c == '-';
+}
+
+// `value` matches [A-Za-z0-9_.-]{1,max_bytes}.
+bool IsName(std::string_view value, size_t max_bytes) {
+  return !value.empty() && value.size() <= max_bytes &&
+         std::all_of(value.begin(), value.end(), [](char c) { return IsNameChar(c); });
+}
+
+// A Redis AUTH user or password: at most 1024 bytes, printable ASCII without spaces (it
+// travels in AUTH and, in a per-tenant ACL, in an ACL SETUSER line).
+absl::Status CheckRedisSecret(std::string_view key, std::string_view value) {
+  if (value.size() > kMaxTokenBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s is %d bytes, more than %d", key, value.size(), kMaxTokenBytes));
+  }
+  for (char c : value) {
+    if (c <= 0x20 || c > 0x7e) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s holds a space or a character outside printable ASCII (0x21-0x7e)", key));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// A cold-tier seed: "host:port" with a non-empty host and a port in [1, 65535].
+absl::Status CheckRedisNode(std::string_view key, std::string_view node) {
+  const size_t colon = node.rfind(':');
+  uint32_t port = 0;
+  const bool host_ok = colon != std::string_view::npos && colon > 0 &&
+                       std::none_of(node.begin(), node.begin() + colon,
+                                    [](char c) { return c <= 0x20 || c > 0x7e; });
+  if (!host_ok || !absl::SimpleAtoi(std::string(node.substr(colon + 1)), &port) || port < 1 ||
+      port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s = \"%s\" is not host:port with a non-empty host and a port in "
+                        "[1, 65535] (e.g. \"10.0.0.5:6379\")",
+                        key, node));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateColdTier(const ColdTierConfig& c) {
+  for (size_t i = 0; i < c.nodes.size(); ++i) {
+    KVTIER_RETURN_IF_ERROR(CheckRedisNode(absl::StrFormat("cold_tier.nodes[%d]", i), c.nodes[i]));
+  }
+  if (!IsName(c.key_prefix, kMaxKeyPrefixBytes)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("cold_tier.key_prefix = \"%s\" must match [A-Za-z0-9_.-]{1,%d}",
+                        c.key_prefix, kMaxKeyPrefixBytes));
+  }
+  KVTIER_RETURN_IF_ERROR(CheckRedisSecret("cold_tier.user", c.user));
+  KVTIER_RETURN_IF_ERROR(CheckRedisSecret("cold_tier.password", c.password));
+  if (!c.user.empty() && c.password.empty()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "cold_tier.user = \"%s\" is set but cold_tier.password is empty: AUTH needs a password "
+        "(a password alone authenticates the default user)",
+        c.user));
+  }
+  const struct {
+    std::string_view key;
+    absl::Duration value;
+  } timeouts[] = {{"cold_tier.connect_timeout_ms", c.connect_timeout},
+                  {"cold_tier.command_timeout_ms", c.command_timeout},
+                  {"cold_tier.operation_timeout_ms", c.operation_timeout}};
+  for (const auto& [key, value] : timeouts) {
+    KVTIER_RETURN_IF_ERROR(
+        CheckRange(key, absl::ToInt64Milliseconds(value), 1, kMaxColdTimeoutMs, "1 ms to 10 min"));
+  }
+  return CheckRange("cold_tier.min_replicas", c.min_replicas, 0, kMaxMinReplicas);
+}
+
 absl::Status ValidateMetrics(const DaemonConfig& c) {
   const std::string& a = c.metrics_address;
   if (a.empty() || a == "auto" || a == "off") return absl::OkStatus();
@@ -135,10 +212,6 @@ absl::Status ValidateMetrics(const DaemonConfig& c) {
   return absl::OkStatus();
 }
 
-bool IsNameChar(char c) {
-  return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '.' || c == '-';
-}
-
 // [[DDDD:]BB:DD.F] with hex digits, as nvidia-smi and sysfs print it.
 bool IsPciBusId(std::string_view bus_id) {
   const std::string id = bus_id.size() == 7 ? absl::StrFormat("0000:%s", bus_id)  // BB:DD.F
@@ -150,12 +223,34 @@ bool IsPciBusId(std::string_view bus_id) {
   return true;
 }
 
-absl::Status ValidateTenant(const TenantConfig& tenant, size_t index) {
+absl::Status ValidateTenantColdTier(const TenantConfig& tenant, const std::string& key,
+                                    const ColdTierConfig& cold_tier) {
+  if (tenant.cold_quota_bytes > 0 && !cold_tier.enabled()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s.cold_quota_bytes = %d needs a cold tier, but cold_tier.nodes is empty; set "
+        "cold_tier.nodes or make the quota 0",
+        key, tenant.cold_quota_bytes));
+  }
+  if (!tenant.redis_user.empty() && !IsName(tenant.redis_user, kMaxRedisUserBytes)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s.redis_user = \"%s\" must match [A-Za-z0-9_.-]{1,%d}", key,
+                        tenant.redis_user, kMaxRedisUserBytes));
+  }
+  KVTIER_RETURN_IF_ERROR(
+      CheckRedisSecret(absl::StrCat(key, ".redis_password"), tenant.redis_password));
+  if (tenant.redis_user.empty() != tenant.redis_password.empty()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s.redis_user and %s.redis_password go together: set both (the tenant's own ACL user) "
+        "or neither (the daemon's connection serves the tenant)",
+        key, key));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateTenant(const TenantConfig& tenant, size_t index,
+                            const ColdTierConfig& cold_tier) {
   const std::string key = absl::StrCat("tenant[", index, "]");
-  const bool name_ok =
-      !tenant.name.empty() && tenant.name.size() <= 64 &&
-      std::all_of(tenant.name.begin(), tenant.name.end(), [](char c) { return IsNameChar(c); });
-  if (!name_ok) {
+  if (!IsName(tenant.name, 64)) {
     return absl::InvalidArgumentError(
         absl::StrFormat("%s.name = \"%s\" must match [A-Za-z0-9_.-]{1,64}", key, tenant.name));
   }
@@ -180,7 +275,7 @@ absl::Status ValidateTenant(const TenantConfig& tenant, size_t index) {
           absl::StrFormat("%s.uids[%d] = 4294967295 is not a valid uid", key, i));
     }
   }
-  return absl::OkStatus();
+  return ValidateTenantColdTier(tenant, key, cold_tier);
 }
 
 absl::Status ValidateServer(const DaemonConfig& c) {
@@ -286,6 +381,7 @@ absl::Status DaemonConfig::Validate() const {
   KVTIER_RETURN_IF_ERROR(ValidateServer(*this));
   KVTIER_RETURN_IF_ERROR(ValidateLimits(*this));
   KVTIER_RETURN_IF_ERROR(ValidateMetrics(*this));
+  KVTIER_RETURN_IF_ERROR(ValidateColdTier(cold_tier));
   KVTIER_RETURN_IF_ERROR(ValidateLog(*this));
   if (tenants.empty()) {
     return absl::InvalidArgumentError("no [[tenant]]: at least one tenant is required");
@@ -294,7 +390,7 @@ absl::Status DaemonConfig::Validate() const {
                                     static_cast<int64_t>(tenants.size()), 1, kMaxTenants));
   std::set<std::string_view> names;
   for (size_t i = 0; i < tenants.size(); ++i) {
-    KVTIER_RETURN_IF_ERROR(ValidateTenant(tenants[i], i));
+    KVTIER_RETURN_IF_ERROR(ValidateTenant(tenants[i], i, cold_tier));
     if (!names.insert(tenants[i].name).second) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "tenant[%d].name = \"%s\" is used by an earlier tenant; names must be unique", i,
@@ -325,8 +421,8 @@ absl::StatusOr<DaemonConfig> ResolvePaths(DaemonConfig config) {
   }
   KVTIER_RETURN_IF_ERROR(MakeSocketDirectory(DirectoryOf(config.unix_socket), runtime_default));
   if (config.metrics_address.starts_with(kUnixPrefix)) {
-    KVTIER_RETURN_IF_ERROR(MakeSocketDirectory(
-        DirectoryOf(config.metrics_address.substr(kUnixPrefix.size())), false));
+    KVTIER_RETURN_IF_ERROR(
+        MakeSocketDirectory(DirectoryOf(config.metrics_address.substr(kUnixPrefix.size())), false));
   }
   if (config.shm) {
     KVTIER_RETURN_IF_ERROR(MakeSocketDirectory(DirectoryOf(config.attach_socket), false));

@@ -361,6 +361,12 @@ void Daemon::Stop() {
   reflection_v1_.reset();
   work_.reset();
   if (manager_ != nullptr) {
+    if (config_.cold_tier.enabled() && config_.cold_tier.persist_on_shutdown) {
+      // No call runs any more: every session is demoted so that the next daemon finds it.
+      const size_t demoted =
+          manager_->PersistAllSessions(absl::Now() + config_.cold_tier.operation_timeout);
+      spdlog::info("shutdown: demoted {} sessions to the cold tier", demoted);
+    }
     const size_t closed = manager_->CloseAllSessions();
     manager_.reset();
     spdlog::info("shutdown: closed {} sessions, released {} tenant arenas", closed,

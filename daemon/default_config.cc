@@ -48,6 +48,17 @@ max_inflight_calls_per_tenant = 64
 address = "auto"          # a Unix socket beside the gRPC one: <unix_socket>.metrics
 allow_remote = false
 
+[cold_tier]
+nodes = []                # []: no cold tier
+key_prefix = "kvtier"
+user = ""
+password = ""             # "": no AUTH
+connect_timeout_ms = 1000
+command_timeout_ms = 2000
+operation_timeout_ms = 30000
+min_replicas = 0
+persist_on_shutdown = true
+
 [log]
 level = "info"
 format = "text"
@@ -62,6 +73,9 @@ gpu_pci_bus_id = ""
 hugepages = "auto"
 lock = true
 uids = []                 # []: only the daemon's own uid may attach
+cold_quota_bytes = 0      # 0: no cold tier for this tenant
+redis_user = ""           # "": the daemon's own connection serves the tenant
+redis_password = ""
 )toml";
 
 }  // namespace

@@ -431,16 +431,23 @@ absl::Status RedisCluster::RefreshSlotMap(absl::Time deadline) {
 }
 
 std::vector<absl::StatusOr<RedisReply>> RedisCluster::Pipeline(
-    std::span<const std::vector<std::string>> commands, absl::Time deadline) {
+    std::span<const std::vector<std::string>> commands, absl::Time deadline,
+    std::span<const std::string> route_keys) {
   std::vector<Op> ops(commands.size());
+  const bool routed = !route_keys.empty();
   for (size_t i = 0; i < commands.size(); ++i) {
     ops[i].argv = &commands[i];
-    if (commands[i].size() < 2) {
+    if (routed && route_keys.size() != commands.size()) {
+      ops[i].done = true;
+      ops[i].result = absl::InvalidArgumentError("route_keys must name one key per command");
+      continue;
+    }
+    if (!routed && commands[i].size() < 2) {
       ops[i].done = true;
       ops[i].result = absl::InvalidArgumentError("a Redis Cluster command needs a key (args[1])");
       continue;
     }
-    ops[i].slot = SlotOf(commands[i][1]);
+    ops[i].slot = SlotOf(routed ? std::string_view(route_keys[i]) : commands[i][1]);
   }
   absl::Duration back_off = kFirstBackOff;
   for (;;) {

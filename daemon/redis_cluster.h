@@ -89,9 +89,13 @@ class RedisCluster {
   // Runs `commands` (each: args[0] the command name, args[1] the key that routes it;
   // REQUIRES: at least 2 args), grouped by the node owning each key's slot, one pipeline per
   // node, nodes in parallel. Replies come back in input order; each is the reply or that
-  // command's error (see the header comment). Returns by `deadline`.
+  // command's error (see the header comment). Returns by `deadline`. `route_keys`, when not
+  // empty (one per command), routes command i by route_keys[i] instead of args[1]: for a
+  // keyless command that must reach the node of a key, such as WAIT after that key's write
+  // (each node has one connection, so WAIT there covers every write sent to it before).
   std::vector<absl::StatusOr<RedisReply>> Pipeline(
-      std::span<const std::vector<std::string>> commands, absl::Time deadline);
+      std::span<const std::vector<std::string>> commands, absl::Time deadline,
+      std::span<const std::string> route_keys = {});
   absl::StatusOr<RedisReply> Run(const std::vector<std::string>& command, absl::Time deadline);
 
   // The same read on a replica of the key's slot (READONLY on that connection), for re-fetching

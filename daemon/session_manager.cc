@@ -15,6 +15,7 @@
 #include "absl/strings/str_join.h"
 #include "core/status.h"
 #include "daemon/logging.h"
+#include "daemon/session_params.h"
 #include "kernels/registry.h"
 #include "offload/policy/config.h"
 #include "offload/telemetry.h"
@@ -149,7 +150,75 @@ absl::StatusOr<std::unique_ptr<SessionManager>> SessionManager::Create(const Dae
     KVTIER_RETURN_IF_ERROR(tenant->arena().RegisterWith(*m->backend_));
     m->tenants_.emplace(tc.name, std::move(tenant));
   }
+  KVTIER_RETURN_IF_ERROR(m->StartColdTier());
   return m;
+}
+
+absl::Status SessionManager::StartColdTier() {
+  const ColdTierConfig& cc = config_.cold_tier;
+  if (!cc.enabled()) return absl::OkStatus();
+  const auto connect = [&](std::string user,
+                           std::string password) -> absl::StatusOr<std::unique_ptr<RedisCluster>> {
+    RedisClusterOptions o;
+    o.seeds = cc.nodes;
+    o.user = std::move(user);
+    o.password = std::move(password);
+    o.connect_timeout = cc.connect_timeout;
+    o.command_timeout = cc.command_timeout;
+    absl::StatusOr<std::unique_ptr<RedisCluster>> c = RedisCluster::Connect(std::move(o));
+    if (!c.ok()) {
+      return absl::Status(c.status().code(),
+                          absl::StrCat("cold_tier.nodes: ", c.status().message()));
+    }
+    return c;
+  };
+  KVTIER_ASSIGN_OR_RETURN(cluster_, connect(cc.user, cc.password));
+  spdlog::info("cold tier: Redis Cluster of {} nodes from {}, keys under '{}:'",
+               cluster_->node_count(), absl::StrJoin(cc.nodes, ","), cc.key_prefix);
+  const absl::Time deadline = absl::Now() + cc.operation_timeout;
+  for (const TenantConfig& tc : config_.tenants) {
+    if (tc.cold_quota_bytes == 0) continue;
+    TenantCold& cold = cold_[tc.name];
+    RedisCluster* cluster = cluster_.get();
+    if (!tc.redis_user.empty()) {
+      KVTIER_ASSIGN_OR_RETURN(cold.own_cluster, connect(tc.redis_user, tc.redis_password));
+      cluster = cold.own_cluster.get();
+    }
+    KVTIER_ASSIGN_OR_RETURN(cold.tier, ColdTier::Create(cluster, cc.key_prefix));
+    cold.store = std::make_unique<ColdStore>(
+        cluster, cold.tier.get(), cc.key_prefix,
+        ColdStoreOptions{tc.name, tc.cold_quota_bytes, cc.min_replicas, cc.command_timeout});
+    absl::StatusOr<std::vector<v1::ColdSessionRecord>> records = cold.store->LoadAll(deadline);
+    if (!records.ok()) {
+      return absl::Status(records.status().code(),
+                          absl::StrFormat("tenant '%s': reading its cold sessions: %s", tc.name,
+                                          records.status().message()));
+    }
+    std::sort(records->begin(), records->end(), [](const auto& a, const auto& b) {
+      return a.created_unix_ms() < b.created_unix_ms();
+    });
+    for (v1::ColdSessionRecord& r : *records) {
+      absl::StatusOr<OpenSessionParams> params = ParamsFromProto(r.request());
+      absl::StatusOr<SessionSpec> spec =
+          params.ok() ? ResolveSpec(Caller(tc.name), *params) : params.status();
+      if (!spec.ok() || params->tenant != tc.name) {
+        spdlog::warn("tenant '{}': cold session {} cannot be taken up ({}); its keys stay",
+                     tc.name, r.session_id(),
+                     spec.ok() ? "another tenant's record" : spec.status().ToString());
+        continue;
+      }
+      Entry e;
+      e.seq = next_seq_++;
+      e.tenant = tc.name;
+      e.params = *std::move(params);
+      e.cold = std::make_shared<const ColdEntry>(ColdEntry{r, *std::move(spec)});
+      sessions_.emplace(r.session_id(), std::move(e));
+    }
+    spdlog::info("tenant '{}': cold quota {} bytes, {} sessions in the cold tier ({} bytes)",
+                 tc.name, tc.cold_quota_bytes, cold.store->stats().sessions,
+                 cold.store->stats().used_bytes);
+  }
+  return absl::OkStatus();
 }
 
 SessionManager::SessionManager(const DaemonConfig& config, std::unique_ptr<Backend> backend)
@@ -221,21 +290,24 @@ absl::Status SessionManager::Tally(const Caller& caller, absl::Status status) co
   return status;
 }
 
-absl::StatusOr<std::shared_ptr<TenantSession>> SessionManager::Find(
-    const Caller& caller, std::string_view session_id) const {
-  std::shared_ptr<TenantSession> s;
+absl::StatusOr<SessionManager::Entry> SessionManager::Peek(const Caller& caller,
+                                                           std::string_view session_id) const {
   {
     MutexLock lock(&mu_);
     auto it = sessions_.find(Sv(session_id));
-    if (it != sessions_.end()) s = it->second.session;
+    // Another tenant's session is answered exactly like an unknown id: the answer must not
+    // tell whether an id exists.
+    if (it != sessions_.end() && it->second.tenant == caller.tenant) return it->second;
   }
-  // Another tenant's session is answered exactly like an unknown id: the answer must not
-  // tell whether an id exists.
-  if (s == nullptr || s->tenant() != caller.tenant) {
-    return absl::NotFoundError(absl::StrFormat("session_id = '%s': tenant '%s' has no such session",
-                                               Printable(session_id), caller.tenant));
-  }
-  return s;
+  return absl::NotFoundError(absl::StrFormat("session_id = '%s': tenant '%s' has no such session",
+                                             Printable(session_id), caller.tenant));
+}
+
+absl::StatusOr<std::shared_ptr<TenantSession>> SessionManager::Find(const Caller& caller,
+                                                                    std::string_view session_id) {
+  KVTIER_ASSIGN_OR_RETURN(Entry e, Peek(caller, session_id));
+  if (e.session != nullptr) return e.session;
+  return Promote(std::string(session_id), ColdDeadline(caller));
 }
 
 // ---- OpenSession --------------------------------------------------------------------------
@@ -361,7 +433,8 @@ absl::StatusOr<SessionSpec> SessionManager::ResolveSpec(const Caller& caller,
 absl::Status SessionManager::ReserveSession(const Tenant& tenant) {
   MutexLock lock(&mu_);
   uint32_t count = opening_[tenant.name()];
-  for (const auto& [id, e] : sessions_) count += e.session->tenant() == tenant.name();
+  // Cold sessions hold no host memory and do not count.
+  for (const auto& [id, e] : sessions_) count += e.session != nullptr && e.tenant == tenant.name();
   if (count >= config_.max_sessions_per_tenant) {
     return absl::ResourceExhaustedError(
         absl::StrFormat("tenant '%s' has %d sessions: max_sessions_per_tenant = %d", tenant.name(),
@@ -395,7 +468,7 @@ std::string RequestFingerprint(const OpenSessionParams& p) {
 
 absl::StatusOr<std::optional<SessionRecord>> SessionManager::ClaimRequestId(
     const std::string& key, const std::string& fingerprint) {
-  std::shared_ptr<TenantSession> existing;
+  std::optional<Entry> existing;
   {
     MutexLock lock(&mu_);
     auto [it, fresh] = requests_.try_emplace(key, RequestEntry{"", fingerprint});
@@ -411,9 +484,9 @@ absl::StatusOr<std::optional<SessionRecord>> SessionManager::ClaimRequestId(
           it->second.session_id));
     }
     auto s = sessions_.find(it->second.session_id);
-    if (s != sessions_.end()) existing = s->second.session;
+    if (s != sessions_.end()) existing = s->second;
   }
-  if (existing == nullptr) return std::optional<SessionRecord>();  // closed meanwhile
+  if (!existing.has_value()) return std::optional<SessionRecord>();  // closed meanwhile
   return std::optional<SessionRecord>(existing->Record());
 }
 
@@ -446,7 +519,8 @@ absl::StatusOr<SessionRecord> SessionManager::DoOpenSession(const Caller& caller
   const int32_t pages = spec.max_pages();
   KVTIER_ASSIGN_OR_RETURN(RegionLayout layout,
                           ComputeRegionLayout(g, pages, int64_t{g.num_layers} * pages));
-  KVTIER_ASSIGN_OR_RETURN(RegionLease lease, tenant->AllocateRegion(layout.total_bytes));
+  KVTIER_ASSIGN_OR_RETURN(RegionLease lease,
+                          AllocateRegion(*tenant, layout.total_bytes, ColdDeadline(caller)));
   std::string id = NewSessionId();
   KVTIER_ASSIGN_OR_RETURN(
       std::shared_ptr<TenantSession> session,
@@ -463,7 +537,13 @@ absl::StatusOr<SessionRecord> SessionManager::DoOpenSession(const Caller& caller
   {
     MutexLock lock(&mu_);
     --opening_[tenant->name()];
-    sessions_.emplace(id, Entry{next_seq_++, session, request_key});
+    Entry e;
+    e.seq = next_seq_++;
+    e.tenant = tenant->name();
+    e.session = session;
+    e.request_key = request_key;
+    e.params = params;
+    sessions_.emplace(id, std::move(e));
     if (!request_key.empty()) requests_[request_key].session_id = id;
   }
   session_events_.Add({"opened", caller.tenant, std::string(TransportName(params.transport))});
@@ -482,11 +562,13 @@ absl::StatusOr<SessionRecord> SessionManager::DoOpenSession(const Caller& caller
 absl::StatusOr<CloseResult> SessionManager::CloseSession(const Caller& caller,
                                                          std::string_view session_id) {
   InflightCall call(this);
-  absl::StatusOr<std::shared_ptr<TenantSession>> s = Find(caller, session_id);
-  if (!s.ok()) return Tally(caller, s.status());
+  absl::StatusOr<Entry> e = Peek(caller, session_id);
+  if (!e.ok()) return Tally(caller, e.status());
   if (absl::Status live = caller.CheckLive("CloseSession"); !live.ok()) {
     return Tally(caller, live);
   }
+  if (e->session == nullptr) return Tally(caller, CloseCold(caller, *e));
+  absl::StatusOr<std::shared_ptr<TenantSession>> s = e->session;
   if (Remove(session_id) != *s) {
     return Tally(caller, absl::NotFoundError(absl::StrFormat(
                              "session %s was closed meanwhile by another call", (*s)->id())));
@@ -504,28 +586,33 @@ absl::StatusOr<CloseResult> SessionManager::CloseSession(const Caller& caller,
 
 std::vector<SessionRecord> SessionManager::ListSessions(const Caller& caller) {
   InflightCall call(this);
-  std::vector<std::pair<uint64_t, std::shared_ptr<TenantSession>>> mine;
+  std::vector<Entry> mine;
   {
     MutexLock lock(&mu_);
     for (const auto& [id, e] : sessions_) {
-      if (e.session->tenant() == caller.tenant) mine.emplace_back(e.seq, e.session);
+      if (e.tenant == caller.tenant) mine.push_back(e);
     }
   }
-  std::sort(mine.begin(), mine.end(),
-            [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::sort(mine.begin(), mine.end(), [](const Entry& a, const Entry& b) { return a.seq < b.seq; });
   std::vector<SessionRecord> out;
   out.reserve(mine.size());
-  for (const auto& [seq, s] : mine) out.push_back(s->Record());
+  for (const Entry& e : mine) out.push_back(e.Record());
   return out;
 }
 
 absl::StatusOr<SessionRecord> SessionManager::Reattach(const Caller& caller,
                                                        std::string_view session_id) {
   InflightCall call(this);
-  absl::StatusOr<std::shared_ptr<TenantSession>> s = Find(caller, session_id);
-  if (!s.ok()) return Tally(caller, s.status());
-  if (absl::Status live = caller.CheckLive("Reattach"); !live.ok()) return Tally(caller, live);
-  absl::StatusOr<SessionRecord> r = (*s)->Reattach();
+  absl::StatusOr<std::shared_ptr<TenantSession>> s;
+  absl::StatusOr<SessionRecord> r;
+  // A session demoted between Find and its Reattach is found again, cold, and promoted.
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    s = Find(caller, session_id);
+    if (!s.ok()) return Tally(caller, s.status());
+    if (absl::Status live = caller.CheckLive("Reattach"); !live.ok()) return Tally(caller, live);
+    r = (*s)->Reattach();
+    if (r.ok() || !(*s)->demoted()) break;
+  }
   if (!r.ok()) return Tally(caller, r.status());
   session_events_.Add(
       {"reattached", (*s)->tenant(), std::string(TransportName((*s)->spec().transport))});
@@ -570,18 +657,28 @@ absl::StatusOr<StatsReport> SessionManager::GetStats(const Caller& caller,
   if (t == nullptr) return absl::PermissionDeniedError("unknown tenant");
   StatsReport r;
   if (!session_id.empty()) {
-    absl::StatusOr<std::shared_ptr<TenantSession>> s = Find(caller, session_id);
-    if (!s.ok()) return Tally(caller, s.status());
-    absl::StatusOr<SessionStatsRecord> ss = (*s)->Stats();
-    if (!ss.ok()) return Tally(caller, ss.status());
-    r.session = *std::move(ss);
+    absl::StatusOr<Entry> e = Peek(caller, session_id);
+    if (!e.ok()) return Tally(caller, e.status());
+    if (e->session == nullptr) {
+      // Cold: what its record says; nothing runs for it.
+      SessionStatsRecord cold;
+      cold.session_id = std::string(session_id);
+      for (uint64_t tokens : e->cold->Record().committed_tokens) {
+        cold.committed_pages += tokens / static_cast<uint64_t>(e->cold->spec.geometry.page_size);
+      }
+      r.session = std::move(cold);
+    } else {
+      absl::StatusOr<SessionStatsRecord> ss = e->session->Stats();
+      if (!ss.ok()) return Tally(caller, ss.status());
+      r.session = *std::move(ss);
+    }
   }
   r.tenant.tenant = t->name();
   r.tenant.quota_bytes = t->quota_bytes();
   r.tenant.used_bytes = t->used_bytes();
   r.tenant.refused_requests = t->refused_requests();
   MutexLock lock(&mu_);
-  for (const auto& [id, e] : sessions_) r.tenant.sessions += e.session->tenant() == t->name();
+  for (const auto& [id, e] : sessions_) r.tenant.sessions += e.tenant == t->name();
   return r;
 }
 
@@ -630,6 +727,7 @@ std::shared_ptr<TenantSession> SessionManager::Remove(std::string_view id) {
   auto it = sessions_.find(Sv(id));
   if (it == sessions_.end()) return nullptr;
   std::shared_ptr<TenantSession> s = std::move(it->second.session);
+  if (s == nullptr) return nullptr;  // cold: CloseCold removes it
   if (!it->second.request_key.empty()) requests_.erase(it->second.request_key);
   sessions_.erase(it);
   return s;
@@ -642,13 +740,16 @@ size_t SessionManager::CloseAllSessions() {
     all.swap(sessions_);
     requests_.clear();
   }
+  size_t closed = 0;
   for (auto& [id, e] : all) {
+    if (e.session == nullptr) continue;  // cold: its record stays for the next daemon
     (void)e.session->Close();
     session_events_.Add({"closed", e.session->tenant(),
                          std::string(TransportName(e.session->spec().transport))});
+    ++closed;
   }
-  if (!all.empty()) spdlog::info("closed {} sessions", all.size());
-  return all.size();
+  if (closed > 0) spdlog::info("closed {} sessions", closed);
+  return closed;
 }
 
 // ---- Fetch --------------------------------------------------------------------------------
@@ -861,7 +962,9 @@ void SessionManager::WriteMetrics(Exposition& out) const {
   std::vector<std::pair<uint64_t, std::shared_ptr<TenantSession>>> open;
   {
     MutexLock lock(&mu_);
-    for (const auto& [id, e] : sessions_) open.emplace_back(e.seq, e.session);
+    for (const auto& [id, e] : sessions_) {
+      if (e.session != nullptr) open.emplace_back(e.seq, e.session);
+    }
   }
   std::sort(open.begin(), open.end(),
             [](const auto& a, const auto& b) { return a.first < b.first; });
@@ -935,7 +1038,10 @@ void SessionManager::WriteMetrics(Exposition& out) const {
   const std::pair<const char*, const char*> kEvents[] = {
       {"opened", "Sessions opened."},
       {"closed", "Sessions closed (by CloseSession or at shutdown)."},
-      {"reattached", "Sessions taken over by Reattach."}};
+      {"reattached", "Sessions taken over by Reattach."},
+      {"suspended", "Sessions suspended by SuspendSession."},
+      {"demoted", "Sessions moved to the cold tier (arena full, or shutdown)."},
+      {"promoted", "Sessions brought back from the cold tier."}};
   for (const auto& [event, help] : kEvents) {
     const std::string name = absl::StrCat("kvtier_sessions_", event, "_total");
     out.Family(name, "counter", help);
@@ -1098,6 +1204,289 @@ void SessionManager::WriteMetrics(Exposition& out) const {
                   kLayerStepBucketsSeconds, r.t->step_buckets,
                   static_cast<double>(r.t->step_nanos) * 1e-9);
   }
+}
+
+}  // namespace kvtier::daemon
+
+namespace kvtier::daemon {
+
+// ---- the cold tier ------------------------------------------------------------------------
+
+SessionRecord SessionManager::ColdEntry::Record() const {
+  SessionRecord r;
+  r.id = record.session_id();
+  r.spec = spec;
+  r.suspended = record.suspended();
+  r.cold = true;
+  r.epoch = record.epoch();
+  r.created_unix_ms = record.created_unix_ms();
+  r.committed_tokens.resize(spec.geometry.num_layers, 0);
+  for (int32_t l = 0; l < spec.geometry.num_layers && l < record.layers_size(); ++l) {
+    r.committed_tokens[l] =
+        static_cast<uint64_t>(record.layers(l).generations_size()) * spec.geometry.page_size;
+  }
+  if (spec.transport == Transport::kGrpc) r.steps_run.assign(spec.geometry.num_layers, 0);
+  return r;
+}
+
+ColdStore* SessionManager::ColdStoreOf(std::string_view tenant) const {
+  auto it = cold_.find(Sv(tenant));
+  return it == cold_.end() ? nullptr : it->second.store.get();
+}
+
+absl::Time SessionManager::ColdDeadline(const Caller& caller) const {
+  return std::min(caller.deadline, absl::Now() + config_.cold_tier.operation_timeout);
+}
+
+absl::StatusOr<SessionRecord> SessionManager::SuspendSession(const Caller& caller,
+                                                             std::string_view session_id) {
+  InflightCall call(this);
+  absl::StatusOr<Entry> e = Peek(caller, session_id);
+  if (!e.ok()) return Tally(caller, e.status());
+  if (absl::Status live = caller.CheckLive("SuspendSession"); !live.ok()) {
+    return Tally(caller, live);
+  }
+  if (e->session == nullptr) return e->Record();  // cold: suspended already, or persisted
+  absl::StatusOr<SessionRecord> r = e->session->Suspend();
+  if (!r.ok()) return Tally(caller, r.status());
+  {
+    MutexLock lock(&mu_);
+    auto it = sessions_.find(Sv(session_id));
+    if (it != sessions_.end() && it->second.session == e->session &&
+        it->second.suspended_at == absl::InfiniteFuture()) {
+      it->second.suspended_at = absl::Now();
+    }
+  }
+  session_events_.Add(
+      {"suspended", e->tenant, std::string(TransportName(e->session->spec().transport))});
+  LogLimited(spdlog::level::info, "session suspended", "session {} suspended: epoch {}", r->id,
+             r->epoch);
+  return r;
+}
+
+absl::Status SessionManager::Demote(const std::string& id, bool force, absl::Time deadline) {
+  std::shared_ptr<Mutex> move_mu;
+  {
+    MutexLock lock(&mu_);
+    auto it = sessions_.find(id);
+    if (it == sessions_.end()) return absl::NotFoundError(absl::StrCat("session ", id));
+    move_mu = it->second.move_mu;
+  }
+  MutexLock moving(move_mu.get());
+  Entry e;
+  {
+    MutexLock lock(&mu_);
+    auto it = sessions_.find(id);
+    if (it == sessions_.end() || it->second.session == nullptr) {
+      return absl::NotFoundError(absl::StrFormat("session %s is not in the host tier", id));
+    }
+    e = it->second;
+  }
+  ColdStore* store = ColdStoreOf(e.tenant);
+  if (store == nullptr) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "tenant '%s' has no cold tier (cold_tier.nodes, tenant.cold_quota_bytes)", e.tenant));
+  }
+  const SessionSpec& spec = e.session->spec();
+  v1::ColdSessionRecord record;
+  record.set_session_id(id);
+  *record.mutable_request() = ResolvedRequest(e.params, spec);
+  record.set_created_unix_ms(e.session->Record().created_unix_ms);
+  record.set_suspended(e.session->suspended());
+  record.set_page_bytes(spec.geometry.host_page_bytes());
+  record.set_demoted_unix_ms(absl::ToUnixMillis(absl::Now()));
+  uint64_t reserved = 0;
+  absl::StatusOr<CloseResult> closed = e.session->Demote(
+      [&](const TenantSession::Image& image) -> absl::Status {
+        uint64_t pages = 0;
+        for (const auto& l : image.layers) pages += l.size();
+        const uint64_t bytes = ColdStore::ValueBytes(pages, record.page_bytes());
+        KVTIER_RETURN_IF_ERROR(store->Reserve(id, bytes));
+        reserved = bytes;
+        record.set_epoch(image.epoch);
+        absl::Status st = store->Write(record, image.layers, deadline);
+        if (!st.ok()) {
+          store->Unreserve(bytes);
+          reserved = 0;
+        }
+        return st;
+      },
+      force);
+  if (!closed.ok()) return closed.status();
+  const std::string transport(TransportName(spec.transport));
+  {
+    MutexLock lock(&mu_);
+    auto it = sessions_.find(id);
+    if (it != sessions_.end()) {
+      it->second.session = nullptr;
+      it->second.cold = std::make_shared<const ColdEntry>(ColdEntry{std::move(record), spec});
+    }
+  }
+  session_events_.Add({"demoted", e.tenant, transport});
+  LogLimited(spdlog::level::info, "session demoted",
+             "session {} demoted to the cold tier: {} pages, {} bytes, {} bytes of host memory "
+             "freed",
+             id, closed->committed_pages, reserved, closed->freed_bytes);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<TenantSession>> SessionManager::Promote(const std::string& id,
+                                                                       absl::Time deadline) {
+  std::shared_ptr<Mutex> move_mu;
+  {
+    MutexLock lock(&mu_);
+    auto it = sessions_.find(id);
+    if (it == sessions_.end()) return absl::NotFoundError(absl::StrCat("session ", id));
+    move_mu = it->second.move_mu;
+  }
+  MutexLock moving(move_mu.get());
+  Entry e;
+  {
+    MutexLock lock(&mu_);
+    auto it = sessions_.find(id);
+    if (it == sessions_.end()) {
+      return absl::NotFoundError(absl::StrFormat("session %s was closed meanwhile", id));
+    }
+    e = it->second;
+  }
+  if (e.session != nullptr) return e.session;  // another call promoted it meanwhile
+  ColdStore* store = ColdStoreOf(e.tenant);
+  Tenant* tenant = FindTenant(e.tenant);
+  if (store == nullptr || tenant == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("session %s is in the cold tier, which tenant '%s' no longer has", id,
+                        e.tenant));
+  }
+  const ColdEntry& cold = *e.cold;
+  const Geometry& g = cold.spec.geometry;
+  const int32_t pages = cold.spec.max_pages();
+  KVTIER_ASSIGN_OR_RETURN(RegionLayout layout,
+                          ComputeRegionLayout(g, pages, int64_t{g.num_layers} * pages));
+  KVTIER_ASSIGN_OR_RETURN(RegionLease lease, AllocateRegion(*tenant, layout.total_bytes, deadline));
+  absl::StatusOr<std::shared_ptr<TenantSession>> s = TenantSession::Restore(
+      id, cold.spec, std::move(lease), backend_.get(), tenant, cold.record.created_unix_ms(),
+      cold.record.epoch(), cold.record.suspended(),
+      [&](int32_t layer) { return store->ReadLayer(cold.record, layer, deadline); });
+  if (!s.ok()) {
+    spdlog::log(absl::IsDataLoss(s.status()) ? spdlog::level::err : spdlog::level::warn,
+                "session {}: promotion from the cold tier failed, it stays there: {}", id,
+                s.status().ToString());
+    return absl::Status(s.status().code(),
+                        absl::StrFormat("bringing session %s back from the cold tier: %s", id,
+                                        s.status().message()));
+  }
+  {
+    MutexLock lock(&mu_);
+    auto it = sessions_.find(id);
+    if (it != sessions_.end()) {
+      it->second.session = *s;
+      it->second.cold = nullptr;
+      it->second.suspended_at = (*s)->suspended() ? absl::Now() : absl::InfiniteFuture();
+    }
+  }
+  store->CountPromoted(cold.record);
+  session_events_.Add({"promoted", e.tenant, std::string(TransportName(cold.spec.transport))});
+  // Its pages are in the host tier again: the cold copy goes (a failure only leaves keys).
+  (void)store->Remove(cold.record, deadline);
+  LogLimited(spdlog::level::info, "session promoted",
+             "session {} promoted from the cold tier: {} bytes per page, epoch {}", id,
+             cold.record.page_bytes(), (*s)->Record().epoch);
+  return s;
+}
+
+absl::StatusOr<RegionLease> SessionManager::AllocateRegion(Tenant& tenant, uint64_t bytes,
+                                                           absl::Time deadline) {
+  absl::StatusOr<RegionLease> lease = tenant.AllocateRegion(bytes);
+  if (lease.ok() || !absl::IsResourceExhausted(lease.status()) ||
+      ColdStoreOf(tenant.name()) == nullptr) {
+    return lease;
+  }
+  // The arena is full: demote suspended sessions, least recently suspended first.
+  std::vector<std::pair<absl::Time, std::string>> victims;
+  {
+    MutexLock lock(&mu_);
+    for (const auto& [id, e] : sessions_) {
+      if (e.tenant == tenant.name() && e.session != nullptr && e.session->suspended()) {
+        victims.emplace_back(e.suspended_at, id);
+      }
+    }
+  }
+  std::sort(victims.begin(), victims.end());
+  absl::Status why = lease.status();
+  for (const auto& [at, id] : victims) {
+    if (absl::Now() >= deadline) break;
+    absl::Status st = Demote(id, /*force=*/false, deadline);
+    if (!st.ok()) {
+      spdlog::warn("tenant '{}': demoting session {} to make room: {}", tenant.name(), id,
+                   st.ToString());
+      why = st;
+      continue;
+    }
+    lease = tenant.AllocateRegion(bytes);
+    if (lease.ok() || !absl::IsResourceExhausted(lease.status())) return lease;
+  }
+  return absl::Status(
+      lease.status().code(),
+      absl::StrFormat("%s; %s", lease.status().message(),
+                      victims.empty()
+                          ? "no suspended session could be demoted to the cold tier"
+                          : absl::StrFormat("demoting %d suspended sessions did not free enough "
+                                            "(last: %s)",
+                                            victims.size(), why.message())));
+}
+
+absl::StatusOr<CloseResult> SessionManager::CloseCold(const Caller& caller, const Entry& entry) {
+  MutexLock moving(entry.move_mu.get());
+  const std::string& id = entry.cold->record.session_id();
+  std::shared_ptr<const ColdEntry> cold;
+  {
+    MutexLock lock(&mu_);
+    auto it = sessions_.find(id);
+    if (it == sessions_.end() || it->second.cold == nullptr) {
+      return absl::NotFoundError(
+          absl::StrFormat("session %s was closed or brought back meanwhile; retry", id));
+    }
+    cold = it->second.cold;
+    if (!it->second.request_key.empty()) requests_.erase(it->second.request_key);
+    sessions_.erase(it);
+  }
+  CloseResult r;
+  r.committed_pages = ColdStore::RecordBytes(cold->record) / (cold->record.page_bytes() + kColdHeaderBytes);
+  if (ColdStore* store = ColdStoreOf(entry.tenant); store != nullptr) {
+    (void)store->Remove(cold->record, ColdDeadline(caller));
+  }
+  session_events_.Add({"closed", entry.tenant, std::string(TransportName(cold->spec.transport))});
+  LogLimited(spdlog::level::info, "session closed",
+             "session {} closed in the cold tier: {} committed pages", id, r.committed_pages);
+  return r;
+}
+
+size_t SessionManager::PersistAllSessions(absl::Time deadline) {
+  std::vector<std::string> hot;
+  {
+    MutexLock lock(&mu_);
+    for (const auto& [id, e] : sessions_) {
+      if (e.session != nullptr && ColdStoreOf(e.tenant) != nullptr) hot.push_back(id);
+    }
+  }
+  size_t demoted = 0;
+  for (const std::string& id : hot) {
+    if (absl::Now() >= deadline) {
+      spdlog::warn("shutdown: the deadline passed with {} sessions not demoted",
+                   hot.size() - demoted);
+      break;
+    }
+    absl::Status st = Demote(id, /*force=*/true, deadline);
+    if (st.ok()) {
+      ++demoted;
+    } else {
+      spdlog::warn("shutdown: session {} stays in the host tier and is lost: {}", id,
+                   st.ToString());
+    }
+  }
+  if (!hot.empty()) spdlog::info("shutdown: {} of {} sessions demoted to the cold tier", demoted,
+                                 hot.size());
+  return demoted;
 }
 
 }  // namespace kvtier::daemon

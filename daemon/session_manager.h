@@ -37,8 +37,11 @@
 #include "core/mutex.h"
 #include "daemon/attach_server.h"
 #include "daemon/caller.h"
+#include "daemon/cold_store.h"
+#include "daemon/cold_tier.h"
 #include "daemon/config.h"
 #include "daemon/metrics.h"
+#include "daemon/redis_cluster.h"
 #include "daemon/tenant.h"
 #include "daemon/tenant_session.h"
 #include "kernels/backend.h"
@@ -219,7 +222,9 @@ class SessionManager {
   static constexpr uint64_t kPageOverheadBytes = 64;
 
   // Creates every tenant of `config` (their arenas; errors name the tenant) and the CPU
-  // backend of GRPC sessions (config.cpu_threads), and registers each arena with it.
+  // backend of GRPC sessions (config.cpu_threads), and registers each arena with it. With a
+  // cold tier (config.cold_tier.nodes), connects to the cluster (UNAVAILABLE naming the
+  // nodes when none answers) and takes up every session its tenants demoted before, cold.
   // REQUIRES: config.Validate() is OK (tenant names unique).
   static absl::StatusOr<std::unique_ptr<SessionManager>> Create(const DaemonConfig& config);
   SessionManager(const SessionManager&) = delete;
@@ -254,7 +259,15 @@ class SessionManager {
   absl::StatusOr<CloseResult> CloseSession(const Caller& caller, std::string_view session_id);
   // The caller's tenant's sessions, in creation order.
   std::vector<SessionRecord> ListSessions(const Caller& caller);
+  // A cold session is promoted first (its pages brought back from the cold tier), within
+  // the caller's deadline and cold_tier.operation_timeout; DATA_LOSS when a page of it does
+  // not read back intact from any copy (the session stays cold).
   absl::StatusOr<SessionRecord> Reattach(const Caller& caller, std::string_view session_id);
+  // Bumps the epoch (fencing the holder's later commits) and marks the session suspended:
+  // a candidate for demotion to the cold tier when its tenant's arena runs out of room.
+  // Until a Reattach, Offload and Step on it are FAILED_PRECONDITION; Fetch, Stats, List
+  // and Close work. Suspending a suspended or cold session returns its record again.
+  absl::StatusOr<SessionRecord> SuspendSession(const Caller& caller, std::string_view session_id);
   std::unique_ptr<OffloadStream> NewOffloadStream(const Caller& caller);
   // Checks the request up front: INVALID_ARGUMENT for a bad layer, OUT_OF_RANGE for a page
   // beyond the session's pages, NOT_FOUND for one not committed. A page named more than
@@ -282,8 +295,21 @@ class SessionManager {
   bool draining() const { return draining_.load(std::memory_order_acquire); }
   // Calls in flight (streams count while open).
   uint32_t InflightCalls() const ABSL_LOCKS_EXCLUDED(mu_);
-  // Shutdown: closes every session (their regions return to the tenants). Calls still
-  // holding a session see NOT_FOUND. Returns the number closed.
+  // Shutdown with cold_tier.persist_on_shutdown: demotes every session in the host tier to
+  // the cold tier (fencing its holder first), so a daemon started later finds it. Sessions
+  // that cannot be demoted by `deadline` (or whose tenant has no cold tier) are left for
+  // CloseAllSessions. Returns the number demoted.
+  size_t PersistAllSessions(absl::Time deadline) ABSL_LOCKS_EXCLUDED(mu_);
+  // Demotes the suspended session `id` to the cold tier now, as a full arena would
+  // (operators, tests). FAILED_PRECONDITION when it is not suspended or its tenant has no
+  // cold tier; NOT_FOUND when it is not in the host tier; the cold tier's errors (the
+  // session then stays whole where it was).
+  absl::Status DemoteSession(std::string_view id, absl::Time deadline) ABSL_LOCKS_EXCLUDED(mu_) {
+    return Demote(std::string(id), /*force=*/false, deadline);
+  }
+  // Shutdown: closes every session in the host tier (their regions return to the tenants)
+  // and forgets the cold ones (their pages and records stay in the cold tier for the next
+  // daemon). Calls still holding a session see NOT_FOUND. Returns the number closed.
   size_t CloseAllSessions() ABSL_LOCKS_EXCLUDED(mu_);
 
   // --- metrics (docs/metrics.md) ---------------------------------------------------------
@@ -304,10 +330,38 @@ class SessionManager {
   friend class FetchCursor;
   SessionManager(const DaemonConfig& config, std::unique_ptr<Backend> backend);
 
-  // The caller's session, or NOT_FOUND / PERMISSION_DENIED.
+  // The caller's session, or NOT_FOUND / PERMISSION_DENIED; a cold session is promoted
+  // first (Promote's errors).
   absl::StatusOr<std::shared_ptr<TenantSession>> Find(const Caller& caller,
-                                                      std::string_view session_id) const
+                                                      std::string_view session_id)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // --- the cold tier (docs/service.md#the-cold-tier) ---
+  struct ColdEntry;
+  struct Entry;
+  // A copy of the caller's entry (NOT_FOUND like Find), without promoting it.
+  absl::StatusOr<Entry> Peek(const Caller& caller, std::string_view session_id) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  ColdStore* ColdStoreOf(std::string_view tenant) const;
+  // Moves the hot session `id` to the cold tier (Entry::session → Entry::cold). `force`:
+  // a session not suspended too (shutdown).
+  absl::Status Demote(const std::string& id, bool force, absl::Time deadline)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Brings the cold session `id` back into its tenant's arena; the session.
+  absl::StatusOr<std::shared_ptr<TenantSession>> Promote(const std::string& id,
+                                                         absl::Time deadline)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // A region of `bytes` in `tenant`'s arena, demoting its suspended sessions (least recently
+  // suspended first) while the arena has no room and the tenant has a cold tier.
+  absl::StatusOr<RegionLease> AllocateRegion(Tenant& tenant, uint64_t bytes, absl::Time deadline)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Connects the cold tier and takes up its sessions (Create).
+  absl::Status StartColdTier();
+  // CloseSession of a cold session: out of the table, out of the cold tier.
+  absl::StatusOr<CloseResult> CloseCold(const Caller& caller, const Entry& entry)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // The deadline of a demotion or promotion for `caller`: its own, at most
+  // cold_tier.operation_timeout from now.
+  absl::Time ColdDeadline(const Caller& caller) const;
   Tenant* FindTenant(std::string_view name) const;
   absl::StatusOr<SessionSpec> ResolveSpec(const Caller& caller,
                                           const OpenSessionParams& params) const;
@@ -346,6 +400,15 @@ class SessionManager {
   // arenas hold them, and the arenas before the backend they are registered with.
   const std::unique_ptr<Backend> backend_;
   absl::flat_hash_map<std::string, std::unique_ptr<Tenant>> tenants_;  // fixed after Create
+  // The cold tier: the daemon's cluster connection, and per tenant with a cold quota its
+  // own connection (when it has a Redis ACL user), tier and store. Fixed after Create.
+  struct TenantCold {
+    std::unique_ptr<RedisCluster> own_cluster;
+    std::unique_ptr<ColdTier> tier;
+    std::unique_ptr<ColdStore> store;
+  };
+  std::unique_ptr<RedisCluster> cluster_;
+  absl::flat_hash_map<std::string, TenantCold> cold_;
 
   mutable Mutex mu_;
   CondVar idle_;  // signalled when inflight_ drops to 0
@@ -356,10 +419,23 @@ class SessionManager {
   // Calls in flight per tenant (CallSlots).
   absl::flat_hash_map<std::string, uint32_t> tenant_calls_ ABSL_GUARDED_BY(mu_);
   std::function<void()> drain_listener_ ABSL_GUARDED_BY(mu_);
+  // A demoted session: its record (as stored) and its resolved parameters.
+  struct ColdEntry {
+    v1::ColdSessionRecord record;
+    SessionSpec spec;
+    SessionRecord Record() const;
+  };
   struct Entry {
     uint64_t seq = 0;  // creation order, for ListSessions
-    std::shared_ptr<TenantSession> session;
+    std::string tenant;
+    std::shared_ptr<TenantSession> session;  // null while cold
+    std::shared_ptr<const ColdEntry> cold;   // set while cold
     std::string request_key;  // key of requests_, or empty
+    OpenSessionParams params;  // as opened (what a cold record keeps)
+    absl::Time suspended_at = absl::InfiniteFuture();  // the last SuspendSession
+    // Serializes the moves of this session between the tiers.
+    std::shared_ptr<Mutex> move_mu = std::make_shared<Mutex>();
+    SessionRecord Record() const { return session != nullptr ? session->Record() : cold->Record(); }
   };
   absl::flat_hash_map<std::string, Entry> sessions_ ABSL_GUARDED_BY(mu_);
   // OpenSession idempotency: tenant + NUL + request_id → the session it opened (empty while

@@ -35,6 +35,55 @@ absl::StatusOr<std::shared_ptr<TenantSession>> TenantSession::Create(
   return s;
 }
 
+absl::StatusOr<std::shared_ptr<TenantSession>> TenantSession::Restore(
+    std::string id, SessionSpec spec, RegionLease lease, Backend* backend, MemoryBudget* budget,
+    int64_t created_unix_ms, uint64_t epoch, bool suspended, const LoadLayer& load) {
+  const Geometry& g = spec.geometry;
+  const int32_t pages = spec.max_pages();
+  KVTIER_ASSIGN_OR_RETURN(
+      SessionRegion region,
+      SessionRegion::Format(lease.data(), lease.bytes(), g, pages, int64_t{g.num_layers} * pages));
+  const size_t page_bytes = g.host_page_bytes();
+  int64_t slot = 0;
+  for (int32_t layer = 0; layer < g.num_layers; ++layer) {
+    KVTIER_ASSIGN_OR_RETURN(std::vector<ColdPage> loaded, load(layer));
+    if (loaded.size() > static_cast<size_t>(pages)) {
+      return absl::OutOfRangeError(absl::StrFormat(
+          "session %s: layer %d has %d pages in the cold tier; the session holds %d", id, layer,
+          loaded.size(), pages));
+    }
+    for (size_t i = 0; i < loaded.size(); ++i) {
+      const ColdPage& p = loaded[i];
+      if (p.data.size() != page_bytes || p.page != static_cast<int64_t>(i) || p.layer != layer) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "session %s: layer %d page %d came back as layer %d page %d of %d bytes (expected "
+            "%d)",
+            id, layer, i, p.layer, p.page, p.data.size(), page_bytes));
+      }
+      std::memcpy(static_cast<char*>(region.slots()) + slot * region.slot_stride(), p.data.data(),
+                  page_bytes);
+      // Epoch 1 is the fresh region's: the writer below is the daemon.
+      KVTIER_RETURN_IF_ERROR(region.Commit(layer, p.page, slot, p.generation, /*epoch=*/1));
+      ++slot;
+    }
+  }
+  KVTIER_ASSIGN_OR_RETURN(const uint64_t now_epoch, region.BumpEpoch(epoch));
+  const bool grpc = spec.transport == Transport::kGrpc;
+  std::shared_ptr<TenantSession> s(
+      new TenantSession(std::move(id), std::move(spec), std::move(lease), region,
+                        grpc ? NewBudgetedBackend(*backend, *budget) : nullptr, created_unix_ms));
+  MutexLock lock(&s->mu_);
+  s->epoch_ = now_epoch;
+  s->suspended_.store(suspended, std::memory_order_release);
+  if (grpc) {
+    KVTIER_ASSIGN_OR_RETURN(
+        s->retriever_, OpenRegionRetriever(region, std::nullopt, s->spec_.sequence, *s->backend_,
+                                           /*restore=*/true));
+    s->PublishTokens();
+  }
+  return s;
+}
+
 TenantSession::TenantSession(std::string id, SessionSpec spec, RegionLease lease,
                              SessionRegion region, std::unique_ptr<Backend> backend,
                              int64_t created_unix_ms)
@@ -55,7 +104,21 @@ TenantSession::~TenantSession() {
 }
 
 absl::Status TenantSession::CheckOpen() const {
+  if (demoted()) {
+    // The caller raced the demotion: the session is in the SessionManager's table, cold.
+    return absl::UnavailableError(absl::StrFormat(
+        "session %s was demoted to the cold tier meanwhile; retry to bring it back", id_));
+  }
   if (closed_) return absl::NotFoundError(absl::StrFormat("session %s was closed", id_));
+  return absl::OkStatus();
+}
+
+absl::Status TenantSession::CheckWritable(std::string_view what) const {
+  KVTIER_RETURN_IF_ERROR(CheckOpen());
+  if (suspended()) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: session %s is suspended; Reattach resumes it", what, id_));
+  }
   return absl::OkStatus();
 }
 
@@ -64,6 +127,7 @@ SessionRecord TenantSession::Record() const {
   r.id = id_;
   r.spec = spec_;
   r.closing = closing();
+  r.suspended = suspended();
   r.region_offset = lease_.offset();
   r.region_bytes = lease_.bytes();
   r.epoch = region_.epoch();
@@ -97,7 +161,7 @@ absl::StatusOr<std::vector<uint64_t>> TenantSession::Apply(const std::vector<Off
                                                            const Caller& caller,
                                                            std::string_view what) {
   MutexLock lock(&mu_);
-  KVTIER_RETURN_IF_ERROR(CheckOpen());
+  KVTIER_RETURN_IF_ERROR(CheckWritable(what));
   // Checked with the session held: waiting for it may have used up the deadline.
   KVTIER_RETURN_IF_ERROR(caller.CheckLive(what));
   absl::Status st;
@@ -178,7 +242,7 @@ absl::StatusOr<std::vector<PageData>> TenantSession::ReadPages(int32_t layer, co
 absl::StatusOr<StepResult> TenantSession::Step(int32_t layer, std::string_view q, bool want_output,
                                                uint64_t step, const Caller& caller) {
   MutexLock lock(&mu_);
-  KVTIER_RETURN_IF_ERROR(CheckOpen());
+  KVTIER_RETURN_IF_ERROR(CheckWritable("Step"));
   LayerSteps& done = steps_[layer];
   if (step != 0 && step != done.run + 1) {
     if (step == done.run && q == done.q && (done.want_output || !want_output)) {
@@ -283,8 +347,66 @@ absl::StatusOr<SessionRecord> TenantSession::Reattach() {
                           absl::StrFormat("session %s: %s", id_, epoch.status().message()));
     }
     epoch_ = *epoch;
+    suspended_.store(false, std::memory_order_release);
   }
   return Record();
+}
+
+absl::StatusOr<SessionRecord> TenantSession::Suspend() {
+  {
+    MutexLock lock(&mu_);
+    KVTIER_RETURN_IF_ERROR(CheckOpen());
+    if (!suspended()) {
+      absl::StatusOr<uint64_t> epoch = region_.BumpEpoch(epoch_);
+      if (!epoch.ok()) {
+        return absl::Status(epoch.status().code(),
+                            absl::StrFormat("session %s: %s", id_, epoch.status().message()));
+      }
+      epoch_ = *epoch;
+      suspended_.store(true, std::memory_order_release);
+    }
+  }
+  return Record();
+}
+
+absl::StatusOr<CloseResult> TenantSession::Demote(
+    const std::function<absl::Status(const Image&)>& write, bool force) {
+  MutexLock lock(&mu_);
+  KVTIER_RETURN_IF_ERROR(CheckOpen());
+  if (!force && !suspended()) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("session %s is not suspended: only suspended sessions are demoted", id_));
+  }
+  if (force && !suspended()) {
+    // Shutdown: fence whoever still holds the session before its pages are read.
+    KVTIER_ASSIGN_OR_RETURN(epoch_, region_.BumpEpoch(epoch_));
+  }
+  if (retriever_ != nullptr) {
+    // GRPC: every stored page committed (Apply flushes; this is for safety).
+    if (absl::Status st = retriever_->Flush(); !st.ok()) {
+      spdlog::warn("session {}: flushing before demotion: {}", id_, st.ToString());
+    }
+  }
+  const Geometry& g = spec_.geometry;
+  const size_t page_bytes = g.host_page_bytes();
+  Image image;
+  image.epoch = epoch_;
+  image.layers.resize(g.num_layers);
+  for (int32_t layer = 0; layer < g.num_layers; ++layer) {
+    const int64_t n = region_.CommittedPrefix(layer);
+    std::vector<ColdPageRef>& refs = image.layers[layer];
+    refs.reserve(static_cast<size_t>(n));
+    for (int64_t page = 0; page < n; ++page) {
+      KVTIER_ASSIGN_OR_RETURN(const CommittedPage c, region_.Lookup(layer, page));
+      refs.push_back(ColdPageRef{layer, page, c.generation,
+                                 std::string_view(static_cast<const char*>(region_.SlotData(c.slot)),
+                                                  page_bytes)});
+    }
+  }
+  KVTIER_RETURN_IF_ERROR(write(image));
+  demoted_.store(true, std::memory_order_release);
+  closing_.store(true, std::memory_order_release);
+  return CloseLocked();
 }
 
 absl::StatusOr<SessionStatsRecord> TenantSession::Stats() {
@@ -301,6 +423,10 @@ absl::StatusOr<CloseResult> TenantSession::Close() {
   closing_.store(true, std::memory_order_release);
   MutexLock lock(&mu_);
   KVTIER_RETURN_IF_ERROR(CheckOpen());
+  return CloseLocked();
+}
+
+CloseResult TenantSession::CloseLocked() {
   closed_ = true;
   CloseResult r;
   r.freed_bytes = lease_.bytes();

@@ -15,6 +15,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -26,6 +27,7 @@
 #include "absl/status/statusor.h"
 #include "core/mutex.h"
 #include "daemon/caller.h"
+#include "daemon/cold_tier.h"
 #include "daemon/tenant.h"
 #include "kernels/backend.h"
 #include "kvtier/geometry.h"
@@ -55,6 +57,8 @@ struct SessionRecord {
   std::string id;
   SessionSpec spec;
   bool closing = false;
+  bool suspended = false;  // SuspendSession: no holder; may be demoted when the arena is full
+  bool cold = false;       // demoted: its pages are in the cold tier, no region (offset 0)
   uint64_t region_offset = 0;  // bytes from the arena's first byte
   uint64_t region_bytes = 0;
   uint64_t epoch = 0;
@@ -121,6 +125,17 @@ class TenantSession {
   static absl::StatusOr<std::shared_ptr<TenantSession>> Create(std::string id, SessionSpec spec,
                                                                RegionLease lease, Backend* backend,
                                                                MemoryBudget* budget);
+  // A session brought back from the cold tier (SessionManager's promotion): formats `lease`
+  // like Create, then `load(layer)` gives each layer's committed prefix (pages 0..n-1 in
+  // order, each with its commit generation), which is copied into the region's slots and
+  // committed with those generations; the region's epoch moves past `epoch` and, for GRPC,
+  // the Retriever is rebuilt from the pages (Retriever::Restore). `load`'s errors, returned
+  // as they are (the lease is then freed); INVALID_ARGUMENT for a page of the wrong size,
+  // OUT_OF_RANGE for more pages than a layer holds.
+  using LoadLayer = std::function<absl::StatusOr<std::vector<ColdPage>>(int32_t layer)>;
+  static absl::StatusOr<std::shared_ptr<TenantSession>> Restore(
+      std::string id, SessionSpec spec, RegionLease lease, Backend* backend, MemoryBudget* budget,
+      int64_t created_unix_ms, uint64_t epoch, bool suspended, const LoadLayer& load);
   TenantSession(const TenantSession&) = delete;
   TenantSession& operator=(const TenantSession&) = delete;
   ~TenantSession();
@@ -129,6 +144,10 @@ class TenantSession {
   const SessionSpec& spec() const { return spec_; }
   const std::string& tenant() const { return spec_.tenant; }
   bool closing() const { return closing_.load(std::memory_order_acquire); }
+  bool suspended() const { return suspended_.load(std::memory_order_acquire); }
+  // Closed because its pages moved to the cold tier (Demote): a caller that still held this
+  // object finds the session again, cold, in the SessionManager.
+  bool demoted() const { return demoted_.load(std::memory_order_acquire); }
 
   SessionRecord Record() const ABSL_LOCKS_EXCLUDED(info_mu_);
   // Tokens of `layer` as Record() counts them. REQUIRES: 0 <= layer < num_layers.
@@ -165,6 +184,23 @@ class TenantSession {
   // FAILED_PRECONDITION when the epoch cannot advance (the shared header was overwritten
   // with the largest value).
   absl::StatusOr<SessionRecord> Reattach() ABSL_LOCKS_EXCLUDED(mu_);
+  // Bumps the epoch like Reattach and marks the session suspended: Apply and Step are
+  // FAILED_PRECONDITION until the next Reattach. Idempotent.
+  absl::StatusOr<SessionRecord> Suspend() ABSL_LOCKS_EXCLUDED(mu_);
+
+  // What Demote hands its writer: the committed prefix of every layer, read in place.
+  struct Image {
+    uint64_t epoch = 0;                             // the last epoch given out
+    std::vector<std::vector<ColdPageRef>> layers;  // [num_layers]; data points into the region
+  };
+  // Moves the session out of the host tier: with the session held (no call runs on it),
+  // `write` gets the image of its committed pages and stores them elsewhere; when it
+  // succeeds the session is closed as demoted (Close's work; the region returns to the tenant
+  // when the last reference goes), else it stays as it was and `write`'s error comes back.
+  // FAILED_PRECONDITION unless the session is suspended (or `force`: shutdown); NOT_FOUND
+  // when closed.
+  absl::StatusOr<CloseResult> Demote(const std::function<absl::Status(const Image&)>& write,
+                                     bool force) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<SessionStatsRecord> Stats() ABSL_LOCKS_EXCLUDED(mu_);
   // The region's telemetry block as its writer last published it (nullopt when it does
   // not read back: overwritten by the engine). Does not wait for a call in progress.
@@ -182,6 +218,10 @@ class TenantSession {
   TenantSession(std::string id, SessionSpec spec, RegionLease lease, SessionRegion region,
                 std::unique_ptr<Backend> backend, int64_t created_unix_ms);
   absl::Status CheckOpen() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // CheckOpen, and FAILED_PRECONDITION while suspended (`what` names the call).
+  absl::Status CheckWritable(std::string_view what) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Close's work (REQUIRES: open).
+  CloseResult CloseLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Runs a step the numbering admitted (REQUIRES: mu_ held, open, GRPC). *advanced: whether
   // the Retriever moved to the next step (it ran EndStep), even when the step failed.
   absl::StatusOr<StepResult> RunStep(int32_t layer, std::string_view q, bool want_output,
@@ -198,6 +238,8 @@ class TenantSession {
   // GRPC only: the daemon's backend, charging the tenant for every allocation.
   const std::unique_ptr<Backend> backend_;
   std::atomic<bool> closing_{false};
+  std::atomic<bool> suspended_{false};
+  std::atomic<bool> demoted_{false};
 
   // Per layer: steps run (EndStep calls) and the last one's request and reply.
   struct LayerSteps {

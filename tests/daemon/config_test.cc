@@ -156,6 +156,92 @@ TEST(ParseConfigTest, NewTenantsStartFromTenantDefaultsNotFromTheBase) {
   EXPECT_TRUE(config->tenants[0].lock);
 }
 
+TEST(ColdTierConfigTest, DefaultsAreOffWithTheDocumentedValues) {
+  const ColdTierConfig cold;
+  EXPECT_TRUE(cold.nodes.empty());
+  EXPECT_FALSE(cold.enabled());
+  EXPECT_EQ(cold.key_prefix, "kvtier");
+  EXPECT_EQ(cold.user, "");
+  EXPECT_EQ(cold.password, "");
+  EXPECT_EQ(cold.connect_timeout, absl::Seconds(1));
+  EXPECT_EQ(cold.command_timeout, absl::Seconds(2));
+  EXPECT_EQ(cold.operation_timeout, absl::Seconds(30));
+  EXPECT_EQ(cold.min_replicas, 0u);
+  EXPECT_TRUE(cold.persist_on_shutdown);
+  const TenantConfig tenant;
+  EXPECT_EQ(tenant.cold_quota_bytes, 0u);
+  EXPECT_EQ(tenant.redis_user, "");
+  EXPECT_EQ(tenant.redis_password, "");
+  // The embedded default spells the same values out.
+  const DaemonConfig config = DefaultConfig();
+  EXPECT_EQ(config.cold_tier, ColdTierConfig{});
+  EXPECT_FALSE(config.cold_tier.enabled());
+  EXPECT_EQ(config.tenants[0].cold_quota_bytes, 0u);
+  EXPECT_EQ(config.tenants[0].redis_user, "");
+  EXPECT_EQ(config.tenants[0].redis_password, "");
+}
+
+TEST(ColdTierConfigTest, ParsesEveryKeyOfTheTableAndTheTenant) {
+  absl::StatusOr<DaemonConfig> config = Parse(R"(
+[cold_tier]
+nodes = ["10.0.0.5:6379", "redis-1.example:7000", "[::1]:6380"]
+key_prefix = "kv.prod-1_a"
+user = "kvtierd"
+password = "s3cret!"
+connect_timeout_ms = 250
+command_timeout_ms = 1500
+operation_timeout_ms = 60000
+min_replicas = 2
+persist_on_shutdown = false
+[[tenant]]
+name = "a"
+host_memory_bytes = 1048576
+cold_quota_bytes = 17_179_869_184
+redis_user = "kvtier-a"
+redis_password = "tenant-secret"
+[[tenant]]
+name = "b"
+host_memory_bytes = 1048576
+)");
+  ASSERT_TRUE(config.ok()) << config.status();
+  const ColdTierConfig& cold = config->cold_tier;
+  EXPECT_EQ(cold.nodes,
+            (std::vector<std::string>{"10.0.0.5:6379", "redis-1.example:7000", "[::1]:6380"}));
+  EXPECT_TRUE(cold.enabled());
+  EXPECT_EQ(cold.key_prefix, "kv.prod-1_a");
+  EXPECT_EQ(cold.user, "kvtierd");
+  EXPECT_EQ(cold.password, "s3cret!");
+  EXPECT_EQ(cold.connect_timeout, absl::Milliseconds(250));
+  EXPECT_EQ(cold.command_timeout, absl::Milliseconds(1500));
+  EXPECT_EQ(cold.operation_timeout, absl::Seconds(60));
+  EXPECT_EQ(cold.min_replicas, 2u);
+  EXPECT_FALSE(cold.persist_on_shutdown);
+  ASSERT_EQ(config->tenants.size(), 2u);
+  EXPECT_EQ(config->tenants[0].cold_quota_bytes, uint64_t{16} << 30);
+  EXPECT_EQ(config->tenants[0].redis_user, "kvtier-a");
+  EXPECT_EQ(config->tenants[0].redis_password, "tenant-secret");
+  // A tenant that names none of the keys keeps the defaults.
+  EXPECT_EQ(config->tenants[1].cold_quota_bytes, 0u);
+  EXPECT_EQ(config->tenants[1].redis_user, "");
+  EXPECT_EQ(config->tenants[1].redis_password, "");
+  EXPECT_TRUE(config->Validate().ok()) << config->Validate();
+}
+
+TEST(ColdTierConfigTest, KeysLeftOutKeepTheBase) {
+  DaemonConfig base = OneTenant();
+  base.cold_tier.nodes = {"a:1"};
+  base.cold_tier.min_replicas = 3;
+  absl::StatusOr<DaemonConfig> config = ParseConfigToml("[cold_tier]\nkey_prefix = \"x\"\n", base);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->cold_tier.nodes, std::vector<std::string>{"a:1"});
+  EXPECT_EQ(config->cold_tier.min_replicas, 3u);
+  EXPECT_EQ(config->cold_tier.key_prefix, "x");
+  // An empty array turns the cold tier off again.
+  config = ParseConfigToml("[cold_tier]\nnodes = []\n", base);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_FALSE(config->cold_tier.enabled());
+}
+
 // Each bad document, and what the message must name.
 struct BadToml {
   std::string name;
@@ -206,7 +292,36 @@ INSTANTIATE_TEST_SUITE_P(
                 {"tenant[0]", "name", "required", "line 1"}},
         BadToml{"TenantWithoutMemory",
                 "[[tenant]]\nname = \"a\"\n",
-                {"tenant[0]", "host_memory_bytes", "required"}}),
+                {"tenant[0]", "host_memory_bytes", "required"}},
+        BadToml{"UnknownColdTierKey",
+                "[cold_tier]\nseeds = [\"a:1\"]\n",
+                {"cold_tier.seeds", "line 2", "nodes"}},
+        BadToml{"ColdTierNotATable", "cold_tier = 1\n", {"cold_tier", "a table"}},
+        BadToml{"ColdNodesNotAnArray",
+                "[cold_tier]\nnodes = \"a:1\"\n",
+                {"cold_tier.nodes", "line 2", "an array of strings"}},
+        BadToml{"ColdNodeNotAString",
+                "[cold_tier]\nnodes = [\"a:1\", 6379]\n",
+                {"cold_tier.nodes[1]", "line 2", "a string", "an integer"}},
+        BadToml{"ColdTimeoutAsString",
+                "[cold_tier]\ncommand_timeout_ms = \"2s\"\n",
+                {"cold_tier.command_timeout_ms", "an integer"}},
+        BadToml{"ColdMinReplicasNegative",
+                "[cold_tier]\nmin_replicas = -1\n",
+                {"cold_tier.min_replicas", "does not fit"}},
+        BadToml{"ColdPersistAsString",
+                "[cold_tier]\npersist_on_shutdown = \"yes\"\n",
+                {"cold_tier.persist_on_shutdown", "a boolean"}},
+        BadToml{"ColdQuotaNegative",
+                "[[tenant]]\nname = \"a\"\nhost_memory_bytes = 1048576\ncold_quota_bytes = -1\n",
+                {"tenant[0].cold_quota_bytes", "line 4", "does not fit"}},
+        BadToml{
+            "ColdQuotaAsString",
+            "[[tenant]]\nname = \"a\"\nhost_memory_bytes = 1048576\ncold_quota_bytes = \"1G\"\n",
+            {"tenant[0].cold_quota_bytes", "an integer"}},
+        BadToml{"RedisUserNotAString",
+                "[[tenant]]\nname = \"a\"\nhost_memory_bytes = 1048576\nredis_user = 1\n",
+                {"tenant[0].redis_user", "a string"}}),
     [](const ::testing::TestParamInfo<BadToml>& p) { return p.param.name; });
 
 // Each mutation of a good config, and what Validate's message must name.
@@ -329,6 +444,128 @@ INSTANTIATE_TEST_SUITE_P(
                  {"log.format", "text | json"}}),
     [](const ::testing::TestParamInfo<BadValue>& p) { return p.param.name; });
 
+// A cold tier with one node: the base the cold-tier mutations below start from.
+void EnableColdTier(DaemonConfig* c) { c->cold_tier.nodes = {"10.0.0.5:6379"}; }
+
+INSTANTIATE_TEST_SUITE_P(
+    ColdTier, ValidateTest,
+    ::testing::Values(
+        BadValue{"NodeWithoutPort",
+                 [](DaemonConfig* c) {
+                   c->cold_tier.nodes = {"a:1", "b:2", "x"};
+                 },
+                 {"cold_tier.nodes[2] = \"x\"", "host:port", "[1, 65535]"}},
+        BadValue{"NodeWithoutHost",
+                 [](DaemonConfig* c) { c->cold_tier.nodes = {":6379"}; },
+                 {"cold_tier.nodes[0]", "non-empty host"}},
+        BadValue{"NodePortZero",
+                 [](DaemonConfig* c) { c->cold_tier.nodes = {"redis:0"}; },
+                 {"cold_tier.nodes[0] = \"redis:0\"", "[1, 65535]"}},
+        BadValue{"NodePortTooLarge",
+                 [](DaemonConfig* c) { c->cold_tier.nodes = {"redis:65536"}; },
+                 {"cold_tier.nodes[0]", "[1, 65535]"}},
+        BadValue{"NodePortNotANumber",
+                 [](DaemonConfig* c) { c->cold_tier.nodes = {"redis:http"}; },
+                 {"cold_tier.nodes[0]", "host:port"}},
+        BadValue{"NodeEmpty",
+                 [](DaemonConfig* c) { c->cold_tier.nodes = {""}; },
+                 {"cold_tier.nodes[0]", "host:port"}},
+        BadValue{"KeyPrefixEmpty",
+                 [](DaemonConfig* c) { c->cold_tier.key_prefix = ""; },
+                 {"cold_tier.key_prefix", "[A-Za-z0-9_.-]{1,32}"}},
+        BadValue{"KeyPrefixColon",
+                 [](DaemonConfig* c) { c->cold_tier.key_prefix = "kv:tier"; },
+                 {"cold_tier.key_prefix = \"kv:tier\"", "[A-Za-z0-9_.-]{1,32}"}},
+        BadValue{"KeyPrefixHashTag",
+                 [](DaemonConfig* c) { c->cold_tier.key_prefix = "kv{x}"; },
+                 {"cold_tier.key_prefix", "{1,32}"}},
+        BadValue{"KeyPrefixTooLong",
+                 [](DaemonConfig* c) { c->cold_tier.key_prefix = std::string(33, 'k'); },
+                 {"cold_tier.key_prefix", "{1,32}"}},
+        BadValue{"ConnectTimeoutZero",
+                 [](DaemonConfig* c) { c->cold_tier.connect_timeout = absl::ZeroDuration(); },
+                 {"cold_tier.connect_timeout_ms = 0", "[1, 600000]"}},
+        BadValue{"CommandTimeoutTooLong",
+                 [](DaemonConfig* c) {
+                   c->cold_tier.command_timeout = absl::Minutes(10) + absl::Milliseconds(1);
+                 },
+                 {"cold_tier.command_timeout_ms = 600001", "[1, 600000]"}},
+        BadValue{"OperationTimeoutNegative",
+                 [](DaemonConfig* c) { c->cold_tier.operation_timeout = absl::Milliseconds(-5); },
+                 {"cold_tier.operation_timeout_ms = -5", "[1, 600000]"}},
+        BadValue{"MinReplicas",
+                 [](DaemonConfig* c) { c->cold_tier.min_replicas = 17; },
+                 {"cold_tier.min_replicas = 17", "[0, 16]"}},
+        BadValue{"UserWithoutPassword",
+                 [](DaemonConfig* c) { c->cold_tier.user = "kvtierd"; },
+                 {"cold_tier.user", "cold_tier.password"}},
+        BadValue{"PasswordWithSpace",
+                 [](DaemonConfig* c) { c->cold_tier.password = "two words"; },
+                 {"cold_tier.password", "space"}},
+        BadValue{"PasswordControlChar",
+                 [](DaemonConfig* c) { c->cold_tier.password = "a\nb"; },
+                 {"cold_tier.password", "printable ASCII"}},
+        BadValue{"PasswordTooLong",
+                 [](DaemonConfig* c) { c->cold_tier.password = std::string(1025, 'p'); },
+                 {"cold_tier.password", "1024"}},
+        BadValue{"UserWithSpace",
+                 [](DaemonConfig* c) {
+                   c->cold_tier.user = "kv tier";
+                   c->cold_tier.password = "p";
+                 },
+                 {"cold_tier.user", "space"}},
+        BadValue{"ColdQuotaWithoutNodes",
+                 [](DaemonConfig* c) { c->tenants[0].cold_quota_bytes = 1; },
+                 {"tenant[0].cold_quota_bytes = 1", "cold_tier.nodes"}},
+        BadValue{"SecondTenantColdQuotaWithoutNodes",
+                 [](DaemonConfig* c) {
+                   c->tenants.push_back(c->tenants[0]);
+                   c->tenants[1].name = "t1";
+                   c->tenants[1].cold_quota_bytes = kMiB;
+                 },
+                 {"tenant[1].cold_quota_bytes", "cold_tier.nodes"}},
+        BadValue{"RedisUserWithoutPassword",
+                 [](DaemonConfig* c) {
+                   EnableColdTier(c);
+                   c->tenants[0].redis_user = "kvtier-t0";
+                 },
+                 {"tenant[0].redis_user", "tenant[0].redis_password"}},
+        BadValue{"RedisPasswordWithoutUser",
+                 [](DaemonConfig* c) {
+                   EnableColdTier(c);
+                   c->tenants[0].redis_password = "secret";
+                 },
+                 {"tenant[0].redis_user", "tenant[0].redis_password"}},
+        BadValue{"RedisUserBadChar",
+                 [](DaemonConfig* c) {
+                   EnableColdTier(c);
+                   c->tenants[0].redis_user = "kvtier:t0";
+                   c->tenants[0].redis_password = "secret";
+                 },
+                 {"tenant[0].redis_user = \"kvtier:t0\"", "[A-Za-z0-9_.-]{1,64}"}},
+        BadValue{"RedisUserTooLong",
+                 [](DaemonConfig* c) {
+                   EnableColdTier(c);
+                   c->tenants[0].redis_user = std::string(65, 'u');
+                   c->tenants[0].redis_password = "secret";
+                 },
+                 {"tenant[0].redis_user", "{1,64}"}},
+        BadValue{"RedisPasswordWithSpace",
+                 [](DaemonConfig* c) {
+                   EnableColdTier(c);
+                   c->tenants[0].redis_user = "kvtier-t0";
+                   c->tenants[0].redis_password = "se cret";
+                 },
+                 {"tenant[0].redis_password", "space"}},
+        BadValue{"RedisPasswordControlChar",
+                 [](DaemonConfig* c) {
+                   EnableColdTier(c);
+                   c->tenants[0].redis_user = "kvtier-t0";
+                   c->tenants[0].redis_password = "se\tcret";
+                 },
+                 {"tenant[0].redis_password", "printable ASCII"}}),
+    [](const ::testing::TestParamInfo<BadValue>& p) { return p.param.name; });
+
 TEST(ValidateTest, AcceptsTheEdgesOfEachRange) {
   DaemonConfig config = OneTenant();
   config.tenants[0].host_memory_bytes = kMiB;
@@ -339,6 +576,29 @@ TEST(ValidateTest, AcceptsTheEdgesOfEachRange) {
   config.tcp_address = "[::1]:0";
   config.shutdown_grace = absl::ZeroDuration();
   EXPECT_TRUE(config.Validate().ok()) << config.Validate();
+}
+
+TEST(ValidateTest, AcceptsTheEdgesOfEachColdTierRange) {
+  DaemonConfig config = OneTenant();
+  config.cold_tier.nodes = {"a:1", "redis.example:65535", "[::1]:6379", "10.0.0.5:6379"};
+  config.cold_tier.key_prefix = std::string(32, 'k');
+  config.cold_tier.connect_timeout = absl::Milliseconds(1);
+  config.cold_tier.command_timeout = absl::Minutes(10);
+  config.cold_tier.operation_timeout = absl::Minutes(10);
+  config.cold_tier.min_replicas = 16;
+  config.tenants[0].cold_quota_bytes = ~uint64_t{0};
+  config.tenants[0].redis_user = std::string(64, 'u');
+  config.tenants[0].redis_password = std::string(1024, '!');
+  EXPECT_TRUE(config.Validate().ok()) << config.Validate();
+  // A password alone (AUTH password, the default user) is fine at the daemon's level.
+  config.cold_tier.password = "~!@#$%^&*()_+{}|:<>?";
+  EXPECT_TRUE(config.Validate().ok()) << config.Validate();
+  config.cold_tier.user = "kvtierd";
+  EXPECT_TRUE(config.Validate().ok()) << config.Validate();
+  // A tenant without a quota needs no cold tier, and key_prefix is checked even when off.
+  DaemonConfig off = OneTenant();
+  off.cold_tier.key_prefix = "a";
+  EXPECT_TRUE(off.Validate().ok()) << off.Validate();
 }
 
 TEST(LoadConfigFileTest, MissingFileIsNotFoundNamingThePath) {
@@ -360,7 +620,8 @@ TEST(LoadConfigFileTest, ErrorsNameTheFileAndLine) {
 TEST(KnownConfigKeysTest, AreUniqueAndQualified) {
   const std::vector<std::string> keys = KnownConfigKeys();
   EXPECT_EQ(std::set<std::string>(keys.begin(), keys.end()).size(), keys.size());
-  EXPECT_EQ(keys.size(), 34u);  // 15 server, 6 limits, 2 metrics, 3 log, 8 tenant
+  // 15 server, 6 limits, 2 metrics, 9 cold_tier, 3 log, 11 tenant
+  EXPECT_EQ(keys.size(), 46u);
   for (const std::string& key : keys) EXPECT_NE(key.find('.'), std::string::npos) << key;
 }
 
@@ -388,6 +649,21 @@ TEST(ExampleConfigTest, ParsesWithTheDaemonsParserAndValidates) {
       absl::StrCat(KVTIER_SOURCE_DIR, "/deploy/kvtierd.example.toml"), DefaultConfig());
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_TRUE(config->Validate().ok()) << config->Validate();
+  // The cold tier is documented but off, at its defaults.
+  EXPECT_EQ(config->cold_tier, ColdTierConfig{});
+  EXPECT_EQ(config->tenants[0].cold_quota_bytes, 0u);
+}
+
+TEST(KnownConfigKeysTest, ListTheColdTierKeys) {
+  const std::vector<std::string> keys = KnownConfigKeys();
+  const std::set<std::string> known(keys.begin(), keys.end());
+  for (const char* key :
+       {"cold_tier.nodes", "cold_tier.key_prefix", "cold_tier.user", "cold_tier.password",
+        "cold_tier.connect_timeout_ms", "cold_tier.command_timeout_ms",
+        "cold_tier.operation_timeout_ms", "cold_tier.min_replicas", "cold_tier.persist_on_shutdown",
+        "tenant.cold_quota_bytes", "tenant.redis_user", "tenant.redis_password"}) {
+    EXPECT_TRUE(known.count(key)) << key;
+  }
 }
 
 TEST(ExampleConfigTest, SetsEveryKnownKeyWithTheDefaultTenant) {

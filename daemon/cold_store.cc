@@ -1,0 +1,245 @@
+#include "daemon/cold_store.h"
+
+#include <utility>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "core/status.h"
+#include "spdlog/spdlog.h"
+
+namespace kvtier::daemon {
+namespace {
+
+constexpr uint32_t kRecordVersion = 1;
+
+}  // namespace
+
+ColdStore::ColdStore(RedisCluster* cluster, ColdTier* tier, std::string prefix,
+                     ColdStoreOptions options)
+    : cluster_(cluster),
+      tier_(tier),
+      prefix_(std::move(prefix)),
+      options_(std::move(options)),
+      wait_timeout_(std::max(absl::Milliseconds(1), options_.command_timeout * 3 / 4)) {}
+
+std::string ColdStore::RecordKey(std::string_view session) const {
+  std::string key = absl::StrCat(prefix_, ":", options_.tenant, ":{");
+  key.append(session);
+  return key + "}:meta";
+}
+
+std::string ColdStore::IndexKey() const {
+  return absl::StrCat(prefix_, ":", options_.tenant, ":sessions");
+}
+
+uint64_t ColdStore::RecordBytes(const v1::ColdSessionRecord& record) {
+  uint64_t pages = 0;
+  for (const v1::ColdLayer& l : record.layers()) pages += static_cast<uint64_t>(l.generations_size());
+  return ValueBytes(pages, record.page_bytes());
+}
+
+absl::Status ColdStore::Reserve(std::string_view session, uint64_t bytes) {
+  uint64_t used = used_.load(std::memory_order_relaxed);
+  do {
+    if (bytes > options_.quota_bytes || used > options_.quota_bytes - bytes) {
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "tenant '%s': demoting session %s needs %d bytes of the cold tier, %d of %d bytes "
+          "free (tenant.cold_quota_bytes)",
+          options_.tenant, session, bytes,
+          options_.quota_bytes > used ? options_.quota_bytes - used : 0, options_.quota_bytes));
+    }
+  } while (!used_.compare_exchange_weak(used, used + bytes, std::memory_order_relaxed));
+  return absl::OkStatus();
+}
+
+void ColdStore::Unreserve(uint64_t bytes) { used_.fetch_sub(bytes, std::memory_order_relaxed); }
+
+absl::Status ColdStore::WaitForReplicas(const std::vector<std::string>& keys,
+                                        absl::Time deadline) {
+  if (options_.min_replicas == 0 || keys.empty()) return absl::OkStatus();
+  // One WAIT per node: keys of the same slot need only one.
+  std::vector<std::string> route;
+  absl::flat_hash_set<uint16_t> slots;
+  for (const std::string& k : keys) {
+    if (slots.insert(RedisCluster::SlotOf(k)).second) route.push_back(k);
+  }
+  // WAIT blocks its connection: at most most of one round trip's timeout (the socket would
+  // give up first), so a slot whose master has no replica left (after a failover) fails the
+  // write in a bounded time instead of using the whole deadline.
+  const int64_t ms = std::max<int64_t>(
+      1, absl::ToInt64Milliseconds(std::min(deadline - absl::Now(), wait_timeout_)));
+  std::vector<std::vector<std::string>> waits(
+      route.size(), {"WAIT", absl::StrCat(options_.min_replicas), absl::StrCat(ms)});
+  std::vector<absl::StatusOr<RedisReply>> replies = cluster_->Pipeline(waits, deadline, route);
+  for (size_t i = 0; i < replies.size(); ++i) {
+    KVTIER_RETURN_IF_ERROR(replies[i].status());
+    if (replies[i]->type != RedisReply::Type::kInteger ||
+        replies[i]->integer < static_cast<int64_t>(options_.min_replicas)) {
+      return absl::UnavailableError(absl::StrFormat(
+          "WAIT %d: only %d replicas acknowledged the writes to the node of %s "
+          "(cold_tier.min_replicas)",
+          options_.min_replicas, replies[i]->integer, route[i]));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ColdStore::Write(v1::ColdSessionRecord& record,
+                              const std::vector<std::vector<ColdPageRef>>& layers,
+                              absl::Time deadline) {
+  const std::string& session = record.session_id();
+  record.set_version(kRecordVersion);
+  record.clear_layers();
+  uint64_t pages = 0;
+  std::vector<std::string> written;  // one key per layer, for WAIT
+  uint64_t bytes = 0;
+  for (size_t l = 0; l < layers.size(); ++l) {
+    v1::ColdLayer* cl = record.add_layers();
+    for (const ColdPageRef& p : layers[l]) {
+      cl->add_generations(p.generation);
+      ++pages;
+      bytes += p.data.size();
+    }
+    if (!layers[l].empty()) {
+      written.push_back(tier_->Key(options_.tenant, session, static_cast<int32_t>(l), 0));
+    }
+  }
+  // A layer at a time: its values are built in memory for the pipeline.
+  absl::Status st;
+  for (size_t l = 0; st.ok() && l < layers.size(); ++l) {
+    if (!layers[l].empty()) st = tier_->Put(options_.tenant, session, layers[l], deadline);
+  }
+  if (st.ok()) st = WaitForReplicas(written, deadline);
+  std::string value;
+  if (st.ok() && !record.SerializeToString(&value)) {
+    st = absl::InternalError("serializing the cold session record");
+  }
+  if (st.ok()) {
+    const std::string key = RecordKey(session);
+    std::vector<std::vector<std::string>> cmds = {{"SET", key, value},
+                                                  {"SADD", IndexKey(), session}};
+    for (absl::StatusOr<RedisReply>& r : cluster_->Pipeline(cmds, deadline)) {
+      if (st.ok() && !r.ok()) st = r.status();
+    }
+    if (st.ok()) st = WaitForReplicas({key, IndexKey()}, deadline);
+  }
+  if (!st.ok()) {
+    failures_.fetch_add(1, std::memory_order_relaxed);
+    return absl::Status(st.code(), absl::StrFormat("demoting session %s to the cold tier: %s",
+                                                    session, st.message()));
+  }
+  sessions_.fetch_add(1, std::memory_order_relaxed);
+  demoted_sessions_.fetch_add(1, std::memory_order_relaxed);
+  demoted_pages_.fetch_add(pages, std::memory_order_relaxed);
+  demoted_bytes_.fetch_add(bytes, std::memory_order_relaxed);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<ColdPage>> ColdStore::ReadLayer(const v1::ColdSessionRecord& record,
+                                                           int32_t layer, absl::Time deadline) {
+  if (layer < 0 || layer >= record.layers_size()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "session %s: layer %d is not in its record (%d layers)", record.session_id(), layer,
+        record.layers_size()));
+  }
+  const v1::ColdLayer& cl = record.layers(layer);
+  std::vector<int64_t> pages(static_cast<size_t>(cl.generations_size()));
+  std::vector<uint64_t> generations(cl.generations().begin(), cl.generations().end());
+  for (size_t i = 0; i < pages.size(); ++i) pages[i] = static_cast<int64_t>(i);
+  std::vector<absl::StatusOr<ColdPage>> got =
+      tier_->Get(options_.tenant, record.session_id(), layer, pages, generations, deadline);
+  std::vector<ColdPage> out;
+  out.reserve(got.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (!got[i].ok()) {
+      const absl::Status& e = got[i].status();
+      failures_.fetch_add(1, std::memory_order_relaxed);
+      // A page the record names but the cluster does not hold intact is lost data, whatever
+      // the cluster said about it; a failure to reach the cluster is not.
+      const bool lost = absl::IsDataLoss(e) || absl::IsNotFound(e) || absl::IsFailedPrecondition(e);
+      if (lost) data_loss_.fetch_add(1, std::memory_order_relaxed);
+      return absl::Status(lost ? absl::StatusCode::kDataLoss : e.code(),
+                          absl::StrFormat("session %s layer %d page %d in the cold tier: %s",
+                                          record.session_id(), layer, i, e.message()));
+    }
+    out.push_back(*std::move(got[i]));
+  }
+  return out;
+}
+
+void ColdStore::CountPromoted(const v1::ColdSessionRecord& record) {
+  uint64_t pages = 0;
+  for (const v1::ColdLayer& l : record.layers()) pages += static_cast<uint64_t>(l.generations_size());
+  promoted_sessions_.fetch_add(1, std::memory_order_relaxed);
+  promoted_pages_.fetch_add(pages, std::memory_order_relaxed);
+  promoted_bytes_.fetch_add(pages * record.page_bytes(), std::memory_order_relaxed);
+}
+
+absl::Status ColdStore::Remove(const v1::ColdSessionRecord& record, absl::Time deadline) {
+  const std::string& session = record.session_id();
+  Unreserve(RecordBytes(record));
+  sessions_.fetch_sub(1, std::memory_order_relaxed);
+  absl::Status st;
+  std::vector<std::vector<std::string>> cmds = {{"SREM", IndexKey(), session},
+                                                {"DEL", RecordKey(session)}};
+  for (absl::StatusOr<RedisReply>& r : cluster_->Pipeline(cmds, deadline)) {
+    if (st.ok() && !r.ok()) st = r.status();
+  }
+  for (int32_t l = 0; st.ok() && l < record.layers_size(); ++l) {
+    const int n = record.layers(l).generations_size();
+    if (n == 0) continue;
+    std::vector<int64_t> pages(static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) pages[static_cast<size_t>(i)] = i;
+    st = tier_->Delete(options_.tenant, session, l, pages, deadline);
+  }
+  if (!st.ok()) {
+    failures_.fetch_add(1, std::memory_order_relaxed);
+    spdlog::warn("tenant '{}': removing session {} from the cold tier: {} (its keys stay until "
+                 "removed by hand)",
+                 options_.tenant, session, st.ToString());
+  }
+  return st;
+}
+
+absl::StatusOr<std::vector<v1::ColdSessionRecord>> ColdStore::LoadAll(absl::Time deadline) {
+  KVTIER_ASSIGN_OR_RETURN(RedisReply ids, cluster_->Run({"SMEMBERS", IndexKey()}, deadline));
+  std::vector<std::vector<std::string>> gets;
+  for (const RedisReply& id : ids.elements) gets.push_back({"GET", RecordKey(id.str)});
+  std::vector<absl::StatusOr<RedisReply>> values = cluster_->Pipeline(gets, deadline);
+  std::vector<v1::ColdSessionRecord> out;
+  for (size_t i = 0; i < values.size(); ++i) {
+    const std::string& id = ids.elements[i].str;
+    if (!values[i].ok()) return values[i].status();
+    v1::ColdSessionRecord r;
+    if (values[i]->type != RedisReply::Type::kString || !r.ParseFromString(values[i]->str) ||
+        r.version() != kRecordVersion || r.session_id() != id) {
+      spdlog::warn("tenant '{}': the cold tier lists session {} but its record at {} is {}; "
+                   "skipped",
+                   options_.tenant, id, RecordKey(id),
+                   values[i]->type == RedisReply::Type::kNil ? "missing" : "not readable");
+      continue;
+    }
+    used_.fetch_add(RecordBytes(r), std::memory_order_relaxed);
+    sessions_.fetch_add(1, std::memory_order_relaxed);
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+ColdStoreStats ColdStore::stats() const {
+  ColdStoreStats s;
+  s.used_bytes = used_.load(std::memory_order_relaxed);
+  s.sessions = sessions_.load(std::memory_order_relaxed);
+  s.demoted_sessions = demoted_sessions_.load(std::memory_order_relaxed);
+  s.promoted_sessions = promoted_sessions_.load(std::memory_order_relaxed);
+  s.demoted_pages = demoted_pages_.load(std::memory_order_relaxed);
+  s.promoted_pages = promoted_pages_.load(std::memory_order_relaxed);
+  s.demoted_bytes = demoted_bytes_.load(std::memory_order_relaxed);
+  s.promoted_bytes = promoted_bytes_.load(std::memory_order_relaxed);
+  s.failures = failures_.load(std::memory_order_relaxed);
+  s.data_loss = data_loss_.load(std::memory_order_relaxed);
+  return s;
+}
+
+}  // namespace kvtier::daemon

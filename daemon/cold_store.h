@@ -1,0 +1,126 @@
+// ColdStore: one tenant's share of the cold tier (docs/service.md#the-cold-tier): the
+// sessions it demoted, as records and pages in the Redis Cluster, and its cold quota. The
+// SessionManager decides when a session moves; this class moves it.
+//
+// Keys, all under the tenant's prefix so a Redis ACL user per tenant ("~<prefix>:<tenant>:*")
+// reaches exactly its own:
+//   <prefix>:<tenant>:{<session>:<layer>}:<page>   a page (daemon/cold_tier.h)
+//   <prefix>:<tenant>:{<session>}:meta             the session's ColdSessionRecord
+//   <prefix>:<tenant>:sessions                     a set of the tenant's demoted session ids
+// A session is written pages first, then its record, then its index entry; it is removed in
+// the reverse order. So a record names only pages that were stored, and a daemon that died
+// half-way leaves at worst pages without a record (written again by the next demotion).
+//
+// With min_replicas > 0 a write counts only after WAIT saw that many replicas acknowledge it
+// on every node it went to: a demotion acknowledged survives the loss of a master.
+//
+// Thread-safe.
+#ifndef KVTIER_DAEMON_COLD_STORE_H_
+#define KVTIER_DAEMON_COLD_STORE_H_
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "daemon/cold_tier.h"
+#include "daemon/redis_cluster.h"
+#include "kvtier/v1/cold_record.pb.h"
+
+namespace kvtier::daemon {
+
+struct ColdStoreOptions {
+  std::string tenant;
+  uint64_t quota_bytes = 0;   // 0: nothing may be demoted
+  uint32_t min_replicas = 0;  // WAIT for this many after every write
+  // The cluster's round-trip timeout: a WAIT waits at most 3/4 of it.
+  absl::Duration command_timeout = absl::Seconds(2);
+};
+
+struct ColdStoreStats {
+  uint64_t used_bytes = 0;  // pages of the tenant's cold sessions (values, headers included)
+  uint64_t sessions = 0;    // cold sessions counted in used_bytes
+  uint64_t demoted_sessions = 0;
+  uint64_t promoted_sessions = 0;
+  uint64_t demoted_pages = 0;
+  uint64_t promoted_pages = 0;
+  uint64_t demoted_bytes = 0;
+  uint64_t promoted_bytes = 0;
+  uint64_t failures = 0;  // writes, reads or removals that failed
+  uint64_t data_loss = 0;  // pages refused: no intact copy
+};
+
+class ColdStore {
+ public:
+  // `cluster` and `tier` (over that cluster) must outlive the store.
+  ColdStore(RedisCluster* cluster, ColdTier* tier, std::string prefix, ColdStoreOptions options);
+  ColdStore(const ColdStore&) = delete;
+  ColdStore& operator=(const ColdStore&) = delete;
+
+  // Bytes a session of `pages` pages of `page_bytes` takes in the cold tier.
+  static uint64_t ValueBytes(uint64_t pages, uint64_t page_bytes) {
+    return pages * (page_bytes + kColdHeaderBytes);
+  }
+
+  // Reserves `bytes` of the quota: RESOURCE_EXHAUSTED "tenant 'a': demoting session s needs
+  // N bytes of the cold tier, M of Q bytes free (tenant.cold_quota_bytes)".
+  absl::Status Reserve(std::string_view session, uint64_t bytes);
+  void Unreserve(uint64_t bytes);
+
+  // Writes the pages of `layers` (each layer's committed prefix, in page order) and then
+  // `record` (its layers' generations filled in here), then the index entry. OK once all of
+  // it is on its masters (and, with min_replicas, acknowledged by that many replicas).
+  // REQUIRES: the quota was reserved for ValueBytes of the pages.
+  absl::Status Write(v1::ColdSessionRecord& record,
+                     const std::vector<std::vector<ColdPageRef>>& layers, absl::Time deadline);
+
+  // The pages of `layer` as `record` lists them, checked against their generations:
+  // DATA_LOSS naming the page when one has no intact copy (after the replica re-read);
+  // NOT_FOUND / FAILED_PRECONDITION when one is missing or of another generation (a record
+  // that does not match its pages: also data loss to the caller); the cluster's errors.
+  absl::StatusOr<std::vector<ColdPage>> ReadLayer(const v1::ColdSessionRecord& record,
+                                                  int32_t layer, absl::Time deadline);
+
+  // Removes the index entry, the record and the pages (absent ones are fine).
+  absl::Status Remove(const v1::ColdSessionRecord& record, absl::Time deadline);
+
+  // Every record the tenant's index lists (a start-up after a restart); the records are
+  // counted in used_bytes. A listed id whose record is missing or does not parse is skipped
+  // with a warning (and left for an operator).
+  absl::StatusOr<std::vector<v1::ColdSessionRecord>> LoadAll(absl::Time deadline);
+
+  // Counts a promotion (the record's pages were read back) / a session taken out of use.
+  void CountPromoted(const v1::ColdSessionRecord& record);
+  void CountDataLoss() { data_loss_.fetch_add(1, std::memory_order_relaxed); }
+
+  ColdStoreStats stats() const;
+  const ColdStoreOptions& options() const { return options_; }
+  std::string RecordKey(std::string_view session) const;
+  std::string IndexKey() const;
+  // Bytes of the record's pages (ValueBytes).
+  static uint64_t RecordBytes(const v1::ColdSessionRecord& record);
+
+ private:
+  // WAIT min_replicas on the node of every key in `keys` (no-op when min_replicas is 0).
+  absl::Status WaitForReplicas(const std::vector<std::string>& keys, absl::Time deadline);
+
+  RedisCluster* const cluster_;
+  ColdTier* const tier_;
+  const std::string prefix_;
+  const ColdStoreOptions options_;
+  const absl::Duration wait_timeout_;
+  std::atomic<uint64_t> used_{0};
+  std::atomic<uint64_t> sessions_{0};
+  std::atomic<uint64_t> demoted_sessions_{0}, promoted_sessions_{0};
+  std::atomic<uint64_t> demoted_pages_{0}, promoted_pages_{0};
+  std::atomic<uint64_t> demoted_bytes_{0}, promoted_bytes_{0};
+  std::atomic<uint64_t> failures_{0}, data_loss_{0};
+};
+
+}  // namespace kvtier::daemon
+
+#endif  // KVTIER_DAEMON_COLD_STORE_H_

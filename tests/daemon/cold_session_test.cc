@@ -1,0 +1,390 @@
+// Sessions in the cold tier (docs/service.md#the-cold-tier), through the SessionManager,
+// against a real Redis Cluster on loopback (3 masters with a replica each; the tests skip,
+// saying why, without redis-server): a tenant filled far beyond its arena demotes its
+// suspended sessions and every page reads back byte-exact; a full arena with nothing suspended
+// still refuses, and so does a full cold quota; a daemon that shut down and started again
+// finds its sessions and Reattach brings them back (GRPC sessions step again); a corrupted
+// value is DATA_LOSS, never wrong bytes; a killed master loses nothing a demotion
+// acknowledged (WAIT for a replica); a tenant's Redis ACL user reaches only its own keys.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "daemon/cold_tier.h"
+#include "daemon/redis_cluster.h"
+#include "tests/daemon/session_manager_testutil.h"
+#include "tests/testutil/redis_cluster_process.h"
+
+namespace kvtier::daemon {
+namespace {
+
+using session_manager_testing::ExpectedPage;
+using session_manager_testing::ExpectError;
+using session_manager_testing::GrpcParams;
+using session_manager_testing::kMiB;
+using session_manager_testing::MakeTenant;
+using session_manager_testing::Rows;
+using session_manager_testing::ShmParams;
+using session_manager_testing::SmallGeometry;
+using session_manager_testing::TestConfig;
+using ::testing::HasSubstr;
+
+constexpr int64_t kTokens = 1000;  // 125 full pages per layer, no partial one
+
+std::unique_ptr<testing::RedisClusterProcess> StartCluster() {
+  testing::RedisClusterProcessOptions o;
+  absl::StatusOr<std::unique_ptr<testing::RedisClusterProcess>> c =
+      testing::RedisClusterProcess::Start(o);
+  if (!c.ok()) {
+    std::cerr << "no Redis Cluster: " << c.status() << "\n";
+    return nullptr;
+  }
+  return *std::move(c);
+}
+
+class ColdSessionTest : public session_manager_testing::SessionManagerTest {
+ protected:
+  static void SetUpTestSuite() { cluster_ = StartCluster().release(); }
+  static void TearDownTestSuite() {
+    delete cluster_;
+    cluster_ = nullptr;
+  }
+
+  void SetUp() override {
+    spdlog::set_level(spdlog::level::warn);
+    if (cluster_ == nullptr) GTEST_SKIP() << "redis-server / redis-cli not available";
+    prefix_ = absl::StrCat("t", ::testing::UnitTest::GetInstance()->random_seed(), "x",
+                           counter_++);
+  }
+
+  // Tenant "small" (1.5 MiB: two GRPC sessions of 1024 tokens at a time) with a cold tier of
+  // `cold_quota` bytes.
+  DaemonConfig ColdConfig(uint64_t cold_quota = 64 * kMiB) const {
+    DaemonConfig c = TestConfig();
+    c.cold_tier.nodes = cluster_->seeds();
+    c.cold_tier.key_prefix = prefix_;
+    c.cold_tier.operation_timeout = absl::Seconds(20);
+    c.cold_tier.min_replicas = 1;
+    for (TenantConfig& t : c.tenants) {
+      t.cold_quota_bytes = cold_quota;
+      if (t.name == "small") t.host_memory_bytes = 3 * kMiB / 2;
+    }
+    return c;
+  }
+
+  static OpenSessionParams Big(OpenSessionParams p) {
+    p.tenant = "small";
+    p.max_tokens = 1024;
+    return p;
+  }
+
+  // Opens a session of `p` with max_tokens 1024, offloads kTokens of fresh rows (GRPC) and returns their rows.
+  std::string OpenFilled(OpenSessionParams p, uint64_t seed, std::vector<Rows>* rows) {
+    p.max_tokens = 1024;
+    absl::StatusOr<SessionRecord> r = manager_->OpenSession(Caller{p.tenant}, p);
+    EXPECT_TRUE(r.ok()) << r.status();
+    if (!r.ok()) return "";
+    const Geometry g = SmallGeometry();
+    rows->clear();
+    for (int32_t l = 0; l < g.num_layers; ++l) rows->emplace_back(g, kTokens, seed + 10 * l);
+    // Committed a chunk at a time: staged chunks count against the tenant's small arena.
+    std::unique_ptr<OffloadStream> s = manager_->NewOffloadStream(Caller{p.tenant});
+    for (int32_t l = 0; l < g.num_layers; ++l) {
+      for (int64_t t = 0; t < kTokens; t += 200) {
+        EXPECT_TRUE(s->Add(session_manager_testing::Chunk(r->id, l, (*rows)[l], t, 200, true, g))
+                        .ok());
+        const absl::Status c = s->Commit();
+        EXPECT_TRUE(c.ok()) << c;
+      }
+    }
+    absl::StatusOr<OffloadResult> done = s->Finish();
+    EXPECT_TRUE(done.ok()) << done.status();
+    return r->id;
+  }
+
+  void Suspend(const std::string& tenant, const std::string& id) {
+    absl::StatusOr<SessionRecord> r = manager_->SuspendSession(Caller{tenant}, id);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_TRUE(r->suspended);
+  }
+
+  // Every full page of every layer is the HND page of `rows`.
+  void ExpectPages(const std::string& tenant, const std::string& id, const std::vector<Rows>& rows) {
+    const Geometry g = SmallGeometry();
+    for (int32_t l = 0; l < g.num_layers; ++l) {
+      std::vector<PageData> pages = FetchAll(Caller{tenant}, id, l);
+      ASSERT_EQ(pages.size(), static_cast<size_t>(kTokens / g.page_size)) << id << " layer " << l;
+      for (const PageData& p : pages) {
+        ASSERT_EQ(p.data, ExpectedPage(g, rows[l], p.page)) << id << " layer " << l << " page "
+                                                            << p.page;
+      }
+    }
+  }
+
+  SessionRecord Listed(const std::string& tenant, const std::string& id) {
+    for (const SessionRecord& r : manager_->ListSessions(Caller{tenant})) {
+      if (r.id == id) return r;
+    }
+    ADD_FAILURE() << "session " << id << " is not listed";
+    return {};
+  }
+
+  static testing::RedisClusterProcess* cluster_;
+  static int counter_;
+  std::string prefix_;
+};
+
+testing::RedisClusterProcess* ColdSessionTest::cluster_ = nullptr;
+int ColdSessionTest::counter_ = 0;
+
+TEST_F(ColdSessionTest, FillsATenantBeyondItsArenaAndReadsEveryPageBack) {
+  manager_ = Make(ColdConfig());
+  ASSERT_NE(manager_, nullptr);
+  // Five sessions of ~0.7 MiB each (region and daemon memory) through a 1.5 MiB arena:
+  // opens demote the older ones.
+  constexpr int kSessions = 5;
+  std::vector<std::string> ids;
+  std::vector<std::vector<Rows>> rows(kSessions);
+  for (int i = 0; i < kSessions; ++i) {
+    ids.push_back(OpenFilled(Big(GrpcParams("small")), 100 + i, &rows[i]));
+    ASSERT_FALSE(ids.back().empty());
+    Suspend("small", ids.back());
+  }
+  // The oldest are cold now, least recently suspended first; the newest is not.
+  EXPECT_TRUE(Listed("small", ids[0]).cold);
+  EXPECT_TRUE(Listed("small", ids[1]).cold);
+  EXPECT_TRUE(Listed("small", ids[2]).cold);
+  EXPECT_FALSE(Listed("small", ids.back()).cold);
+  // Every session's every page comes back (each Fetch promotes one, demoting another).
+  for (int i = 0; i < kSessions; ++i) {
+    SCOPED_TRACE(i);
+    ExpectPages("small", ids[i], rows[i]);
+    EXPECT_FALSE(Listed("small", ids[i]).cold);
+  }
+  // The cold tier holds what was demoted: the counters moved both ways.
+  absl::StatusOr<StatsReport> st = manager_->GetStats(Caller{"small"}, ids[0]);
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(st->session->committed_pages, 2u * kTokens / SmallGeometry().page_size);
+  EXPECT_TRUE(Listed("small", ids[0]).cold);  // the later Fetches demoted it again
+  EXPECT_LE(manager_->tenant("small").used_bytes(), 3 * kMiB / 2);
+}
+
+TEST_F(ColdSessionTest, AFullArenaWithNothingSuspendedStillRefuses) {
+  manager_ = Make(ColdConfig());
+  ASSERT_NE(manager_, nullptr);
+  std::vector<Rows> rows;
+  ASSERT_FALSE(OpenFilled(Big(GrpcParams("small")), 1, &rows).empty());
+  ASSERT_FALSE(OpenFilled(Big(GrpcParams("small")), 2, &rows).empty());
+  absl::StatusOr<SessionRecord> r =
+      manager_->OpenSession(Caller{"small"}, Big(GrpcParams("small")));
+  ExpectError(r.status(), absl::StatusCode::kResourceExhausted,
+              {"tenant 'small'", "no suspended session"});
+}
+
+TEST_F(ColdSessionTest, TheColdQuotaLimitsDemotion) {
+  manager_ = Make(ColdConfig(/*cold_quota=*/64 << 10));  // less than one session's pages
+  ASSERT_NE(manager_, nullptr);
+  std::vector<Rows> rows;
+  const std::string id = OpenFilled(Big(GrpcParams("small")), 1, &rows);
+  Suspend("small", id);
+  std::vector<Rows> rows2;
+  ASSERT_FALSE(OpenFilled(Big(GrpcParams("small")), 2, &rows2).empty());
+  absl::StatusOr<SessionRecord> r =
+      manager_->OpenSession(Caller{"small"}, Big(GrpcParams("small")));
+  ExpectError(r.status(), absl::StatusCode::kResourceExhausted, {"cold_quota_bytes"});
+  // Nothing moved: the suspended session is still whole in the host tier.
+  EXPECT_FALSE(Listed("small", id).cold);
+  ExpectPages("small", id, rows);
+}
+
+TEST_F(ColdSessionTest, ARestartedDaemonFindsItsSessionsAndReattachBringsThemBack) {
+  DaemonConfig config = ColdConfig();
+  manager_ = Make(config);
+  ASSERT_NE(manager_, nullptr);
+  std::vector<Rows> rows_a, rows_b;
+  const std::string a = OpenFilled(GrpcParams("a"), 7, &rows_a);   // live at shutdown
+  const std::string b = OpenFilled(GrpcParams("b"), 17, &rows_b);  // suspended
+  Suspend("b", b);
+  const uint64_t epoch_a = Listed("a", a).epoch;
+  // Shutdown: everything is demoted, then the manager (and its arenas) goes.
+  EXPECT_EQ(manager_->PersistAllSessions(absl::Now() + absl::Seconds(20)), 2u);
+  EXPECT_EQ(manager_->CloseAllSessions(), 0u);
+  manager_.reset();
+
+  manager_ = Make(config);
+  ASSERT_NE(manager_, nullptr);
+  const SessionRecord la = Listed("a", a);
+  EXPECT_TRUE(la.cold);
+  EXPECT_FALSE(la.suspended);
+  EXPECT_EQ(la.committed_tokens, std::vector<uint64_t>(2, kTokens));
+  EXPECT_TRUE(Listed("b", b).suspended);
+  EXPECT_TRUE(manager_->ListSessions(Caller{"small"}).empty());  // tenants stay apart
+
+  absl::StatusOr<SessionRecord> r = manager_->Reattach(Caller{"a"}, a);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(r->cold);
+  EXPECT_GT(r->epoch, epoch_a);  // the old holder stays fenced off
+  EXPECT_EQ(r->committed_tokens, std::vector<uint64_t>(2, kTokens));
+  ExpectPages("a", a, rows_a);
+  // The GRPC session steps again over its restored pages.
+  const Geometry g = SmallGeometry();
+  Rows q(g, 1, 99);
+  std::string qbytes(static_cast<size_t>(g.num_q_heads) * g.head_dim * g.element_bytes(), '\0');
+  std::memcpy(qbytes.data(), q.k.data(), std::min(qbytes.size(), q.k.bytes()));
+  absl::StatusOr<StepResult> step = manager_->Step(Caller{"a"}, a, 0, qbytes, true);
+  ASSERT_TRUE(step.ok()) << step.status();
+  EXPECT_EQ(step->num_tokens, kTokens);
+
+  // The suspended one: Step is refused until Reattach; then it is whole.
+  EXPECT_EQ(manager_->Step(Caller{"b"}, b, 0, qbytes, false).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(manager_->Reattach(Caller{"b"}, b).ok());
+  ExpectPages("b", b, rows_b);
+  // Closing a promoted session leaves nothing in the cold tier for a third daemon.
+  ASSERT_TRUE(manager_->CloseSession(Caller{"a"}, a).ok());
+  ASSERT_TRUE(manager_->CloseSession(Caller{"b"}, b).ok());
+  manager_.reset();
+  manager_ = Make(config);
+  ASSERT_NE(manager_, nullptr);
+  EXPECT_TRUE(manager_->ListSessions(Caller{"a"}).empty());
+  EXPECT_TRUE(manager_->ListSessions(Caller{"b"}).empty());
+}
+
+TEST_F(ColdSessionTest, ACorruptedValueIsDataLossNeverWrongBytes) {
+  manager_ = Make(ColdConfig());
+  ASSERT_NE(manager_, nullptr);
+  std::vector<Rows> rows;
+  const std::string id = OpenFilled(GrpcParams("a"), 3, &rows);
+  Suspend("a", id);
+  ASSERT_EQ(manager_->PersistAllSessions(absl::Now() + absl::Seconds(20)), 1u);
+  ASSERT_TRUE(Listed("a", id).cold);
+  // One byte of layer 1 page 5's payload, on the master (the write replicates, so no intact
+  // copy is left anywhere).
+  const std::string key = ColdKey(prefix_, "a", id, 1, 5);
+  absl::StatusOr<int> master = cluster_->MasterOf(RedisCluster::SlotOf(key));
+  ASSERT_TRUE(master.ok()) << master.status();
+  ASSERT_TRUE(cluster_->Command(*master, {"SETRANGE", key, "100", "\x5a"}).ok());
+  ASSERT_TRUE(cluster_->WaitForReplicas(absl::Seconds(10)).ok());
+
+  absl::StatusOr<SessionRecord> r = manager_->Reattach(Caller{"a"}, id);
+  ExpectError(r.status(), absl::StatusCode::kDataLoss, {"layer 1 page 5"});
+  EXPECT_EQ(manager_->StartFetch(Caller{"a"}, id, 0, {}).status().code(),
+            absl::StatusCode::kDataLoss);
+  // The session stays cold, its record intact, for an operator to look at or close.
+  EXPECT_TRUE(Listed("a", id).cold);
+  EXPECT_TRUE(manager_->CloseSession(Caller{"a"}, id).ok());
+}
+
+TEST_F(ColdSessionTest, ATenantsAclUserReachesOnlyItsOwnKeys) {
+  // ACLs are per node in Redis Cluster: the user is set on every node.
+  const std::string user = absl::StrCat(prefix_, "-a");
+  for (int n = 0; n < cluster_->size(); ++n) {
+    ASSERT_TRUE(cluster_
+                    ->Command(n, {"ACL", "SETUSER", user, "on", ">pw-a", "resetkeys",
+                                  absl::StrCat("~", prefix_, ":a:*"), "-@all", "+get", "+set",
+                                  "+del", "+wait", "+sadd", "+srem", "+smembers", "+cluster",
+                                  "+readonly", "+asking", "+ping"})
+                    .ok());
+  }
+  DaemonConfig config = ColdConfig();
+  for (TenantConfig& t : config.tenants) {
+    if (t.name == "a") {
+      t.redis_user = user;
+      t.redis_password = "pw-a";
+    }
+  }
+  manager_ = Make(config);
+  ASSERT_NE(manager_, nullptr);
+  std::vector<Rows> rows;
+  const std::string id = OpenFilled(GrpcParams("a"), 5, &rows);
+  Suspend("a", id);
+  ASSERT_EQ(manager_->PersistAllSessions(absl::Now() + absl::Seconds(20)), 1u);
+  ASSERT_TRUE(manager_->Reattach(Caller{"a"}, id).ok());
+  ExpectPages("a", id, rows);
+  // The same user cannot touch tenant b's keys.
+  RedisClusterOptions o;
+  o.seeds = cluster_->seeds();
+  o.user = user;
+  o.password = "pw-a";
+  absl::StatusOr<std::unique_ptr<RedisCluster>> as_a = RedisCluster::Connect(o);
+  ASSERT_TRUE(as_a.ok()) << as_a.status();
+  absl::StatusOr<RedisReply> other = (*as_a)->Run(
+      {"GET", ColdKey(prefix_, "b", "x", 0, 0)}, absl::Now() + absl::Seconds(5));
+  ASSERT_FALSE(other.ok());
+  EXPECT_THAT(std::string(other.status().message()), HasSubstr("NOPERM"));
+}
+
+// Its own cluster: it kills a master.
+TEST(ColdSessionFailoverTest, AKilledMasterLosesNothingADemotionAcknowledged) {
+  spdlog::set_level(spdlog::level::warn);
+  std::unique_ptr<testing::RedisClusterProcess> cluster = StartCluster();
+  if (cluster == nullptr) GTEST_SKIP() << "redis-server / redis-cli not available";
+  DaemonConfig config = TestConfig();
+  config.cold_tier.nodes = cluster->seeds();
+  config.cold_tier.key_prefix = "failover";
+  config.cold_tier.min_replicas = 1;
+  config.cold_tier.command_timeout = absl::Milliseconds(500);
+  config.cold_tier.operation_timeout = absl::Seconds(30);
+  for (TenantConfig& t : config.tenants) t.cold_quota_bytes = 64 * kMiB;
+  absl::StatusOr<std::unique_ptr<SessionManager>> m = SessionManager::Create(config);
+  ASSERT_TRUE(m.ok()) << m.status();
+  const Geometry g = SmallGeometry();
+  // Four sessions, demoted (acknowledged: written and WAITed for a replica).
+  std::vector<std::string> ids;
+  std::vector<std::vector<Rows>> rows(4);
+  for (int i = 0; i < 4; ++i) {
+    OpenSessionParams p = GrpcParams("a");
+    absl::StatusOr<SessionRecord> r = (*m)->OpenSession(Caller{"a"}, p);
+    ASSERT_TRUE(r.ok()) << r.status();
+    for (int32_t l = 0; l < g.num_layers; ++l) rows[i].emplace_back(g, 256, 1000 + 10 * i + l);
+    std::unique_ptr<OffloadStream> s = (*m)->NewOffloadStream(Caller{"a"});
+    for (int32_t l = 0; l < g.num_layers; ++l) {
+      ASSERT_TRUE(
+          s->Add(session_manager_testing::Chunk(r->id, l, rows[i][l], 0, 256, false, g)).ok());
+    }
+    ASSERT_TRUE(s->Finish().ok());
+    ASSERT_TRUE((*m)->SuspendSession(Caller{"a"}, r->id).ok());
+    ids.push_back(r->id);
+  }
+  // Demote sessions 0 and 1 (acknowledged: written and WAITed for a replica)...
+  const auto demote = [&](size_t i) {
+    return (*m)->DemoteSession(ids[i], absl::Now() + absl::Seconds(30));
+  };
+  ASSERT_TRUE(demote(0).ok());
+  ASSERT_TRUE(demote(1).ok());
+  // ... kill the master holding session 0's layer 0 ...
+  const uint16_t slot = RedisCluster::SlotOf(ColdKey("failover", "a", ids[0], 0, 0));
+  absl::StatusOr<int> master = cluster->MasterOf(slot);
+  ASSERT_TRUE(master.ok()) << master.status();
+  ASSERT_TRUE(cluster->Kill(*master).ok());
+  // ... and demote sessions 2 and 3 while the cluster fails over: each either succeeds
+  // (retrying through the failover within its deadline) or stays whole in the host tier.
+  const absl::Status d2 = demote(2), d3 = demote(3);
+  std::cerr << "demotions during the failover: " << d2 << ", " << d3 << "\n";
+  ASSERT_TRUE(cluster->WaitForPromotion(*master, slot, absl::Seconds(30)).ok());
+  // Every page of every session comes back byte-exact.
+  for (size_t i = 0; i < ids.size(); ++i) {
+    absl::StatusOr<SessionRecord> r = (*m)->Reattach(Caller{"a"}, ids[i]);
+    ASSERT_TRUE(r.ok()) << i << ": " << r.status();
+    for (int32_t l = 0; l < g.num_layers; ++l) {
+      absl::StatusOr<std::unique_ptr<FetchCursor>> c = (*m)->StartFetch(Caller{"a"}, ids[i], l, {});
+      ASSERT_TRUE(c.ok()) << c.status();
+      int64_t n = 0;
+      while (!(*c)->done()) {
+        absl::StatusOr<std::vector<PageData>> batch = (*c)->Next(uint64_t{1} << 20);
+        ASSERT_TRUE(batch.ok()) << batch.status();
+        for (const PageData& p : *batch) {
+          ASSERT_EQ(p.data, ExpectedPage(g, rows[i][l], p.page)) << i << " " << l << " " << p.page;
+          ++n;
+        }
+      }
+      EXPECT_EQ(n, 256 / g.page_size);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvtier::daemon
