@@ -1061,6 +1061,8 @@ void SessionManager::WriteMetrics(Exposition& out) const {
                it == fetched.end() ? 0.0 : static_cast<double>(it->second));
   }
 
+  WriteColdMetrics(out, tenant_names);
+
   // Open sessions: the directory and the telemetry block, read now.
   struct Row {
     std::string tenant, id, transport;
@@ -1459,6 +1461,81 @@ absl::StatusOr<CloseResult> SessionManager::CloseCold(const Caller& caller, cons
   LogLimited(spdlog::level::info, "session closed",
              "session {} closed in the cold tier: {} committed pages", id, r.committed_pages);
   return r;
+}
+
+void SessionManager::WriteColdMetrics(Exposition& out,
+                                      const std::vector<std::string>& tenant_names) const {
+  if (cold_.empty()) return;
+  struct ColdRow {
+    std::string tenant;
+    ColdStoreStats s;
+    ColdTierStats t;
+    uint64_t quota;
+  };
+  std::vector<ColdRow> rows;
+  int64_t redirects = cluster_ != nullptr ? cluster_->redirects() : 0;
+  int64_t refreshes = cluster_ != nullptr ? cluster_->slot_map_refreshes() : 0;
+  for (const std::string& name : tenant_names) {
+    auto it = cold_.find(name);
+    if (it == cold_.end()) continue;
+    rows.push_back({name, it->second.store->stats(), it->second.tier->stats(),
+                    it->second.store->options().quota_bytes});
+    if (it->second.own_cluster != nullptr) {
+      redirects += it->second.own_cluster->redirects();
+      refreshes += it->second.own_cluster->slot_map_refreshes();
+    }
+  }
+  const auto family = [&](std::string_view name, std::string_view type, std::string_view help,
+                          auto value) {
+    out.Family(name, type, help);
+    for (const ColdRow& r : rows) {
+      out.Sample(name, {{"tenant", r.tenant}}, static_cast<double>(value(r)));
+    }
+  };
+  const auto both_ways = [&](std::string_view name, std::string_view help, auto demoted,
+                             auto promoted) {
+    out.Family(name, "counter", help);
+    for (const ColdRow& r : rows) {
+      out.Sample(name, {{"tenant", r.tenant}, {"direction", "demoted"}},
+                 static_cast<double>(demoted(r)));
+      out.Sample(name, {{"tenant", r.tenant}, {"direction", "promoted"}},
+                 static_cast<double>(promoted(r)));
+    }
+  };
+  family("kvtier_cold_quota_bytes", "gauge", "The tenant's cold quota (tenant.cold_quota_bytes).",
+         [](const ColdRow& r) { return r.quota; });
+  family("kvtier_cold_used_bytes", "gauge",
+         "Bytes of the tenant's sessions in the cold tier (values with their headers).",
+         [](const ColdRow& r) { return r.s.used_bytes; });
+  family("kvtier_cold_sessions", "gauge", "The tenant's sessions in the cold tier.",
+         [](const ColdRow& r) { return r.s.sessions; });
+  both_ways("kvtier_cold_sessions_moved_total", "Sessions demoted to / promoted from the cold tier.",
+            [](const ColdRow& r) { return r.s.demoted_sessions; },
+            [](const ColdRow& r) { return r.s.promoted_sessions; });
+  both_ways("kvtier_cold_pages_total", "Pages demoted to / promoted from the cold tier.",
+            [](const ColdRow& r) { return r.s.demoted_pages; },
+            [](const ColdRow& r) { return r.s.promoted_pages; });
+  both_ways("kvtier_cold_bytes_total", "Page bytes demoted to / promoted from the cold tier.",
+            [](const ColdRow& r) { return r.s.demoted_bytes; },
+            [](const ColdRow& r) { return r.s.promoted_bytes; });
+  family("kvtier_cold_failures_total", "counter",
+         "Demotions, promotions and removals that failed (the session stayed where it was).",
+         [](const ColdRow& r) { return r.s.failures; });
+  family("kvtier_cold_data_loss_total", "counter",
+         "Promotions refused because a page had no intact copy (DATA_LOSS).",
+         [](const ColdRow& r) { return r.s.data_loss; });
+  family("kvtier_cold_checksum_failures_total", "counter",
+         "Values that failed their checksum on their master.",
+         [](const ColdRow& r) { return r.t.checksum_failures; });
+  family("kvtier_cold_replica_recoveries_total", "counter",
+         "Values that failed their checksum on the master and read back intact from a replica.",
+         [](const ColdRow& r) { return r.t.replica_recoveries; });
+  out.Family("kvtier_redis_redirects_total", "counter",
+             "MOVED and ASK redirections the cold tier's cluster client followed.");
+  out.Sample("kvtier_redis_redirects_total", {}, static_cast<double>(redirects));
+  out.Family("kvtier_redis_slot_map_refreshes_total", "counter",
+             "Slot map reloads (CLUSTER SLOTS) of the cold tier's cluster client.");
+  out.Sample("kvtier_redis_slot_map_refreshes_total", {}, static_cast<double>(refreshes));
 }
 
 size_t SessionManager::PersistAllSessions(absl::Time deadline) {

@@ -354,6 +354,8 @@ class SessionManager {
   // suspended first) while the arena has no room and the tenant has a cold tier.
   absl::StatusOr<RegionLease> AllocateRegion(Tenant& tenant, uint64_t bytes, absl::Time deadline)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // The kvtier_cold_* and kvtier_redis_* families (docs/metrics.md), when there is a cold tier.
+  void WriteColdMetrics(Exposition& out, const std::vector<std::string>& tenant_names) const;
   // Connects the cold tier and takes up its sessions (Create).
   absl::Status StartColdTier();
   // CloseSession of a cold session: out of the table, out of the cold tier.

@@ -170,6 +170,22 @@ TEST_F(ColdSessionTest, FillsATenantBeyondItsArenaAndReadsEveryPageBack) {
   EXPECT_EQ(st->session->committed_pages, 2u * kTokens / SmallGeometry().page_size);
   EXPECT_TRUE(Listed("small", ids[0]).cold);  // the later Fetches demoted it again
   EXPECT_LE(manager_->tenant("small").used_bytes(), 3 * kMiB / 2);
+  // The metrics count both ways: each session was demoted at least once and promoted once.
+  Exposition out;
+  manager_->WriteMetrics(out);
+  const std::string text = out.text();
+  const double pages = static_cast<double>(2 * kTokens / SmallGeometry().page_size);
+  const auto value = [&](const std::string& series) {
+    const size_t at = text.find(series + " ");
+    return at == std::string::npos ? -1.0 : std::stod(text.substr(at + series.size() + 1));
+  };
+  EXPECT_GE(value(R"(kvtier_cold_pages_total{tenant="small",direction="demoted"})"), 5 * pages);
+  EXPECT_GE(value(R"(kvtier_cold_pages_total{tenant="small",direction="promoted"})"), 5 * pages);
+  EXPECT_GE(value(R"(kvtier_cold_sessions_moved_total{tenant="small",direction="promoted"})"), 5);
+  EXPECT_EQ(value(R"(kvtier_cold_data_loss_total{tenant="small"})"), 0);
+  EXPECT_EQ(value(R"(kvtier_cold_quota_bytes{tenant="small"})"), 64.0 * kMiB);
+  EXPECT_NE(text.find("kvtier_sessions_demoted_total{tenant=\"small\",transport=\"grpc\"}"),
+            std::string::npos);
 }
 
 TEST_F(ColdSessionTest, AFullArenaWithNothingSuspendedStillRefuses) {
