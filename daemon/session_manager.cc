@@ -1266,24 +1266,22 @@ absl::StatusOr<SessionRecord> SessionManager::SuspendSession(const Caller& calle
   return r;
 }
 
+std::optional<SessionManager::Entry> SessionManager::EntryOf(const std::string& id) const {
+  MutexLock lock(&mu_);
+  auto it = sessions_.find(id);
+  if (it == sessions_.end()) return std::nullopt;
+  return it->second;
+}
+
 absl::Status SessionManager::Demote(const std::string& id, bool force, absl::Time deadline) {
-  std::shared_ptr<Mutex> move_mu;
-  {
-    MutexLock lock(&mu_);
-    auto it = sessions_.find(id);
-    if (it == sessions_.end()) return absl::NotFoundError(absl::StrCat("session ", id));
-    move_mu = it->second.move_mu;
+  std::optional<Entry> first = EntryOf(id);
+  if (!first.has_value()) return absl::NotFoundError(absl::StrCat("session ", id));
+  MutexLock moving(first->move_mu.get());
+  std::optional<Entry> found = EntryOf(id);  // again, now that no other move runs
+  if (!found.has_value() || found->session == nullptr) {
+    return absl::NotFoundError(absl::StrFormat("session %s is not in the host tier", id));
   }
-  MutexLock moving(move_mu.get());
-  Entry e;
-  {
-    MutexLock lock(&mu_);
-    auto it = sessions_.find(id);
-    if (it == sessions_.end() || it->second.session == nullptr) {
-      return absl::NotFoundError(absl::StrFormat("session %s is not in the host tier", id));
-    }
-    e = it->second;
-  }
+  const Entry& e = *found;
   ColdStore* store = ColdStoreOf(e.tenant);
   if (store == nullptr) {
     return absl::FailedPreconditionError(absl::StrFormat(
@@ -1334,23 +1332,14 @@ absl::Status SessionManager::Demote(const std::string& id, bool force, absl::Tim
 
 absl::StatusOr<std::shared_ptr<TenantSession>> SessionManager::Promote(const std::string& id,
                                                                        absl::Time deadline) {
-  std::shared_ptr<Mutex> move_mu;
-  {
-    MutexLock lock(&mu_);
-    auto it = sessions_.find(id);
-    if (it == sessions_.end()) return absl::NotFoundError(absl::StrCat("session ", id));
-    move_mu = it->second.move_mu;
+  std::optional<Entry> first = EntryOf(id);
+  if (!first.has_value()) return absl::NotFoundError(absl::StrCat("session ", id));
+  MutexLock moving(first->move_mu.get());
+  std::optional<Entry> found = EntryOf(id);  // again, now that no other move runs
+  if (!found.has_value()) {
+    return absl::NotFoundError(absl::StrFormat("session %s was closed meanwhile", id));
   }
-  MutexLock moving(move_mu.get());
-  Entry e;
-  {
-    MutexLock lock(&mu_);
-    auto it = sessions_.find(id);
-    if (it == sessions_.end()) {
-      return absl::NotFoundError(absl::StrFormat("session %s was closed meanwhile", id));
-    }
-    e = it->second;
-  }
+  const Entry& e = *found;
   if (e.session != nullptr) return e.session;  // another call promoted it meanwhile
   ColdStore* store = ColdStoreOf(e.tenant);
   Tenant* tenant = FindTenant(e.tenant);

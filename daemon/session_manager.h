@@ -342,6 +342,8 @@ class SessionManager {
   absl::StatusOr<Entry> Peek(const Caller& caller, std::string_view session_id) const
       ABSL_LOCKS_EXCLUDED(mu_);
   ColdStore* ColdStoreOf(std::string_view tenant) const;
+  // A copy of the entry of `id` (any tenant), or nullopt.
+  std::optional<Entry> EntryOf(const std::string& id) const ABSL_LOCKS_EXCLUDED(mu_);
   // Moves the hot session `id` to the cold tier (Entry::session → Entry::cold). `force`:
   // a session not suspended too (shutdown).
   absl::Status Demote(const std::string& id, bool force, absl::Time deadline)
