@@ -244,6 +244,11 @@ int kvtier_close_session(kvtier_session* session) {
   return Guard([&] { return session->session->Close(); });
 }
 
+int kvtier_session_suspend(kvtier_session* session) {
+  if (session == nullptr) return InvalidArgument("kvtier_session_suspend: session is null");
+  return Guard([&] { return session->session->Suspend(); });
+}
+
 void kvtier_session_free(kvtier_session* session) {
   try {
     delete session;

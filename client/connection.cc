@@ -159,4 +159,13 @@ absl::Status CloseSessionById(Connection& conn, std::string_view id) {
   return FromGrpcStatus(conn.stub().CloseSession(ctx.get(), req, &reply));
 }
 
+absl::StatusOr<SessionInfo> SuspendSessionById(Connection& conn, std::string_view id) {
+  v1::SuspendSessionRequest req;
+  req.set_session_id(std::string(id));
+  v1::SuspendSessionReply reply;
+  auto ctx = conn.Context();
+  KVTIER_RETURN_IF_ERROR(FromGrpcStatus(conn.stub().SuspendSession(ctx.get(), req, &reply)));
+  return SessionInfoFromProto(reply.session());
+}
+
 }  // namespace kvtier

@@ -81,6 +81,8 @@ class Connection {
 absl::StatusOr<SessionInfo> LookupSessionInfo(Connection& conn, std::string_view id);
 // CloseSession by id: the daemon's status.
 absl::Status CloseSessionById(Connection& conn, std::string_view id);
+// SuspendSession by id: the daemon's record of the suspended session, or its status.
+absl::StatusOr<SessionInfo> SuspendSessionById(Connection& conn, std::string_view id);
 
 }  // namespace kvtier
 

@@ -114,6 +114,8 @@ absl::StatusOr<SessionInfo> SessionInfoFromProto(const v1::SessionInfo& p) {
     info.correction_max_loss = p.retrieval().correction_max_loss();
   }
   info.closing = p.state() == v1::SESSION_STATE_CLOSING;
+  info.suspended = p.state() == v1::SESSION_STATE_SUSPENDED;
+  info.cold = p.state() == v1::SESSION_STATE_COLD;
   info.epoch = p.epoch();
   info.committed_tokens.reserve(static_cast<size_t>(p.committed_tokens_size()));
   for (uint64_t t : p.committed_tokens()) {

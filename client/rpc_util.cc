@@ -75,4 +75,11 @@ absl::Status CheckSessionOpen(bool closed, std::string_view what, std::string_vi
   return absl::FailedPreconditionError(absl::StrFormat("%s: session %s is closed", what, id));
 }
 
+absl::Status CheckSessionOpen(bool closed, bool suspended, std::string_view what,
+                              std::string_view id) {
+  if (closed || !suspended) return CheckSessionOpen(closed, what, id);
+  return absl::FailedPreconditionError(
+      absl::StrFormat("%s: session %s is suspended; Client::Reattach resumes it", what, id));
+}
+
 }  // namespace kvtier

@@ -46,6 +46,10 @@ std::unique_ptr<grpc::ClientContext> NewCallContext(std::string_view tenant, std
 // OK while a session is open; FAILED_PRECONDITION "<what>: session <id> is closed" once
 // `closed`.
 absl::Status CheckSessionOpen(bool closed, std::string_view what, std::string_view id);
+// FAILED_PRECONDITION "<what>: session <id> is closed" once `closed`, else "<what>: session
+// <id> is suspended; Client::Reattach resumes it" once `suspended` (Session::Suspend).
+absl::Status CheckSessionOpen(bool closed, bool suspended, std::string_view what,
+                              std::string_view id);
 
 }  // namespace kvtier
 

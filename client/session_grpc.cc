@@ -49,6 +49,11 @@ class RemoteSequence final : public Sequence {
     closed_ = true;
     return absl::OkStatus();
   }
+  // Closed by Session::Suspend: calls say so.
+  void Suspend() {
+    closed_ = true;
+    suspended_ = true;
+  }
   SequenceStats Stats() override;
   StepStats LastStep(int32_t layer) override {
     return ValidLayer(layer) ? layers_[static_cast<size_t>(layer)].last : StepStats{};
@@ -60,7 +65,8 @@ class RemoteSequence final : public Sequence {
   }
 
   absl::Status CheckOpen(std::string_view what) const {
-    return CheckSessionOpen(closed_, what, info_.id);
+    return suspended_ ? CheckSessionOpen(false, true, what, info_.id)
+                      : CheckSessionOpen(closed_, what, info_.id);
   }
   absl::Status CheckCall(int32_t layer, std::string_view what) const {
     KVTIER_RETURN_IF_ERROR(CheckOpen(what));
@@ -98,6 +104,7 @@ class RemoteSequence final : public Sequence {
   std::vector<Layer> layers_;
   SequenceStats stats_;  // as GetStats last said
   bool closed_ = false;
+  bool suspended_ = false;  // closed by Session::Suspend
 };
 
 class GrpcSession final : public Session {
@@ -118,18 +125,31 @@ class GrpcSession final : public Session {
     if (closed_) return absl::OkStatus();
     closed_ = true;
     (void)sequence_.Close();
+    if (suspended_) return absl::OkStatus();  // left for Client::Reattach
     return CloseSessionById(*conn_, info_.id);
+  }
+  // Offload commits before it returns: nothing to flush.
+  absl::Status Suspend() override {
+    if (closed_) return CheckSessionOpen(closed_, "Suspend", info_.id);
+    if (suspended_) return absl::OkStatus();
+    released_ = true;
+    sequence_.Suspend();
+    KVTIER_RETURN_IF_ERROR(SuspendSessionById(*conn_, info_.id).status());
+    suspended_ = true;
+    return absl::OkStatus();
   }
 
  private:
   absl::Status CheckOpen(std::string_view what) const {
-    return CheckSessionOpen(closed_, what, info_.id);
+    return CheckSessionOpen(closed_, released_, what, info_.id);
   }
 
   std::shared_ptr<Connection> conn_;
   const SessionInfo info_;
   RemoteSequence sequence_;
   bool closed_ = false;
+  bool released_ = false;   // the sequence is closed by Suspend
+  bool suspended_ = false;  // the daemon suspended it
 };
 
 absl::Status RemoteSequence::Append(int32_t layer, const void* k, const void* v, int32_t n_tokens) {

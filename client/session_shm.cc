@@ -29,7 +29,7 @@ class ShmSession final : public Session {
   // Detaches: commits what has been offloaded (bounded by the deadline) and leaves the
   // session to the daemon.
   ~ShmSession() override {
-    if (!closed_ && retriever_ != nullptr) (void)retriever_->Flush();
+    if (!closed_ && !released_ && retriever_ != nullptr) (void)retriever_->Flush();
   }
 
   absl::Status Init(bool restore);
@@ -46,11 +46,17 @@ class ShmSession final : public Session {
                                                       const std::vector<int64_t>& pages) override;
   absl::StatusOr<SessionInfo> Info() override { return LookupSessionInfo(*conn_, info_.id); }
   absl::Status Close() override;
+  absl::Status Suspend() override;
 
  private:
   absl::Status CheckOpen(std::string_view what) const {
-    return CheckSessionOpen(closed_, what, info_.id);
+    return CheckSessionOpen(closed_, released_, what, info_.id);
   }
+  // Flushes and closes the local sequence, once (later calls return the first outcome).
+  // Sets leave_ when the daemon's session must be left as it is: another holder
+  // reattached (its refusal), or work in flight may still write the region
+  // (DEADLINE_EXCEEDED).
+  absl::Status Release();
   absl::StatusOr<FetchedPage> ReadPage(int32_t layer, int64_t page) const;
 
   std::shared_ptr<Connection> conn_;
@@ -60,6 +66,10 @@ class ShmSession final : public Session {
   std::optional<SessionRegion> region_;   // the daemon's readers' view (FetchPages)
   std::unique_ptr<Retriever> retriever_;  // owns the region's host tier
   bool closed_ = false;
+  bool released_ = false;   // the local sequence is flushed and closed (Release)
+  bool leave_ = false;      // Release: the daemon's session is not ours to close or suspend
+  bool suspended_ = false;  // the daemon suspended it (Suspend)
+  absl::Status release_status_;
 };
 
 absl::Status ShmSession::Init(bool restore) {
@@ -87,25 +97,56 @@ absl::Status ShmSession::Init(bool restore) {
   return absl::OkStatus();
 }
 
-absl::Status ShmSession::Close() {
-  if (closed_) return absl::OkStatus();
+absl::Status ShmSession::Release() {
+  if (released_) return release_status_;
+  released_ = true;
   absl::Status committed = retriever_->Flush();
   const absl::Status rc = retriever_->Close();
-  closed_ = true;
   // A refused commit means another holder reattached: the session is theirs, not ours to
-  // close. Work still in flight may write the region: leave it to the daemon then too
-  // (CloseSession by id once the engine knows the work is gone).
+  // close or suspend. Work still in flight may write the region: leave it to the daemon
+  // then too (CloseSession by id once the engine knows the work is gone).
   const absl::Status& refused = static_cast<RegionHostTier*>(retriever_->host_tier())->refused();
   if (!refused.ok()) {
-    return absl::Status(refused.code(), absl::StrFormat("session %s (epoch %d): %s", info_.id,
-                                                        info_.epoch, refused.message()));
+    leave_ = true;
+    release_status_ = absl::Status(refused.code(), absl::StrFormat("session %s (epoch %d): %s",
+                                                                   info_.id, info_.epoch,
+                                                                   refused.message()));
+  } else if (absl::IsDeadlineExceeded(rc)) {
+    leave_ = true;
+    release_status_ = rc;
+  } else {
+    // The engine may have closed the sequence itself (FAILED_PRECONDITION from Flush).
+    if (absl::IsFailedPrecondition(committed)) committed = absl::OkStatus();
+    release_status_ = committed.ok() ? rc : committed;
   }
-  if (absl::IsDeadlineExceeded(rc)) return rc;
-  // The engine may have closed the sequence itself (FAILED_PRECONDITION from Flush).
-  if (absl::IsFailedPrecondition(committed)) committed = absl::OkStatus();
+  return release_status_;
+}
+
+absl::Status ShmSession::Close() {
+  if (closed_) return absl::OkStatus();
+  if (suspended_) {  // left for Client::Reattach
+    closed_ = true;
+    return absl::OkStatus();
+  }
+  const absl::Status local = Release();
+  closed_ = true;
+  if (leave_) return local;
   const absl::Status rpc = CloseSessionById(*conn_, info_.id);
-  if (!committed.ok()) return committed;
-  return rc.ok() ? rpc : rc;
+  return local.ok() ? rpc : local;
+}
+
+absl::Status ShmSession::Suspend() {
+  if (closed_) return CheckSessionOpen(closed_, "Suspend", info_.id);
+  if (suspended_) return absl::OkStatus();
+  // Nothing may write the region once the daemon may demote it: flush and close first.
+  const absl::Status local = Release();
+  if (leave_) {
+    closed_ = true;
+    return local;
+  }
+  KVTIER_RETURN_IF_ERROR(SuspendSessionById(*conn_, info_.id).status());
+  suspended_ = true;
+  return local;
 }
 
 absl::StatusOr<FetchedPage> ShmSession::ReadPage(int32_t layer, int64_t page) const {
@@ -128,10 +169,8 @@ absl::StatusOr<FetchedPage> ShmSession::ReadPage(int32_t layer, int64_t page) co
 
 absl::StatusOr<std::vector<FetchedPage>> ShmSession::FetchPages(int32_t layer,
                                                                 const std::vector<int64_t>& pages) {
-  if (closed_) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("FetchPages: session ", info_.id, " is closed"));
-  }
+  // A suspended session's region may be demoted and reused: read it no more.
+  KVTIER_RETURN_IF_ERROR(CheckOpen("FetchPages"));
   if (layer < 0 || layer >= info_.geometry.num_layers) {
     return absl::InvalidArgumentError(absl::StrFormat("FetchPages: layer = %d must be in [0, %d)",
                                                       layer, info_.geometry.num_layers));

@@ -15,6 +15,7 @@
 #include "absl/time/clock.h"
 #include "core/status.h"
 #include "daemon/logging.h"
+#include "daemon/session_params.h"
 #include "google/protobuf/stubs/logging.h"
 #include "grpcpp/support/proto_buffer_reader.h"
 #include "spdlog/spdlog.h"
@@ -73,30 +74,6 @@ absl::Status Serialize(const google::protobuf::Message& message, Raw* out) {
 
 // ---- proto ⇄ domain -----------------------------------------------------------------------
 
-absl::StatusOr<OpenSessionParams> ParamsFromProto(const v1::OpenSessionRequest& r) {
-  OpenSessionParams p;
-  p.tenant = r.tenant();
-  KVTIER_ASSIGN_OR_RETURN(p.geometry, GeometryFromProto(r.geometry()));
-  KVTIER_ASSIGN_OR_RETURN(p.mode, ModeFromProto(r.retrieval().mode()));
-  p.budget_tokens = r.retrieval().budget_tokens();
-  p.max_tokens = r.retrieval().max_tokens();
-  if (r.retrieval().has_correction_threshold()) {
-    p.correction_threshold = r.retrieval().correction_threshold();
-  }
-  p.correction_trigger = r.retrieval().correction_trigger();
-  if (r.retrieval().has_correction_max_loss()) {
-    p.correction_max_loss = r.retrieval().correction_max_loss();
-  }
-  p.budget_policy = r.policy().budget_policy();
-  p.residency_policy = r.policy().residency_policy();
-  p.host_drop = r.policy().host_drop();
-  p.policy_params.insert(r.policy().params().begin(), r.policy().params().end());
-  KVTIER_ASSIGN_OR_RETURN(p.transport, TransportFromProto(r.transport()));
-  p.label = r.label();
-  p.request_id = r.request_id();
-  return p;
-}
-
 v1::SessionInfo SessionToProto(const SessionRecord& r) {
   v1::SessionInfo p;
   p.set_session_id(r.id);
@@ -111,7 +88,10 @@ v1::SessionInfo SessionToProto(const SessionRecord& r) {
       std::string(CorrectionTriggerName(r.spec.sequence.correction_trigger)));
   ro->set_correction_max_loss(r.spec.sequence.correction_max_loss);
   p.set_transport(r.spec.transport == Transport::kGrpc ? v1::TRANSPORT_GRPC : v1::TRANSPORT_SHM);
-  p.set_state(r.closing ? v1::SESSION_STATE_CLOSING : v1::SESSION_STATE_OPEN);
+  p.set_state(r.closing     ? v1::SESSION_STATE_CLOSING
+              : r.cold      ? v1::SESSION_STATE_COLD
+              : r.suspended ? v1::SESSION_STATE_SUSPENDED
+                            : v1::SESSION_STATE_OPEN);
   p.set_label(r.spec.label);
   p.set_region_offset(r.region_offset);
   p.set_region_bytes(r.region_bytes);
@@ -288,6 +268,10 @@ grpc::ServerUnaryReactor* KvTierService::Reattach(grpc::CallbackServerContext* c
                                                   Raw* out) {
   return Serve(ctx, in, out, Where::kInline, true, &KvTierService::DoReattach);
 }
+grpc::ServerUnaryReactor* KvTierService::SuspendSession(grpc::CallbackServerContext* ctx,
+                                                        const Raw* in, Raw* out) {
+  return Serve(ctx, in, out, Where::kInline, true, &KvTierService::DoSuspendSession);
+}
 grpc::ServerUnaryReactor* KvTierService::Step(grpc::CallbackServerContext* ctx, const Raw* in,
                                               Raw* out) {
   return Serve(ctx, in, out, Where::kWorkQueue, true, &KvTierService::DoStep);
@@ -371,6 +355,14 @@ absl::Status KvTierService::DoListSessions(const Caller& caller,
 absl::Status KvTierService::DoReattach(const Caller& caller, const v1::ReattachRequest& request,
                                        v1::ReattachReply* reply) {
   KVTIER_ASSIGN_OR_RETURN(SessionRecord r, manager_.Reattach(caller, request.session_id()));
+  *reply->mutable_session() = SessionToProto(r);
+  return absl::OkStatus();
+}
+
+absl::Status KvTierService::DoSuspendSession(const Caller& caller,
+                                             const v1::SuspendSessionRequest& request,
+                                             v1::SuspendSessionReply* reply) {
+  KVTIER_ASSIGN_OR_RETURN(SessionRecord r, manager_.SuspendSession(caller, request.session_id()));
   *reply->mutable_session() = SessionToProto(r);
   return absl::OkStatus();
 }

@@ -62,7 +62,9 @@ using RawKvTierService = v1::KvTier::WithRawCallbackMethod_Hello<
         v1::KvTier::WithRawCallbackMethod_ListSessions<v1::KvTier::WithRawCallbackMethod_Reattach<
             v1::KvTier::WithRawCallbackMethod_Offload<v1::KvTier::WithRawCallbackMethod_Fetch<
                 v1::KvTier::WithRawCallbackMethod_Step<v1::KvTier::WithRawCallbackMethod_GetStats<
-                    v1::KvTier::WithRawCallbackMethod_Drain<v1::KvTier::Service>>>>>>>>>>;
+                    v1::KvTier::WithRawCallbackMethod_Drain<
+                        v1::KvTier::WithRawCallbackMethod_SuspendSession<
+                            v1::KvTier::Service>>>>>>>>>>>;
 
 class KvTierService final : public RawKvTierService {
  public:
@@ -95,6 +97,7 @@ class KvTierService final : public RawKvTierService {
   using RawKvTierService::OpenSession;
   using RawKvTierService::Reattach;
   using RawKvTierService::Step;
+  using RawKvTierService::SuspendSession;
 
   using Raw = grpc::ByteBuffer;
   grpc::ServerUnaryReactor* Hello(grpc::CallbackServerContext* ctx, const Raw* in,
@@ -115,6 +118,8 @@ class KvTierService final : public RawKvTierService {
                                      Raw* out) override;
   grpc::ServerUnaryReactor* Drain(grpc::CallbackServerContext* ctx, const Raw* in,
                                   Raw* out) override;
+  grpc::ServerUnaryReactor* SuspendSession(grpc::CallbackServerContext* ctx, const Raw* in,
+                                           Raw* out) override;
 
  private:
   class OffloadReactor;
@@ -148,6 +153,8 @@ class KvTierService final : public RawKvTierService {
                           v1::GetStatsReply* reply);
   absl::Status DoDrain(const Caller& caller, const v1::DrainRequest& request,
                        v1::DrainReply* reply);
+  absl::Status DoSuspendSession(const Caller& caller, const v1::SuspendSessionRequest& request,
+                                v1::SuspendSessionReply* reply);
 
   // Counts the call in flight until End(); End counts its outcome.
   void Begin();

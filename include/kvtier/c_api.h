@@ -144,6 +144,13 @@ int kvtier_decode(kvtier_session* session, int32_t layer, const void* q, void* o
 int kvtier_flush(kvtier_session* session);
 /* Closes the session in the daemon; the handle must still be freed. */
 int kvtier_close_session(kvtier_session* session);
+/* Suspends the session for a later kvtier_reattach (kvtier::Session::Suspend): flushes
+ * (SHM: waits for the offloads in flight to commit), closes the handle's sequence and asks
+ * the daemon to suspend it. The handle's calls then fail KVTIER_FAILED_PRECONDITION,
+ * kvtier_close_session leaves the daemon's session alone, and suspending again is OK; the
+ * handle must still be freed. kvtier_reattach resumes it (kvtier_num_tokens says where to
+ * re-append from). */
+int kvtier_session_suspend(kvtier_session* session);
 /* Frees the handle; a session not closed is detached (kvtier_reattach takes it over). */
 void kvtier_session_free(kvtier_session* session);
 

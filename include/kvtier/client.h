@@ -117,6 +117,13 @@ struct SessionInfo {
   CorrectionTrigger correction_trigger = CorrectionTrigger::kCosine;
   float correction_max_loss = kDefaultCorrectionMaxLoss;
   bool closing = false;  // CloseSession or Drain in progress
+  // SuspendSession: no engine holds it; Client::Reattach resumes it. The daemon reports
+  // one state: a suspended session that was demoted says cold instead (and a closing one
+  // says closing).
+  bool suspended = false;
+  // Demoted to the daemon's cold tier: it holds no host memory; Client::Reattach brings its
+  // pages back first.
+  bool cold = false;
   uint64_t epoch = 0;
   std::vector<int64_t> committed_tokens;  // per layer
   std::vector<int64_t> steps_run;         // GRPC: per layer, Steps the daemon ran
@@ -130,7 +137,8 @@ struct SessionInfo {
 // another holder reattached fails FAILED_PRECONDITION from then on (its sequence too), and
 // its Close() leaves the daemon's session to that holder. After Close(), calls fail
 // FAILED_PRECONDITION. Closing only sequence() stops the engine's side and leaves the
-// daemon's session open, as a detach does.
+// daemon's session open, as a detach does. Suspend() lets the session go for a later
+// Client::Reattach (the daemon may move its pages to its cold tier meanwhile).
 class Session {
  public:
   virtual ~Session() = default;
@@ -150,6 +158,23 @@ class Session {
   // The daemon's record of the session.
   virtual absl::StatusOr<SessionInfo> Info() = 0;
   virtual absl::Status Close() = 0;
+  // Lets the session go, to be resumed later by Client::Reattach (in this or another
+  // process): flushes (SHM: waits for the offloads in flight and commits them), closes
+  // sequence() without closing the daemon's session, then asks the daemon to suspend it
+  // (SuspendSession: the epoch moves on and the daemon may demote its pages to the cold
+  // tier). Afterwards Flush, FetchPages and sequence()'s calls fail FAILED_PRECONDITION
+  // ("... is suspended; Client::Reattach resumes it"), Info() still reads the daemon's
+  // record, Close() does not close the daemon's session, and Suspend() again is OK.
+  // Reattach resumes where the committed pages end: num_tokens(layer) may be the full
+  // pages × page size, and the engine re-appends the rest.
+  // Errors: FAILED_PRECONDITION after Close(); SHM: the refusal when another holder
+  // reattached, DEADLINE_EXCEEDED when offloads were still in flight at the deadline (in
+  // both cases the daemon's session is left as it is and this object is closed); the
+  // daemon's status of SuspendSession (the sequence is closed then, but Suspend() may be
+  // called again, and Close() closes the daemon's session). A flush error is returned
+  // after the session was suspended all the same (the pages it did not commit are
+  // re-appended after Reattach).
+  virtual absl::Status Suspend() = 0;
 };
 
 class Client {

@@ -32,6 +32,7 @@ int kvtier_c_api_compile_check(void) {
   }
   if (kvtier_flush(session) != KVTIER_INVALID_ARGUMENT) return 9;
   if (kvtier_close_session(session) != KVTIER_INVALID_ARGUMENT) return 10;
+  if (kvtier_session_suspend(session) != KVTIER_INVALID_ARGUMENT) return 14;
   if (strcmp(kvtier_session_id(session), "") != 0) return 11;
   if (kvtier_num_tokens(session, 0) != 0) return 12;
   kvtier_session_free(session);

@@ -190,6 +190,28 @@ TEST(SessionInfoProtoTest, ResolvedOptionsDriveTheLocalRetriever) {
   EXPECT_EQ(ResolveSequenceOptions(local, *info).status().code(), absl::StatusCode::kInternal);
 }
 
+TEST(SessionInfoProtoTest, StateSaysClosingSuspendedOrCold) {
+  v1::SessionInfo p;
+  p.set_session_id("s1");
+  *p.mutable_geometry() = GeometryToProto(SmallOptions().geometry);
+  p.set_transport(v1::TRANSPORT_GRPC);
+  struct Case {
+    v1::SessionState state;
+    bool closing, suspended, cold;
+  };
+  for (const Case& c : {Case{v1::SESSION_STATE_OPEN, false, false, false},
+                        Case{v1::SESSION_STATE_CLOSING, true, false, false},
+                        Case{v1::SESSION_STATE_SUSPENDED, false, true, false},
+                        Case{v1::SESSION_STATE_COLD, false, false, true}}) {
+    p.set_state(c.state);
+    absl::StatusOr<SessionInfo> info = SessionInfoFromProto(p);
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->closing, c.closing) << v1::SessionState_Name(c.state);
+    EXPECT_EQ(info->suspended, c.suspended) << v1::SessionState_Name(c.state);
+    EXPECT_EQ(info->cold, c.cold) << v1::SessionState_Name(c.state);
+  }
+}
+
 TEST(OffloadChunkTokensTest, BoundedByMessageSizeAndTokenLimit) {
   const Geometry g = SmallOptions().geometry;  // 2 × 2 × 64 × 2 = 512 bytes of K+V a token
   EXPECT_EQ(*OffloadChunkTokens(g, (1 << 20) + 1024, 0, 1024), 2048);

@@ -71,7 +71,7 @@ std::string DaemonConfigToml(const DaemonProcessOptions& o) {
   for (const DaemonTenant& tenant : o.tenants) {
     absl::StrAppend(&t, "[[tenant]]\nname = \"", tenant.name, "\"\ntoken = \"", tenant.token,
                     "\"\nhost_memory_bytes = ", tenant.host_memory_bytes,
-                    "\nhugepages = \"off\"\nlock = false\n\n");
+                    "\nhugepages = \"off\"\nlock = false\n", o.tenant_toml, "\n");
   }
   return t;
 }

@@ -36,6 +36,8 @@ struct DaemonProcessOptions {
   uint64_t max_message_bytes = 0;  // 0: the daemon's default
   // TOML lines added to the [server] table (e.g. "work_threads = 1\n").
   std::string server_toml;
+  // TOML lines added to every [[tenant]] table (e.g. "cold_quota_bytes = 1\n").
+  std::string tenant_toml;
   // TOML appended verbatim (e.g. a [limits] table).
   std::string extra_toml;
   absl::Duration start_timeout = absl::Seconds(60);

@@ -689,6 +689,274 @@ TEST_F(ServiceTest, CApiCarriesTheCorrectionTriggerAndRefusesBadOnes) {
   kvtier_client_free(client);
 }
 
+// ---- SuspendSession ------------------------------------------------------------------------
+
+// The daemon's record of session `id` in `client`'s tenant.
+absl::StatusOr<SessionInfo> Listed(Client& client, const std::string& id) {
+  KVTIER_ASSIGN_OR_RETURN(std::vector<SessionInfo> list, client.ListSessions());
+  for (SessionInfo& s : list) {
+    if (s.id == id) return s;
+  }
+  return absl::NotFoundError("session " + id + " is not listed");
+}
+
+// The status of a raw Offload of `n` tokens of layer `layer` at `start`, committed.
+grpc::Status RawOffload(v1::KvTier::Stub& stub, const std::string& id,
+                        const testing::SyntheticTrace& trace, uint32_t layer, int32_t start,
+                        int32_t n) {
+  constexpr size_t kTokenBytes = 2 * 64 * 2;  // Hkv × d × fp16
+  v1::OffloadRequest req;
+  req.set_session_id(id);
+  req.set_layer(layer);
+  req.set_start_token(static_cast<uint64_t>(start));
+  req.set_num_tokens(static_cast<uint32_t>(n));
+  req.set_k(trace.K(static_cast<int32_t>(layer), start), static_cast<size_t>(n) * kTokenBytes);
+  req.set_v(trace.V(static_cast<int32_t>(layer), start), static_cast<size_t>(n) * kTokenBytes);
+  req.set_commit(true);
+  v1::OffloadReply reply;
+  auto ctx = NewCallContext("a", "ta", absl::Seconds(30));
+  auto writer = stub.Offload(ctx.get(), &reply);
+  (void)writer->Write(req);
+  writer->WritesDone();
+  return writer->Finish();
+}
+
+TEST_F(ServiceTest, SuspendedGrpcSessionRefusesWorkUntilReattached) {
+  std::unique_ptr<Client> a = MustConnect("a", "ta");
+  ASSERT_NE(a, nullptr);
+  const SessionOptions options = IntegrationSessionOptions(Transport::kGrpc);
+  auto s = a->OpenSession(options);
+  ASSERT_TRUE(s.ok()) << s.status();
+  const std::string id = (*s)->id();
+  const uint64_t opened_epoch = (*s)->epoch();
+  const SyntheticTrace trace(IntegrationTrace());
+  constexpr int32_t kAppended = 100;  // 3 full pages and 4 tokens
+  constexpr int32_t kFullPages = 96;
+  ASSERT_OK(testing::AppendTokens(**s, trace, 0, kAppended));
+  std::vector<uint8_t> out(8 * 64 * 2);
+  ASSERT_OK((*s)->sequence().Decode(0, trace.Query(0, 0), out.data(), nullptr));
+
+  ASSERT_OK((*s)->Suspend());
+  auto info = Listed(*a, id);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_TRUE(info->suspended);
+  EXPECT_FALSE(info->closing);
+  EXPECT_GT(info->epoch, opened_epoch);
+  const uint64_t suspended_epoch = info->epoch;
+  // Info still reads the daemon's record.
+  auto own = (*s)->Info();
+  ASSERT_TRUE(own.ok()) << own.status();
+  EXPECT_TRUE(own->suspended);
+
+  // The suspended object refuses work, saying why.
+  absl::Status st = (*s)->sequence().Append(0, trace.K(0, kAppended), trace.V(0, kAppended), 1);
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  EXPECT_NE(st.message().find("suspended"), std::string::npos) << st;
+  st = (*s)->sequence().Decode(0, trace.Query(0, 1), out.data(), nullptr);
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  EXPECT_EQ((*s)->Flush().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*s)->FetchPages(0, {}).status().code(), absl::StatusCode::kFailedPrecondition);
+  ASSERT_OK((*s)->Suspend());  // again: OK
+
+  // So does the daemon: Offload and Step are FAILED_PRECONDITION, Fetch and GetStats work.
+  auto stub = RawStub();
+  EXPECT_EQ(RawOffload(*stub, id, trace, 0, kAppended, 1).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);
+  {
+    v1::StepRequest req;
+    req.set_session_id(id);
+    req.set_layer(0);
+    req.set_q(trace.Query(0, 1), 8 * 64 * 2);
+    req.set_step(2);
+    v1::StepReply reply;
+    EXPECT_EQ(stub->Step(Ctx("a", "ta").get(), req, &reply).error_code(),
+              grpc::StatusCode::FAILED_PRECONDITION);
+  }
+  {
+    v1::GetStatsRequest req;
+    req.set_session_id(id);
+    v1::GetStatsReply reply;
+    const grpc::Status gs = stub->GetStats(Ctx("a", "ta").get(), req, &reply);
+    EXPECT_TRUE(gs.ok()) << gs.error_message();
+  }
+  {
+    v1::FetchRequest req;
+    req.set_session_id(id);
+    req.set_layer(0);
+    auto ctx = Ctx("a", "ta");
+    auto reader = stub->Fetch(ctx.get(), req);
+    v1::FetchReply reply;
+    int pages = 0;
+    while (reader->Read(&reply)) pages += reply.pages_size();
+    const grpc::Status fs = reader->Finish();
+    EXPECT_TRUE(fs.ok()) << fs.error_message();
+    EXPECT_GE(pages, kFullPages / 32);
+  }
+  // Closing the suspended object leaves the daemon's session for a Reattach.
+  ASSERT_OK((*s)->Close());
+  ASSERT_TRUE(Listed(*a, id).ok());
+
+  auto re = a->Reattach(id, options);
+  ASSERT_TRUE(re.ok()) << re.status();
+  EXPECT_GT((*re)->epoch(), suspended_epoch);
+  info = Listed(*a, id);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_FALSE(info->suspended);
+  EXPECT_FALSE(info->cold);
+  for (int32_t l = 0; l < 2; ++l) {
+    // The committed full pages at least (the partial one may be the engine's to re-append).
+    const int32_t n = (*re)->sequence().num_tokens(l);
+    EXPECT_TRUE(n == kFullPages || n == kAppended) << "layer " << l << ": " << n;
+    EXPECT_EQ(info->committed_tokens[static_cast<size_t>(l)], n);
+    if (n < kAppended) {
+      ASSERT_OK((*re)->sequence().Append(l, trace.K(l, n), trace.V(l, n), kAppended - n));
+    }
+    EXPECT_EQ((*re)->sequence().num_tokens(l), kAppended);
+  }
+  // Decoding works again, and matches a session that was never suspended.
+  auto fresh = a->OpenSession(options);
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  ASSERT_OK(testing::AppendTokens(**fresh, trace, 0, kAppended));
+  std::vector<uint8_t> ref(out.size());
+  ASSERT_OK((*fresh)->sequence().Decode(1, trace.Query(1, 0), ref.data(), nullptr));
+  ASSERT_OK((*re)->sequence().Decode(1, trace.Query(1, 0), out.data(), nullptr));
+  EXPECT_EQ(out, ref);
+  ASSERT_OK((*re)->sequence().Decode(0, trace.Query(0, 1), out.data(), nullptr));
+  ASSERT_OK((*re)->Close());
+  ASSERT_OK((*fresh)->Close());
+  EXPECT_EQ(Listed(*a, id).status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(ServiceTest, SuspendedShmSessionIsFlushedAndReattachedWithItsPages) {
+  std::unique_ptr<Client> a = MustConnect("a", "ta");
+  ASSERT_NE(a, nullptr);
+  const SessionOptions options = IntegrationSessionOptions(Transport::kShm, backend_);
+  auto s = a->OpenSession(options);
+  ASSERT_TRUE(s.ok()) << s.status();
+  const std::string id = (*s)->id();
+  const SyntheticTrace trace(IntegrationTrace());
+  constexpr int32_t kAppended = 2 * 32 + 10;  // two full pages and a partial one
+  constexpr int32_t kFullPages = 64;
+  ASSERT_OK(testing::AppendTokens(**s, trace, 0, kAppended));
+
+  ASSERT_OK((*s)->Suspend());  // no Flush before: Suspend flushes
+  auto info = Listed(*a, id);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_TRUE(info->suspended);
+  EXPECT_EQ(info->committed_tokens, (std::vector<int64_t>{kFullPages, kFullPages}));
+  const uint64_t suspended_epoch = info->epoch;
+  EXPECT_GT(suspended_epoch, (*s)->epoch());
+  absl::Status st = (*s)->sequence().Append(0, trace.K(0, kAppended), trace.V(0, kAppended), 1);
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  st = (*s)->FetchPages(0, {}).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  EXPECT_NE(st.message().find("Client::Reattach"), std::string::npos) << st;
+  EXPECT_EQ((*s)->Flush().code(), absl::StatusCode::kFailedPrecondition);
+  ASSERT_OK((*s)->Suspend());
+  ASSERT_OK((*s)->Close());  // leaves the daemon's session
+  s->reset();                // and destroying it does nothing more
+  ASSERT_TRUE(Listed(*a, id).ok());
+
+  auto re = a->Reattach(id, options);
+  ASSERT_TRUE(re.ok()) << re.status();
+  EXPECT_GT((*re)->epoch(), suspended_epoch);
+  for (int32_t l = 0; l < 2; ++l) {
+    EXPECT_EQ((*re)->sequence().num_tokens(l), kFullPages) << "layer " << l;
+    auto pages = (*re)->FetchPages(l, {});
+    ASSERT_TRUE(pages.ok()) << pages.status();
+    ASSERT_EQ(pages->size(), 2u) << "layer " << l;
+    for (const FetchedPage& p : *pages) {
+      EXPECT_EQ(p.data, testing::TraceHostPage(trace, l, p.page))
+          << "layer " << l << " page " << p.page;
+    }
+  }
+  // The engine re-appends the partial page and goes on.
+  ASSERT_OK(testing::AppendTokens(**re, trace, kFullPages, 3 * 32));
+  ASSERT_OK((*re)->Flush());
+  auto pages = (*re)->FetchPages(1, {});
+  ASSERT_TRUE(pages.ok()) << pages.status();
+  ASSERT_EQ(pages->size(), 3u);
+  EXPECT_EQ((*pages)[2].data, testing::TraceHostPage(trace, 1, 2));
+  ASSERT_OK((*re)->Close());
+  EXPECT_EQ(Listed(*a, id).status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(ServiceTest, SuspendSessionOfAnUnknownIdIsNotFoundAndTwiceIsOk) {
+  auto stub = RawStub();
+  auto suspend = [&](const std::string& id, v1::SuspendSessionReply* reply) {
+    v1::SuspendSessionRequest req;
+    req.set_session_id(id);
+    return stub->SuspendSession(Ctx("a", "ta").get(), req, reply);
+  };
+  v1::SuspendSessionReply reply;
+  EXPECT_EQ(suspend("no-such-session", &reply).error_code(), grpc::StatusCode::NOT_FOUND);
+
+  std::unique_ptr<Client> a = MustConnect("a", "ta");
+  ASSERT_NE(a, nullptr);
+  auto s = a->OpenSession(IntegrationSessionOptions(Transport::kGrpc));
+  ASSERT_TRUE(s.ok()) << s.status();
+  const std::string id = (*s)->id();
+  grpc::Status st = suspend(id, &reply);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(reply.session().session_id(), id);
+  EXPECT_EQ(reply.session().state(), v1::SESSION_STATE_SUSPENDED);
+  reply.Clear();
+  st = suspend(id, &reply);
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(reply.session().state(), v1::SESSION_STATE_SUSPENDED);
+  // Another tenant does not see it.
+  {
+    v1::SuspendSessionRequest req;
+    req.set_session_id(id);
+    v1::SuspendSessionReply other;
+    EXPECT_EQ(stub->SuspendSession(Ctx("b", "tb").get(), req, &other).error_code(),
+              grpc::StatusCode::NOT_FOUND);
+  }
+  // A suspended session can be closed by id.
+  ASSERT_OK(a->CloseSession(id));
+  EXPECT_EQ(suspend(id, &reply).error_code(), grpc::StatusCode::NOT_FOUND);
+  s->reset();
+}
+
+TEST_F(ServiceTest, CApiSuspendsAndReattaches) {
+  kvtier_client_options co;
+  kvtier_client_options_init(&co);
+  co.tenant = "a";
+  co.token = "ta";
+  kvtier_client* client = nullptr;
+  ASSERT_EQ(kvtier_connect(daemon_->target().c_str(), &co, &client), KVTIER_OK)
+      << kvtier_last_error();
+  kvtier_session_options so;
+  kvtier_session_options_init(&so);
+  so.geometry = {2, 8, 2, 64, 32, KVTIER_DTYPE_F16};
+  so.budget_tokens = 512;
+  so.max_tokens = 2048;
+  so.transport = KVTIER_TRANSPORT_GRPC;
+  kvtier_session* cs = nullptr;
+  ASSERT_EQ(kvtier_open_session(client, &so, &cs), KVTIER_OK) << kvtier_last_error();
+  const std::string id = kvtier_session_id(cs);
+  const SyntheticTrace trace(IntegrationTrace());
+  for (int32_t l = 0; l < 2; ++l) {
+    ASSERT_EQ(kvtier_append(cs, l, trace.K(l, 0), trace.V(l, 0), 64), KVTIER_OK)
+        << kvtier_last_error();
+  }
+  ASSERT_EQ(kvtier_session_suspend(cs), KVTIER_OK) << kvtier_last_error();
+  EXPECT_EQ(kvtier_append(cs, 0, trace.K(0, 64), trace.V(0, 64), 1), KVTIER_FAILED_PRECONDITION);
+  EXPECT_NE(std::string(kvtier_last_error()).find("suspended"), std::string::npos)
+      << kvtier_last_error();
+  ASSERT_EQ(kvtier_session_suspend(cs), KVTIER_OK) << kvtier_last_error();
+  ASSERT_EQ(kvtier_close_session(cs), KVTIER_OK) << kvtier_last_error();  // left open
+  kvtier_session_free(cs);
+  cs = nullptr;
+  ASSERT_EQ(kvtier_reattach(client, id.c_str(), &so, &cs), KVTIER_OK) << kvtier_last_error();
+  EXPECT_EQ(kvtier_num_tokens(cs, 0), 64);
+  ASSERT_EQ(kvtier_append(cs, 0, trace.K(0, 64), trace.V(0, 64), 1), KVTIER_OK)
+      << kvtier_last_error();
+  ASSERT_EQ(kvtier_close_session(cs), KVTIER_OK) << kvtier_last_error();
+  kvtier_session_free(cs);
+  kvtier_client_free(client);
+}
+
 // Its own daemon: this one is drained and stopped.
 TEST(ServiceShutdownTest, DrainThenSigtermExitsCleanlyAndRemovesTheSockets) {
   auto d = DaemonProcess::Start(TwoTenants());

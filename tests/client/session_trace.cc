@@ -75,4 +75,21 @@ absl::StatusOr<std::vector<std::vector<StepRecord>>> RunDecode(Session& s, const
   return records;
 }
 
+std::vector<uint8_t> TraceHostPage(const SyntheticTrace& trace, int32_t layer, int64_t page) {
+  const Geometry& g = trace.options().geometry;
+  const size_t heads = static_cast<size_t>(g.num_kv_heads), p = static_cast<size_t>(g.page_size);
+  const size_t row = static_cast<size_t>(g.head_dim) * g.element_bytes();
+  std::vector<uint8_t> out(heads * 2 * p * row);
+  for (size_t h = 0; h < heads; ++h) {
+    for (size_t t = 0; t < p; ++t) {
+      const auto token = static_cast<int32_t>(static_cast<size_t>(page) * p + t);
+      const auto* k = static_cast<const uint8_t*>(trace.K(layer, token)) + h * row;
+      const auto* v = static_cast<const uint8_t*>(trace.V(layer, token)) + h * row;
+      std::memcpy(&out[((h * 2 + 0) * p + t) * row], k, row);
+      std::memcpy(&out[((h * 2 + 1) * p + t) * row], v, row);
+    }
+  }
+  return out;
+}
+
 }  // namespace kvtier::testing

@@ -52,6 +52,10 @@ struct StepRecord {
   std::vector<float> lse;           // [Hq]
 };
 
+// Page `page` of `layer` as the host tier stores it: HND [Hkv][2][p][d] of the trace's K
+// and V, in the trace's dtype.
+std::vector<uint8_t> TraceHostPage(const SyntheticTrace& trace, int32_t layer, int64_t page);
+
 // Appends tokens [from, to) of every layer.
 absl::Status AppendTokens(Session& s, const SyntheticTrace& t, int32_t from, int32_t to);
 // Runs the decode steps [first, last): per step and layer, Append one token, BeginStep,

@@ -463,6 +463,89 @@ TEST_F(KvTierServiceTest, ErrorsKeepTheirCodesOverTheWire) {
   EXPECT_EQ(stats.tenants(0).refused_requests(), 4u);  // a's: head_dim, not found ×2, k size
 }
 
+TEST_F(KvTierServiceTest, SuspendSessionFencesWorkUntilReattach) {
+  const v1::SessionInfo s = Open();
+  v1::OffloadReply offload;
+  ASSERT_TRUE(Offload(s.session_id(), 20, &offload).ok());
+  auto suspend = [&](const std::string& id, v1::SuspendSessionReply* reply) {
+    grpc::ClientContext ctx;
+    As(&ctx, "a", "tok-a");
+    v1::SuspendSessionRequest req;
+    req.set_session_id(id);
+    return stub_->SuspendSession(&ctx, req, reply);
+  };
+  v1::SuspendSessionReply suspended;
+  grpc::Status st = suspend(s.session_id(), &suspended);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(suspended.session().session_id(), s.session_id());
+  EXPECT_EQ(suspended.session().state(), v1::SESSION_STATE_SUSPENDED);
+  EXPECT_GT(suspended.session().epoch(), s.epoch());
+  {
+    grpc::ClientContext ctx;
+    As(&ctx, "a", "tok-a");
+    v1::ListSessionsReply list;
+    ASSERT_TRUE(stub_->ListSessions(&ctx, v1::ListSessionsRequest(), &list).ok());
+    ASSERT_THAT(list.sessions(), SizeIs(1));
+    EXPECT_EQ(list.sessions(0).state(), v1::SESSION_STATE_SUSPENDED);
+  }
+  // Twice: OK, still suspended.
+  v1::SuspendSessionReply again;
+  st = suspend(s.session_id(), &again);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(again.session().state(), v1::SESSION_STATE_SUSPENDED);
+
+  // Step and Offload are refused; Fetch reads the committed pages.
+  {
+    grpc::ClientContext ctx;
+    As(&ctx, "a", "tok-a");
+    TypedBuffer q(DType::kF32, 4 * 16);
+    q.FillNormal(3);
+    v1::StepRequest req;
+    req.set_session_id(s.session_id());
+    req.set_layer(0);
+    req.set_q(std::string(static_cast<const char*>(q.data()), q.bytes()));
+    v1::StepReply reply;
+    EXPECT_EQ(stub_->Step(&ctx, req, &reply).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  }
+  {
+    grpc::ClientContext ctx;
+    As(&ctx, "a", "tok-a");
+    v1::OffloadReply reply;
+    auto writer = stub_->Offload(&ctx, &reply);
+    v1::OffloadRequest req;
+    req.set_session_id(s.session_id());
+    req.set_layer(0);
+    req.set_start_token(20);
+    req.set_num_tokens(1);
+    req.set_k(std::string(kTokenBytes, 'k'));
+    req.set_v(std::string(kTokenBytes, 'v'));
+    req.set_commit(true);
+    writer->Write(req);
+    writer->WritesDone();
+    EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  }
+  std::vector<v1::FetchReply> pages = Fetch(s.session_id(), 0, &st);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  ASSERT_THAT(pages, SizeIs(1));
+  EXPECT_THAT(pages[0].pages(), SizeIs(2));
+
+  grpc::ClientContext ctx;
+  As(&ctx, "a", "tok-a");
+  v1::ReattachRequest req;
+  req.set_session_id(s.session_id());
+  v1::ReattachReply reattached;
+  st = stub_->Reattach(&ctx, req, &reattached);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(reattached.session().state(), v1::SESSION_STATE_OPEN);
+  EXPECT_GT(reattached.session().epoch(), again.session().epoch());
+  for (uint64_t t : reattached.session().committed_tokens()) {
+    EXPECT_TRUE(t == 16 || t == 20) << t;  // the full pages at least
+  }
+
+  v1::SuspendSessionReply unknown;
+  EXPECT_EQ(suspend("nope", &unknown).error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
 TEST_F(KvTierServiceTest, CancelledOffloadLeavesNothingUncommitted) {
   const v1::SessionInfo s = Open();
   {

@@ -334,6 +334,14 @@ class Client:
         reply = self._call(self._stub.Reattach, pb.ReattachRequest(session_id=session_id))
         return Session(self, reply.session)
 
+    def suspend_session(self, session_id: str) -> pb.SessionInfo:
+        """Suspends a session for a later reattach (SuspendSession): bumps its epoch; the
+        daemon may move its pages to its cold tier until `reattach` resumes it."""
+        reply = self._call(
+            self._stub.SuspendSession, pb.SuspendSessionRequest(session_id=session_id)
+        )
+        return reply.session
+
     def list_sessions(self) -> List[pb.SessionInfo]:
         """The tenant's sessions."""
         return list(self._call(self._stub.ListSessions, pb.ListSessionsRequest()).sessions)
@@ -356,6 +364,7 @@ class Session:
         # steps it ran (the next step's number), as the daemon last said.
         self._tokens = (list(info.committed_tokens) + [0] * layers)[:layers]
         self._steps = (list(info.steps_run) + [0] * layers)[:layers]
+        self._suspended = False
 
     def num_tokens(self, layer: int) -> int:
         """The tokens of `layer` the daemon holds, as it last said."""
@@ -513,8 +522,17 @@ class Session:
         """The session's counters (steps, tokens, pages, recall, correction)."""
         return self._client.stats(self.id).session
 
+    def suspend(self) -> pb.SessionInfo:
+        """Suspends the session (Client.suspend_session); Client.reattach resumes it. This
+        object's close() then leaves the daemon's session alone."""
+        info = self._client.suspend_session(self.id)
+        self._suspended = True
+        return info
+
     def close(self) -> pb.CloseSessionReply:
-        """Closes the session and frees its host memory."""
+        """Closes the session and frees its host memory (a suspended one is left alone)."""
+        if self._suspended:
+            return pb.CloseSessionReply()
         return self._client._call(
             self._client._stub.CloseSession, pb.CloseSessionRequest(session_id=self.id)
         )
