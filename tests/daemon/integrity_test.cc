@@ -372,7 +372,7 @@ TEST_F(IntegrityTest, UnparseableRequestsAreInvalidArgumentNamingTheMessage) {
   ASSERT_NO_FATAL_FAILURE(StartDaemon());
   const std::string garbage("\xff\xff\xff\xff\x0f", 5);
   for (const char* method : {"Hello", "OpenSession", "CloseSession", "ListSessions", "Reattach",
-                             "Step", "GetStats", "Drain", "Fetch"}) {
+                             "Step", "GetStats", "Drain", "Fetch", "SuspendSession"}) {
     const RawCallResult r = Raw(method, {garbage});
     EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << method;
     EXPECT_THAT(r.status.error_message(),
@@ -580,6 +580,8 @@ TEST_F(IntegrityTest, AnotherTenantsSessionIsAnsweredLikeAnUnknownOne) {
   expect_same("GetStats", with_id(v1::GetStatsRequest(), id),
               with_id(v1::GetStatsRequest(), unknown));
   expect_same("Fetch", with_id(v1::FetchRequest(), id), with_id(v1::FetchRequest(), unknown));
+  expect_same("SuspendSession", with_id(v1::SuspendSessionRequest(), id),
+              with_id(v1::SuspendSessionRequest(), unknown));
   expect_same("Offload", Chunk(id, 0, 0, 1, true).SerializeAsString(),
               Chunk(unknown, 0, 0, 1, true).SerializeAsString());
   EXPECT_EQ(List("a").size(), 1u);

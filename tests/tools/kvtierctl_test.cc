@@ -225,6 +225,22 @@ TEST_F(KvtierctlDaemonTest, ListAndStatsShowAnOpenSession) {
   EXPECT_THAT(tenants.out, HasSubstr("{\"tenant\": \"default\", \"quota_bytes\": 67108864"));
   EXPECT_THAT(tenants.out, HasSubstr("\"sessions\": 1,"));
 
+  // Suspended, it says so.
+  {
+    v1::SuspendSessionRequest suspend;
+    suspend.set_session_id(id);
+    v1::SuspendSessionReply suspended;
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("x-kvtier-tenant", "default");
+    ctx.AddMetadata("x-kvtier-token", kToken);
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+    const grpc::Status st = stub->SuspendSession(&ctx, suspend, &suspended);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+  }
+  const Result after = RunCtl(With({"list"}));
+  EXPECT_EQ(after.exit_code, 0) << Describe(after);
+  EXPECT_THAT(after.out, HasSubstr("suspended"));
+
   v1::CloseSessionRequest close_request;
   close_request.set_session_id(id);
   v1::CloseSessionReply closed;

@@ -111,6 +111,10 @@ std::string StateName(v1::SessionState s) {
       return "open";
     case v1::SESSION_STATE_CLOSING:
       return "closing";
+    case v1::SESSION_STATE_SUSPENDED:
+      return "suspended";
+    case v1::SESSION_STATE_COLD:
+      return "cold";
     default:
       return "-";
   }

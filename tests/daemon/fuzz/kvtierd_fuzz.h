@@ -41,6 +41,7 @@ enum FuzzTarget : uint8_t {
   kStep,
   kGetStats,
   kDrain,
+  kSuspendSession,
   kAttach,
   kNumTargets
 };

@@ -223,6 +223,8 @@ std::unique_ptr<pb::Message> RequestOf(uint8_t target) {
       return std::make_unique<v1::GetStatsRequest>();
     case kDrain:
       return std::make_unique<v1::DrainRequest>();
+    case kSuspendSession:
+      return std::make_unique<v1::SuspendSessionRequest>();
     default:
       return std::make_unique<v1::AttachRequest>();
   }
@@ -417,6 +419,9 @@ std::vector<std::string> SeedCorpus() {
     v1::DrainRequest d;
     d.set_timeout_ms(10);
     c.push_back(Case(kDrain, d.SerializeAsString()));
+    v1::SuspendSessionRequest suspend;
+    suspend.set_session_id(SessionPlaceholder(1));
+    c.push_back(Case(kSuspendSession, suspend.SerializeAsString()));
     v1::CloseSessionRequest close;
     close.set_session_id(SessionPlaceholder(2));
     c.push_back(Case(kCloseSession, close.SerializeAsString()));
