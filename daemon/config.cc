@@ -175,6 +175,7 @@ constexpr ConfigField kColdTierFields[] = {
     {"operation_timeout_ms", [](const toml::node& n, std::string_view k, DaemonConfig* c) { return ReadMillis(n, k, &c->cold_tier.operation_timeout); }},
     {"min_replicas", [](const toml::node& n, std::string_view k, DaemonConfig* c) { return ReadInt(n, k, &c->cold_tier.min_replicas); }},
     {"persist_on_shutdown", [](const toml::node& n, std::string_view k, DaemonConfig* c) { return ReadBool(n, k, &c->cold_tier.persist_on_shutdown); }},
+    {"demote_suspended_after_ms", [](const toml::node& n, std::string_view k, DaemonConfig* c) { return ReadMillis(n, k, &c->cold_tier.demote_suspended_after); }},
 };
 constexpr TenantField kTenantFields[] = {
     {"name", [](const toml::node& n, std::string_view k, TenantConfig* t) { return ReadString(n, k, &t->name); }},

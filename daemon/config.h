@@ -29,7 +29,11 @@ struct ColdTierConfig {
   absl::Duration command_timeout = absl::Seconds(2);     // per network round trip
   absl::Duration operation_timeout = absl::Seconds(30);  // one session's demotion or promotion
   uint32_t min_replicas = 0;        // replicas (WAIT) a demotion must reach before it counts
-  bool persist_on_shutdown = true;  // a clean shutdown demotes every session first
+  bool persist_on_shutdown = true;
+  // Suspended sessions are demoted once suspended this long, room needed or not (so they
+  // outlive a daemon crash and free their host memory early); 0: only when the arena needs
+  // the room.
+  absl::Duration demote_suspended_after = absl::ZeroDuration();  // a clean shutdown demotes every session first
   bool enabled() const { return !nodes.empty(); }
   friend bool operator==(const ColdTierConfig&, const ColdTierConfig&) = default;
 };

@@ -188,7 +188,11 @@ absl::Status ValidateColdTier(const ColdTierConfig& c) {
     KVTIER_RETURN_IF_ERROR(
         CheckRange(key, absl::ToInt64Milliseconds(value), 1, kMaxColdTimeoutMs, "1 ms to 10 min"));
   }
-  return CheckRange("cold_tier.min_replicas", c.min_replicas, 0, kMaxMinReplicas);
+  KVTIER_RETURN_IF_ERROR(
+      CheckRange("cold_tier.min_replicas", c.min_replicas, 0, kMaxMinReplicas));
+  return CheckRange("cold_tier.demote_suspended_after_ms",
+                    absl::ToInt64Milliseconds(c.demote_suspended_after), 0, int64_t{86'400'000},
+                    "0 (only when the arena needs the room) to a day");
 }
 
 absl::Status ValidateMetrics(const DaemonConfig& c) {

@@ -58,6 +58,7 @@ command_timeout_ms = 2000
 operation_timeout_ms = 30000
 min_replicas = 0
 persist_on_shutdown = true
+demote_suspended_after_ms = 0   # 0: only when the arena needs the room
 
 [log]
 level = "info"

@@ -218,13 +218,66 @@ absl::Status SessionManager::StartColdTier() {
                  tc.name, tc.cold_quota_bytes, cold.store->stats().sessions,
                  cold.store->stats().used_bytes);
   }
+  if (cc.demote_suspended_after > absl::ZeroDuration() && !cold_.empty()) {
+    demoter_ = std::thread([this] { DemoteSuspendedLoop(); });
+  }
   return absl::OkStatus();
+}
+
+void SessionManager::DemoteSuspendedLoop() {
+  const absl::Duration after = config_.cold_tier.demote_suspended_after;
+  const absl::Duration period = std::clamp(after / 4, absl::Milliseconds(10), absl::Seconds(1));
+  for (;;) {
+    std::vector<std::string> due;
+    {
+      MutexLock lock(&mu_);
+      stopping_cv_.AwaitWithTimeout(
+          &mu_,
+          [this] {
+            mu_.AssertHeld();
+            return stopping_;
+          },
+          period);
+      if (stopping_) return;
+      const absl::Time now = absl::Now();
+      for (const auto& [id, e] : sessions_) {
+        if (e.session != nullptr && e.session->suspended() && e.suspended_at + after <= now &&
+            ColdStoreOf(e.tenant) != nullptr) {
+          due.push_back(id);
+        }
+      }
+    }
+    for (const std::string& id : due) {
+      absl::Status st =
+          Demote(id, /*force=*/false, absl::Now() + config_.cold_tier.operation_timeout);
+      // Reattached, closed or demoted meanwhile is fine; after a failure the session waits
+      // its time again before the next try.
+      if (!st.ok() && !absl::IsNotFound(st) && !absl::IsFailedPrecondition(st)) {
+        LogLimited(spdlog::level::warn, "suspended session demotion",
+                   "session {}: demoting it after {} ms suspended: {}", id,
+                   absl::ToInt64Milliseconds(after), st.ToString());
+        MutexLock lock(&mu_);
+        auto it = sessions_.find(id);
+        if (it != sessions_.end() && it->second.session != nullptr) {
+          it->second.suspended_at = absl::Now();
+        }
+      }
+    }
+  }
 }
 
 SessionManager::SessionManager(const DaemonConfig& config, std::unique_ptr<Backend> backend)
     : config_(config), start_time_(absl::Now()), backend_(std::move(backend)) {}
 
-SessionManager::~SessionManager() { CloseAllSessions(); }
+SessionManager::~SessionManager() {
+  {
+    MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  stopping_cv_.SignalAll();
+  if (demoter_.joinable()) demoter_.join();
+  CloseAllSessions();
+}
 
 Tenant* SessionManager::FindTenant(std::string_view name) const {
   auto it = tenants_.find(Sv(name));

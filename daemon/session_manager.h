@@ -26,6 +26,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -358,8 +359,12 @@ class SessionManager {
       ABSL_LOCKS_EXCLUDED(mu_);
   // The kvtier_cold_* and kvtier_redis_* families (docs/metrics.md), when there is a cold tier.
   void WriteColdMetrics(Exposition& out, const std::vector<std::string>& tenant_names) const;
-  // Connects the cold tier and takes up its sessions (Create).
+  // Connects the cold tier and takes up its sessions (Create); starts the demoter thread
+  // when cold_tier.demote_suspended_after is set.
   absl::Status StartColdTier();
+  // The demoter thread: demotes sessions suspended longer than demote_suspended_after, until
+  // the manager goes.
+  void DemoteSuspendedLoop() ABSL_LOCKS_EXCLUDED(mu_);
   // CloseSession of a cold session: out of the table, out of the cold tier.
   absl::StatusOr<CloseResult> CloseCold(const Caller& caller, const Entry& entry)
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -449,6 +454,9 @@ class SessionManager {
     std::string fingerprint;
   };
   absl::flat_hash_map<std::string, RequestEntry> requests_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;  // the destructor runs: the demoter ends
+  CondVar stopping_cv_;
+  std::thread demoter_;  // joined by the destructor
   // Metrics: {event ("opened", "closed", "reattached"), tenant, transport}, and {tenant}.
   Counters session_events_;
   Counters fetched_pages_;

@@ -188,6 +188,25 @@ TEST_F(ColdSessionTest, FillsATenantBeyondItsArenaAndReadsEveryPageBack) {
             std::string::npos);
 }
 
+TEST_F(ColdSessionTest, SuspendedSessionsAreDemotedAfterTheirTimeWithoutPressure) {
+  DaemonConfig config = ColdConfig();
+  config.cold_tier.demote_suspended_after = absl::Milliseconds(50);
+  manager_ = Make(config);
+  ASSERT_NE(manager_, nullptr);
+  std::vector<Rows> rows, rows_live;
+  const std::string id = OpenFilled(GrpcParams("a"), 11, &rows);
+  const std::string live = OpenFilled(GrpcParams("a"), 12, &rows_live);
+  Suspend("a", id);
+  // The demoter takes it within a few of its periods (the arena has plenty of room).
+  const absl::Time give_up = absl::Now() + absl::Seconds(20);
+  while (!Listed("a", id).cold && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_TRUE(Listed("a", id).cold);
+  EXPECT_FALSE(Listed("a", live).cold);  // never a session that is not suspended
+  // Reattached (no longer suspended, so the demoter leaves it), it is whole.
+  ASSERT_TRUE(manager_->Reattach(Caller{"a"}, id).ok());
+  ExpectPages("a", id, rows);
+}
+
 TEST_F(ColdSessionTest, AFullArenaWithNothingSuspendedStillRefuses) {
   manager_ = Make(ColdConfig());
   ASSERT_NE(manager_, nullptr);
