@@ -61,9 +61,13 @@ class ColdStore {
   ColdStore(const ColdStore&) = delete;
   ColdStore& operator=(const ColdStore&) = delete;
 
-  // Bytes a session of `pages` pages of `page_bytes` takes in the cold tier.
+  // What a session's record and index entry are charged, whatever their size, so that the
+  // quota bounds the number of cold sessions too.
+  static constexpr uint64_t kSessionOverheadBytes = 4096;
+  // Bytes a session of `pages` pages of `page_bytes` is charged in the cold tier: its values
+  // (headers included) and kSessionOverheadBytes.
   static uint64_t ValueBytes(uint64_t pages, uint64_t page_bytes) {
-    return pages * (page_bytes + kColdHeaderBytes);
+    return pages * (page_bytes + kColdHeaderBytes) + kSessionOverheadBytes;
   }
 
   // Reserves `bytes` of the quota: RESOURCE_EXHAUSTED "tenant 'a': demoting session s needs

@@ -1495,7 +1495,9 @@ absl::StatusOr<CloseResult> SessionManager::CloseCold(const Caller& caller, cons
     sessions_.erase(it);
   }
   CloseResult r;
-  r.committed_pages = ColdStore::RecordBytes(cold->record) / (cold->record.page_bytes() + kColdHeaderBytes);
+  for (const v1::ColdLayer& l : cold->record.layers()) {
+    r.committed_pages += static_cast<uint64_t>(l.generations_size());
+  }
   if (ColdStore* store = ColdStoreOf(entry.tenant); store != nullptr) {
     (void)store->Remove(cold->record, ColdDeadline(caller));
   }
