@@ -1461,9 +1461,16 @@ absl::StatusOr<RegionLease> SessionManager::AllocateRegion(Tenant& tenant, uint6
     if (absl::Now() >= deadline) break;
     absl::Status st = Demote(id, /*force=*/false, deadline);
     if (!st.ok()) {
-      spdlog::warn("tenant '{}': demoting session {} to make room: {}", tenant.name(), id,
+      // Demoted by another call, or reattached, meanwhile: no news. Anything else is.
+      if (!absl::IsNotFound(st) && !absl::IsFailedPrecondition(st)) {
+        LogLimited(spdlog::level::warn, "demotion for room",
+                   "tenant '{}': demoting session {} to make room: {}", tenant.name(), id,
                    st.ToString());
-      why = st;
+        why = st;
+      }
+      // Another call's demotion may have freed the room already.
+      lease = tenant.AllocateRegion(bytes);
+      if (lease.ok() || !absl::IsResourceExhausted(lease.status())) return lease;
       continue;
     }
     lease = tenant.AllocateRegion(bytes);

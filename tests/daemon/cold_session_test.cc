@@ -6,7 +6,9 @@
 // finds its sessions and Reattach brings them back (GRPC sessions step again); a corrupted
 // value is DATA_LOSS, never wrong bytes; a killed master loses nothing a demotion
 // acknowledged (WAIT for a replica); a tenant's Redis ACL user reaches only its own keys.
+#include <atomic>
 #include <memory>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -205,6 +207,63 @@ TEST_F(ColdSessionTest, SuspendedSessionsAreDemotedAfterTheirTimeWithoutPressure
   // Reattached (no longer suspended, so the demoter leaves it), it is whole.
   ASSERT_TRUE(manager_->Reattach(Caller{"a"}, id).ok());
   ExpectPages("a", id, rows);
+}
+
+// Four threads over one small arena: each owns a session and loops suspend → open another
+// (demoting someone) → close it → reattach → fetch, while the others do the same. Sessions
+// move between the tiers under each other's feet; every call ends OK or with a retryable
+// UNAVAILABLE / RESOURCE_EXHAUSTED, and every session reads back whole at the end.
+TEST_F(ColdSessionTest, ConcurrentSuspendsReattachesAndOpensLoseNothing) {
+  DaemonConfig config = ColdConfig();
+  config.max_sessions_per_tenant = 16;
+  manager_ = Make(config);
+  ASSERT_NE(manager_, nullptr);
+  constexpr int kThreads = 4;
+  std::vector<std::string> ids(kThreads);
+  std::vector<std::vector<Rows>> rows(kThreads);
+  for (int i = 0; i < kThreads; ++i) {
+    ids[i] = OpenFilled(Big(GrpcParams("small")), 300 + i, &rows[i]);
+    ASSERT_FALSE(ids[i].empty());
+    Suspend("small", ids[i]);
+  }
+  std::atomic<int> unexpected{0};
+  const auto allowed = [](const absl::Status& st) {
+    return st.ok() || absl::IsUnavailable(st) || absl::IsResourceExhausted(st);
+  };
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kThreads; ++i) {
+    threads.emplace_back([&, i] {
+      const Caller caller{"small"};
+      for (int round = 0; round < 3; ++round) {
+        const absl::Status r = manager_->Reattach(caller, ids[i]).status();
+        absl::Status f = r;
+        if (r.ok()) {
+          absl::StatusOr<std::unique_ptr<FetchCursor>> c = manager_->StartFetch(caller, ids[i], 1, {});
+          f = c.status();
+          while (f.ok() && !(*c)->done()) f = (*c)->Next(uint64_t{1} << 20).status();
+        }
+        const absl::Status s = manager_->SuspendSession(caller, ids[i]).status();
+        OpenSessionParams p = Big(GrpcParams("small"));
+        absl::StatusOr<SessionRecord> extra = manager_->OpenSession(caller, p);
+        absl::Status c = extra.status();
+        if (extra.ok()) c = manager_->CloseSession(caller, extra->id).status();
+        for (const absl::Status* st : std::initializer_list<const absl::Status*>{&r, &f, &s, &c}) {
+          if (!allowed(*st)) {
+            ++unexpected;
+            ADD_FAILURE() << "thread " << i << " round " << round << ": " << *st;
+          }
+        }
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(unexpected.load(), 0);
+  for (int i = 0; i < kThreads; ++i) {
+    SCOPED_TRACE(i);
+    ASSERT_TRUE(manager_->SuspendSession(Caller{"small"}, ids[i]).ok());  // may be cold already
+    ExpectPages("small", ids[i], rows[i]);
+  }
+  EXPECT_LE(manager_->tenant("small").used_bytes(), 3 * kMiB / 2);
 }
 
 TEST_F(ColdSessionTest, AFullArenaWithNothingSuspendedStillRefuses) {
