@@ -100,6 +100,12 @@ class ColdStore {
   // Counts a promotion (the record's pages were read back) / a session taken out of use.
   void CountPromoted(const v1::ColdSessionRecord& record);
   void CountDataLoss() { data_loss_.fetch_add(1, std::memory_order_relaxed); }
+  // Stops counting a record LoadAll counted (its session is taken from elsewhere); its keys
+  // stay.
+  void Forget(const v1::ColdSessionRecord& record) {
+    Unreserve(RecordBytes(record));
+    sessions_.fetch_sub(1, std::memory_order_relaxed);
+  }
 
   ColdStoreStats stats() const;
   const ColdStoreOptions& options() const { return options_; }

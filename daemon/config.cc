@@ -185,6 +185,7 @@ constexpr TenantField kTenantFields[] = {
     {"gpu_pci_bus_id", [](const toml::node& n, std::string_view k, TenantConfig* t) { return ReadString(n, k, &t->gpu_pci_bus_id); }},
     {"hugepages", [](const toml::node& n, std::string_view k, TenantConfig* t) { return ReadString(n, k, &t->hugepages); }},
     {"lock", [](const toml::node& n, std::string_view k, TenantConfig* t) { return ReadBool(n, k, &t->lock); }},
+    {"arena_path", [](const toml::node& n, std::string_view k, TenantConfig* t) { return ReadString(n, k, &t->arena_path); }},
     {"uids", [](const toml::node& n, std::string_view k, TenantConfig* t) { return ReadUids(n, k, &t->uids); }},
     {"cold_quota_bytes", [](const toml::node& n, std::string_view k, TenantConfig* t) { return ReadInt(n, k, &t->cold_quota_bytes); }},
     {"redis_user", [](const toml::node& n, std::string_view k, TenantConfig* t) { return ReadString(n, k, &t->redis_user); }},

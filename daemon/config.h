@@ -47,6 +47,9 @@ struct TenantConfig {
   std::string gpu_pci_bus_id;      // e.g. "0000:3b:00.0": the node nearest this GPU
   std::string hugepages = "auto";  // "off" | "auto" | "require"
   bool lock = true;                // mlock the arena (best effort)
+  // A file for the arena (tmpfs or hugetlbfs) so it survives a daemon restart; empty: an
+  // anonymous memfd. An absolute path, at most 4000 bytes, one tenant's only.
+  std::string arena_path;
   // Uids that may map the arena through the attach socket; empty: the daemon's own uid.
   std::vector<uint32_t> uids;
   // Bytes of this tenant's pages the cold tier may hold; 0: the tenant has no cold tier.

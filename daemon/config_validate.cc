@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <set>
 #include <string>
 #include <string_view>
@@ -18,6 +19,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -49,6 +51,7 @@ constexpr int64_t kMaxColdTimeoutMs = 10 * 60 * 1000;  // 10 min
 constexpr int64_t kMaxMinReplicas = 16;
 constexpr size_t kMaxKeyPrefixBytes = 32;
 constexpr size_t kMaxRedisUserBytes = 64;
+constexpr size_t kMaxArenaPathBytes = 4000;  // tenant.arena_path (PATH_MAX is 4096)
 
 // "key = value is out of range [lo, hi]" when value is outside [lo, hi].
 absl::Status CheckRange(std::string_view key, int64_t value, int64_t lo, int64_t hi,
@@ -273,6 +276,17 @@ absl::Status ValidateTenant(const TenantConfig& tenant, size_t index,
   }
   KVTIER_RETURN_IF_ERROR(
       CheckOneOf(absl::StrCat(key, ".hugepages"), tenant.hugepages, {"off", "auto", "require"}));
+  if (!tenant.arena_path.empty() && tenant.arena_path[0] != '/') {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s.arena_path = \"%s\" must be an absolute path (e.g. /dev/shm/kvtier-%s.arena), or "
+        "\"\" for an anonymous arena",
+        key, absl::CHexEscape(tenant.arena_path), tenant.name));
+  }
+  if (tenant.arena_path.size() > kMaxArenaPathBytes) {
+    return absl::InvalidArgumentError(absl::StrFormat("%s.arena_path is %d bytes long; at most %d",
+                                                      key, tenant.arena_path.size(),
+                                                      kMaxArenaPathBytes));
+  }
   for (size_t i = 0; i < tenant.uids.size(); ++i) {
     if (tenant.uids[i] == static_cast<uint32_t>(-1)) {
       return absl::InvalidArgumentError(
@@ -393,11 +407,21 @@ absl::Status DaemonConfig::Validate() const {
   KVTIER_RETURN_IF_ERROR(CheckRange("number of [[tenant]] tables",
                                     static_cast<int64_t>(tenants.size()), 1, kMaxTenants));
   std::set<std::string_view> names;
+  std::map<std::string_view, size_t> arena_paths;  // → the index of the tenant using it
   for (size_t i = 0; i < tenants.size(); ++i) {
     KVTIER_RETURN_IF_ERROR(ValidateTenant(tenants[i], i, cold_tier));
     if (!names.insert(tenants[i].name).second) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "tenant[%d].name = \"%s\" is used by an earlier tenant; names must be unique", i,
+          tenants[i].name));
+    }
+    if (tenants[i].arena_path.empty()) continue;
+    const auto [it, inserted] = arena_paths.emplace(tenants[i].arena_path, i);
+    if (!inserted) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "tenant[%d].arena_path = \"%s\" is also tenant[%d].arena_path: tenants '%s' and '%s' "
+          "cannot share an arena file",
+          i, absl::CHexEscape(tenants[i].arena_path), it->second, tenants[it->second].name,
           tenants[i].name));
     }
   }

@@ -73,6 +73,7 @@ numa_node = -1
 gpu_pci_bus_id = ""
 hugepages = "auto"
 lock = true
+arena_path = ""           # "": an anonymous memfd, lost when the daemon exits
 uids = []                 # []: only the daemon's own uid may attach
 cold_quota_bytes = 0      # 0: no cold tier for this tenant
 redis_user = ""           # "": the daemon's own connection serves the tenant

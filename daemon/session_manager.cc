@@ -1,10 +1,14 @@
 #include "daemon/session_manager.h"
 
+#include <fcntl.h>
 #include <sys/random.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iterator>
 #include <utility>
 
 #include "absl/cleanup/cleanup.h"
@@ -150,8 +154,159 @@ absl::StatusOr<std::unique_ptr<SessionManager>> SessionManager::Create(const Dae
     KVTIER_RETURN_IF_ERROR(tenant->arena().RegisterWith(*m->backend_));
     m->tenants_.emplace(tc.name, std::move(tenant));
   }
+  KVTIER_RETURN_IF_ERROR(m->AdoptPersistentSessions());
   KVTIER_RETURN_IF_ERROR(m->StartColdTier());
   return m;
+}
+
+bool SessionManager::Persistent(std::string_view tenant) const {
+  const Tenant* t = FindTenant(tenant);
+  return t != nullptr && !t->config().arena_path.empty();
+}
+
+namespace {
+
+std::string TablePath(const TenantConfig& tc) { return tc.arena_path + ".sessions"; }
+
+// Writes `bytes` to `tmp`, syncs it and renames it over `path`: a crash leaves the old file
+// or the new one, never a torn one.
+absl::Status WriteFileDurably(const std::string& tmp, const std::string& path,
+                              std::string_view bytes) {
+  const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0) return absl::ErrnoToStatus(errno, absl::StrCat("open ", tmp));
+  size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t n = write(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int err = errno;
+      close(fd);
+      return absl::ErrnoToStatus(err, absl::StrCat("write ", tmp));
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (fsync(fd) != 0) {
+    const int err = errno;
+    close(fd);
+    return absl::ErrnoToStatus(err, absl::StrCat("fsync ", tmp));
+  }
+  close(fd);
+  if (rename(tmp.c_str(), path.c_str()) != 0) {
+    return absl::ErrnoToStatus(errno, absl::StrCat("rename ", tmp, " to ", path));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status SessionManager::AdoptPersistentSessions() {
+  for (const TenantConfig& tc : config_.tenants) {
+    if (tc.arena_path.empty()) continue;
+    Tenant* tenant = FindTenant(tc.name);
+    const std::string path = TablePath(tc);
+    std::ifstream in(path, std::ios::binary);
+    if (!in) {
+      spdlog::info("tenant '{}': no session table at {}: no sessions to take up", tc.name, path);
+      continue;
+    }
+    const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    v1::HostSessionTable table;
+    if (!table.ParseFromString(bytes) || table.version() != 1 || table.tenant() != tc.name) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "tenant '%s': %s is not a session table of this tenant (move it away to start with an "
+          "empty arena)",
+          tc.name, path));
+    }
+    if (!tenant->arena().report().existed) {
+      spdlog::warn("tenant '{}': {} lists {} sessions but the arena {} is new: none taken up",
+                   tc.name, path, table.sessions_size(), tc.arena_path);
+      SaveSessionTable(tc.name);  // empty now
+      continue;
+    }
+    size_t adopted = 0;
+    for (const v1::HostSession& hs : table.sessions()) {
+      const v1::ColdSessionRecord& r = hs.record();
+      absl::StatusOr<std::shared_ptr<TenantSession>> s = [&]()
+          -> absl::StatusOr<std::shared_ptr<TenantSession>> {
+        KVTIER_ASSIGN_OR_RETURN(OpenSessionParams params, ParamsFromProto(r.request()));
+        if (params.tenant != tc.name) return absl::FailedPreconditionError("another tenant's");
+        KVTIER_ASSIGN_OR_RETURN(SessionSpec spec, ResolveSpec(Caller(tc.name), params));
+        KVTIER_ASSIGN_OR_RETURN(RegionLease lease,
+                                tenant->AdoptRegion(hs.region_offset(), hs.region_bytes()));
+        KVTIER_ASSIGN_OR_RETURN(
+            std::shared_ptr<TenantSession> session,
+            TenantSession::Adopt(r.session_id(), std::move(spec), std::move(lease), backend_.get(),
+                                 tenant, r.created_unix_ms(), r.epoch(), r.suspended()));
+        Entry e;
+        e.tenant = tc.name;
+        e.session = session;
+        e.params = std::move(params);
+        if (session->suspended()) e.suspended_at = absl::Now();
+        MutexLock lock(&mu_);
+        e.seq = next_seq_++;
+        sessions_.emplace(r.session_id(), std::move(e));
+        return session;
+      }();
+      if (!s.ok()) {
+        spdlog::warn("tenant '{}': session {} of {} cannot be taken up, its region is free again: "
+                     "{}",
+                     tc.name, r.session_id(), path, s.status().ToString());
+        continue;
+      }
+      ++adopted;
+    }
+    spdlog::info("tenant '{}': took up {} of {} sessions from {}", tc.name, adopted,
+                 table.sessions_size(), path);
+    SaveSessionTable(tc.name);  // without the ones that could not be taken up
+  }
+  return absl::OkStatus();
+}
+
+void SessionManager::SaveSessionTable(const std::string& tenant_name) {
+  const Tenant* tenant = FindTenant(tenant_name);
+  if (tenant == nullptr || tenant->config().arena_path.empty()) return;
+  MutexLock writing(&table_mu_);
+  std::vector<Entry> hot;
+  {
+    MutexLock lock(&mu_);
+    for (const auto& [id, e] : sessions_) {
+      if (e.tenant == tenant_name && e.session != nullptr && !e.session->closing()) {
+        hot.push_back(e);
+      }
+    }
+  }
+  std::sort(hot.begin(), hot.end(), [](const Entry& a, const Entry& b) { return a.seq < b.seq; });
+  v1::HostSessionTable table;
+  table.set_version(1);
+  table.set_tenant(tenant_name);
+  table.set_arena_bytes(tenant->quota_bytes());
+  for (const Entry& e : hot) {
+    const SessionRecord r = e.session->Record();
+    v1::HostSession* hs = table.add_sessions();
+    v1::ColdSessionRecord* rec = hs->mutable_record();
+    rec->set_version(1);
+    rec->set_session_id(r.id);
+    *rec->mutable_request() = ResolvedRequest(e.params, r.spec);
+    rec->set_created_unix_ms(r.created_unix_ms);
+    rec->set_epoch(r.epoch);
+    rec->set_suspended(r.suspended);
+    rec->set_page_bytes(r.spec.geometry.host_page_bytes());
+    hs->set_region_offset(r.region_offset);
+    hs->set_region_bytes(r.region_bytes);
+  }
+  const std::string path = TablePath(tenant->config());
+  const std::string tmp = path + ".tmp";
+  std::string bytes;
+  absl::Status st = table.SerializeToString(&bytes)
+                        ? absl::OkStatus()
+                        : absl::InternalError("serializing the session table");
+  if (st.ok()) st = WriteFileDurably(tmp, path, bytes);
+  if (!st.ok()) {
+    LogLimited(spdlog::level::err, "session table",
+               "tenant '{}': writing its session table {}: {}; a restart would not find the "
+               "latest change",
+               tenant_name, path, st.ToString());
+  }
 }
 
 absl::Status SessionManager::StartColdTier() {
@@ -197,7 +352,16 @@ absl::Status SessionManager::StartColdTier() {
     std::sort(records->begin(), records->end(), [](const auto& a, const auto& b) {
       return a.created_unix_ms() < b.created_unix_ms();
     });
+    MutexLock lock(&mu_);
     for (v1::ColdSessionRecord& r : *records) {
+      if (sessions_.contains(r.session_id())) {
+        // Both in the persistent arena and in the cold tier (the daemon stopped between the
+        // two halves of a move): the host tier's copy is the session.
+        spdlog::info("tenant '{}': session {} is in its arena already; its cold copy is ignored",
+                     tc.name, r.session_id());
+        cold.store->Forget(r);
+        continue;
+      }
       absl::StatusOr<OpenSessionParams> params = ParamsFromProto(r.request());
       absl::StatusOr<SessionSpec> spec =
           params.ok() ? ResolveSpec(Caller(tc.name), *params) : params.status();
@@ -600,6 +764,7 @@ absl::StatusOr<SessionRecord> SessionManager::DoOpenSession(const Caller& caller
     if (!request_key.empty()) requests_[request_key].session_id = id;
   }
   session_events_.Add({"opened", caller.tenant, std::string(TransportName(params.transport))});
+  SaveSessionTable(caller.tenant);
   SessionRecord r = session->Record();
   LogLimited(spdlog::level::info, "session opened",
              "session {} opened: tenant '{}', {} {}, {} {} tokens per layer, budget {}, "
@@ -627,6 +792,7 @@ absl::StatusOr<CloseResult> SessionManager::CloseSession(const Caller& caller,
                              "session %s was closed meanwhile by another call", (*s)->id())));
   }
   absl::StatusOr<CloseResult> r = (*s)->Close();
+  SaveSessionTable((*s)->tenant());
   session_events_.Add(
       {"closed", (*s)->tenant(), std::string(TransportName((*s)->spec().transport))});
   if (r.ok()) {
@@ -667,6 +833,7 @@ absl::StatusOr<SessionRecord> SessionManager::Reattach(const Caller& caller,
     if (r.ok() || !(*s)->demoted()) break;
   }
   if (!r.ok()) return Tally(caller, r.status());
+  SaveSessionTable((*s)->tenant());
   session_events_.Add(
       {"reattached", (*s)->tenant(), std::string(TransportName((*s)->spec().transport))});
   LogLimited(spdlog::level::info, "session reattached", "session {} reattached: epoch {}", r->id,
@@ -1312,6 +1479,7 @@ absl::StatusOr<SessionRecord> SessionManager::SuspendSession(const Caller& calle
       it->second.suspended_at = absl::Now();
     }
   }
+  SaveSessionTable(e->tenant);
   session_events_.Add(
       {"suspended", e->tenant, std::string(TransportName(e->session->spec().transport))});
   LogLimited(spdlog::level::info, "session suspended", "session {} suspended: epoch {}", r->id,
@@ -1375,6 +1543,7 @@ absl::Status SessionManager::Demote(const std::string& id, bool force, absl::Tim
       it->second.cold = std::make_shared<const ColdEntry>(ColdEntry{std::move(record), spec});
     }
   }
+  SaveSessionTable(e.tenant);
   session_events_.Add({"demoted", e.tenant, transport});
   LogLimited(spdlog::level::info, "session demoted",
              "session {} demoted to the cold tier: {} pages, {} bytes, {} bytes of host memory "
@@ -1428,6 +1597,7 @@ absl::StatusOr<std::shared_ptr<TenantSession>> SessionManager::Promote(const std
       it->second.suspended_at = (*s)->suspended() ? absl::Now() : absl::InfiniteFuture();
     }
   }
+  SaveSessionTable(e.tenant);
   store->CountPromoted(cold.record);
   session_events_.Add({"promoted", e.tenant, std::string(TransportName(cold.spec.transport))});
   // Its pages are in the host tier again: the cold copy goes (a failure only leaves keys).
@@ -1594,7 +1764,10 @@ size_t SessionManager::PersistAllSessions(absl::Time deadline) {
   {
     MutexLock lock(&mu_);
     for (const auto& [id, e] : sessions_) {
-      if (e.session != nullptr && ColdStoreOf(e.tenant) != nullptr) hot.push_back(id);
+      // A persistent arena keeps its sessions itself.
+      if (e.session != nullptr && ColdStoreOf(e.tenant) != nullptr && !Persistent(e.tenant)) {
+        hot.push_back(id);
+      }
     }
   }
   size_t demoted = 0;

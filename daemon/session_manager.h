@@ -359,6 +359,15 @@ class SessionManager {
       ABSL_LOCKS_EXCLUDED(mu_);
   // The kvtier_cold_* and kvtier_redis_* families (docs/metrics.md), when there is a cold tier.
   void WriteColdMetrics(Exposition& out, const std::vector<std::string>& tenant_names) const;
+  // --- persistent arenas (tenant.arena_path) ---
+  // Takes up the sessions the table beside each persistent arena lists (Create, before the
+  // cold tier's: a session in both is the host tier's).
+  absl::Status AdoptPersistentSessions() ABSL_LOCKS_EXCLUDED(mu_);
+  // Rewrites the table of `tenant`'s persistent arena from its sessions in the host tier now
+  // (nothing for a tenant without one). A failure is logged: the sessions work on, but a
+  // restart would not find the change.
+  void SaveSessionTable(const std::string& tenant) ABSL_LOCKS_EXCLUDED(mu_, table_mu_);
+  bool Persistent(std::string_view tenant) const;
   // Connects the cold tier and takes up its sessions (Create); starts the demoter thread
   // when cold_tier.demote_suspended_after is set.
   absl::Status StartColdTier();
@@ -454,6 +463,7 @@ class SessionManager {
     std::string fingerprint;
   };
   absl::flat_hash_map<std::string, RequestEntry> requests_ ABSL_GUARDED_BY(mu_);
+  Mutex table_mu_;  // serializes SaveSessionTable's writes
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;  // the destructor runs: the demoter ends
   CondVar stopping_cv_;
   std::thread demoter_;  // joined by the destructor

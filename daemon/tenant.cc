@@ -6,6 +6,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
 #include "core/status.h"
 #include "offload/numa_topology.h"
 #include "offload/session_region.h"
@@ -55,6 +56,25 @@ void RegionAllocator::Free(uint64_t offset, uint64_t bytes) {
     free_.erase(next);
   }
   free_.emplace(begin, length);
+}
+
+bool RegionAllocator::Reserve(uint64_t offset, uint64_t bytes) {
+  if (bytes == 0 || offset % unit_ != 0 || bytes > capacity_) return false;
+  const uint64_t need = RoundUp(bytes);
+  if (offset > capacity_ || need > capacity_ - offset) return false;
+  // The free range that starts at or before offset is the only one that can hold it.
+  auto it = free_.upper_bound(offset);
+  if (it == free_.begin()) return false;
+  --it;
+  const uint64_t range_begin = it->first;
+  const uint64_t range_end = it->first + it->second;
+  const uint64_t end = offset + need;
+  if (end > range_end) return false;  // also when the range ends before offset
+  free_.erase(it);
+  if (range_begin < offset) free_.emplace(range_begin, offset - range_begin);
+  if (end < range_end) free_.emplace(end, range_end - end);
+  free_bytes_ -= need;
+  return true;
 }
 
 uint64_t RegionAllocator::largest_free() const {
@@ -129,6 +149,7 @@ absl::StatusOr<std::unique_ptr<Tenant>> Tenant::Create(const TenantConfig& confi
   KVTIER_ASSIGN_OR_RETURN(options.hugepages, ParseHugePages(config));
   options.numa_node = ResolveNumaNode(config);
   options.lock = config.lock;
+  options.path = config.arena_path;
   absl::StatusOr<std::unique_ptr<HostArena>> arena = HostArena::Create(options);
   if (!arena.ok()) {
     return absl::Status(arena.status().code(),
@@ -166,6 +187,37 @@ absl::StatusOr<RegionLease> Tenant::AllocateRegion(uint64_t bytes) {
     return absl::ResourceExhaustedError(std::move(msg));
   }
   return RegionLease(this, *offset, allocator_.RoundUp(bytes));
+}
+
+absl::StatusOr<RegionLease> Tenant::AdoptRegion(uint64_t offset, uint64_t bytes) {
+  MutexLock lock(&mu_);
+  const uint64_t need = allocator_.RoundUp(bytes);
+  const auto refuse = [&](absl::string_view why) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("tenant '%s': cannot adopt the region [%d, %d) (%d bytes): %s", name(),
+                        offset, offset + need, bytes, why));
+  };
+  if (bytes == 0) return refuse("it is empty");
+  if (offset % kRegionAlignment != 0) {
+    return refuse(absl::StrFormat("the offset is not a multiple of %d bytes", kRegionAlignment));
+  }
+  if (offset > quota_bytes() || need > quota_bytes() - offset) {
+    return refuse(absl::StrFormat("it reaches beyond the tenant's quota of %d bytes (the arena)",
+                                  quota_bytes()));
+  }
+  const uint64_t free = allocator_.free_bytes() - charged_;
+  if (!allocator_.Reserve(offset, bytes)) {
+    return refuse("part of it is not free (another region holds it)");
+  }
+  if (need > free) {
+    // Free as a range, but charged daemon memory holds that much of the quota.
+    allocator_.Free(offset, bytes);
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "tenant '%s': cannot adopt the region [%d, %d) (%d bytes): %d of %d bytes of the quota "
+        "free (%d bytes are daemon memory of GRPC sessions)",
+        name(), offset, offset + need, bytes, free, quota_bytes(), charged_));
+  }
+  return RegionLease(this, offset, need);
 }
 
 uint64_t Tenant::used_bytes() const {

@@ -1,6 +1,7 @@
 // Tenant: one isolated slice of kvtierd's host tier (docs/architecture.md#processes): a
-// shared-memory arena (memfd, hugepages and NUMA binding per its TenantConfig) and a first-fit
-// allocator that carves session regions out of it. The arena's size is the tenant's quota, and it
+// shared-memory arena (a memfd, or the file TenantConfig::arena_path that survives a daemon
+// restart; hugepages and NUMA binding per its TenantConfig) and a first-fit allocator that
+// carves session regions out of it. The arena's size is the tenant's quota, and it
 // covers both the session regions and the memory the daemon itself uses for the tenant's GRPC
 // sessions (their Retrievers' working sets and summaries, staged Offload chunks), which is
 // charged through the MemoryBudget interface. A region or a charge that does not fit is
@@ -43,6 +44,12 @@ class RegionAllocator {
   // Returns [offset, offset + bytes rounded up to the unit). REQUIRES: exactly a range that
   // Allocate returned and that was not freed since.
   void Free(uint64_t offset, uint64_t bytes);
+  // Takes exactly [offset, offset + bytes rounded up to the unit) out of the free list when
+  // all of it is free (splitting the free range around it) and returns true; false, with
+  // nothing changed, when any of it is in use or beyond the capacity, or when bytes == 0.
+  // For re-adopting a range a previous process allocated. REQUIRES: offset is a multiple of
+  // the unit (a misaligned offset is refused with false).
+  bool Reserve(uint64_t offset, uint64_t bytes);
 
   uint64_t capacity() const { return capacity_; }
   uint64_t unit() const { return unit_; }
@@ -89,7 +96,9 @@ class RegionLease {
 
 class Tenant final : public MemoryBudget {
  public:
-  // Creates the tenant's arena: config.host_memory_bytes, hugepages per config.hugepages,
+  // Creates the tenant's arena: config.host_memory_bytes, in the file config.arena_path when
+  // set (an existing file is mapped with its contents; see HostArena::Create), hugepages per
+  // config.hugepages,
   // bound to config.numa_node (or, when -1 and gpu_pci_bus_id is set, the node hwloc finds
   // for that GPU; a failed lookup only logs a warning), locked when config.lock (best
   // effort). Logs the arena report. INVALID_ARGUMENT for a bad hugepages value or size;
@@ -108,6 +117,14 @@ class Tenant final : public MemoryBudget {
   // "tenant 'a': session needs N bytes, M of Q bytes free" (adding the largest free range
   // when fragmentation is what refuses it).
   absl::StatusOr<RegionLease> AllocateRegion(uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  // A lease for exactly [offset, offset + bytes rounded up to kRegionAlignment): re-adopting
+  // a session region that a previous daemon allocated in the same arena file
+  // (config().arena_path) after a restart. FAILED_PRECONDITION naming the tenant and the
+  // range when bytes == 0, when offset is not a multiple of kRegionAlignment, when the range
+  // reaches beyond the quota, or when any of it is not free (another lease holds it);
+  // RESOURCE_EXHAUSTED when it is free but charged daemon memory (Charge) leaves too little
+  // of the quota for it.
+  absl::StatusOr<RegionLease> AdoptRegion(uint64_t offset, uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
   // Regions plus charged daemon memory.
   uint64_t used_bytes() const ABSL_LOCKS_EXCLUDED(mu_);
   // Daemon memory charged now (included in used_bytes).

@@ -67,6 +67,32 @@ absl::StatusOr<std::shared_ptr<TenantSession>> TenantSession::Restore(
       ++slot;
     }
   }
+  return FromCommitted(std::move(id), std::move(spec), std::move(lease), region, backend, budget,
+                       created_unix_ms, epoch, suspended);
+}
+
+absl::StatusOr<std::shared_ptr<TenantSession>> TenantSession::Adopt(
+    std::string id, SessionSpec spec, RegionLease lease, Backend* backend, MemoryBudget* budget,
+    int64_t created_unix_ms, uint64_t epoch, bool suspended) {
+  const Geometry& g = spec.geometry;
+  const int32_t pages = spec.max_pages();
+  KVTIER_ASSIGN_OR_RETURN(SessionRegion region,
+                          SessionRegion::Open(lease.data(), lease.bytes(), g));
+  if (region.layout().max_pages_per_layer != pages ||
+      region.num_slots() != int64_t{g.num_layers} * pages) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "session %s: its region holds %d pages per layer and %d slots; its parameters say %d "
+        "and %d",
+        id, region.layout().max_pages_per_layer, region.num_slots(), pages,
+        int64_t{g.num_layers} * pages));
+  }
+  return FromCommitted(std::move(id), std::move(spec), std::move(lease), region, backend, budget,
+                       created_unix_ms, epoch, suspended);
+}
+
+absl::StatusOr<std::shared_ptr<TenantSession>> TenantSession::FromCommitted(
+    std::string id, SessionSpec spec, RegionLease lease, SessionRegion region, Backend* backend,
+    MemoryBudget* budget, int64_t created_unix_ms, uint64_t epoch, bool suspended) {
   KVTIER_ASSIGN_OR_RETURN(const uint64_t now_epoch, region.BumpEpoch(epoch));
   const bool grpc = spec.transport == Transport::kGrpc;
   std::shared_ptr<TenantSession> s(

@@ -136,6 +136,14 @@ class TenantSession {
   static absl::StatusOr<std::shared_ptr<TenantSession>> Restore(
       std::string id, SessionSpec spec, RegionLease lease, Backend* backend, MemoryBudget* budget,
       int64_t created_unix_ms, uint64_t epoch, bool suspended, const LoadLayer& load);
+  // A session whose region survived in a persistent arena (tenant.arena_path), taken up
+  // after a daemon restart: opens the region (SessionRegion::Open's checks, and its shape
+  // must be the spec's: FAILED_PRECONDITION otherwise), moves its epoch past `epoch` (and
+  // past the header's, fencing a holder that outlived the old daemon) and, for GRPC, rebuilds
+  // the Retriever from the committed prefix.
+  static absl::StatusOr<std::shared_ptr<TenantSession>> Adopt(
+      std::string id, SessionSpec spec, RegionLease lease, Backend* backend, MemoryBudget* budget,
+      int64_t created_unix_ms, uint64_t epoch, bool suspended);
   TenantSession(const TenantSession&) = delete;
   TenantSession& operator=(const TenantSession&) = delete;
   ~TenantSession();
@@ -217,6 +225,11 @@ class TenantSession {
  private:
   TenantSession(std::string id, SessionSpec spec, RegionLease lease, SessionRegion region,
                 std::unique_ptr<Backend> backend, int64_t created_unix_ms);
+  // Restore's and Adopt's end: the session over `region` whose pages are committed, its
+  // epoch moved past `epoch`, the Retriever of a GRPC session rebuilt from them.
+  static absl::StatusOr<std::shared_ptr<TenantSession>> FromCommitted(
+      std::string id, SessionSpec spec, RegionLease lease, SessionRegion region, Backend* backend,
+      MemoryBudget* budget, int64_t created_unix_ms, uint64_t epoch, bool suspended);
   absl::Status CheckOpen() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // CheckOpen, and FAILED_PRECONDITION while suspended (`what` names the call).
   absl::Status CheckWritable(std::string_view what) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -23,8 +23,14 @@ const char* ModeName(HugePages mode) {
 
 std::string HugePagesLine(const ArenaReport& r) {
   if (r.hugetlb) {
-    return absl::StrFormat("hugepages (%s): yes, 2 MiB hugetlb (%d needed, %d free)",
-                           ModeName(r.hugepages_mode), r.needed_hugepages, r.free_hugepages);
+    const std::string pages = r.page_bytes == HostArena::kHugePageBytes
+                                  ? std::string("2 MiB")
+                                  : absl::StrFormat("%d-byte", r.page_bytes);
+    std::string line =
+        absl::StrFormat("hugepages (%s): yes, %s hugetlb (%d needed, %d free)",
+                        ModeName(r.hugepages_mode), pages, r.needed_hugepages, r.free_hugepages);
+    if (!r.path.empty()) absl::StrAppend(&line, "; the arena file is on hugetlbfs");
+    return line;
   }
   std::string line = absl::StrCat("hugepages (", ModeName(r.hugepages_mode), "): no");
   if (!r.hugepages_note.empty()) absl::StrAppend(&line, ": ", r.hugepages_note);
@@ -71,6 +77,10 @@ std::string ArenaReport::ToString() const {
                                     name, mapped_bytes, requested_bytes,
                                     page_bytes == 0 ? 0 : mapped_bytes / page_bytes, page_bytes,
                                     mapped_existing ? ", mapped from an existing arena fd" : "");
+  if (!path.empty()) {
+    absl::StrAppend(&out, "\nfile: ", path,
+                    existed ? " (existed: contents kept)" : " (created: new, zero-filled)");
+  }
   if (mapped_existing) {
     absl::StrAppend(&out, "\nhugepages: ", hugetlb ? "yes, 2 MiB hugetlb" : "no");
     return out;  // the creator chose pages, binding and locking

@@ -45,12 +45,14 @@ absl::Status SysError(int err, const std::string& what) { return absl::ErrnoToSt
 
 // Maps `bytes` of `fd` MAP_SHARED at a kHugePageBytes-aligned address: every process that maps
 // the arena then sees offsets aligned within it (session regions, hugepages) aligned in its
-// own address space too. Reserves bytes + alignment, maps the file over the aligned part and
+// own address space too (at a larger page's alignment when the file's pages are larger).
+// Reserves bytes + alignment, maps the file over the aligned part and
 // returns the slack. `populate` fills the page tables now (MAP_POPULATE): right for a mapping
 // of an arena that already holds its memory (Map), wrong for a new one that must first be
 // bound to its NUMA node (Create). MAP_FAILED with errno set on failure.
-void* MapShared(int fd, size_t bytes, bool populate) {
-  constexpr size_t kAlign = HostArena::kHugePageBytes;
+// `page` is the file's page size: a hugetlbfs with pages larger than 2 MiB needs its own.
+void* MapShared(int fd, size_t bytes, bool populate, size_t page = HostArena::kHugePageBytes) {
+  const size_t kAlign = std::max(HostArena::kHugePageBytes, page);
   void* reserved =
       mmap(nullptr, bytes + kAlign, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (reserved == MAP_FAILED) return MAP_FAILED;
@@ -157,6 +159,59 @@ void AdviseHugePages(void* data, size_t bytes, ArenaReport& r) {
   }
 }
 
+// An open arena file: the fd, whether this Create made it, and its filesystem.
+struct ArenaFile {
+  int fd = -1;
+  bool created = false;  // by this call (O_EXCL): removed again when Create fails
+  bool hugetlbfs = false;
+  size_t page_bytes = 0;  // the filesystem's page size
+  size_t size = 0;        // st_size when opened
+};
+
+// Opens `path` read-write, creating it (0600) when absent. Two steps, so that Create knows
+// whether the file is its own to remove on failure.
+absl::StatusOr<ArenaFile> OpenArenaFile(const std::string& path) {
+  ArenaFile f;
+  for (int attempt = 0; attempt < 8 && f.fd < 0; ++attempt) {
+    f.fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
+    if (f.fd >= 0) break;
+    if (errno != ENOENT) break;
+    f.fd = open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (f.fd >= 0) {
+      f.created = true;
+      break;
+    }
+    if (errno != EEXIST) break;  // EEXIST: another process made it meanwhile; open that
+  }
+  if (f.fd < 0) return SysError(errno, absl::StrCat("opening the arena file ", path));
+  struct stat st {};
+  struct statfs fs {};
+  if (fstat(f.fd, &st) != 0 || fstatfs(f.fd, &fs) != 0) {
+    const int err = errno;
+    close(f.fd);
+    if (f.created) unlink(path.c_str());
+    return SysError(err, absl::StrCat("stat of the arena file ", path));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    close(f.fd);
+    return absl::FailedPreconditionError(
+        absl::StrCat("arena file ", path, " is not a regular file"));
+  }
+  // The arena's contents are trusted when mapped again: a file another user made (e.g. in
+  // the shared /dev/shm, perhaps a symlink) is not the daemon's own arena.
+  if (st.st_uid != geteuid()) {
+    close(f.fd);
+    return absl::FailedPreconditionError(
+        absl::StrFormat("arena file %s is owned by uid %d, not by this process's uid %d; "
+                        "remove it or give it to uid %d",
+                        path, st.st_uid, geteuid(), geteuid()));
+  }
+  f.hugetlbfs = static_cast<uint64_t>(fs.f_type) == static_cast<uint64_t>(HUGETLBFS_MAGIC);
+  f.page_bytes = f.hugetlbfs && fs.f_bsize > 0 ? static_cast<size_t>(fs.f_bsize) : BasePageBytes();
+  f.size = st.st_size > 0 ? static_cast<size_t>(st.st_size) : 0;
+  return f;
+}
+
 std::string LimitText(uint64_t bytes) {
   return bytes == UINT64_MAX ? "unlimited" : absl::StrFormat("%d bytes", bytes);
 }
@@ -186,6 +241,7 @@ absl::StatusOr<std::unique_ptr<HostArena>> HostArena::Create(const ArenaOptions&
   report.requested_bytes = options.bytes;
   report.hugepages_mode = options.hugepages;
   report.numa_node = options.numa_node;
+  if (!options.path.empty()) return CreateFile(options, std::move(report));
   if (options.hugepages == HugePages::kOff) {
     report.hugepages_note = "not requested";
     return CreateWith(options, /*hugetlb=*/false, std::move(report));
@@ -231,25 +287,105 @@ absl::StatusOr<std::unique_ptr<HostArena>> HostArena::CreateWith(const ArenaOpti
     return SysError(errno, absl::StrFormat("sizing the arena memfd to %d bytes", bytes));
   }
   Seal(fd, report);
-  void* data = MapShared(fd, bytes, /*populate=*/false);
-  if (data == MAP_FAILED) {
-    return SysError(errno, absl::StrFormat("mmap of %d arena bytes%s", bytes,
-                                           hugetlb ? " on 2 MiB hugepages" : ""));
-  }
-  arena->data_ = data;
   arena->size_ = bytes;
   arena->report_ = std::move(report);
-  if (!hugetlb && options.hugepages != HugePages::kOff) {
-    AdviseHugePages(data, bytes, arena->report_);
-  }
-  arena->BindToNode(options);  // before the first touch, so pages land on the node
-  KVTIER_RETURN_IF_ERROR(arena->Prefault());
-  if (options.lock) {
-    arena->Lock();
+  KVTIER_RETURN_IF_ERROR(arena->MapAndPrepare(options, /*keep_contents=*/false));
+  return arena;
+}
+
+absl::StatusOr<std::unique_ptr<HostArena>> HostArena::CreateFile(const ArenaOptions& options,
+                                                                 ArenaReport report) {
+  const std::string& path = options.path;
+  KVTIER_ASSIGN_OR_RETURN(const ArenaFile file, OpenArenaFile(path));
+  // From here the arena owns file.fd (and later the mapping).
+  std::unique_ptr<HostArena> arena(new HostArena(nullptr, 0, file.fd));
+  report.path = path;
+  report.existed = file.size > 0;
+  report.hugetlb = file.hugetlbfs;
+  report.page_bytes = file.page_bytes;
+  report.mapped_bytes = RoundUp(options.bytes, file.page_bytes);
+  report.sealed = false;
+  report.seal_note = "a file arena is not sealed";
+  const size_t bytes = report.mapped_bytes;
+  // A file this call made (or found empty) is removed (emptied) again on failure, so that
+  // a later Create starts afresh instead of meeting a file of a wrong size.
+  const auto fail = [&](absl::Status status) {
+    if (report.existed) return status;
+    if (file.created) {
+      unlink(path.c_str());
+    } else {
+      (void)!ftruncate(file.fd, 0);
+    }
+    return status;
+  };
+  if (file.hugetlbfs) {
+    report.needed_hugepages = static_cast<int64_t>(bytes / file.page_bytes);
+    if (file.page_bytes == kHugePageBytes) report.free_hugepages = FreeHugePages(options.numa_node);
+    if (options.hugepages == HugePages::kOff) {
+      report.hugepages_note = "the file is on hugetlbfs: hugetlb pages although hugepages = off";
+    }
+  } else if (options.hugepages == HugePages::kRequire) {
+    return fail(absl::FailedPreconditionError(absl::StrCat(
+        "hugepages required but the arena file ", path,
+        " is not on hugetlbfs; put it on a hugetlbfs mount (e.g. /dev/hugepages) or set "
+        "hugepages to auto")));
+  } else if (options.hugepages == HugePages::kOff) {
+    report.hugepages_note = "not requested";
   } else {
-    arena->report_.lock_note = "not requested";
+    report.hugepages_note = absl::StrCat("the arena file ", path, " is not on hugetlbfs");
+  }
+  if (report.existed && file.size != bytes) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "arena file %s holds %d bytes, but this arena is %d bytes (%d requested, rounded up to "
+        "%d-byte pages); the file is left as it is: restore the size the tenant had or remove "
+        "the file (its sessions are lost)",
+        path, file.size, bytes, options.bytes, file.page_bytes));
+  }
+  if (!report.existed && ftruncate(file.fd, static_cast<off_t>(bytes)) != 0) {
+    return fail(SysError(errno, absl::StrFormat("sizing the arena file %s to %d bytes%s", path,
+                                                bytes, file.hugetlbfs ? " on hugetlbfs" : "")));
+  }
+  arena->size_ = bytes;
+  arena->report_ = std::move(report);
+  absl::Status prepared = arena->MapAndPrepare(options, /*keep_contents=*/arena->report_.existed);
+  if (!prepared.ok()) {
+    if (!arena->report_.existed) {
+      if (file.created) {
+        unlink(path.c_str());
+      } else {
+        (void)!ftruncate(arena->fd_, 0);  // nothing touches the mapping any more
+      }
+    }
+    std::string message = absl::StrCat("arena file ", path, ": ", prepared.message());
+    const ArenaReport& r = arena->report_;
+    if (r.hugetlb && r.free_hugepages >= 0) {
+      absl::StrAppendFormat(&message,
+                            " (on hugetlbfs: %d hugepages needed, %d free; raise vm.nr_hugepages)",
+                            r.needed_hugepages, r.free_hugepages);
+    }
+    return absl::Status(prepared.code(), message);
   }
   return arena;
+}
+
+absl::Status HostArena::MapAndPrepare(const ArenaOptions& options, bool keep_contents) {
+  void* data = MapShared(fd_, size_, /*populate=*/false, report_.page_bytes);
+  if (data == MAP_FAILED) {
+    return SysError(errno, absl::StrFormat("mmap of %d arena bytes%s", size_,
+                                           report_.hugetlb ? " on hugetlb pages" : ""));
+  }
+  data_ = data;
+  if (!report_.hugetlb && options.hugepages != HugePages::kOff) {
+    AdviseHugePages(data_, size_, report_);
+  }
+  BindToNode(options);  // before the first touch, so pages land on the node
+  KVTIER_RETURN_IF_ERROR(Prefault(keep_contents));
+  if (options.lock) {
+    Lock();
+  } else {
+    report_.lock_note = "not requested";
+  }
+  return absl::OkStatus();
 }
 
 void HostArena::BindToNode(const ArenaOptions& options) {
@@ -296,7 +432,7 @@ void HostArena::BindToNode(const ArenaOptions& options) {
   r.numa_policy = mode == MPOL_BIND ? NumaPolicy::kBind : NumaPolicy::kPreferred;
 }
 
-absl::Status HostArena::Prefault() {
+absl::Status HostArena::Prefault(bool keep_contents) {
   int rc;
   do {
     rc = madvise(data_, size_, MADV_POPULATE_WRITE);
@@ -314,9 +450,18 @@ absl::Status HostArena::Prefault() {
     }
     return SysError(err, what);
   }
+  // A kernel without MADV_POPULATE_WRITE: touch every page. A new arena is all zeros, so
+  // writing a zero keeps it; an arena whose contents are kept is only read (which faults
+  // the pages in too).
   volatile char* bytes = static_cast<volatile char*>(data_);
-  for (size_t offset = 0; offset < size_; offset += report_.page_bytes) bytes[offset] = 0;
-  report_.prefault_method = "touch";
+  if (keep_contents) {
+    char sink = 0;
+    for (size_t offset = 0; offset < size_; offset += report_.page_bytes) sink ^= bytes[offset];
+    static_cast<void>(sink);
+  } else {
+    for (size_t offset = 0; offset < size_; offset += report_.page_bytes) bytes[offset] = 0;
+  }
+  report_.prefault_method = keep_contents ? "touch (read only)" : "touch";
   report_.prefaulted = true;
   return absl::OkStatus();
 }
@@ -342,7 +487,8 @@ absl::StatusOr<std::unique_ptr<HostArena>> HostArena::Map(int fd, size_t bytes) 
   }
   struct statfs fs {};
   const bool hugetlb = fstatfs(fd, &fs) == 0 && fs.f_type == HUGETLBFS_MAGIC;
-  const size_t page = hugetlb ? kHugePageBytes : BasePageBytes();
+  const size_t page =
+      hugetlb ? std::max(kHugePageBytes, static_cast<size_t>(fs.f_bsize)) : BasePageBytes();
   const size_t mapped = RoundUp(bytes, page);
   if (st.st_size < 0 || static_cast<size_t>(st.st_size) < mapped) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -352,7 +498,7 @@ absl::StatusOr<std::unique_ptr<HostArena>> HostArena::Map(int fd, size_t bytes) 
   const int dup_fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
   if (dup_fd < 0) return SysError(errno, absl::StrFormat("duplicating arena fd %d", fd));
   std::unique_ptr<HostArena> arena(new HostArena(nullptr, 0, dup_fd));
-  void* data = MapShared(dup_fd, mapped, /*populate=*/true);
+  void* data = MapShared(dup_fd, mapped, /*populate=*/true, page);
   if (data == MAP_FAILED) {
     return SysError(errno, absl::StrFormat("mmap of %d bytes of arena fd %d", mapped, fd));
   }

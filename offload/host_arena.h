@@ -1,8 +1,12 @@
 // HostArena: one memfd-backed MAP_SHARED mapping that holds a tenant's host tier
 // (docs/architecture.md#processes, docs/architecture.md#errors-and-integrity). The daemon creates
 // it — on 2 MiB hugepages when the host has them, bound to a NUMA node, prefaulted and locked — and
-// passes fd() to local clients, which map the same memory with Map(). The file is sealed against
+// passes fd() to local clients, which map the same memory with Map(). The memfd is sealed against
 // shrinking and growing, so a client cannot truncate it under the daemon.
+//
+// With ArenaOptions::path the arena is a file on tmpfs or hugetlbfs instead, whose contents
+// outlive the daemon: a restarted daemon's Create maps the same bytes again (and never
+// writes, truncates or grows an existing file). A file is not sealed.
 //
 // Every choice the host could limit (hugepages, NUMA binding, mlock) is best effort unless
 // the options require it, and report() says what happened and what to change.
@@ -41,6 +45,10 @@ struct ArenaOptions {
   HugePages hugepages = HugePages::kAuto;
   int numa_node = -1;  // OS index of the node to bind to; -1: no binding
   bool lock = true;    // mlock the mapping (best effort)
+  // A file to map instead of a memfd (tmpfs or hugetlbfs): created with `bytes` when absent,
+  // mapped as it is when present; empty: an anonymous memfd. See HostArena::Create. (The
+  // initializer keeps designated initializers that leave it out free of warnings.)
+  std::string path = "";
 };
 
 enum class NumaPolicy : uint8_t {
@@ -53,6 +61,8 @@ enum class NumaPolicy : uint8_t {
 // honoured in full, and otherwise says why not and what to change.
 struct ArenaReport {
   std::string name;
+  std::string path;      // the arena file (ArenaOptions::path); empty: an anonymous memfd
+  bool existed = false;  // the file was there: its contents were kept
   size_t requested_bytes = 0;
   size_t mapped_bytes = 0;       // requested_bytes rounded up to page_bytes
   size_t page_bytes = 0;         // 2 MiB with hugetlb, else the base page size
@@ -76,7 +86,7 @@ struct ArenaReport {
 
   bool prefaulted = false;
   std::string prefault_method;  // "MADV_POPULATE_WRITE" or "touch"
-  bool sealed = false;          // F_SEAL_SHRINK | F_SEAL_GROW applied
+  bool sealed = false;          // F_SEAL_SHRINK | F_SEAL_GROW applied (never for a file)
   std::string seal_note;
 
   // Several lines, one per aspect, e.g.
@@ -85,6 +95,8 @@ struct ArenaReport {
   //   numa: bound to node 1 (node free 101234688 bytes)
   //   lock: locked (RLIMIT_MEMLOCK unlimited)
   //   prefault: MADV_POPULATE_WRITE; sealed against shrink/grow
+  // and, for a file arena, a second line
+  //   file: /dev/shm/kvtier-a.arena (existed: contents kept)
   std::string ToString() const;
 };
 
@@ -103,6 +115,20 @@ class HostArena {
   // INVALID_ARGUMENT for bytes == 0 or > kMaxBytes; RESOURCE_EXHAUSTED (with the byte or
   // page counts) when memory or file descriptors run out, or when hugepages are required
   // and not enough are free. Binding and locking are best effort: see report().
+  //
+  // With options.path set the arena is that file, opened O_RDWR | O_CREAT (mode 0600), so its
+  // contents outlive the process (put it on tmpfs or hugetlbfs). Its page size is its
+  // filesystem's: f_bsize on hugetlbfs (report().hugetlb), else the base page size. A new
+  // (empty) file is sized to `bytes` rounded up to that page size and prefaulted; an existing
+  // one is mapped as it is, and Create never writes, truncates or grows it: another size is
+  // FAILED_PRECONDITION naming the path and both sizes, and report().existed says its
+  // contents were kept. hugepages: hugetlb is what the filesystem gives; kRequire with a file
+  // that is not on hugetlbfs is FAILED_PRECONDITION; kAuto elsewhere advises MADV_HUGEPAGE. A
+  // file is not sealed; a file that is not a regular file, or not owned by this process's
+  // effective uid, is FAILED_PRECONDITION. When Create fails after creating the file, it
+  // removes it again.
+  // Errors opening it are the errno's (PERMISSION_DENIED, NOT_FOUND for a missing
+  // directory, ...) naming the path.
   static absl::StatusOr<std::unique_ptr<HostArena>> Create(const ArenaOptions& options);
 
   // Maps `bytes` of an existing arena file (e.g. a HostArena's fd() received over a Unix
@@ -140,7 +166,12 @@ class HostArena {
 
   static absl::StatusOr<std::unique_ptr<HostArena>> CreateWith(const ArenaOptions& options,
                                                                bool hugetlb, ArenaReport report);
-  absl::Status Prefault();
+  static absl::StatusOr<std::unique_ptr<HostArena>> CreateFile(const ArenaOptions& options,
+                                                               ArenaReport report);
+  // Maps, advises, binds, prefaults and locks size_ bytes of fd_ (data_ still null).
+  // keep_contents: the arena holds data already, so the fallback touch only reads.
+  absl::Status MapAndPrepare(const ArenaOptions& options, bool keep_contents);
+  absl::Status Prefault(bool keep_contents);
   void BindToNode(const ArenaOptions& options);
   void Lock();
 

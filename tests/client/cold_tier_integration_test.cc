@@ -3,10 +3,13 @@
 // SHM sessions fill a tenant far beyond its arena (each suspended one is demoted when a new
 // one needs the room) and every page reads back byte-exact after Reattach; and a kvtierd that
 // shuts down and starts again finds its SHM and GRPC sessions, whose pages come back, and
-// the engine goes on decoding.
+// the engine goes on decoding. And, without a cold tier, a persistent arena: an SHM session
+// survives kvtierd killed with SIGKILL.
 #include <signal.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
@@ -215,6 +218,67 @@ TEST_F(ColdTierIntegrationTest, SessionsSurviveARestartOfKvtierd) {
   ASSERT_OK((*shm)->Close());
   ASSERT_OK((*grpc)->Close());
   ASSERT_TRUE((*d)->Stop(SIGTERM).ok());
+}
+
+// A persistent arena (tenant.arena_path), no cold tier: kvtierd killed with SIGKILL and
+// started again over the same file takes up its SHM session, and the engine reattaches to
+// its pages and decodes on.
+TEST(PersistentArenaIntegrationTest, ShmSessionsSurviveAKilledKvtierd) {
+  const std::string base = access("/dev/shm", W_OK) == 0 ? "/dev/shm" : ::testing::TempDir();
+  std::string dir = base + "/kvtier-arena-XXXXXX";
+  ASSERT_NE(mkdtemp(dir.data()), nullptr);
+  DaemonProcessOptions o;
+  o.kvtierd_path = KVTIERD_PATH;
+  o.tenants = {{"a", "ta", kArenaBytes}};
+  o.tenant_toml = absl::StrCat("arena_path = \"", dir, "/a.arena\"\n");
+  o.cpu_threads = 2;
+  std::unique_ptr<Backend> backend = NewCpuBackend(2);
+  const SessionOptions options = IntegrationSessionOptions(Transport::kShm, backend.get());
+  const SyntheticTrace trace(IntegrationTrace());
+  std::string id;
+  {
+    absl::StatusOr<std::unique_ptr<DaemonProcess>> d = DaemonProcess::Start(o);
+    ASSERT_TRUE(d.ok()) << d.status();
+    ClientOptions co;
+    co.tenant = "a";
+    co.token = "ta";
+    absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect((*d)->target(), co);
+    ASSERT_TRUE(c.ok()) << c.status();
+    absl::StatusOr<std::unique_ptr<Session>> s = (*c)->OpenSession(options);
+    ASSERT_TRUE(s.ok()) << s.status();
+    ASSERT_OK(testing::AppendTokens(**s, trace, 0, kPrefill));
+    ASSERT_OK((*s)->Flush());  // committed: in the arena file now
+    id = (*s)->id();
+    absl::StatusOr<int> killed = (*d)->Stop(SIGKILL);
+    ASSERT_TRUE(killed.ok()) << killed.status();
+    ASSERT_TRUE(WIFSIGNALED(*killed));
+    (*s)->sequence().Close().IgnoreError();  // the engine notices its daemon is gone
+  }
+  absl::StatusOr<std::unique_ptr<DaemonProcess>> d = DaemonProcess::Start(o);
+  ASSERT_TRUE(d.ok()) << d.status();
+  ClientOptions co;
+  co.tenant = "a";
+  co.token = "ta";
+  absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect((*d)->target(), co);
+  ASSERT_TRUE(c.ok()) << c.status();
+  absl::StatusOr<std::unique_ptr<Session>> s = (*c)->Reattach(id, options);
+  ASSERT_TRUE(s.ok()) << s.status() << "\n" << (*d)->Log();
+  EXPECT_EQ((*s)->sequence().num_tokens(0), kFull);
+  for (int32_t l = 0; l < 2; ++l) {
+    absl::StatusOr<std::vector<FetchedPage>> pages = (*s)->FetchPages(l, {});
+    ASSERT_TRUE(pages.ok()) << pages.status();
+    ASSERT_EQ(pages->size(), static_cast<size_t>(kFull / kPage));
+    for (const FetchedPage& p : *pages) {
+      ASSERT_EQ(p.data, TraceHostPage(trace, l, p.page)) << "layer " << l << " page " << p.page;
+    }
+  }
+  ASSERT_OK(testing::AppendTokens(**s, trace, kFull, kPrefill));
+  absl::StatusOr<std::vector<std::vector<testing::StepRecord>>> steps =
+      testing::RunDecode(**s, trace, 0, 4);
+  ASSERT_TRUE(steps.ok()) << steps.status();
+  ASSERT_OK((*s)->Close());
+  ASSERT_TRUE((*d)->Stop(SIGTERM).ok());
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

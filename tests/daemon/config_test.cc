@@ -129,6 +129,7 @@ numa_node = 1
 gpu_pci_bus_id = "0000:3b:00.0"
 hugepages = "off"
 lock = false
+arena_path = "/dev/shm/kvtier-a.arena"
 uids = [1000, 1001]
 )",
                                                         base);
@@ -142,7 +143,30 @@ uids = [1000, 1001]
   EXPECT_EQ(t.gpu_pci_bus_id, "0000:3b:00.0");
   EXPECT_EQ(t.hugepages, "off");
   EXPECT_FALSE(t.lock);
+  EXPECT_EQ(t.arena_path, "/dev/shm/kvtier-a.arena");
   EXPECT_EQ(t.uids, (std::vector<uint32_t>{1000, 1001}));
+}
+
+TEST(ValidateArenaPathTest, AbsolutePathsOfDifferentTenantsAreValid) {
+  DaemonConfig config = OneTenant();
+  config.tenants.push_back(Tenant("t1", 16 * kMiB));
+  config.tenants.push_back(Tenant("t2", 16 * kMiB));
+  config.tenants[0].arena_path = "/dev/shm/kvtier-t0.arena";
+  config.tenants[1].arena_path = "/dev/hugepages/kvtier-t1.arena";
+  config.tenants[2].arena_path = "";  // anonymous; several tenants may leave it empty
+  EXPECT_TRUE(config.Validate().ok()) << config.Validate();
+  config.tenants[0].arena_path = "/" + std::string(3999, 'a');  // exactly 4000 bytes
+  EXPECT_TRUE(config.Validate().ok()) << config.Validate();
+}
+
+TEST(ParseConfigTest, ArenaPathDefaultsToEmptyAndMustBeAString) {
+  EXPECT_EQ(TenantConfig{}.arena_path, "");
+  EXPECT_EQ(DefaultConfig().tenants.at(0).arena_path, "");
+  absl::StatusOr<DaemonConfig> config = ParseConfigToml(
+      "[[tenant]]\nname = \"b\"\nhost_memory_bytes = 1048576\narena_path = 5\n", OneTenant());
+  ASSERT_FALSE(config.ok());
+  EXPECT_EQ(config.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(config.status().message(), HasSubstr("arena_path"));
 }
 
 TEST(ParseConfigTest, NewTenantsStartFromTenantDefaultsNotFromTheBase) {
@@ -369,6 +393,22 @@ INSTANTIATE_TEST_SUITE_P(
         BadValue{"Hugepages",
                  [](DaemonConfig* c) { c->tenants[0].hugepages = "yes"; },
                  {"tenant[0].hugepages", "off | auto | require"}},
+        BadValue{"ArenaPathRelative",
+                 [](DaemonConfig* c) { c->tenants[0].arena_path = "kvtier.arena"; },
+                 {"tenant[0].arena_path", "kvtier.arena", "absolute path"}},
+        BadValue{"ArenaPathTooLong",
+                 [](DaemonConfig* c) {
+                   c->tenants[0].arena_path = "/dev/shm/" + std::string(3992, 'a');
+                 },
+                 {"tenant[0].arena_path", "4001 bytes", "at most 4000"}},
+        BadValue{"ArenaPathShared",
+                 [](DaemonConfig* c) {
+                   c->tenants[0].arena_path = "/dev/shm/kvtier.arena";
+                   c->tenants.push_back(c->tenants[0]);
+                   c->tenants[1].name = "second";
+                 },
+                 {"tenant[1].arena_path", "/dev/shm/kvtier.arena", "tenant[0].arena_path", "'t0'",
+                  "'second'"}},
         BadValue{"NumaNode",
                  [](DaemonConfig* c) { c->tenants[0].numa_node = -2; },
                  {"tenant[0].numa_node", "[-1, 1023]"}},
@@ -625,8 +665,8 @@ TEST(LoadConfigFileTest, ErrorsNameTheFileAndLine) {
 TEST(KnownConfigKeysTest, AreUniqueAndQualified) {
   const std::vector<std::string> keys = KnownConfigKeys();
   EXPECT_EQ(std::set<std::string>(keys.begin(), keys.end()).size(), keys.size());
-  // 15 server, 6 limits, 2 metrics, 9 cold_tier, 3 log, 11 tenant
-  EXPECT_EQ(keys.size(), 47u);
+  // 15 server, 6 limits, 2 metrics, 9 cold_tier, 3 log, 12 tenant
+  EXPECT_EQ(keys.size(), 48u);
   for (const std::string& key : keys) EXPECT_NE(key.find('.'), std::string::npos) << key;
 }
 

@@ -5,6 +5,8 @@
 #include <numaif.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/statfs.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -31,6 +33,10 @@ using Chunks = std::vector<std::pair<size_t, size_t>>;
 
 const size_t kPage = static_cast<size_t>(sysconf(_SC_PAGESIZE));
 constexpr size_t kMiB = size_t{1} << 20;
+
+size_t RoundUpForTest(size_t x, size_t multiple) {
+  return (x + multiple - 1) / multiple * multiple;
+}
 
 // The selected value of the shmem transparent-hugepage knob, e.g. "never".
 std::string ShmemThpSetting() {
@@ -415,6 +421,276 @@ TEST(HostArenaRegisterTest, FailureMidwayUnregistersWhatWasRegistered) {
   EXPECT_THAT(backend.unregistered, ElementsAre(base, base + 2 * kPage));
   arena.reset();
   EXPECT_EQ(backend.unregistered.size(), 2u);  // nothing left for the destructor
+}
+
+// ---- file arenas (ArenaOptions::path) ---------------------------------------------------------
+
+// A directory for arena files: /dev/shm (tmpfs) when it is there, else the test's temp dir.
+std::string ArenaFileDir() {
+  struct stat st {};
+  if (stat("/dev/shm", &st) == 0 && S_ISDIR(st.st_mode) && access("/dev/shm", W_OK) == 0) {
+    return "/dev/shm";
+  }
+  std::string dir = ::testing::TempDir();
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  return dir;
+}
+
+// A file path unique to this test and process, removed when it goes out of scope.
+class ArenaFile {
+ public:
+  ArenaFile() {
+    const ::testing::TestInfo* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    path_ = absl::StrCat(ArenaFileDir(), "/kvtier-host-arena-test-", getpid(), "-",
+                         info != nullptr ? info->name() : "x", ".arena");
+    unlink(path_.c_str());
+  }
+  ~ArenaFile() { unlink(path_.c_str()); }
+  ArenaFile(const ArenaFile&) = delete;
+  ArenaFile& operator=(const ArenaFile&) = delete;
+  const std::string& path() const { return path_; }
+
+  // The file's bytes, read with pread (not through any mapping); nullopt when absent.
+  std::optional<std::string> Contents() const {
+    const int fd = open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return std::nullopt;
+    struct stat st {};
+    std::string out;
+    if (fstat(fd, &st) == 0 && st.st_size > 0) {
+      out.resize(static_cast<size_t>(st.st_size));
+      size_t done = 0;
+      while (done < out.size()) {
+        const ssize_t n = pread(fd, out.data() + done, out.size() - done, static_cast<off_t>(done));
+        if (n <= 0) break;
+        done += static_cast<size_t>(n);
+      }
+      out.resize(done);
+    }
+    close(fd);
+    return out;
+  }
+
+ private:
+  std::string path_;
+};
+
+absl::StatusOr<std::unique_ptr<HostArena>> CreateFileArena(const std::string& path, size_t bytes,
+                                                           HugePages hugepages = HugePages::kOff) {
+  ArenaOptions options;
+  options.bytes = bytes;
+  options.name = "kvtier-file-test";
+  options.hugepages = hugepages;
+  options.path = path;
+  return HostArena::Create(options);
+}
+
+void WritePattern(void* data, size_t bytes, uint32_t seed) {
+  auto* words = static_cast<uint32_t*>(data);
+  for (size_t i = 0; i < bytes / sizeof(uint32_t); ++i) {
+    words[i] = static_cast<uint32_t>(i * 2654435761u) ^ seed;
+  }
+}
+
+// The index of the first word that differs from the pattern; bytes / 4 when none does.
+size_t FirstMismatch(const void* data, size_t bytes, uint32_t seed) {
+  const auto* words = static_cast<const uint32_t*>(data);
+  for (size_t i = 0; i < bytes / sizeof(uint32_t); ++i) {
+    if (words[i] != (static_cast<uint32_t>(i * 2654435761u) ^ seed)) return i;
+  }
+  return bytes / sizeof(uint32_t);
+}
+
+bool OnHugetlbfs(const std::string& path) {
+  struct statfs fs {};
+  return statfs(path.c_str(), &fs) == 0 &&
+         static_cast<uint64_t>(fs.f_type) == static_cast<uint64_t>(0x958458f6);
+}
+
+TEST(HostArenaFileTest, ContentsSurviveTheArenaAndAreMappedAgain) {
+  ArenaFile file;
+  const size_t bytes = 64 * kPage + 1;  // rounded up to 65 pages
+  constexpr uint32_t kSeed = 0x5eed1234u;
+  {
+    absl::StatusOr<std::unique_ptr<HostArena>> arena = CreateFileArena(file.path(), bytes);
+    ASSERT_TRUE(arena.ok()) << arena.status();
+    const ArenaReport& r = (*arena)->report();
+    SCOPED_TRACE(r.ToString());
+    EXPECT_EQ(r.path, file.path());
+    EXPECT_FALSE(r.existed);
+    EXPECT_FALSE(r.sealed);
+    EXPECT_EQ(r.seal_note, "a file arena is not sealed");
+    EXPECT_TRUE(r.prefaulted);
+    EXPECT_EQ((*arena)->size(), 65 * kPage);
+    EXPECT_EQ(r.mapped_bytes, 65 * kPage);
+    EXPECT_THAT(r.ToString(), HasSubstr(absl::StrCat("file: ", file.path(), " (created")));
+    EXPECT_THAT(r.ToString(), HasSubstr("not sealed: a file arena is not sealed"));
+    const auto* zero = static_cast<const char*>((*arena)->data());
+    EXPECT_EQ(zero[0], 0);
+    EXPECT_EQ(zero[(*arena)->size() - 1], 0);
+    WritePattern((*arena)->data(), (*arena)->size(), kSeed);
+  }
+  const std::optional<std::string> after_first = file.Contents();
+  ASSERT_TRUE(after_first.has_value());
+  EXPECT_EQ(after_first->size(), 65 * kPage);
+
+  absl::StatusOr<std::unique_ptr<HostArena>> again = CreateFileArena(file.path(), bytes);
+  ASSERT_TRUE(again.ok()) << again.status();
+  const ArenaReport& r = (*again)->report();
+  SCOPED_TRACE(r.ToString());
+  EXPECT_TRUE(r.existed);
+  EXPECT_EQ(r.path, file.path());
+  EXPECT_THAT(r.ToString(), HasSubstr(absl::StrCat("file: ", file.path(), " (existed")));
+  ASSERT_EQ((*again)->size(), 65 * kPage);
+  EXPECT_EQ(FirstMismatch((*again)->data(), (*again)->size(), kSeed), (*again)->size() / 4);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>((*again)->data()) % HostArena::kHugePageBytes, 0u);
+}
+
+TEST(HostArenaFileTest, ExistingFileIsReadNotWrittenByCreate) {
+  ArenaFile file;
+  // A file made outside HostArena, with a pattern on every page: Create keeps every byte.
+  {
+    const int fd = open(file.path().c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+    ASSERT_GE(fd, 0) << std::strerror(errno);
+    std::string pattern(16 * kPage, '\0');
+    WritePattern(pattern.data(), pattern.size(), 77);
+    ASSERT_EQ(pwrite(fd, pattern.data(), pattern.size(), 0), static_cast<ssize_t>(pattern.size()));
+    close(fd);
+  }
+  const std::optional<std::string> before = file.Contents();
+  ASSERT_TRUE(before.has_value());
+  for (const bool lock : {false, true}) {
+    ArenaOptions options;
+    options.bytes = 16 * kPage;
+    options.path = file.path();
+    options.hugepages = HugePages::kAuto;
+    options.lock = lock;
+    absl::StatusOr<std::unique_ptr<HostArena>> arena = HostArena::Create(options);
+    ASSERT_TRUE(arena.ok()) << arena.status();
+    EXPECT_TRUE((*arena)->report().existed);
+    EXPECT_FALSE((*arena)->report().hugetlb);
+    EXPECT_THAT((*arena)->report().hugepages_note, HasSubstr("is not on hugetlbfs"));
+    arena->reset();
+    EXPECT_EQ(file.Contents(), before) << "lock " << lock;
+  }
+}
+
+TEST(HostArenaFileTest, AnotherSizeIsRefusedAndTheFileIsUnchanged) {
+  ArenaFile file;
+  {
+    absl::StatusOr<std::unique_ptr<HostArena>> arena = CreateFileArena(file.path(), 8 * kPage);
+    ASSERT_TRUE(arena.ok()) << arena.status();
+    WritePattern((*arena)->data(), (*arena)->size(), 3);
+  }
+  const std::optional<std::string> before = file.Contents();
+  ASSERT_TRUE(before.has_value());
+  ASSERT_EQ(before->size(), 8 * kPage);
+  for (const size_t bytes : {4 * kPage, 9 * kPage, 8 * kPage + 1}) {
+    absl::StatusOr<std::unique_ptr<HostArena>> other = CreateFileArena(file.path(), bytes);
+    ASSERT_FALSE(other.ok()) << bytes;
+    EXPECT_EQ(other.status().code(), absl::StatusCode::kFailedPrecondition) << other.status();
+    EXPECT_THAT(other.status().message(), HasSubstr(file.path()));
+    EXPECT_THAT(other.status().message(), HasSubstr(absl::StrCat("holds ", 8 * kPage, " bytes")));
+    EXPECT_THAT(other.status().message(),
+                HasSubstr(absl::StrCat("this arena is ", RoundUpForTest(bytes, kPage), " bytes")));
+    EXPECT_EQ(file.Contents(), before) << bytes;
+  }
+  // The right size still maps it.
+  absl::StatusOr<std::unique_ptr<HostArena>> same = CreateFileArena(file.path(), 8 * kPage - 5);
+  ASSERT_TRUE(same.ok()) << same.status();
+  EXPECT_EQ(FirstMismatch((*same)->data(), (*same)->size(), 3), (*same)->size() / 4);
+}
+
+TEST(HostArenaFileTest, MapOfTheFileFdSeesTheSameBytes) {
+  ArenaFile file;
+  absl::StatusOr<std::unique_ptr<HostArena>> owner = CreateFileArena(file.path(), 32 * kPage);
+  ASSERT_TRUE(owner.ok()) << owner.status();
+  absl::StatusOr<std::unique_ptr<HostArena>> client =
+      HostArena::Map((*owner)->fd(), (*owner)->size());
+  ASSERT_TRUE(client.ok()) << client.status();
+  EXPECT_TRUE((*client)->report().mapped_existing);
+  EXPECT_EQ((*client)->size(), (*owner)->size());
+  WritePattern((*owner)->data(), (*owner)->size(), 9);
+  EXPECT_EQ(FirstMismatch((*client)->data(), (*client)->size(), 9), (*client)->size() / 4);
+  static_cast<uint32_t*>((*client)->data())[5] = 0xfeedfaceu;
+  EXPECT_EQ(static_cast<uint32_t*>((*owner)->data())[5], 0xfeedfaceu);
+  // More than the file holds is refused.
+  EXPECT_EQ(HostArena::Map((*owner)->fd(), (*owner)->size() + 1).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(HostArenaFileTest, RequireIsRefusedForAFileNotOnHugetlbfs) {
+  ArenaFile file;
+  if (OnHugetlbfs(ArenaFileDir())) GTEST_SKIP() << ArenaFileDir() << " is hugetlbfs";
+  absl::StatusOr<std::unique_ptr<HostArena>> arena =
+      CreateFileArena(file.path(), 4 * kPage, HugePages::kRequire);
+  ASSERT_FALSE(arena.ok());
+  EXPECT_EQ(arena.status().code(), absl::StatusCode::kFailedPrecondition) << arena.status();
+  EXPECT_THAT(arena.status().message(), HasSubstr(file.path()));
+  EXPECT_THAT(arena.status().message(), HasSubstr("not on hugetlbfs"));
+  EXPECT_FALSE(file.Contents().has_value()) << "the file Create made is removed again";
+
+  // An existing file is refused the same way and kept.
+  {
+    absl::StatusOr<std::unique_ptr<HostArena>> made = CreateFileArena(file.path(), 4 * kPage);
+    ASSERT_TRUE(made.ok()) << made.status();
+    WritePattern((*made)->data(), (*made)->size(), 1);
+  }
+  const std::optional<std::string> before = file.Contents();
+  absl::StatusOr<std::unique_ptr<HostArena>> refused =
+      CreateFileArena(file.path(), 4 * kPage, HugePages::kRequire);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(file.Contents(), before);
+}
+
+TEST(HostArenaFileTest, AutoOnTmpfsAdvisesTransparentHugepages) {
+  ArenaFile file;
+  if (OnHugetlbfs(ArenaFileDir())) GTEST_SKIP() << ArenaFileDir() << " is hugetlbfs";
+  absl::StatusOr<std::unique_ptr<HostArena>> arena =
+      CreateFileArena(file.path(), 4 * kMiB, HugePages::kAuto);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  const ArenaReport& r = (*arena)->report();
+  SCOPED_TRACE(r.ToString());
+  EXPECT_FALSE(r.hugetlb);
+  EXPECT_EQ(r.page_bytes, kPage);
+  const std::string thp = ShmemThpSetting();
+  if (thp == "advise" || thp == "always" || thp == "within_size" || thp == "force") {
+    EXPECT_TRUE(r.transparent_hugepages);
+  } else {
+    EXPECT_FALSE(r.transparent_hugepages);
+  }
+}
+
+TEST(HostArenaFileTest, AFileInAMissingDirectoryIsNotFound) {
+  const std::string path = absl::StrCat(ArenaFileDir(), "/kvtier-no-such-dir-", getpid(), "/a");
+  absl::StatusOr<std::unique_ptr<HostArena>> arena = CreateFileArena(path, kPage);
+  ASSERT_FALSE(arena.ok());
+  EXPECT_EQ(arena.status().code(), absl::StatusCode::kNotFound) << arena.status();
+  EXPECT_THAT(arena.status().message(), HasSubstr(path));
+}
+
+// On a hugetlbfs mount with free 2 MiB pages (most hosts have none): hugetlb pages, kept.
+TEST(HostArenaFileTest, HugetlbfsFileUsesItsPagesAndKeepsItsContents) {
+  if (!OnHugetlbfs("/dev/hugepages") || access("/dev/hugepages", W_OK) != 0 ||
+      HostFreeHugePages() < 2) {
+    GTEST_SKIP() << "no writable hugetlbfs at /dev/hugepages with 2 free 2 MiB pages";
+  }
+  const std::string path = absl::StrCat("/dev/hugepages/kvtier-host-arena-test-", getpid());
+  unlink(path.c_str());
+  {
+    absl::StatusOr<std::unique_ptr<HostArena>> arena =
+        CreateFileArena(path, 3 * kMiB, HugePages::kRequire);
+    ASSERT_TRUE(arena.ok()) << arena.status();
+    EXPECT_TRUE((*arena)->report().hugetlb);
+    EXPECT_EQ((*arena)->size(), 4 * kMiB);
+    WritePattern((*arena)->data(), (*arena)->size(), 11);
+  }
+  {
+    absl::StatusOr<std::unique_ptr<HostArena>> again = CreateFileArena(path, 4 * kMiB);
+    ASSERT_TRUE(again.ok()) << again.status();
+    EXPECT_TRUE((*again)->report().existed);
+    EXPECT_EQ(FirstMismatch((*again)->data(), (*again)->size(), 11), (*again)->size() / 4);
+  }
+  unlink(path.c_str());
 }
 
 }  // namespace
