@@ -1251,6 +1251,9 @@ void SessionManager::WriteMetrics(Exposition& out) const {
              });
   per_tenant("kvtier_arena_locked", "gauge", "1 when the arena is locked in memory (mlock).",
              [](const Tenant& t) { return t.arena().report().locked ? 1 : 0; });
+  per_tenant("kvtier_arena_persistent", "gauge",
+             "1 when the arena is a file (tenant.arena_path) whose sessions outlive the daemon.",
+             [](const Tenant& t) { return t.arena().report().path.empty() ? 0 : 1; });
 
   // Session events and fetched pages: every tenant and transport, zeros included, so rates
   // start from the first scrape.

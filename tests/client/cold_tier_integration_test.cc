@@ -47,6 +47,27 @@ constexpr int32_t kFull = kPrefill / kPage * kPage;      // 576
 // a region of a little over 2 MiB: this arena holds two.
 constexpr uint64_t kArenaBytes = uint64_t{5} << 20;
 
+std::unique_ptr<Client> Connect(const DaemonProcess& d) {
+  ClientOptions o;
+  o.tenant = "a";
+  o.token = "ta";
+  absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(d.target(), o);
+  EXPECT_TRUE(c.ok()) << c.status();
+  return c.ok() ? *std::move(c) : nullptr;
+}
+
+// Every full page of both layers is the trace's.
+void ExpectPages(Session& s, const SyntheticTrace& trace, int32_t full_tokens) {
+  for (int32_t l = 0; l < 2; ++l) {
+    absl::StatusOr<std::vector<FetchedPage>> pages = s.FetchPages(l, {});
+    ASSERT_TRUE(pages.ok()) << pages.status();
+    ASSERT_EQ(pages->size(), static_cast<size_t>(full_tokens / kPage)) << "layer " << l;
+    for (const FetchedPage& p : *pages) {
+      ASSERT_EQ(p.data, TraceHostPage(trace, l, p.page)) << "layer " << l << " page " << p.page;
+    }
+  }
+}
+
 class ColdTierIntegrationTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -82,15 +103,6 @@ class ColdTierIntegrationTest : public ::testing::Test {
     return o;
   }
 
-  static std::unique_ptr<Client> Connect(const DaemonProcess& d) {
-    ClientOptions o;
-    o.tenant = "a";
-    o.token = "ta";
-    absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(d.target(), o);
-    EXPECT_TRUE(c.ok()) << c.status();
-    return c.ok() ? *std::move(c) : nullptr;
-  }
-
   static absl::StatusOr<SessionInfo> Listed(Client& c, const std::string& id) {
     absl::StatusOr<std::vector<SessionInfo>> all = c.ListSessions();
     if (!all.ok()) return all.status();
@@ -98,18 +110,6 @@ class ColdTierIntegrationTest : public ::testing::Test {
       if (s.id == id) return s;
     }
     return absl::NotFoundError(id);
-  }
-
-  // Every full page of both layers is the trace's.
-  static void ExpectPages(Session& s, const SyntheticTrace& trace, int32_t full_tokens) {
-    for (int32_t l = 0; l < 2; ++l) {
-      absl::StatusOr<std::vector<FetchedPage>> pages = s.FetchPages(l, {});
-      ASSERT_TRUE(pages.ok()) << pages.status();
-      ASSERT_EQ(pages->size(), static_cast<size_t>(full_tokens / kPage)) << "layer " << l;
-      for (const FetchedPage& p : *pages) {
-        ASSERT_EQ(p.data, TraceHostPage(trace, l, p.page)) << "layer " << l << " page " << p.page;
-      }
-    }
   }
 
   static testing::RedisClusterProcess* cluster_;
@@ -239,12 +239,9 @@ TEST(PersistentArenaIntegrationTest, ShmSessionsSurviveAKilledKvtierd) {
   {
     absl::StatusOr<std::unique_ptr<DaemonProcess>> d = DaemonProcess::Start(o);
     ASSERT_TRUE(d.ok()) << d.status();
-    ClientOptions co;
-    co.tenant = "a";
-    co.token = "ta";
-    absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect((*d)->target(), co);
-    ASSERT_TRUE(c.ok()) << c.status();
-    absl::StatusOr<std::unique_ptr<Session>> s = (*c)->OpenSession(options);
+    std::unique_ptr<Client> c = Connect(**d);
+    ASSERT_NE(c, nullptr);
+    absl::StatusOr<std::unique_ptr<Session>> s = c->OpenSession(options);
     ASSERT_TRUE(s.ok()) << s.status();
     ASSERT_OK(testing::AppendTokens(**s, trace, 0, kPrefill));
     ASSERT_OK((*s)->Flush());  // committed: in the arena file now
@@ -256,22 +253,12 @@ TEST(PersistentArenaIntegrationTest, ShmSessionsSurviveAKilledKvtierd) {
   }
   absl::StatusOr<std::unique_ptr<DaemonProcess>> d = DaemonProcess::Start(o);
   ASSERT_TRUE(d.ok()) << d.status();
-  ClientOptions co;
-  co.tenant = "a";
-  co.token = "ta";
-  absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect((*d)->target(), co);
-  ASSERT_TRUE(c.ok()) << c.status();
-  absl::StatusOr<std::unique_ptr<Session>> s = (*c)->Reattach(id, options);
+  std::unique_ptr<Client> c = Connect(**d);
+  ASSERT_NE(c, nullptr);
+  absl::StatusOr<std::unique_ptr<Session>> s = c->Reattach(id, options);
   ASSERT_TRUE(s.ok()) << s.status() << "\n" << (*d)->Log();
   EXPECT_EQ((*s)->sequence().num_tokens(0), kFull);
-  for (int32_t l = 0; l < 2; ++l) {
-    absl::StatusOr<std::vector<FetchedPage>> pages = (*s)->FetchPages(l, {});
-    ASSERT_TRUE(pages.ok()) << pages.status();
-    ASSERT_EQ(pages->size(), static_cast<size_t>(kFull / kPage));
-    for (const FetchedPage& p : *pages) {
-      ASSERT_EQ(p.data, TraceHostPage(trace, l, p.page)) << "layer " << l << " page " << p.page;
-    }
-  }
+  ExpectPages(**s, trace, kFull);
   ASSERT_OK(testing::AppendTokens(**s, trace, kFull, kPrefill));
   absl::StatusOr<std::vector<std::vector<testing::StepRecord>>> steps =
       testing::RunDecode(**s, trace, 0, 4);

@@ -97,6 +97,10 @@ TEST_F(PersistentArenaTest, ARestartedManagerTakesUpItsSessionsWhereTheyWere) {
   ASSERT_TRUE(manager_->CloseSession(Caller{"a"}, closed).ok());
   const SessionRecord before = Listed(live);
   EXPECT_TRUE(std::filesystem::exists(dir_ + "/a.arena.sessions"));
+  Exposition metrics;
+  manager_->WriteMetrics(metrics);
+  EXPECT_NE(metrics.text().find("kvtier_arena_persistent{tenant=\"a\"} 1\n"), std::string::npos);
+  EXPECT_NE(metrics.text().find("kvtier_arena_persistent{tenant=\"b\"} 0\n"), std::string::npos);
 
   manager_.reset();  // the daemon goes; the arena file and its table stay
   manager_ = Make(config_);
