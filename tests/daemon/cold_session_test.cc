@@ -36,28 +36,34 @@ using ::testing::HasSubstr;
 
 constexpr int64_t kTokens = 1000;  // 125 full pages per layer, no partial one
 
-std::unique_ptr<testing::RedisClusterProcess> StartCluster() {
-  testing::RedisClusterProcessOptions o;
-  absl::StatusOr<std::unique_ptr<testing::RedisClusterProcess>> c =
-      testing::RedisClusterProcess::Start(o);
-  if (!c.ok()) {
-    std::cerr << "no Redis Cluster: " << c.status() << "\n";
-    return nullptr;
-  }
-  return *std::move(c);
+// A cluster, or why not: NOT_FOUND (no redis-server) skips a test, anything else fails it.
+absl::StatusOr<std::unique_ptr<testing::RedisClusterProcess>> StartCluster() {
+  return testing::RedisClusterProcess::Start(testing::RedisClusterProcessOptions());
 }
 
 class ColdSessionTest : public session_manager_testing::SessionManagerTest {
  protected:
-  static void SetUpTestSuite() { cluster_ = StartCluster().release(); }
+  static void SetUpTestSuite() {
+    absl::StatusOr<std::unique_ptr<testing::RedisClusterProcess>> c = StartCluster();
+    if (c.ok()) {
+      cluster_ = c->release();
+    } else {
+      start_error_ = new absl::Status(c.status());
+    }
+  }
   static void TearDownTestSuite() {
     delete cluster_;
     cluster_ = nullptr;
+    delete start_error_;
+    start_error_ = nullptr;
   }
 
   void SetUp() override {
     spdlog::set_level(spdlog::level::warn);
-    if (cluster_ == nullptr) GTEST_SKIP() << "redis-server / redis-cli not available";
+    if (cluster_ == nullptr) {
+      if (absl::IsNotFound(*start_error_)) GTEST_SKIP() << *start_error_;
+      FAIL() << "the cluster did not start: " << *start_error_;
+    }
     prefix_ = absl::StrCat("t", ::testing::UnitTest::GetInstance()->random_seed(), "x",
                            counter_++);
   }
@@ -135,11 +141,13 @@ class ColdSessionTest : public session_manager_testing::SessionManagerTest {
   }
 
   static testing::RedisClusterProcess* cluster_;
+  static absl::Status* start_error_;
   static int counter_;
   std::string prefix_;
 };
 
 testing::RedisClusterProcess* ColdSessionTest::cluster_ = nullptr;
+absl::Status* ColdSessionTest::start_error_ = nullptr;
 int ColdSessionTest::counter_ = 0;
 
 TEST_F(ColdSessionTest, FillsATenantBeyondItsArenaAndReadsEveryPageBack) {
@@ -414,8 +422,10 @@ TEST_F(ColdSessionTest, ATenantsAclUserReachesOnlyItsOwnKeys) {
 // Its own cluster: it kills a master.
 TEST(ColdSessionFailoverTest, AKilledMasterLosesNothingADemotionAcknowledged) {
   spdlog::set_level(spdlog::level::warn);
-  std::unique_ptr<testing::RedisClusterProcess> cluster = StartCluster();
-  if (cluster == nullptr) GTEST_SKIP() << "redis-server / redis-cli not available";
+  absl::StatusOr<std::unique_ptr<testing::RedisClusterProcess>> started = StartCluster();
+  if (absl::IsNotFound(started.status())) GTEST_SKIP() << started.status();
+  ASSERT_TRUE(started.ok()) << "the cluster did not start: " << started.status();
+  std::unique_ptr<testing::RedisClusterProcess> cluster = *std::move(started);
   DaemonConfig config = TestConfig();
   config.cold_tier.nodes = cluster->seeds();
   config.cold_tier.key_prefix = "failover";
