@@ -26,6 +26,7 @@
 
 namespace kvtier {
 
+class ColdPages;
 class PagePool;
 
 // A host page whose offload has completed: its bytes are in `slot` of the pool.
@@ -46,6 +47,13 @@ class HostTier {
   // Where the sequence publishes its retrieval telemetry (offload/telemetry.h); nullopt:
   // nobody reads it (the default).
   virtual std::optional<TelemetryBlock> telemetry() { return std::nullopt; }
+  // The cold tier behind this host tier (offload/cold_pages.h), which host_drop = demote
+  // needs; null (the default): none.
+  virtual ColdPages* cold() { return nullptr; }
+  // Takes back the publication of a committed page whose bytes now live in the cold tier,
+  // before its slot is freed and reused (host_drop = demote). A promoted page is committed
+  // again, in its new slot, through Commit. An error fails the sequence.
+  virtual absl::Status Withdraw(int32_t /*layer*/, int64_t /*page*/) { return absl::OkStatus(); }
 };
 
 // A host tier that is only a pool (not owned): nothing to publish.

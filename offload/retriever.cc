@@ -236,6 +236,10 @@ absl::Status RetrieverImpl::Init() {
     return bad("sequence: a drop-mode working set managed by policies changes size, so it "
                "cannot share a batch");
   }
+  if (demote() && shared_->max_batch() > 1) {
+    return bad("policy.host_drop = demote: a batch recalls with the zero-copy gather, which "
+               "cannot promote a demoted page; such a sequence cannot share a batch");
+  }
   for (int32_t li = 0; li < geometry_.num_layers; ++li) {
     LayerState& l = layers_[li];
     const auto field = [&](DeviceBuffer* buf, size_t bytes, Field f) {
@@ -681,6 +685,7 @@ absl::Status RetrieverImpl::RecallPlan(Stream& s, RecallPath path, LayerState& l
         absl::FormatDuration(options_.deadline)));
   }
   KVTIER_RETURN_IF_ERROR(st);
+  if (demote()) KVTIER_RETURN_IF_ERROR(PromoteCold(static_cast<int32_t>(&l - layers_.data()), n));
   return l.recall.recaller->Enqueue(s, *xform_fg_, n, Target(l)).status();
 }
 
@@ -693,10 +698,9 @@ absl::Status RetrieverImpl::LaunchPlanned(LayerState& l) {
   // The plan is on the host (plan_ready has fired); the DMAs run on their own stream, after
   // the plan's selection on the recall stream, and recall_done covers the whole recall.
   KVTIER_RETURN_IF_ERROR(dma_->Wait(*l.recall.plan_ready));
-  KVTIER_RETURN_IF_ERROR(
-      l.recall.recaller
-          ->Enqueue(*dma_, *xform_bg_, geometry_.num_kv_heads * selected_pages(), Target(l))
-          .status());
+  const int32_t n = geometry_.num_kv_heads * selected_pages();
+  if (demote()) KVTIER_RETURN_IF_ERROR(PromoteCold(static_cast<int32_t>(&l - layers_.data()), n));
+  KVTIER_RETURN_IF_ERROR(l.recall.recaller->Enqueue(*dma_, *xform_bg_, n, Target(l)).status());
   l.recall.plan_pending = false;
   return dma_->Record(*l.recall.done);
 }
@@ -705,7 +709,7 @@ absl::Status RetrieverImpl::Pump(int32_t layer) {
   if (!dma()) return absl::OkStatus();
   for (int32_t i = 0; i < geometry_.num_layers; ++i) {
     LayerState& l = layers_[i];
-    if (!l.recall.plan_pending || (layer >= 0 && i != layer)) continue;
+    if (!l.recall.plan_pending || l.recall.promoting || (layer >= 0 && i != layer)) continue;
     if (i == layer) {
       // This layer's step needs its recall now: wait for the plan, within the deadline.
       const absl::Duration left = options_.deadline - (absl::Now() - l.recall.launched);
@@ -742,17 +746,22 @@ absl::flat_hash_map<std::string, RecallStrategy>& Calibrations()
 absl::StatusOr<RecallStrategy> RetrieverImpl::ResolveStrategy() {
   if (options_.recall != RecallStrategy::kAuto) return options_.recall;
   const int32_t n = geometry_.num_kv_heads * selected_pages();
-  if (n == 0) return RecallStrategy::kZeroCopy;  // nothing is ever recalled
+  if (n == 0) return demote() ? RecallStrategy::kSlabDma : RecallStrategy::kZeroCopy;
+  // host_drop = demote: the fastest DMA strategy (only they show the host the plan).
   const std::string key = absl::StrCat(backend_.Describe(), "|", geometry_.ToString(), "|", n, "|",
-                                       options_.stream_chunk_items);
+                                       options_.stream_chunk_items, demote() ? "|dma" : "");
   MutexLock lock(&calibration_mu);
   auto it = Calibrations().find(key);
   if (it != Calibrations().end()) return it->second;
   KVTIER_ASSIGN_OR_RETURN(RecallCalibration cal,
                           CalibrateRecall(backend_, geometry_, pool_->base(), pool_->num_slots(), n,
                                           options_.stream_chunk_items, /*repeats=*/3));
-  Calibrations()[key] = cal.best;
-  return cal.best;
+  RecallStrategy best = cal.best;
+  if (demote() && best == RecallStrategy::kZeroCopy) {
+    best = cal.us[0] <= cal.us[1] ? kRecallStrategies[0] : kRecallStrategies[1];
+  }
+  Calibrations()[key] = best;
+  return best;
 }
 
 absl::Status RetrieverImpl::RecordStats(Stream& s, int32_t layer, int64_t step, bool background,
@@ -925,10 +934,11 @@ absl::Status RetrieverImpl::BeginDevice(int32_t layer, BeginPath path, int32_t n
     case BeginPath::kSelect:
       // Select every head with q_t before attention. Sync mode recalls with its strategy;
       // speculative mode's first (and re-)selection is on the critical path and planned on
-      // the device, so it gathers zero-copy.
+      // the device, so it gathers zero-copy, unless pages may be demoted (the host must see
+      // the plan to promote them).
       st = Select(c,
-                  options_.mode == RetrievalMode::kSync ? RecallPath::kForeground
-                                                        : RecallPath::kGather,
+                  options_.mode == RetrievalMode::kSync || demote() ? RecallPath::kForeground
+                                                                    : RecallPath::kGather,
                   layer, l.select.q_cur.data(), l.ws.counts.full_pages, l.ws.counts.candidates,
                   /*mask=*/nullptr, /*scored=*/false, n);
       break;

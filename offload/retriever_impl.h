@@ -11,6 +11,8 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
+#include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -20,6 +22,7 @@
 #include "kvtier/layout.h"
 #include "kernels/host_calls.h"
 #include "offload/batch_shared.h"
+#include "offload/cold_pages.h"
 #include "offload/head_slot_table.h"
 #include "offload/page_offloader.h"
 #include "offload/page_pool.h"
@@ -115,6 +118,9 @@ struct LayerState {
     };
     std::vector<Pending> pending;  // full pages not yet offloaded
     std::vector<uint8_t> dropped;  // [P] once a page was dropped from the host tier: 1 = dropped
+    // host_drop = demote: [P], 1 = the page has a copy in the cold tier (it was demoted at
+    // least once). A demoted page's host_page_of entry is ColdMarker(page).
+    std::vector<uint8_t> cold;
   };
   // Selection: the queries, page scores, the chosen pages and the recall plan.
   struct Selection {
@@ -135,6 +141,9 @@ struct LayerState {
     // awaits its DMAs (plan_ready fires once the device's plan has reached the host).
     std::unique_ptr<SlabRecaller> recaller;
     bool plan_pending = false;
+    // host_drop = demote: the host is rewriting the layer's plan (PromoteCold), so no other
+    // layer's promotion may demote its pages or issue its plan.
+    bool promoting = false;
     std::unique_ptr<Event> attn_done, done, plan_ready;
     bool in_flight = false;
     absl::Time launched;
@@ -330,8 +339,29 @@ class RetrieverImpl final : public Retriever {
   // The sparse attention of q over the layer's working set, with the policies' fields.
   SparseAttentionArgs AttentionArgs(LayerState& l, const void* q, void* out, float* lse,
                                     int32_t n = 1);
-  // Host tier full: drops `n` of the layer's pages (host_drop = evict) or refuses.
+  // Host tier full: drops `n` of the layer's pages (host_drop = evict), demotes them
+  // (demote: DemoteHostPages) or refuses.
   absl::Status DropHostPages(int32_t layer, int64_t n);
+
+  // --- The cold tier behind the host tier (retriever_cold.cc; host_drop = demote). ---
+  bool demote() const { return cold_ != nullptr; }
+  // The host_page_of value of a demoted logical page: past every host slot, so Replace
+  // (which only refuses negative entries) plans it like any page and the host sees it.
+  int64_t ColdMarker(int64_t page) const { return pool_->num_slots() + page; }
+  // Frees `n` host slots by demoting the lowest-scoring pages outside the sinks and recent
+  // windows. Never a page of a layer whose background plan has not been launched (the plan
+  // may name any of its host pages) other than `launching` (or -1), nor one whose slot is in
+  // `keep` (the plan being issued); a layer's recall in flight is waited for before its page's slot is freed.
+  // RESOURCE_EXHAUSTED (naming `what`) when too few pages may leave.
+  absl::Status DemoteHostPages(int64_t n, int32_t launching, std::span<const int64_t> keep,
+                               const std::string& what);
+  // Before the DMAs of `n` plan items of layer `layer` (its recaller's plan, on the host):
+  // brings every demoted page the plan names back into a host slot and rewrites its items.
+  absl::Status PromoteCold(int32_t layer, int32_t n);
+  // PromoteCold's work once the plan's demoted pages (`cold`) and host slots (`keep`) are
+  // known.
+  absl::Status PromoteInto(int32_t layer, int32_t n, std::span<const int64_t> cold,
+                           std::span<const int64_t> keep);
   int64_t ResidentHeadPages(const LayerState& l) const;
   void FillPolicyStats(SequenceStats* st) const;
 
@@ -481,6 +511,11 @@ class RetrieverImpl final : public Retriever {
   std::vector<LayerState> layers_;
   policy::Policies policies_;  // empty unless options_.policy is not the default
   std::unique_ptr<policy::HostDropPolicy> host_drop_;
+  ColdPages* cold_ = nullptr;  // host_drop = demote: the host tier's cold tier
+  // Recorded on the compute stream after a demotion freed slots; waited for before the host
+  // writes a promoted page (retriever_cold.cc).
+  std::unique_ptr<Event> demote_fence_;
+  bool fence_pending_ = false;
   int32_t min_capacity_ = 0;  // managed layers never shrink below it
   std::unique_ptr<PageOffloader> offloader_;
   std::vector<std::unique_ptr<uint8_t[]>> staged_;  // not yet parked

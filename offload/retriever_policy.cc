@@ -41,10 +41,38 @@ absl::Status RetrieverImpl::InitPolicies() {
   ctx.default_pages = options_.selected_pages;
   ctx.xkv_store = policy_store_;
   KVTIER_ASSIGN_OR_RETURN(policies_, policy::MakePolicies(options_.policy, ctx));
-  if (policies_.host_drop == policy::HostDropMode::kEvict && !has_host_tier()) {
+  if (policies_.host_drop != policy::HostDropMode::kRefuse && !has_host_tier()) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "policy.host_drop = evict: mode %s has no host tier (speculative or sync only)",
-        RetrievalModeName(options_.mode)));
+        "policy.host_drop = %s: mode %s has no host tier (speculative or sync only)",
+        policy::HostDropModeName(policies_.host_drop), RetrievalModeName(options_.mode)));
+  }
+  if (policies_.host_drop == policy::HostDropMode::kDemote) {
+    ColdPages* cold = host_ != nullptr ? host_->cold() : nullptr;
+    if (cold == nullptr) {
+      return absl::InvalidArgumentError(
+          "policy.host_drop = demote: the host tier has no cold tier behind it (kvtierd: "
+          "configure [cold_tier] and open the session with transport GRPC)");
+    }
+    if (options_.recall == RecallStrategy::kZeroCopy) {
+      return absl::InvalidArgumentError(
+          "policy.host_drop = demote with recall = zero_copy: the gather reads host pages on "
+          "the device, so a demoted page could not be promoted before it; use slab_dma, "
+          "batched_dma or auto");
+    }
+    // Room for every layer's sinks, recent window and page being filled, plus one plan's
+    // pages twice over (those it keeps and those it promotes), so a promotion always finds
+    // pages that may leave.
+    const int64_t need =
+        int64_t{geometry_.num_layers} * (options_.sink_pages + options_.recent_pages + 1) +
+        int64_t{2} * geometry_.num_kv_heads * options_.selected_pages;
+    if (host_->pool().num_slots() < need) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "policy.host_drop = demote: the host tier holds %d pages; it needs at least %d "
+          "(%d layers × (sink %d + recent %d + 1) + 2 × %d KV heads × %d selected pages)",
+          host_->pool().num_slots(), need, geometry_.num_layers, options_.sink_pages,
+          options_.recent_pages, geometry_.num_kv_heads, options_.selected_pages));
+    }
+    cold_ = cold;
   }
   if (policies_.int8_window_pages > 0 && options_.mode != RetrievalMode::kDrop) {
     return absl::InvalidArgumentError(
@@ -414,6 +442,14 @@ absl::Status RetrieverImpl::DropHostPages(int32_t layer, int64_t n) {
   const std::string full = absl::StrFormat(
       "Append: layer %d: %d more pages would fill but the host tier has %d of %d pages free", layer,
       n + (ps.capacity - ps.in_use), ps.capacity - ps.in_use, ps.capacity);
+  if (demote()) {
+    // A background plan that is not issued yet may name any host page of its layer: issue
+    // them all first (waiting for their selections), so that every layer's pages may go.
+    for (int32_t li = 0; li < geometry_.num_layers; ++li) {
+      if (layers_[li].recall.plan_pending) KVTIER_RETURN_IF_ERROR(Pump(li));
+    }
+    return DemoteHostPages(n, /*launching=*/-1, {}, absl::StrFormat("Append: layer %d", layer));
+  }
   if (policies_.host_drop != policy::HostDropMode::kEvict) {
     (void)host_drop_->PickVictim({});  // counts the refusal
     return absl::ResourceExhaustedError(full + " (host_drop = refuse)");

@@ -124,7 +124,8 @@ absl::Status RetrieverImpl::Correct(Stream& s, int32_t layer, int32_t n) {
   // Re-select only the drifted heads, with q_t; the others keep last step's pages. The
   // correction recall is a few pages on the critical path: one fused op, no pipeline
   // hand-offs. The mass trigger scored every head with q_t already.
-  return Select(s, RecallPath::kGather, layer, l.select.q_cur.data(), num_pages, candidates,
+  return Select(s, demote() ? RecallPath::kForeground : RecallPath::kGather, layer,
+                l.select.q_cur.data(), num_pages, candidates,
                 l.select.drifted.as<uint8_t>(), /*scored=*/mass, n);
 }
 

@@ -103,6 +103,9 @@ struct SequenceStats {
   int64_t budget_changes = 0;       // layer-steps whose budget differed from the previous
   int64_t host_dropped_pages = 0;   // host tier full, host_drop = evict: dropped for good
   int64_t host_refusals = 0;        // host tier full, host_drop = refuse
+  int64_t host_demoted_pages = 0;   // host tier full, host_drop = demote: moved to the cold tier
+  int64_t host_promoted_pages = 0;  // demoted pages a selection brought back into the host tier
+  int64_t cold_written_pages = 0;   // demotions that wrote the page (its first; pages never change)
   // Blocking host calls of the ended layer-steps (StepStats::host_waits, summed), and their
   // kinds.
   int64_t host_waits = 0;

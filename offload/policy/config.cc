@@ -205,7 +205,7 @@ absl::StatusOr<Policies> Build(const PolicyConfig& c, const PolicyContext* ctx) 
   Policies out;
   if (!ParseHostDropMode(c.host_drop, &out.host_drop)) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "policy.host_drop = '%s': unknown; one of refuse (the default), evict", c.host_drop));
+        "policy.host_drop = '%s': unknown; one of refuse (the default), evict, demote", c.host_drop));
   }
   ParamReader r(c.params);
   KVTIER_RETURN_IF_ERROR(r.Int32("int8.window_pages", 0, 1 << 20, &out.int8_window_pages));

@@ -6,7 +6,7 @@
 //   budget     fixed | confidence (Conf-KV) | xkv (per layer) | kv_compress (per head)
 //   residency  none | attention (Conf-KV EMA + recency) | h2o (accumulated attention) |
 //              epiphany (EpiKV) | kv_compress (squared attention; default with that budget)
-//   host_drop  refuse | evict
+//   host_drop  refuse | evict | demote (demote needs a host tier with a cold tier behind it)
 //
 // Parameters are "<policy>.<name>" = value, e.g. "confidence.enter_tight" = "0.75"; the
 // Retriever-level ones are "int8.window_pages" (INT8 storage for pages older than that many

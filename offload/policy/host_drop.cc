@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -27,12 +28,14 @@ std::string_view HostDropModeName(HostDropMode mode) {
       return "refuse";
     case HostDropMode::kEvict:
       return "evict";
+    case HostDropMode::kDemote:
+      return "demote";
   }
   return "unknown";
 }
 
 bool ParseHostDropMode(std::string_view name, HostDropMode* out) {
-  for (HostDropMode m : {HostDropMode::kRefuse, HostDropMode::kEvict}) {
+  for (HostDropMode m : {HostDropMode::kRefuse, HostDropMode::kEvict, HostDropMode::kDemote}) {
     if (name == HostDropModeName(m)) {
       *out = m;
       return true;
@@ -45,8 +48,8 @@ absl::StatusOr<size_t> HostDropPolicy::PickVictim(std::span<const HostCandidate>
   if (mode_ == HostDropMode::kRefuse) {
     refused_.fetch_add(1, std::memory_order_relaxed);
     return absl::ResourceExhaustedError(
-        "host tier full; host_drop = refuse (set host_drop = evict to drop the lowest-scoring "
-        "pages instead, or give the tenant more host memory)");
+        "host tier full; host_drop = refuse (set host_drop = demote to move the lowest-scoring "
+        "pages to the cold tier, or evict to drop them, or give the tenant more host memory)");
   }
   size_t best = candidates.size();
   for (size_t i = 0; i < candidates.size(); ++i) {
@@ -56,10 +59,10 @@ absl::StatusOr<size_t> HostDropPolicy::PickVictim(std::span<const HostCandidate>
   if (best == candidates.size()) {
     refused_.fetch_add(1, std::memory_order_relaxed);
     return absl::ResourceExhaustedError(
-        absl::StrCat("host tier full; host_drop = evict but none of the ", candidates.size(),
-                     " host pages may be dropped (all pinned)"));
+        absl::StrCat("host tier full; host_drop = ", std::string(HostDropModeName(mode_)), " but none of the ",
+                     candidates.size(), " host pages may leave it (all pinned or in use)"));
   }
-  dropped_.fetch_add(1, std::memory_order_relaxed);
+  (mode_ == HostDropMode::kDemote ? demoted_ : dropped_).fetch_add(1, std::memory_order_relaxed);
   return best;
 }
 

@@ -1,6 +1,7 @@
-// What a full host tier does (docs/architecture.md#policies): refuse the new page, or evict an
-// existing page permanently, chosen by the residency scores. Every refusal and every drop is
-// counted: losing KV data is never silent.
+// What a full host tier does (docs/architecture.md#policies): refuse the new page, evict an
+// existing page permanently, or demote it to the cold tier behind the host tier (where a
+// later selection of it promotes it back), chosen by the residency scores. Every refusal,
+// drop and demotion is counted: losing KV data is never silent.
 //
 // Thread-safe: the mode is fixed at construction and the counters are atomic, so tenants
 // sharing an arena may call PickVictim concurrently and a stats reader may read the
@@ -22,9 +23,10 @@ namespace kvtier::policy {
 enum class HostDropMode : uint8_t {
   kRefuse = 0,  // the write that needs a page fails (RESOURCE_EXHAUSTED)
   kEvict = 1,   // the lowest-scoring unpinned host page is dropped for good
+  kDemote = 2,  // the lowest-scoring unpinned host page moves to the cold tier (offload/cold_pages.h)
 };
 
-// "refuse" / "evict".
+// "refuse" / "evict" / "demote".
 std::string_view HostDropModeName(HostDropMode mode);
 // Parses a name of HostDropModeName into *out; false (out untouched) for anything else.
 bool ParseHostDropMode(std::string_view name, HostDropMode* out);
@@ -43,8 +45,8 @@ class HostDropPolicy {
   HostDropPolicy(const HostDropPolicy&) = delete;
   HostDropPolicy& operator=(const HostDropPolicy&) = delete;
 
-  // The index in `candidates` of the page to drop; the caller must drop it (it is counted
-  // as dropped). kEvict: the unpinned candidate with the lowest score; NaN scores count as
+  // The index in `candidates` of the page to drop (kEvict) or demote (kDemote); the caller
+  // must do so (it is counted as dropped or demoted). kEvict and kDemote: the unpinned candidate with the lowest score; NaN scores count as
   // lowest (a page whose importance is unknown is the least justified to keep); equal
   // scores: the lower layer, then the lower page. RESOURCE_EXHAUSTED, counted as a
   // refusal, in kRefuse mode and when no candidate is unpinned.
@@ -54,11 +56,13 @@ class HostDropPolicy {
   // Writes refused for want of host space, pages dropped; since construction.
   uint64_t refused() const { return refused_.load(std::memory_order_relaxed); }
   uint64_t dropped() const { return dropped_.load(std::memory_order_relaxed); }
+  uint64_t demoted() const { return demoted_.load(std::memory_order_relaxed); }
 
  private:
   const HostDropMode mode_;
   std::atomic<uint64_t> refused_{0};
   std::atomic<uint64_t> dropped_{0};
+  std::atomic<uint64_t> demoted_{0};
 };
 
 // A host page's score for HostCandidate: the maximum over the layer's KV heads of

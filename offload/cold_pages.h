@@ -1,0 +1,42 @@
+// ColdPages: the cold tier behind a sequence's host tier, page by page (host_drop = demote;
+// docs/architecture.md#policies, docs/service.md#the-cold-tier). When the host tier is full,
+// the Retriever demotes its lowest-scoring pages: their bytes go to Put, their host slots are
+// freed, and their key summaries stay on the backend, so selection still sees them. A
+// selection that names a demoted page recalls it through the host tier: the Retriever reads
+// the recall plan on the host (the DMA strategies), takes a host slot (demoting another page
+// when it must), Gets the bytes into it, and then issues the plan's copies.
+//
+// A full page never changes, so a page's cold copy stays valid after it was promoted: a page
+// demoted a second time is not written again. The implementation removes what it holds when
+// it is destroyed or told to (its owner decides: the daemon's sessions keep the pages of a
+// session until it is closed).
+//
+// Thread-compatible: the thread that drives the sequence calls it.
+#ifndef KVTIER_OFFLOAD_COLD_PAGES_H_
+#define KVTIER_OFFLOAD_COLD_PAGES_H_
+
+#include <cstdint>
+#include <span>
+
+#include "absl/status/status.h"
+#include "offload/host_tier.h"
+
+namespace kvtier {
+
+class ColdPages {
+ public:
+  virtual ~ColdPages() = default;
+  // Stores the HND bytes of host page `page` (its layer, logical page and generation; the
+  // slot is the one it leaves) so that Get returns them. OK means the copy is durable by
+  // the implementation's standard: only then is the host slot freed. Errors leave the page
+  // in the host tier.
+  virtual absl::Status Put(const StoredPage& page, std::span<const uint8_t> bytes) = 0;
+  // Reads (layer, page) into `out` (host_page_bytes): NOT_FOUND when it was never Put,
+  // DATA_LOSS when no intact copy is left, UNAVAILABLE / DEADLINE_EXCEEDED when the tier
+  // cannot be reached in time.
+  virtual absl::Status Get(int32_t layer, int64_t page, std::span<uint8_t> out) = 0;
+};
+
+}  // namespace kvtier
+
+#endif  // KVTIER_OFFLOAD_COLD_PAGES_H_
