@@ -227,6 +227,64 @@ absl::StatusOr<std::vector<v1::ColdSessionRecord>> ColdStore::LoadAll(absl::Time
   return out;
 }
 
+absl::Status ColdStore::PutPage(std::string_view session, const ColdPageRef& page,
+                                absl::Time deadline) {
+  const uint64_t bytes = page.data.size() + kColdHeaderBytes;
+  KVTIER_RETURN_IF_ERROR(Reserve(session, bytes));
+  absl::Status st = tier_->Put(options_.tenant, session, std::span<const ColdPageRef>(&page, 1),
+                               deadline);
+  if (st.ok()) {
+    st = WaitForReplicas({tier_->Key(options_.tenant, session, page.layer, page.page)}, deadline);
+  }
+  if (!st.ok()) {
+    Unreserve(bytes);
+    failures_.fetch_add(1, std::memory_order_relaxed);
+    return absl::Status(st.code(),
+                        absl::StrFormat("session %s layer %d page %d to the cold tier: %s", session,
+                                        page.layer, page.page, st.message()));
+  }
+  live_demoted_pages_.fetch_add(1, std::memory_order_relaxed);
+  demoted_bytes_.fetch_add(page.data.size(), std::memory_order_relaxed);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ColdPage> ColdStore::GetPage(std::string_view session, int32_t layer, int64_t page,
+                                            uint64_t generation, absl::Time deadline) {
+  const int64_t pages[1] = {page};
+  const uint64_t generations[1] = {generation};
+  std::vector<absl::StatusOr<ColdPage>> got =
+      tier_->Get(options_.tenant, session, layer, pages, generations, deadline);
+  if (got.size() != 1) return absl::InternalError("cold tier: one page asked, another count read");
+  if (!got[0].ok()) {
+    const absl::Status& e = got[0].status();
+    failures_.fetch_add(1, std::memory_order_relaxed);
+    // The page was acknowledged: missing or of another generation is lost data too.
+    const bool lost = absl::IsDataLoss(e) || absl::IsNotFound(e) || absl::IsFailedPrecondition(e);
+    if (lost) data_loss_.fetch_add(1, std::memory_order_relaxed);
+    return absl::Status(lost ? absl::StatusCode::kDataLoss : e.code(),
+                        absl::StrFormat("session %s layer %d page %d in the cold tier: %s",
+                                        session, layer, page, e.message()));
+  }
+  live_promoted_pages_.fetch_add(1, std::memory_order_relaxed);
+  promoted_bytes_.fetch_add(got[0]->data.size(), std::memory_order_relaxed);
+  return *std::move(got[0]);
+}
+
+absl::Status ColdStore::RemovePages(std::string_view session, int32_t layer,
+                                    std::span<const int64_t> pages, uint64_t page_bytes,
+                                    absl::Time deadline) {
+  if (pages.empty()) return absl::OkStatus();
+  Unreserve(pages.size() * (page_bytes + kColdHeaderBytes));
+  absl::Status st = tier_->Delete(options_.tenant, session, layer, pages, deadline);
+  if (!st.ok()) {
+    failures_.fetch_add(1, std::memory_order_relaxed);
+    spdlog::warn("tenant '{}': removing {} demoted pages of session {} layer {} from the cold "
+                 "tier: {} (their keys stay until removed by hand)",
+                 options_.tenant, pages.size(), std::string(session), layer, st.ToString());
+  }
+  return st;
+}
+
 ColdStoreStats ColdStore::stats() const {
   ColdStoreStats s;
   s.used_bytes = used_.load(std::memory_order_relaxed);
@@ -239,6 +297,8 @@ ColdStoreStats ColdStore::stats() const {
   s.promoted_bytes = promoted_bytes_.load(std::memory_order_relaxed);
   s.failures = failures_.load(std::memory_order_relaxed);
   s.data_loss = data_loss_.load(std::memory_order_relaxed);
+  s.live_demoted_pages = live_demoted_pages_.load(std::memory_order_relaxed);
+  s.live_promoted_pages = live_promoted_pages_.load(std::memory_order_relaxed);
   return s;
 }
 

@@ -20,6 +20,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -52,6 +53,9 @@ struct ColdStoreStats {
   uint64_t promoted_bytes = 0;
   uint64_t failures = 0;  // writes, reads or removals that failed
   uint64_t data_loss = 0;  // pages refused: no intact copy
+  // Pages of live sessions (PutPage, GetPage): demoted, promoted.
+  uint64_t live_demoted_pages = 0;
+  uint64_t live_promoted_pages = 0;
 };
 
 class ColdStore {
@@ -97,6 +101,19 @@ class ColdStore {
   // with a warning (and left for an operator).
   absl::StatusOr<std::vector<v1::ColdSessionRecord>> LoadAll(absl::Time deadline);
 
+  // A live session's page (policy.host_drop = demote; daemon/session_cold_pages.h): charges
+  // its value (page and header) to the quota (Reserve's RESOURCE_EXHAUSTED), writes it and,
+  // with min_replicas, WAITs as Write does. On error the charge is returned and the page
+  // must stay in the host tier.
+  absl::Status PutPage(std::string_view session, const ColdPageRef& page, absl::Time deadline);
+  // Reads such a page back, of `generation`: DATA_LOSS when there is no intact copy, when it
+  // is missing or of another generation (it was acknowledged); the cluster's errors.
+  absl::StatusOr<ColdPage> GetPage(std::string_view session, int32_t layer, int64_t page,
+                                   uint64_t generation, absl::Time deadline);
+  // Removes such pages of one layer (absent ones are fine) and returns their charge to the
+  // quota whatever happens (keys that could not be removed are logged).
+  absl::Status RemovePages(std::string_view session, int32_t layer, std::span<const int64_t> pages,
+                           uint64_t page_bytes, absl::Time deadline);
   // Counts a promotion (the record's pages were read back) / a session taken out of use.
   void CountPromoted(const v1::ColdSessionRecord& record);
   void CountDataLoss() { data_loss_.fetch_add(1, std::memory_order_relaxed); }
@@ -129,6 +146,7 @@ class ColdStore {
   std::atomic<uint64_t> demoted_pages_{0}, promoted_pages_{0};
   std::atomic<uint64_t> demoted_bytes_{0}, promoted_bytes_{0};
   std::atomic<uint64_t> failures_{0}, data_loss_{0};
+  std::atomic<uint64_t> live_demoted_pages_{0}, live_promoted_pages_{0};
 };
 
 }  // namespace kvtier::daemon

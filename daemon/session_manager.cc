@@ -270,7 +270,9 @@ void SessionManager::SaveSessionTable(const std::string& tenant_name) {
   {
     MutexLock lock(&mu_);
     for (const auto& [id, e] : sessions_) {
-      if (e.tenant == tenant_name && e.session != nullptr && !e.session->closing()) {
+      // A session that demotes pages has pages in no arena: it does not survive (yet).
+      if (e.tenant == tenant_name && e.session != nullptr && !e.session->closing() &&
+          !e.session->spec().demotes_pages()) {
         hot.push_back(e);
       }
     }
@@ -406,7 +408,7 @@ void SessionManager::DemoteSuspendedLoop() {
       const absl::Time now = absl::Now();
       for (const auto& [id, e] : sessions_) {
         if (e.session != nullptr && e.session->suspended() && e.suspended_at + after <= now &&
-            ColdStoreOf(e.tenant) != nullptr) {
+            !e.session->spec().demotes_pages() && ColdStoreOf(e.tenant) != nullptr) {
           due.push_back(id);
         }
       }
@@ -624,12 +626,60 @@ absl::StatusOr<SessionSpec> SessionManager::ResolveSpec(const Caller& caller,
     }
     return bad(std::move(msg));
   }
-  if (pc.host_drop != "refuse") {
+  spec.host_pages = spec.max_pages();
+  if (pc.host_drop == "demote") {
+    // The session's Retriever moves pages to the cold tier and back: only the daemon reaches
+    // the cluster, so only a Retriever the daemon runs can.
+    if (p.transport != Transport::kGrpc) {
+      return bad("policy.host_drop = 'demote': an SHM session's Retriever runs in the engine, "
+                 "which cannot reach the cold tier; use transport GRPC");
+    }
+    if (!selects) {
+      return bad(absl::StrFormat(
+          "policy.host_drop = 'demote': mode %s has no host tier (SPECULATIVE or SYNC only)",
+          RetrievalModeName(p.mode)));
+    }
+    const ColdStore* store = ColdStoreOf(caller.tenant);
+    if (store == nullptr || store->options().quota_bytes == 0) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "policy.host_drop = 'demote': tenant '%s' has no cold tier (configure [cold_tier] "
+          "and tenant.cold_quota_bytes)",
+          caller.tenant));
+    }
+  } else if (pc.host_drop != "refuse") {
     // A session's stored pages are committed to its region's directory, which a drop would
     // have to take back: not offered until the commit protocol has a decommit.
     return bad(
-        "policy.host_drop = 'evict': sessions only refuse when the tenant arena is "
-        "full (host_drop = refuse)");
+        "policy.host_drop = 'evict': sessions refuse when the tenant arena is full "
+        "(host_drop = refuse) or demote pages to the cold tier (host_drop = demote)");
+  }
+  if (p.host_tokens != 0) {
+    const int64_t host_pages = (int64_t{p.host_tokens} + g.page_size - 1) / g.page_size;
+    if (host_pages > spec.max_pages()) {
+      return bad(absl::StrFormat("retrieval.host_tokens = %d: must be at most max_tokens = %d",
+                                 p.host_tokens, max_tokens));
+    }
+    if (host_pages < spec.max_pages() && pc.host_drop != "demote") {
+      return bad(absl::StrFormat(
+          "retrieval.host_tokens = %d is below max_tokens = %d: the pages past it need "
+          "policy.host_drop = 'demote'",
+          p.host_tokens, max_tokens));
+    }
+    // Every layer's sinks, recent window and page being filled, and one step's selection
+    // twice over (offload/retriever_cold.cc).
+    const SequenceOptions& so = spec.sequence;
+    const int64_t need = int64_t{g.num_layers} * (so.sink_pages + so.recent_pages + 1) +
+                         int64_t{2} * g.num_kv_heads * so.selected_pages;
+    const int64_t need_per_layer = (need + g.num_layers - 1) / g.num_layers;
+    if (host_pages < need_per_layer) {
+      return bad(absl::StrFormat(
+          "retrieval.host_tokens = %d: the host tier must hold at least %d tokens per layer "
+          "(sink %d + recent %d + 1 pages per layer, and 2 × %d KV heads × %d selected pages "
+          "over the %d layers, at page_size %d)",
+          p.host_tokens, need_per_layer * g.page_size, so.sink_pages, so.recent_pages,
+          g.num_kv_heads, so.selected_pages, g.num_layers, g.page_size));
+    }
+    spec.host_pages = static_cast<int32_t>(host_pages);
   }
   if (p.label.size() > kMaxLabelBytes) {
     return bad(absl::StrFormat("label: %d bytes, at most %d", p.label.size(), kMaxLabelBytes));
@@ -672,8 +722,8 @@ namespace {
 // Everything that defines a session but its label, for comparing a retried request.
 std::string RequestFingerprint(const OpenSessionParams& p) {
   std::string f = absl::StrFormat(
-      "%s|%s|%d|%d|%d|%g|%s|%d|%g|%s|%s|%s|%d", p.geometry.ToString(), RetrievalModeName(p.mode),
-      p.budget_tokens, p.max_tokens, p.correction_threshold.has_value(),
+      "%s|%s|%d|%d|%d|%d|%g|%s|%d|%g|%s|%s|%s|%d", p.geometry.ToString(),
+      RetrievalModeName(p.mode), p.budget_tokens, p.max_tokens, p.host_tokens, p.correction_threshold.has_value(),
       p.correction_threshold.value_or(0.0f), p.correction_trigger,
       p.correction_max_loss.has_value(), p.correction_max_loss.value_or(0.0f), p.budget_policy,
       p.residency_policy, p.host_drop, static_cast<int>(p.transport));
@@ -733,15 +783,17 @@ absl::StatusOr<SessionRecord> SessionManager::DoOpenSession(const Caller& caller
     --opening_[tenant->name()];
   };
   const Geometry& g = spec.geometry;
-  const int32_t pages = spec.max_pages();
   KVTIER_ASSIGN_OR_RETURN(RegionLayout layout,
-                          ComputeRegionLayout(g, pages, int64_t{g.num_layers} * pages));
+                          ComputeRegionLayout(g, spec.max_pages(), spec.host_slots()));
   KVTIER_ASSIGN_OR_RETURN(RegionLease lease,
                           AllocateRegion(*tenant, layout.total_bytes, ColdDeadline(caller)));
   std::string id = NewSessionId();
+  // host_drop = demote: the session's pages past its host tier go to the tenant's cold store.
+  ColdStore* demote_to = spec.demotes_pages() ? ColdStoreOf(spec.tenant) : nullptr;
   KVTIER_ASSIGN_OR_RETURN(
       std::shared_ptr<TenantSession> session,
-      TenantSession::Create(id, std::move(spec), std::move(lease), backend_.get(), tenant));
+      TenantSession::Create(id, std::move(spec), std::move(lease), backend_.get(), tenant,
+                            demote_to, config_.cold_tier.operation_timeout));
   // The point of no return is the table below: a caller that is no longer live gets no
   // session, and the one made for it goes away with this reference.
   if (absl::Status live = caller.CheckLive("OpenSession"); !live.ok()) {
@@ -1575,9 +1627,8 @@ absl::StatusOr<std::shared_ptr<TenantSession>> SessionManager::Promote(const std
   }
   const ColdEntry& cold = *e.cold;
   const Geometry& g = cold.spec.geometry;
-  const int32_t pages = cold.spec.max_pages();
   KVTIER_ASSIGN_OR_RETURN(RegionLayout layout,
-                          ComputeRegionLayout(g, pages, int64_t{g.num_layers} * pages));
+                          ComputeRegionLayout(g, cold.spec.max_pages(), cold.spec.host_slots()));
   KVTIER_ASSIGN_OR_RETURN(RegionLease lease, AllocateRegion(*tenant, layout.total_bytes, deadline));
   absl::StatusOr<std::shared_ptr<TenantSession>> s = TenantSession::Restore(
       id, cold.spec, std::move(lease), backend_.get(), tenant, cold.record.created_unix_ms(),
@@ -1623,7 +1674,9 @@ absl::StatusOr<RegionLease> SessionManager::AllocateRegion(Tenant& tenant, uint6
   {
     MutexLock lock(&mu_);
     for (const auto& [id, e] : sessions_) {
-      if (e.tenant == tenant.name() && e.session != nullptr && e.session->suspended()) {
+      // A session that demotes pages moves page by page, never whole.
+      if (e.tenant == tenant.name() && e.session != nullptr && e.session->suspended() &&
+          !e.session->spec().demotes_pages()) {
         victims.emplace_back(e.suspended_at, id);
       }
     }
@@ -1739,7 +1792,14 @@ void SessionManager::WriteColdMetrics(Exposition& out,
   both_ways("kvtier_cold_pages_total", "Pages demoted to / promoted from the cold tier.",
             [](const ColdRow& r) { return r.s.demoted_pages; },
             [](const ColdRow& r) { return r.s.promoted_pages; });
-  both_ways("kvtier_cold_bytes_total", "Page bytes demoted to / promoted from the cold tier.",
+  both_ways("kvtier_cold_live_pages_total",
+            "Pages of live sessions (policy.host_drop = demote) demoted to / promoted from the "
+            "cold tier, one by one.",
+            [](const ColdRow& r) { return r.s.live_demoted_pages; },
+            [](const ColdRow& r) { return r.s.live_promoted_pages; });
+  both_ways("kvtier_cold_bytes_total",
+            "Page bytes demoted to / promoted from the cold tier (whole sessions and live "
+            "sessions' pages).",
             [](const ColdRow& r) { return r.s.demoted_bytes; },
             [](const ColdRow& r) { return r.s.promoted_bytes; });
   family("kvtier_cold_failures_total", "counter",
@@ -1769,6 +1829,12 @@ size_t SessionManager::PersistAllSessions(absl::Time deadline) {
     for (const auto& [id, e] : sessions_) {
       // A persistent arena keeps its sessions itself.
       if (e.session != nullptr && ColdStoreOf(e.tenant) != nullptr && !Persistent(e.tenant)) {
+        if (e.session->spec().demotes_pages()) {
+          // Its pages are split between the tiers, and a session record holds a committed
+          // prefix: it ends with the daemon (docs/service.md#what-survives-what).
+          spdlog::warn("shutdown: session {} demotes pages (host_drop = demote) and is lost", id);
+          continue;
+        }
         hot.push_back(id);
       }
     }

@@ -64,6 +64,7 @@ struct OpenSessionParams {
   RetrievalMode mode = RetrievalMode::kSpeculative;
   uint32_t budget_tokens = 0;
   uint32_t max_tokens = 0;
+  uint32_t host_tokens = 0;  // 0: max_tokens (retrieval.host_tokens)
   std::optional<float> correction_threshold;
   std::string correction_trigger;  // CorrectionTriggerName; empty: cosine
   std::optional<float> correction_max_loss;

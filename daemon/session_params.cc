@@ -14,6 +14,7 @@ absl::StatusOr<OpenSessionParams> ParamsFromProto(const v1::OpenSessionRequest& 
   KVTIER_ASSIGN_OR_RETURN(p.mode, ModeFromProto(r.retrieval().mode()));
   p.budget_tokens = r.retrieval().budget_tokens();
   p.max_tokens = r.retrieval().max_tokens();
+  p.host_tokens = r.retrieval().host_tokens();
   if (r.retrieval().has_correction_threshold()) {
     p.correction_threshold = r.retrieval().correction_threshold();
   }
@@ -39,6 +40,7 @@ v1::OpenSessionRequest ResolvedRequest(const OpenSessionParams& params, const Se
   ro->set_mode(ModeToProto(spec.sequence.mode));
   ro->set_budget_tokens(static_cast<uint32_t>(spec.budget_tokens));
   ro->set_max_tokens(static_cast<uint32_t>(spec.sequence.max_tokens));
+  ro->set_host_tokens(static_cast<uint32_t>(spec.host_pages * spec.geometry.page_size));
   ro->set_correction_threshold(spec.sequence.correction_threshold);
   ro->set_correction_trigger(std::string(CorrectionTriggerName(spec.sequence.correction_trigger)));
   ro->set_correction_max_loss(spec.sequence.correction_max_loss);

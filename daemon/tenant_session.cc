@@ -14,12 +14,12 @@
 namespace kvtier::daemon {
 
 absl::StatusOr<std::shared_ptr<TenantSession>> TenantSession::Create(
-    std::string id, SessionSpec spec, RegionLease lease, Backend* backend, MemoryBudget* budget) {
+    std::string id, SessionSpec spec, RegionLease lease, Backend* backend, MemoryBudget* budget,
+    ColdStore* demote_to, absl::Duration cold_timeout) {
   const Geometry& g = spec.geometry;
-  const int32_t pages = spec.max_pages();
-  KVTIER_ASSIGN_OR_RETURN(
-      SessionRegion region,
-      SessionRegion::Format(lease.data(), lease.bytes(), g, pages, int64_t{g.num_layers} * pages));
+  KVTIER_ASSIGN_OR_RETURN(SessionRegion region,
+                          SessionRegion::Format(lease.data(), lease.bytes(), g, spec.max_pages(),
+                                                spec.host_slots()));
   const int64_t now_ms = absl::ToUnixMillis(absl::Now());
   const bool grpc = spec.transport == Transport::kGrpc;
   std::shared_ptr<TenantSession> s(
@@ -27,10 +27,14 @@ absl::StatusOr<std::shared_ptr<TenantSession>> TenantSession::Create(
                         grpc ? NewBudgetedBackend(*backend, *budget) : nullptr, now_ms));
   if (grpc) {
     MutexLock lock(&s->mu_);
+    if (demote_to != nullptr) {
+      s->cold_pages_ = std::make_unique<SessionColdPages>(demote_to, s->id_, g.host_page_bytes(),
+                                                          cold_timeout);
+    }
     // The daemon owns the region: its commits are never fenced (nullopt epoch).
     KVTIER_ASSIGN_OR_RETURN(
         s->retriever_, OpenRegionRetriever(region, std::nullopt, s->spec_.sequence, *s->backend_,
-                                           /*restore=*/false));
+                                           /*restore=*/false, s->cold_pages_.get()));
   }
   return s;
 }
@@ -40,9 +44,9 @@ absl::StatusOr<std::shared_ptr<TenantSession>> TenantSession::Restore(
     int64_t created_unix_ms, uint64_t epoch, bool suspended, const LoadLayer& load) {
   const Geometry& g = spec.geometry;
   const int32_t pages = spec.max_pages();
-  KVTIER_ASSIGN_OR_RETURN(
-      SessionRegion region,
-      SessionRegion::Format(lease.data(), lease.bytes(), g, pages, int64_t{g.num_layers} * pages));
+  KVTIER_ASSIGN_OR_RETURN(SessionRegion region,
+                          SessionRegion::Format(lease.data(), lease.bytes(), g, pages,
+                                                spec.host_slots()));
   const size_t page_bytes = g.host_page_bytes();
   int64_t slot = 0;
   for (int32_t layer = 0; layer < g.num_layers; ++layer) {
@@ -78,13 +82,11 @@ absl::StatusOr<std::shared_ptr<TenantSession>> TenantSession::Adopt(
   const int32_t pages = spec.max_pages();
   KVTIER_ASSIGN_OR_RETURN(SessionRegion region,
                           SessionRegion::Open(lease.data(), lease.bytes(), g));
-  if (region.layout().max_pages_per_layer != pages ||
-      region.num_slots() != int64_t{g.num_layers} * pages) {
+  if (region.layout().max_pages_per_layer != pages || region.num_slots() != spec.host_slots()) {
     return absl::FailedPreconditionError(absl::StrFormat(
         "session %s: its region holds %d pages per layer and %d slots; its parameters say %d "
         "and %d",
-        id, region.layout().max_pages_per_layer, region.num_slots(), pages,
-        int64_t{g.num_layers} * pages));
+        id, region.layout().max_pages_per_layer, region.num_slots(), pages, spec.host_slots()));
   }
   return FromCommitted(std::move(id), std::move(spec), std::move(lease), region, backend, budget,
                        created_unix_ms, epoch, suspended);
@@ -211,9 +213,13 @@ absl::StatusOr<std::vector<int64_t>> TenantSession::CommittedPages(
     int32_t layer, const std::vector<int64_t>& pages) const {
   const int64_t max_pages = region_.layout().max_pages_per_layer;
   std::vector<int64_t> out;
+  // A page the session demoted is committed too (it reads from the cold tier).
+  const auto demoted = [&](int64_t p) {
+    return cold_pages_ != nullptr && cold_pages_->Generation(layer, p).has_value();
+  };
   if (pages.empty()) {
     for (int64_t p = 0; p < max_pages; ++p) {
-      if (region_.Lookup(layer, p).ok()) out.push_back(p);
+      if (region_.Lookup(layer, p).ok() || demoted(p)) out.push_back(p);
     }
     return out;
   }
@@ -224,6 +230,10 @@ absl::StatusOr<std::vector<int64_t>> TenantSession::CommittedPages(
           max_pages, spec_.sequence.max_tokens));
     }
     absl::StatusOr<CommittedPage> c = region_.Lookup(layer, p);
+    if (absl::IsNotFound(c.status()) && demoted(p)) {
+      out.push_back(p);
+      continue;
+    }
     if (absl::IsNotFound(c.status())) {
       return absl::NotFoundError(
           absl::StrFormat("session %s: layer %d page %d is not committed", id_, layer, p));
@@ -245,6 +255,17 @@ absl::StatusOr<std::vector<PageData>> TenantSession::ReadPages(int32_t layer, co
     d.layer = layer;
     d.page = pages[i];
     absl::StatusOr<CommittedPage> c = region_.Lookup(layer, d.page);
+    if (absl::IsNotFound(c.status()) && cold_pages_ != nullptr) {
+      // Demoted: the cold tier holds it (a page the Retriever promoted again is committed).
+      if (std::optional<uint64_t> gen = cold_pages_->Generation(layer, d.page); gen.has_value()) {
+        d.generation = *gen;
+        d.data.resize(page_bytes);
+        KVTIER_RETURN_IF_ERROR(cold_pages_->Get(
+            layer, d.page,
+            std::span<uint8_t>(reinterpret_cast<uint8_t*>(d.data.data()), page_bytes)));
+        continue;
+      }
+    }
     if (absl::IsNotFound(c.status())) {
       return absl::NotFoundError(absl::StrFormat(
           "session %s: layer %d page %d is no longer committed", id_, layer, d.page));
@@ -438,7 +459,7 @@ absl::StatusOr<CloseResult> TenantSession::Demote(
 absl::StatusOr<SessionStatsRecord> TenantSession::Stats() {
   SessionStatsRecord r;
   r.session_id = id_;
-  r.committed_pages = static_cast<uint64_t>(region_.CommittedPages());
+  r.committed_pages = CommittedPageCount();
   MutexLock lock(&mu_);
   KVTIER_RETURN_IF_ERROR(CheckOpen());
   if (retriever_ != nullptr) r.sequence = retriever_->Stats();
@@ -452,6 +473,13 @@ absl::StatusOr<CloseResult> TenantSession::Close() {
   return CloseLocked();
 }
 
+uint64_t TenantSession::DemotedPageCount() const {
+  if (cold_pages_ == nullptr) return 0;
+  uint64_t n = 0;
+  for (const auto& [layer, page] : cold_pages_->Held()) n += !region_.Lookup(layer, page).ok();
+  return n;
+}
+
 CloseResult TenantSession::CloseLocked() {
   closed_ = true;
   CloseResult r;
@@ -463,6 +491,11 @@ CloseResult TenantSession::CloseLocked() {
     }
   }
   retriever_.reset();
+  if (cold_pages_ != nullptr) {
+    // The demoted pages: counted, and their keys removed (a failure is logged there).
+    r.committed_pages += DemotedPageCount();
+    (void)cold_pages_->RemoveAll();
+  }
   return r;
 }
 

@@ -25,9 +25,12 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "core/mutex.h"
 #include "daemon/caller.h"
+#include "daemon/cold_store.h"
 #include "daemon/cold_tier.h"
+#include "daemon/session_cold_pages.h"
 #include "daemon/tenant.h"
 #include "kernels/backend.h"
 #include "kvtier/geometry.h"
@@ -50,6 +53,12 @@ struct SessionSpec {
   int32_t max_pages() const {
     return (sequence.max_tokens + geometry.page_size - 1) / geometry.page_size;
   }
+  // Pages per layer the host tier holds (retrieval.host_tokens); max_pages() unless the
+  // session demotes pages (policy.host_drop = demote).
+  int32_t host_pages = 0;
+  // Slots of the session's region: host_pages for every layer.
+  int64_t host_slots() const { return int64_t{geometry.num_layers} * host_pages; }
+  bool demotes_pages() const { return host_pages < max_pages(); }
 };
 
 // What ListSessions, OpenSession and Reattach report about a session.
@@ -122,9 +131,12 @@ class TenantSession {
   // the tenant arena is registered with the backend; both outlive the session); the
   // budget's RESOURCE_EXHAUSTED when the Retriever does not fit. REQUIRES: spec is
   // validated; lease holds the ComputeRegionLayout of spec.
-  static absl::StatusOr<std::shared_ptr<TenantSession>> Create(std::string id, SessionSpec spec,
-                                                               RegionLease lease, Backend* backend,
-                                                               MemoryBudget* budget);
+  // `demote_to`: the tenant's cold store, for a GRPC session whose host tier holds fewer pages
+  // than the session (SessionSpec::demotes_pages; null otherwise): its Retriever demotes
+  // pages there (daemon/session_cold_pages.h), each operation within `cold_timeout`.
+  static absl::StatusOr<std::shared_ptr<TenantSession>> Create(
+      std::string id, SessionSpec spec, RegionLease lease, Backend* backend, MemoryBudget* budget,
+      ColdStore* demote_to = nullptr, absl::Duration cold_timeout = absl::Seconds(10));
   // A session brought back from the cold tier (SessionManager's promotion): formats `lease`
   // like Create, then `load(layer)` gives each layer's committed prefix (pages 0..n-1 in
   // order, each with its commit generation), which is copied into the region's slots and
@@ -176,6 +188,8 @@ class TenantSession {
                                                       const std::vector<int64_t>& pages) const;
   // Copies committed pages out of the region, with the range checks of
   // SessionRegion::Lookup. ABORTED when an SHM writer re-committed a page while it was read.
+  // A page the session demoted is read from the cold tier (its errors; DATA_LOSS when no
+  // intact copy is left).
   absl::StatusOr<std::vector<PageData>> ReadPages(int32_t layer, const int64_t* pages, size_t count)
       ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -214,8 +228,9 @@ class TenantSession {
   // not read back: overwritten by the engine). Does not wait for a call in progress.
   std::optional<TelemetryValues> Telemetry() const { return region_.telemetry().Read(); }
   // (layer, page) pairs committed in the region now. Does not wait either.
+  // Pages the session demoted (policy.host_drop = demote) count too.
   uint64_t CommittedPageCount() const {
-    return static_cast<uint64_t>(region_.CommittedPages());
+    return static_cast<uint64_t>(region_.CommittedPages()) + DemotedPageCount();
   }
 
   // Closes the Retriever and frees the pool; the region returns to the tenant when the last
@@ -233,6 +248,8 @@ class TenantSession {
   absl::Status CheckOpen() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // CheckOpen, and FAILED_PRECONDITION while suspended (`what` names the call).
   absl::Status CheckWritable(std::string_view what) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Pages in the cold tier and not in the region (demoted, not promoted since).
+  uint64_t DemotedPageCount() const;
   // Close's work (REQUIRES: open).
   CloseResult CloseLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Runs a step the numbering admitted (REQUIRES: mu_ held, open, GRPC). *advanced: whether
@@ -265,6 +282,9 @@ class TenantSession {
   mutable Mutex mu_;  // serializes the calls that drive the session
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 1;              // the last epoch Reattach gave out
+  // host_drop = demote: the pages the Retriever demoted (set by Create, then only used: it is
+  // thread-safe). Declared before the Retriever, so it is destroyed after it.
+  std::unique_ptr<SessionColdPages> cold_pages_;
   // GRPC only: over the region's slots (offload/region_host_tier.h).
   std::unique_ptr<Retriever> retriever_ ABSL_GUARDED_BY(mu_);
   std::vector<LayerSteps> steps_ ABSL_GUARDED_BY(mu_);

@@ -9,7 +9,7 @@
 namespace kvtier {
 
 absl::StatusOr<std::unique_ptr<RegionHostTier>> RegionHostTier::Create(
-    SessionRegion region, std::optional<uint64_t> epoch) {
+    SessionRegion region, std::optional<uint64_t> epoch, ColdPages* cold) {
   KVTIER_ASSIGN_OR_RETURN(
       std::unique_ptr<PagePool> pool,
       PagePool::Create(region.slots(), region.geometry().host_page_bytes(), region.num_slots()));
@@ -17,7 +17,9 @@ absl::StatusOr<std::unique_ptr<RegionHostTier>> RegionHostTier::Create(
     return absl::InternalError(absl::StrFormat("page pool stride %d != region slot stride %d",
                                                pool->slot_stride(), region.slot_stride()));
   }
-  return std::unique_ptr<RegionHostTier>(new RegionHostTier(region, epoch, std::move(pool)));
+  std::unique_ptr<RegionHostTier> tier(new RegionHostTier(region, epoch, std::move(pool)));
+  tier->cold_ = cold;
+  return tier;
 }
 
 absl::Status RegionHostTier::Commit(std::span<const StoredPage> pages) {
@@ -66,10 +68,11 @@ absl::Status RegionHostTier::RestoreInto(Retriever& retriever) {
 absl::StatusOr<std::unique_ptr<Retriever>> OpenRegionRetriever(SessionRegion region,
                                                                std::optional<uint64_t> epoch,
                                                                const SequenceOptions& options,
-                                                               Backend& backend, bool restore) {
+                                                               Backend& backend, bool restore,
+                                                               ColdPages* cold) {
   const Geometry geometry = region.geometry();
   KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<RegionHostTier> tier,
-                          RegionHostTier::Create(region, epoch));
+                          RegionHostTier::Create(region, epoch, cold));
   RegionHostTier* host = tier.get();
   KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<Retriever> retriever,
                           Retriever::Create(geometry, options, backend, std::move(tier)));

@@ -18,6 +18,7 @@
 #include "kernels/backend.h"
 #include "kvtier/geometry.h"
 #include "kvtier/options.h"
+#include "offload/cold_pages.h"
 #include "offload/host_tier.h"
 #include "offload/page_pool.h"
 #include "offload/retriever.h"
@@ -31,13 +32,20 @@ class RegionHostTier final : public HostTier {
   // (FAILED_PRECONDITION once the region moved past it: another holder reattached);
   // nullopt: the owner of the region (the daemon), which commits at the region's current
   // epoch. INTERNAL when the pool's slot stride is not the region's.
+  // `cold`: the cold tier behind it (host_drop = demote; null: none; must outlive the tier).
   static absl::StatusOr<std::unique_ptr<RegionHostTier>> Create(SessionRegion region,
-                                                                std::optional<uint64_t> epoch);
+                                                                std::optional<uint64_t> epoch,
+                                                                ColdPages* cold = nullptr);
 
   PagePool& pool() override { return *pool_; }
   // Also counts the pages in the region's telemetry block (pages_committed).
   absl::Status Commit(std::span<const StoredPage> pages) override;
   std::optional<TelemetryBlock> telemetry() override { return region_.telemetry(); }
+  ColdPages* cold() override { return cold_; }
+  // Withdraws the page's directory entry (SessionRegion::Withdraw).
+  absl::Status Withdraw(int32_t layer, int64_t page) override {
+    return region_.Withdraw(layer, page);
+  }
   const SessionRegion& region() const { return region_; }
   // The first refused commit (OK while none was): FAILED_PRECONDITION when another holder
   // reattached.
@@ -57,16 +65,18 @@ class RegionHostTier final : public HostTier {
   const std::optional<uint64_t> epoch_;
   std::unique_ptr<PagePool> pool_;
   absl::Status refused_;
+  ColdPages* cold_ = nullptr;
 };
 
 // The Retriever of a session over `region` on `backend` (its arena registered with the
 // backend), with a RegionHostTier fenced by `epoch`; with `restore`, rebuilt from the
-// region's committed pages (RegionHostTier::RestoreInto). The Retriever's and the region's
-// errors.
+// region's committed pages (RegionHostTier::RestoreInto); with `cold`, the cold tier behind
+// the host tier (host_drop = demote). The Retriever's and the region's errors.
 absl::StatusOr<std::unique_ptr<Retriever>> OpenRegionRetriever(SessionRegion region,
                                                                std::optional<uint64_t> epoch,
                                                                const SequenceOptions& options,
-                                                               Backend& backend, bool restore);
+                                                               Backend& backend, bool restore,
+                                                               ColdPages* cold = nullptr);
 
 }  // namespace kvtier
 

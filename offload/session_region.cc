@@ -265,6 +265,17 @@ absl::Status SessionRegion::Uncommit(int32_t layer, int64_t page) {
   return absl::OkStatus();
 }
 
+absl::Status SessionRegion::Withdraw(int32_t layer, int64_t page) {
+  if (layer < 0 || layer >= geometry_.num_layers || page < 0 ||
+      page >= layout_.max_pages_per_layer) {
+    return absl::OutOfRangeError(absl::StrFormat(
+        "session region withdraw (layer %d, page %d): must be in [0, %d) x [0, %d)", layer, page,
+        geometry_.num_layers, layout_.max_pages_per_layer));
+  }
+  Atomic(EntryAt(base_, layout_, layer, page).stamp).store(0, std::memory_order_release);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<CommittedPage> SessionRegion::Lookup(int32_t layer, int64_t page) const {
   if (layer < 0 || layer >= geometry_.num_layers || page < 0 ||
       page >= layout_.max_pages_per_layer) {

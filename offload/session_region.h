@@ -93,6 +93,9 @@ class SessionRegion {
   // Writer: withdraws every entry of `layer` at or after `page` (a reattached writer drops
   // what it will rewrite). OUT_OF_RANGE for bad indices.
   absl::Status Uncommit(int32_t layer, int64_t page);
+  // Writer: withdraws the entry of (layer, page) alone (its page moved to the cold tier and
+  // its slot is about to be reused). OUT_OF_RANGE for bad indices.
+  absl::Status Withdraw(int32_t layer, int64_t page);
   // Reader: the committed entry of (layer, page); NOT_FOUND when not committed;
   // DATA_LOSS when the entry names a slot outside the region (corrupt or hostile writer);
   // OUT_OF_RANGE for bad indices; ABORTED when a writer kept re-committing the entry

@@ -198,6 +198,100 @@ TEST_F(ColdSessionTest, FillsATenantBeyondItsArenaAndReadsEveryPageBack) {
             std::string::npos);
 }
 
+// policy.host_drop = demote: a live GRPC session whose host tier holds 16 of its pages per
+// layer demotes the lowest-scoring ones to the cluster as it grows, and a step that selects
+// one brings it back through the host tier. A session over a host tier that holds everything
+// is the reference: every step's output is bit-identical; Fetch reads demoted pages from the
+// cluster byte-exact; closing removes the keys and returns the quota.
+TEST_F(ColdSessionTest, ALiveSessionDemotesPagesAndStepsBringThemBackBitIdentical) {
+  manager_ = Make(ColdConfig());
+  ASSERT_NE(manager_, nullptr);
+  const Geometry g = SmallGeometry();
+  for (RetrievalMode mode : {RetrievalMode::kSpeculative, RetrievalMode::kSync}) {
+    SCOPED_TRACE(RetrievalModeName(mode));
+    OpenSessionParams ref = GrpcParams("a");
+    ref.mode = mode;
+    ref.max_tokens = 1024;
+    ref.residency_policy = "h2o";
+    OpenSessionParams cold = ref;
+    cold.host_drop = "demote";
+    cold.host_tokens = 128;  // 16 pages per layer
+    const SessionRecord a = Open(ref);
+    const SessionRecord b = Open(cold);
+    ASSERT_FALSE(b.id.empty());
+    EXPECT_LT(b.region_bytes, a.region_bytes);  // the host tier is what was asked
+    std::vector<Rows> rows;
+    for (int32_t l = 0; l < g.num_layers; ++l) rows.emplace_back(g, 512, 40 + l);
+    // 200 tokens at once (25 pages a layer: the appends demote), then a page at a time.
+    int64_t tokens = 0;
+    const auto grow = [&](int64_t n) {
+      for (const std::string& id : {a.id, b.id}) {
+        const OffloadResult r = OffloadAll("a", id, rows, tokens, n, n);
+        ASSERT_EQ(r.layer_tokens, std::vector<uint64_t>(2, tokens + n)) << id;
+      }
+      tokens += n;
+    };
+    grow(200);
+    for (int step = 0; tokens + g.page_size <= 512; ++step) {
+      Rows q(g, 1, 1000 + step);
+      std::string qbytes(static_cast<size_t>(g.num_q_heads) * g.head_dim * g.element_bytes(), 0);
+      std::memcpy(qbytes.data(), q.k.data(), std::min(qbytes.size(), q.k.bytes()));
+      for (int32_t l = 0; l < g.num_layers; ++l) {
+        absl::StatusOr<StepResult> want = manager_->Step(Caller{"a"}, a.id, l, qbytes, true);
+        absl::StatusOr<StepResult> got = manager_->Step(Caller{"a"}, b.id, l, qbytes, true);
+        ASSERT_TRUE(want.ok()) << want.status();
+        ASSERT_TRUE(got.ok()) << "step " << step << " layer " << l << ": " << got.status();
+        ASSERT_EQ(got->output, want->output) << "step " << step << " layer " << l;
+        ASSERT_EQ(got->slot_table, want->slot_table) << "step " << step << " layer " << l;
+      }
+      grow(g.page_size);
+      if (HasFatalFailure()) return;
+    }
+    absl::StatusOr<StatsReport> st = manager_->GetStats(Caller{"a"}, b.id);
+    ASSERT_TRUE(st.ok()) << st.status();
+    EXPECT_GT(st->session->sequence.host_demoted_pages, 0);
+    EXPECT_GT(st->session->sequence.host_promoted_pages, 0) << "no step selected a demoted page";
+    EXPECT_EQ(st->session->committed_pages, 2u * tokens / g.page_size);
+    // Every page reads back byte-exact, the demoted ones from the cluster.
+    for (int32_t l = 0; l < g.num_layers; ++l) {
+      std::vector<PageData> pages = FetchAll(Caller{"a"}, b.id, l);
+      ASSERT_EQ(pages.size(), static_cast<size_t>(tokens / g.page_size));
+      for (const PageData& p : pages) {
+        ASSERT_EQ(p.data, ExpectedPage(g, rows[l], p.page)) << "layer " << l << " page " << p.page;
+      }
+    }
+    Exposition out;
+    manager_->WriteMetrics(out);
+    const std::string text = out.text();
+    const auto value = [&](const std::string& series) {
+      const size_t at = text.find(series + " ");
+      return at == std::string::npos ? -1.0 : std::stod(text.substr(at + series.size() + 1));
+    };
+    EXPECT_GT(value(R"(kvtier_cold_live_pages_total{tenant="a",direction="demoted"})"), 0);
+    EXPECT_GT(value(R"(kvtier_cold_live_pages_total{tenant="a",direction="promoted"})"), 0);
+    EXPECT_GT(value(R"(kvtier_cold_used_bytes{tenant="a"})"), 0);
+    ASSERT_TRUE(manager_->CloseSession(Caller{"a"}, a.id).ok());
+    ASSERT_TRUE(manager_->CloseSession(Caller{"a"}, b.id).ok());
+    Exposition after;
+    manager_->WriteMetrics(after);
+    EXPECT_NE(after.text().find(R"(kvtier_cold_used_bytes{tenant="a"} 0)"), std::string::npos);
+    // The keys went with the session.
+    RedisClusterOptions o;
+    o.seeds = cluster_->seeds();
+    absl::StatusOr<std::unique_ptr<RedisCluster>> rc = RedisCluster::Connect(o);
+    ASSERT_TRUE(rc.ok()) << rc.status();
+    std::unique_ptr<ColdTier> tier = ColdTier::Create(rc->get(), prefix_).value();
+    std::vector<int64_t> all(static_cast<size_t>(tokens / g.page_size));
+    for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<int64_t>(i);
+    const std::vector<uint64_t> any(all.size(), 0);
+    for (int32_t l = 0; l < g.num_layers; ++l) {
+      for (const auto& got : tier->Get("a", b.id, l, all, any, absl::Now() + absl::Seconds(5))) {
+        EXPECT_TRUE(absl::IsNotFound(got.status())) << got.status();
+      }
+    }
+  }
+}
+
 TEST_F(ColdSessionTest, SuspendedSessionsAreDemotedAfterTheirTimeWithoutPressure) {
   DaemonConfig config = ColdConfig();
   config.cold_tier.demote_suspended_after = absl::Milliseconds(50);

@@ -1,0 +1,64 @@
+// SessionColdPages: the cold tier behind one live GRPC session's host tier (policy.host_drop =
+// demote; offload/cold_pages.h, docs/service.md#the-cold-tier). The session's Retriever demotes
+// its lowest-scoring pages here when its region's slots are full, under the page keys of the
+// cold tier (daemon/cold_tier.h), each charged to the tenant's cold quota and, with
+// cold_tier.min_replicas, acknowledged by that many replicas before its slot is freed. A page
+// comes back checked against the generation it was written with: no intact copy is DATA_LOSS.
+// Fetch reads demoted pages here too. The keys go when the session is closed (RemoveAll).
+//
+// Every call has the deadline `timeout` from its start (cold_tier.operation_timeout_ms).
+//
+// Thread-safe: the session's Retriever and its Fetch both call it, under the session's lock.
+#ifndef KVTIER_DAEMON_SESSION_COLD_PAGES_H_
+#define KVTIER_DAEMON_SESSION_COLD_PAGES_H_
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "core/mutex.h"
+#include "daemon/cold_store.h"
+#include "offload/cold_pages.h"
+
+namespace kvtier::daemon {
+
+class SessionColdPages final : public ColdPages {
+ public:
+  // `store` (the tenant's) must outlive this object.
+  SessionColdPages(ColdStore* store, std::string session, size_t page_bytes,
+                   absl::Duration timeout)
+      : store_(store), session_(std::move(session)), page_bytes_(page_bytes), timeout_(timeout) {}
+  ~SessionColdPages() override;
+
+  absl::Status Put(const StoredPage& page, std::span<const uint8_t> bytes) override
+      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status Get(int32_t layer, int64_t page, std::span<uint8_t> out) override
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // The generation the cold tier holds for (layer, page); nullopt when it holds none.
+  std::optional<uint64_t> Generation(int32_t layer, int64_t page) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Pages held (a page promoted again keeps its copy: pages never change).
+  size_t size() const ABSL_LOCKS_EXCLUDED(mu_);
+  std::vector<std::pair<int32_t, int64_t>> Held() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Removes every page held and returns their quota (the first error of the removals; the
+  // quota is returned regardless and the keys left are logged).
+  absl::Status RemoveAll() ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  ColdStore* const store_;
+  const std::string session_;
+  const size_t page_bytes_;
+  const absl::Duration timeout_;
+  mutable Mutex mu_;
+  std::map<std::pair<int32_t, int64_t>, uint64_t> held_ ABSL_GUARDED_BY(mu_);  // → generation
+};
+
+}  // namespace kvtier::daemon
+
+#endif  // KVTIER_DAEMON_SESSION_COLD_PAGES_H_
