@@ -216,6 +216,11 @@ TEST_F(ColdSessionTest, ALiveSessionDemotesPagesAndStepsBringThemBackBitIdentica
     OpenSessionParams cold = ref;
     cold.host_drop = "demote";
     cold.host_tokens = 128;  // 16 pages per layer
+    OpenSessionParams tiny = cold;
+    tiny.host_tokens = 64;
+    ExpectError(manager_->OpenSession(Caller{"a"}, tiny).status(),
+                absl::StatusCode::kInvalidArgument,
+                {"retrieval.host_tokens = 64", "at least 104 tokens"});
     const SessionRecord a = Open(ref);
     const SessionRecord b = Open(cold);
     ASSERT_FALSE(b.id.empty());
