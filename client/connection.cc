@@ -168,4 +168,41 @@ absl::StatusOr<SessionInfo> SuspendSessionById(Connection& conn, std::string_vie
   return SessionInfoFromProto(reply.session());
 }
 
+absl::StatusOr<std::vector<FetchedPage>> FetchPagesById(Connection& conn, std::string_view id,
+                                                        const Geometry& g, int32_t layer,
+                                                        const std::vector<int64_t>& pages) {
+  v1::FetchRequest req;
+  req.set_session_id(std::string(id));
+  req.set_layer(static_cast<uint32_t>(layer));
+  for (int64_t page : pages) {
+    if (page < 0 || page > std::numeric_limits<uint32_t>::max()) {
+      return absl::OutOfRangeError(absl::StrFormat("FetchPages: page = %d is out of range", page));
+    }
+    req.add_pages(static_cast<uint32_t>(page));
+  }
+  auto ctx = conn.Context();
+  auto reader = conn.stub().Fetch(ctx.get(), req);
+  std::vector<FetchedPage> out;
+  v1::FetchReply reply;
+  const size_t bytes = g.host_page_bytes();
+  absl::Status bad;
+  while (reader->Read(&reply)) {
+    for (v1::Page& p : *reply.mutable_pages()) {
+      if (p.data().size() != bytes && bad.ok()) {
+        bad = absl::DataLossError(absl::StrFormat("Fetch: page %d has %d bytes; a page has %d",
+                                                  p.page(), p.data().size(), bytes));
+      }
+      FetchedPage f;
+      f.layer = static_cast<int32_t>(p.layer());
+      f.page = p.page();
+      f.generation = p.generation();
+      f.data.assign(p.data().begin(), p.data().end());
+      out.push_back(std::move(f));
+    }
+  }
+  KVTIER_RETURN_IF_ERROR(FromGrpcStatus(reader->Finish()));
+  KVTIER_RETURN_IF_ERROR(bad);
+  return out;
+}
+
 }  // namespace kvtier

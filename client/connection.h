@@ -83,6 +83,11 @@ absl::StatusOr<SessionInfo> LookupSessionInfo(Connection& conn, std::string_view
 absl::Status CloseSessionById(Connection& conn, std::string_view id);
 // SuspendSession by id: the daemon's record of the suspended session, or its status.
 absl::StatusOr<SessionInfo> SuspendSessionById(Connection& conn, std::string_view id);
+// Fetch by id: the pages of `layer` the daemon reads for session `id` (all committed ones
+// when `pages` is empty), each checked to hold host_page_bytes of `g` (DATA_LOSS otherwise).
+absl::StatusOr<std::vector<FetchedPage>> FetchPagesById(Connection& conn, std::string_view id,
+                                                        const Geometry& g, int32_t layer,
+                                                        const std::vector<int64_t>& pages);
 
 }  // namespace kvtier
 

@@ -65,6 +65,14 @@ absl::StatusOr<v1::OpenSessionRequest> BuildOpenSessionRequest(std::string_view 
   ro->set_correction_threshold(r.correction_threshold);
   ro->set_correction_trigger(std::string(CorrectionTriggerName(r.correction_trigger)));
   ro->set_correction_max_loss(r.correction_max_loss);
+  if (options.host_tokens < 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "host_tokens = %d: must be >= 0 (0: max_tokens)", options.host_tokens));
+  }
+  ro->set_host_tokens(static_cast<uint32_t>(options.host_tokens));
+  // What a full host tier does is the daemon's business too: it sizes the region and moves
+  // demoted pages (the other policies run in the engine's sequence alone).
+  req.mutable_policy()->set_host_drop(r.policy.host_drop);
   req.set_transport(TransportToProto(options.transport));
   req.set_label(options.label);
   req.set_request_id(options.request_id.empty() ? RandomRequestId() : options.request_id);

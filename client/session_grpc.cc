@@ -303,38 +303,7 @@ absl::StatusOr<std::vector<FetchedPage>> GrpcSession::FetchPages(
     return absl::InvalidArgumentError(absl::StrFormat("FetchPages: layer = %d must be in [0, %d)",
                                                       layer, info_.geometry.num_layers));
   }
-  v1::FetchRequest req;
-  req.set_session_id(info_.id);
-  req.set_layer(static_cast<uint32_t>(layer));
-  for (int64_t page : pages) {
-    if (page < 0 || page > std::numeric_limits<uint32_t>::max()) {
-      return absl::OutOfRangeError(absl::StrFormat("FetchPages: page = %d is out of range", page));
-    }
-    req.add_pages(static_cast<uint32_t>(page));
-  }
-  auto ctx = conn_->Context();
-  auto reader = conn_->stub().Fetch(ctx.get(), req);
-  std::vector<FetchedPage> out;
-  v1::FetchReply reply;
-  const size_t bytes = info_.geometry.host_page_bytes();
-  absl::Status bad;
-  while (reader->Read(&reply)) {
-    for (v1::Page& p : *reply.mutable_pages()) {
-      if (p.data().size() != bytes && bad.ok()) {
-        bad = absl::DataLossError(absl::StrFormat("Fetch: page %d has %d bytes; a page has %d",
-                                                  p.page(), p.data().size(), bytes));
-      }
-      FetchedPage f;
-      f.layer = static_cast<int32_t>(p.layer());
-      f.page = p.page();
-      f.generation = p.generation();
-      f.data.assign(p.data().begin(), p.data().end());
-      out.push_back(std::move(f));
-    }
-  }
-  KVTIER_RETURN_IF_ERROR(FromGrpcStatus(reader->Finish()));
-  KVTIER_RETURN_IF_ERROR(bad);
-  return out;
+  return FetchPagesById(*conn_, info_.id, info_.geometry, layer, pages);
 }
 
 }  // namespace

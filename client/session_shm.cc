@@ -2,16 +2,20 @@
 
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "client/connection.h"
 #include "client/convert.h"
 #include "client/rpc_util.h"
 #include "core/status.h"
+#include "offload/cold_pages.h"
 #include "offload/region_host_tier.h"
 #include "offload/retriever.h"
 #include "offload/session_region.h"
@@ -19,6 +23,52 @@
 namespace kvtier {
 
 namespace {
+
+// policy.host_drop = demote over SHM: the cold tier behind the session's region, reached
+// through the daemon (DemotePages, PromotePages), which reads and writes the region's slots
+// itself, so no page crosses the RPC.
+class DaemonColdPages final : public ColdPages {
+ public:
+  DaemonColdPages(std::shared_ptr<Connection> conn, std::string id, uint64_t epoch)
+      : conn_(std::move(conn)), id_(std::move(id)), epoch_(epoch) {}
+  absl::Status Put(const StoredPage& page, std::span<const uint8_t> /*bytes*/) override {
+    v1::DemotePagesRequest req;
+    req.set_session_id(id_);
+    req.set_epoch(epoch_);
+    *req.add_pages() = Slot(page.layer, page.page, page.slot, page.generation);
+    v1::DemotePagesReply reply;
+    auto ctx = conn_->Context();
+    KVTIER_RETURN_IF_ERROR(FromGrpcStatus(conn_->stub().DemotePages(ctx.get(), req, &reply)));
+    demoted_.insert({page.layer, page.page});
+    return absl::OkStatus();
+  }
+  absl::Status Get(int32_t layer, int64_t page, int64_t slot,
+                   std::span<uint8_t> /*out*/) override {
+    v1::PromotePagesRequest req;
+    req.set_session_id(id_);
+    req.set_epoch(epoch_);
+    *req.add_pages() = Slot(layer, page, slot, 0);
+    v1::PromotePagesReply reply;
+    auto ctx = conn_->Context();
+    return FromGrpcStatus(conn_->stub().PromotePages(ctx.get(), req, &reply));
+  }
+  // Whether the page was ever demoted (the daemon then serves it when the region does not).
+  bool demoted(int32_t layer, int64_t page) const { return demoted_.contains({layer, page}); }
+
+ private:
+  static v1::PageSlot Slot(int32_t layer, int64_t page, int64_t slot, uint64_t generation) {
+    v1::PageSlot s;
+    s.set_layer(static_cast<uint32_t>(layer));
+    s.set_page(static_cast<uint32_t>(page));
+    s.set_slot(static_cast<uint64_t>(slot));
+    s.set_generation(generation);
+    return s;
+  }
+  std::shared_ptr<Connection> conn_;
+  const std::string id_;
+  const uint64_t epoch_;
+  absl::flat_hash_set<std::pair<int32_t, int64_t>> demoted_;
+};
 
 class ShmSession final : public Session {
  public:
@@ -64,6 +114,7 @@ class ShmSession final : public Session {
   const SessionInfo info_;
   const SessionOptions options_;
   std::optional<SessionRegion> region_;   // the daemon's readers' view (FetchPages)
+  std::unique_ptr<DaemonColdPages> cold_;  // host_drop = demote; outlives the Retriever
   std::unique_ptr<Retriever> retriever_;  // owns the region's host tier
   bool closed_ = false;
   bool released_ = false;   // the local sequence is flushed and closed (Release)
@@ -87,8 +138,19 @@ absl::Status ShmSession::Init(bool restore) {
   region_.emplace(region);
   KVTIER_ASSIGN_OR_RETURN(const SequenceOptions so,
                           ResolveSequenceOptions(options_.sequence, info_));
+  if (so.policy.host_drop == "demote") {
+    if (restore) {
+      // Its pages are split between the region and the cold tier: Restore needs them all
+      // in host slots at once.
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "session %s demotes pages (policy.host_drop = demote): its sequence cannot be taken "
+          "over by Reattach yet; open a new session",
+          info_.id));
+    }
+    cold_ = std::make_unique<DaemonColdPages>(conn_, info_.id, info_.epoch);
+  }
   absl::StatusOr<std::unique_ptr<Retriever>> r =
-      OpenRegionRetriever(region, info_.epoch, so, *mapping_->backend, restore);
+      OpenRegionRetriever(region, info_.epoch, so, *mapping_->backend, restore, cold_.get());
   if (!r.ok()) {
     return absl::Status(r.status().code(),
                         absl::StrCat("session ", info_.id, ": ", r.status().message()));
@@ -176,15 +238,29 @@ absl::StatusOr<std::vector<FetchedPage>> ShmSession::FetchPages(int32_t layer,
                                                       layer, info_.geometry.num_layers));
   }
   std::vector<FetchedPage> out;
+  // A demoted page is not in the region: the daemon reads it from the cold tier.
+  const auto read = [&](int64_t page) -> absl::StatusOr<FetchedPage> {
+    absl::StatusOr<FetchedPage> f = ReadPage(layer, page);
+    if (!absl::IsNotFound(f.status()) || cold_ == nullptr || !cold_->demoted(layer, page)) {
+      return f;
+    }
+    KVTIER_ASSIGN_OR_RETURN(std::vector<FetchedPage> got,
+                            FetchPagesById(*conn_, info_.id, info_.geometry, layer, {page}));
+    if (got.size() != 1) {
+      return absl::DataLossError(absl::StrFormat(
+          "FetchPages: the daemon sent %d pages for layer %d page %d", got.size(), layer, page));
+    }
+    return std::move(got[0]);
+  };
   if (!pages.empty()) {
     for (int64_t page : pages) {
-      KVTIER_ASSIGN_OR_RETURN(FetchedPage f, ReadPage(layer, page));
+      KVTIER_ASSIGN_OR_RETURN(FetchedPage f, read(page));
       out.push_back(std::move(f));
     }
     return out;
   }
   for (int64_t page = 0; page < region_->layout().max_pages_per_layer; ++page) {
-    absl::StatusOr<FetchedPage> f = ReadPage(layer, page);
+    absl::StatusOr<FetchedPage> f = read(page);
     if (absl::IsNotFound(f.status())) continue;
     if (!f.ok()) return f.status();
     out.push_back(*std::move(f));

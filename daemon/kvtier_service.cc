@@ -272,6 +272,15 @@ grpc::ServerUnaryReactor* KvTierService::SuspendSession(grpc::CallbackServerCont
                                                         const Raw* in, Raw* out) {
   return Serve(ctx, in, out, Where::kInline, true, &KvTierService::DoSuspendSession);
 }
+// They wait for the cold tier: on the work queue, like Step.
+grpc::ServerUnaryReactor* KvTierService::DemotePages(grpc::CallbackServerContext* ctx,
+                                                     const Raw* in, Raw* out) {
+  return Serve(ctx, in, out, Where::kWorkQueue, true, &KvTierService::DoDemotePages);
+}
+grpc::ServerUnaryReactor* KvTierService::PromotePages(grpc::CallbackServerContext* ctx,
+                                                      const Raw* in, Raw* out) {
+  return Serve(ctx, in, out, Where::kWorkQueue, true, &KvTierService::DoPromotePages);
+}
 grpc::ServerUnaryReactor* KvTierService::Step(grpc::CallbackServerContext* ctx, const Raw* in,
                                               Raw* out) {
   return Serve(ctx, in, out, Where::kWorkQueue, true, &KvTierService::DoStep);
@@ -365,6 +374,47 @@ absl::Status KvTierService::DoSuspendSession(const Caller& caller,
   KVTIER_ASSIGN_OR_RETURN(SessionRecord r, manager_.SuspendSession(caller, request.session_id()));
   *reply->mutable_session() = SessionToProto(r);
   return absl::OkStatus();
+}
+
+namespace {
+
+std::vector<TenantSession::PageMove> PageMoves(
+    const google::protobuf::RepeatedPtrField<v1::PageSlot>& pages) {
+  std::vector<TenantSession::PageMove> out;
+  out.reserve(static_cast<size_t>(pages.size()));
+  for (const v1::PageSlot& p : pages) {
+    // Ranges are checked against the session; a slot past int64 becomes negative and fails.
+    out.push_back({static_cast<int32_t>(std::min<uint32_t>(p.layer(), INT32_MAX)),
+                   static_cast<int64_t>(p.page()), static_cast<int64_t>(p.slot()),
+                   p.generation()});
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::Status KvTierService::DoDemotePages(const Caller& caller,
+                                          const v1::DemotePagesRequest& request,
+                                          v1::DemotePagesReply* /*reply*/) {
+  if (request.pages_size() > static_cast<int>(SessionManager::kMaxPagesPerMove)) {
+    return absl::InvalidArgumentError(absl::StrFormat("DemotePages: %d pages; at most %d a call",
+                                                      request.pages_size(),
+                                                      SessionManager::kMaxPagesPerMove));
+  }
+  return manager_.MovePages(caller, request.session_id(), /*demote=*/true, request.epoch(),
+                            PageMoves(request.pages()));
+}
+
+absl::Status KvTierService::DoPromotePages(const Caller& caller,
+                                           const v1::PromotePagesRequest& request,
+                                           v1::PromotePagesReply* /*reply*/) {
+  if (request.pages_size() > static_cast<int>(SessionManager::kMaxPagesPerMove)) {
+    return absl::InvalidArgumentError(absl::StrFormat("PromotePages: %d pages; at most %d a call",
+                                                      request.pages_size(),
+                                                      SessionManager::kMaxPagesPerMove));
+  }
+  return manager_.MovePages(caller, request.session_id(), /*demote=*/false, request.epoch(),
+                            PageMoves(request.pages()));
 }
 
 absl::Status KvTierService::DoStep(const Caller& caller, const v1::StepRequest& request,

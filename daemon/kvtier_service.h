@@ -64,7 +64,9 @@ using RawKvTierService = v1::KvTier::WithRawCallbackMethod_Hello<
                 v1::KvTier::WithRawCallbackMethod_Step<v1::KvTier::WithRawCallbackMethod_GetStats<
                     v1::KvTier::WithRawCallbackMethod_Drain<
                         v1::KvTier::WithRawCallbackMethod_SuspendSession<
-                            v1::KvTier::Service>>>>>>>>>>>;
+                            v1::KvTier::WithRawCallbackMethod_DemotePages<
+                                v1::KvTier::WithRawCallbackMethod_PromotePages<
+                                    v1::KvTier::Service>>>>>>>>>>>>>;
 
 class KvTierService final : public RawKvTierService {
  public:
@@ -98,6 +100,8 @@ class KvTierService final : public RawKvTierService {
   using RawKvTierService::Reattach;
   using RawKvTierService::Step;
   using RawKvTierService::SuspendSession;
+  using RawKvTierService::DemotePages;
+  using RawKvTierService::PromotePages;
 
   using Raw = grpc::ByteBuffer;
   grpc::ServerUnaryReactor* Hello(grpc::CallbackServerContext* ctx, const Raw* in,
@@ -120,6 +124,10 @@ class KvTierService final : public RawKvTierService {
                                   Raw* out) override;
   grpc::ServerUnaryReactor* SuspendSession(grpc::CallbackServerContext* ctx, const Raw* in,
                                            Raw* out) override;
+  grpc::ServerUnaryReactor* DemotePages(grpc::CallbackServerContext* ctx, const Raw* in,
+                                        Raw* out) override;
+  grpc::ServerUnaryReactor* PromotePages(grpc::CallbackServerContext* ctx, const Raw* in,
+                                         Raw* out) override;
 
  private:
   class OffloadReactor;
@@ -155,6 +163,10 @@ class KvTierService final : public RawKvTierService {
                        v1::DrainReply* reply);
   absl::Status DoSuspendSession(const Caller& caller, const v1::SuspendSessionRequest& request,
                                 v1::SuspendSessionReply* reply);
+  absl::Status DoDemotePages(const Caller& caller, const v1::DemotePagesRequest& request,
+                             v1::DemotePagesReply* reply);
+  absl::Status DoPromotePages(const Caller& caller, const v1::PromotePagesRequest& request,
+                              v1::PromotePagesReply* reply);
 
   // Counts the call in flight until End(); End counts its outcome.
   void Begin();

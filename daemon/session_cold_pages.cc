@@ -33,7 +33,8 @@ absl::Status SessionColdPages::Put(const StoredPage& page, std::span<const uint8
   return absl::OkStatus();
 }
 
-absl::Status SessionColdPages::Get(int32_t layer, int64_t page, std::span<uint8_t> out) {
+absl::Status SessionColdPages::Get(int32_t layer, int64_t page, int64_t /*slot*/,
+                                   std::span<uint8_t> out) {
   std::optional<uint64_t> generation = Generation(layer, page);
   if (!generation.has_value()) {
     return absl::NotFoundError(absl::StrFormat(

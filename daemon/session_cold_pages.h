@@ -39,7 +39,7 @@ class SessionColdPages final : public ColdPages {
 
   absl::Status Put(const StoredPage& page, std::span<const uint8_t> bytes) override
       ABSL_LOCKS_EXCLUDED(mu_);
-  absl::Status Get(int32_t layer, int64_t page, std::span<uint8_t> out) override
+  absl::Status Get(int32_t layer, int64_t page, int64_t slot, std::span<uint8_t> out) override
       ABSL_LOCKS_EXCLUDED(mu_);
   // The generation the cold tier holds for (layer, page); nullopt when it holds none.
   std::optional<uint64_t> Generation(int32_t layer, int64_t page) const ABSL_LOCKS_EXCLUDED(mu_);

@@ -628,12 +628,8 @@ absl::StatusOr<SessionSpec> SessionManager::ResolveSpec(const Caller& caller,
   }
   spec.host_pages = spec.max_pages();
   if (pc.host_drop == "demote") {
-    // The session's Retriever moves pages to the cold tier and back: only the daemon reaches
-    // the cluster, so only a Retriever the daemon runs can.
-    if (p.transport != Transport::kGrpc) {
-      return bad("policy.host_drop = 'demote': an SHM session's Retriever runs in the engine, "
-                 "which cannot reach the cold tier; use transport GRPC");
-    }
+    // The session's Retriever moves pages to the cold tier and back: the daemon's own (GRPC),
+    // or the engine's through DemotePages and PromotePages (SHM).
     if (!selects) {
       return bad(absl::StrFormat(
           "policy.host_drop = 'demote': mode %s has no host tier (SPECULATIVE or SYNC only)",
@@ -1540,6 +1536,27 @@ absl::StatusOr<SessionRecord> SessionManager::SuspendSession(const Caller& calle
   LogLimited(spdlog::level::info, "session suspended", "session {} suspended: epoch {}", r->id,
              r->epoch);
   return r;
+}
+
+absl::Status SessionManager::MovePages(const Caller& caller, std::string_view session_id,
+                                       bool demote, uint64_t epoch,
+                                       const std::vector<TenantSession::PageMove>& pages) {
+  InflightCall call(this);
+  const char* what = demote ? "DemotePages" : "PromotePages";
+  if (pages.empty() || pages.size() > kMaxPagesPerMove) {
+    return Tally(caller, absl::InvalidArgumentError(absl::StrFormat(
+                             "%s: %d pages; between 1 and %d a call", what, pages.size(),
+                             kMaxPagesPerMove)));
+  }
+  absl::StatusOr<Entry> e = Peek(caller, session_id);
+  if (!e.ok()) return Tally(caller, e.status());
+  if (e->session == nullptr) {
+    return Tally(caller, absl::FailedPreconditionError(absl::StrFormat(
+                             "%s: session %s is in the cold tier; Reattach first", what,
+                             session_id)));
+  }
+  if (absl::Status live = caller.CheckLive(what); !live.ok()) return Tally(caller, live);
+  return Tally(caller, e->session->MovePages(demote, epoch, pages));
 }
 
 std::optional<SessionManager::Entry> SessionManager::EntryOf(const std::string& id) const {

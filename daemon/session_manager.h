@@ -270,6 +270,12 @@ class SessionManager {
   // Until a Reattach, Offload and Step on it are FAILED_PRECONDITION; Fetch, Stats, List
   // and Close work. Suspending a suspended or cold session returns its record again.
   absl::StatusOr<SessionRecord> SuspendSession(const Caller& caller, std::string_view session_id);
+  // DemotePages / PromotePages of an SHM session that demotes pages (TenantSession::MovePages),
+  // within the caller's deadline and cold_tier.operation_timeout_ms. INVALID_ARGUMENT for
+  // more than kMaxPagesPerMove pages or none.
+  static constexpr size_t kMaxPagesPerMove = 4096;
+  absl::Status MovePages(const Caller& caller, std::string_view session_id, bool demote,
+                         uint64_t epoch, const std::vector<TenantSession::PageMove>& pages);
   std::unique_ptr<OffloadStream> NewOffloadStream(const Caller& caller);
   // Checks the request up front: INVALID_ARGUMENT for a bad layer, OUT_OF_RANGE for a page
   // beyond the session's pages, NOT_FOUND for one not committed. A page named more than

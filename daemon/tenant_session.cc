@@ -25,12 +25,12 @@ absl::StatusOr<std::shared_ptr<TenantSession>> TenantSession::Create(
   std::shared_ptr<TenantSession> s(
       new TenantSession(std::move(id), std::move(spec), std::move(lease), region,
                         grpc ? NewBudgetedBackend(*backend, *budget) : nullptr, now_ms));
+  if (demote_to != nullptr) {
+    s->cold_pages_ =
+        std::make_unique<SessionColdPages>(demote_to, s->id_, g.host_page_bytes(), cold_timeout);
+  }
   if (grpc) {
     MutexLock lock(&s->mu_);
-    if (demote_to != nullptr) {
-      s->cold_pages_ = std::make_unique<SessionColdPages>(demote_to, s->id_, g.host_page_bytes(),
-                                                          cold_timeout);
-    }
     // The daemon owns the region: its commits are never fenced (nullopt epoch).
     KVTIER_ASSIGN_OR_RETURN(
         s->retriever_, OpenRegionRetriever(region, std::nullopt, s->spec_.sequence, *s->backend_,
@@ -261,7 +261,7 @@ absl::StatusOr<std::vector<PageData>> TenantSession::ReadPages(int32_t layer, co
         d.generation = *gen;
         d.data.resize(page_bytes);
         KVTIER_RETURN_IF_ERROR(cold_pages_->Get(
-            layer, d.page,
+            layer, d.page, /*slot=*/-1,
             std::span<uint8_t>(reinterpret_cast<uint8_t*>(d.data.data()), page_bytes)));
         continue;
       }
@@ -471,6 +471,50 @@ absl::StatusOr<CloseResult> TenantSession::Close() {
   MutexLock lock(&mu_);
   KVTIER_RETURN_IF_ERROR(CheckOpen());
   return CloseLocked();
+}
+
+absl::Status TenantSession::MovePages(bool demote, uint64_t epoch,
+                                      const std::vector<PageMove>& pages) {
+  const char* what = demote ? "DemotePages" : "PromotePages";
+  MutexLock lock(&mu_);
+  KVTIER_RETURN_IF_ERROR(CheckWritable(what));
+  if (cold_pages_ == nullptr || spec_.transport != Transport::kShm) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: session %s %s", what, id_,
+        cold_pages_ == nullptr ? "does not demote pages (policy.host_drop = demote with "
+                                 "retrieval.host_tokens below max_tokens)"
+                               : "is a GRPC session: the daemon's Retriever moves its pages"));
+  }
+  if (const uint64_t now = region_.epoch(); now != epoch) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: session %s is at epoch %d, the caller holds epoch %d (another holder reattached)",
+        what, id_, now, epoch));
+  }
+  const size_t page_bytes = spec_.geometry.host_page_bytes();
+  for (const PageMove& m : pages) {
+    if (m.layer < 0 || m.layer >= spec_.geometry.num_layers || m.page < 0 ||
+        m.page >= spec_.max_pages() || m.slot < 0 || m.slot >= region_.num_slots()) {
+      return absl::OutOfRangeError(absl::StrFormat(
+          "%s: layer %d page %d slot %d: must be in [0, %d) × [0, %d) × [0, %d)", what, m.layer,
+          m.page, m.slot, spec_.geometry.num_layers, spec_.max_pages(), region_.num_slots()));
+    }
+    auto* slot = static_cast<uint8_t*>(region_.slots()) + m.slot * region_.slot_stride();
+    if (demote) {
+      absl::StatusOr<CommittedPage> c = region_.Lookup(m.layer, m.page);
+      if (!c.ok() || c->slot != m.slot || c->generation != m.generation) {
+        return absl::FailedPreconditionError(absl::StrFormat(
+            "DemotePages: session %s layer %d page %d is not committed in slot %d with "
+            "generation %d",
+            id_, m.layer, m.page, m.slot, m.generation));
+      }
+      KVTIER_RETURN_IF_ERROR(cold_pages_->Put(StoredPage{m.layer, m.page, m.slot, m.generation},
+                                              std::span<const uint8_t>(slot, page_bytes)));
+    } else {
+      KVTIER_RETURN_IF_ERROR(
+          cold_pages_->Get(m.layer, m.page, m.slot, std::span<uint8_t>(slot, page_bytes)));
+    }
+  }
+  return absl::OkStatus();
 }
 
 uint64_t TenantSession::DemotedPageCount() const {

@@ -193,6 +193,22 @@ class TenantSession {
   absl::StatusOr<std::vector<PageData>> ReadPages(int32_t layer, const int64_t* pages, size_t count)
       ABSL_LOCKS_EXCLUDED(mu_);
 
+  // SHM sessions that demote pages (DemotePages / PromotePages): moves `pages` between the
+  // region and the cold tier for the engine's Retriever, whose epoch is `epoch`
+  // (FAILED_PRECONDITION when the region moved past it). Demote: each page must be committed
+  // in its slot with its generation (FAILED_PRECONDITION otherwise); its bytes go to the cold
+  // tier. Promote: each page's bytes are written into its slot (the engine's, free). Range
+  // errors are OUT_OF_RANGE; a session that does not demote pages, or a GRPC one (its own
+  // Retriever moves them), FAILED_PRECONDITION; the cold tier's errors.
+  struct PageMove {
+    int32_t layer = 0;
+    int64_t page = 0;
+    int64_t slot = 0;
+    uint64_t generation = 0;
+  };
+  absl::Status MovePages(bool demote, uint64_t epoch, const std::vector<PageMove>& pages)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
   // GRPC: one step of `layer` with q [Hq][d] (REQUIRES: layer and q size validated).
   // `step` numbers it (StepRequest.step; 0: unnumbered): step n runs when the layer has run
   // n − 1, and when it has run n with the same q the kept reply comes back (replayed)

@@ -31,10 +31,10 @@ class ColdPages {
   // the implementation's standard: only then is the host slot freed. Errors leave the page
   // in the host tier.
   virtual absl::Status Put(const StoredPage& page, std::span<const uint8_t> bytes) = 0;
-  // Reads (layer, page) into `out` (host_page_bytes): NOT_FOUND when it was never Put,
-  // DATA_LOSS when no intact copy is left, UNAVAILABLE / DEADLINE_EXCEEDED when the tier
-  // cannot be reached in time.
-  virtual absl::Status Get(int32_t layer, int64_t page, std::span<uint8_t> out) = 0;
+  // Reads (layer, page) into `out` (host_page_bytes), which is host slot `slot` of the
+  // pool: NOT_FOUND when it was never Put, DATA_LOSS when no intact copy is left,
+  // UNAVAILABLE / DEADLINE_EXCEEDED when the tier cannot be reached in time.
+  virtual absl::Status Get(int32_t layer, int64_t page, int64_t slot, std::span<uint8_t> out) = 0;
 };
 
 }  // namespace kvtier

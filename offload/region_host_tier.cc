@@ -65,6 +65,16 @@ absl::Status RegionHostTier::RestoreInto(Retriever& retriever) {
   return absl::OkStatus();
 }
 
+absl::Status RegionHostTier::Withdraw(int32_t layer, int64_t page) {
+  if (epoch_.has_value() && region_.epoch() != *epoch_) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "withdrawing layer %d page %d: the region is at epoch %d, this writer at %d (another "
+        "holder reattached)",
+        layer, page, region_.epoch(), *epoch_));
+  }
+  return region_.Withdraw(layer, page);
+}
+
 absl::StatusOr<std::unique_ptr<Retriever>> OpenRegionRetriever(SessionRegion region,
                                                                std::optional<uint64_t> epoch,
                                                                const SequenceOptions& options,

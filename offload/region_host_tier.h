@@ -42,10 +42,9 @@ class RegionHostTier final : public HostTier {
   absl::Status Commit(std::span<const StoredPage> pages) override;
   std::optional<TelemetryBlock> telemetry() override { return region_.telemetry(); }
   ColdPages* cold() override { return cold_; }
-  // Withdraws the page's directory entry (SessionRegion::Withdraw).
-  absl::Status Withdraw(int32_t layer, int64_t page) override {
-    return region_.Withdraw(layer, page);
-  }
+  // Withdraws the page's directory entry (SessionRegion::Withdraw); FAILED_PRECONDITION,
+  // like a commit, once the region moved past the writer's epoch.
+  absl::Status Withdraw(int32_t layer, int64_t page) override;
   const SessionRegion& region() const { return region_; }
   // The first refused commit (OK while none was): FAILED_PRECONDITION when another holder
   // reattached.

@@ -589,6 +589,25 @@ absl::Status RetrieverImpl::AppendChecked(int32_t layer, const void* k, const vo
         absl::StrFormat("Append: layer %d is between BeginStep and EndStep", layer));
   }
   const int32_t p = geometry_.page_size;
+  if (has_host_tier() && demote()) {
+    // In pieces that fill at most the free pages (or one): the pages this append offloads
+    // become candidates for the demotions the next pieces need.
+    const auto* ks = static_cast<const uint8_t*>(k);
+    const auto* vs = static_cast<const uint8_t*>(v);
+    for (int32_t done = 0; done < n_tokens;) {
+      const PagePoolStats ps = pool_->stats();
+      const int64_t free = ps.capacity - ps.in_use;
+      const int64_t fill = std::max<int64_t>(free, 1);
+      const int64_t fits = (l.tokens / p + fill + 1) * int64_t{p} - 1 - l.tokens;
+      const auto m = static_cast<int32_t>(std::min<int64_t>(n_tokens - done, fits));
+      const int64_t filling = (l.tokens + m) / p - l.tokens / p;
+      if (filling > free) KVTIER_RETURN_IF_ERROR(DropHostPages(layer, filling - free));
+      const size_t off = static_cast<size_t>(done) * token_bytes();
+      KVTIER_RETURN_IF_ERROR(AppendTokens(layer, ks + off, vs + off, m, /*restoring=*/nullptr));
+      done += m;
+    }
+    return CommitStored(/*wait=*/false);
+  }
   if (has_host_tier()) {
     const int64_t filling = (l.tokens + n_tokens) / p - l.tokens / p;
     const PagePoolStats ps = pool_->stats();

@@ -179,8 +179,9 @@ absl::Status RetrieverImpl::PromoteInto(int32_t layer, int32_t n, std::span<cons
   for (const int64_t page : cold) {
     absl::StatusOr<PageHandle> h = pool_->Allocate();
     if (!h.ok()) return Fail(h.status());
-    if (absl::Status st = cold_->Get(layer, page, std::span<uint8_t>(
-                                                      static_cast<uint8_t*>(h->data()), page_bytes));
+    if (absl::Status st = cold_->Get(layer, page, h->slot(),
+                                     std::span<uint8_t>(static_cast<uint8_t*>(h->data()),
+                                                        page_bytes));
         !st.ok()) {
       return Fail(Prefixed(
           st, absl::StrFormat("layer %d: promoting page %d from the cold tier", layer, page)));

@@ -88,6 +88,12 @@ struct SessionOptions {
   // the last of them is gone).
   Device* device = nullptr;
   std::string label;
+  // Tokens per layer the session's host tier holds; 0 = max_tokens. Fewer needs
+  // sequence.policy.host_drop = "demote" and a daemon with a cold tier: the session's
+  // lowest-scoring pages past it move to the cold tier and come back when a step selects
+  // them (docs/service.md#the-cold-tier). An SHM session that demotes pages cannot be taken
+  // over by Reattach yet.
+  int32_t host_tokens = 0;
   // OpenSession's idempotency key (at most 64 bytes of printable ASCII); empty: a random one
   // per call. An engine that retries an OpenSession that failed (say DEADLINE_EXCEEDED) with
   // the same key gets the session the first call opened, if it did, instead of a second.

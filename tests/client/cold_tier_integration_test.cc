@@ -166,6 +166,57 @@ TEST_F(ColdTierIntegrationTest, ShmSessionsFillATenantFarBeyondItsArena) {
   ASSERT_TRUE((*d)->Stop(SIGTERM).ok());
 }
 
+// policy.host_drop = demote over SHM: the engine's Retriever keeps 25 of its 51 pages per
+// layer in the region and moves the rest through kvtierd (DemotePages, PromotePages) to the
+// cluster. Decoding gives bit for bit what a session whose region holds everything gives,
+// and every page reads back, the demoted ones through the daemon.
+TEST_F(ColdTierIntegrationTest, AnShmSessionDemotesPagesAndDecodesBitIdentical) {
+  absl::StatusOr<std::unique_ptr<DaemonProcess>> d = DaemonProcess::Start(Options("live"));
+  ASSERT_TRUE(d.ok()) << d.status();
+  std::unique_ptr<Client> c = Connect(**d);
+  ASSERT_NE(c, nullptr);
+  testing::TraceOptions t = IntegrationTrace();
+  t.prefill = 1600;
+  t.steps = 40;
+  const SyntheticTrace trace(t);
+  SessionOptions ref_options = IntegrationSessionOptions(Transport::kShm, backend_);
+  ref_options.sequence.recall = RecallStrategy::kSlabDma;
+  ref_options.sequence.policy.residency = "h2o";
+  SessionOptions options = ref_options;
+  options.sequence.policy.host_drop = "demote";
+  options.host_tokens = 800;  // 25 pages per layer: 4 sink + 4 recent + 1, and 2 × 2 × 8 spread
+  absl::StatusOr<std::unique_ptr<Session>> ref = c->OpenSession(ref_options);
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  absl::StatusOr<std::unique_ptr<Session>> s = c->OpenSession(options);
+  ASSERT_TRUE(s.ok()) << s.status() << "\n" << (*d)->Log();
+  ASSERT_OK(testing::AppendTokens(**ref, trace, 0, t.prefill));
+  ASSERT_OK(testing::AppendTokens(**s, trace, 0, t.prefill));
+  auto want = testing::RunDecode(**ref, trace, 0, t.steps);
+  ASSERT_TRUE(want.ok()) << want.status();
+  auto got = testing::RunDecode(**s, trace, 0, t.steps);
+  ASSERT_TRUE(got.ok()) << got.status() << "\n" << (*d)->Log();
+  for (int32_t step = 0; step < t.steps; ++step) {
+    for (int32_t l = 0; l < 2; ++l) {
+      ASSERT_EQ((*got)[step][l].output, (*want)[step][l].output) << "step " << step << " layer " << l;
+      ASSERT_EQ((*got)[step][l].slot_table, (*want)[step][l].slot_table)
+          << "step " << step << " layer " << l;
+    }
+  }
+  ASSERT_OK((*s)->Flush());
+  const SequenceStats st = (*s)->sequence().Stats();
+  EXPECT_GT(st.host_demoted_pages, 0);
+  EXPECT_GT(st.host_promoted_pages, 0) << "no step selected a demoted page";
+  const int32_t full = (t.prefill + t.steps) / kPage * kPage;
+  ExpectPages(**s, trace, full);
+  // Its sequence cannot be taken over yet: Reattach says so.
+  absl::StatusOr<std::unique_ptr<Session>> again = c->Reattach((*s)->id(), options);
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kFailedPrecondition) << again.status();
+  EXPECT_NE(again.status().message().find("demotes pages"), std::string::npos) << again.status();
+  ASSERT_OK(c->CloseSession((*s)->id()));
+  ASSERT_OK((*ref)->Close());
+  ASSERT_TRUE((*d)->Stop(SIGTERM).ok());
+}
+
 TEST_F(ColdTierIntegrationTest, SessionsSurviveARestartOfKvtierd) {
   const SyntheticTrace trace(IntegrationTrace());
   std::string shm_id, grpc_id;

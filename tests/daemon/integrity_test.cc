@@ -372,7 +372,8 @@ TEST_F(IntegrityTest, UnparseableRequestsAreInvalidArgumentNamingTheMessage) {
   ASSERT_NO_FATAL_FAILURE(StartDaemon());
   const std::string garbage("\xff\xff\xff\xff\x0f", 5);
   for (const char* method : {"Hello", "OpenSession", "CloseSession", "ListSessions", "Reattach",
-                             "Step", "GetStats", "Drain", "Fetch", "SuspendSession"}) {
+                             "Step", "GetStats", "Drain", "Fetch", "SuspendSession",
+                             "DemotePages", "PromotePages"}) {
     const RawCallResult r = Raw(method, {garbage});
     EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << method;
     EXPECT_THAT(r.status.error_message(),
@@ -582,6 +583,16 @@ TEST_F(IntegrityTest, AnotherTenantsSessionIsAnsweredLikeAnUnknownOne) {
   expect_same("Fetch", with_id(v1::FetchRequest(), id), with_id(v1::FetchRequest(), unknown));
   expect_same("SuspendSession", with_id(v1::SuspendSessionRequest(), id),
               with_id(v1::SuspendSessionRequest(), unknown));
+  auto move = [](auto message, const std::string& session) {
+    message.set_session_id(session);
+    message.set_epoch(1);
+    message.add_pages()->set_generation(1);
+    return message.SerializeAsString();
+  };
+  expect_same("DemotePages", move(v1::DemotePagesRequest(), id),
+              move(v1::DemotePagesRequest(), unknown));
+  expect_same("PromotePages", move(v1::PromotePagesRequest(), id),
+              move(v1::PromotePagesRequest(), unknown));
   expect_same("Offload", Chunk(id, 0, 0, 1, true).SerializeAsString(),
               Chunk(unknown, 0, 0, 1, true).SerializeAsString());
   EXPECT_EQ(List("a").size(), 1u);

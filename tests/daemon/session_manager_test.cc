@@ -177,13 +177,13 @@ INSTANTIATE_TEST_SUITE_P(
                               [](OpenSessionParams* p) { p->host_drop = "evict"; },
                               absl::StatusCode::kInvalidArgument,
                               {"host_drop = 'evict'", "refuse"}},
-                      BadOpen{"HostDropDemoteOverShm",
+                      BadOpen{"HostDropDemoteInDropMode",
                               [](OpenSessionParams* p) {
-                                p->transport = Transport::kShm;
+                                p->mode = RetrievalMode::kDrop;
                                 p->host_drop = "demote";
                               },
                               absl::StatusCode::kInvalidArgument,
-                              {"host_drop = 'demote'", "transport GRPC"}},
+                              {"host_drop = 'demote'", "no host tier"}},
                       BadOpen{"HostDropDemoteWithoutColdTier",
                               [](OpenSessionParams* p) { p->host_drop = "demote"; },
                               absl::StatusCode::kFailedPrecondition,

@@ -30,7 +30,7 @@ class MemoryColdPages final : public ColdPages {
     ++puts;
     return absl::OkStatus();
   }
-  absl::Status Get(int32_t layer, int64_t page, std::span<uint8_t> out) override {
+  absl::Status Get(int32_t layer, int64_t page, int64_t /*slot*/, std::span<uint8_t> out) override {
     if (!get_error.ok()) return get_error;
     auto it = pages.find({layer, page});
     if (it == pages.end()) return absl::NotFoundError("never demoted");

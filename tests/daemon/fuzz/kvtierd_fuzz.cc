@@ -43,8 +43,9 @@ constexpr size_t kTrackedBytes = size_t{32} << 20;  // per session: bigger ones 
 constexpr absl::Duration kLongDeadline = absl::Seconds(60);
 
 const char* const kMethods[kNumTargets] = {
-    "Hello", "OpenSession", "CloseSession", "ListSessions",   "Reattach", "Offload",
-    "Fetch", "Step",        "GetStats",     "Drain",          "SuspendSession", "attach"};
+    "Hello",    "OpenSession", "CloseSession",   "ListSessions", "Reattach",
+    "Offload",  "Fetch",       "Step",           "GetStats",     "Drain",
+    "SuspendSession", "DemotePages", "PromotePages", "attach"};
 
 // ---- the caller a case speaks as ---------------------------------------------------------
 

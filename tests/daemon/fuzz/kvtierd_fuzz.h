@@ -42,6 +42,8 @@ enum FuzzTarget : uint8_t {
   kGetStats,
   kDrain,
   kSuspendSession,
+  kDemotePages,
+  kPromotePages,
   kAttach,
   kNumTargets
 };

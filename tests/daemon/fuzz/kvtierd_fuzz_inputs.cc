@@ -225,6 +225,10 @@ std::unique_ptr<pb::Message> RequestOf(uint8_t target) {
       return std::make_unique<v1::DrainRequest>();
     case kSuspendSession:
       return std::make_unique<v1::SuspendSessionRequest>();
+    case kDemotePages:
+      return std::make_unique<v1::DemotePagesRequest>();
+    case kPromotePages:
+      return std::make_unique<v1::PromotePagesRequest>();
     default:
       return std::make_unique<v1::AttachRequest>();
   }
@@ -422,6 +426,20 @@ std::vector<std::string> SeedCorpus() {
     v1::SuspendSessionRequest suspend;
     suspend.set_session_id(SessionPlaceholder(1));
     c.push_back(Case(kSuspendSession, suspend.SerializeAsString()));
+    v1::DemotePagesRequest demote;
+    demote.set_session_id(SessionPlaceholder(3));
+    demote.set_epoch(1);
+    v1::PageSlot* ps = demote.add_pages();
+    ps->set_layer(0);
+    ps->set_page(0);
+    ps->set_slot(0);
+    ps->set_generation(1);
+    c.push_back(Case(kDemotePages, demote.SerializeAsString()));
+    v1::PromotePagesRequest promote;
+    promote.set_session_id(SessionPlaceholder(3));
+    promote.set_epoch(1);
+    *promote.add_pages() = *ps;
+    c.push_back(Case(kPromotePages, promote.SerializeAsString()));
     v1::CloseSessionRequest close;
     close.set_session_id(SessionPlaceholder(2));
     c.push_back(Case(kCloseSession, close.SerializeAsString()));
