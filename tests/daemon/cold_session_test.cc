@@ -479,6 +479,65 @@ TEST_F(ColdSessionTest, ACorruptedValueIsDataLossNeverWrongBytes) {
   EXPECT_TRUE(manager_->CloseSession(Caller{"a"}, id).ok());
 }
 
+// A live session's demoted page with no intact copy: the step that selects it is DATA_LOSS,
+// never attention over wrong bytes, and so is a Fetch of it; the session can still be
+// closed, and its keys go.
+TEST_F(ColdSessionTest, ACorruptedDemotedPageIsDataLossForTheStepThatNeedsIt) {
+  manager_ = Make(ColdConfig());
+  ASSERT_NE(manager_, nullptr);
+  const Geometry g = SmallGeometry();
+  OpenSessionParams p = GrpcParams("a");
+  p.mode = RetrievalMode::kSync;
+  p.max_tokens = 1024;
+  p.host_drop = "demote";
+  p.host_tokens = 128;
+  const SessionRecord s = Open(p);
+  ASSERT_FALSE(s.id.empty());
+  std::vector<Rows> rows;
+  for (int32_t l = 0; l < g.num_layers; ++l) rows.emplace_back(g, 400, 70 + l);
+  OffloadAll("a", s.id, rows, 0, 400, 200);  // 50 pages a layer through 16 host pages each
+  // Every page that has a key (the demoted ones) loses a byte of its payload, everywhere.
+  int corrupted = 0;
+  for (int32_t l = 0; l < g.num_layers; ++l) {
+    for (int64_t page = 0; page < 50; ++page) {
+      const std::string key = ColdKey(prefix_, "a", s.id, l, page);
+      absl::StatusOr<int> master = cluster_->MasterOf(RedisCluster::SlotOf(key));
+      ASSERT_TRUE(master.ok()) << master.status();
+      absl::StatusOr<std::string> exists = cluster_->Command(*master, {"EXISTS", key});
+      ASSERT_TRUE(exists.ok()) << exists.status();
+      if (*exists != "1") continue;
+      ASSERT_TRUE(cluster_->Command(*master, {"SETRANGE", key, "100", "\x5a"}).ok());
+      ++corrupted;
+    }
+  }
+  ASSERT_GT(corrupted, 40);
+  ASSERT_TRUE(cluster_->WaitForReplicas(absl::Seconds(10)).ok());
+  {
+    absl::StatusOr<std::unique_ptr<FetchCursor>> cursor =
+        manager_->StartFetch(Caller{"a"}, s.id, 0, {});
+    ASSERT_TRUE(cursor.ok()) << cursor.status();
+    absl::Status fetched;
+    while (fetched.ok() && !(*cursor)->done()) fetched = (*cursor)->Next(uint64_t{1} << 20).status();
+    ExpectError(fetched, absl::StatusCode::kDataLoss, {"checksum"});
+  }
+  // Steps until one selects a demoted page (sync mode selects with every step's query).
+  absl::Status failed;
+  for (int step = 0; step < 20 && failed.ok(); ++step) {
+    Rows q(g, 1, 2000 + step);
+    std::string qbytes(static_cast<size_t>(g.num_q_heads) * g.head_dim * g.element_bytes(), 0);
+    std::memcpy(qbytes.data(), q.k.data(), std::min(qbytes.size(), q.k.bytes()));
+    for (int32_t l = 0; l < g.num_layers && failed.ok(); ++l) {
+      failed = manager_->Step(Caller{"a"}, s.id, l, qbytes, true).status();
+    }
+  }
+  ExpectError(failed, absl::StatusCode::kDataLoss, {"promoting page", "checksum"});
+  ASSERT_TRUE(manager_->CloseSession(Caller{"a"}, s.id).ok());
+  Exposition out;
+  manager_->WriteMetrics(out);
+  EXPECT_NE(out.text().find(R"(kvtier_cold_used_bytes{tenant="a"} 0)"), std::string::npos);
+  EXPECT_EQ(out.text().find(R"(kvtier_cold_data_loss_total{tenant="a"} 0)"), std::string::npos);
+}
+
 TEST_F(ColdSessionTest, ATenantsAclUserReachesOnlyItsOwnKeys) {
   // ACLs are per node in Redis Cluster: the user is set on every node.
   const std::string user = absl::StrCat(prefix_, "-a");
