@@ -91,6 +91,13 @@ kvtier::SessionOptions ToSessionOptions(const kvtier_session_options& o, absl::S
     }
   }
   s.sequence.max_tokens = o.max_tokens;
+  s.host_tokens = o.host_tokens;
+  if (o.host_drop_demote != 0 && o.host_drop_demote != 1) {
+    *st = absl::InvalidArgumentError(
+        absl::StrFormat("host_drop_demote = %d: must be 0 or 1", o.host_drop_demote));
+  }
+  // Without a residency policy (the C API sets none) the oldest pages are demoted first.
+  if (o.host_drop_demote == 1) s.sequence.policy.host_drop = "demote";
   s.sequence.correction_threshold = o.correction_threshold;
   if (o.correction_trigger != KVTIER_CORRECTION_TRIGGER_COSINE &&
       o.correction_trigger != KVTIER_CORRECTION_TRIGGER_MASS) {

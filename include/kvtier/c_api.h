@@ -98,6 +98,9 @@ typedef struct kvtier_session_options {
   const char* label;          /* NULL: none */
   int32_t correction_trigger; /* KVTIER_CORRECTION_TRIGGER_* */
   float correction_max_loss;  /* mass trigger: largest relative loss kept, in [0, 1] */
+  int32_t host_tokens;        /* tokens per layer in the host tier; 0: max_tokens */
+  int32_t host_drop_demote;   /* 1: a full host tier demotes pages to the daemon's cold tier
+                                 (policy.host_drop = "demote"; needed below max_tokens) */
 } kvtier_session_options;
 
 /* Fills the defaults: tenant "default", 30 s timeout; fp16 geometry with page size 32,

@@ -589,6 +589,23 @@ TEST_F(ServiceTest, CApiDrivesAnShmSessionLikeTheCppApi) {
   so.budget_tokens = 512;
   so.max_tokens = 2048;
   kvtier_session* cs = nullptr;
+  {
+    // host_tokens and host_drop_demote reach the daemon: below max_tokens without demotion
+    // is refused, and demotion without a cold tier too.
+    kvtier_session_options small = so;
+    small.host_tokens = 1024;
+    EXPECT_EQ(kvtier_open_session(client, &small, &cs), KVTIER_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(kvtier_last_error()).find("retrieval.host_tokens = 1024"),
+              std::string::npos)
+        << kvtier_last_error();
+    small.host_drop_demote = 1;
+    EXPECT_EQ(kvtier_open_session(client, &small, &cs), KVTIER_FAILED_PRECONDITION);
+    EXPECT_NE(std::string(kvtier_last_error()).find("no cold tier"), std::string::npos)
+        << kvtier_last_error();
+    small.host_drop_demote = 2;
+    EXPECT_EQ(kvtier_open_session(client, &small, &cs), KVTIER_INVALID_ARGUMENT);
+    EXPECT_EQ(cs, nullptr);
+  }
   ASSERT_EQ(kvtier_open_session(client, &so, &cs), KVTIER_OK) << kvtier_last_error();
   EXPECT_NE(std::string(kvtier_session_id(cs)), "");
 

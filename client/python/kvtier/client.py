@@ -288,6 +288,9 @@ class Client:
         budget_policy: str = "",
         policy_params: Optional[Mapping[str, str]] = None,
         request_id: Optional[str] = None,
+        residency_policy: str = "",
+        host_drop: str = "",
+        host_tokens: int = 0,
     ) -> "Session":
         """Opens a session. `geometry`: a Geometry or a dict of its fields. Zero
         budget_tokens / max_tokens take the daemon's defaults; `mode` is one of
@@ -296,7 +299,10 @@ class Client:
         `correction_trigger` is cosine or mass (None: the daemon's default, cosine);
         `correction_max_loss` in [0, 1] is the mass trigger's threshold (None: 0.1).
         `request_id` makes a retry safe: while the session it opened is open, opening with
-        the same id returns that session (default: a fresh random id per call)."""
+        the same id returns that session (default: a fresh random id per call).
+        `host_drop` "demote" with `host_tokens` below max_tokens keeps only that many tokens
+        per layer in the host tier and moves the lowest-scoring pages to the daemon's cold
+        tier (they come back when a step selects them; needs a cold tier)."""
         if not isinstance(geometry, Geometry):
             geometry = Geometry(**geometry)
         if mode not in _MODES:
@@ -304,7 +310,10 @@ class Client:
         if transport not in _TRANSPORTS:
             raise ValueError(f"transport {transport!r}; expected one of {sorted(_TRANSPORTS)}")
         retrieval = pb.RetrievalOptions(
-            mode=_MODES[mode], budget_tokens=budget_tokens, max_tokens=max_tokens
+            mode=_MODES[mode],
+            budget_tokens=budget_tokens,
+            max_tokens=max_tokens,
+            host_tokens=host_tokens,
         )
         if correction_threshold is not None:
             retrieval.correction_threshold = correction_threshold
@@ -321,7 +330,12 @@ class Client:
             tenant=self.tenant,
             geometry=geometry.to_proto(),
             retrieval=retrieval,
-            policy=pb.PolicyOptions(budget_policy=budget_policy, params=dict(policy_params or {})),
+            policy=pb.PolicyOptions(
+                budget_policy=budget_policy,
+                residency_policy=residency_policy,
+                host_drop=host_drop,
+                params=dict(policy_params or {}),
+            ),
             transport=_TRANSPORTS[transport],
             label=label,
             request_id=request_id or uuid.uuid4().hex,

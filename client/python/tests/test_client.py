@@ -318,6 +318,18 @@ class ClientTest(unittest.TestCase):
         self.assertEqual(ctx.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
         self.assertIn("correction_max_loss", ctx.exception.message)
 
+    def test_host_tokens_and_host_drop_are_carried_and_checked(self) -> None:
+        # Below max_tokens without demotion, and demotion without a cold tier: both refused,
+        # naming what the request carried.
+        with self.assertRaises(KvtierError) as ctx:
+            self.open(host_tokens=64)
+        self.assertEqual(ctx.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("retrieval.host_tokens = 64", ctx.exception.message)
+        with self.assertRaises(KvtierError) as ctx:
+            self.open(host_drop="demote", residency_policy="h2o")
+        self.assertEqual(ctx.exception.code, grpc.StatusCode.FAILED_PRECONDITION)
+        self.assertIn("no cold tier", ctx.exception.message)
+
     def test_steps_are_numbered_and_a_retry_replays(self) -> None:
         session = self.open()
         g = session.geometry
