@@ -391,30 +391,31 @@ std::vector<TenantSession::PageMove> PageMoves(
   return out;
 }
 
+// DemotePages and PromotePages: the same request shape, the direction apart.
+template <typename Request>
+absl::Status MovePagesOf(SessionManager& manager, const Caller& caller, const Request& request,
+                         bool demote) {
+  if (request.pages_size() > static_cast<int>(SessionManager::kMaxPagesPerMove)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: %d pages; at most %d a call", demote ? "DemotePages" : "PromotePages",
+        request.pages_size(), SessionManager::kMaxPagesPerMove));
+  }
+  return manager.MovePages(caller, request.session_id(), demote, request.epoch(),
+                           PageMoves(request.pages()));
+}
+
 }  // namespace
 
 absl::Status KvTierService::DoDemotePages(const Caller& caller,
                                           const v1::DemotePagesRequest& request,
                                           v1::DemotePagesReply* /*reply*/) {
-  if (request.pages_size() > static_cast<int>(SessionManager::kMaxPagesPerMove)) {
-    return absl::InvalidArgumentError(absl::StrFormat("DemotePages: %d pages; at most %d a call",
-                                                      request.pages_size(),
-                                                      SessionManager::kMaxPagesPerMove));
-  }
-  return manager_.MovePages(caller, request.session_id(), /*demote=*/true, request.epoch(),
-                            PageMoves(request.pages()));
+  return MovePagesOf(manager_, caller, request, /*demote=*/true);
 }
 
 absl::Status KvTierService::DoPromotePages(const Caller& caller,
                                            const v1::PromotePagesRequest& request,
                                            v1::PromotePagesReply* /*reply*/) {
-  if (request.pages_size() > static_cast<int>(SessionManager::kMaxPagesPerMove)) {
-    return absl::InvalidArgumentError(absl::StrFormat("PromotePages: %d pages; at most %d a call",
-                                                      request.pages_size(),
-                                                      SessionManager::kMaxPagesPerMove));
-  }
-  return manager_.MovePages(caller, request.session_id(), /*demote=*/false, request.epoch(),
-                            PageMoves(request.pages()));
+  return MovePagesOf(manager_, caller, request, /*demote=*/false);
 }
 
 absl::Status KvTierService::DoStep(const Caller& caller, const v1::StepRequest& request,
