@@ -2,7 +2,8 @@
 // demote; offload/cold_pages.h, docs/service.md#the-cold-tier). The session's Retriever demotes
 // its lowest-scoring pages here when its region's slots are full, under the page keys of the
 // cold tier (daemon/cold_tier.h), each charged to the tenant's cold quota and, with
-// cold_tier.min_replicas, acknowledged by that many replicas before its slot is freed. A page
+// cold_tier.min_replicas, acknowledged by that many replicas before its slot is freed (under
+// keys of their own: "<session>.live"). A page
 // comes back checked against the generation it was written with: no intact copy is DATA_LOSS.
 // Fetch reads demoted pages here too. The keys go when the session is closed (RemoveAll).
 //
@@ -31,10 +32,12 @@ namespace kvtier::daemon {
 
 class SessionColdPages final : public ColdPages {
  public:
-  // `store` (the tenant's) must outlive this object.
-  SessionColdPages(ColdStore* store, std::string session, size_t page_bytes,
+  // `store` (the tenant's) must outlive this object. The pages' keys are those of session
+  // "<session>.live" (daemon/cold_tier.h), apart from the keys of the session's own record
+  // and pages when the session is demoted whole.
+  SessionColdPages(ColdStore* store, const std::string& session, size_t page_bytes,
                    absl::Duration timeout)
-      : store_(store), session_(std::move(session)), page_bytes_(page_bytes), timeout_(timeout) {}
+      : store_(store), session_(session + ".live"), page_bytes_(page_bytes), timeout_(timeout) {}
   ~SessionColdPages() override;
 
   absl::Status Put(const StoredPage& page, std::span<const uint8_t> bytes) override

@@ -408,7 +408,7 @@ void SessionManager::DemoteSuspendedLoop() {
       const absl::Time now = absl::Now();
       for (const auto& [id, e] : sessions_) {
         if (e.session != nullptr && e.session->suspended() && e.suspended_at + after <= now &&
-            !e.session->spec().demotes_pages() && ColdStoreOf(e.tenant) != nullptr) {
+            e.session->spec().movable_whole() && ColdStoreOf(e.tenant) != nullptr) {
           due.push_back(id);
         }
       }
@@ -1650,7 +1650,8 @@ absl::StatusOr<std::shared_ptr<TenantSession>> SessionManager::Promote(const std
   absl::StatusOr<std::shared_ptr<TenantSession>> s = TenantSession::Restore(
       id, cold.spec, std::move(lease), backend_.get(), tenant, cold.record.created_unix_ms(),
       cold.record.epoch(), cold.record.suspended(),
-      [&](int32_t layer) { return store->ReadLayer(cold.record, layer, deadline); });
+      [&](int32_t layer) { return store->ReadLayer(cold.record, layer, deadline); },
+      cold.spec.demotes_pages() ? store : nullptr, config_.cold_tier.operation_timeout);
   if (!s.ok()) {
     spdlog::log(absl::IsDataLoss(s.status()) ? spdlog::level::err : spdlog::level::warn,
                 "session {}: promotion from the cold tier failed, it stays there: {}", id,
@@ -1691,9 +1692,9 @@ absl::StatusOr<RegionLease> SessionManager::AllocateRegion(Tenant& tenant, uint6
   {
     MutexLock lock(&mu_);
     for (const auto& [id, e] : sessions_) {
-      // A session that demotes pages moves page by page, never whole.
+      // An SHM session that demotes pages moves page by page, never whole.
       if (e.tenant == tenant.name() && e.session != nullptr && e.session->suspended() &&
-          !e.session->spec().demotes_pages()) {
+          e.session->spec().movable_whole()) {
         victims.emplace_back(e.suspended_at, id);
       }
     }
@@ -1846,10 +1847,11 @@ size_t SessionManager::PersistAllSessions(absl::Time deadline) {
     for (const auto& [id, e] : sessions_) {
       // A persistent arena keeps its sessions itself.
       if (e.session != nullptr && ColdStoreOf(e.tenant) != nullptr && !Persistent(e.tenant)) {
-        if (e.session->spec().demotes_pages()) {
-          // Its pages are split between the tiers, and a session record holds a committed
-          // prefix: it ends with the daemon (docs/service.md#what-survives-what).
-          spdlog::warn("shutdown: session {} demotes pages (host_drop = demote) and is lost", id);
+        if (!e.session->spec().movable_whole()) {
+          // An SHM session that demotes pages: its engine's sequence could not be rebuilt
+          // (docs/service.md#what-survives-what).
+          spdlog::warn("shutdown: SHM session {} demotes pages (host_drop = demote) and is lost",
+                       id);
           continue;
         }
         hot.push_back(id);

@@ -41,13 +41,23 @@ absl::StatusOr<std::shared_ptr<TenantSession>> TenantSession::Create(
 
 absl::StatusOr<std::shared_ptr<TenantSession>> TenantSession::Restore(
     std::string id, SessionSpec spec, RegionLease lease, Backend* backend, MemoryBudget* budget,
-    int64_t created_unix_ms, uint64_t epoch, bool suspended, const LoadLayer& load) {
+    int64_t created_unix_ms, uint64_t epoch, bool suspended, const LoadLayer& load,
+    ColdStore* demote_to, absl::Duration cold_timeout) {
   const Geometry& g = spec.geometry;
   const int32_t pages = spec.max_pages();
   KVTIER_ASSIGN_OR_RETURN(SessionRegion region,
                           SessionRegion::Format(lease.data(), lease.bytes(), g, pages,
                                                 spec.host_slots()));
   const size_t page_bytes = g.host_page_bytes();
+  if (spec.demotes_pages()) {
+    if (spec.transport != Transport::kGrpc || demote_to == nullptr) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "session %s demotes pages: only a GRPC session with a cold tier can be rebuilt", id));
+    }
+    return RebuildDemoting(std::move(id), std::move(spec), std::move(lease), region, backend,
+                           budget, created_unix_ms, epoch, suspended, load, demote_to,
+                           cold_timeout);
+  }
   int64_t slot = 0;
   for (int32_t layer = 0; layer < g.num_layers; ++layer) {
     KVTIER_ASSIGN_OR_RETURN(std::vector<ColdPage> loaded, load(layer));
@@ -73,6 +83,65 @@ absl::StatusOr<std::shared_ptr<TenantSession>> TenantSession::Restore(
   }
   return FromCommitted(std::move(id), std::move(spec), std::move(lease), region, backend, budget,
                        created_unix_ms, epoch, suspended);
+}
+
+absl::StatusOr<std::shared_ptr<TenantSession>> TenantSession::RebuildDemoting(
+    std::string id, SessionSpec spec, RegionLease lease, SessionRegion region, Backend* backend,
+    MemoryBudget* budget, int64_t created_unix_ms, uint64_t epoch, bool suspended,
+    const LoadLayer& load, ColdStore* demote_to, absl::Duration cold_timeout) {
+  const Geometry g = spec.geometry;
+  const int32_t pages = spec.max_pages();
+  KVTIER_ASSIGN_OR_RETURN(const uint64_t now_epoch, region.BumpEpoch(epoch));
+  std::shared_ptr<TenantSession> s(new TenantSession(std::move(id), std::move(spec),
+                                                     std::move(lease), region,
+                                                     NewBudgetedBackend(*backend, *budget),
+                                                     created_unix_ms));
+  MutexLock lock(&s->mu_);
+  s->epoch_ = now_epoch;
+  s->suspended_.store(suspended, std::memory_order_release);
+  s->cold_pages_ =
+      std::make_unique<SessionColdPages>(demote_to, s->id_, g.host_page_bytes(), cold_timeout);
+  KVTIER_ASSIGN_OR_RETURN(
+      s->retriever_, OpenRegionRetriever(region, std::nullopt, s->spec_.sequence, *s->backend_,
+                                         /*restore=*/false, s->cold_pages_.get()));
+  // Page by page, as the engine first appended them: HND [Hkv][2][p][d] back to NHD rows
+  // [p][Hkv][d]; the Retriever offloads, summarises and demotes exactly as it did then.
+  const size_t page_bytes = g.host_page_bytes();
+  const size_t row = static_cast<size_t>(g.head_dim) * g.element_bytes();
+  const int32_t p = g.page_size;
+  std::vector<uint8_t> k(static_cast<size_t>(p) * g.num_kv_heads * row);
+  std::vector<uint8_t> v(k.size());
+  for (int32_t layer = 0; layer < g.num_layers; ++layer) {
+    KVTIER_ASSIGN_OR_RETURN(std::vector<ColdPage> loaded, load(layer));
+    if (loaded.size() > static_cast<size_t>(pages)) {
+      return absl::OutOfRangeError(absl::StrFormat(
+          "session %s: layer %d has %d pages in the cold tier; the session holds %d", s->id_,
+          layer, loaded.size(), pages));
+    }
+    for (size_t i = 0; i < loaded.size(); ++i) {
+      const ColdPage& cp = loaded[i];
+      if (cp.data.size() != page_bytes || cp.page != static_cast<int64_t>(i) ||
+          cp.layer != layer) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "session %s: layer %d page %d came back as layer %d page %d of %d bytes (expected "
+            "%d)",
+            s->id_, layer, i, cp.layer, cp.page, cp.data.size(), page_bytes));
+      }
+      for (int32_t h = 0; h < g.num_kv_heads; ++h) {
+        for (int32_t t = 0; t < p; ++t) {
+          const size_t dst = (static_cast<size_t>(t) * g.num_kv_heads + h) * row;
+          std::memcpy(k.data() + dst, cp.data.data() + ((static_cast<size_t>(h) * 2) * p + t) * row,
+                      row);
+          std::memcpy(v.data() + dst,
+                      cp.data.data() + ((static_cast<size_t>(h) * 2 + 1) * p + t) * row, row);
+        }
+      }
+      KVTIER_RETURN_IF_ERROR(s->retriever_->Append(layer, k.data(), v.data(), p));
+    }
+  }
+  KVTIER_RETURN_IF_ERROR(s->retriever_->Flush());
+  s->PublishTokens();
+  return s;
 }
 
 absl::StatusOr<std::shared_ptr<TenantSession>> TenantSession::Adopt(
@@ -436,18 +505,35 @@ absl::StatusOr<CloseResult> TenantSession::Demote(
   }
   const Geometry& g = spec_.geometry;
   const size_t page_bytes = g.host_page_bytes();
+  if (cold_pages_ != nullptr && retriever_ == nullptr) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "session %s is an SHM session that demotes pages: it is never demoted whole (its "
+        "engine's sequence could not be rebuilt)",
+        id_));
+  }
   Image image;
   image.epoch = epoch_;
   image.layers.resize(g.num_layers);
   for (int32_t layer = 0; layer < g.num_layers; ++layer) {
-    const int64_t n = region_.CommittedPrefix(layer);
     std::vector<ColdPageRef>& refs = image.layers[layer];
-    refs.reserve(static_cast<size_t>(n));
-    for (int64_t page = 0; page < n; ++page) {
-      KVTIER_ASSIGN_OR_RETURN(const CommittedPage c, region_.Lookup(layer, page));
-      refs.push_back(ColdPageRef{layer, page, c.generation,
-                                 std::string_view(static_cast<const char*>(region_.SlotData(c.slot)),
-                                                  page_bytes)});
+    for (int64_t page = 0; page < spec_.max_pages(); ++page) {
+      absl::StatusOr<CommittedPage> c = region_.Lookup(layer, page);
+      if (c.ok()) {
+        refs.push_back(ColdPageRef{
+            layer, page, c->generation,
+            std::string_view(static_cast<const char*>(region_.SlotData(c->slot)), page_bytes)});
+        continue;
+      }
+      if (!absl::IsNotFound(c.status())) return c.status();
+      // Demoted (host_drop = demote): its bytes come back from the cold tier.
+      const std::optional<uint64_t> gen =
+          cold_pages_ != nullptr ? cold_pages_->Generation(layer, page) : std::nullopt;
+      if (!gen.has_value()) break;  // the committed prefix ends here
+      std::string& data = image.owned.emplace_back(page_bytes, '\0');
+      KVTIER_RETURN_IF_ERROR(cold_pages_->Get(
+          layer, page, /*slot=*/-1,
+          std::span<uint8_t>(reinterpret_cast<uint8_t*>(data.data()), page_bytes)));
+      refs.push_back(ColdPageRef{layer, page, *gen, std::string_view(data)});
     }
   }
   KVTIER_RETURN_IF_ERROR(write(image));

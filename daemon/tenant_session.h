@@ -15,6 +15,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -59,6 +60,9 @@ struct SessionSpec {
   // Slots of the session's region: host_pages for every layer.
   int64_t host_slots() const { return int64_t{geometry.num_layers} * host_pages; }
   bool demotes_pages() const { return host_pages < max_pages(); }
+  // Whether the cold tier may take the whole session (and give it back): not an SHM session
+  // that demotes pages, whose engine's sequence could not be rebuilt.
+  bool movable_whole() const { return !demotes_pages() || transport == Transport::kGrpc; }
 };
 
 // What ListSessions, OpenSession and Reattach report about a session.
@@ -145,9 +149,13 @@ class TenantSession {
   // as they are (the lease is then freed); INVALID_ARGUMENT for a page of the wrong size,
   // OUT_OF_RANGE for more pages than a layer holds.
   using LoadLayer = std::function<absl::StatusOr<std::vector<ColdPage>>(int32_t layer)>;
+  // A GRPC session that demotes pages (SessionSpec::demotes_pages) is rebuilt by appending
+  // its pages, layer by layer, to a fresh Retriever whose host tier demotes to `demote_to`
+  // as it fills (each operation within `cold_timeout`).
   static absl::StatusOr<std::shared_ptr<TenantSession>> Restore(
       std::string id, SessionSpec spec, RegionLease lease, Backend* backend, MemoryBudget* budget,
-      int64_t created_unix_ms, uint64_t epoch, bool suspended, const LoadLayer& load);
+      int64_t created_unix_ms, uint64_t epoch, bool suspended, const LoadLayer& load,
+      ColdStore* demote_to = nullptr, absl::Duration cold_timeout = absl::Seconds(10));
   // A session whose region survived in a persistent arena (tenant.arena_path), taken up
   // after a daemon restart: opens the region (SessionRegion::Open's checks, and its shape
   // must be the spec's: FAILED_PRECONDITION otherwise), moves its epoch past `epoch` (and
@@ -229,14 +237,19 @@ class TenantSession {
   // What Demote hands its writer: the committed prefix of every layer, read in place.
   struct Image {
     uint64_t epoch = 0;                             // the last epoch given out
-    std::vector<std::vector<ColdPageRef>> layers;  // [num_layers]; data points into the region
+    // [num_layers]; data points into the region, or into `owned` (pages the session had
+    // demoted, read back from the cold tier).
+    std::vector<std::vector<ColdPageRef>> layers;
+    std::deque<std::string> owned;
   };
   // Moves the session out of the host tier: with the session held (no call runs on it),
   // `write` gets the image of its committed pages and stores them elsewhere; when it
   // succeeds the session is closed as demoted (Close's work; the region returns to the tenant
   // when the last reference goes), else it stays as it was and `write`'s error comes back.
-  // FAILED_PRECONDITION unless the session is suspended (or `force`: shutdown); NOT_FOUND
-  // when closed.
+  // FAILED_PRECONDITION unless the session is suspended (or `force`: shutdown), and for an SHM
+  // session that demotes pages (its sequence could not be rebuilt); NOT_FOUND when closed.
+  // A GRPC session that demotes pages hands over every full page, from the region or the
+  // cold tier.
   absl::StatusOr<CloseResult> Demote(const std::function<absl::Status(const Image&)>& write,
                                      bool force) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<SessionStatsRecord> Stats() ABSL_LOCKS_EXCLUDED(mu_);
@@ -256,6 +269,11 @@ class TenantSession {
  private:
   TenantSession(std::string id, SessionSpec spec, RegionLease lease, SessionRegion region,
                 std::unique_ptr<Backend> backend, int64_t created_unix_ms);
+  // Restore of a session that demotes pages: a fresh Retriever fed the pages (Restore).
+  static absl::StatusOr<std::shared_ptr<TenantSession>> RebuildDemoting(
+      std::string id, SessionSpec spec, RegionLease lease, SessionRegion region, Backend* backend,
+      MemoryBudget* budget, int64_t created_unix_ms, uint64_t epoch, bool suspended,
+      const LoadLayer& load, ColdStore* demote_to, absl::Duration cold_timeout);
   // Restore's and Adopt's end: the session over `region` whose pages are committed, its
   // epoch moved past `epoch`, the Retriever of a GRPC session rebuilt from them.
   static absl::StatusOr<std::shared_ptr<TenantSession>> FromCommitted(

@@ -6,6 +6,9 @@
 // finds its sessions and Reattach brings them back (GRPC sessions step again); a corrupted
 // value is DATA_LOSS, never wrong bytes; a killed master loses nothing a demotion
 // acknowledged (WAIT for a replica); a tenant's Redis ACL user reaches only its own keys.
+// Live sessions with policy.host_drop = demote: pages move one by one and steps match a session
+// that holds everything bit for bit; a corrupted demoted page is DATA_LOSS for the step that
+// needs it; such a session survives a restart.
 #include <atomic>
 #include <memory>
 #include <thread>
@@ -275,12 +278,7 @@ TEST_F(ColdSessionTest, ALiveSessionDemotesPagesAndStepsBringThemBackBitIdentica
     EXPECT_GT(value(R"(kvtier_cold_live_pages_total{tenant="a",direction="demoted"})"), 0);
     EXPECT_GT(value(R"(kvtier_cold_live_pages_total{tenant="a",direction="promoted"})"), 0);
     EXPECT_GT(value(R"(kvtier_cold_used_bytes{tenant="a"})"), 0);
-    ASSERT_TRUE(manager_->CloseSession(Caller{"a"}, a.id).ok());
-    ASSERT_TRUE(manager_->CloseSession(Caller{"a"}, b.id).ok());
-    Exposition after;
-    manager_->WriteMetrics(after);
-    EXPECT_NE(after.text().find(R"(kvtier_cold_used_bytes{tenant="a"} 0)"), std::string::npos);
-    // The keys went with the session.
+    // The demoted pages' keys ("<session>.live") are there, and go with the session.
     RedisClusterOptions o;
     o.seeds = cluster_->seeds();
     absl::StatusOr<std::unique_ptr<RedisCluster>> rc = RedisCluster::Connect(o);
@@ -289,11 +287,24 @@ TEST_F(ColdSessionTest, ALiveSessionDemotesPagesAndStepsBringThemBackBitIdentica
     std::vector<int64_t> all(static_cast<size_t>(tokens / g.page_size));
     for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<int64_t>(i);
     const std::vector<uint64_t> any(all.size(), 0);
-    for (int32_t l = 0; l < g.num_layers; ++l) {
-      for (const auto& got : tier->Get("a", b.id, l, all, any, absl::Now() + absl::Seconds(5))) {
-        EXPECT_TRUE(absl::IsNotFound(got.status())) << got.status();
+    const auto stored = [&] {
+      int n = 0;
+      for (int32_t l = 0; l < g.num_layers; ++l) {
+        for (const auto& got :
+             tier->Get("a", b.id + ".live", l, all, any, absl::Now() + absl::Seconds(5))) {
+          EXPECT_TRUE(got.ok() || absl::IsNotFound(got.status())) << got.status();
+          n += got.ok();
+        }
       }
-    }
+      return n;
+    };
+    EXPECT_GT(stored(), 0);
+    ASSERT_TRUE(manager_->CloseSession(Caller{"a"}, a.id).ok());
+    ASSERT_TRUE(manager_->CloseSession(Caller{"a"}, b.id).ok());
+    Exposition after;
+    manager_->WriteMetrics(after);
+    EXPECT_NE(after.text().find(R"(kvtier_cold_used_bytes{tenant="a"} 0)"), std::string::npos);
+    EXPECT_EQ(stored(), 0);
   }
 }
 
@@ -500,7 +511,7 @@ TEST_F(ColdSessionTest, ACorruptedDemotedPageIsDataLossForTheStepThatNeedsIt) {
   int corrupted = 0;
   for (int32_t l = 0; l < g.num_layers; ++l) {
     for (int64_t page = 0; page < 50; ++page) {
-      const std::string key = ColdKey(prefix_, "a", s.id, l, page);
+      const std::string key = ColdKey(prefix_, "a", s.id + ".live", l, page);
       absl::StatusOr<int> master = cluster_->MasterOf(RedisCluster::SlotOf(key));
       ASSERT_TRUE(master.ok()) << master.status();
       absl::StatusOr<std::string> exists = cluster_->Command(*master, {"EXISTS", key});
@@ -536,6 +547,82 @@ TEST_F(ColdSessionTest, ACorruptedDemotedPageIsDataLossForTheStepThatNeedsIt) {
   manager_->WriteMetrics(out);
   EXPECT_NE(out.text().find(R"(kvtier_cold_used_bytes{tenant="a"} 0)"), std::string::npos);
   EXPECT_EQ(out.text().find(R"(kvtier_cold_data_loss_total{tenant="a"} 0)"), std::string::npos);
+}
+
+// A GRPC session that demotes pages survives a restart through the cold tier: shutdown
+// writes every page (from its region or read back from its demoted keys) under its record,
+// and Reattach rebuilds its Retriever by appending them again over a host tier of the same
+// size, which demotes as it fills. It then steps exactly like a session that never demoted.
+TEST_F(ColdSessionTest, ASessionThatDemotesPagesSurvivesARestart) {
+  DaemonConfig config = ColdConfig();
+  manager_ = Make(config);
+  ASSERT_NE(manager_, nullptr);
+  const Geometry g = SmallGeometry();
+  OpenSessionParams ref = GrpcParams("a");
+  ref.max_tokens = 1024;
+  ref.residency_policy = "h2o";
+  OpenSessionParams cold = ref;
+  cold.host_drop = "demote";
+  cold.host_tokens = 128;
+  const std::string a = Open(ref).id;
+  const std::string b = Open(cold).id;
+  ASSERT_FALSE(b.empty());
+  std::vector<Rows> rows;
+  for (int32_t l = 0; l < g.num_layers; ++l) rows.emplace_back(g, 320, 90 + l);
+  for (const std::string& id : {a, b}) OffloadAll("a", id, rows, 0, 320, 160);
+  const auto q_of = [&](int step) {
+    Rows q(g, 1, 3000 + step);
+    std::string qbytes(static_cast<size_t>(g.num_q_heads) * g.head_dim * g.element_bytes(), 0);
+    std::memcpy(qbytes.data(), q.k.data(), std::min(qbytes.size(), q.k.bytes()));
+    return qbytes;
+  };
+  const auto step_both = [&](int first, int last) {
+    for (int step = first; step < last; ++step) {
+      for (int32_t l = 0; l < g.num_layers; ++l) {
+        absl::StatusOr<StepResult> want = manager_->Step(Caller{"a"}, a, l, q_of(step), true);
+        absl::StatusOr<StepResult> got = manager_->Step(Caller{"a"}, b, l, q_of(step), true);
+        ASSERT_TRUE(want.ok()) << want.status();
+        ASSERT_TRUE(got.ok()) << "step " << step << " layer " << l << ": " << got.status();
+        ASSERT_EQ(got->output, want->output) << "step " << step << " layer " << l;
+      }
+    }
+  };
+  step_both(0, 5);
+  ASSERT_FALSE(HasFatalFailure());
+  absl::StatusOr<StatsReport> before = manager_->GetStats(Caller{"a"}, b);
+  ASSERT_TRUE(before.ok()) << before.status();
+  ASSERT_GT(before->session->sequence.host_demoted_pages, 0);
+
+  EXPECT_EQ(manager_->PersistAllSessions(absl::Now() + absl::Seconds(20)), 2u);
+  EXPECT_EQ(manager_->CloseAllSessions(), 0u);
+  manager_.reset();
+  manager_ = Make(config);
+  ASSERT_NE(manager_, nullptr);
+  EXPECT_TRUE(Listed("a", b).cold);
+  EXPECT_EQ(Listed("a", b).committed_tokens, std::vector<uint64_t>(2, 320));
+  for (const std::string& id : {a, b}) {
+    absl::StatusOr<SessionRecord> r = manager_->Reattach(Caller{"a"}, id);
+    ASSERT_TRUE(r.ok()) << id << ": " << r.status();
+    EXPECT_EQ(r->committed_tokens, std::vector<uint64_t>(2, 320)) << id;
+  }
+  // Every page is whole, and the rebuilt session demoted again as it filled.
+  for (int32_t l = 0; l < g.num_layers; ++l) {
+    std::vector<PageData> pages = FetchAll(Caller{"a"}, b, l);
+    ASSERT_EQ(pages.size(), 40u);
+    for (const PageData& p : pages) {
+      ASSERT_EQ(p.data, ExpectedPage(g, rows[l], p.page)) << "layer " << l << " page " << p.page;
+    }
+  }
+  absl::StatusOr<StatsReport> after = manager_->GetStats(Caller{"a"}, b);
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_GT(after->session->sequence.host_demoted_pages, 0);
+  step_both(5, 12);
+  ASSERT_FALSE(HasFatalFailure());
+  ASSERT_TRUE(manager_->CloseSession(Caller{"a"}, a).ok());
+  ASSERT_TRUE(manager_->CloseSession(Caller{"a"}, b).ok());
+  Exposition out;
+  manager_->WriteMetrics(out);
+  EXPECT_NE(out.text().find(R"(kvtier_cold_used_bytes{tenant="a"} 0)"), std::string::npos);
 }
 
 TEST_F(ColdSessionTest, ATenantsAclUserReachesOnlyItsOwnKeys) {
