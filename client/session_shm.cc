@@ -1,6 +1,7 @@
 #include "client/session_shm.h"
 
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <span>
 #include <string>
@@ -83,6 +84,10 @@ class ShmSession final : public Session {
   }
 
   absl::Status Init(bool restore);
+  // Reattach of a session that demotes pages: its sequence rebuilt by appending every full
+  // page again (read through the daemon, the region's ones after copying them to the cold
+  // tier), over a host tier that demotes as it fills.
+  absl::Status RebuildDemoting();
 
   const std::string& id() const override { return info_.id; }
   Transport transport() const override { return Transport::kShm; }
@@ -138,25 +143,61 @@ absl::Status ShmSession::Init(bool restore) {
   region_.emplace(region);
   KVTIER_ASSIGN_OR_RETURN(const SequenceOptions so,
                           ResolveSequenceOptions(options_.sequence, info_));
-  if (so.policy.host_drop == "demote") {
-    if (restore) {
-      // Its pages are split between the region and the cold tier: Restore needs them all
-      // in host slots at once.
-      return absl::FailedPreconditionError(absl::StrFormat(
-          "session %s demotes pages (policy.host_drop = demote): its sequence cannot be taken "
-          "over by Reattach yet; open a new session",
-          info_.id));
-    }
-    cold_ = std::make_unique<DaemonColdPages>(conn_, info_.id, info_.epoch);
+  const bool demote = so.policy.host_drop == "demote";
+  if (demote) cold_ = std::make_unique<DaemonColdPages>(conn_, info_.id, info_.epoch);
+  // A session that demotes pages is rebuilt by appending its pages again (RebuildDemoting):
+  // Restore would need them all in host slots at once.
+  absl::StatusOr<std::unique_ptr<Retriever>> r = OpenRegionRetriever(
+      region, info_.epoch, so, *mapping_->backend, restore && !demote, cold_.get());
+  if (r.ok()) retriever_ = *std::move(r);
+  absl::Status st = r.status();
+  if (st.ok() && restore && demote) st = RebuildDemoting();
+  if (!st.ok()) {
+    return absl::Status(st.code(), absl::StrCat("session ", info_.id, ": ", st.message()));
   }
-  absl::StatusOr<std::unique_ptr<Retriever>> r =
-      OpenRegionRetriever(region, info_.epoch, so, *mapping_->backend, restore, cold_.get());
-  if (!r.ok()) {
-    return absl::Status(r.status().code(),
-                        absl::StrCat("session ", info_.id, ": ", r.status().message()));
-  }
-  retriever_ = *std::move(r);
   return absl::OkStatus();
+}
+
+absl::Status ShmSession::RebuildDemoting() {
+  const Geometry& g = info_.geometry;
+  SessionRegion& region = *region_;
+  const int64_t max_pages = region.layout().max_pages_per_layer;
+  // 1. Every page the region holds goes to the cold tier too (the daemon copies it there,
+  //    or finds it there already), and the region lets go of it: every page of the session
+  //    is then read through the daemon, and every slot is free for the new sequence.
+  for (int32_t layer = 0; layer < g.num_layers; ++layer) {
+    for (int64_t page = 0; page < max_pages; ++page) {
+      absl::StatusOr<CommittedPage> c = region.Lookup(layer, page);
+      if (absl::IsNotFound(c.status())) continue;
+      KVTIER_RETURN_IF_ERROR(c.status());
+      KVTIER_RETURN_IF_ERROR(cold_->Put(StoredPage{layer, page, c->slot, c->generation}, {}));
+    }
+    KVTIER_RETURN_IF_ERROR(region.Uncommit(layer, 0));
+  }
+  // 2. Layer by layer, page by page from 0, as the engine first appended them: HND
+  //    [Hkv][2][p][d] back to NHD rows [p][Hkv][d]; the sequence offloads, summarises and
+  //    demotes exactly as it did then. The engine re-appends past the full pages.
+  const int32_t p = g.page_size;
+  const size_t row = static_cast<size_t>(g.head_dim) * g.element_bytes();
+  std::vector<uint8_t> k(static_cast<size_t>(p) * g.num_kv_heads * row), v(k.size());
+  for (int32_t layer = 0; layer < g.num_layers; ++layer) {
+    KVTIER_ASSIGN_OR_RETURN(std::vector<FetchedPage> pages,
+                            FetchPagesById(*conn_, info_.id, g, layer, {}));
+    for (size_t i = 0; i < pages.size() && pages[i].page == static_cast<int64_t>(i); ++i) {
+      const std::vector<uint8_t>& hnd = pages[i].data;
+      for (int32_t h = 0; h < g.num_kv_heads; ++h) {
+        for (int32_t t = 0; t < p; ++t) {
+          const size_t dst = (static_cast<size_t>(t) * g.num_kv_heads + h) * row;
+          std::memcpy(k.data() + dst, hnd.data() + (static_cast<size_t>(h) * 2 * p + t) * row,
+                      row);
+          std::memcpy(v.data() + dst, hnd.data() + ((static_cast<size_t>(h) * 2 + 1) * p + t) * row,
+                      row);
+        }
+      }
+      KVTIER_RETURN_IF_ERROR(retriever_->Append(layer, k.data(), v.data(), p));
+    }
+  }
+  return retriever_->Flush();
 }
 
 absl::Status ShmSession::Release() {

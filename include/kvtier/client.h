@@ -91,8 +91,8 @@ struct SessionOptions {
   // Tokens per layer the session's host tier holds; 0 = max_tokens. Fewer needs
   // sequence.policy.host_drop = "demote" and a daemon with a cold tier: the session's
   // lowest-scoring pages past it move to the cold tier and come back when a step selects
-  // them (docs/service.md#the-cold-tier). An SHM session that demotes pages cannot be taken
-  // over by Reattach yet.
+  // them (docs/service.md#the-cold-tier). Reattach of an SHM session that demotes pages
+  // rebuilds its sequence by appending every full page again (read through the daemon).
   int32_t host_tokens = 0;
   // OpenSession's idempotency key (at most 64 bytes of printable ASCII); empty: a random one
   // per call. An engine that retries an OpenSession that failed (say DEADLINE_EXCEEDED) with
