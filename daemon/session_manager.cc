@@ -408,7 +408,7 @@ void SessionManager::DemoteSuspendedLoop() {
       const absl::Time now = absl::Now();
       for (const auto& [id, e] : sessions_) {
         if (e.session != nullptr && e.session->suspended() && e.suspended_at + after <= now &&
-            e.session->spec().movable_whole() && ColdStoreOf(e.tenant) != nullptr) {
+            ColdStoreOf(e.tenant) != nullptr) {
           due.push_back(id);
         }
       }
@@ -1692,9 +1692,7 @@ absl::StatusOr<RegionLease> SessionManager::AllocateRegion(Tenant& tenant, uint6
   {
     MutexLock lock(&mu_);
     for (const auto& [id, e] : sessions_) {
-      // An SHM session that demotes pages moves page by page, never whole.
-      if (e.tenant == tenant.name() && e.session != nullptr && e.session->suspended() &&
-          e.session->spec().movable_whole()) {
+      if (e.tenant == tenant.name() && e.session != nullptr && e.session->suspended()) {
         victims.emplace_back(e.suspended_at, id);
       }
     }
@@ -1847,13 +1845,6 @@ size_t SessionManager::PersistAllSessions(absl::Time deadline) {
     for (const auto& [id, e] : sessions_) {
       // A persistent arena keeps its sessions itself.
       if (e.session != nullptr && ColdStoreOf(e.tenant) != nullptr && !Persistent(e.tenant)) {
-        if (!e.session->spec().movable_whole()) {
-          // An SHM session that demotes pages: its engine's sequence could not be rebuilt
-          // (docs/service.md#what-survives-what).
-          spdlog::warn("shutdown: SHM session {} demotes pages (host_drop = demote) and is lost",
-                       id);
-          continue;
-        }
         hot.push_back(id);
       }
     }

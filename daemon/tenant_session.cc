@@ -50,9 +50,14 @@ absl::StatusOr<std::shared_ptr<TenantSession>> TenantSession::Restore(
                                                 spec.host_slots()));
   const size_t page_bytes = g.host_page_bytes();
   if (spec.demotes_pages()) {
-    if (spec.transport != Transport::kGrpc || demote_to == nullptr) {
+    if (demote_to == nullptr) {
       return absl::FailedPreconditionError(absl::StrFormat(
-          "session %s demotes pages: only a GRPC session with a cold tier can be rebuilt", id));
+          "session %s demotes pages: its tenant has no cold tier to rebuild it from", id));
+    }
+    if (spec.transport == Transport::kShm) {
+      return RestoreDemotedShm(std::move(id), std::move(spec), std::move(lease), region,
+                               backend, budget, created_unix_ms, epoch, suspended, load,
+                               demote_to, cold_timeout);
     }
     return RebuildDemoting(std::move(id), std::move(spec), std::move(lease), region, backend,
                            budget, created_unix_ms, epoch, suspended, load, demote_to,
@@ -141,6 +146,46 @@ absl::StatusOr<std::shared_ptr<TenantSession>> TenantSession::RebuildDemoting(
   }
   KVTIER_RETURN_IF_ERROR(s->retriever_->Flush());
   s->PublishTokens();
+  return s;
+}
+
+absl::StatusOr<std::shared_ptr<TenantSession>> TenantSession::RestoreDemotedShm(
+    std::string id, SessionSpec spec, RegionLease lease, SessionRegion region, Backend* /*backend*/,
+    MemoryBudget* /*budget*/, int64_t created_unix_ms, uint64_t epoch, bool suspended,
+    const LoadLayer& load, ColdStore* demote_to, absl::Duration cold_timeout) {
+  const size_t page_bytes = spec.geometry.host_page_bytes();
+  const int32_t layers = spec.geometry.num_layers;
+  const int32_t pages = spec.max_pages();
+  KVTIER_ASSIGN_OR_RETURN(const uint64_t now_epoch, region.BumpEpoch(epoch));
+  std::shared_ptr<TenantSession> s(new TenantSession(
+      std::move(id), std::move(spec), std::move(lease), region, nullptr, created_unix_ms));
+  MutexLock lock(&s->mu_);
+  s->epoch_ = now_epoch;
+  s->suspended_.store(suspended, std::memory_order_release);
+  s->cold_pages_ = std::make_unique<SessionColdPages>(demote_to, s->id_, page_bytes, cold_timeout);
+  // Every page goes back under the session's demoted keys and the region stays empty: the
+  // engine's Reattach rebuilds its sequence from them (client.md#decisions).
+  for (int32_t layer = 0; layer < layers; ++layer) {
+    KVTIER_ASSIGN_OR_RETURN(std::vector<ColdPage> loaded, load(layer));
+    if (loaded.size() > static_cast<size_t>(pages)) {
+      return absl::OutOfRangeError(absl::StrFormat(
+          "session %s: layer %d has %d pages in the cold tier; the session holds %d", s->id_,
+          layer, loaded.size(), pages));
+    }
+    for (size_t i = 0; i < loaded.size(); ++i) {
+      const ColdPage& cp = loaded[i];
+      if (cp.data.size() != page_bytes || cp.page != static_cast<int64_t>(i) ||
+          cp.layer != layer) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "session %s: layer %d page %d came back as layer %d page %d of %d bytes", s->id_,
+            layer, i, cp.layer, cp.page, cp.data.size()));
+      }
+      KVTIER_RETURN_IF_ERROR(s->cold_pages_->Put(
+          StoredPage{layer, cp.page, -1, cp.generation},
+          std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(cp.data.data()),
+                                   cp.data.size())));
+    }
+  }
   return s;
 }
 
@@ -241,7 +286,15 @@ SessionRecord TenantSession::Record() const {
 uint64_t TenantSession::LayerTokens(int32_t layer) const {
   if (spec_.transport == Transport::kShm) {
     // The region's directory is written by the engine: CommittedPrefix range-checks it.
-    return static_cast<uint64_t>(region_.CommittedPrefix(layer)) * spec_.geometry.page_size;
+    int64_t n = region_.CommittedPrefix(layer);
+    if (cold_pages_ != nullptr) {
+      // Demoted pages count: the prefix runs on through pages the cold tier holds.
+      while (n < spec_.max_pages() &&
+             (region_.Lookup(layer, n).ok() || cold_pages_->Generation(layer, n).has_value())) {
+        ++n;
+      }
+    }
+    return static_cast<uint64_t>(n) * spec_.geometry.page_size;
   }
   MutexLock lock(&info_mu_);
   return grpc_tokens_[layer];
@@ -505,12 +558,6 @@ absl::StatusOr<CloseResult> TenantSession::Demote(
   }
   const Geometry& g = spec_.geometry;
   const size_t page_bytes = g.host_page_bytes();
-  if (cold_pages_ != nullptr && retriever_ == nullptr) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "session %s is an SHM session that demotes pages: it is never demoted whole (its "
-        "engine's sequence could not be rebuilt)",
-        id_));
-  }
   Image image;
   image.epoch = epoch_;
   image.layers.resize(g.num_layers);

@@ -60,9 +60,6 @@ struct SessionSpec {
   // Slots of the session's region: host_pages for every layer.
   int64_t host_slots() const { return int64_t{geometry.num_layers} * host_pages; }
   bool demotes_pages() const { return host_pages < max_pages(); }
-  // Whether the cold tier may take the whole session (and give it back): not an SHM session
-  // that demotes pages, whose engine's sequence could not be rebuilt.
-  bool movable_whole() const { return !demotes_pages() || transport == Transport::kGrpc; }
 };
 
 // What ListSessions, OpenSession and Reattach report about a session.
@@ -151,7 +148,8 @@ class TenantSession {
   using LoadLayer = std::function<absl::StatusOr<std::vector<ColdPage>>(int32_t layer)>;
   // A GRPC session that demotes pages (SessionSpec::demotes_pages) is rebuilt by appending
   // its pages, layer by layer, to a fresh Retriever whose host tier demotes to `demote_to`
-  // as it fills (each operation within `cold_timeout`).
+  // as it fills (each operation within `cold_timeout`); an SHM one gets an empty region and
+  // all its pages under its demoted keys in `demote_to`, for its engine's Reattach.
   static absl::StatusOr<std::shared_ptr<TenantSession>> Restore(
       std::string id, SessionSpec spec, RegionLease lease, Backend* backend, MemoryBudget* budget,
       int64_t created_unix_ms, uint64_t epoch, bool suspended, const LoadLayer& load,
@@ -246,10 +244,9 @@ class TenantSession {
   // `write` gets the image of its committed pages and stores them elsewhere; when it
   // succeeds the session is closed as demoted (Close's work; the region returns to the tenant
   // when the last reference goes), else it stays as it was and `write`'s error comes back.
-  // FAILED_PRECONDITION unless the session is suspended (or `force`: shutdown), and for an SHM
-  // session that demotes pages (its sequence could not be rebuilt); NOT_FOUND when closed.
-  // A GRPC session that demotes pages hands over every full page, from the region or the
-  // cold tier.
+  // FAILED_PRECONDITION unless the session is suspended (or `force`: shutdown); NOT_FOUND
+  // when closed. A session that demotes pages hands over every full page, from the region or
+  // the cold tier.
   absl::StatusOr<CloseResult> Demote(const std::function<absl::Status(const Image&)>& write,
                                      bool force) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<SessionStatsRecord> Stats() ABSL_LOCKS_EXCLUDED(mu_);
@@ -271,6 +268,12 @@ class TenantSession {
                 std::unique_ptr<Backend> backend, int64_t created_unix_ms);
   // Restore of a session that demotes pages: a fresh Retriever fed the pages (Restore).
   static absl::StatusOr<std::shared_ptr<TenantSession>> RebuildDemoting(
+      std::string id, SessionSpec spec, RegionLease lease, SessionRegion region, Backend* backend,
+      MemoryBudget* budget, int64_t created_unix_ms, uint64_t epoch, bool suspended,
+      const LoadLayer& load, ColdStore* demote_to, absl::Duration cold_timeout);
+  // Restore of an SHM session that demotes pages: an empty region, every page under the
+  // session's demoted keys, for the engine's Reattach to rebuild its sequence from.
+  static absl::StatusOr<std::shared_ptr<TenantSession>> RestoreDemotedShm(
       std::string id, SessionSpec spec, RegionLease lease, SessionRegion region, Backend* backend,
       MemoryBudget* budget, int64_t created_unix_ms, uint64_t epoch, bool suspended,
       const LoadLayer& load, ColdStore* demote_to, absl::Duration cold_timeout);

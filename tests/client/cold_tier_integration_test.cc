@@ -170,7 +170,8 @@ TEST_F(ColdTierIntegrationTest, ShmSessionsFillATenantFarBeyondItsArena) {
 // layer in the region and moves the rest through kvtierd (DemotePages, PromotePages) to the
 // cluster. Decoding gives bit for bit what a session whose region holds everything gives,
 // every page reads back (the demoted ones through the daemon), and after an engine restart
-// Reattach rebuilds the sequence by appending its pages again: both go on decoding alike.
+// Reattach rebuilds the sequence by appending its pages again: both go on decoding alike; and
+// again after kvtierd restarted (SIGTERM moves the session to the cluster whole).
 TEST_F(ColdTierIntegrationTest, AnShmSessionDemotesPagesAndDecodesBitIdentical) {
   absl::StatusOr<std::unique_ptr<DaemonProcess>> d = DaemonProcess::Start(Options("live"));
   ASSERT_TRUE(d.ok()) << d.status();
@@ -178,7 +179,7 @@ TEST_F(ColdTierIntegrationTest, AnShmSessionDemotesPagesAndDecodesBitIdentical) 
   ASSERT_NE(c, nullptr);
   testing::TraceOptions t = IntegrationTrace();
   t.prefill = 1600;
-  t.steps = 60;
+  t.steps = 80;
   const SyntheticTrace trace(t);
   SessionOptions ref_options = IntegrationSessionOptions(Transport::kShm, backend_);
   ref_options.sequence.recall = RecallStrategy::kSlabDma;
@@ -231,6 +232,34 @@ TEST_F(ColdTierIntegrationTest, AnShmSessionDemotesPagesAndDecodesBitIdentical) 
   ASSERT_FALSE(HasFatalFailure());
   EXPECT_GT((*s)->sequence().Stats().host_demoted_pages, 0);
   ExpectPages(**s, trace, (t.prefill + 60) / kPage * kPage);
+
+  // kvtierd restarts: SIGTERM moves both sessions to the cluster whole (the demoting one's
+  // pages read back from its demoted keys), and the engine takes both over from the new one.
+  ASSERT_OK((*s)->Flush());
+  ASSERT_OK((*ref)->Flush());
+  ref->reset();
+  s->reset();
+  c.reset();
+  absl::StatusOr<int> stopped = (*d)->Stop(SIGTERM);
+  ASSERT_TRUE(stopped.ok()) << stopped.status();
+  EXPECT_NE((*d)->Log().find("demoted 2 sessions to the cold tier"), std::string::npos)
+      << (*d)->Log();
+  d = DaemonProcess::Start(Options("live"));
+  ASSERT_TRUE(d.ok()) << d.status();
+  c = Connect(**d);
+  ASSERT_NE(c, nullptr);
+  ref = c->Reattach(ref_id, ref_options);
+  ASSERT_TRUE(ref.ok()) << ref.status() << "\n" << (*d)->Log();
+  s = c->Reattach(id, options);
+  ASSERT_TRUE(s.ok()) << s.status() << "\n" << (*d)->Log();
+  const int32_t full2 = (t.prefill + 60) / kPage * kPage;
+  ASSERT_EQ((*s)->sequence().num_tokens(1), full2);
+  ASSERT_EQ((*ref)->sequence().num_tokens(1), full2);
+  ASSERT_OK(testing::AppendTokens(**ref, trace, full2, t.prefill + 60));
+  ASSERT_OK(testing::AppendTokens(**s, trace, full2, t.prefill + 60));
+  decode_both(60, 80);
+  ASSERT_FALSE(HasFatalFailure());
+  ExpectPages(**s, trace, (t.prefill + 80) / kPage * kPage);
   ASSERT_OK((*s)->Close());
   ASSERT_OK((*ref)->Close());
   ASSERT_TRUE((*d)->Stop(SIGTERM).ok());
