@@ -13,6 +13,32 @@
 
 namespace kvtier::daemon {
 
+namespace {
+
+// `load(layer)`, checked: at most `pages` pages, page i of the layer at index i, each of
+// `page_bytes`. OUT_OF_RANGE / INVALID_ARGUMENT naming the session otherwise.
+absl::StatusOr<std::vector<ColdPage>> LoadLayerChecked(const TenantSession::LoadLayer& load,
+                                                       const std::string& id, int32_t layer,
+                                                       int32_t pages, size_t page_bytes) {
+  KVTIER_ASSIGN_OR_RETURN(std::vector<ColdPage> loaded, load(layer));
+  if (loaded.size() > static_cast<size_t>(pages)) {
+    return absl::OutOfRangeError(absl::StrFormat(
+        "session %s: layer %d has %d pages in the cold tier; the session holds %d", id, layer,
+        loaded.size(), pages));
+  }
+  for (size_t i = 0; i < loaded.size(); ++i) {
+    const ColdPage& p = loaded[i];
+    if (p.data.size() != page_bytes || p.page != static_cast<int64_t>(i) || p.layer != layer) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "session %s: layer %d page %d came back as layer %d page %d of %d bytes (expected %d)",
+          id, layer, i, p.layer, p.page, p.data.size(), page_bytes));
+    }
+  }
+  return loaded;
+}
+
+}  // namespace
+
 absl::StatusOr<std::shared_ptr<TenantSession>> TenantSession::Create(
     std::string id, SessionSpec spec, RegionLease lease, Backend* backend, MemoryBudget* budget,
     ColdStore* demote_to, absl::Duration cold_timeout) {
@@ -65,20 +91,9 @@ absl::StatusOr<std::shared_ptr<TenantSession>> TenantSession::Restore(
   }
   int64_t slot = 0;
   for (int32_t layer = 0; layer < g.num_layers; ++layer) {
-    KVTIER_ASSIGN_OR_RETURN(std::vector<ColdPage> loaded, load(layer));
-    if (loaded.size() > static_cast<size_t>(pages)) {
-      return absl::OutOfRangeError(absl::StrFormat(
-          "session %s: layer %d has %d pages in the cold tier; the session holds %d", id, layer,
-          loaded.size(), pages));
-    }
-    for (size_t i = 0; i < loaded.size(); ++i) {
-      const ColdPage& p = loaded[i];
-      if (p.data.size() != page_bytes || p.page != static_cast<int64_t>(i) || p.layer != layer) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "session %s: layer %d page %d came back as layer %d page %d of %d bytes (expected "
-            "%d)",
-            id, layer, i, p.layer, p.page, p.data.size(), page_bytes));
-      }
+    KVTIER_ASSIGN_OR_RETURN(std::vector<ColdPage> loaded,
+                            LoadLayerChecked(load, id, layer, pages, page_bytes));
+    for (const ColdPage& p : loaded) {
       std::memcpy(static_cast<char*>(region.slots()) + slot * region.slot_stride(), p.data.data(),
                   page_bytes);
       // Epoch 1 is the fresh region's: the writer below is the daemon.
@@ -117,21 +132,9 @@ absl::StatusOr<std::shared_ptr<TenantSession>> TenantSession::RebuildDemoting(
   std::vector<uint8_t> k(static_cast<size_t>(p) * g.num_kv_heads * row);
   std::vector<uint8_t> v(k.size());
   for (int32_t layer = 0; layer < g.num_layers; ++layer) {
-    KVTIER_ASSIGN_OR_RETURN(std::vector<ColdPage> loaded, load(layer));
-    if (loaded.size() > static_cast<size_t>(pages)) {
-      return absl::OutOfRangeError(absl::StrFormat(
-          "session %s: layer %d has %d pages in the cold tier; the session holds %d", s->id_,
-          layer, loaded.size(), pages));
-    }
-    for (size_t i = 0; i < loaded.size(); ++i) {
-      const ColdPage& cp = loaded[i];
-      if (cp.data.size() != page_bytes || cp.page != static_cast<int64_t>(i) ||
-          cp.layer != layer) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "session %s: layer %d page %d came back as layer %d page %d of %d bytes (expected "
-            "%d)",
-            s->id_, layer, i, cp.layer, cp.page, cp.data.size(), page_bytes));
-      }
+    KVTIER_ASSIGN_OR_RETURN(std::vector<ColdPage> loaded,
+                            LoadLayerChecked(load, s->id_, layer, pages, page_bytes));
+    for (const ColdPage& cp : loaded) {
       for (int32_t h = 0; h < g.num_kv_heads; ++h) {
         for (int32_t t = 0; t < p; ++t) {
           const size_t dst = (static_cast<size_t>(t) * g.num_kv_heads + h) * row;
@@ -166,20 +169,9 @@ absl::StatusOr<std::shared_ptr<TenantSession>> TenantSession::RestoreDemotedShm(
   // Every page goes back under the session's demoted keys and the region stays empty: the
   // engine's Reattach rebuilds its sequence from them (client.md#decisions).
   for (int32_t layer = 0; layer < layers; ++layer) {
-    KVTIER_ASSIGN_OR_RETURN(std::vector<ColdPage> loaded, load(layer));
-    if (loaded.size() > static_cast<size_t>(pages)) {
-      return absl::OutOfRangeError(absl::StrFormat(
-          "session %s: layer %d has %d pages in the cold tier; the session holds %d", s->id_,
-          layer, loaded.size(), pages));
-    }
-    for (size_t i = 0; i < loaded.size(); ++i) {
-      const ColdPage& cp = loaded[i];
-      if (cp.data.size() != page_bytes || cp.page != static_cast<int64_t>(i) ||
-          cp.layer != layer) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "session %s: layer %d page %d came back as layer %d page %d of %d bytes", s->id_,
-            layer, i, cp.layer, cp.page, cp.data.size()));
-      }
+    KVTIER_ASSIGN_OR_RETURN(std::vector<ColdPage> loaded,
+                            LoadLayerChecked(load, s->id_, layer, pages, page_bytes));
+    for (const ColdPage& cp : loaded) {
       KVTIER_RETURN_IF_ERROR(s->cold_pages_->Put(
           StoredPage{layer, cp.page, -1, cp.generation},
           std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(cp.data.data()),
