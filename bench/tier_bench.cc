@@ -457,6 +457,12 @@ absl::StatusOr<TierBenchResult> TierBench::Run() {
   KVTIER_RETURN_IF_ERROR(Latency());
   LogSummary();
   TierBenchResult result{ReportJson(), cold_mismatches_ + plain_mismatches_};
+  if (o_.decode) {
+    KVTIER_ASSIGN_OR_RETURN(TierDecodeResult decode,
+                            RunTierDecode(cold_.get(), Session(9999), o_.decode_options, log_));
+    result.report.AddObject("decode", decode.report);
+    result.mismatches += decode.mismatches;
+  }
   KVTIER_RETURN_IF_ERROR(Cleanup());
   cold_.reset();
   cluster_.reset();
@@ -595,6 +601,20 @@ CLI::App* AddTierCommand(CLI::App& app, int* rc) {
   cmd->add_option("--repeats", f.o.repeats, "timed rounds of every operation")
       ->capture_default_str();
   cmd->add_option("--latency-pages", f.o.latency_pages, "single-page calls per kind")
+      ->capture_default_str();
+  TierDecodeOptions& d = f.o.decode_options;
+  cmd->add_flag("!--no-decode", f.o.decode, "skip the decode section (step time with demotion)");
+  cmd->add_option("--decode-layers", d.layers, "decode: layers")->capture_default_str();
+  cmd->add_option("--decode-prefill", d.prefill, "decode: tokens per layer before the steps")
+      ->capture_default_str();
+  cmd->add_option("--decode-steps", d.steps, "decode: steps")->capture_default_str();
+  cmd->add_option("--decode-host-pages", d.host_pages,
+                  "decode: pages per layer the demoting sequence's host tier holds")
+      ->capture_default_str();
+  cmd->add_option("--decode-budget", d.budget_tokens, "decode: working-set tokens per layer")
+      ->capture_default_str();
+  cmd->add_option("--decode-drift", d.drift,
+                  "decode: how far each step's query moves from the planted one, in [0, 1]")
       ->capture_default_str();
   cmd->add_flag("--json", f.json, "print one JSON object on stdout");
   cmd->add_option("--out", f.out, "also write the JSON report to this file");

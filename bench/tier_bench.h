@@ -26,6 +26,9 @@
 // Per-page latency: `latency_pages` single-page calls of each kind (cold Put, cold Get, plain
 // SET, plain GET), interleaved, each timed alone: p50 and p99 in µs.
 //
+// Decode (bench/tier_decode.h): step time with host_drop = demote over a small host tier
+// against a host tier that holds everything, in the same run, over the same cluster.
+//
 // Not thread-safe; one benchmark per call.
 #ifndef KVTIER_BENCH_TIER_BENCH_H_
 #define KVTIER_BENCH_TIER_BENCH_H_
@@ -38,6 +41,7 @@
 #include "CLI/CLI.hpp"
 #include "absl/status/statusor.h"
 #include "bench/report.h"
+#include "bench/tier_decode.h"
 
 namespace kvtier::bench {
 
@@ -52,6 +56,8 @@ struct TierBenchOptions {
   int32_t sessions = 2;
   int32_t repeats = 5;          // timed rounds, ≥ 1
   int32_t latency_pages = 200;  // single-page calls per kind, ≥ 1
+  bool decode = true;           // the decode section (bench/tier_decode.h)
+  TierDecodeOptions decode_options;
 };
 
 struct TierBenchResult {
