@@ -66,6 +66,9 @@ std::string EncodeColdValue(uint64_t generation, std::string_view data);
 // payload checksum); FAILED_PRECONDITION when it is intact but of another generation than
 // `expected_generation` (0: any).
 absl::StatusOr<ColdPage> DecodeColdValue(std::string_view value, uint64_t expected_generation);
+// The same, taking the value's buffer for the page (no second buffer of a page's size).
+absl::StatusOr<ColdPage> DecodeColdValueInPlace(std::string&& value,
+                                                 uint64_t expected_generation);
 
 struct ColdTierStats {
   int64_t pages_written = 0;
