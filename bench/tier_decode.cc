@@ -70,6 +70,55 @@ class BenchColdPages final : public ColdPages {
     std::memcpy(out.data(), got[0]->data.data(), out.size());
     return absl::OkStatus();
   }
+  // One pipeline per layer, as kvtierd's cold pages do (without their WAIT and quota).
+  absl::Status PutBatch(std::span<const StoredPage> pages,
+                        std::span<const std::span<const uint8_t>> bytes) override {
+    const auto start = Clock::now();
+    std::map<int32_t, std::vector<daemon::ColdPageRef>> by_layer;
+    for (size_t i = 0; i < pages.size(); ++i) {
+      by_layer[pages[i].layer].push_back(
+          {pages[i].layer, pages[i].page, pages[i].generation,
+           std::string_view(reinterpret_cast<const char*>(bytes[i].data()), bytes[i].size())});
+    }
+    absl::Status st;
+    for (const auto& [layer, refs] : by_layer) {
+      if (st.ok()) st = cold_->Put(kTenant, session_, refs, absl::Now() + absl::Seconds(60));
+    }
+    seconds += SecondsSince(start);
+    if (st.ok()) {
+      for (const StoredPage& p : pages) held_[{p.layer, p.page}] = p.generation;
+    }
+    return st;
+  }
+  absl::Status GetBatch(std::span<const Read> reads) override {
+    const auto start = Clock::now();
+    std::map<int32_t, std::vector<const Read*>> by_layer;
+    for (const Read& r : reads) by_layer[r.layer].push_back(&r);
+    absl::Status st;
+    for (const auto& [layer, rs] : by_layer) {
+      std::vector<int64_t> pages;
+      std::vector<uint64_t> generations;
+      for (const Read* r : rs) {
+        auto it = held_.find({layer, r->page});
+        if (it == held_.end()) return absl::NotFoundError("never demoted");
+        pages.push_back(r->page);
+        generations.push_back(it->second);
+      }
+      std::vector<absl::StatusOr<daemon::ColdPage>> got = cold_->Get(
+          kTenant, session_, layer, pages, generations, absl::Now() + absl::Seconds(60));
+      for (size_t i = 0; i < rs.size() && st.ok(); ++i) {
+        if (i >= got.size() || !got[i].ok()) {
+          st = i < got.size() ? got[i].status() : absl::InternalError("fewer pages read");
+        } else if (got[i]->data.size() != rs[i]->out.size()) {
+          st = absl::DataLossError("page size");
+        } else {
+          std::memcpy(rs[i]->out.data(), got[i]->data.data(), rs[i]->out.size());
+        }
+      }
+    }
+    seconds += SecondsSince(start);
+    return st;
+  }
   absl::Status RemoveAll() {
     std::map<int32_t, std::vector<int64_t>> by_layer;
     for (const auto& [key, gen] : held_) by_layer[key.first].push_back(key.second);

@@ -1,5 +1,6 @@
 #include "client/session_shm.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -32,26 +33,45 @@ class DaemonColdPages final : public ColdPages {
  public:
   DaemonColdPages(std::shared_ptr<Connection> conn, std::string id, uint64_t epoch)
       : conn_(std::move(conn)), id_(std::move(id)), epoch_(epoch) {}
-  absl::Status Put(const StoredPage& page, std::span<const uint8_t> /*bytes*/) override {
-    v1::DemotePagesRequest req;
-    req.set_session_id(id_);
-    req.set_epoch(epoch_);
-    *req.add_pages() = Slot(page.layer, page.page, page.slot, page.generation);
-    v1::DemotePagesReply reply;
-    auto ctx = conn_->Context();
-    KVTIER_RETURN_IF_ERROR(FromGrpcStatus(conn_->stub().DemotePages(ctx.get(), req, &reply)));
-    demoted_.insert({page.layer, page.page});
+  absl::Status Put(const StoredPage& page, std::span<const uint8_t> bytes) override {
+    const std::span<const uint8_t> one[1] = {bytes};
+    return PutBatch(std::span<const StoredPage>(&page, 1), one);
+  }
+  absl::Status Get(int32_t layer, int64_t page, int64_t slot, std::span<uint8_t> out) override {
+    const Read one[1] = {{layer, page, slot, out}};
+    return GetBatch(one);
+  }
+  // One RPC per kMaxPagesPerCall pages (the daemon reads the slots itself).
+  absl::Status PutBatch(std::span<const StoredPage> pages,
+                        std::span<const std::span<const uint8_t>> /*bytes*/) override {
+    for (size_t at = 0; at < pages.size(); at += kMaxPagesPerCall) {
+      v1::DemotePagesRequest req;
+      req.set_session_id(id_);
+      req.set_epoch(epoch_);
+      for (const StoredPage& p : pages.subspan(at, std::min(kMaxPagesPerCall, pages.size() - at))) {
+        *req.add_pages() = Slot(p.layer, p.page, p.slot, p.generation);
+      }
+      v1::DemotePagesReply reply;
+      auto ctx = conn_->Context();
+      KVTIER_RETURN_IF_ERROR(FromGrpcStatus(conn_->stub().DemotePages(ctx.get(), req, &reply)));
+    }
+    for (const StoredPage& p : pages) demoted_.insert({p.layer, p.page});
     return absl::OkStatus();
   }
-  absl::Status Get(int32_t layer, int64_t page, int64_t slot,
-                   std::span<uint8_t> /*out*/) override {
-    v1::PromotePagesRequest req;
-    req.set_session_id(id_);
-    req.set_epoch(epoch_);
-    *req.add_pages() = Slot(layer, page, slot, 0);
-    v1::PromotePagesReply reply;
-    auto ctx = conn_->Context();
-    return FromGrpcStatus(conn_->stub().PromotePages(ctx.get(), req, &reply));
+  // One RPC per kMaxPagesPerCall pages (the daemon writes the slots itself).
+  absl::Status GetBatch(std::span<const Read> reads) override {
+    for (size_t at = 0; at < reads.size(); at += kMaxPagesPerCall) {
+      v1::PromotePagesRequest req;
+      req.set_session_id(id_);
+      req.set_epoch(epoch_);
+      for (const Read& r : reads.subspan(at, std::min(kMaxPagesPerCall, reads.size() - at))) {
+        *req.add_pages() = Slot(r.layer, r.page, r.slot, 0);
+      }
+      v1::PromotePagesReply reply;
+      auto ctx = conn_->Context();
+      KVTIER_RETURN_IF_ERROR(FromGrpcStatus(conn_->stub().PromotePages(ctx.get(), req, &reply)));
+    }
+    return absl::OkStatus();
   }
   // Whether the page was ever demoted (the daemon then serves it when the region does not).
   bool demoted(int32_t layer, int64_t page) const { return demoted_.contains({layer, page}); }
@@ -65,6 +85,8 @@ class DaemonColdPages final : public ColdPages {
     s.set_generation(generation);
     return s;
   }
+  // The daemon's limit per DemotePages / PromotePages (kvtier.proto).
+  static constexpr size_t kMaxPagesPerCall = 4096;
   std::shared_ptr<Connection> conn_;
   const std::string id_;
   const uint64_t epoch_;
@@ -166,12 +188,16 @@ absl::Status ShmSession::RebuildDemoting() {
   //    or finds it there already), and the region lets go of it: every page of the session
   //    is then read through the daemon, and every slot is free for the new sequence.
   for (int32_t layer = 0; layer < g.num_layers; ++layer) {
+    std::vector<StoredPage> held;
     for (int64_t page = 0; page < max_pages; ++page) {
       absl::StatusOr<CommittedPage> c = region.Lookup(layer, page);
       if (absl::IsNotFound(c.status())) continue;
       KVTIER_RETURN_IF_ERROR(c.status());
-      KVTIER_RETURN_IF_ERROR(cold_->Put(StoredPage{layer, page, c->slot, c->generation}, {}));
+      held.push_back(StoredPage{layer, page, c->slot, c->generation});
     }
+    // The daemon reads the slots: no bytes go with the pages.
+    const std::vector<std::span<const uint8_t>> none(held.size());
+    KVTIER_RETURN_IF_ERROR(cold_->PutBatch(held, none));
     KVTIER_RETURN_IF_ERROR(region.Uncommit(layer, 0));
   }
   // 2. Layer by layer, page by page from 0, as the engine first appended them: HND

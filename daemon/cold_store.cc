@@ -1,5 +1,6 @@
 #include "daemon/cold_store.h"
 
+#include <map>
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
@@ -227,47 +228,60 @@ absl::StatusOr<std::vector<v1::ColdSessionRecord>> ColdStore::LoadAll(absl::Time
   return out;
 }
 
-absl::Status ColdStore::PutPage(std::string_view session, const ColdPageRef& page,
-                                absl::Time deadline) {
-  const uint64_t bytes = page.data.size() + kColdHeaderBytes;
-  KVTIER_RETURN_IF_ERROR(Reserve(session, bytes));
-  absl::Status st = tier_->Put(options_.tenant, session, std::span<const ColdPageRef>(&page, 1),
-                               deadline);
-  if (st.ok()) {
-    st = WaitForReplicas({tier_->Key(options_.tenant, session, page.layer, page.page)}, deadline);
+absl::Status ColdStore::PutPages(std::string_view session, std::span<const ColdPageRef> pages,
+                                 absl::Time deadline) {
+  if (pages.empty()) return absl::OkStatus();
+  uint64_t bytes = 0, data_bytes = 0;
+  for (const ColdPageRef& p : pages) {
+    bytes += p.data.size() + kColdHeaderBytes;
+    data_bytes += p.data.size();
   }
+  KVTIER_RETURN_IF_ERROR(Reserve(session, bytes));
+  // One pipeline per layer (its pages share a slot), then one WAIT per node.
+  std::map<int32_t, std::vector<ColdPageRef>> by_layer;
+  for (const ColdPageRef& p : pages) by_layer[p.layer].push_back(p);
+  absl::Status st;
+  std::vector<std::string> written;
+  for (const auto& [layer, refs] : by_layer) {
+    if (!st.ok()) break;
+    st = tier_->Put(options_.tenant, session, refs, deadline);
+    written.push_back(tier_->Key(options_.tenant, session, layer, refs.front().page));
+  }
+  if (st.ok()) st = WaitForReplicas(written, deadline);
   if (!st.ok()) {
     Unreserve(bytes);
     failures_.fetch_add(1, std::memory_order_relaxed);
     return absl::Status(st.code(),
-                        absl::StrFormat("session %s layer %d page %d to the cold tier: %s", session,
-                                        page.layer, page.page, st.message()));
+                        absl::StrFormat("session %s: %d pages to the cold tier: %s", session,
+                                        pages.size(), st.message()));
   }
-  live_demoted_pages_.fetch_add(1, std::memory_order_relaxed);
-  demoted_bytes_.fetch_add(page.data.size(), std::memory_order_relaxed);
+  live_demoted_pages_.fetch_add(pages.size(), std::memory_order_relaxed);
+  demoted_bytes_.fetch_add(data_bytes, std::memory_order_relaxed);
   return absl::OkStatus();
 }
 
-absl::StatusOr<ColdPage> ColdStore::GetPage(std::string_view session, int32_t layer, int64_t page,
-                                            uint64_t generation, absl::Time deadline) {
-  const int64_t pages[1] = {page};
-  const uint64_t generations[1] = {generation};
+std::vector<absl::StatusOr<ColdPage>> ColdStore::GetPages(std::string_view session, int32_t layer,
+                                                          std::span<const int64_t> pages,
+                                                          std::span<const uint64_t> generations,
+                                                          absl::Time deadline) {
   std::vector<absl::StatusOr<ColdPage>> got =
       tier_->Get(options_.tenant, session, layer, pages, generations, deadline);
-  if (got.size() != 1) return absl::InternalError("cold tier: one page asked, another count read");
-  if (!got[0].ok()) {
-    const absl::Status& e = got[0].status();
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (got[i].ok()) {
+      live_promoted_pages_.fetch_add(1, std::memory_order_relaxed);
+      promoted_bytes_.fetch_add(got[i]->data.size(), std::memory_order_relaxed);
+      continue;
+    }
+    const absl::Status e = got[i].status();
     failures_.fetch_add(1, std::memory_order_relaxed);
     // The page was acknowledged: missing or of another generation is lost data too.
     const bool lost = absl::IsDataLoss(e) || absl::IsNotFound(e) || absl::IsFailedPrecondition(e);
     if (lost) data_loss_.fetch_add(1, std::memory_order_relaxed);
-    return absl::Status(lost ? absl::StatusCode::kDataLoss : e.code(),
-                        absl::StrFormat("session %s layer %d page %d in the cold tier: %s",
-                                        session, layer, page, e.message()));
+    got[i] = absl::Status(lost ? absl::StatusCode::kDataLoss : e.code(),
+                          absl::StrFormat("session %s layer %d page %d in the cold tier: %s",
+                                          session, layer, pages[i], e.message()));
   }
-  live_promoted_pages_.fetch_add(1, std::memory_order_relaxed);
-  promoted_bytes_.fetch_add(got[0]->data.size(), std::memory_order_relaxed);
-  return *std::move(got[0]);
+  return got;
 }
 
 absl::Status ColdStore::RemovePages(std::string_view session, int32_t layer,

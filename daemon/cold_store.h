@@ -101,15 +101,20 @@ class ColdStore {
   // with a warning (and left for an operator).
   absl::StatusOr<std::vector<v1::ColdSessionRecord>> LoadAll(absl::Time deadline);
 
-  // A live session's page (policy.host_drop = demote; daemon/session_cold_pages.h): charges
-  // its value (page and header) to the quota (Reserve's RESOURCE_EXHAUSTED), writes it and,
-  // with min_replicas, WAITs as Write does. On error the charge is returned and the page
-  // must stay in the host tier.
-  absl::Status PutPage(std::string_view session, const ColdPageRef& page, absl::Time deadline);
-  // Reads such a page back, of `generation`: DATA_LOSS when there is no intact copy, when it
-  // is missing or of another generation (it was acknowledged); the cluster's errors.
-  absl::StatusOr<ColdPage> GetPage(std::string_view session, int32_t layer, int64_t page,
-                                   uint64_t generation, absl::Time deadline);
+  // Pages of a live session (policy.host_drop = demote; daemon/session_cold_pages.h): charges
+  // their values (page and header) to the quota (Reserve's RESOURCE_EXHAUSTED), writes them
+  // and, with min_replicas, WAITs as Write does. On error the charge is returned and the
+  // pages must stay in the host tier.
+  // Several pages at once: one pipeline per layer, one WAIT per node.
+  absl::Status PutPages(std::string_view session, std::span<const ColdPageRef> pages,
+                        absl::Time deadline);
+  // Reads such pages of one layer back (one pipeline), each of its generation: per page,
+  // DATA_LOSS when there is no intact copy, when it is missing or of another generation (it
+  // was acknowledged); the cluster's errors.
+  std::vector<absl::StatusOr<ColdPage>> GetPages(std::string_view session, int32_t layer,
+                                                 std::span<const int64_t> pages,
+                                                 std::span<const uint64_t> generations,
+                                                 absl::Time deadline);
   // Removes such pages of one layer (absent ones are fine) and returns their charge to the
   // quota whatever happens (keys that could not be removed are logged).
   absl::Status RemovePages(std::string_view session, int32_t layer, std::span<const int64_t> pages,

@@ -1,6 +1,7 @@
 #include "daemon/session_cold_pages.h"
 
 #include <cstring>
+#include <map>
 #include <vector>
 
 #include "absl/strings/str_format.h"
@@ -12,43 +13,76 @@ namespace kvtier::daemon {
 SessionColdPages::~SessionColdPages() { (void)RemoveAll(); }
 
 absl::Status SessionColdPages::Put(const StoredPage& page, std::span<const uint8_t> bytes) {
-  if (bytes.size() != page_bytes_) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "session %s: a page of %d bytes; its pages have %d", session_, bytes.size(), page_bytes_));
-  }
+  const std::span<const uint8_t> one[1] = {bytes};
+  return PutBatch(std::span<const StoredPage>(&page, 1), one);
+}
+
+absl::Status SessionColdPages::PutBatch(std::span<const StoredPage> pages,
+                                        std::span<const std::span<const uint8_t>> bytes) {
   MutexLock lock(&mu_);
-  auto it = held_.find({page.layer, page.page});
-  if (it != held_.end()) {
-    // Pages never change: a copy of this generation is already there.
-    if (it->second == page.generation) return absl::OkStatus();
-    // Another generation of the page (written again after a reattach): its key is
-    // overwritten, and charged once.
-    store_->Unreserve(page_bytes_ + kColdHeaderBytes);
-    held_.erase(it);
+  std::vector<ColdPageRef> refs;
+  for (size_t i = 0; i < pages.size(); ++i) {
+    const StoredPage& page = pages[i];
+    if (bytes[i].size() != page_bytes_) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("session %s: a page of %d bytes; its pages have %d", session_,
+                          bytes[i].size(), page_bytes_));
+    }
+    auto it = held_.find({page.layer, page.page});
+    if (it != held_.end()) {
+      // Pages never change: a copy of this generation is already there.
+      if (it->second == page.generation) continue;
+      // Another generation of the page (written again after a rebuild): its key is
+      // overwritten, and charged once.
+      store_->Unreserve(page_bytes_ + kColdHeaderBytes);
+      held_.erase(it);
+    }
+    refs.push_back(ColdPageRef{
+        page.layer, page.page, page.generation,
+        std::string_view(reinterpret_cast<const char*>(bytes[i].data()), bytes[i].size())});
   }
-  const ColdPageRef ref{page.layer, page.page, page.generation,
-                        std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size())};
-  KVTIER_RETURN_IF_ERROR(store_->PutPage(session_, ref, absl::Now() + timeout_));
-  held_[{page.layer, page.page}] = page.generation;
+  KVTIER_RETURN_IF_ERROR(store_->PutPages(session_, refs, absl::Now() + timeout_));
+  for (const ColdPageRef& r : refs) held_[{r.layer, r.page}] = r.generation;
   return absl::OkStatus();
 }
 
-absl::Status SessionColdPages::Get(int32_t layer, int64_t page, int64_t /*slot*/,
+absl::Status SessionColdPages::Get(int32_t layer, int64_t page, int64_t slot,
                                    std::span<uint8_t> out) {
-  std::optional<uint64_t> generation = Generation(layer, page);
-  if (!generation.has_value()) {
-    return absl::NotFoundError(absl::StrFormat(
-        "session %s: layer %d page %d was never demoted to the cold tier", session_, layer, page));
+  const Read one[1] = {{layer, page, slot, out}};
+  return GetBatch(one);
+}
+
+absl::Status SessionColdPages::GetBatch(std::span<const Read> reads) {
+  // Per layer: its pages and their generations, in the order asked.
+  std::map<int32_t, std::vector<const Read*>> by_layer;
+  for (const Read& r : reads) by_layer[r.layer].push_back(&r);
+  const absl::Time deadline = absl::Now() + timeout_;
+  for (const auto& [layer, rs] : by_layer) {
+    std::vector<int64_t> pages;
+    std::vector<uint64_t> generations;
+    for (const Read* r : rs) {
+      std::optional<uint64_t> generation = Generation(layer, r->page);
+      if (!generation.has_value()) {
+        return absl::NotFoundError(
+            absl::StrFormat("session %s: layer %d page %d was never demoted to the cold tier",
+                            session_, layer, r->page));
+      }
+      pages.push_back(r->page);
+      generations.push_back(*generation);
+    }
+    std::vector<absl::StatusOr<ColdPage>> got =
+        store_->GetPages(session_, layer, pages, generations, deadline);
+    for (size_t i = 0; i < rs.size(); ++i) {
+      if (i >= got.size()) return absl::InternalError("cold tier: fewer pages read than asked");
+      KVTIER_RETURN_IF_ERROR(got[i].status());
+      if (got[i]->data.size() != rs[i]->out.size()) {
+        return absl::DataLossError(absl::StrFormat(
+            "session %s: layer %d page %d came back with %d bytes; %d expected", session_, layer,
+            rs[i]->page, got[i]->data.size(), rs[i]->out.size()));
+      }
+      std::memcpy(rs[i]->out.data(), got[i]->data.data(), rs[i]->out.size());
+    }
   }
-  absl::StatusOr<ColdPage> got =
-      store_->GetPage(session_, layer, page, *generation, absl::Now() + timeout_);
-  if (!got.ok()) return got.status();
-  if (got->data.size() != out.size()) {
-    return absl::DataLossError(absl::StrFormat(
-        "session %s: layer %d page %d came back with %d bytes; %d expected", session_, layer,
-        page, got->data.size(), out.size()));
-  }
-  std::memcpy(out.data(), got->data.data(), out.size());
   return absl::OkStatus();
 }
 

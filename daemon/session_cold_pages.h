@@ -44,6 +44,12 @@ class SessionColdPages final : public ColdPages {
       ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Get(int32_t layer, int64_t page, int64_t slot, std::span<uint8_t> out) override
       ABSL_LOCKS_EXCLUDED(mu_);
+  // One pipeline per layer and one WAIT per node for the batch.
+  absl::Status PutBatch(std::span<const StoredPage> pages,
+                        std::span<const std::span<const uint8_t>> bytes) override
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // One pipeline per layer.
+  absl::Status GetBatch(std::span<const Read> reads) override ABSL_LOCKS_EXCLUDED(mu_);
   // The generation the cold tier holds for (layer, page); nullopt when it holds none.
   std::optional<uint64_t> Generation(int32_t layer, int64_t page) const ABSL_LOCKS_EXCLUDED(mu_);
   // Pages held (a page promoted again keeps its copy: pages never change).

@@ -616,6 +616,9 @@ absl::Status TenantSession::MovePages(bool demote, uint64_t epoch,
         what, id_, now, epoch));
   }
   const size_t page_bytes = spec_.geometry.host_page_bytes();
+  std::vector<StoredPage> put;
+  std::vector<std::span<const uint8_t>> bytes;
+  std::vector<ColdPages::Read> reads;
   for (const PageMove& m : pages) {
     if (m.layer < 0 || m.layer >= spec_.geometry.num_layers || m.page < 0 ||
         m.page >= spec_.max_pages() || m.slot < 0 || m.slot >= region_.num_slots()) {
@@ -632,14 +635,13 @@ absl::Status TenantSession::MovePages(bool demote, uint64_t epoch,
             "generation %d",
             id_, m.layer, m.page, m.slot, m.generation));
       }
-      KVTIER_RETURN_IF_ERROR(cold_pages_->Put(StoredPage{m.layer, m.page, m.slot, m.generation},
-                                              std::span<const uint8_t>(slot, page_bytes)));
+      put.push_back(StoredPage{m.layer, m.page, m.slot, m.generation});
+      bytes.emplace_back(slot, page_bytes);
     } else {
-      KVTIER_RETURN_IF_ERROR(
-          cold_pages_->Get(m.layer, m.page, m.slot, std::span<uint8_t>(slot, page_bytes)));
+      reads.push_back({m.layer, m.page, m.slot, std::span<uint8_t>(slot, page_bytes)});
     }
   }
-  return absl::OkStatus();
+  return demote ? cold_pages_->PutBatch(put, bytes) : cold_pages_->GetBatch(reads);
 }
 
 uint64_t TenantSession::DemotedPageCount() const {

@@ -35,6 +35,30 @@ class ColdPages {
   // pool: NOT_FOUND when it was never Put, DATA_LOSS when no intact copy is left,
   // UNAVAILABLE / DEADLINE_EXCEEDED when the tier cannot be reached in time.
   virtual absl::Status Get(int32_t layer, int64_t page, int64_t slot, std::span<uint8_t> out) = 0;
+
+  // Several pages at once, in as few round trips as the tier can (`bytes[i]` is page i's).
+  // On error some may be stored, none may be relied on. The default calls Put for each.
+  virtual absl::Status PutBatch(std::span<const StoredPage> pages,
+                                std::span<const std::span<const uint8_t>> bytes) {
+    for (size_t i = 0; i < pages.size(); ++i) {
+      if (absl::Status st = Put(pages[i], bytes[i]); !st.ok()) return st;
+    }
+    return absl::OkStatus();
+  }
+  // A page to read: (layer, page) into `out`, host slot `slot`.
+  struct Read {
+    int32_t layer = 0;
+    int64_t page = 0;
+    int64_t slot = -1;
+    std::span<uint8_t> out;
+  };
+  // Several pages at once; the first error (each of Get's). The default calls Get for each.
+  virtual absl::Status GetBatch(std::span<const Read> reads) {
+    for (const Read& r : reads) {
+      if (absl::Status st = Get(r.layer, r.page, r.slot, r.out); !st.ok()) return st;
+    }
+    return absl::OkStatus();
+  }
 };
 
 }  // namespace kvtier

@@ -31,7 +31,7 @@ absl::Status Prefixed(const absl::Status& st, const std::string& what) {
 
 }  // namespace
 
-absl::Status RetrieverImpl::DemoteHostPages(int64_t n, int32_t launching,
+absl::Status RetrieverImpl::DemoteHostPages(int64_t n, int64_t at_least, int32_t launching,
                                             std::span<const int64_t> keep, const std::string& what) {
   // Pages are read on the host below: every offload enqueued so far must have run, and be
   // committed, so that no commit of a page can follow its withdrawal.
@@ -58,7 +58,12 @@ absl::Status RetrieverImpl::DemoteHostPages(int64_t n, int32_t launching,
     }
   }
   const size_t page_bytes = geometry_.host_page_bytes();
-  for (int64_t i = 0; i < n; ++i) {
+  // The victims first: `at_least` of them, and up to n while unpinned candidates last.
+  int64_t unpinned = std::count_if(cand.begin(), cand.end(),
+                                   [](const policy::HostCandidate& c) { return !c.pinned; });
+  std::vector<policy::HostCandidate> victims;
+  while (static_cast<int64_t>(victims.size()) < n &&
+         (static_cast<int64_t>(victims.size()) < at_least || unpinned > 0)) {
     absl::StatusOr<size_t> victim = host_drop_->PickVictim(cand);
     if (!victim.ok()) {
       const PagePoolStats ps = pool_->stats();
@@ -66,29 +71,45 @@ absl::Status RetrieverImpl::DemoteHostPages(int64_t n, int32_t launching,
           "%s: the host tier (%d pages, %d free) needs %d more free pages and no page may be "
           "demoted (sinks, recent windows, the plan being recalled and the %d layers whose "
           "plans are pending stay): %s",
-          what, ps.capacity, ps.capacity - ps.in_use, n - i, pending_layers,
+          what, ps.capacity, ps.capacity - ps.in_use, at_least - victims.size(), pending_layers,
           victim.status().message()));
     }
-    const policy::HostCandidate v = cand[*victim];
+    victims.push_back(cand[*victim]);
     cand.erase(cand.begin() + static_cast<ptrdiff_t>(*victim));
+    --unpinned;
+  }
+  // A layer's last background recall may still be copying from its pages' slots.
+  std::vector<uint8_t> waited(geometry_.num_layers, 0);
+  for (const policy::HostCandidate& v : victims) {
     LayerState& vl = layers_[v.layer];
-    // The layer's last background recall may still be copying from the page's slot.
-    if (vl.recall.done != nullptr) KVTIER_RETURN_IF_ERROR(vl.recall.done->Wait(options_.deadline));
-    KVTIER_ASSIGN_OR_RETURN(const PageEntry e, vl.host.pages->Lookup(v.page));
+    if (waited[v.layer] != 0 || vl.recall.done == nullptr) continue;
+    KVTIER_RETURN_IF_ERROR(vl.recall.done->Wait(options_.deadline));
+    waited[v.layer] = 1;
+  }
+  // The pages the cold tier does not hold yet, written in one batch.
+  std::vector<StoredPage> put;
+  std::vector<std::span<const uint8_t>> bytes;
+  for (const policy::HostCandidate& v : victims) {
+    LayerState& vl = layers_[v.layer];
     if (vl.host.cold.empty()) vl.host.cold.assign(max_pages_, 0);
-    if (vl.host.cold[v.page] == 0) {
-      const auto* bytes = static_cast<const uint8_t*>(pool_->SlotData(e.slot));
-      absl::Status st = cold_->Put(StoredPage{v.layer, v.page, e.slot, e.generation},
-                                   std::span<const uint8_t>(bytes, page_bytes));
-      if (!st.ok()) {
-        // The page stays in the host tier; the caller's call fails, the sequence does not.
-        return Prefixed(st, absl::StrFormat("%s: demoting layer %d page %d to the cold tier", what,
-                                            v.layer, v.page));
-      }
-      vl.host.cold[v.page] = 1;
-      ++stats_.cold_written_pages;
+    if (vl.host.cold[v.page] != 0) continue;
+    KVTIER_ASSIGN_OR_RETURN(const PageEntry e, vl.host.pages->Lookup(v.page));
+    put.push_back(StoredPage{v.layer, v.page, e.slot, e.generation});
+    bytes.emplace_back(static_cast<const uint8_t*>(pool_->SlotData(e.slot)), page_bytes);
+  }
+  if (!put.empty()) {
+    if (absl::Status st = cold_->PutBatch(put, bytes); !st.ok()) {
+      // Every page stays in the host tier; the caller's call fails, the sequence does not.
+      return Prefixed(st, absl::StrFormat("%s: demoting %d pages to the cold tier (layer %d "
+                                          "page %d first)",
+                                          what, put.size(), put[0].layer, put[0].page));
     }
-    // From here on a failure leaves the tiers inconsistent: it fails the Retriever.
+    for (const StoredPage& sp : put) layers_[sp.layer].host.cold[sp.page] = 1;
+    stats_.cold_written_pages += static_cast<int64_t>(put.size());
+  }
+  // From here on a failure leaves the tiers inconsistent: it fails the Retriever.
+  for (const policy::HostCandidate& v : victims) {
+    LayerState& vl = layers_[v.layer];
     if (absl::Status st = host_->Withdraw(v.layer, v.page); !st.ok()) return Fail(st);
     if (absl::Status st = vl.host.pages->Erase(v.page); !st.ok()) return Fail(st);
     vl.host.page_of_mirror[v.page] = ColdMarker(v.page);
@@ -99,7 +120,7 @@ absl::Status RetrieverImpl::DemoteHostPages(int64_t n, int32_t launching,
       return Fail(st);
     }
   }
-  if (n > 0) {
+  if (!victims.empty()) {
     // Foreground recalls queued before this point may read the freed slots.
     if (demote_fence_ == nullptr) {
       KVTIER_ASSIGN_OR_RETURN(demote_fence_, backend_.CreateEvent());
@@ -161,7 +182,7 @@ absl::Status RetrieverImpl::PromoteInto(int32_t layer, int32_t n, std::span<cons
   }
   if (need() > 0) {
     KVTIER_RETURN_IF_ERROR(DemoteHostPages(
-        need(), layer, keep,
+        need(), need(), layer, keep,
         absl::StrFormat("layer %d: promoting %d demoted pages", layer, cold.size())));
   }
   if (fence_pending_) {
@@ -175,27 +196,35 @@ absl::Status RetrieverImpl::PromoteInto(int32_t layer, int32_t n, std::span<cons
     if (!st.ok()) return Fail(st);
     fence_pending_ = false;
   }
+  // A slot for each, then all of them read in one batch, then each committed and planned.
   const size_t page_bytes = geometry_.host_page_bytes();
+  std::vector<PageHandle> handles;
+  std::vector<ColdPages::Read> reads;
   for (const int64_t page : cold) {
     absl::StatusOr<PageHandle> h = pool_->Allocate();
     if (!h.ok()) return Fail(h.status());
-    if (absl::Status st = cold_->Get(layer, page, h->slot(),
-                                     std::span<uint8_t>(static_cast<uint8_t*>(h->data()),
-                                                        page_bytes));
-        !st.ok()) {
-      return Fail(Prefixed(
-          st, absl::StrFormat("layer %d: promoting page %d from the cold tier", layer, page)));
+    reads.push_back({layer, page, h->slot(),
+                     std::span<uint8_t>(static_cast<uint8_t*>(h->data()), page_bytes)});
+    handles.push_back(*std::move(h));
+  }
+  if (absl::Status st = cold_->GetBatch(reads); !st.ok()) {
+    return Fail(Prefixed(st, absl::StrFormat("layer %d: promoting %d pages from the cold tier",
+                                             layer, reads.size())));
+  }
+  for (size_t i = 0; i < handles.size(); ++i) {
+    const int64_t page = reads[i].page;
+    const int64_t slot = handles[i].slot();
+    const uint64_t generation = handles[i].generation();
+    if (absl::Status st = l.host.pages->Insert(page, std::move(handles[i])); !st.ok()) {
+      return Fail(st);
     }
-    const int64_t slot = h->slot();
-    const uint64_t generation = h->generation();
-    if (absl::Status st = l.host.pages->Insert(page, *std::move(h)); !st.ok()) return Fail(st);
     const StoredPage sp{layer, page, slot, generation};
     if (absl::Status st = host_->Commit(std::span<const StoredPage>(&sp, 1)); !st.ok()) {
       return Fail(st);
     }
     const int64_t marker = ColdMarker(page);
-    for (int32_t i = 0; i < n; ++i) {
-      if (plan[i].host_page == marker) plan[i].host_page = slot;
+    for (int32_t j = 0; j < n; ++j) {
+      if (plan[j].host_page == marker) plan[j].host_page = slot;
     }
     l.host.page_of_mirror[page] = slot;
     if (absl::Status st = Upload(*compute_, l.host.page_of.as<int64_t>() + page,

@@ -345,16 +345,20 @@ class RetrieverImpl final : public Retriever {
 
   // --- The cold tier behind the host tier (retriever_cold.cc; host_drop = demote). ---
   bool demote() const { return cold_ != nullptr; }
+  // An append that needs room demotes at least this many pages at once, so that the cold
+  // tier's writes go in batches.
+  static constexpr int64_t kDemoteBatch = 16;
   // The host_page_of value of a demoted logical page: past every host slot, so Replace
   // (which only refuses negative entries) plans it like any page and the host sees it.
   int64_t ColdMarker(int64_t page) const { return pool_->num_slots() + page; }
-  // Frees `n` host slots by demoting the lowest-scoring pages outside the sinks and recent
-  // windows. Never a page of a layer whose background plan has not been launched (the plan
+  // Frees at least `at_least` and up to `n` host slots (as many as may leave) by demoting
+  // the lowest-scoring pages outside the sinks and recent windows, written to the cold tier
+  // in one batch. Never a page of a layer whose background plan has not been launched (the plan
   // may name any of its host pages) other than `launching` (or -1), nor one whose slot is in
   // `keep` (the plan being issued); a layer's recall in flight is waited for before its page's slot is freed.
-  // RESOURCE_EXHAUSTED (naming `what`) when too few pages may leave.
-  absl::Status DemoteHostPages(int64_t n, int32_t launching, std::span<const int64_t> keep,
-                               const std::string& what);
+  // RESOURCE_EXHAUSTED (naming `what`) when fewer than `at_least` pages may leave.
+  absl::Status DemoteHostPages(int64_t n, int64_t at_least, int32_t launching,
+                               std::span<const int64_t> keep, const std::string& what);
   // Before the DMAs of `n` plan items of layer `layer` (its recaller's plan, on the host):
   // brings every demoted page the plan names back into a host slot and rewrites its items.
   absl::Status PromoteCold(int32_t layer, int32_t n);

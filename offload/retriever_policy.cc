@@ -448,7 +448,8 @@ absl::Status RetrieverImpl::DropHostPages(int32_t layer, int64_t n) {
     for (int32_t li = 0; li < geometry_.num_layers; ++li) {
       if (layers_[li].recall.plan_pending) KVTIER_RETURN_IF_ERROR(Pump(li));
     }
-    return DemoteHostPages(n, /*launching=*/-1, {}, absl::StrFormat("Append: layer %d", layer));
+    return DemoteHostPages(std::max(n, kDemoteBatch), n, /*launching=*/-1, {},
+                           absl::StrFormat("Append: layer %d", layer));
   }
   if (policies_.host_drop != policy::HostDropMode::kEvict) {
     (void)host_drop_->PickVictim({});  // counts the refusal

@@ -541,7 +541,7 @@ TEST_F(ColdSessionTest, ACorruptedDemotedPageIsDataLossForTheStepThatNeedsIt) {
       failed = manager_->Step(Caller{"a"}, s.id, l, qbytes, true).status();
     }
   }
-  ExpectError(failed, absl::StatusCode::kDataLoss, {"promoting page", "checksum"});
+  ExpectError(failed, absl::StatusCode::kDataLoss, {"from the cold tier", "checksum"});
   ASSERT_TRUE(manager_->CloseSession(Caller{"a"}, s.id).ok());
   Exposition out;
   manager_->WriteMetrics(out);

@@ -193,7 +193,7 @@ TEST(RetrieverColdTest, ColdTierFaultsFailTheCallNotTheData) {
   ASSERT_EQ(p.small.pool->stats().in_use, 24);
   const absl::Status st = p.Append();
   ASSERT_TRUE(absl::IsUnavailable(st)) << st;
-  EXPECT_NE(st.message().find("demoting layer"), std::string::npos) << st;
+  EXPECT_NE(st.message().find("to the cold tier"), std::string::npos) << st;
   EXPECT_EQ(p.small.pool->stats().in_use, 24);
   EXPECT_EQ(p.cold->Stats().host_demoted_pages, 0);
   EXPECT_TRUE(p.cold->Flush().ok()) << "a refused demotion must not fail the sequence";
@@ -220,7 +220,7 @@ TEST(RetrieverColdTest, ColdTierFaultsFailTheCallNotTheData) {
     }
   }
   ASSERT_TRUE(absl::IsDataLoss(failed)) << failed;
-  EXPECT_NE(failed.message().find("promoting page"), std::string::npos) << failed;
+  EXPECT_NE(failed.message().find("from the cold tier"), std::string::npos) << failed;
   EXPECT_EQ(q.cold->Flush().code(), absl::StatusCode::kDataLoss);
 }
 
