@@ -103,18 +103,31 @@ double Median(std::vector<double> samples) {
   return n % 2 ? samples[n / 2] : (samples[n / 2 - 1] + samples[n / 2]) / 2;
 }
 
+namespace {
+
+// Quantile of samples already sorted. REQUIRES: not empty.
+double SortedQuantile(const std::vector<double>& sorted, double q) {
+  const size_t n = sorted.size();
+  const double rank = q * static_cast<double>(n - 1);
+  const size_t lo = static_cast<size_t>(rank);
+  const size_t hi = std::min(lo + 1, n - 1);
+  return sorted[lo] + (sorted[hi] - sorted[lo]) * (rank - static_cast<double>(lo));
+}
+
+}  // namespace
+
+double Quantile(std::vector<double> samples, double q) {
+  if (samples.empty()) return 0;
+  std::sort(samples.begin(), samples.end());
+  return SortedQuantile(samples, q);
+}
+
 Spread SpreadOf(std::vector<double> samples) {
   Spread s;
   if (samples.empty()) return s;
   std::sort(samples.begin(), samples.end());
   const size_t n = samples.size();
-  // The q-quantile between the two nearest ranks (rank q·(n−1) of the sorted samples).
-  const auto quantile = [&](double q) {
-    const double rank = q * static_cast<double>(n - 1);
-    const size_t lo = static_cast<size_t>(rank);
-    const size_t hi = std::min(lo + 1, n - 1);
-    return samples[lo] + (samples[hi] - samples[lo]) * (rank - static_cast<double>(lo));
-  };
+  const auto quantile = [&](double q) { return SortedQuantile(samples, q); };
   s.median = quantile(0.5);
   s.p10 = quantile(0.1);
   s.p90 = quantile(0.9);

@@ -38,6 +38,9 @@ class JsonObject {
 
 // Median of `samples` (copied, not modified).
 double Median(std::vector<double> samples);
+// The q-quantile of `samples` (copied), interpolated between the two nearest ranks (rank
+// q·(n−1) of the sorted samples); 0 when there are none.
+double Quantile(std::vector<double> samples, double q);
 
 // Repeated measurements of one quantity summarised by their middle and spread, so a report
 // shows what a typical run gives and how much runs vary instead of the best run.

@@ -45,16 +45,6 @@ double SecondsSince(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-// The q-quantile of `samples` between the two nearest ranks, as SpreadOf does.
-double Quantile(std::vector<double> samples, double q) {
-  if (samples.empty()) return 0;
-  std::sort(samples.begin(), samples.end());
-  const double rank = q * static_cast<double>(samples.size() - 1);
-  const size_t lo = static_cast<size_t>(rank);
-  const size_t hi = std::min(lo + 1, samples.size() - 1);
-  return samples[lo] + (samples[hi] - samples[lo]) * (rank - static_cast<double>(lo));
-}
-
 // Fills `out` with pseudo-random bytes (splitmix64).
 void Fill(char* out, size_t n, uint64_t seed) {
   uint64_t x = seed;

@@ -200,26 +200,16 @@ absl::Status ShmSession::RebuildDemoting() {
     KVTIER_RETURN_IF_ERROR(cold_->PutBatch(held, none));
     KVTIER_RETURN_IF_ERROR(region.Uncommit(layer, 0));
   }
-  // 2. Layer by layer, page by page from 0, as the engine first appended them: HND
-  //    [Hkv][2][p][d] back to NHD rows [p][Hkv][d]; the sequence offloads, summarises and
-  //    demotes exactly as it did then. The engine re-appends past the full pages.
+  // 2. Layer by layer, page by page from 0, as the engine first appended them
+  //    (HostPageToRows): the sequence offloads, summarises and demotes exactly as it did
+  //    then. The engine re-appends past the full pages.
   const int32_t p = g.page_size;
-  const size_t row = static_cast<size_t>(g.head_dim) * g.element_bytes();
-  std::vector<uint8_t> k(static_cast<size_t>(p) * g.num_kv_heads * row), v(k.size());
+  std::vector<uint8_t> k(g.host_page_bytes() / 2), v(k.size());
   for (int32_t layer = 0; layer < g.num_layers; ++layer) {
     KVTIER_ASSIGN_OR_RETURN(std::vector<FetchedPage> pages,
                             FetchPagesById(*conn_, info_.id, g, layer, {}));
     for (size_t i = 0; i < pages.size() && pages[i].page == static_cast<int64_t>(i); ++i) {
-      const std::vector<uint8_t>& hnd = pages[i].data;
-      for (int32_t h = 0; h < g.num_kv_heads; ++h) {
-        for (int32_t t = 0; t < p; ++t) {
-          const size_t dst = (static_cast<size_t>(t) * g.num_kv_heads + h) * row;
-          std::memcpy(k.data() + dst, hnd.data() + (static_cast<size_t>(h) * 2 * p + t) * row,
-                      row);
-          std::memcpy(v.data() + dst, hnd.data() + ((static_cast<size_t>(h) * 2 + 1) * p + t) * row,
-                      row);
-        }
-      }
+      HostPageToRows(g, pages[i].data.data(), k.data(), v.data());
       KVTIER_RETURN_IF_ERROR(retriever_->Append(layer, k.data(), v.data(), p));
     }
   }

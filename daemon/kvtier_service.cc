@@ -391,15 +391,11 @@ std::vector<TenantSession::PageMove> PageMoves(
   return out;
 }
 
-// DemotePages and PromotePages: the same request shape, the direction apart.
+// DemotePages and PromotePages: the same request shape, the direction apart (the manager
+// checks the page count).
 template <typename Request>
 absl::Status MovePagesOf(SessionManager& manager, const Caller& caller, const Request& request,
                          bool demote) {
-  if (request.pages_size() > static_cast<int>(SessionManager::kMaxPagesPerMove)) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: %d pages; at most %d a call", demote ? "DemotePages" : "PromotePages",
-        request.pages_size(), SessionManager::kMaxPagesPerMove));
-  }
   return manager.MovePages(caller, request.session_id(), demote, request.epoch(),
                            PageMoves(request.pages()));
 }

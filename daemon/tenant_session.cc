@@ -124,26 +124,17 @@ absl::StatusOr<std::shared_ptr<TenantSession>> TenantSession::RebuildDemoting(
   KVTIER_ASSIGN_OR_RETURN(
       s->retriever_, OpenRegionRetriever(region, std::nullopt, s->spec_.sequence, *s->backend_,
                                          /*restore=*/false, s->cold_pages_.get()));
-  // Page by page, as the engine first appended them: HND [Hkv][2][p][d] back to NHD rows
-  // [p][Hkv][d]; the Retriever offloads, summarises and demotes exactly as it did then.
+  // Page by page, as the engine first appended them (HostPageToRows): the Retriever
+  // offloads, summarises and demotes exactly as it did then.
   const size_t page_bytes = g.host_page_bytes();
-  const size_t row = static_cast<size_t>(g.head_dim) * g.element_bytes();
   const int32_t p = g.page_size;
-  std::vector<uint8_t> k(static_cast<size_t>(p) * g.num_kv_heads * row);
+  std::vector<uint8_t> k(page_bytes / 2);
   std::vector<uint8_t> v(k.size());
   for (int32_t layer = 0; layer < g.num_layers; ++layer) {
     KVTIER_ASSIGN_OR_RETURN(std::vector<ColdPage> loaded,
                             LoadLayerChecked(load, s->id_, layer, pages, page_bytes));
     for (const ColdPage& cp : loaded) {
-      for (int32_t h = 0; h < g.num_kv_heads; ++h) {
-        for (int32_t t = 0; t < p; ++t) {
-          const size_t dst = (static_cast<size_t>(t) * g.num_kv_heads + h) * row;
-          std::memcpy(k.data() + dst, cp.data.data() + ((static_cast<size_t>(h) * 2) * p + t) * row,
-                      row);
-          std::memcpy(v.data() + dst,
-                      cp.data.data() + ((static_cast<size_t>(h) * 2 + 1) * p + t) * row, row);
-        }
-      }
+      HostPageToRows(g, cp.data.data(), k.data(), v.data());
       KVTIER_RETURN_IF_ERROR(s->retriever_->Append(layer, k.data(), v.data(), p));
     }
   }
@@ -553,6 +544,7 @@ absl::StatusOr<CloseResult> TenantSession::Demote(
   Image image;
   image.epoch = epoch_;
   image.layers.resize(g.num_layers);
+  std::vector<ColdPages::Read> demoted;  // into image.owned, read in one batch below
   for (int32_t layer = 0; layer < g.num_layers; ++layer) {
     std::vector<ColdPageRef>& refs = image.layers[layer];
     for (int64_t page = 0; page < spec_.max_pages(); ++page) {
@@ -569,12 +561,12 @@ absl::StatusOr<CloseResult> TenantSession::Demote(
           cold_pages_ != nullptr ? cold_pages_->Generation(layer, page) : std::nullopt;
       if (!gen.has_value()) break;  // the committed prefix ends here
       std::string& data = image.owned.emplace_back(page_bytes, '\0');
-      KVTIER_RETURN_IF_ERROR(cold_pages_->Get(
-          layer, page, /*slot=*/-1,
-          std::span<uint8_t>(reinterpret_cast<uint8_t*>(data.data()), page_bytes)));
+      demoted.push_back(
+          {layer, page, -1, std::span<uint8_t>(reinterpret_cast<uint8_t*>(data.data()), page_bytes)});
       refs.push_back(ColdPageRef{layer, page, *gen, std::string_view(data)});
     }
   }
+  if (!demoted.empty()) KVTIER_RETURN_IF_ERROR(cold_pages_->GetBatch(demoted));
   KVTIER_RETURN_IF_ERROR(write(image));
   demoted_.store(true, std::memory_order_release);
   closing_.store(true, std::memory_order_release);

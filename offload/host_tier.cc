@@ -1,10 +1,12 @@
 #include "offload/host_tier.h"
 
+#include <cstring>
 #include <string>
 #include <utility>
 
 #include "absl/strings/str_format.h"
 #include "core/status.h"
+#include "kvtier/layout.h"
 #include "offload/host_arena.h"
 #include "offload/page_pool.h"
 
@@ -25,6 +27,21 @@ class OwnedHostTier final : public HostTier {
 };
 
 }  // namespace
+
+void HostPageToRows(const Geometry& geometry, const void* page, void* k, void* v) {
+  const int32_t p = geometry.page_size;
+  const size_t elem = geometry.element_bytes();
+  const size_t row = static_cast<size_t>(geometry.head_dim) * elem;
+  const HostPageLayout hl{geometry.num_kv_heads, p, geometry.head_dim};
+  const auto* src = static_cast<const uint8_t*>(page);
+  for (int32_t h = 0; h < geometry.num_kv_heads; ++h) {
+    for (int32_t t = 0; t < p; ++t) {
+      const size_t dst = (static_cast<size_t>(t) * geometry.num_kv_heads + h) * row;
+      std::memcpy(static_cast<uint8_t*>(k) + dst, src + hl.Offset(h, kKey, t, 0) * elem, row);
+      std::memcpy(static_cast<uint8_t*>(v) + dst, src + hl.Offset(h, kValue, t, 0) * elem, row);
+    }
+  }
+}
 
 absl::StatusOr<std::unique_ptr<HostTier>> NewOwnedHostTier(const Geometry& geometry,
                                                            int32_t max_tokens, Backend& backend) {

@@ -67,6 +67,11 @@ class PoolHostTier final : public HostTier {
   PagePool& pool_;
 };
 
+// One host page (HND [Hkv][2][p][d], as the host tier holds it) turned back into the token
+// rows it came from: K and V, NHD [p][Hkv][d] each, exact copies. What Retriever::Restore
+// and the rebuilds of sessions that demote pages append again.
+void HostPageToRows(const Geometry& geometry, const void* page, void* k, void* v);
+
 // A private host tier for one sequence of `geometry`: an anonymous arena (hugepages when
 // the host has them, locked, registered with `backend`) with a slot for every page of
 // max_tokens per layer. RESOURCE_EXHAUSTED when host memory runs out; the arena's errors.

@@ -539,22 +539,13 @@ absl::Status RetrieverImpl::Restore(int32_t layer, std::vector<PageHandle> pages
   if (pages.empty()) return absl::OkStatus();
   // HND host pages → NHD rows [n·p][Hkv][d] on the host: exact copies of d elements.
   const int32_t n_tokens = static_cast<int32_t>(pages.size()) * p;
-  const size_t tb = token_bytes();
-  const size_t row = static_cast<size_t>(geometry_.head_dim) * elem();
-  const HostPageLayout hl{geometry_.num_kv_heads, p, geometry_.head_dim};
-  const size_t bytes = pages.size() * static_cast<size_t>(p) * tb;
+  const size_t page_rows = static_cast<size_t>(p) * token_bytes();
+  const size_t bytes = pages.size() * page_rows;
   KVTIER_CHECK(bytes <= (size_t{1} << 52));  // ≤ 2^30 tokens of ≤ 2 MiB (validated bounds)
   auto k = std::make_unique<uint8_t[]>(bytes);
   auto v = std::make_unique<uint8_t[]>(bytes);
   for (size_t i = 0; i < pages.size(); ++i) {
-    const auto* src = static_cast<const uint8_t*>(pages[i].data());
-    for (int32_t h = 0; h < geometry_.num_kv_heads; ++h) {
-      for (int32_t t = 0; t < p; ++t) {
-        const size_t dst = (i * p + t) * tb + h * row;
-        std::memcpy(k.get() + dst, src + hl.Offset(h, kKey, t, 0) * elem(), row);
-        std::memcpy(v.get() + dst, src + hl.Offset(h, kValue, t, 0) * elem(), row);
-      }
-    }
+    HostPageToRows(geometry_, pages[i].data(), k.get() + i * page_rows, v.get() + i * page_rows);
   }
   const uint8_t* ks = k.get();
   const uint8_t* vs = v.get();
