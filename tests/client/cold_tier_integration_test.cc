@@ -23,6 +23,7 @@
 #include "tests/client/integration_options.h"
 #include "tests/client/session_trace.h"
 #include "tests/testutil/redis_cluster_process.h"
+#include "tests/testutil/assert_ok.h"
 
 namespace kvtier {
 namespace {
@@ -33,12 +34,6 @@ using testing::IntegrationSessionOptions;
 using testing::IntegrationTrace;
 using testing::SyntheticTrace;
 using testing::TraceHostPage;
-
-#define ASSERT_OK(expr)                            \
-  do {                                             \
-    const absl::Status st_ = (expr);               \
-    ASSERT_TRUE(st_.ok()) << #expr << ": " << st_; \
-  } while (0)
 
 constexpr int32_t kPage = 32;
 constexpr int32_t kPrefill = 600;                        // 18 full pages and 24 tokens

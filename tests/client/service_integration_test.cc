@@ -26,6 +26,7 @@
 #include "tests/client/daemon_process.h"
 #include "tests/client/integration_options.h"
 #include "tests/client/session_trace.h"
+#include "tests/testutil/assert_ok.h"
 
 namespace kvtier {
 namespace {
@@ -36,12 +37,6 @@ using testing::IntegrationSessionOptions;
 using testing::IntegrationTrace;
 using testing::StepRecord;
 using testing::SyntheticTrace;
-
-#define ASSERT_OK(expr)                            \
-  do {                                             \
-    const absl::Status st_ = (expr);               \
-    ASSERT_TRUE(st_.ok()) << #expr << ": " << st_; \
-  } while (0)
 
 constexpr int kCpuThreads = 2;                   // the daemon's and the SHM sessions' backend
 constexpr uint64_t kMaxMessageBytes = 1u << 20;  // small, so limits are cheap to hit

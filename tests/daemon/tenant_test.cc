@@ -17,9 +17,12 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "offload/session_region.h"
+#include "tests/testutil/arena_dir.h"
 
 namespace kvtier::daemon {
 namespace {
+
+using ::kvtier::testing::ArenaFileDir;
 
 using ::testing::HasSubstr;
 
@@ -201,19 +204,9 @@ TEST(TenantAdoptRegionTest, ChargedDaemonMemoryCountsAgainstTheQuota) {
 
 // ---- TenantConfig::arena_path ----------------------------------------------------------------
 
-std::string ArenaDir() {
-  struct stat st {};
-  if (stat("/dev/shm", &st) == 0 && S_ISDIR(st.st_mode) && access("/dev/shm", W_OK) == 0) {
-    return "/dev/shm";
-  }
-  std::string dir = ::testing::TempDir();
-  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
-  return dir;
-}
-
 TEST(TenantArenaFileTest, ARecreatedTenantMapsTheSameBytesAndAdoptsTheRegion) {
   TenantConfig config = SmallTenant("persistent");
-  config.arena_path = absl::StrCat(ArenaDir(), "/kvtier-tenant-test-", getpid(), ".arena");
+  config.arena_path = absl::StrCat(ArenaFileDir(), "/kvtier-tenant-test-", getpid(), ".arena");
   unlink(config.arena_path.c_str());
   constexpr char kText[] = "a session that outlives its daemon";
   {

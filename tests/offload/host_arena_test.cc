@@ -20,9 +20,12 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testutil/arena_dir.h"
 
 namespace kvtier {
 namespace {
+
+using ::kvtier::testing::ArenaFileDir;
 
 using ::testing::AnyOf;
 using ::testing::ElementsAre;
@@ -424,17 +427,6 @@ TEST(HostArenaRegisterTest, FailureMidwayUnregistersWhatWasRegistered) {
 }
 
 // ---- file arenas (ArenaOptions::path) ---------------------------------------------------------
-
-// A directory for arena files: /dev/shm (tmpfs) when it is there, else the test's temp dir.
-std::string ArenaFileDir() {
-  struct stat st {};
-  if (stat("/dev/shm", &st) == 0 && S_ISDIR(st.st_mode) && access("/dev/shm", W_OK) == 0) {
-    return "/dev/shm";
-  }
-  std::string dir = ::testing::TempDir();
-  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
-  return dir;
-}
 
 // A file path unique to this test and process, removed when it goes out of scope.
 class ArenaFile {

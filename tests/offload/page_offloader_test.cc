@@ -16,18 +16,13 @@
 #include "kvtier/layout.h"
 #include "offload/host_arena.h"
 #include "tests/testutil/random_fill.h"
+#include "tests/testutil/assert_ok.h"
 
 namespace kvtier {
 namespace {
 
 using ::testing::HasSubstr;
 using testing::TypedBuffer;
-
-#define ASSERT_OK(expr)                                       \
-  do {                                                        \
-    const absl::Status assert_ok_status_ = (expr);            \
-    ASSERT_TRUE(assert_ok_status_.ok()) << assert_ok_status_; \
-  } while (0)
 
 TEST(PlanOffloadTest, ZipsTheThreeListsIntoItems) {
   const std::vector<int64_t> src = {5, 1, 2};
