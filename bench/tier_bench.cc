@@ -147,6 +147,7 @@ absl::Status TierBench::Validate() const {
         "host's available %d MiB: lower --pages, --layers, --sessions or --page-bytes",
         need >> 20, available >> 20));
   }
+  if (o_.decode) KVTIER_RETURN_IF_ERROR(CheckTierDecode(o_.decode_options));
   return absl::OkStatus();
 }
 

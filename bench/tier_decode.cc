@@ -170,15 +170,12 @@ Geometry DecodeGeometry(int32_t layers) {
 
 }  // namespace
 
-absl::StatusOr<TierDecodeResult> RunTierDecode(daemon::ColdTier* cold, const std::string& session,
-                                               const TierDecodeOptions& o, std::ostream& log) {
+namespace {
+
+// The sequences' options, or INVALID_ARGUMENT naming the flag.
+absl::StatusOr<SequenceOptions> DecodeSequenceOptions(const TierDecodeOptions& o) {
   const Geometry g = DecodeGeometry(o.layers);
   const int32_t p = g.page_size;
-  SequenceOptions so;
-  so.mode = RetrievalMode::kSpeculative;
-  so.recall = RecallStrategy::kSlabDma;
-  so.max_tokens = o.prefill + o.steps;
-  so.policy.residency = "h2o";
   if (o.layers < 1 || o.layers > 64 || o.prefill < p || o.steps < 1 || o.budget_tokens < 4 * p ||
       !(o.drift >= 0 && o.drift <= 1)) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -186,9 +183,35 @@ absl::StatusOr<TierDecodeResult> RunTierDecode(daemon::ColdTier* cold, const std
         "--decode-budget >= %d and --decode-drift in [0, 1]",
         p, 4 * p));
   }
+  SequenceOptions so;
+  so.mode = RetrievalMode::kSpeculative;
+  so.recall = RecallStrategy::kSlabDma;
+  so.max_tokens = o.prefill + o.steps;
+  so.policy.residency = "h2o";
   if (absl::Status st = so.SetBudgetTokens(o.budget_tokens, p); !st.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("--decode-budget: ", st.message()));
   }
+  const int64_t floor = DemoteFloorPages(g, so);
+  if (int64_t{o.host_pages} * o.layers < floor) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--decode-host-pages = %d: with host_drop = demote the host tier needs at least %d "
+        "pages over the %d layers (%d per layer)",
+        o.host_pages, floor, o.layers, (floor + o.layers - 1) / o.layers));
+  }
+  return so;
+}
+
+}  // namespace
+
+absl::Status CheckTierDecode(const TierDecodeOptions& o) {
+  return DecodeSequenceOptions(o).status();
+}
+
+absl::StatusOr<TierDecodeResult> RunTierDecode(daemon::ColdTier* cold, const std::string& session,
+                                               const TierDecodeOptions& o, std::ostream& log) {
+  const Geometry g = DecodeGeometry(o.layers);
+  const int32_t p = g.page_size;
+  KVTIER_ASSIGN_OR_RETURN(const SequenceOptions so, DecodeSequenceOptions(o));
   const int32_t total_pages = (o.prefill + o.steps + p - 1) / p;
   SequenceOptions demote = so;
   demote.policy.host_drop = "demote";
@@ -204,13 +227,10 @@ absl::StatusOr<TierDecodeResult> RunTierDecode(daemon::ColdTier* cold, const std
   KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<Retriever> ref,
                           Retriever::Create(g, so, *backend, all.pool.get()));
   BenchColdPages cold_pages(cold, session);
-  absl::StatusOr<std::unique_ptr<Retriever>> made = Retriever::Create(
-      g, demote, *backend, std::make_unique<ColdHostTier>(*small.pool, &cold_pages));
-  if (!made.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--decode-host-pages: ", made.status().message()));
-  }
-  std::unique_ptr<Retriever> dem = *std::move(made);
+  KVTIER_ASSIGN_OR_RETURN(
+      std::unique_ptr<Retriever> dem,
+      Retriever::Create(g, demote, *backend,
+                        std::make_unique<ColdHostTier>(*small.pool, &cold_pages)));
 
   // The trace: planted K/V per layer, and per step a query drifting from the planted one.
   SyntheticKvOptions kvo;

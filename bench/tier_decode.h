@@ -38,8 +38,10 @@ struct TierDecodeResult {
   int64_t mismatches = 0;  // steps whose outputs differ
 };
 
-// INVALID_ARGUMENT for options out of range (naming the flag, e.g. a host tier below the
-// demote floor); the Retrievers' and the cold tier's errors.
+// INVALID_ARGUMENT for options out of range, naming the flag (e.g. a host tier below the
+// demote floor): CheckTierDecode says so without running anything.
+absl::Status CheckTierDecode(const TierDecodeOptions& o);
+// Runs the section: CheckTierDecode's errors, the Retrievers' and the cold tier's.
 absl::StatusOr<TierDecodeResult> RunTierDecode(daemon::ColdTier* cold, const std::string& session,
                                                const TierDecodeOptions& o, std::ostream& log);
 

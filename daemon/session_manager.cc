@@ -21,6 +21,7 @@
 #include "daemon/logging.h"
 #include "daemon/session_params.h"
 #include "kernels/registry.h"
+#include "offload/cold_pages.h"
 #include "offload/policy/config.h"
 #include "offload/telemetry.h"
 #include "spdlog/spdlog.h"
@@ -661,11 +662,8 @@ absl::StatusOr<SessionSpec> SessionManager::ResolveSpec(const Caller& caller,
           "policy.host_drop = 'demote'",
           p.host_tokens, max_tokens));
     }
-    // Every layer's sinks, recent window and page being filled, and one step's selection
-    // twice over (offload/retriever_cold.cc).
     const SequenceOptions& so = spec.sequence;
-    const int64_t need = int64_t{g.num_layers} * (so.sink_pages + so.recent_pages + 1) +
-                         int64_t{2} * g.num_kv_heads * so.selected_pages;
+    const int64_t need = DemoteFloorPages(g, so);
     const int64_t need_per_layer = (need + g.num_layers - 1) / g.num_layers;
     if (host_pages < need_per_layer) {
       return bad(absl::StrFormat(

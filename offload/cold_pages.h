@@ -19,9 +19,19 @@
 #include <span>
 
 #include "absl/status/status.h"
+#include "kvtier/geometry.h"
+#include "kvtier/options.h"
 #include "offload/host_tier.h"
 
 namespace kvtier {
+
+// The fewest host pages (all layers) a sequence with host_drop = demote may run over: every
+// layer's sinks, recent window and page being filled, plus one plan's pages twice over (those
+// it keeps and those it promotes), so that a promotion always finds pages that may leave.
+inline int64_t DemoteFloorPages(const Geometry& g, const SequenceOptions& o) {
+  return int64_t{g.num_layers} * (o.sink_pages + o.recent_pages + 1) +
+         int64_t{2} * g.num_kv_heads * o.selected_pages;
+}
 
 class ColdPages {
  public:

@@ -59,12 +59,7 @@ absl::Status RetrieverImpl::InitPolicies() {
           "the device, so a demoted page could not be promoted before it; use slab_dma, "
           "batched_dma or auto");
     }
-    // Room for every layer's sinks, recent window and page being filled, plus one plan's
-    // pages twice over (those it keeps and those it promotes), so a promotion always finds
-    // pages that may leave.
-    const int64_t need =
-        int64_t{geometry_.num_layers} * (options_.sink_pages + options_.recent_pages + 1) +
-        int64_t{2} * geometry_.num_kv_heads * options_.selected_pages;
+    const int64_t need = DemoteFloorPages(geometry_, options_);
     if (host_->pool().num_slots() < need) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "policy.host_drop = demote: the host tier holds %d pages; it needs at least %d "
