@@ -553,7 +553,8 @@ int main(int argc, char** argv) {
   gen->add_option("--prefill-chunk", f.prefill_chunk, "prompt tokens per forward pass");
   gen->add_option("--budget-policy", f.budget_policy, "fixed, confidence, xkv, kv_compress, ...");
   gen->add_option("--residency-policy", f.residency_policy, "none, h2o, attention, epiphany, ...");
-  gen->add_option("--host-drop", f.host_drop, "refuse or evict");
+  gen->add_option("--host-drop", f.host_drop,
+                  "refuse, evict (local sequences only) or demote (kvtierd with a cold tier)");
   gen->add_option("--policy-param", f.policy_params, "KEY=VALUE (repeatable)");
   gen->add_option("--json", f.json, "write the results as JSON");
   gen->add_flag("--quiet", f.quiet, "no progress or summary on stderr");
