@@ -1,5 +1,6 @@
-// Blocking host calls on the decode path (docs/retriever.md#host-waits), on the cpu backend,
-// which models CUDA's blocking rules (a copy into or out of pageable memory blocks): a
+// Blocking host calls on the decode path (docs/retriever.md#host-waits). Built twice: on the
+// cpu backend, which models CUDA's blocking rules (a copy into or out of pageable memory
+// blocks), and, labelled gpu, on cuda (host_waits_gpu_test; skips without a device): a
 // speculative decode makes none after its first step, sync mode makes exactly its one
 // deliberate wait per layer-step when a DMA strategy needs its plan on the host, and none
 // recalling zero-copy. The engine's side is played as an engine plays it: inputs in backend
@@ -18,6 +19,25 @@
 namespace kvtier::retriever_test {
 namespace {
 
+#ifdef KVTIER_TEST_CUDA
+constexpr DeviceKind kKind = DeviceKind::kCuda;
+#else
+constexpr DeviceKind kKind = DeviceKind::kCpu;
+#endif
+
+// The backend under test; null when it has no usable device (the test then skips).
+std::unique_ptr<Device> MakeDevice() {
+  absl::StatusOr<std::unique_ptr<Device>> d = CreateDevice(kKind);
+  return d.ok() ? *std::move(d) : nullptr;
+}
+
+class HostWaitsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (MakeDevice() == nullptr) GTEST_SKIP() << "no usable " << DeviceKindName(kKind) << " device";
+  }
+};
+
 // A buffer of backend memory holding `src`.
 DeviceBuffer OnDevice(Device& d, Stream& s, const TypedBuffer& src) {
   DeviceBuffer b = d.Allocate(src.bytes()).value();
@@ -30,7 +50,7 @@ DeviceBuffer OnDevice(Device& d, Stream& s, const TypedBuffer& src) {
 // calls, summed over its layers, as the sequence reports them (SequenceStats::host_waits).
 std::vector<int64_t> Decode(const SequenceOptions& o, int32_t steps, SequenceStats* end) {
   const Geometry g = SmallGeometry(DType::kF16);
-  std::unique_ptr<Device> device = CreateDevice(DeviceKind::kCpu).value();
+  std::unique_ptr<Device> device = MakeDevice();
   std::unique_ptr<LocalSequence> seq = NewLocalSequence(g, o, *device).value();
   Stream& s = seq->compute_stream();
   HostModel model(g, 11);
@@ -75,7 +95,7 @@ std::vector<int64_t> Decode(const SequenceOptions& o, int32_t steps, SequenceSta
   return per_step;
 }
 
-TEST(HostWaitsTest, SpeculativeDecodeMakesNoBlockingCallAfterWarmUp) {
+TEST_F(HostWaitsTest, SpeculativeDecodeMakesNoBlockingCallAfterWarmUp) {
   SequenceOptions o = SmallOptions(RetrievalMode::kSpeculative);
   o.recall = RecallStrategy::kZeroCopy;
   SequenceStats st;
@@ -90,7 +110,7 @@ TEST(HostWaitsTest, SpeculativeDecodeMakesNoBlockingCallAfterWarmUp) {
             st.host_event_waits + st.host_sync_copies + st.host_allocations + st.host_frees);
 }
 
-TEST(HostWaitsTest, SpeculativeDecodeWithTheMassTriggerMakesNone) {
+TEST_F(HostWaitsTest, SpeculativeDecodeWithTheMassTriggerMakesNone) {
   SequenceOptions o = SmallOptions(RetrievalMode::kSpeculative);
   o.recall = RecallStrategy::kZeroCopy;
   o.correction_trigger = CorrectionTrigger::kMass;
@@ -99,7 +119,7 @@ TEST(HostWaitsTest, SpeculativeDecodeWithTheMassTriggerMakesNone) {
   for (size_t step = 1; step < waits.size(); ++step) EXPECT_EQ(waits[step], 0) << step;
 }
 
-TEST(HostWaitsTest, SyncModeWaitsOncePerLayerStepForItsDmaPlanAndNeverZeroCopy) {
+TEST_F(HostWaitsTest, SyncModeWaitsOncePerLayerStepForItsDmaPlanAndNeverZeroCopy) {
   const int32_t layers = SmallGeometry().num_layers;
   SequenceOptions o = SmallOptions(RetrievalMode::kSync);
   o.recall = RecallStrategy::kSlabDma;
@@ -114,12 +134,12 @@ TEST(HostWaitsTest, SyncModeWaitsOncePerLayerStepForItsDmaPlanAndNeverZeroCopy) 
   for (size_t step = 1; step < waits.size(); ++step) EXPECT_EQ(waits[step], 0) << step;
 }
 
-TEST(HostWaitsTest, PageableInputsAreCountedAsSynchronousCopies) {
+TEST_F(HostWaitsTest, PageableInputsAreCountedAsSynchronousCopies) {
   // The same decode with the query in ordinary host memory: every upload of it blocks.
   const Geometry g = SmallGeometry(DType::kF16);
   SequenceOptions o = SmallOptions(RetrievalMode::kSpeculative);
   o.recall = RecallStrategy::kZeroCopy;
-  std::unique_ptr<Device> device = CreateDevice(DeviceKind::kCpu).value();
+  std::unique_ptr<Device> device = MakeDevice();
   std::unique_ptr<LocalSequence> seq = NewLocalSequence(g, o, *device).value();
   HostModel model(g, 5);
   auto prompt = model.Grow(30);
