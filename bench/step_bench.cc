@@ -76,9 +76,11 @@ struct Counters {
   int64_t correction_pages = 0;
   int64_t checked_heads = 0;
   int64_t corrected_heads = 0;
-  int64_t host_waits = 0;  // blocking host calls inside the sequences' calls
+  int64_t host_waits = 0;      // blocking host calls inside the sequences' calls
+  int64_t graph_launches = 0;  // captured layer-steps launched (--graphs)
   void Add(const SequenceStats& s, int64_t sign) {
     host_waits += sign * s.host_waits;
+    graph_launches += sign * s.graph_launches;
     steps += sign * s.steps;
     recalled_pages += sign * s.recalled_pages;
     recalled_bytes += sign * s.recalled_bytes;
@@ -415,6 +417,9 @@ absl::StatusOr<RetrieverRun> StepBench::Retrievers(int32_t B, RetrievalMode mode
   ro.max_tokens = max_tokens_;
   ro.correction_threshold = o_.tau;
   ro.recall = o_.recall;
+  // Graph capture applies to speculative mode recalling zero-copy; the sequence ignores it
+  // elsewhere, and the report's graph_launches says whether graphs ran.
+  ro.capture_graphs = o_.graphs && mode == RetrievalMode::kSpeculative;
   ro.deadline = absl::Minutes(5);
   ro.compute_stream = compute_.get();
   std::vector<std::unique_ptr<LocalSequence>> rs;
@@ -538,9 +543,12 @@ JsonObject StepBench::Report(const std::vector<BatchResult>& results, std::ostre
     line("resident (ideal)", r.resident, "");
     line("resident, per sequence", r.resident_per_seq, "   (one launch per sequence)");
     line("speculative", r.speculative,
-         absl::StrFormat("   correction rate %.3f, %.1f head-pages recalled/seq-layer-step",
-                         r.spec_counters.correction_rate(),
-                         double(r.spec_counters.recalled_pages) / per_seq_step));
+         absl::StrFormat(
+             "   correction rate %.3f, %.1f head-pages recalled/seq-layer-step%s",
+             r.spec_counters.correction_rate(),
+             double(r.spec_counters.recalled_pages) / per_seq_step,
+             o_.graphs ? absl::StrFormat(", %d graph launches", r.spec_counters.graph_launches)
+                       : std::string()));
     if (r.has_sync) {
       line("sync", r.sync,
            absl::StrFormat("   %.1f head-pages recalled/seq-layer-step",
@@ -567,9 +575,10 @@ JsonObject StepBench::Report(const std::vector<BatchResult>& results, std::ostre
       line("speculative, batched", r.batched,
            absl::StrFormat("   one launch per op for the batch; correction rate %.3f",
                            r.batched_counters.correction_rate()));
-      log << absl::StrFormat("    batched / sequential     %6.2fx  (the same %d sequences, one "
-                             "by one, this run)\n",
-                             batched_over_seq, r.batch);
+      log << absl::StrFormat(
+          "    batched / sequential     %6.2fx  (the same %d sequences, one "
+          "by one, this run)\n",
+          batched_over_seq, r.batch);
       if (r.batch > 1 && std::isfinite(lone_us)) {
         log << absl::StrFormat(
             "    batched / (%d x batch 1)  %6.2fx  (%s)\n", r.batch, batched_over_lone,
@@ -583,11 +592,10 @@ JsonObject StepBench::Report(const std::vector<BatchResult>& results, std::ostre
     log << absl::StrFormat(
         "    host waits per layer-step: speculative %.3f%s\n",
         double(r.spec_counters.host_waits) / std::max<double>(1, double(r.spec_counters.steps)),
-        r.has_batched
-            ? absl::StrFormat(", batched %.3f",
-                              double(r.batched_counters.host_waits) /
-                                  std::max<double>(1, double(r.batched_counters.steps)))
-            : std::string());
+        r.has_batched ? absl::StrFormat(", batched %.3f",
+                                        double(r.batched_counters.host_waits) /
+                                            std::max<double>(1, double(r.batched_counters.steps)))
+                      : std::string());
 
     dense_us.Add(key, r.dense.mean_us);
     resident_us.Add(key, r.resident.mean_us);
@@ -638,6 +646,7 @@ JsonObject StepBench::Report(const std::vector<BatchResult>& results, std::ostre
           .Add("checked_heads", c.checked_heads)
           .Add("corrected_heads", c.corrected_heads)
           .Add("host_waits", c.host_waits)
+          .Add("graph_launches", c.graph_launches)
           .Add("recalled_pages_per_seq_layer_step", double(c.recalled_pages) / per_seq_step);
       return j;
     };
@@ -685,6 +694,7 @@ JsonObject StepBench::Report(const std::vector<BatchResult>& results, std::ostre
       .AddObject("sizes", sizes)
       .Add("recall_strategy", strategy)
       .Add("recall_requested", RecallStrategyName(o_.recall))
+      .Add("capture_graphs", o_.graphs)
       .Add("tau", static_cast<double>(o_.tau))
       .Add("step_cosine", o_.step_cosine)
       .Add("jump_probability", o_.jump_probability)
@@ -749,7 +759,7 @@ absl::StatusOr<JsonObject> StepBench::Run(std::ostream& log) {
 struct StepFlags {
   StepBenchOptions o;
   std::string batches = "1,8", backend = "auto", dtype = "fp16", recall = "auto", out;
-  bool json = false, no_sync = false;
+  bool json = false, no_sync = false, graphs = false;
 };
 
 int RunStepCommand(StepFlags& f) {
@@ -776,6 +786,7 @@ int RunStepCommand(StepFlags& f) {
     return 2;
   }
   o.sync = !f.no_sync;
+  o.graphs = f.graphs;
   auto report = RunStepBench(o, f.json ? std::cerr : std::cout);
   if (!report.ok()) {
     std::cerr << "kvtier-bench step: " << report.status() << "\n";
@@ -830,6 +841,9 @@ CLI::App* AddStepCommand(CLI::App& app, int* rc) {
                   "zero_copy")
       ->capture_default_str();
   cmd->add_flag("--no-sync", f.no_sync, "skip sync mode");
+  cmd->add_flag("--graphs", f.graphs,
+                "capture speculative layer-steps as graphs (SequenceOptions::capture_graphs; "
+                "zero-copy recall only)");
   cmd->add_option("--threads", f.o.threads, "cpu backend threads (0 = all)")->capture_default_str();
   cmd->add_option("--seed", f.o.seed)->capture_default_str();
   cmd->add_flag("--json", f.json, "print one JSON object on stdout");

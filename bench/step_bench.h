@@ -46,16 +46,19 @@ struct StepBenchOptions {
     g.num_layers = 4;
     return g;
   }();
-  int32_t context = 32768;                // prefill tokens per sequence and layer
+  int32_t context = 32768;                       // prefill tokens per sequence and layer
   int32_t budget_tokens = kDefaultBudgetTokens;  // working set (SequenceOptions::SetBudgetTokens)
-  std::vector<int32_t> batches = {1, 8};  // decode batch sizes, each measured in turn
-  int32_t steps = 32;                     // timed decode steps
-  int32_t warmup = 4;                     // untimed decode steps before them
-  double step_cosine = 0.95;              // cos(q_t, q_{t−1}) per query head without jumps
-  double jump_probability = 0.02;         // per step, layer, sequence and KV head
-  float tau = kDefaultCorrectionThreshold;  // correction threshold (speculative mode)
+  std::vector<int32_t> batches = {1, 8};         // decode batch sizes, each measured in turn
+  int32_t steps = 32;                            // timed decode steps
+  int32_t warmup = 4;                            // untimed decode steps before them
+  double step_cosine = 0.95;                     // cos(q_t, q_{t−1}) per query head without jumps
+  double jump_probability = 0.02;                // per step, layer, sequence and KV head
+  float tau = kDefaultCorrectionThreshold;       // correction threshold (speculative mode)
   RecallStrategy recall = RecallStrategy::kAuto;
   bool sync = true;  // measure sync mode
+  // Speculative sequences capture their layer-steps as graphs (SequenceOptions::
+  // capture_graphs; only with zero-copy recall, which --recall zero_copy forces).
+  bool graphs = false;
   DeviceKind backend = DeviceKind::kCpu;
   int threads = 0;  // cpu backend threads; 0 = all
   uint64_t seed = 1;
