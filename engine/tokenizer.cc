@@ -277,6 +277,10 @@ absl::StatusOr<PreTokenizer> ParsePreTokenizer(std::string_view name) {
       Quote(name)));
 }
 
+bool IgnoresMerges(std::string_view name) {
+  return name == "llama-bpe" || name == "llama3" || name == "llama-v3";
+}
+
 std::vector<std::string_view> PreTokenize(PreTokenizer kind, std::string_view text) {
   std::vector<std::string_view> words;
   if (text.empty()) return words;
@@ -324,6 +328,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Create(TokenizerSpec spec)
   auto pre = ParsePreTokenizer(spec.pre);
   if (!pre.ok()) return pre.status();
   t->pre_kind_ = *pre;
+  t->ignore_merges_ = IgnoresMerges(spec.pre);
   t->pre_ = std::move(spec.pre);
 
   const std::vector<std::string>& tokens = spec.tokens;
@@ -393,6 +398,13 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Create(TokenizerSpec spec)
           b, Quote(symbol)));
     }
     t->byte_token_[static_cast<size_t>(b)] = id;
+  }
+  if (t->ignore_merges_) {
+    // Byte-level token strings are unique, and so are their bytes.
+    t->whole_.reserve(tokens.size());
+    for (int32_t id = 0; id < n; ++id) {
+      if (IsByteLevelType(type(id))) t->whole_.emplace(t->bytes_[static_cast<size_t>(id)], id);
+    }
   }
 
   if (spec.merges.size() > static_cast<size_t>(TokenizerSpec::kMaxMerges)) {
@@ -500,6 +512,10 @@ void Tokenizer::EncodeWord(std::string_view word, WordCache& cache,
                            std::vector<int32_t>& out) const {
   if (word.size() == 1) {
     out.push_back(byte_token_[static_cast<uint8_t>(word[0])]);
+    return;
+  }
+  if (const auto whole = whole_.find(word); whole != whole_.end()) {  // ignore_merges
+    out.push_back(whole->second);
     return;
   }
   auto it = cache.find(word);

@@ -13,14 +13,20 @@
 //      input becomes that token: scanning left to right, at each byte the longest special
 //      token that starts there wins (leftmost-longest, as Hugging Face's added vocabulary);
 //   2. each span between them is split into words by the pre-tokenizer (below);
-//   3. each word's UTF-8 bytes start as single-byte symbols; the adjacent pair with the
+//   3. with ignore_merges (below), a word whose bytes are a token (other than control and
+//      user-defined ones) is that token, whatever its merges would make;
+//   4. each other word's UTF-8 bytes start as single-byte symbols; the adjacent pair with the
 //      lowest merge rank is merged (the leftmost occurrence when it occurs more than once),
 //      and again, until no adjacent pair has a rank. This is llama.cpp's and train.py's
 //      Bpe.word(); it equals GPT-2's bpe() (every occurrence of the best pair per pass) on
 //      any vocabulary whose merges rank after the merges that make their parts, i.e. every
 //      trained one, and on others it is the one the GGUF runtimes agree on;
-//   4. every symbol is a token by construction: Create() requires all 256 byte tokens and
+//   5. every symbol is a token by construction: Create() requires all 256 byte tokens and
 //      that every merge's parts and concatenation are tokens, so no fallback is ever needed.
+// ignore_merges is Llama 3's (its tokenizer.json's model.ignore_merges): llama.cpp sets it
+// for tokenizer.ggml.pre "llama-bpe", "llama3" and "llama-v3" (not "smaug-bpe", whose
+// regex is the same), and so does Create(). Llama 3 has tokens that its merges do not make
+// from their bytes (" Việt"), so the two differ.
 // Decode(ids) concatenates the tokens' raw bytes, control tokens skipped.
 //
 // Pre-tokenizers (tokenizer.ggml.pre), hand-written matchers over Unicode code points that
@@ -70,6 +76,10 @@ enum class PreTokenizer { kGpt2, kLlama3, kQwen2 };
 // kQwen2. Anything else: INVALID_ARGUMENT naming the value and the supported names.
 absl::StatusOr<PreTokenizer> ParsePreTokenizer(std::string_view name);
 
+// Whether the pre-tokenizer `name` comes with ignore_merges: "llama-bpe", "llama3",
+// "llama-v3".
+bool IgnoresMerges(std::string_view name);
+
 // The words of `text` under `kind`, in order; non-empty, and they concatenate to `text`.
 std::vector<std::string_view> PreTokenize(PreTokenizer kind, std::string_view text);
 
@@ -92,6 +102,9 @@ struct TokenizerSpec {
 
 class Tokenizer {
  public:
+  Tokenizer(const Tokenizer&) = delete;  // whole_ points into bytes_
+  Tokenizer& operator=(const Tokenizer&) = delete;
+
   // Validates the spec; INVALID_ARGUMENT naming the field, the value and the limit for:
   //   - model other than "gpt2"; pre not one ParsePreTokenizer knows;
   //   - no tokens or more than kMaxTokens; token_types neither empty nor one per token, or
@@ -128,6 +141,8 @@ class Tokenizer {
   // The pre-tokenizer's name as the spec gave it, and what it names.
   const std::string& pre() const { return pre_; }
   PreTokenizer pre_tokenizer() const { return pre_kind_; }
+  // Whether a word that is a token is encoded as that token (IgnoresMerges(pre())).
+  bool ignore_merges() const { return ignore_merges_; }
 
  private:
   struct Merge {
@@ -153,6 +168,7 @@ class Tokenizer {
 
   std::string pre_;
   PreTokenizer pre_kind_ = PreTokenizer::kGpt2;
+  bool ignore_merges_ = false;
   std::vector<std::string> bytes_;  // per token: raw bytes (control: empty)
   std::vector<uint8_t> control_;    // per token: 1 when control
   std::array<int32_t, 256> byte_token_{};
@@ -162,6 +178,9 @@ class Tokenizer {
   int32_t bos_ = -1;
   int32_t eos_ = -1;
   bool add_bos_ = false;
+  // With ignore_merges: raw bytes (views into bytes_) → id, for every token but the control
+  // and user-defined ones; empty otherwise.
+  absl::flat_hash_map<std::string_view, int32_t> whole_;
 };
 
 // Streams decoded text: Push(bytes of a token) returns the longest prefix of the accumulated

@@ -1,7 +1,7 @@
 // Tests of the byte-level BPE tokenizer (engine/tokenizer.h): the three pre-tokenizers against
 // splits computed with Python's `regex` module, byte-level round trips, merge-rank semantics
-// against a straightforward reference (train.py's Bpe.word), special tokens, every Create()
-// refusal, speed, and Utf8Stream.
+// against a straightforward reference (train.py's Bpe.word), ignore_merges, special tokens,
+// every Create() refusal, speed, and Utf8Stream.
 #include "engine/tokenizer.h"
 
 #include <algorithm>
@@ -353,6 +353,34 @@ TEST(TokenizerTest, MergeRankOrderDecides) {
   std::unique_ptr<Tokenizer> bc_first = MustCreate(BpeSpec({{"b", "c"}, {"a", "b"}}));
   EXPECT_THAT(EncodePieces(*ab_first, "abc"), ElementsAre("ab", "c"));
   EXPECT_THAT(EncodePieces(*bc_first, "abc"), ElementsAre("a", "bc"));
+}
+
+// Llama 3's ignore_merges: a word that is a token is that token, whatever the merges would
+// make of it (llama.cpp sets it for pre "llama-bpe", "llama3" and "llama-v3" only). Here the
+// merges make "ab" + "c" of "abc", and "abc" is a token of its own that no merge makes, as
+// " Việt" is in Llama 3's vocabulary.
+TEST(TokenizerTest, IgnoreMergesEmitsWordsThatAreTokensWhole) {
+  const auto spec = [](std::string pre) {
+    TokenizerSpec s = BpeSpec({{"a", "b"}}, std::move(pre));
+    s.tokens.push_back("abc");
+    return s;
+  };
+  for (const char* pre : {"llama-bpe", "llama3", "llama-v3"}) {
+    SCOPED_TRACE(pre);
+    std::unique_ptr<Tokenizer> t = MustCreate(spec(pre));
+    ASSERT_NE(t, nullptr);
+    EXPECT_TRUE(t->ignore_merges());
+    EXPECT_THAT(t->Encode("abc"), ElementsAre(257));
+    EXPECT_THAT(EncodePieces(*t, "abc abc abcd"),
+                ElementsAre("abc", " ", "ab", "c", " ", "ab", "c", "d"));
+  }
+  for (const char* pre : {"smaug-bpe", "qwen2", "gpt-2"}) {
+    SCOPED_TRACE(pre);
+    std::unique_ptr<Tokenizer> t = MustCreate(spec(pre));
+    ASSERT_NE(t, nullptr);
+    EXPECT_FALSE(t->ignore_merges());
+    EXPECT_THAT(EncodePieces(*t, "abc"), ElementsAre("ab", "c"));
+  }
 }
 
 TEST(TokenizerTest, RepeatedPairsMergeLeftmostFirst) {
