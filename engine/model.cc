@@ -232,7 +232,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const GgufFile& f) {
   if (f.Has("tokenizer.ggml.pre")) {
     KVTIER_ASSIGN_OR_RETURN(spec.pre, f.GetString("tokenizer.ggml.pre"));
   } else {
-    spec.pre = "gpt-2";
+    spec.pre = "default";  // as llama.cpp reads such a file
   }
   KVTIER_ASSIGN_OR_RETURN(spec.tokens, f.GetStringArray("tokenizer.ggml.tokens"));
   if (f.Has("tokenizer.ggml.merges")) {

@@ -75,7 +75,8 @@ struct LlamaWeights {
 absl::StatusOr<LlamaWeights> LoadWeights(const GgufFile& file, const LlamaConfig& config,
                                          Device& device, Stream& stream);
 
-// The tokenizer of the file's own vocabulary (tokenizer.ggml.*).
+// The tokenizer of the file's own vocabulary (tokenizer.ggml.*); without tokenizer.ggml.pre,
+// llama.cpp's default pre-tokenizer ("default"), as llama.cpp gives such a file.
 absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const GgufFile& file);
 
 }  // namespace kvtier::engine

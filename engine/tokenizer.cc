@@ -127,11 +127,12 @@ Chars Split(std::string_view text) {
 }
 
 // Each matcher returns the end (a character index > i) of the word that starts at
-// character i < n, reproducing the regex documented in tokenizer.h alternative by
-// alternative.
+// character i < end, reproducing the regex documented in tokenizer.h alternative by
+// alternative on the text's first `end` characters (by default all of them).
 class Matcher {
  public:
-  explicit Matcher(const Chars& c) : c_(c), n_(c.cp.size()) {}
+  explicit Matcher(const Chars& c) : Matcher(c, c.cp.size()) {}
+  Matcher(const Chars& c, size_t end) : c_(c), n_(end) {}
 
   // 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
   size_t Gpt2(size_t i) const {
@@ -213,6 +214,61 @@ class Matcher {
   const size_t n_;
 };
 
+// [\p{P}\$\+<=>\^~\|] of llama.cpp's default pre-tokenizer: ASCII punctuation and symbols
+// but `, and every other punctuation character.
+bool IsDefaultPunct(char32_t cp) {
+  if (cp < 0x80) {
+    const bool alnum = (cp >= '0' && cp <= '9') || ((cp | 0x20) >= 'a' && (cp | 0x20) <= 'z');
+    return cp > ' ' && cp < 0x7F && cp != '`' && !alnum;
+  }
+  return cp != kInvalid && u_ispunct(static_cast<UChar32>(cp));
+}
+
+// Calls f(b', e') for each longest run of characters of [b, e) on which pred(k) agrees.
+template <typename Pred, typename F>
+void ForEachRun(size_t b, size_t e, const Pred& pred, const F& f) {
+  while (b < e) {
+    const bool v = pred(b);
+    size_t r = b + 1;
+    while (r < e && pred(r) == v) ++r;
+    f(b, r);
+    b = r;
+  }
+}
+
+// llama.cpp's default pre-tokenizer (tokenizer.h): emit(b, e) gets each word's characters.
+template <typename Emit>
+void DefaultWords(const Chars& c, const Emit& emit) {
+  const auto punct = [&](size_t k) { return IsDefaultPunct(c.cp[k]); };
+  const auto number = [&](size_t k) { return c.cls[k] == Cls::kNumber; };
+  const auto digit = [&](size_t k) { return c.cp[k] >= '0' && c.cp[k] <= '9'; };
+  // [0-9][0-9][0-9] in [b, e): the leftmost three ASCII digits, again after them, and the
+  // text between.
+  const auto triples = [&](size_t b, size_t e) {
+    size_t start = b;
+    for (size_t k = b; k + 3 <= e;) {
+      if (!digit(k) || !digit(k + 1) || !digit(k + 2)) {
+        ++k;
+        continue;
+      }
+      if (k > start) emit(start, k);
+      emit(k, k + 3);
+      start = k += 3;
+    }
+    if (e > start) emit(start, e);
+  };
+  ForEachRun(0, c.cp.size(), punct, [&](size_t b, size_t e) {
+    // GPT-2's regex within the piece (which ends the text for it), then \p{N}+ (runs of
+    // numbers and the text between) and the triples within each of its words.
+    const Matcher m(c, e);
+    for (size_t i = b; i < e;) {
+      const size_t w = m.Gpt2(i);
+      ForEachRun(i, w, number, triples);
+      i = w;
+    }
+  });
+}
+
 // ---------------------------------------------------------------- GPT-2's byte alphabet
 
 struct ByteAlphabet {
@@ -271,9 +327,10 @@ absl::StatusOr<PreTokenizer> ParsePreTokenizer(std::string_view name) {
     return PreTokenizer::kLlama3;
   }
   if (name == "qwen2") return PreTokenizer::kQwen2;
+  if (name == "default") return PreTokenizer::kDefault;
   return absl::InvalidArgumentError(absl::StrFormat(
-      "tokenizer.pre = %s: unsupported pre-tokenizer; supported: gpt-2, llama-bpe (also "
-      "llama3, llama-v3, smaug-bpe), qwen2",
+      "tokenizer.pre = %s: unsupported pre-tokenizer; supported: default, gpt-2, llama-bpe "
+      "(also llama3, llama-v3, smaug-bpe), qwen2",
       Quote(name)));
 }
 
@@ -285,6 +342,13 @@ std::vector<std::string_view> PreTokenize(PreTokenizer kind, std::string_view te
   std::vector<std::string_view> words;
   if (text.empty()) return words;
   const Chars c = Split(text);
+  const auto emit = [&](size_t b, size_t e) {
+    words.push_back(text.substr(c.off[b], c.off[e] - c.off[b]));
+  };
+  if (kind == PreTokenizer::kDefault) {
+    DefaultWords(c, emit);
+    return words;
+  }
   const Matcher m(c);
   const size_t n = c.cp.size();
   for (size_t i = 0; i < n;) {
@@ -301,7 +365,7 @@ std::vector<std::string_view> PreTokenize(PreTokenizer kind, std::string_view te
         e = m.Llama3(i, 1);
         break;
     }
-    words.push_back(text.substr(c.off[i], c.off[e] - c.off[i]));
+    emit(i, e);
     i = e;
   }
   return words;

@@ -30,13 +30,20 @@
 // Decode(ids) concatenates the tokens' raw bytes, control tokens skipped.
 //
 // Pre-tokenizers (tokenizer.ggml.pre), hand-written matchers over Unicode code points that
-// reproduce Python `regex.findall(pattern, text)` exactly (\p{L}, \p{N}, \s from ICU: letter
-// categories, number categories, White_Space):
+// reproduce Python `regex.findall(pattern, text)` exactly, and llama.cpp's splits for
+// "default" (\p{L}, \p{N}, \p{P}, \s from ICU: letter categories, number categories,
+// punctuation categories, White_Space):
 //   "gpt-2"       's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
 //   "llama-bpe"   (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}
 //                 | ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+
 //                 (Llama 3; aliases "llama3", "llama-v3", "smaug-bpe")
 //   "qwen2"       as "llama-bpe" with \p{N} (one digit per word) for \p{N}{1,3}
+//   "default"     llama.cpp's default BPE pre-tokenizer, which it also takes for a GGUF with
+//                 no tokenizer.ggml.pre: four regexes, each splitting every piece the one
+//                 before left (what a regex matches and the text between matches are both
+//                 pieces, and a piece's end is the end of the text for lookaheads):
+//                 [\p{P}\$\+<=>\^~\|]+ (every punctuation character, and the ASCII
+//                 symbols but `), then "gpt-2"'s regex, then \p{N}+, then [0-9][0-9][0-9]
 // Alternatives are tried in order at each position and the first that matches wins. The
 // case-insensitive contractions follow Unicode simple case folding as Python's regex does:
 // 'S and 'ſ (U+017F) match 's (llama.cpp folds A-Z only). Input need not be valid UTF-8:
@@ -70,10 +77,11 @@ inline constexpr int32_t kTokenUserDefined = 4;
 inline constexpr int32_t kTokenUnused = 5;
 inline constexpr int32_t kTokenByte = 6;
 
-enum class PreTokenizer { kGpt2, kLlama3, kQwen2 };
+enum class PreTokenizer { kGpt2, kLlama3, kQwen2, kDefault };
 
 // "gpt-2" → kGpt2; "llama-bpe", "llama3", "llama-v3", "smaug-bpe" → kLlama3; "qwen2" →
-// kQwen2. Anything else: INVALID_ARGUMENT naming the value and the supported names.
+// kQwen2; "default" → kDefault. Anything else: INVALID_ARGUMENT naming the value and the
+// supported names.
 absl::StatusOr<PreTokenizer> ParsePreTokenizer(std::string_view name);
 
 // Whether the pre-tokenizer `name` comes with ignore_merges: "llama-bpe", "llama3",

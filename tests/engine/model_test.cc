@@ -1,15 +1,19 @@
 // LlamaConfig, the weights and the tokenizer from GGUF files the test builds: the llama and
 // qwen2 layouts load and generate (kvtier's full mode agreeing with the dense loop), Q8_0
-// weights act as their dequantised values, RoPE scaling is read, and every malformed model
-// is refused naming the key or tensor.
+// weights act as their dequantised values, RoPE scaling is read, tokenizer.ggml.pre
+// "default" and a missing tokenizer.ggml.pre select llama.cpp's default pre-tokenizer, and
+// every malformed model is refused naming the key or tensor.
 #include <unistd.h>
 
 #include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <functional>
+#include <optional>
 #include <random>
+#include <set>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "engine/generate.h"
@@ -33,6 +37,7 @@ struct Tiny {
   std::string skip_tensor;
   std::string bad_dims_tensor;
   std::string tokenizer_model = "gpt2";
+  std::optional<std::string> tokenizer_pre = "llama-bpe";  // nullopt: no key; qwen2: "qwen2"
 };
 
 constexpr uint32_t kVocab = 258;  // the 256 byte tokens, BOS, EOS
@@ -58,7 +63,9 @@ std::string Build(const Tiny& t) {
   types.push_back(3);
   types.push_back(3);
   b.AddString("tokenizer.ggml.model", t.tokenizer_model);
-  b.AddString("tokenizer.ggml.pre", t.arch == "qwen2" ? "qwen2" : "llama-bpe");
+  if (t.tokenizer_pre) {
+    b.AddString("tokenizer.ggml.pre", t.arch == "qwen2" ? "qwen2" : *t.tokenizer_pre);
+  }
   b.AddStringArray("tokenizer.ggml.tokens", tokens);
   b.AddI32Array("tokenizer.ggml.token_type", types);
   b.AddStringArray("tokenizer.ggml.merges", {});
@@ -212,6 +219,131 @@ TEST(ModelTest, ReadsRopeScaling) {
   for (int32_t i = 0; i < d / 2; ++i) {
     EXPECT_FLOAT_EQ(inv[i], static_cast<float>(std::pow(10000.0, -2.0 * i / d) / factors[i])) << i;
   }
+}
+
+// ---------------------------------------------------------------- tokenizer.ggml.pre
+
+// A GGUF holding only a tokenizer: the 256 byte tokens and, for each of `words` in order, the
+// merges that build it left to right (one token per prefix; a merge already made keeps its
+// rank), with tokenizer.ggml.pre = `pre` (no key when nullopt).
+std::string TokenizerGguf(const std::vector<std::string>& words, std::optional<std::string> pre) {
+  std::vector<std::string> tokens, merges;
+  std::set<std::string> known;
+  for (int i = 0; i < 256; ++i) {
+    tokens.push_back(ToByteAlphabet(std::string(1, static_cast<char>(i))));
+    known.insert(tokens.back());
+  }
+  for (const std::string& w : words) {
+    std::string prefix = ToByteAlphabet(w.substr(0, 1));
+    for (size_t i = 1; i < w.size(); ++i) {
+      const std::string next = ToByteAlphabet(w.substr(i, 1));
+      if (known.insert(prefix + next).second) {
+        tokens.push_back(prefix + next);
+        merges.push_back(prefix + " " + next);
+      }
+      prefix += next;
+    }
+  }
+  GgufBuilder b;
+  b.AddString("tokenizer.ggml.model", "gpt2");
+  if (pre) b.AddString("tokenizer.ggml.pre", *pre);
+  b.AddStringArray("tokenizer.ggml.tokens", tokens);
+  b.AddStringArray("tokenizer.ggml.merges", merges);
+  return b.Build();
+}
+
+absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizerOf(const std::string& gguf) {
+  absl::StatusOr<std::unique_ptr<GgufFile>> f = GgufFile::FromBytes(gguf);
+  if (!f.ok()) return f.status();
+  return LoadTokenizer(**f);
+}
+
+// The bytes of each token of `text`'s encoding.
+std::vector<std::string> Pieces(const Tokenizer& t, std::string_view text) {
+  std::vector<std::string> pieces;
+  for (int32_t id : t.Encode(text, /*add_special=*/false)) pieces.push_back(t.TokenBytes(id));
+  return pieces;
+}
+
+struct PreCase {
+  std::string text;
+  std::vector<std::string> default_words;  // llama.cpp's default pre-tokenizer
+  std::vector<std::string> gpt2_words;     // "gpt-2"
+};
+
+// llama.cpp's default pre-tokenizer (llama-vocab.cpp: the regexes it uses when no other
+// applies) splits the text with [\p{P}\$\+<=>\^~\|]+ (every punctuation character and the
+// ASCII symbols but `), then each piece with GPT-2's regex (looking no further than the
+// piece), then with \p{N}+, then with [0-9][0-9][0-9]; matches and the text between them are
+// all pieces. Worked through by hand:
+//   "don't"      punctuation: don ' t              (gpt-2: don 't)
+//   "x (y)"      punctuation: "x " ( y ); GPT-2's regex: "x " → x, " "
+//   "a 12345"    GPT-2: a " 12345"; \p{N}+: " " 12345; [0-9]{3}: 123 45
+//   "a  ("       punctuation: "a  " (; GPT-2 within "a  ": a "  " (the spaces end the piece,
+//                so \s+(?!\S) takes both)       (gpt-2: a " " " (")
+//   "x1234567"   GPT-2: x 1234567; [0-9]{3}: 123 456 7
+//   "$+<=>^~|`"  punctuation: "$+<=>^~|", then ` (not in the class)
+//   "x —y"       punctuation (— is \p{Pd}): "x " — y
+const std::vector<PreCase>& PreCases() {
+  static const auto* const cases = new std::vector<PreCase>{
+      {"don't", {"don", "'", "t"}, {"don", "'t"}},
+      {"x (y)", {"x", " ", "(", "y", ")"}, {"x", " (", "y", ")"}},
+      {"a 12345", {"a", " ", "123", "45"}, {"a", " 12345"}},
+      {"a  (", {"a", "  ", "("}, {"a", " ", " ("}},
+      {"x1234567", {"x", "123", "456", "7"}, {"x", "1234567"}},
+      {"$+<=>^~|`", {"$+<=>^~|", "`"}, {"$+<=>^~|`"}},
+      {"x \u2014y", {"x", " ", "\u2014", "y"}, {"x", " \u2014", "y"}},
+      {"Hello, world!", {"Hello", ",", " world", "!"}, {"Hello", ",", " world", "!"}},
+  };
+  return *cases;
+}
+
+// Every word of either split is one token: GPT-2's words first, so that their merges rank
+// before those of the default's words and a word the default would split stays whole.
+std::vector<std::string> PreCaseWords() {
+  std::vector<std::string> words;
+  for (const PreCase& c : PreCases()) {
+    words.insert(words.end(), c.gpt2_words.begin(), c.gpt2_words.end());
+  }
+  for (const PreCase& c : PreCases()) {
+    words.insert(words.end(), c.default_words.begin(), c.default_words.end());
+  }
+  return words;
+}
+
+void ExpectDefaultSplits(const std::optional<std::string>& pre) {
+  SCOPED_TRACE(pre ? "tokenizer.ggml.pre = " + *pre : "no tokenizer.ggml.pre");
+  absl::StatusOr<std::unique_ptr<Tokenizer>> t =
+      LoadTokenizerOf(TokenizerGguf(PreCaseWords(), pre));
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ((*t)->pre(), "default");
+  for (const PreCase& c : PreCases()) EXPECT_EQ(Pieces(**t, c.text), c.default_words) << c.text;
+}
+
+TEST(ModelTest, DefaultAndMissingPreTokenizerAreLlamaCppsDefault) {
+  ExpectDefaultSplits("default");
+  ExpectDefaultSplits(std::nullopt);
+  // The vocabulary tells the splits apart: "gpt-2" gives GPT-2's words.
+  absl::StatusOr<std::unique_ptr<Tokenizer>> gpt2 =
+      LoadTokenizerOf(TokenizerGguf(PreCaseWords(), "gpt-2"));
+  ASSERT_TRUE(gpt2.ok()) << gpt2.status();
+  for (const PreCase& c : PreCases()) EXPECT_EQ(Pieces(**gpt2, c.text), c.gpt2_words) << c.text;
+}
+
+void ExpectOpensAndGenerates(const std::optional<std::string>& pre) {
+  SCOPED_TRACE(pre ? "tokenizer.ggml.pre = " + *pre : "no tokenizer.ggml.pre");
+  Tiny t;
+  t.tokenizer_pre = pre;
+  absl::StatusOr<std::unique_ptr<Engine>> e = OpenTiny(t);
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_EQ((*e)->tokenizer().pre(), "default");
+  ExpectFullEqualsDense(**e);
+}
+
+// A model whose tokenizer.ggml.pre is "default", or missing, opens and generates.
+TEST(ModelTest, OpensWithDefaultOrMissingPreTokenizer) {
+  ExpectOpensAndGenerates("default");
+  ExpectOpensAndGenerates(std::nullopt);
 }
 
 struct Refusal {

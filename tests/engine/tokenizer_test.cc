@@ -1,7 +1,7 @@
-// Tests of the byte-level BPE tokenizer (engine/tokenizer.h): the three pre-tokenizers against
-// splits computed with Python's `regex` module, byte-level round trips, merge-rank semantics
-// against a straightforward reference (train.py's Bpe.word), ignore_merges, special tokens,
-// every Create() refusal, speed, and Utf8Stream.
+// Tests of the byte-level BPE tokenizer (engine/tokenizer.h): the regex pre-tokenizers against
+// splits computed with Python's `regex` module and llama.cpp's default one against llama.cpp,
+// byte-level round trips, merge-rank semantics against a straightforward reference (train.py's
+// Bpe.word), ignore_merges, special tokens, every Create() refusal, speed, and Utf8Stream.
 #include "engine/tokenizer.h"
 
 #include <algorithm>
@@ -178,6 +178,48 @@ const std::vector<SplitCase>& Qwen2Cases() {
   return *cases;
 }
 
+// Expected splits: llama.cpp's default pre-tokenizer, four regexes each splitting the pieces
+// the one before left (llama-vocab.cpp, unicode.cpp's unicode_regex_split), worked through
+// as tokenizer.h describes it and checked against llama.cpp's own implementation. An invalid
+// byte is a character of no class, so not punctuation; llama.cpp reads it as U+FFFD (a
+// symbol, so also not \p{P}) and splits the same way.
+const std::vector<SplitCase>& DefaultCases() {
+  static const auto* const cases = new std::vector<SplitCase>{
+      {"Hello, world!"sv, {"Hello"sv, ","sv, " world"sv, "!"sv}},
+      {"don't"sv, {"don"sv, "'"sv, "t"sv}},
+      {"I'm here, it's he'll"sv,
+       {"I"sv, "'"sv, "m"sv, " here"sv, ","sv, " it"sv, "'"sv, "s"sv, " he"sv, "'"sv, "ll"sv}},
+      {"x (y)"sv, {"x"sv, " "sv, "("sv, "y"sv, ")"sv}},
+      {"a  ("sv, {"a"sv, "  "sv, "("sv}},
+      {"a 12345"sv, {"a"sv, " "sv, "123"sv, "45"sv}},
+      {"x1234567"sv, {"x"sv, "123"sv, "456"sv, "7"sv}},
+      {" 12 1234567 ٣٤٥٦"sv, {" "sv, "12"sv, " "sv, "123"sv, "456"sv, "7"sv, " "sv, "٣٤٥٦"sv}},
+      {"12.5% 3,000"sv, {"12"sv, "."sv, "5"sv, "%"sv, " "sv, "3"sv, ","sv, "000"sv}},
+      {"$+<=>^~|`"sv, {"$+<=>^~|"sv, "`"sv}},
+      {"a_b a-b a@b"sv, {"a"sv, "_"sv, "b"sv, " a"sv, "-"sv, "b"sv, " a"sv, "@"sv, "b"sv}},
+      {"$100.00 — “quoted” (parens)"sv,
+       {"$"sv, "100"sv, "."sv, "00"sv, " "sv, "—"sv, " "sv, "“"sv, "quoted"sv, "”"sv, " "sv, "("sv,
+        "parens"sv, ")"sv}},
+      {"  Hello"sv, {" "sv, " Hello"sv}},
+      {"   leading"sv, {"  "sv, " leading"sv}},
+      {"trailing   "sv, {"trailing"sv, "   "sv}},
+      {"a   b"sv, {"a"sv, "  "sv, " b"sv}},
+      {" "sv, {" "sv}},
+      {"line1\r\nline2\n\n  next\r\n"sv,
+       {"line"sv, "1"sv, "\r"sv, "\n"sv, "line"sv, "2"sv, "\n\n "sv, " next"sv, "\r\n"sv}},
+      {"\t\tx  \t y\t"sv, {"\t"sv, "\t"sv, "x"sv, "  \t"sv, " y"sv, "\t"sv}},
+      {"hello!!\n\nworld"sv, {"hello"sv, "!!"sv, "\n"sv, "\n"sv, "world"sv}},
+      {"  !!!?\r\n\r\nword"sv, {"  "sv, "!!!?"sv, "\r\n\r"sv, "\n"sv, "word"sv}},
+      {"naive naïve café"sv, {"naive"sv, " naïve"sv, " café"sv}},
+      {"日本語のテキスト123です"sv, {"日本語のテキスト"sv, "123"sv, "です"sv}},
+      {"emoji 😀😀 👍🏽!"sv, {"emoji"sv, " 😀😀"sv, " 👍🏽"sv, "!"sv}},
+      {"Ⅻ ½ ٣٤٥ ²"sv, {"Ⅻ"sv, " "sv, "½"sv, " "sv, "٣٤٥"sv, " "sv, "²"sv}},
+      {"x\302\240y \343\200\200z"sv, {"x"sv, "\302\240"sv, "y"sv, " "sv, "\343\200\200"sv, "z"sv}},
+      {"ab\377cd \303("sv, {"ab"sv, "\377"sv, "cd"sv, " \303"sv, "("sv}},
+  };
+  return *cases;
+}
+
 void ExpectSplits(PreTokenizer kind, const std::vector<SplitCase>& cases) {
   for (const SplitCase& c : cases) {
     std::vector<std::string_view> words = PreTokenize(kind, c.text);
@@ -193,9 +235,14 @@ TEST(PreTokenizeTest, Llama3MatchesPythonRegex) {
 
 TEST(PreTokenizeTest, Qwen2MatchesPythonRegex) { ExpectSplits(PreTokenizer::kQwen2, Qwen2Cases()); }
 
+TEST(PreTokenizeTest, DefaultMatchesLlamaCpp) {
+  ExpectSplits(PreTokenizer::kDefault, DefaultCases());
+}
+
 TEST(PreTokenizeTest, EmptyTextHasNoWords) {
   EXPECT_TRUE(PreTokenize(PreTokenizer::kGpt2, "").empty());
   EXPECT_TRUE(PreTokenize(PreTokenizer::kLlama3, "").empty());
+  EXPECT_TRUE(PreTokenize(PreTokenizer::kDefault, "").empty());
 }
 
 // Random text over an alphabet of every class (and invalid bytes): the words are non-empty
@@ -215,6 +262,9 @@ TEST(PreTokenizeTest, EveryByteInExactlyOneWord) {
                                            "\n",
                                            "!",
                                            ".",
+                                           "$",
+                                           "`",
+                                           "\xe2\x80\x94",
                                            "\xc3\xa9",
                                            "\xce\xa9",
                                            "\xe6\x97\xa5",
@@ -229,7 +279,8 @@ TEST(PreTokenizeTest, EveryByteInExactlyOneWord) {
                                            "\xed\xa0\x80",
                                            "\x00"s};
   std::mt19937 rng(7);
-  for (PreTokenizer kind : {PreTokenizer::kGpt2, PreTokenizer::kLlama3, PreTokenizer::kQwen2}) {
+  for (PreTokenizer kind :
+       {PreTokenizer::kGpt2, PreTokenizer::kLlama3, PreTokenizer::kQwen2, PreTokenizer::kDefault}) {
     for (int trial = 0; trial < 300; ++trial) {
       std::string text;
       const int len = static_cast<int>(rng() % 40);
@@ -250,11 +301,12 @@ TEST(PreTokenizeTest, Names) {
     EXPECT_EQ(*ParsePreTokenizer(name), PreTokenizer::kLlama3) << name;
   }
   EXPECT_EQ(*ParsePreTokenizer("qwen2"), PreTokenizer::kQwen2);
-  for (const char* name : {"default", "gpt2", "", "deepseek-llm"}) {
+  EXPECT_EQ(*ParsePreTokenizer("default"), PreTokenizer::kDefault);
+  for (const char* name : {"Default", "gpt2", "", "deepseek-llm"}) {
     const absl::StatusOr<PreTokenizer> p = ParsePreTokenizer(name);
     ASSERT_FALSE(p.ok()) << name;
     EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_THAT(p.status().message(), HasSubstr("gpt-2, llama-bpe"));
+    EXPECT_THAT(p.status().message(), HasSubstr("supported: default, gpt-2, llama-bpe"));
   }
 }
 
@@ -319,7 +371,7 @@ std::string RandomBytes(std::mt19937& rng, size_t n) {
 }
 
 TEST(TokenizerTest, ByteLevelRoundTripsAnyBytes) {
-  for (const char* pre : {"gpt-2", "llama-bpe", "qwen2"}) {
+  for (const char* pre : {"gpt-2", "llama-bpe", "qwen2", "default"}) {
     std::unique_ptr<Tokenizer> t = MustCreate(BpeSpec({}, pre));
     ASSERT_NE(t, nullptr);
     EXPECT_EQ(t->vocab_size(), 256);
@@ -374,7 +426,7 @@ TEST(TokenizerTest, IgnoreMergesEmitsWordsThatAreTokensWhole) {
     EXPECT_THAT(EncodePieces(*t, "abc abc abcd"),
                 ElementsAre("abc", " ", "ab", "c", " ", "ab", "c", "d"));
   }
-  for (const char* pre : {"smaug-bpe", "qwen2", "gpt-2"}) {
+  for (const char* pre : {"smaug-bpe", "qwen2", "gpt-2", "default"}) {
     SCOPED_TRACE(pre);
     std::unique_ptr<Tokenizer> t = MustCreate(spec(pre));
     ASSERT_NE(t, nullptr);
@@ -628,8 +680,9 @@ TEST(TokenizerTest, CreateRefusals) {
   ExpectRefused(s, "tokenizer.model = \"bert\"");
 
   s = good;
-  s.pre = "default";
-  ExpectRefused(s, "tokenizer.pre = \"default\": unsupported pre-tokenizer; supported: gpt-2");
+  s.pre = "deepseek-llm";
+  ExpectRefused(s,
+                "tokenizer.pre = \"deepseek-llm\": unsupported pre-tokenizer; supported: default");
 
   s = good;
   s.tokens.clear();
