@@ -54,9 +54,13 @@ bool ReadFile(const std::string& path, std::string* out) {
   return true;
 }
 
-const Value* Field(const Struct& s, const std::string& key) {
+// s[key]; a test failure and an empty value when there is none.
+const Value& Field(const Struct& s, const std::string& key) {
+  static const Value* const kNone = new Value();
   const auto it = s.fields().find(key);
-  return it == s.fields().end() ? nullptr : &it->second;
+  if (it != s.fields().end()) return it->second;
+  ADD_FAILURE() << "tokenizer.json: no \"" << key << "\"";
+  return *kNone;
 }
 
 // What the test takes from a tokenizer.json.
@@ -73,13 +77,11 @@ void ReadHfTokenizer(const std::string& json, HfTokenizer* out) {
   Struct root;
   const auto st = google::protobuf::util::JsonStringToMessage(json, &root);
   ASSERT_TRUE(st.ok()) << st.ToString();
-  const Value* model = Field(root, "model");
-  ASSERT_NE(model, nullptr);
-  const Struct& m = model->struct_value();
-  ASSERT_EQ(Field(m, "type")->string_value(), "BPE");
-  if (const Value* v = Field(m, "ignore_merges"); v != nullptr) {
-    out->ignore_merges = v->bool_value();
-  }
+  const Struct& m = Field(root, "model").struct_value();
+  ASSERT_EQ(Field(m, "type").string_value(), "BPE");
+  // Absent means false.
+  out->ignore_merges =
+      m.fields().contains("ignore_merges") && Field(m, "ignore_merges").bool_value();
 
   std::vector<std::string>& tokens = out->spec.tokens;
   std::vector<int32_t>& types = out->spec.token_types;
@@ -93,20 +95,20 @@ void ReadHfTokenizer(const std::string& json, HfTokenizer* out) {
     tokens[i] = text;
     types[i] = type;
   };
-  for (const auto& [text, id] : Field(m, "vocab")->struct_value().fields()) {
+  for (const auto& [text, id] : Field(m, "vocab").struct_value().fields()) {
     ASSERT_NO_FATAL_FAILURE(put(id.number_value(), text, kTokenNormal));
   }
-  for (const Value& added : Field(root, "added_tokens")->list_value().values()) {
+  for (const Value& added : Field(root, "added_tokens").list_value().values()) {
     const Struct& a = added.struct_value();
-    const bool special = Field(a, "special")->bool_value();
-    ASSERT_NO_FATAL_FAILURE(put(Field(a, "id")->number_value(), Field(a, "content")->string_value(),
+    const bool special = Field(a, "special").bool_value();
+    ASSERT_NO_FATAL_FAILURE(put(Field(a, "id").number_value(), Field(a, "content").string_value(),
                                 special ? kTokenControl : kTokenUserDefined));
   }
   for (size_t i = 0; i < types.size(); ++i) {
     ASSERT_NE(types[i], kTokenUndefined - 1) << "no token has id " << i;
   }
 
-  for (const Value& merge : Field(m, "merges")->list_value().values()) {
+  for (const Value& merge : Field(m, "merges").list_value().values()) {
     if (merge.kind_case() == Value::kStringValue) {
       out->spec.merges.push_back(merge.string_value());
     } else {
@@ -116,12 +118,11 @@ void ReadHfTokenizer(const std::string& json, HfTokenizer* out) {
     }
   }
 
-  const Value* pre = Field(root, "pre_tokenizer");
-  ASSERT_NE(pre, nullptr);
-  for (const Value& step : Field(pre->struct_value(), "pretokenizers")->list_value().values()) {
+  const Struct& pre = Field(root, "pre_tokenizer").struct_value();
+  for (const Value& step : Field(pre, "pretokenizers").list_value().values()) {
     const Struct& s = step.struct_value();
-    if (Field(s, "type")->string_value() == "Split") {
-      out->split_regex = Field(Field(s, "pattern")->struct_value(), "Regex")->string_value();
+    if (Field(s, "type").string_value() == "Split") {
+      out->split_regex = Field(Field(s, "pattern").struct_value(), "Regex").string_value();
     }
   }
 }
