@@ -25,8 +25,8 @@
 //      that every merge's parts and concatenation are tokens, so no fallback is ever needed.
 // ignore_merges is Llama 3's (its tokenizer.json's model.ignore_merges): llama.cpp sets it
 // for tokenizer.ggml.pre "llama-bpe", "llama3" and "llama-v3" (not "smaug-bpe", whose
-// regex is the same), and so does Create(). Llama 3 has tokens that its merges do not make
-// from their bytes (" Việt"), so the two differ.
+// regex is the same), and so does Create(). It matters where a token is not what the merges
+// make of its bytes: Llama 3's " Việt" is one token, which its merges would make three.
 // Decode(ids) concatenates the tokens' raw bytes, control tokens skipped.
 //
 // Pre-tokenizers (tokenizer.ggml.pre), hand-written matchers over Unicode code points that
