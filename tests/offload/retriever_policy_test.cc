@@ -4,11 +4,15 @@
 // storage, observation queries, host-tier drops, and configuration errors.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <string>
+#include <tuple>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "kernels/host_calls.h"
 #include "offload/retriever.h"
 #include "tests/offload/retriever_harness.h"
 
@@ -354,6 +358,92 @@ TEST(RetrieverPolicyTest, FullHostTierDropsPagesWhenAskedAndRefusesOtherwise) {
     }
   }
 }
+
+// The drop-mode policies of `kvtier-run eval` that read attention, as (budget, residency).
+struct AttentionPolicy {
+  const char* name;
+  const char* budget;
+  const char* residency;
+};
+
+// (policy, query heads).
+class FullContextProbeTest
+    : public ::testing::TestWithParam<std::tuple<AttentionPolicy, int32_t>> {};
+
+// A drop-mode layer managed by a policy grows with the context (to every page max_tokens
+// allows) until a step evicts it, and so does the attention probe the policy reads: at
+// kvtier-tiny's full context of 4096 tokens with a 128-token budget, 131 slots where the
+// budget names 4. The engine observes the prompt's last 32 queries after the prefill (each a
+// probe of the whole prompt), then decodes (every layer holds its probe until its next step).
+// Neither may be refused by the staging ring (RESOURCE_EXHAUSTED) nor miss it (a synchronous
+// copy through ordinary memory): the ring takes back the blocks of work that has run and is
+// sized for the probes a step can hold. kvtier-tiny's shape (6 layers, Hkv 2, pages of 32
+// tokens) with its 8 query heads and with 32, whose probes are four times as large.
+TEST_P(FullContextProbeTest, ObservationAndDecodeAtFullContextFitTheStagingRing) {
+  const auto& [policy, q_heads] = GetParam();
+  Geometry g;
+  g.num_layers = 6;
+  g.num_q_heads = q_heads;
+  g.num_kv_heads = 2;
+  g.head_dim = 8;  // the probes' size does not depend on it
+  g.page_size = 32;
+  g.dtype = DType::kF32;
+  SequenceOptions o = SmallOptions(RetrievalMode::kDrop);
+  o.sink_pages = 1;  // 128 tokens, split 1/4 : 1/2 : 1/4 as SetBudgetTokens does
+  o.selected_pages = 2;
+  o.recent_pages = 1;
+  o.max_tokens = 4160;  // eval's: the context and two pages, rounded to a page
+  o = WithPolicy(o, policy.budget, policy.residency);
+  Harness h(g, o);
+  constexpr int32_t kPrompt = 4096 - 16;
+  constexpr int32_t kWindow = 32;  // DecoderOptions::observe_window
+  for (int32_t done = 0; done < kPrompt; done += 256) h.Append(std::min(256, kPrompt - done));
+  TypedBuffer obs(g.dtype, int64_t{kWindow} * g.num_q_heads * g.head_dim);
+  obs.FillNormal(11);
+  HostCalls start = ThreadHostCalls();
+  for (int32_t l = 0; l < g.num_layers; ++l) {
+    const absl::Status st = h.retriever->ObserveQueries(l, obs.data(), kWindow, kPrompt - kWindow);
+    ASSERT_TRUE(st.ok()) << "layer " << l << ": " << st;
+  }
+  EXPECT_EQ((ThreadHostCalls() - start).sync_copies, 0) << "a probe missed the ring";
+  // Decode with the query and output in backend memory, as an engine's are: a synchronous
+  // copy would be a block that missed the ring.
+  const size_t q_bytes = static_cast<size_t>(g.num_q_heads) * g.head_dim * sizeof(float);
+  DeviceBuffer q = h.backend->Allocate(q_bytes).value();
+  DeviceBuffer out = h.backend->Allocate(q_bytes).value();
+  for (int32_t step = 0; step < 16; ++step) {
+    const TypedBuffer query = h.seq.Query(step);
+    std::memcpy(q.data(), query.data(), q_bytes);  // the CPU backend's memory is the host's
+    start = ThreadHostCalls();
+    for (int32_t l = 0; l < g.num_layers; ++l) {
+      absl::StatusOr<WorkingSetView> view = h.retriever->BeginStep(l, q.data());
+      ASSERT_TRUE(view.ok()) << "step " << step << " layer " << l << ": " << view.status();
+      if (step == 0) {
+        EXPECT_GT(view->num_slots, 120) << "the prompt, resident until the first eviction";
+      }
+      absl::Status st = h.retriever->Attend(l, q.data(), out.data(), nullptr);
+      if (st.ok()) st = h.retriever->EndStep(l, q.data());
+      ASSERT_TRUE(st.ok()) << "step " << step << " layer " << l << ": " << st;
+    }
+    EXPECT_EQ((ThreadHostCalls() - start).sync_copies, 0) << "step " << step;
+    h.Append(1);
+  }
+  const absl::Status st = h.retriever->Wait();
+  EXPECT_TRUE(st.ok()) << st;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    EvalVariants, FullContextProbeTest,
+    ::testing::Combine(::testing::Values(AttentionPolicy{"h2o", "fixed", "h2o"},
+                                         AttentionPolicy{"conf_kv", "confidence", "attention"},
+                                         AttentionPolicy{"xkv", "xkv", "attention"},
+                                         AttentionPolicy{"kv_compress", "kv_compress",
+                                                         "kv_compress"}),
+                       ::testing::Values(8, 32)),
+    [](const auto& param_info) {
+      return absl::StrCat(std::get<0>(param_info.param).name, "_Hq",
+                          std::get<1>(param_info.param));
+    });
 
 TEST(RetrieverPolicyTest, BadPolicyConfigurationsGetClearErrors) {
   const Geometry g = SmallGeometry();
