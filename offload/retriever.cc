@@ -77,13 +77,31 @@ absl::Status RetrieverImpl::Allocate(DeviceBuffer* buf, size_t bytes, int32_t la
   return absl::OkStatus();
 }
 
-size_t RetrieverImpl::RingBytes(const Geometry& g, const SequenceOptions& o) {
-  // Per layer-step at most: the live counts, the host-owned table entries, the host page of
-  // the pages filled, a foreground and a background statistics record (the slot table of
-  // the working set), and, for policies that read attention, the probe. Records stay until
-  // the next steps collect them: room for four steps of every layer, and the probes of two.
+namespace {
+
+// The most slots a layer's working set can have (RetrieverImpl::Slots): every page in full
+// mode; the budget in speculative, sync and plain drop mode; in drop mode with policies the
+// budget and the page being filled, or every page and one more: PlaceManaged grows a layer
+// that holds the whole context (a prompt, until the first step evicts it) up to there.
+size_t MaxSlots(const Geometry& g, const SequenceOptions& o) {
+  const int64_t pages = (int64_t{o.max_tokens} + g.page_size - 1) / g.page_size;
+  const int64_t budget =
+      std::max<int64_t>(1, int64_t{o.sink_pages} + o.selected_pages + o.recent_pages);
+  switch (o.mode) {
+    case RetrievalMode::kFull:
+      return static_cast<size_t>(std::max<int64_t>(pages, 1));
+    case RetrievalMode::kDrop:
+      return static_cast<size_t>(o.policy.is_default() ? budget : std::max(budget, pages) + 1);
+    case RetrievalMode::kSpeculative:
+    case RetrievalMode::kSync:
+      break;
+  }
+  return static_cast<size_t>(budget);
+}
+
+// The ring of a sequence whose layers hold at most `slots` slots (RetrieverImpl::RingBytes).
+size_t RingBytesFor(const Geometry& g, const SequenceOptions& o, size_t slots) {
   const size_t hkv = g.num_kv_heads;
-  const size_t slots = static_cast<size_t>(o.sink_pages) + o.selected_pages + o.recent_pages;
   const size_t a = StagingRing::kAlign;
   const auto round = [a](size_t b) { return (b + a - 1) / a * a + a; };
   const size_t record = round(hkv * (4 + 1 + 4 + 4) + hkv * slots * 4);
@@ -95,6 +113,29 @@ size_t RetrieverImpl::RingBytes(const Geometry& g, const SequenceOptions& o) {
                          round(hkv * slots * 4);
     bytes += 2 * probe * g.num_layers + (size_t{1} << 20);
   }
+  return bytes;
+}
+
+// Pinned staging past which a sequence's largest working set is not worth sizing the ring
+// for (a drop layer of a long context holding its whole prompt); what the ring then cannot
+// hold goes through ordinary memory (Stage).
+constexpr size_t kMaxRingBytes = size_t{256} << 20;
+
+}  // namespace
+
+size_t RetrieverImpl::RingBytes(const Geometry& g, const SequenceOptions& o) {
+  // Per layer-step at most: the live counts, the host-owned table entries, the host page of
+  // the pages filled, a foreground and a background statistics record (the slot table of
+  // the working set), and, for policies that read attention, the probe. Records stay until
+  // the next steps collect them: room for four steps of every layer. A layer holds its probe
+  // from its attention to its next step while the others stage theirs: room for the probes
+  // of two steps. All of them are as large as the working set, which is not the budget's in
+  // every mode (MaxSlots): sized for the largest, up to kMaxRingBytes, and never below what
+  // the budget asks.
+  const size_t budget = static_cast<size_t>(
+      std::max<int64_t>(1, int64_t{o.sink_pages} + o.selected_pages + o.recent_pages));
+  const size_t bytes = std::max(RingBytesFor(g, o, budget),
+                                std::min(RingBytesFor(g, o, MaxSlots(g, o)), kMaxRingBytes));
   return std::max<size_t>(bytes, size_t{256} << 10);
 }
 
@@ -116,13 +157,12 @@ absl::StatusOr<StagingRing::Block> RetrieverImpl::Stage(size_t bytes) {
   // which it does when it offloads again. A prefill appended in small chunks fills the ring
   // with batches that have long run; take them back.
   if (offloader_ != nullptr) KVTIER_RETURN_IF_ERROR(offloader_->Drain());
-  b = ring.TryAcquire(bytes);
-  if (b.data == nullptr) {
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "staging ring: %d bytes asked, %d of %d in use by work not yet reaped", bytes,
-        ring.in_use(), ring.capacity()));
-  }
-  return b;
+  // What is still held is not this sequence's to take back now: the probes its layers hold
+  // until their next step, the blocks of the work being staged (not yet behind an event),
+  // and the other members' of a batch. A step the sequence's limits allow is never refused
+  // for them: without room the block goes the unstaged way, as one larger than the ring
+  // allows does (a counted synchronous copy), as the page offloader's item lists do.
+  return ring.TryAcquire(bytes);
 }
 
 absl::StatusOr<std::unique_ptr<Event>> RetrieverImpl::TakeEvent() {
@@ -795,12 +835,12 @@ absl::Status RetrieverImpl::RecordStats(Stream& s, int32_t layer, int64_t step, 
   const size_t total = misses + means + lost + table + flags;
   if (total == 0) return absl::OkStatus();
   KVTIER_ASSIGN_OR_RETURN(StagingRing::Block b, Stage(total));
-  if (b.data == nullptr) {
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "layer %d: a statistics record of %d bytes exceeds the staging ring", layer, total));
+  uint8_t* at = b.data;
+  if (at == nullptr) {  // the ring cannot hold it: ordinary memory (a synchronous copy)
+    r.heap.resize(total);
+    at = r.heap.data();
   }
   r.ticket = b.ticket;
-  uint8_t* at = b.data;
   absl::Status st;
   const auto take = [&](size_t bytes, const void* src) -> uint8_t* {
     uint8_t* dst = at;

@@ -61,7 +61,8 @@ struct StoredBatch {
 
 // A device → host copy of one step's selection results, accumulated into the stats once its
 // event has fired.
-// The copies land in one block of the staging ring (pinned: no copy blocks the host).
+// The copies land in one block of the staging ring (pinned: no copy blocks the host), or in
+// ordinary memory when the ring cannot hold them.
 struct StatRecord {
   int32_t layer = 0;
   int64_t step = 0;
@@ -74,6 +75,7 @@ struct StatRecord {
   int32_t num_slots = 0;              // foreground: the working set attention read
   const int32_t* slot_table = nullptr;  // [Hkv][num_slots], foreground
   uint64_t ticket = 0;                  // the ring block holding them
+  std::vector<uint8_t> heap;            // or, when the ring could not hold them, this
   std::unique_ptr<Event> done;
 };
 
@@ -375,8 +377,9 @@ class RetrieverImpl final : public Retriever {
   absl::Status Allocate(DeviceBuffer* buf, size_t bytes, int32_t layer, Field field);
   // A block of the staging ring: when it is full, the blocks of work already done are taken
   // back first; when that is not enough, the streams are waited for (counted host waits).
-  // A null block when `bytes` exceeds a quarter of the ring (the caller copies through
-  // ordinary memory instead).
+  // A null block when `bytes` exceeds a quarter of the ring, or when what is still held
+  // after the waits leaves no room (the caller copies through ordinary memory instead).
+  // Fails only when a wait fails, never for want of room.
   absl::StatusOr<StagingRing::Block> Stage(size_t bytes);
   // Uploads the layer's live counts (the whole batch's rows) if they changed.
   absl::Status UploadCountsIfDirty(int32_t layer);

@@ -572,8 +572,13 @@ absl::Status RetrieverImpl::ObserveQueries(int32_t layer, const void* q, int32_t
     KVTIER_RETURN_IF_ERROR(backend_.SparseAttention(*compute_, a));
     KVTIER_RETURN_IF_ERROR(TakeProbe(layer, /*step=*/-1, position));
     KVTIER_RETURN_IF_ERROR(ConsumeProbe(layer));
+    // Park the position's block with this query's attention, not after the window: the ring
+    // takes blocks back in acquisition order, so one still unparked would hold the room of
+    // every probe staged after it, and the window's probes (each of the whole working set,
+    // which spans the prompt until the first step evicts it) would fill the ring.
+    KVTIER_RETURN_IF_ERROR(Park(*compute_));
   }
-  return Park(*compute_);
+  return absl::OkStatus();
 }
 
 }  // namespace kvtier::retriever_internal
