@@ -243,9 +243,22 @@ absl::StatusOr<std::vector<EvalResult>> RunEval(Engine& engine, const std::vecto
   std::vector<std::vector<float>> reference;
   std::vector<EvalResult> results;
   for (size_t i = 0; i < runs.size(); ++i) {
-    KVTIER_ASSIGN_OR_RETURN(EvalResult r,
-                            RunOne(engine, ids, o, runs[i], i == 0, &reference, progress));
-    results.push_back(std::move(r));
+    if (progress) progress(runs[i].name, 0, o.steps);  // counted even if it fails at once
+    absl::StatusOr<EvalResult> r = RunOne(engine, ids, o, runs[i], i == 0, &reference, progress);
+    if (r.ok()) {
+      results.push_back(*std::move(r));
+      continue;
+    }
+    // Full mode is the reference every other run is scored against.
+    if (i == 0) return r.status();
+    // One variant's failure is its own row: the runs already made, and those after it
+    // (each a fresh sequence), still count.
+    EvalResult failed;
+    failed.variant = runs[i].variant->name;
+    failed.mode = runs[i].variant->options.mode;
+    failed.budget_tokens = runs[i].budget;
+    failed.status = r.status();
+    results.push_back(std::move(failed));
   }
   return results;
 }

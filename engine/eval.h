@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "engine/generate.h"
 #include "kvtier/options.h"
@@ -56,14 +57,18 @@ struct EvalResult {
   double recalled_bytes_per_token = 0;  // all layers, decode only
   double resident_bytes = 0;            // the working set's K+V, mean over measured steps
   double ms_per_token = 0;              // over the unmeasured steps
+  // Not OK: the run failed with this status and its metrics are unset; the others ran on.
+  absl::Status status;
 };
 
-// (run name, steps done, steps of the run), after every step.
+// (run name, steps done, steps of the run), as a run starts (0 done) and after every step.
 using EvalProgress = std::function<void(const std::string&, int64_t, int64_t)>;
 
-// Runs full mode, then every variant at every budget, in-process. INVALID_ARGUMENT for a
-// text shorter than P + N + 1 tokens, a context past the model's, or a budget that is not
-// a positive multiple of 4 pages or is not below the context (naming the option).
+// Runs full mode, then every variant at every budget, in-process: one result per run, full
+// mode's first. A variant's run that fails is a result with its status (the other runs go
+// on); full mode's failure fails the eval, since it is every run's reference. INVALID_ARGUMENT
+// for a text shorter than P + N + 1 tokens, a context past the model's, or a budget that is
+// not a positive multiple of 4 pages or is not below the context (naming the option).
 absl::StatusOr<std::vector<EvalResult>> RunEval(Engine& engine, const std::vector<int32_t>& ids,
                                                 const EvalOptions& options,
                                                 const std::vector<EvalVariant>& variants,

@@ -142,6 +142,10 @@ void PrintTable(const std::vector<EvalResult>& rs, int64_t context, std::ostream
     const std::string budget = r.budget_tokens > 0
                                    ? absl::StrFormat("1/%.3g", double(context) / r.budget_tokens)
                                    : std::string("all");
+    if (!r.status.ok()) {
+      os << absl::StrFormat("%-18s %7s FAILED: %s\n", r.variant, budget, r.status.ToString());
+      continue;
+    }
     os << absl::StrFormat(
         "%-18s %7s %8.3f %+7.2f %6.3f %8.5f %7.4f %7.4f %6.3f %9.1f %9.1f %7.2f\n", r.variant,
         budget, r.perplexity, 100.0 * (r.perplexity / full.perplexity - 1), r.top1_agreement,
@@ -153,8 +157,12 @@ void PrintTable(const std::vector<EvalResult>& rs, int64_t context, std::ostream
 std::string ResultJson(const EvalResult& r, const EvalResult& full) {
   std::ostringstream j;
   j << "{\"variant\": \"" << JsonEscape(r.variant) << "\", \"mode\": \""
-    << RetrievalModeName(r.mode) << "\", \"budget_tokens\": " << r.budget_tokens
-    << ", \"steps\": " << r.steps << ", \"perplexity\": " << r.perplexity
+    << RetrievalModeName(r.mode) << "\", \"budget_tokens\": " << r.budget_tokens;
+  if (!r.status.ok()) {  // a failed run has its error and no metrics
+    j << ", \"error\": \"" << JsonEscape(r.status.ToString()) << "\"}";
+    return j.str();
+  }
+  j << ", \"steps\": " << r.steps << ", \"perplexity\": " << r.perplexity
     << ", \"perplexity_vs_full\": " << r.perplexity / full.perplexity
     << ", \"top1_agreement\": " << r.top1_agreement << ", \"kl\": " << r.kl
     << ", \"attn_mass_recall_tokens\": " << r.recall_tokens
@@ -181,7 +189,7 @@ absl::Status WritePlots(const std::string& prefix, const std::vector<EvalResult>
   std::vector<std::string> order;
   std::vector<int32_t> budgets;
   for (const EvalResult& r : rs) {
-    if (r.budget_tokens == 0) continue;
+    if (r.budget_tokens == 0 || !r.status.ok()) continue;
     if (!ppl.count(r.variant)) order.push_back(r.variant);
     const double x = double(r.budget_tokens) / context;
     for (auto [series, y] : {std::pair{&ppl, r.perplexity}, std::pair{&kl, r.kl},
@@ -253,6 +261,11 @@ absl::StatusOr<std::string> ReadText(const std::string& path) {
 CLI::App* AddEvalCommand(CLI::App& app, EvalFlags* f) {
   CLI::App* c = app.add_subcommand(
       "eval", "quality of every mode and policy against full KV on held-out text");
+  c->footer(
+      "A run that fails (a variant at a budget) is a FAILED row with its error in the table "
+      "and the JSON; the other runs, the JSON and the plots are still written, and the exit "
+      "status is then 1 (2 when every failure was an invalid option). Full mode is the "
+      "reference: if it fails, nothing is written.");
   c->add_option("--model", f->m.model, "GGUF file")->required();
   c->add_option("--text", f->m.text_file, "held-out text (not seen in training)")->required();
   c->add_option("--steps", f->steps, "scored decode steps")->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
@@ -324,11 +337,16 @@ int RunEvalCommand(const EvalFlags& f) {
   std::string current;
   const absl::Time started = absl::Now();
   absl::Time last = absl::InfinitePast();
+  int64_t current_done = 0, current_total = 0;
   auto progress = [&](const std::string& run, int64_t done, int64_t total) {
     if (run != current) {
+      // A run that stopped short failed (reported at the end): keep its line.
+      if (!f.m.quiet && current_done > 0 && current_done < current_total) std::fputc('\n', stderr);
       current = run;
       ++run_index;
     }
+    current_done = done;
+    current_total = total;
     if (f.m.quiet || (absl::Now() - last < absl::Milliseconds(500) && done < total)) return;
     last = absl::Now();
     std::fprintf(stderr, "\r[%lld/%lld] %-28s step %lld/%lld  (%.0f s)%s",
@@ -340,6 +358,16 @@ int RunEvalCommand(const EvalFlags& f) {
   if (!rs.ok()) {
     std::cerr << "\nkvtier-run eval: " << rs.status() << "\n";
     return absl::IsInvalidArgument(rs.status()) ? 2 : 1;
+  }
+  // Failed runs are reported, not fatal: the rest of the table, the JSON and the plots are
+  // still written, and the exit status says that something failed.
+  int failed_rc = 0;
+  for (const EvalResult& r : *rs) {
+    if (r.status.ok()) continue;
+    std::cerr << (failed_rc == 0 ? "\n" : "") << "kvtier-run eval: " << r.variant << "@"
+              << r.budget_tokens << " failed: " << r.status << "\n";
+    const int rc = absl::IsInvalidArgument(r.status) ? 2 : 1;
+    failed_rc = failed_rc == 0 ? rc : std::min(failed_rc, rc);
   }
   PrintTable(*rs, context, std::cout);
   if (!f.json.empty()) {
@@ -366,7 +394,7 @@ int RunEvalCommand(const EvalFlags& f) {
       return 1;
     }
   }
-  return 0;
+  return failed_rc;
 }
 
 CLI::App* AddTraceCommand(CLI::App& app, TraceFlags* t) {

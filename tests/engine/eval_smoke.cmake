@@ -1,8 +1,10 @@
 # kvtier-run eval and trace end to end on the shipped model (cmake -P script): the eval's
 # JSON has one result per (variant, budget) after full mode's, with every metric, per-layer
 # recall and full mode as its own reference; both PNG plots are written; bad flags are
-# refused naming the flag (exit 2); the trace has the size docs/trace-format.md gives and,
-# when kvtier-bench is there, replays (every layer).
+# refused naming the flag (exit 2); a run that fails is a FAILED row with its error while
+# the others, the JSON and the plots are still written (exit 2 for an invalid option); the
+# trace has the size docs/trace-format.md gives and, when kvtier-bench is there, replays
+# (every layer).
 #   -DRUN=<kvtier-run> [-DBENCH=<kvtier-bench>] -DMODEL_DIR=<engine/model> -DWORK=<dir>
 cmake_minimum_required(VERSION 3.19)  # string(JSON)
 file(REMOVE_RECURSE "${WORK}")
@@ -65,6 +67,51 @@ foreach(png eval-ppl.png eval-kl.png eval-recall.png)
     message(FATAL_ERROR "${png} is not a PNG (${magic})")
   endif()
 endforeach()
+
+# One run that fails does not lose the others: speculative-mass with a loss outside [0, 1]
+# is refused when its sequence opens (a real failure, of that variant alone). Its row says
+# FAILED with the error, in the table and the JSON; the other rows, the JSON and the plots
+# are still written; the exit status is non-zero (2: the failure was an invalid option).
+file(REMOVE "${WORK}/partial.json" "${WORK}/partial-ppl.png")
+execute_process(
+  COMMAND "${RUN}" eval --model "${model}" --text "${text}" --context 320 --steps 8
+    --budgets 128 --variants window,speculative-mass:loss=2,sync --recall-every 8 --threads 2
+    --json "${WORK}/partial.json" --plot "${WORK}/partial"
+  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(NOT rc EQUAL 2)
+  message(FATAL_ERROR "a failed run: exit ${rc}, want 2 (an invalid option):\n${out}\n${err}")
+endif()
+if(NOT out MATCHES "speculative-mass:loss=2 +1/2.5 FAILED: INVALID_ARGUMENT: [^\n]*correction_max_loss"
+   OR NOT out MATCHES "\nwindow +1/2.5 +[0-9.]+ " OR NOT out MATCHES "\nsync +1/2.5 +[0-9.]+ ")
+  message(FATAL_ERROR "the table lacks the FAILED row or the others:\n${out}")
+endif()
+if(NOT err MATCHES "speculative-mass:loss=2@128 failed: INVALID_ARGUMENT")
+  message(FATAL_ERROR "stderr does not name the failed run:\n${err}")
+endif()
+file(READ "${WORK}/partial.json" json)
+string(JSON n LENGTH "${json}" results)
+if(NOT n EQUAL 4)
+  message(FATAL_ERROR "${n} results, want full + window + the failed run + sync:\n${json}")
+endif()
+string(JSON failed GET "${json}" results 2 variant)
+string(JSON error GET "${json}" results 2 error)
+string(JSON budget GET "${json}" results 2 budget_tokens)
+if(NOT failed STREQUAL "speculative-mass:loss=2" OR NOT budget EQUAL 128
+   OR NOT error MATCHES "correction_max_loss = 2")
+  message(FATAL_ERROR "result 2 is ${failed}@${budget} with error '${error}':\n${json}")
+endif()
+foreach(i 0 1 3)
+  string(JSON variant GET "${json}" results ${i} variant)
+  string(JSON ppl ERROR_VARIABLE json_error GET "${json}" results ${i} perplexity)
+  string(JSON error ERROR_VARIABLE lookup GET "${json}" results ${i} error)
+  if(json_error OR lookup STREQUAL "NOTFOUND")  # no perplexity, or an error found
+    message(FATAL_ERROR "${variant} lost its metrics or carries an error:\n${json}")
+  endif()
+endforeach()
+file(READ "${WORK}/partial-ppl.png" magic LIMIT 8 HEX)
+if(NOT magic STREQUAL "89504e470d0a1a0a")
+  message(FATAL_ERROR "the plots of the runs that succeeded were not written (${magic})")
+endif()
 
 # Bad flags and input: exit 2, naming what is wrong.
 function(expect_refused what pattern)

@@ -3,7 +3,7 @@
 // the hidden-state change reaches the policies for every token (the same whether it was
 // computed in a prompt chunk, across chunks or in a decode step), and the eval's metrics
 // hold the relations they must (full mode is its own reference; speculative mode that
-// corrects every head is sync mode).
+// corrects every head is sync mode), and a run that fails is its own result.
 #include <cmath>
 #include <memory>
 #include <string>
@@ -222,6 +222,51 @@ TEST_F(EvalTest, RunEvalHoldsTheRelationsItsMetricsMust) {
   o.steps = 100;
   bad = RunEval(*e, ids, o, variants);
   EXPECT_NE(bad.status().message().find("needs 261"), std::string::npos) << bad.status();
+}
+
+// A variant whose run fails is a result with its status, where it would have been; the
+// runs before and after it are scored as if it were not there. Drop mode has no host tier,
+// so a policy that drops host pages is refused when the sequence opens: a real failure.
+TEST_F(EvalTest, AFailedRunIsItsOwnResultAndTheOthersStillRun) {
+  std::unique_ptr<Engine> e = Open(256);
+  ASSERT_NE(e, nullptr);
+  const std::vector<int32_t> ids = Text(*e, 200);
+  EvalOptions o;
+  o.prefill_tokens = 160;
+  o.steps = 8;
+  o.page_size = 16;
+  o.budgets = {64};
+  std::vector<EvalVariant> variants(3);
+  variants[0].name = "window";
+  variants[0].options.mode = RetrievalMode::kDrop;
+  variants[1].name = "impossible";
+  variants[1].options.mode = RetrievalMode::kDrop;
+  variants[1].options.policy.residency = "h2o";
+  variants[1].options.policy.host_drop = "evict";
+  variants[2].name = "sync";
+  variants[2].options.mode = RetrievalMode::kSync;
+  std::vector<std::string> started;
+  absl::StatusOr<std::vector<EvalResult>> rs =
+      RunEval(*e, ids, o, variants, [&](const std::string& run, int64_t done, int64_t) {
+        if (done == 0) started.push_back(run);
+      });
+  ASSERT_TRUE(rs.ok()) << rs.status();
+  ASSERT_EQ(rs->size(), 4u);
+  EXPECT_EQ(started, (std::vector<std::string>{"full", "window@64", "impossible@64", "sync@64"}));
+  const EvalResult& failed = (*rs)[2];
+  EXPECT_EQ(failed.variant, "impossible");
+  EXPECT_EQ(failed.budget_tokens, 64);
+  EXPECT_EQ(failed.mode, RetrievalMode::kDrop);
+  EXPECT_TRUE(absl::IsInvalidArgument(failed.status)) << failed.status;
+  EXPECT_NE(failed.status.message().find("no host tier"), std::string::npos) << failed.status;
+  for (size_t i : {0, 1, 3}) {
+    const EvalResult& r = (*rs)[i];
+    EXPECT_TRUE(r.status.ok()) << r.variant << ": " << r.status;
+    EXPECT_EQ(r.steps, 8) << r.variant;
+    EXPECT_GT(r.perplexity, 1.0) << r.variant;
+  }
+  EXPECT_EQ((*rs)[1].variant, "window");
+  EXPECT_EQ((*rs)[3].variant, "sync");
 }
 
 }  // namespace
