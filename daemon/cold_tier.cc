@@ -13,7 +13,8 @@ namespace kvtier::daemon {
 namespace {
 
 constexpr char kMagic[4] = {'K', 'V', 'T', 'C'};
-constexpr uint16_t kVersion = 1;
+constexpr uint16_t kVersion = 2;         // written: bound to its page (identity)
+constexpr uint16_t kUnboundVersion = 1;  // read only: no identity, a 64-bit length
 
 void PutLe(char* p, uint64_t v, int bytes) {
   for (int i = 0; i < bytes; ++i) p[i] = static_cast<char>((v >> (8 * i)) & 0xff);
@@ -93,13 +94,31 @@ uint32_t ColdChecksum(std::string_view data, bool allow_hardware) {
   return Crc32cSoftware(data.data(), data.size());
 }
 
-std::string EncodeColdValue(uint64_t generation, std::string_view data) {
+uint32_t ColdIdentity(std::string_view tenant, std::string_view session, int32_t layer,
+                      int64_t page) {
+  // Length-prefixed, so that no two tuples serialize alike.
+  std::string s;
+  s.reserve(4 + tenant.size() + 4 + session.size() + 12);
+  char n[12];
+  for (std::string_view field : {tenant, session}) {
+    PutLe(n, field.size(), 4);
+    s.append(n, 4);
+    s.append(field);
+  }
+  PutLe(n, static_cast<uint32_t>(layer), 4);
+  PutLe(n + 4, static_cast<uint64_t>(page), 8);
+  s.append(n, 12);
+  return Crc32(s.data(), s.size());
+}
+
+std::string EncodeColdValue(uint32_t identity, uint64_t generation, std::string_view data) {
   std::string v(kColdHeaderBytes + data.size(), '\0');
   char* h = v.data();
   std::memcpy(h, kMagic, 4);
   PutLe(h + 4, kVersion, 2);
   PutLe(h + 8, generation, 8);
-  PutLe(h + 16, data.size(), 8);
+  PutLe(h + 16, identity, 4);
+  PutLe(h + 20, data.size(), 4);
   PutLe(h + 24, Crc32(data.data(), data.size()), 4);
   PutLe(h + 28, Crc32(h, 28), 4);
   if (!data.empty()) std::memcpy(h + kColdHeaderBytes, data.data(), data.size());
@@ -109,7 +128,8 @@ std::string EncodeColdValue(uint64_t generation, std::string_view data) {
 namespace {
 
 // DecodeColdValue's checks: the value's generation, or why the value is refused.
-absl::StatusOr<uint64_t> CheckColdValue(std::string_view value, uint64_t expected_generation) {
+absl::StatusOr<uint64_t> CheckColdValue(std::string_view value, uint32_t identity,
+                                        uint64_t expected_generation) {
   if (value.size() < kColdHeaderBytes) {
     return absl::DataLossError(absl::StrFormat(
         "cold value of %d bytes: shorter than its %d-byte header", value.size(), kColdHeaderBytes));
@@ -119,11 +139,18 @@ absl::StatusOr<uint64_t> CheckColdValue(std::string_view value, uint64_t expecte
   if (GetLe(h + 28, 4) != Crc32(h, 28)) {
     return absl::DataLossError("cold value: header checksum mismatch");
   }
-  if (GetLe(h + 4, 2) != kVersion) {
-    return absl::DataLossError(
-        absl::StrFormat("cold value: version %d, expected %d", GetLe(h + 4, 2), kVersion));
+  const uint64_t version = GetLe(h + 4, 2);
+  if (version != kVersion && version != kUnboundVersion) {
+    return absl::DataLossError(absl::StrFormat("cold value: version %d, expected %d or %d",
+                                               version, kVersion, kUnboundVersion));
   }
-  const uint64_t bytes = GetLe(h + 16, 8);
+  const bool bound = version == kVersion;
+  if (bound && GetLe(h + 16, 4) != identity) {
+    return absl::DataLossError(absl::StrFormat(
+        "cold value: a value of another page (identity %08x; this key's is %08x)",
+        GetLe(h + 16, 4), identity));
+  }
+  const uint64_t bytes = bound ? GetLe(h + 20, 4) : GetLe(h + 16, 8);
   if (bytes != value.size() - kColdHeaderBytes) {
     return absl::DataLossError(absl::StrFormat("cold value: header says %d bytes, %d follow",
                                                bytes, value.size() - kColdHeaderBytes));
@@ -143,17 +170,18 @@ absl::StatusOr<uint64_t> CheckColdValue(std::string_view value, uint64_t expecte
 
 }  // namespace
 
-absl::StatusOr<ColdPage> DecodeColdValue(std::string_view value, uint64_t expected_generation) {
+absl::StatusOr<ColdPage> DecodeColdValue(std::string_view value, uint32_t identity,
+                                         uint64_t expected_generation) {
   ColdPage page;
-  KVTIER_ASSIGN_OR_RETURN(page.generation, CheckColdValue(value, expected_generation));
+  KVTIER_ASSIGN_OR_RETURN(page.generation, CheckColdValue(value, identity, expected_generation));
   page.data = std::string(value.substr(kColdHeaderBytes));
   return page;
 }
 
-absl::StatusOr<ColdPage> DecodeColdValueInPlace(std::string&& value,
-                                                 uint64_t expected_generation) {
+absl::StatusOr<ColdPage> DecodeColdValueInPlace(std::string&& value, uint32_t identity,
+                                                uint64_t expected_generation) {
   ColdPage page;
-  KVTIER_ASSIGN_OR_RETURN(page.generation, CheckColdValue(value, expected_generation));
+  KVTIER_ASSIGN_OR_RETURN(page.generation, CheckColdValue(value, identity, expected_generation));
   // In place: a fresh buffer of a page's size would be fresh memory to fault in, which costs
   // far more than moving the bytes down over the header.
   value.erase(0, kColdHeaderBytes);
@@ -185,14 +213,16 @@ absl::Status ColdTier::Put(std::string_view tenant, std::string_view session,
   commands.reserve(pages.size());
   int64_t bytes = 0;
   for (const ColdPageRef& p : pages) {
-    if (p.generation == 0 || p.layer < 0 || p.page < 0 || p.data.empty()) {
+    if (p.generation == 0 || p.layer < 0 || p.page < 0 || p.data.empty() ||
+        p.data.size() > kColdMaxPageBytes) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "cold tier put of layer %d page %d (generation %d, %d bytes): layer and page must be "
-          ">= 0, generation >= 1, data non-empty",
-          p.layer, p.page, p.generation, p.data.size()));
+          ">= 0, generation >= 1, data non-empty and at most %d bytes",
+          p.layer, p.page, p.generation, p.data.size(), kColdMaxPageBytes));
     }
-    commands.push_back({"SET", Key(tenant, session, p.layer, p.page),
-                        EncodeColdValue(p.generation, p.data)});
+    commands.push_back(
+        {"SET", Key(tenant, session, p.layer, p.page),
+         EncodeColdValue(ColdIdentity(tenant, session, p.layer, p.page), p.generation, p.data)});
     bytes += static_cast<int64_t>(p.data.size());
   }
   std::vector<absl::StatusOr<RedisReply>> replies = cluster_->Pipeline(commands, deadline);
@@ -223,6 +253,7 @@ std::vector<absl::StatusOr<ColdPage>> ColdTier::Get(std::string_view tenant,
   int64_t read = 0, bytes = 0, failures = 0, recoveries = 0;
   for (size_t i = 0; i < pages.size(); ++i) {
     const uint64_t want = i < generations.size() ? generations[i] : 0;
+    const uint32_t identity = ColdIdentity(tenant, session, layer, pages[i]);
     const auto decode = [&](absl::StatusOr<RedisReply>& r) -> absl::StatusOr<ColdPage> {
       if (!r.ok()) return r.status();
       if (r->type == RedisReply::Type::kNil) {
@@ -234,12 +265,13 @@ std::vector<absl::StatusOr<ColdPage>> ColdTier::Get(std::string_view tenant,
         return absl::DataLossError(absl::StrFormat(
             "cold tier: layer %d page %d: the key holds no string value", layer, pages[i]));
       }
-      return DecodeColdValueInPlace(std::move(r->str), want);
+      return DecodeColdValueInPlace(std::move(r->str), identity, want);
     };
     absl::StatusOr<ColdPage> page = decode(replies[i]);
     if (absl::IsDataLoss(page.status())) {
       ++failures;
-      // A replica may still hold the intact copy (the master's was corrupted after the write).
+      // A replica may still hold the intact copy (the master's was corrupted, or written over
+      // with another page's value, after the write).
       absl::StatusOr<RedisReply> replica = cluster_->RunOnReplica(commands[i], deadline);
       absl::StatusOr<ColdPage> again = decode(replica);
       if (again.ok()) {

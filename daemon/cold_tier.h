@@ -7,13 +7,19 @@
 // hash tag is (session, layer), so one layer's pages share a slot and travel in one pipeline
 // to one node, while a session's layers spread over the cluster.
 //
-// Values: a 32-byte header, then the page (HND [Hkv][2][p][d], as the host tier holds it):
-//   magic "KVTC" | version u16 | reserved u16 | generation u64 | bytes u64 | crc32c u32 |
-//   header crc32c u32 (of the 28 bytes before it), little-endian.
+// Values: a 32-byte header, then the page (HND [Hkv][2][p][d], as the host tier holds it),
+// little-endian. Version 2, written:
+//   magic "KVTC" | version u16 = 2 | reserved u16 | generation u64 | identity u32 |
+//   bytes u32 | crc32c u32 (of the page) | header crc32c u32 (of the 28 bytes before it)
+// where identity is ColdIdentity(tenant, session, layer, page) of the key it was written
+// under. Version 1 (read, never written) has no identity: bytes u64 in its place.
 // The page's generation is its commit stamp: a reader asks for the generation it expects and
-// refuses any other (a stale value of an earlier commit of that page). A value whose header or
-// payload checksum fails is read again from a replica of its slot, when there is one; when
-// that fails too (or there is none) the page is DATA_LOSS, never wrong bytes.
+// refuses any other (a stale value of an earlier commit of that page). Generations repeat
+// across pages, so the identity binds a value to its page: an intact value of another page
+// found under a key (copied or renamed there) is refused like a damaged one. A value whose
+// header or payload checksum or identity fails is read again from a replica of its slot, when
+// there is one; when that fails too (or there is none) the page is DATA_LOSS, never wrong
+// bytes.
 //
 // Thread-safe (RedisCluster is).
 #ifndef KVTIER_DAEMON_COLD_TIER_H_
@@ -61,14 +67,23 @@ uint32_t ColdChecksum(std::string_view data, bool allow_hardware = true);
 
 // The value format (exposed for tests and the benchmark).
 inline constexpr size_t kColdHeaderBytes = 32;
-std::string EncodeColdValue(uint64_t generation, std::string_view data);
+// The largest page a value holds (its header's bytes field is 32 bits; Redis allows 512 MiB).
+inline constexpr size_t kColdMaxPageBytes = UINT32_MAX;
+// What a value is bound to: a CRC-32C of (tenant, session, layer, page), each field
+// length-prefixed.
+uint32_t ColdIdentity(std::string_view tenant, std::string_view session, int32_t layer,
+                      int64_t page);
+// REQUIRES: data.size() <= kColdMaxPageBytes.
+std::string EncodeColdValue(uint32_t identity, uint64_t generation, std::string_view data);
 // The page of a value: DATA_LOSS naming what is wrong (magic, version, length, header or
-// payload checksum); FAILED_PRECONDITION when it is intact but of another generation than
-// `expected_generation` (0: any).
-absl::StatusOr<ColdPage> DecodeColdValue(std::string_view value, uint64_t expected_generation);
+// payload checksum, or "a value of another page" when its identity is not `identity`; a
+// version 1 value has none to check); FAILED_PRECONDITION when it is intact but of another
+// generation than `expected_generation` (0: any).
+absl::StatusOr<ColdPage> DecodeColdValue(std::string_view value, uint32_t identity,
+                                         uint64_t expected_generation);
 // The same, taking the value's buffer for the page (no second buffer of a page's size).
-absl::StatusOr<ColdPage> DecodeColdValueInPlace(std::string&& value,
-                                                 uint64_t expected_generation);
+absl::StatusOr<ColdPage> DecodeColdValueInPlace(std::string&& value, uint32_t identity,
+                                                uint64_t expected_generation);
 
 struct ColdTierStats {
   int64_t pages_written = 0;
@@ -95,14 +110,14 @@ class ColdTier {
   // Writes the pages (pipelined; a layer's pages go to one node). OK once every page is
   // stored on its master; the first error otherwise (pages written before it stay: a retry
   // overwrites them). INVALID_ARGUMENT for a generation of 0, a negative layer or page, or
-  // an empty page. DEADLINE_EXCEEDED / UNAVAILABLE from the cluster.
+  // an empty page or one over kColdMaxPageBytes. DEADLINE_EXCEEDED / UNAVAILABLE from the cluster.
   absl::Status Put(std::string_view tenant, std::string_view session,
                    std::span<const ColdPageRef> pages, absl::Time deadline);
 
   // Reads pages of one layer, each of the generation given (0: any), in the order asked.
   // Per page: the page; NOT_FOUND when the key is absent; FAILED_PRECONDITION when it holds
-  // another generation; DATA_LOSS when its checksum fails on the master and on a replica
-  // (or there is no replica); the cluster's errors.
+  // another generation; DATA_LOSS when its checksum or identity fails on the master and on a
+  // replica (or there is no replica); the cluster's errors.
   std::vector<absl::StatusOr<ColdPage>> Get(std::string_view tenant, std::string_view session,
                                             int32_t layer, std::span<const int64_t> pages,
                                             std::span<const uint64_t> generations,

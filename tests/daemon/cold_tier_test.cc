@@ -1,11 +1,12 @@
 // The cold tier (daemon/cold_tier.h). Its value format: a page round-trips with its
 // generation, and every kind of damage — to the magic, the version, the length, the header
-// or the payload — is DATA_LOSS, never a page with wrong bytes; an intact value of another
-// generation is a stale commit (FAILED_PRECONDITION). And against a real Redis Cluster on
-// loopback (3 masters, 1 replica each; skipped, saying why, without redis-server): pages of
-// several sessions and layers read back byte-exact, a corrupted value is DATA_LOSS, a value
-// corrupted on the master alone is recovered from the replica, and nothing acknowledged is
-// lost when a master is killed.
+// or the payload — is DATA_LOSS, never a page with wrong bytes, and so is an intact value of
+// another page; an intact value of another generation is a stale commit (FAILED_PRECONDITION);
+// version 1 values (unbound) still read. And against a real Redis Cluster on loopback
+// (3 masters, 1 replica each; skipped, saying why, without redis-server): pages of several
+// sessions and layers read back byte-exact, a corrupted value is DATA_LOSS, a value corrupted
+// on the master alone is recovered from the replica, another page's value under a page's key
+// is refused, and nothing acknowledged is lost when a master is killed.
 #include "daemon/cold_tier.h"
 
 #include <memory>
@@ -45,48 +46,93 @@ TEST(ColdValueTest, TheChecksumIsCrc32cInHardwareAndInSoftware) {
   }
 }
 
+// The identity of page 5 of layer 1 of session "s" of tenant "acme".
+const uint32_t kId = ColdIdentity("acme", "s", 1, 5);
+
 TEST(ColdValueTest, RoundTripsBinaryPagesWithTheirGeneration) {
   for (size_t n : {size_t{1}, size_t{4096}, size_t{65536} + 3}) {
     const std::string data = Page(n);
-    const std::string v = EncodeColdValue(42, data);
+    const std::string v = EncodeColdValue(kId, 42, data);
     ASSERT_EQ(v.size(), kColdHeaderBytes + n);
-    absl::StatusOr<ColdPage> p = DecodeColdValue(v, 42);
+    absl::StatusOr<ColdPage> p = DecodeColdValue(v, kId, 42);
     ASSERT_TRUE(p.ok()) << p.status();
     EXPECT_EQ(p->generation, 42u);
     EXPECT_EQ(p->data, data);
-    EXPECT_TRUE(DecodeColdValue(v, 0).ok());  // 0: any generation
+    EXPECT_TRUE(DecodeColdValue(v, kId, 0).ok());  // 0: any generation
   }
 }
 
 TEST(ColdValueTest, AnotherGenerationIsAStaleCommitNotDataLoss) {
-  const std::string v = EncodeColdValue(7, Page(100));
-  absl::StatusOr<ColdPage> p = DecodeColdValue(v, 8);
+  const std::string v = EncodeColdValue(kId, 7, Page(100));
+  absl::StatusOr<ColdPage> p = DecodeColdValue(v, kId, 8);
   EXPECT_EQ(p.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(p.status().message(), HasSubstr("generation 7, expected 8"));
 }
 
 TEST(ColdValueTest, EveryFlippedBitIsDataLoss) {
-  const std::string v = EncodeColdValue(3, Page(256));
+  const std::string v = EncodeColdValue(kId, 3, Page(256));
   // Each bit of the header and a spread of payload bits.
   for (size_t bit = 0; bit < v.size() * 8; bit += (bit < kColdHeaderBytes * 8 ? 1 : 61)) {
     std::string bad = v;
     bad[bit / 8] = static_cast<char>(bad[bit / 8] ^ (1 << (bit % 8)));
-    absl::StatusOr<ColdPage> p = DecodeColdValue(bad, 3);
+    absl::StatusOr<ColdPage> p = DecodeColdValue(bad, kId, 3);
     EXPECT_EQ(p.status().code(), absl::StatusCode::kDataLoss) << "bit " << bit;
   }
 }
 
 TEST(ColdValueTest, TruncatedOrExtendedValuesAreDataLoss) {
-  const std::string v = EncodeColdValue(3, Page(256));
+  const std::string v = EncodeColdValue(kId, 3, Page(256));
   for (size_t n : {size_t{0}, size_t{10}, kColdHeaderBytes, v.size() - 1}) {
-    EXPECT_EQ(DecodeColdValue(v.substr(0, n), 3).status().code(), absl::StatusCode::kDataLoss)
+    EXPECT_EQ(DecodeColdValue(v.substr(0, n), kId, 3).status().code(),
+              absl::StatusCode::kDataLoss)
         << n;
   }
-  EXPECT_EQ(DecodeColdValue(v + "x", 3).status().code(), absl::StatusCode::kDataLoss);
-  EXPECT_THAT(DecodeColdValue("not a page at all, but long enough for a header", 0)
+  EXPECT_EQ(DecodeColdValue(v + "x", kId, 3).status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(DecodeColdValue("not a page at all, but long enough for a header", kId, 0)
                   .status()
                   .message(),
               HasSubstr("magic"));
+}
+
+// Each field of (tenant, session, layer, page) changes the identity, and so do the fields'
+// boundaries; an intact value under another identity is DATA_LOSS, whatever its generation.
+TEST(ColdValueTest, AValueOfAnotherPageIsDataLoss) {
+  const uint32_t others[] = {ColdIdentity("acme", "s", 1, 6), ColdIdentity("acme", "s", 2, 5),
+                             ColdIdentity("acme", "t", 1, 5), ColdIdentity("acmf", "s", 1, 5),
+                             ColdIdentity("acm", "es", 1, 5), ColdIdentity("acme", "s.live", 1, 5)};
+  for (uint32_t other : others) {
+    ASSERT_NE(other, kId);
+    for (uint64_t generation : {uint64_t{3}, uint64_t{4}}) {
+      absl::StatusOr<ColdPage> p =
+          DecodeColdValue(EncodeColdValue(other, generation, Page(256)), kId, 3);
+      EXPECT_EQ(p.status().code(), absl::StatusCode::kDataLoss) << other << " " << generation;
+      EXPECT_THAT(p.status().message(), HasSubstr("another page"));
+    }
+  }
+}
+
+// A value of version 1 (written before values were bound to their page: bytes u64 where the
+// identity and a 32-bit length are now) still reads, under any key, with its checks.
+TEST(ColdValueTest, AVersion1ValueStillReads) {
+  const std::string data = Page(300);
+  std::string v(kColdHeaderBytes, '\0');
+  const auto put = [&v](size_t at, uint64_t x, int bytes) {
+    for (int i = 0; i < bytes; ++i) v[at + i] = static_cast<char>((x >> (8 * i)) & 0xff);
+  };
+  v.replace(0, 4, "KVTC");
+  put(4, 1, 2);
+  put(8, 9, 8);
+  put(16, data.size(), 8);
+  put(24, ColdChecksum(data), 4);
+  put(28, ColdChecksum(std::string_view(v.data(), 28)), 4);
+  v += data;
+  absl::StatusOr<ColdPage> p = DecodeColdValue(v, kId, 9);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->data, data);
+  std::string bad = v;
+  bad[kColdHeaderBytes + 5] ^= 1;
+  EXPECT_EQ(DecodeColdValue(bad, kId, 9).status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(DecodeColdValue(v, kId, 8).status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
 TEST(ColdTierTest, KeysPutTheTenantFirstAndHashTagSessionAndLayer) {
@@ -249,6 +295,58 @@ TEST_F(ColdTierClusterTest, AValueCorruptedOnTheMasterAloneComesBackFromItsRepli
   EXPECT_EQ(got[0]->data, data[0]);
   EXPECT_EQ(tier_->stats().checksum_failures, 1);
   EXPECT_EQ(tier_->stats().replica_recoveries, 1);
+}
+
+// A value is bound to its key's (tenant, session, layer, page). Intact values of other pages
+// of the same generation — page 6 of the layer, page 5 of another session, of another layer,
+// of another tenant — copied over page 5's key (and replicated) are DATA_LOSS, never the other
+// page's bytes; one copied over the master's value alone is read from the intact replica.
+TEST_F(ColdTierClusterTest, AnIntactValueUnderAnotherPagesKeyIsRefused) {
+  const std::vector<std::string> data = Pages("s-bind", 1, 8, 4096);
+  ASSERT_TRUE(PutAll("s-bind", 1, data, 4).ok());
+  ASSERT_TRUE(PutAll("s-bind-other", 1, Pages("s-bind-other", 1, 8, 4096), 4).ok());
+  ASSERT_TRUE(PutAll("s-bind", 2, Pages("s-bind", 2, 8, 4096), 4).ok());
+  const std::string foreign_page = Pages("s-bind", 3, 8, 4096)[5];
+  const std::vector<ColdPageRef> foreign = {{1, 5, 4, foreign_page}};
+  ASSERT_TRUE(tier_->Put("other-tenant", "s-bind", foreign, Deadline()).ok());
+  const std::string key = tier_->Key("acme", "s-bind", 1, 5);
+  const int64_t five[] = {5};
+  const uint64_t generation[] = {4};
+  for (const std::string& from :
+       {tier_->Key("acme", "s-bind", 1, 6), tier_->Key("acme", "s-bind-other", 1, 5),
+        tier_->Key("acme", "s-bind", 2, 5), tier_->Key("other-tenant", "s-bind", 1, 5)}) {
+    SCOPED_TRACE(from);
+    absl::StatusOr<RedisReply> value = cluster_->Run({"GET", from}, Deadline());
+    ASSERT_TRUE(value.ok()) << value.status();
+    ASSERT_TRUE(cluster_->Run({"SET", key, value->str}, Deadline()).ok());
+    ASSERT_TRUE(process_->WaitForReplicas(absl::Seconds(10)).ok());
+    std::vector<absl::StatusOr<ColdPage>> got =
+        tier_->Get("acme", "s-bind", 1, five, generation, Deadline());
+    ASSERT_EQ(got.size(), 1u);
+    EXPECT_EQ(got[0].status().code(), absl::StatusCode::kDataLoss)
+        << (got[0].ok() ? "served another page's value as page 5" : got[0].status().ToString());
+    EXPECT_THAT(got[0].status().message(), HasSubstr("another page"));
+  }
+  // Page 5 written again; then page 6's value over the master's copy alone (not replicated).
+  ASSERT_TRUE(PutAll("s-bind", 1, data, 4).ok());
+  ASSERT_TRUE(process_->WaitForReplicas(absl::Seconds(10)).ok());
+  absl::StatusOr<RedisReply> six =
+      cluster_->Run({"GET", tier_->Key("acme", "s-bind", 1, 6)}, Deadline());
+  ASSERT_TRUE(six.ok()) << six.status();
+  absl::StatusOr<int> master = process_->MasterOf(RedisCluster::SlotOf(key));
+  ASSERT_TRUE(master.ok()) << master.status();
+  ASSERT_TRUE(process_
+                  ->Command(*master, {"EVAL",
+                                      "redis.set_repl(redis.REPL_NONE); "
+                                      "return redis.call('SET', KEYS[1], ARGV[1])",
+                                      "1", key, six->str})
+                  .ok());
+  const int64_t recoveries = tier_->stats().replica_recoveries;
+  std::vector<absl::StatusOr<ColdPage>> got =
+      tier_->Get("acme", "s-bind", 1, five, generation, Deadline());
+  ASSERT_TRUE(got[0].ok()) << got[0].status();
+  EXPECT_TRUE(got[0]->data == data[5]) << "page 5 read back with other bytes";
+  EXPECT_EQ(tier_->stats().replica_recoveries, recoveries + 1);
 }
 
 TEST_F(ColdTierClusterTest, KillingAMasterLosesNothingAcknowledged) {
