@@ -21,12 +21,20 @@ absl::Status SessionColdPages::PutBatch(std::span<const StoredPage> pages,
                                         std::span<const std::span<const uint8_t>> bytes) {
   MutexLock lock(&mu_);
   std::vector<ColdPageRef> refs;
+  std::map<std::pair<int32_t, int64_t>, uint64_t> batch;  // → generation: written once
   for (size_t i = 0; i < pages.size(); ++i) {
     const StoredPage& page = pages[i];
     if (bytes[i].size() != page_bytes_) {
       return absl::InvalidArgumentError(
           absl::StrFormat("session %s: a page of %d bytes; its pages have %d", session_,
                           bytes[i].size(), page_bytes_));
+    }
+    if (auto [named, added] = batch.emplace(std::pair(page.layer, page.page), page.generation);
+        !added) {
+      if (named->second == page.generation) continue;
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "session %s: layer %d page %d named twice, with generations %d and %d", session_,
+          page.layer, page.page, named->second, page.generation));
     }
     auto it = held_.find({page.layer, page.page});
     if (it != held_.end()) {

@@ -44,7 +44,9 @@ class SessionColdPages final : public ColdPages {
       ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Get(int32_t layer, int64_t page, int64_t slot, std::span<uint8_t> out) override
       ABSL_LOCKS_EXCLUDED(mu_);
-  // One pipeline per layer and one WAIT per node for the batch.
+  // One pipeline per layer and one WAIT per node for the batch; a page named more than once
+  // is written (and charged) once. INVALID_ARGUMENT for a page of another size or one named
+  // twice with two generations.
   absl::Status PutBatch(std::span<const StoredPage> pages,
                         std::span<const std::span<const uint8_t>> bytes) override
       ABSL_LOCKS_EXCLUDED(mu_);

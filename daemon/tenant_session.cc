@@ -1,6 +1,8 @@
 #include "daemon/tenant_session.h"
 
 #include <cstring>
+#include <set>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -611,6 +613,7 @@ absl::Status TenantSession::MovePages(bool demote, uint64_t epoch,
   std::vector<StoredPage> put;
   std::vector<std::span<const uint8_t>> bytes;
   std::vector<ColdPages::Read> reads;
+  std::set<std::tuple<int32_t, int64_t, int64_t>> named;  // (layer, page, slot)
   for (const PageMove& m : pages) {
     if (m.layer < 0 || m.layer >= spec_.geometry.num_layers || m.page < 0 ||
         m.page >= spec_.max_pages() || m.slot < 0 || m.slot >= region_.num_slots()) {
@@ -618,6 +621,7 @@ absl::Status TenantSession::MovePages(bool demote, uint64_t epoch,
           "%s: layer %d page %d slot %d: must be in [0, %d) × [0, %d) × [0, %d)", what, m.layer,
           m.page, m.slot, spec_.geometry.num_layers, spec_.max_pages(), region_.num_slots()));
     }
+    if (!named.emplace(m.layer, m.page, m.slot).second) continue;  // moved once
     auto* slot = static_cast<uint8_t*>(region_.slots()) + m.slot * region_.slot_stride();
     if (demote) {
       absl::StatusOr<CommittedPage> c = region_.Lookup(m.layer, m.page);

@@ -201,9 +201,9 @@ class TenantSession {
 
   // SHM sessions that demote pages (DemotePages / PromotePages): moves `pages` between the
   // region and the cold tier for the engine's Retriever, whose epoch is `epoch`
-  // (FAILED_PRECONDITION when the region moved past it). Demote: each page must be committed
-  // in its slot with its generation (FAILED_PRECONDITION otherwise); its bytes go to the cold
-  // tier. Promote: each page's bytes are written into its slot (the engine's, free). Range
+  // (FAILED_PRECONDITION when the region moved past it). A move named more than once is
+  // made once. Demote: each page must be committed in its slot with its generation
+  // (FAILED_PRECONDITION otherwise); its bytes go to the cold tier. Promote: each page's bytes are written into its slot (the engine's, free). Range
   // errors are OUT_OF_RANGE; a session that does not demote pages, or a GRPC one (its own
   // Retriever moves them), FAILED_PRECONDITION; the cold tier's errors.
   struct PageMove {

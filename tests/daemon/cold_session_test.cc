@@ -11,15 +11,18 @@
 // needs it; such a session survives a restart.
 #include <atomic>
 #include <memory>
+#include <optional>
 #include <thread>
 #include <string>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "daemon/cold_tier.h"
 #include "daemon/redis_cluster.h"
+#include "offload/session_region.h"
 #include "tests/daemon/session_manager_testutil.h"
 #include "tests/testutil/redis_cluster_process.h"
 
@@ -141,6 +144,72 @@ class ColdSessionTest : public session_manager_testing::SessionManagerTest {
     }
     ADD_FAILURE() << "session " << id << " is not listed";
     return {};
+  }
+
+  // An SHM session of tenant "a" that demotes pages (16 host pages per layer of 128).
+  SessionRecord OpenShmDemoting() {
+    OpenSessionParams p = ShmParams("a");
+    p.max_tokens = 1024;
+    p.host_drop = "demote";
+    p.host_tokens = 128;
+    return Open(p);
+  }
+
+  // The engine's side of an SHM session: its region in the engine's mapping of the arena.
+  std::optional<SessionRegion> EngineRegion(const std::string& tenant, const SessionRecord& r) {
+    void* base = static_cast<char*>(manager_->tenant(tenant).arena().data()) + r.region_offset;
+    absl::StatusOr<SessionRegion> region = SessionRegion::Open(base, r.region_bytes, SmallGeometry());
+    EXPECT_TRUE(region.ok()) << region.status();
+    if (!region.ok()) return std::nullopt;
+    return *region;
+  }
+
+  // The engine writes `bytes` into `slot` and commits it as (layer, page) of `generation`.
+  static void EngineCommit(SessionRegion& region, int32_t layer, int64_t page, int64_t slot,
+                           uint64_t generation, const std::string& bytes) {
+    std::memcpy(const_cast<void*>(region.SlotData(slot)), bytes.data(), bytes.size());
+    const absl::Status st = region.Commit(layer, page, slot, generation, region.epoch());
+    ASSERT_TRUE(st.ok()) << st;
+  }
+  static std::string SlotBytes(const SessionRegion& region, int64_t slot) {
+    return std::string(static_cast<const char*>(region.SlotData(slot)),
+                       SmallGeometry().host_page_bytes());
+  }
+
+  // The value of one series of the manager's metrics; -1 when it is not there.
+  double Metric(const std::string& series) {
+    Exposition out;
+    manager_->WriteMetrics(out);
+    const std::string text = out.text();
+    const size_t at = text.find(series + " ");
+    return at == std::string::npos ? -1.0 : std::stod(text.substr(at + series.size() + 1));
+  }
+  double ColdUsed(const std::string& tenant) {
+    return Metric(absl::StrCat("kvtier_cold_used_bytes{tenant=\"", tenant, "\"}"));
+  }
+
+  // Keys of session `id`'s demoted pages ("<session>.live") on the cluster's masters.
+  int LiveKeys(const std::string& tenant, const std::string& id) {
+    const std::string pattern = absl::StrCat(prefix_, ":", tenant, ":{", id, ".live:*");
+    int n = 0;
+    for (int node = 0; node < cluster_->size(); ++node) {
+      absl::StatusOr<std::string> role = cluster_->Command(node, {"ROLE"});
+      EXPECT_TRUE(role.ok()) << role.status();
+      if (!role.ok() || !absl::StartsWith(*role, "master")) continue;
+      std::string cursor = "0";
+      do {
+        absl::StatusOr<std::string> page =
+            cluster_->Command(node, {"SCAN", cursor, "MATCH", pattern, "COUNT", "1000"});
+        EXPECT_TRUE(page.ok()) << page.status();
+        if (!page.ok()) return -1;
+        // The cursor, then one key a line.
+        std::vector<std::string> lines = absl::StrSplit(*page, '\n', absl::SkipEmpty());
+        if (lines.empty()) return -1;
+        cursor = lines[0];
+        n += static_cast<int>(lines.size()) - 1;
+      } while (cursor != "0");
+    }
+    return n;
   }
 
   static testing::RedisClusterProcess* cluster_;
@@ -662,6 +731,42 @@ TEST_F(ColdSessionTest, ATenantsAclUserReachesOnlyItsOwnKeys) {
       {"GET", ColdKey(prefix_, "b", "x", 0, 0)}, absl::Now() + absl::Seconds(5));
   ASSERT_FALSE(other.ok());
   EXPECT_THAT(std::string(other.status().message()), HasSubstr("NOPERM"));
+}
+
+// DemotePages naming a page many times writes it once and charges it once; demoting it again
+// (the same generation, or a newer one from another slot) keeps one key and one charge; the
+// session's close returns the whole charge and removes its keys.
+TEST_F(ColdSessionTest, DemotePagesChargesEachPageOnceAndCloseReturnsIt) {
+  manager_ = Make(ColdConfig());
+  ASSERT_NE(manager_, nullptr);
+  const Geometry g = SmallGeometry();
+  const double value_bytes = static_cast<double>(g.host_page_bytes() + kColdHeaderBytes);
+  const SessionRecord s = OpenShmDemoting();
+  ASSERT_FALSE(s.id.empty());
+  std::optional<SessionRegion> region = EngineRegion("a", s);
+  ASSERT_TRUE(region.has_value());
+  for (int64_t page = 0; page < 3; ++page) {
+    EngineCommit(*region, 0, page, page, 1, std::string(g.host_page_bytes(), 'a' + page));
+    ASSERT_FALSE(HasFatalFailure());
+    const std::vector<TenantSession::PageMove> moves(SessionManager::kMaxPagesPerMove,
+                                                     {0, page, page, 1});
+    const absl::Status st = manager_->MovePages(Caller{"a"}, s.id, true, s.epoch, moves);
+    ASSERT_TRUE(st.ok()) << st;
+    EXPECT_EQ(ColdUsed("a"), static_cast<double>(page + 1) * value_bytes) << "page " << page;
+  }
+  EXPECT_EQ(LiveKeys("a", s.id), 3);
+  // Page 0 again, as it is: nothing new is written or charged.
+  ASSERT_TRUE(manager_->MovePages(Caller{"a"}, s.id, true, s.epoch, {{0, 0, 0, 1}}).ok());
+  EXPECT_EQ(ColdUsed("a"), 3 * value_bytes);
+  // Page 0 committed again, newer, from slot 3: its key is written over, charged once.
+  EngineCommit(*region, 0, 0, 3, 2, std::string(g.host_page_bytes(), 'z'));
+  ASSERT_FALSE(HasFatalFailure());
+  ASSERT_TRUE(manager_->MovePages(Caller{"a"}, s.id, true, s.epoch, {{0, 0, 3, 2}}).ok());
+  EXPECT_EQ(ColdUsed("a"), 3 * value_bytes);
+  EXPECT_EQ(LiveKeys("a", s.id), 3);
+  ASSERT_TRUE(manager_->CloseSession(Caller{"a"}, s.id).ok());
+  EXPECT_EQ(ColdUsed("a"), 0);
+  EXPECT_EQ(LiveKeys("a", s.id), 0);
 }
 
 // Its own cluster: it kills a master.
