@@ -231,12 +231,8 @@ absl::StatusOr<std::vector<v1::ColdSessionRecord>> ColdStore::LoadAll(absl::Time
 absl::Status ColdStore::PutPages(std::string_view session, std::span<const ColdPageRef> pages,
                                  absl::Time deadline) {
   if (pages.empty()) return absl::OkStatus();
-  uint64_t bytes = 0, data_bytes = 0;
-  for (const ColdPageRef& p : pages) {
-    bytes += p.data.size() + kColdHeaderBytes;
-    data_bytes += p.data.size();
-  }
-  KVTIER_RETURN_IF_ERROR(Reserve(session, bytes));
+  uint64_t data_bytes = 0;
+  for (const ColdPageRef& p : pages) data_bytes += p.data.size();
   // One pipeline per layer (its pages share a slot), then one WAIT per node.
   std::map<int32_t, std::vector<ColdPageRef>> by_layer;
   for (const ColdPageRef& p : pages) by_layer[p.layer].push_back(p);
@@ -249,7 +245,7 @@ absl::Status ColdStore::PutPages(std::string_view session, std::span<const ColdP
   }
   if (st.ok()) st = WaitForReplicas(written, deadline);
   if (!st.ok()) {
-    Unreserve(bytes);
+    // The pages stay charged: what was written is the caller's to remove.
     failures_.fetch_add(1, std::memory_order_relaxed);
     return absl::Status(st.code(),
                         absl::StrFormat("session %s: %d pages to the cold tier: %s", session,

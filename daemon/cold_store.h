@@ -101,11 +101,12 @@ class ColdStore {
   // with a warning (and left for an operator).
   absl::StatusOr<std::vector<v1::ColdSessionRecord>> LoadAll(absl::Time deadline);
 
-  // Pages of a live session (policy.host_drop = demote; daemon/session_cold_pages.h): charges
-  // their values (page and header) to the quota (Reserve's RESOURCE_EXHAUSTED), writes them
-  // and, with min_replicas, WAITs as Write does. On error the charge is returned and the
-  // pages must stay in the host tier.
-  // Several pages at once: one pipeline per layer, one WAIT per node.
+  // Pages of a live session (policy.host_drop = demote; daemon/session_cold_pages.h): writes
+  // them and, with min_replicas, WAITs as Write does. Several pages at once: one pipeline per
+  // layer, one WAIT per node. REQUIRES: the caller reserved their values (page and header;
+  // Reserve). On error the pages must stay in the host tier, but some may be stored all the
+  // same (written, then WAIT failed or the deadline came): their charge stays, and the caller
+  // removes them with RemovePages, which returns it.
   absl::Status PutPages(std::string_view session, std::span<const ColdPageRef> pages,
                         absl::Time deadline);
   // Reads such pages of one layer back (one pipeline), each of its generation: per page,

@@ -21,7 +21,8 @@ absl::Status SessionColdPages::PutBatch(std::span<const StoredPage> pages,
                                         std::span<const std::span<const uint8_t>> bytes) {
   MutexLock lock(&mu_);
   std::vector<ColdPageRef> refs;
-  std::map<std::pair<int32_t, int64_t>, uint64_t> batch;  // → generation: written once
+  std::map<Key, uint64_t> batch;  // → generation: a page named twice is written once
+  uint64_t fresh = 0;             // keys not charged yet
   for (size_t i = 0; i < pages.size(); ++i) {
     const StoredPage& page = pages[i];
     if (bytes[i].size() != page_bytes_) {
@@ -29,28 +30,36 @@ absl::Status SessionColdPages::PutBatch(std::span<const StoredPage> pages,
           absl::StrFormat("session %s: a page of %d bytes; its pages have %d", session_,
                           bytes[i].size(), page_bytes_));
     }
-    if (auto [named, added] = batch.emplace(std::pair(page.layer, page.page), page.generation);
-        !added) {
+    const Key key{page.layer, page.page};
+    if (auto [named, added] = batch.emplace(key, page.generation); !added) {
       if (named->second == page.generation) continue;
       return absl::InvalidArgumentError(absl::StrFormat(
           "session %s: layer %d page %d named twice, with generations %d and %d", session_,
           page.layer, page.page, named->second, page.generation));
     }
-    auto it = held_.find({page.layer, page.page});
-    if (it != held_.end()) {
-      // Pages never change: a copy of this generation is already there.
-      if (it->second == page.generation) continue;
-      // Another generation of the page (written again after a rebuild): its key is
-      // overwritten, and charged once.
-      store_->Unreserve(page_bytes_ + kColdHeaderBytes);
-      held_.erase(it);
-    }
+    auto held = held_.find(key);
+    // Pages never change: a copy of this generation is already there.
+    if (held != held_.end() && held->second == page.generation) continue;
+    // Another generation of a held page (written again after a rebuild), or a page a failed
+    // batch may have stored, is written over its key and keeps its one charge.
+    if (held == held_.end() && !unacknowledged_.contains(key)) ++fresh;
     refs.push_back(ColdPageRef{
         page.layer, page.page, page.generation,
         std::string_view(reinterpret_cast<const char*>(bytes[i].data()), bytes[i].size())});
   }
+  if (refs.empty()) return absl::OkStatus();
+  KVTIER_RETURN_IF_ERROR(store_->Reserve(session_, fresh * (page_bytes_ + kColdHeaderBytes)));
+  // Charged from here on, and not to be read until acknowledged: a failure may leave any of
+  // them stored (RemoveAll removes them).
+  for (const ColdPageRef& r : refs) {
+    held_.erase({r.layer, r.page});
+    unacknowledged_.insert({r.layer, r.page});
+  }
   KVTIER_RETURN_IF_ERROR(store_->PutPages(session_, refs, absl::Now() + timeout_));
-  for (const ColdPageRef& r : refs) held_[{r.layer, r.page}] = r.generation;
+  for (const ColdPageRef& r : refs) {
+    unacknowledged_.erase({r.layer, r.page});
+    held_[{r.layer, r.page}] = r.generation;
+  }
   return absl::OkStatus();
 }
 
@@ -116,10 +125,12 @@ std::vector<std::pair<int32_t, int64_t>> SessionColdPages::Held() const {
 
 absl::Status SessionColdPages::RemoveAll() {
   MutexLock lock(&mu_);
-  if (held_.empty()) return absl::OkStatus();
   std::map<int32_t, std::vector<int64_t>> by_layer;
   for (const auto& [key, generation] : held_) by_layer[key.first].push_back(key.second);
+  for (const Key& key : unacknowledged_) by_layer[key.first].push_back(key.second);
   held_.clear();
+  unacknowledged_.clear();
+  if (by_layer.empty()) return absl::OkStatus();
   const absl::Time deadline = absl::Now() + timeout_;
   absl::Status first;
   for (const auto& [layer, pages] : by_layer) {

@@ -7,6 +7,12 @@
 // comes back checked against the generation it was written with: no intact copy is DATA_LOSS.
 // Fetch reads demoted pages here too. The keys go when the session is closed (RemoveAll).
 //
+// Charges: each page key is charged once, its value's size (page and header), from its first
+// write until RemoveAll. A page demoted again with the generation it holds is not written
+// again; with another generation its key is written over and keeps its one charge. A batch
+// that fails may have stored some of its pages unacknowledged: they are not held (never read
+// back), but stay charged, and RemoveAll removes them with the rest.
+//
 // Every call has the deadline `timeout` from its start (cold_tier.operation_timeout_ms).
 //
 // Thread-safe: the session's Retriever and its Fetch both call it, under the session's lock.
@@ -16,6 +22,7 @@
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <set>
 #include <span>
 #include <string>
 #include <utility>
@@ -46,7 +53,8 @@ class SessionColdPages final : public ColdPages {
       ABSL_LOCKS_EXCLUDED(mu_);
   // One pipeline per layer and one WAIT per node for the batch; a page named more than once
   // is written (and charged) once. INVALID_ARGUMENT for a page of another size or one named
-  // twice with two generations.
+  // twice with two generations; the quota's RESOURCE_EXHAUSTED (nothing written); the cold
+  // tier's errors.
   absl::Status PutBatch(std::span<const StoredPage> pages,
                         std::span<const std::span<const uint8_t>> bytes) override
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -57,17 +65,22 @@ class SessionColdPages final : public ColdPages {
   // Pages held (a page promoted again keeps its copy: pages never change).
   size_t size() const ABSL_LOCKS_EXCLUDED(mu_);
   std::vector<std::pair<int32_t, int64_t>> Held() const ABSL_LOCKS_EXCLUDED(mu_);
-  // Removes every page held and returns their quota (the first error of the removals; the
-  // quota is returned regardless and the keys left are logged).
+  // Removes every page held or written unacknowledged and returns their quota (the first
+  // error of the removals; the quota is returned regardless and the keys left are logged).
   absl::Status RemoveAll() ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
+  using Key = std::pair<int32_t, int64_t>;  // (layer, page)
+
   ColdStore* const store_;
   const std::string session_;
   const size_t page_bytes_;
   const absl::Duration timeout_;
   mutable Mutex mu_;
-  std::map<std::pair<int32_t, int64_t>, uint64_t> held_ ABSL_GUARDED_BY(mu_);  // → generation
+  // Acknowledged pages → their generation, and pages a failed batch may have stored; apart.
+  // Each key of both is charged once (its value's size).
+  std::map<Key, uint64_t> held_ ABSL_GUARDED_BY(mu_);
+  std::set<Key> unacknowledged_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvtier::daemon

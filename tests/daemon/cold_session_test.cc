@@ -769,6 +769,45 @@ TEST_F(ColdSessionTest, DemotePagesChargesEachPageOnceAndCloseReturnsIt) {
   EXPECT_EQ(LiveKeys("a", s.id), 0);
 }
 
+// A live session's demotion that WAIT cannot acknowledge (min_replicas 2, one replica per
+// master) fails the Offload that needed room with UNAVAILABLE, after its pages reached the
+// masters; they stay the session's: its close removes every "<session>.live" key and the
+// tenant's cold tier is charged nothing afterwards.
+TEST_F(ColdSessionTest, DemotionsWaitRefusedLeaveNoKeysOrChargeAfterClose) {
+  DaemonConfig config = ColdConfig();
+  config.cold_tier.min_replicas = 2;
+  config.cold_tier.command_timeout = absl::Milliseconds(200);  // WAIT gives up in 150 ms
+  manager_ = Make(config);
+  ASSERT_NE(manager_, nullptr);
+  const Geometry g = SmallGeometry();
+  OpenSessionParams p = GrpcParams("a");
+  p.mode = RetrievalMode::kSync;
+  p.max_tokens = 1024;
+  p.host_drop = "demote";
+  p.host_tokens = 128;
+  const SessionRecord s = Open(p);
+  ASSERT_FALSE(s.id.empty());
+  std::vector<Rows> rows;
+  for (int32_t l = 0; l < g.num_layers; ++l) rows.emplace_back(g, 400, 50 + l);
+  // 50 pages a layer through 16 host pages each: the appends must demote.
+  std::unique_ptr<OffloadStream> stream = manager_->NewOffloadStream(Caller{"a"});
+  absl::Status st;
+  for (int32_t l = 0; l < g.num_layers && st.ok(); ++l) {
+    for (int64_t t = 0; t < 400 && st.ok(); t += 200) {
+      st = stream->Add(session_manager_testing::Chunk(s.id, l, rows[l], t, 200, false, g));
+    }
+  }
+  if (st.ok()) st = stream->Finish().status();
+  ExpectError(st, absl::StatusCode::kUnavailable, {"WAIT 2"});
+  const int written = LiveKeys("a", s.id);
+  EXPECT_GT(written, 0) << "the failed demotion wrote nothing to the masters";
+  // What it wrote is charged until it is removed.
+  EXPECT_EQ(ColdUsed("a"), written * static_cast<double>(g.host_page_bytes() + kColdHeaderBytes));
+  ASSERT_TRUE(manager_->CloseSession(Caller{"a"}, s.id).ok());
+  EXPECT_EQ(LiveKeys("a", s.id), 0);
+  EXPECT_EQ(ColdUsed("a"), 0);
+}
+
 // Its own cluster: it kills a master.
 TEST(ColdSessionFailoverTest, AKilledMasterLosesNothingADemotionAcknowledged) {
   spdlog::set_level(spdlog::level::warn);
