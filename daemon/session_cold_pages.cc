@@ -1,5 +1,6 @@
 #include "daemon/session_cold_pages.h"
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <vector>
@@ -12,13 +13,18 @@ namespace kvtier::daemon {
 
 SessionColdPages::~SessionColdPages() { (void)RemoveAll(); }
 
+absl::Time SessionColdPages::DeadlineOf(absl::Time deadline) const {
+  return std::min(absl::Now() + timeout_, deadline);
+}
+
 absl::Status SessionColdPages::Put(const StoredPage& page, std::span<const uint8_t> bytes) {
   const std::span<const uint8_t> one[1] = {bytes};
   return PutBatch(std::span<const StoredPage>(&page, 1), one);
 }
 
-absl::Status SessionColdPages::PutBatch(std::span<const StoredPage> pages,
-                                        std::span<const std::span<const uint8_t>> bytes) {
+absl::Status SessionColdPages::PutBatchUntil(std::span<const StoredPage> pages,
+                                             std::span<const std::span<const uint8_t>> bytes,
+                                             absl::Time deadline) {
   MutexLock lock(&mu_);
   std::vector<ColdPageRef> refs;
   std::map<Key, uint64_t> batch;  // → generation: a page named twice is written once
@@ -55,7 +61,7 @@ absl::Status SessionColdPages::PutBatch(std::span<const StoredPage> pages,
     held_.erase({r.layer, r.page});
     unacknowledged_.insert({r.layer, r.page});
   }
-  KVTIER_RETURN_IF_ERROR(store_->PutPages(session_, refs, absl::Now() + timeout_));
+  KVTIER_RETURN_IF_ERROR(store_->PutPages(session_, refs, DeadlineOf(deadline)));
   for (const ColdPageRef& r : refs) {
     unacknowledged_.erase({r.layer, r.page});
     held_[{r.layer, r.page}] = r.generation;
@@ -70,34 +76,50 @@ absl::Status SessionColdPages::Get(int32_t layer, int64_t page, int64_t slot,
 }
 
 absl::Status SessionColdPages::GetBatch(std::span<const Read> reads) {
-  // Per layer: its pages and their generations, in the order asked.
-  std::map<int32_t, std::vector<const Read*>> by_layer;
-  for (const Read& r : reads) by_layer[r.layer].push_back(&r);
-  const absl::Time deadline = absl::Now() + timeout_;
+  return ReadEach(reads, DeadlineOf(absl::InfiniteFuture()),
+                  [&](size_t i, std::string&& data) {
+                    std::memcpy(reads[i].out.data(), data.data(), reads[i].out.size());
+                  });
+}
+
+absl::StatusOr<std::vector<std::string>> SessionColdPages::ReadPages(std::span<const Read> reads,
+                                                                     absl::Time deadline) {
+  std::vector<std::string> out(reads.size());
+  KVTIER_RETURN_IF_ERROR(ReadEach(reads, DeadlineOf(deadline),
+                                  [&](size_t i, std::string&& data) { out[i] = std::move(data); }));
+  return out;
+}
+
+absl::Status SessionColdPages::ReadEach(std::span<const Read> reads, absl::Time deadline,
+                                        absl::FunctionRef<void(size_t, std::string&&)> take) {
+  // Per layer: the indices of its reads, in the order asked.
+  std::map<int32_t, std::vector<size_t>> by_layer;
+  for (size_t i = 0; i < reads.size(); ++i) by_layer[reads[i].layer].push_back(i);
   for (const auto& [layer, rs] : by_layer) {
     std::vector<int64_t> pages;
     std::vector<uint64_t> generations;
-    for (const Read* r : rs) {
-      std::optional<uint64_t> generation = Generation(layer, r->page);
+    for (size_t i : rs) {
+      std::optional<uint64_t> generation = Generation(layer, reads[i].page);
       if (!generation.has_value()) {
         return absl::NotFoundError(
             absl::StrFormat("session %s: layer %d page %d was never demoted to the cold tier",
-                            session_, layer, r->page));
+                            session_, layer, reads[i].page));
       }
-      pages.push_back(r->page);
+      pages.push_back(reads[i].page);
       generations.push_back(*generation);
     }
     std::vector<absl::StatusOr<ColdPage>> got =
         store_->GetPages(session_, layer, pages, generations, deadline);
-    for (size_t i = 0; i < rs.size(); ++i) {
-      if (i >= got.size()) return absl::InternalError("cold tier: fewer pages read than asked");
-      KVTIER_RETURN_IF_ERROR(got[i].status());
-      if (got[i]->data.size() != rs[i]->out.size()) {
+    for (size_t j = 0; j < rs.size(); ++j) {
+      if (j >= got.size()) return absl::InternalError("cold tier: fewer pages read than asked");
+      KVTIER_RETURN_IF_ERROR(got[j].status());
+      const Read& r = reads[rs[j]];
+      if (got[j]->data.size() != page_bytes_ || (!r.out.empty() && r.out.size() != page_bytes_)) {
         return absl::DataLossError(absl::StrFormat(
             "session %s: layer %d page %d came back with %d bytes; %d expected", session_, layer,
-            rs[i]->page, got[i]->data.size(), rs[i]->out.size()));
+            r.page, got[j]->data.size(), page_bytes_));
       }
-      std::memcpy(rs[i]->out.data(), got[i]->data.data(), rs[i]->out.size());
+      take(rs[j], std::move(got[j]->data));
     }
   }
   return absl::OkStatus();

@@ -1,9 +1,9 @@
-// SessionColdPages: the cold tier behind one live GRPC session's host tier (policy.host_drop =
-// demote; offload/cold_pages.h, docs/service.md#the-cold-tier). The session's Retriever demotes
-// its lowest-scoring pages here when its region's slots are full, under the page keys of the
-// cold tier (daemon/cold_tier.h), each charged to the tenant's cold quota and, with
-// cold_tier.min_replicas, acknowledged by that many replicas before its slot is freed (under
-// keys of their own: "<session>.live"). A page
+// SessionColdPages: the cold tier behind one live session's host tier (policy.host_drop =
+// demote; offload/cold_pages.h, docs/service.md#the-cold-tier): the daemon's Retriever's for a
+// GRPC session, DemotePages / PromotePages for an SHM one. Pages are demoted here when the
+// region's slots are full, under the page keys of the cold tier (daemon/cold_tier.h), each
+// charged to the tenant's cold quota and, with cold_tier.min_replicas, acknowledged by that
+// many replicas before its slot is freed (under keys of their own: "<session>.live"). A page
 // comes back checked against the generation it was written with: no intact copy is DATA_LOSS.
 // Fetch reads demoted pages here too. The keys go when the session is closed (RemoveAll).
 //
@@ -13,7 +13,8 @@
 // that fails may have stored some of its pages unacknowledged: they are not held (never read
 // back), but stay charged, and RemoveAll removes them with the rest.
 //
-// Every call has the deadline `timeout` from its start (cold_tier.operation_timeout_ms).
+// Every call has the deadline `timeout` from its start (cold_tier.operation_timeout_ms), or
+// the earlier one it is given.
 //
 // Thread-safe: the session's Retriever and its Fetch both call it, under the session's lock.
 #ifndef KVTIER_DAEMON_SESSION_COLD_PAGES_H_
@@ -29,7 +30,9 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "core/mutex.h"
 #include "daemon/cold_store.h"
@@ -57,9 +60,21 @@ class SessionColdPages final : public ColdPages {
   // tier's errors.
   absl::Status PutBatch(std::span<const StoredPage> pages,
                         std::span<const std::span<const uint8_t>> bytes) override
+      ABSL_LOCKS_EXCLUDED(mu_) {
+    return PutBatchUntil(pages, bytes, absl::InfiniteFuture());
+  }
+  // The same by `deadline` (or the timeout, when earlier).
+  absl::Status PutBatchUntil(std::span<const StoredPage> pages,
+                             std::span<const std::span<const uint8_t>> bytes, absl::Time deadline)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // One pipeline per layer.
+  // One pipeline per layer; each page is copied to its `out` once its layer is read.
   absl::Status GetBatch(std::span<const Read> reads) override ABSL_LOCKS_EXCLUDED(mu_);
+  // The pages of `reads` (their `slot` and `out` unused) by `deadline` (or the timeout, when
+  // earlier), into buffers of their own, in the order asked: nothing else is written.
+  // GetBatch's errors.
+  absl::StatusOr<std::vector<std::string>> ReadPages(std::span<const Read> reads,
+                                                     absl::Time deadline)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // The generation the cold tier holds for (layer, page); nullopt when it holds none.
   std::optional<uint64_t> Generation(int32_t layer, int64_t page) const ABSL_LOCKS_EXCLUDED(mu_);
   // Pages held (a page promoted again keeps its copy: pages never change).
@@ -71,6 +86,14 @@ class SessionColdPages final : public ColdPages {
 
  private:
   using Key = std::pair<int32_t, int64_t>;  // (layer, page)
+
+  // Reads `reads` by `deadline`, a layer at a time, handing read i's bytes (page_bytes_ of
+  // them, checked) to `take(i, bytes)` as its layer arrives.
+  absl::Status ReadEach(std::span<const Read> reads, absl::Time deadline,
+                        absl::FunctionRef<void(size_t, std::string&&)> take)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // The earlier of `deadline` and the timeout from now.
+  absl::Time DeadlineOf(absl::Time deadline) const;
 
   ColdStore* const store_;
   const std::string session_;

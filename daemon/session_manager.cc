@@ -1554,7 +1554,7 @@ absl::Status SessionManager::MovePages(const Caller& caller, std::string_view se
                              session_id)));
   }
   if (absl::Status live = caller.CheckLive(what); !live.ok()) return Tally(caller, live);
-  return Tally(caller, e->session->MovePages(demote, epoch, pages));
+  return Tally(caller, e->session->MovePages(demote, epoch, pages, caller));
 }
 
 std::optional<SessionManager::Entry> SessionManager::EntryOf(const std::string& id) const {

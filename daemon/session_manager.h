@@ -271,7 +271,8 @@ class SessionManager {
   // and Close work. Suspending a suspended or cold session returns its record again.
   absl::StatusOr<SessionRecord> SuspendSession(const Caller& caller, std::string_view session_id);
   // DemotePages / PromotePages of an SHM session that demotes pages (TenantSession::MovePages),
-  // within the caller's deadline and cold_tier.operation_timeout_ms. A page named more than
+  // within the caller's deadline and cold_tier.operation_timeout_ms (a promotion writes its
+  // slots only while the call is live, never after it ended). A page named more than
   // once is moved (and charged) once. INVALID_ARGUMENT for more than kMaxPagesPerMove pages
   // or none.
   static constexpr size_t kMaxPagesPerMove = 4096;

@@ -593,7 +593,7 @@ absl::StatusOr<CloseResult> TenantSession::Close() {
 }
 
 absl::Status TenantSession::MovePages(bool demote, uint64_t epoch,
-                                      const std::vector<PageMove>& pages) {
+                                      const std::vector<PageMove>& pages, const Caller& caller) {
   const char* what = demote ? "DemotePages" : "PromotePages";
   MutexLock lock(&mu_);
   KVTIER_RETURN_IF_ERROR(CheckWritable(what));
@@ -637,7 +637,16 @@ absl::Status TenantSession::MovePages(bool demote, uint64_t epoch,
       reads.push_back({m.layer, m.page, m.slot, std::span<uint8_t>(slot, page_bytes)});
     }
   }
-  return demote ? cold_pages_->PutBatch(put, bytes) : cold_pages_->GetBatch(reads);
+  if (demote) return cold_pages_->PutBatchUntil(put, bytes, caller.deadline);
+  // Into buffers of our own first: the slots are written only while the call is live (the
+  // copies take far less than the deadline's margin).
+  KVTIER_ASSIGN_OR_RETURN(std::vector<std::string> got,
+                          cold_pages_->ReadPages(reads, caller.deadline));
+  KVTIER_RETURN_IF_ERROR(caller.CheckLive(what));
+  for (size_t i = 0; i < reads.size(); ++i) {
+    std::memcpy(reads[i].out.data(), got[i].data(), reads[i].out.size());
+  }
+  return absl::OkStatus();
 }
 
 uint64_t TenantSession::DemotedPageCount() const {

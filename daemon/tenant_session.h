@@ -201,19 +201,23 @@ class TenantSession {
 
   // SHM sessions that demote pages (DemotePages / PromotePages): moves `pages` between the
   // region and the cold tier for the engine's Retriever, whose epoch is `epoch`
-  // (FAILED_PRECONDITION when the region moved past it). A move named more than once is
-  // made once. Demote: each page must be committed in its slot with its generation
-  // (FAILED_PRECONDITION otherwise); its bytes go to the cold tier. Promote: each page's bytes are written into its slot (the engine's, free). Range
-  // errors are OUT_OF_RANGE; a session that does not demote pages, or a GRPC one (its own
-  // Retriever moves them), FAILED_PRECONDITION; the cold tier's errors.
+  // (FAILED_PRECONDITION when the region moved past it), by `caller`'s deadline (and the
+  // cold timeout). A move named more than once is made once. Demote: each page must be
+  // committed in its slot with its generation (FAILED_PRECONDITION otherwise); its bytes go
+  // to the cold tier. Promote: the pages are read into buffers first; then, only while
+  // `caller` is live (its DEADLINE_EXCEEDED / CANCELLED otherwise, no slot touched), each
+  // page's bytes are written into its slot (the engine's, free): once the call has ended the
+  // engine owns those slots again. Range errors are OUT_OF_RANGE; a session that does not
+  // demote pages, or a GRPC one (its own Retriever moves them), FAILED_PRECONDITION; the cold
+  // tier's errors.
   struct PageMove {
     int32_t layer = 0;
     int64_t page = 0;
     int64_t slot = 0;
     uint64_t generation = 0;
   };
-  absl::Status MovePages(bool demote, uint64_t epoch, const std::vector<PageMove>& pages)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status MovePages(bool demote, uint64_t epoch, const std::vector<PageMove>& pages,
+                         const Caller& caller) ABSL_LOCKS_EXCLUDED(mu_);
 
   // GRPC: one step of `layer` with q [Hq][d] (REQUIRES: layer and q size validated).
   // `step` numbers it (StepRequest.step; 0: unnumbered): step n runs when the layer has run

@@ -8,7 +8,10 @@
 // acknowledged (WAIT for a replica); a tenant's Redis ACL user reaches only its own keys.
 // Live sessions with policy.host_drop = demote: pages move one by one and steps match a session
 // that holds everything bit for bit; a corrupted demoted page is DATA_LOSS for the step that
-// needs it; such a session survives a restart.
+// needs it; such a session survives a restart. SHM sessions' DemotePages / PromotePages: a
+// promotion whose call ended (deadline, cancel) while its master was paused never writes its
+// slot; a page named many times is written and charged once; a demotion WAIT refused leaves
+// no keys and no charge after close.
 #include <atomic>
 #include <memory>
 #include <optional>
@@ -50,7 +53,11 @@ absl::StatusOr<std::unique_ptr<testing::RedisClusterProcess>> StartCluster() {
 class ColdSessionTest : public session_manager_testing::SessionManagerTest {
  protected:
   static void SetUpTestSuite() {
-    absl::StatusOr<std::unique_ptr<testing::RedisClusterProcess>> c = StartCluster();
+    // Failure detection well past the 0.8 s a test pauses a master for: no failover.
+    testing::RedisClusterProcessOptions options;
+    options.node_timeout_ms = 5000;
+    absl::StatusOr<std::unique_ptr<testing::RedisClusterProcess>> c =
+        testing::RedisClusterProcess::Start(options);
     if (c.ok()) {
       cluster_ = c->release();
     } else {
@@ -731,6 +738,86 @@ TEST_F(ColdSessionTest, ATenantsAclUserReachesOnlyItsOwnKeys) {
       {"GET", ColdKey(prefix_, "b", "x", 0, 0)}, absl::Now() + absl::Seconds(5));
   ASSERT_FALSE(other.ok());
   EXPECT_THAT(std::string(other.status().message()), HasSubstr("NOPERM"));
+}
+
+// PromotePages whose deadline passes while the cold tier stalls (the page's master paused
+// past it) answers DEADLINE_EXCEEDED and never writes the slot it named, then or later: the
+// engine owns that slot again once the call has ended.
+TEST_F(ColdSessionTest, PromotePagesNeverWritesItsSlotAfterItsDeadline) {
+  manager_ = Make(ColdConfig());
+  ASSERT_NE(manager_, nullptr);
+  const Geometry g = SmallGeometry();
+  const SessionRecord s = OpenShmDemoting();
+  ASSERT_FALSE(s.id.empty());
+  std::optional<SessionRegion> region = EngineRegion("a", s);
+  ASSERT_TRUE(region.has_value());
+  const std::string page(g.host_page_bytes(), 'p');
+  EngineCommit(*region, 0, 0, 0, 1, page);
+  ASSERT_FALSE(HasFatalFailure());
+  ASSERT_TRUE(manager_->MovePages(Caller{"a"}, s.id, true, s.epoch, {{0, 0, 0, 1}}).ok());
+  // What the engine keeps in slot 5, which the promotion below names.
+  const std::string mine(g.host_page_bytes(), 'E');
+  std::memcpy(const_cast<void*>(region->SlotData(5)), mine.data(), mine.size());
+
+  const std::string key = ColdKey(prefix_, "a", s.id + ".live", 0, 0);
+  absl::StatusOr<int> master = cluster_->MasterOf(RedisCluster::SlotOf(key));
+  ASSERT_TRUE(master.ok()) << master.status();
+  ASSERT_TRUE(cluster_->Pause(*master).ok());
+  std::thread resume([&] {
+    absl::SleepFor(absl::Milliseconds(800));
+    EXPECT_TRUE(cluster_->Resume(*master).ok());
+  });
+  Caller caller{"a"};
+  caller.deadline = absl::Now() + absl::Milliseconds(300);
+  const absl::Time start = absl::Now();
+  const absl::Status promoted = manager_->MovePages(caller, s.id, false, s.epoch, {{0, 0, 5, 1}});
+  const absl::Duration took = absl::Now() - start;
+  resume.join();
+  EXPECT_EQ(promoted.code(), absl::StatusCode::kDeadlineExceeded) << promoted;
+  EXPECT_LT(took, absl::Milliseconds(700)) << "the read outlived the call's deadline";
+  // The node answers again: a promotion into another slot works, and slot 5 holds what the
+  // engine put there.
+  const absl::Status again = manager_->MovePages(Caller{"a"}, s.id, false, s.epoch, {{0, 0, 6, 1}});
+  ASSERT_TRUE(again.ok()) << again;
+  EXPECT_TRUE(SlotBytes(*region, 6) == page);
+  EXPECT_TRUE(SlotBytes(*region, 5) == mine) << "PromotePages wrote the slot after its deadline";
+  EXPECT_TRUE(manager_->CloseSession(Caller{"a"}, s.id).ok());
+}
+
+// The same when the caller goes away while the page is read (a cancel the cluster client
+// cannot see): the read completes, but the slot is not written and the call is CANCELLED.
+TEST_F(ColdSessionTest, PromotePagesCancelledDuringItsReadLeavesItsSlot) {
+  manager_ = Make(ColdConfig());
+  ASSERT_NE(manager_, nullptr);
+  const Geometry g = SmallGeometry();
+  const SessionRecord s = OpenShmDemoting();
+  ASSERT_FALSE(s.id.empty());
+  std::optional<SessionRegion> region = EngineRegion("a", s);
+  ASSERT_TRUE(region.has_value());
+  EngineCommit(*region, 1, 0, 0, 1, std::string(g.host_page_bytes(), 'p'));
+  ASSERT_FALSE(HasFatalFailure());
+  ASSERT_TRUE(manager_->MovePages(Caller{"a"}, s.id, true, s.epoch, {{1, 0, 0, 1}}).ok());
+  const std::string mine(g.host_page_bytes(), 'E');
+  std::memcpy(const_cast<void*>(region->SlotData(7)), mine.data(), mine.size());
+
+  const std::string key = ColdKey(prefix_, "a", s.id + ".live", 1, 0);
+  absl::StatusOr<int> master = cluster_->MasterOf(RedisCluster::SlotOf(key));
+  ASSERT_TRUE(master.ok()) << master.status();
+  ASSERT_TRUE(cluster_->Pause(*master).ok());
+  std::atomic<bool> gone{false};
+  std::thread client([&] {
+    absl::SleepFor(absl::Milliseconds(100));
+    gone = true;  // the caller cancels while the read waits for the node
+    absl::SleepFor(absl::Milliseconds(100));
+    EXPECT_TRUE(cluster_->Resume(*master).ok());
+  });
+  Caller caller{"a"};
+  caller.cancelled = [&gone] { return gone.load(); };
+  const absl::Status promoted = manager_->MovePages(caller, s.id, false, s.epoch, {{1, 0, 7, 1}});
+  client.join();
+  EXPECT_EQ(promoted.code(), absl::StatusCode::kCancelled) << promoted;
+  EXPECT_TRUE(SlotBytes(*region, 7) == mine) << "PromotePages wrote the slot after a cancel";
+  EXPECT_TRUE(manager_->CloseSession(Caller{"a"}, s.id).ok());
 }
 
 // DemotePages naming a page many times writes it once and charges it once; demoting it again
