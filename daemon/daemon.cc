@@ -35,6 +35,7 @@
 #include "grpc/grpc.h"
 #include "grpc/support/log.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/generic/async_generic_service.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/support/server_interceptor.h"
@@ -69,13 +70,28 @@ int WorkThreads(const DaemonConfig& c) {
   return std::max(2, static_cast<int>(std::thread::hardware_concurrency()));
 }
 
+// The `method` label of a call: the name of the registered method gRPC routed it to, or
+// kUnknownMethod. A path that no registered service serves goes to gRPC's catch-all generic
+// handler (which answers UNIMPLEMENTED): those are the only calls whose context is a
+// GenericCallbackServerContext, since the daemon registers no generic service of its own. So
+// the label's values are the methods the server serves (kvtier.v1.KvTier, health, reflection
+// v1 and v1alpha) and "unknown", whatever paths callers send: a caller, authenticated or not,
+// can neither add series nor put its bytes into the exposition.
+const char* MethodLabel(grpc::experimental::ServerRpcInfo* info) {
+  if (info->method() == nullptr ||
+      dynamic_cast<grpc::GenericCallbackServerContext*>(info->server_context()) != nullptr) {
+    return kUnknownMethod;
+  }
+  return info->method();
+}
+
 // Counts every gRPC call (any service) by method and status, with its wall time: from the
 // interceptor's creation, when the call arrives, to its destruction, when the call is done.
 // A call that ends without a status sent (cancelled) counts as CANCELLED.
 class RpcMetricsInterceptor final : public grpc::experimental::Interceptor {
  public:
   RpcMetricsInterceptor(grpc::experimental::ServerRpcInfo* info, RpcMetrics& metrics)
-      : metrics_(metrics), method_(info->method() != nullptr ? info->method() : "unknown") {
+      : metrics_(metrics), method_(MethodLabel(info)) {
     metrics_.Begin();
   }
   ~RpcMetricsInterceptor() override {

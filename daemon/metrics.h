@@ -78,12 +78,17 @@ class Counters {
 inline constexpr double kRpcBucketsSeconds[] = {1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2,
                                                 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1, 2.5, 5, 10};
 
+// The `method` label value of every call to a path the daemon does not serve.
+inline constexpr char kUnknownMethod[] = "unknown";
+
 // RPCs by method and code, with a latency histogram per method, and the calls in flight.
 class RpcMetrics {
  public:
   void Begin() { in_flight_.fetch_add(1, std::memory_order_relaxed); }
-  // One finished call: `method` as gRPC names it ("/kvtier.v1.KvTier/Step"), `code` the
-  // canonical code's name ("OK", "NOT_FOUND"), its wall time.
+  // One finished call: `method` as gRPC names it ("/kvtier.v1.KvTier/Step") or kUnknownMethod,
+  // `code` the canonical code's name ("OK", "NOT_FOUND"), its wall time. Each method gets
+  // series of its own, kept for good: REQUIRES `method` to be one of a fixed set, never a
+  // path a caller chose (the interceptor in daemon.cc maps those to kUnknownMethod).
   void End(std::string_view method, std::string_view code, double seconds)
       ABSL_LOCKS_EXCLUDED(mu_);
   // kvtier_rpcs_total, kvtier_rpc_duration_seconds, kvtier_rpcs_in_flight.

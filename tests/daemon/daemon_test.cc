@@ -1,6 +1,7 @@
 // Daemon in-process: serves kvtier.v1 (Hello), the standard health service and reflection on its
 // Unix socket (and TCP when asked), shuts down removing its sockets, refuses a socket path a live
-// daemon holds, and replaces a stale one.
+// daemon holds, and replaces a stale one; its /metrics stays valid and bounded whatever method
+// paths unauthenticated callers send.
 #include "daemon/daemon.h"
 
 #include <stdlib.h>
@@ -10,13 +11,19 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <memory>
+#include <set>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "daemon/http.h"
 #include "gmock/gmock.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
@@ -143,6 +150,96 @@ std::string HealthRequest(const std::string& service) {
 }
 constexpr char kServing[] = "\x08\x01";
 
+// ---- reading /metrics ---------------------------------------------------------------------------
+
+// The daemon's /metrics text, as a scraper gets it.
+std::string Scrape(const Daemon& daemon) {
+  absl::StatusOr<HttpResponse> r =
+      HttpGet(daemon.metrics_address(), "/metrics", absl::Seconds(60), size_t{256} << 20);
+  EXPECT_TRUE(r.ok()) << r.status();
+  if (!r.ok()) return "";
+  EXPECT_EQ(r->status, 200);
+  return r->body;
+}
+
+// Whether `text` is well-formed UTF-8 (no overlong forms, surrogates or code points past
+// U+10FFFF), as the text format wants every label value.
+bool IsUtf8(std::string_view text) {
+  for (size_t i = 0; i < text.size();) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    size_t n = 0;
+    uint32_t cp = 0;
+    if (c < 0x80) {
+      ++i;
+      continue;
+    }
+    if (c >= 0xc2 && c <= 0xdf) {
+      n = 1, cp = c & 0x1f;
+    } else if (c >= 0xe0 && c <= 0xef) {
+      n = 2, cp = c & 0x0f;
+    } else if (c >= 0xf0 && c <= 0xf4) {
+      n = 3, cp = c & 0x07;
+    } else {
+      return false;
+    }
+    if (i + n >= text.size()) return false;
+    for (size_t k = 1; k <= n; ++k) {
+      const auto b = static_cast<unsigned char>(text[i + k]);
+      if ((b & 0xc0) != 0x80) return false;
+      cp = (cp << 6) | (b & 0x3f);
+    }
+    if ((n == 2 && cp < 0x800) || (n == 3 && cp < 0x10000) || cp > 0x10ffff ||
+        (cp >= 0xd800 && cp <= 0xdfff)) {
+      return false;
+    }
+    i += n + 1;
+  }
+  return true;
+}
+
+// The values of `label` in the samples named `sample` ("kvtier_rpcs_total"), unescaped.
+std::multiset<std::string> LabelValues(const std::string& text, std::string_view sample,
+                                       std::string_view label) {
+  std::multiset<std::string> out;
+  const std::string start = "\n" + std::string(sample) + "{";
+  const std::string key = std::string(label) + "=\"";
+  for (size_t at = text.find(start); at != std::string::npos; at = text.find(start, at + 1)) {
+    const size_t line_end = text.find('\n', at + 1);
+    const size_t k = text.find(key, at);
+    if (k == std::string::npos || k > line_end) continue;
+    std::string value;
+    for (size_t i = k + key.size(); i < line_end && text[i] != '"'; ++i) {
+      if (text[i] == '\\' && i + 1 < line_end) ++i;
+      value += text[i];
+    }
+    out.insert(value);
+  }
+  return out;
+}
+
+// `promtool check metrics` accepts `text` (the parse a Prometheus scrape makes, and its lint).
+// Without promtool this part is skipped, saying so, unless CI=true.
+void ExpectPromtoolAccepts(const std::string& text, const std::string& dir) {
+  if (std::system("command -v promtool >/dev/null 2>&1") != 0) {
+    const char* ci = std::getenv("CI");
+    if (ci != nullptr && std::string_view(ci) == "true") {
+      ADD_FAILURE() << "promtool is not installed (Debian package prometheus; scripts/setup)";
+    } else {
+      std::printf("[ NOTE     ] promtool is not installed: the text is not checked with it\n");
+    }
+    return;
+  }
+  const std::string path = dir + "/metrics.txt";
+  std::ofstream(path, std::ios::binary) << text;
+  FILE* p = ::popen(("promtool check metrics < " + path + " 2>&1").c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  std::string said;
+  char buf[4096];
+  for (size_t n; (n = std::fread(buf, 1, sizeof(buf), p)) > 0;) said.append(buf, n);
+  const int status = ::pclose(p);
+  EXPECT_EQ(status, 0) << "promtool check metrics: " << said.substr(0, 2000);
+}
+
 TEST_F(DaemonTest, ServesHelloHealthAndReflectionOnTheUnixSocket) {
   absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(SmallConfig());
   ASSERT_TRUE(daemon.ok()) << daemon.status();
@@ -258,6 +355,73 @@ TEST_F(DaemonTest, TcpOnAnyPortAndNoShm) {
   grpc::Status status = Hello(Connect(absl::StrCat("127.0.0.1:", (*daemon)->tcp_port())), &hello);
   EXPECT_TRUE(status.ok()) << status.error_message();
   EXPECT_FALSE(hello.shm_available());
+}
+
+// ---- /metrics after calls to methods the daemon does not serve ---------------------------------
+
+// A caller needs no credentials to send a call to any path; gRPC answers UNIMPLEMENTED. Paths
+// of bytes that are not UTF-8, or with the characters the text format escapes, leave /metrics
+// valid: one bad label value would fail every scrape until a restart.
+TEST_F(DaemonTest, MetricsStayValidAfterCallsToPathsOfAnyBytes) {
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(SmallConfig());
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  auto channel = Connect("unix:" + (*daemon)->unix_socket());
+  kvtier::v1::HelloReply hello;
+  ASSERT_TRUE(Hello(channel, &hello).ok());
+  for (const std::string& path : {std::string("/bin\xff\xfe/x"), std::string("/\xc0\xaf/overlong"),
+                                  std::string("/a\"quote\\back/slash\nnewline")}) {
+    std::string response;
+    const grpc::Status status = RawUnary(channel, path, "", &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::UNIMPLEMENTED) << status.error_message();
+  }
+  const std::string text = Scrape(**daemon);
+  ASSERT_FALSE(text.empty());
+  EXPECT_TRUE(IsUtf8(text));
+  ExpectPromtoolAccepts(text, dir_);
+}
+
+// Each method path the daemon does not serve used to become a `method` label value of its
+// own: 19 series (the counter and the histogram) per path, forever. Calls to many distinct
+// long paths leave the series as they were, but for one `method` value that counts them all.
+TEST_F(DaemonTest, MethodsTheDaemonDoesNotServeShareOneLabelValue) {
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(SmallConfig());
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  auto channel = Connect("unix:" + (*daemon)->unix_socket());
+  kvtier::v1::HelloReply hello;
+  ASSERT_TRUE(Hello(channel, &hello).ok());
+  std::string answer;
+  ASSERT_TRUE(RawUnary(channel, "/grpc.health.v1.Health/Check", "", &answer).ok());
+  // Reflection: v1alpha is gRPC's synchronous service, v1 the daemon's callback one.
+  for (const char* version : {"v1alpha", "v1"}) {
+    const std::string method =
+        absl::StrCat("/grpc.reflection.", version, ".ServerReflection/ServerReflectionInfo");
+    ASSERT_TRUE(RawBidiOnce(channel, method, std::string("\x3a\x00", 2), &answer).ok()) << method;
+  }
+  const size_t bytes_before = Scrape(**daemon).size();
+  constexpr int kCalls = 200;
+  for (int i = 0; i < kCalls; ++i) {
+    // 3 KB each, as in the report that took /metrics to 184 MB.
+    const std::string path = absl::StrCat("/bogus.Service", i, "/", std::string(3000, 'm'));
+    std::string response;
+    const grpc::Status status = RawUnary(channel, path, "", &response);
+    ASSERT_EQ(status.error_code(), grpc::StatusCode::UNIMPLEMENTED) << status.error_message();
+  }
+  const std::string text = Scrape(**daemon);
+  const std::multiset<std::string> methods = LabelValues(text, "kvtier_rpcs_total", "method");
+  // The methods the daemon serves keep their names; every other path is "unknown".
+  const std::set<std::string> expected = {
+      "/kvtier.v1.KvTier/Hello", "/grpc.health.v1.Health/Check",
+      "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+      "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo", "unknown"};
+  EXPECT_EQ(std::set<std::string>(methods.begin(), methods.end()), expected);
+  EXPECT_EQ(LabelValues(text, "kvtier_rpc_duration_seconds_count", "method").size(),
+            expected.size());
+  EXPECT_NE(text.find(absl::StrCat("kvtier_rpcs_total{method=\"unknown\",code=\"UNIMPLEMENTED\"} ",
+                                   kCalls, "\n")),
+            std::string::npos);
+  EXPECT_FALSE(absl::StrContains(text, "bogus"));
+  // One method's series more than before: the counter and the histogram's 19 lines.
+  EXPECT_LT(text.size(), bytes_before + 4096);
 }
 
 TEST_F(DaemonTest, BadConfigIsInvalidArgument) {
