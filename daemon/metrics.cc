@@ -26,40 +26,80 @@ std::string FormatMetricValue(double v) {
   return absl::StrFormat("%.17g", v);
 }
 
+namespace {
+
+constexpr std::string_view kReplacementCharacter = "\xef\xbf\xbd";  // U+FFFD in UTF-8
+
+// The length of the well-formed UTF-8 sequence that `s` (not empty) starts with, 1 to 4; 0
+// when it starts with none: a stray continuation byte, an overlong form, a surrogate, a code
+// point past U+10FFFF, or a sequence cut short (the Unicode standard's table 3-7).
+size_t Utf8SequenceLength(std::string_view s) {
+  const auto b0 = static_cast<unsigned char>(s[0]);
+  if (b0 < 0x80) return 1;
+  size_t n = 0;
+  unsigned char lo = 0x80, hi = 0xbf;  // the range of the second byte
+  if (b0 >= 0xc2 && b0 <= 0xdf) {
+    n = 2;
+  } else if (b0 >= 0xe0 && b0 <= 0xef) {
+    n = 3;
+    if (b0 == 0xe0) lo = 0xa0;  // no overlong forms
+    if (b0 == 0xed) hi = 0x9f;  // no surrogates
+  } else if (b0 >= 0xf0 && b0 <= 0xf4) {
+    n = 4;
+    if (b0 == 0xf0) lo = 0x90;  // no overlong forms
+    if (b0 == 0xf4) hi = 0x8f;  // nothing past U+10FFFF
+  } else {
+    return 0;
+  }
+  if (s.size() < n) return 0;
+  const auto b1 = static_cast<unsigned char>(s[1]);
+  if (b1 < lo || b1 > hi) return 0;
+  for (size_t i = 2; i < n; ++i) {
+    if ((static_cast<unsigned char>(s[i]) & 0xc0) != 0x80) return 0;
+  }
+  return n;
+}
+
+// `v` with `\` and newline escaped, and `"` too when `quote`, onto `out`; each byte that is
+// not part of well-formed UTF-8 becomes U+FFFD, so the text stays valid whatever `v` holds.
+void AppendEscaped(std::string_view v, bool quote, std::string& out) {
+  for (size_t i = 0; i < v.size();) {
+    const size_t n = Utf8SequenceLength(v.substr(i));
+    if (n == 0) {
+      out += kReplacementCharacter;
+      ++i;
+      continue;
+    }
+    const char c = v[i];
+    if (n > 1) {
+      out += v.substr(i, n);
+    } else if (c == '\\') {
+      out += "\\\\";
+    } else if (c == '\n') {
+      out += "\\n";
+    } else if (c == '"' && quote) {
+      out += "\\\"";
+    } else {
+      out += c;
+    }
+    i += n;
+  }
+}
+
+}  // namespace
+
 std::string EscapeLabelValue(std::string_view v) {
   std::string out;
   out.reserve(v.size());
-  for (char c : v) {
-    switch (c) {
-      case '\\':
-        out += "\\\\";
-        break;
-      case '"':
-        out += "\\\"";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      default:
-        out += c;
-    }
-  }
+  AppendEscaped(v, /*quote=*/true, out);
   return out;
 }
 
 void Exposition::Family(std::string_view name, std::string_view type, std::string_view help) {
   // HELP text escapes only \ and newline.
-  std::string h;
-  for (char c : help) {
-    if (c == '\\') {
-      h += "\\\\";
-    } else if (c == '\n') {
-      h += "\\n";
-    } else {
-      h += c;
-    }
-  }
-  ((((text_ += "# HELP ") += name) += ' ') += h) += '\n';
+  ((text_ += "# HELP ") += name) += ' ';
+  AppendEscaped(help, /*quote=*/false, text_);
+  text_ += '\n';
   ((((text_ += "# TYPE ") += name) += ' ') += type) += '\n';
 }
 
@@ -71,7 +111,9 @@ void Exposition::Line(std::string_view name, std::span<const Label> labels, std:
     bool first = true;
     for (const Label& l : labels) {
       if (!first) text_ += ',';
-      (((text_ += l.name) += "=\"") += EscapeLabelValue(l.value)) += '"';
+      (text_ += l.name) += "=\"";
+      AppendEscaped(l.value, /*quote=*/true, text_);
+      text_ += '"';
       first = false;
     }
     if (!le.empty()) (((text_ += first ? "" : ",") += "le=\"") += le) += '"';

@@ -37,7 +37,8 @@ class Exposition {
   // name ([a-zA-Z_:][a-zA-Z0-9_:]*), not written before.
   void Family(std::string_view name, std::string_view type, std::string_view help);
   // One sample of the current family: `name` is the family's, or it plus a suffix
-  // (_bucket, _sum, _count). Label values are escaped; integers print exactly.
+  // (_bucket, _sum, _count). Label values are escaped (EscapeLabelValue); integers print
+  // exactly.
   void Sample(std::string_view name, std::span<const Label> labels, double value);
   void Sample(std::string_view name, std::initializer_list<Label> labels, double value) {
     Sample(name, std::span<const Label>(labels.begin(), labels.size()), value);
@@ -60,7 +61,9 @@ class Exposition {
 // A value as the format spells it: integers exactly, +Inf, -Inf, NaN, else shortest round
 // trip.
 std::string FormatMetricValue(double v);
-// A label value with \, " and newline escaped.
+// A label value as the text format wants it, whatever bytes `v` holds: \, " and newline
+// escaped, and each byte that is not part of well-formed UTF-8 replaced by U+FFFD (a value
+// that is not UTF-8 fails the parse of the whole scrape). HELP text gets the same, but for ".
 std::string EscapeLabelValue(std::string_view v);
 
 // Counts keyed by a tuple of label values (the family's label names are the writer's).

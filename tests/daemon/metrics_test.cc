@@ -41,6 +41,35 @@ TEST(MetricsTest, LabelValuesAndHelpAreEscaped) {
             "kvtier_x_total 4\n");
 }
 
+// The text format wants UTF-8: one label value that is not fails the parse of the whole
+// scrape. Each byte that is not part of a well-formed sequence becomes U+FFFD; well-formed
+// sequences of every length stay.
+TEST(MetricsTest, LabelValuesOfAnyBytesBecomeValidUtf8) {
+  struct Case {
+    std::string in;
+    std::string out;
+  };
+  const std::string r = "\xef\xbf\xbd";  // U+FFFD
+  const std::vector<Case> cases = {
+      {"/bin\xff\xfe/x", "/bin" + r + r + "/x"},
+      {"caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80", "caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80"},
+      {"\xc0\xaf", r + r},                  // overlong '/'
+      {"\xe0\x80\xaf", r + r + r},          // overlong, three bytes
+      {"\xed\xa0\x80", r + r + r},          // a surrogate
+      {"\xf4\x90\x80\x80", r + r + r + r},  // past U+10FFFF
+      {"\x80x", r + "x"},                   // a stray continuation byte
+      {"\xe2\x82", r + r},                  // cut short at the end
+      {"\xe2\x82\"", r + r + "\\\""},       // cut short by an escaped character
+      {std::string("nul\0byte", 8), std::string("nul\0byte", 8)},
+  };
+  for (const Case& c : cases) EXPECT_EQ(EscapeLabelValue(c.in), c.out) << c.in;
+  Exposition out;
+  out.Family("kvtier_y_total", "counter", "help \xff");
+  out.Sample("kvtier_y_total", {{"method", "/bin\xff\xfe/x"}}, 1);
+  EXPECT_EQ(out.text(), "# HELP kvtier_y_total help " + r + "\n# TYPE kvtier_y_total counter\n" +
+                            "kvtier_y_total{method=\"/bin" + r + r + "/x\"} 1\n");
+}
+
 TEST(MetricsTest, HistogramsAreCumulativeWithInfSumAndCount) {
   Exposition out;
   const double bounds[] = {0.001, 0.01};
