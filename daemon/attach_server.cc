@@ -8,9 +8,9 @@
 //    open during the call.
 //  - Nothing the peer sends can make a handler throw or read out of bounds: the length is
 //    checked before the body is read, and every error closes the connection.
-//  - A connection is in its peer's list (by_peer_) from Start until it closes; live_ counts
-//    the connections in those lists. A closed connection is never counted or replaced again,
-//    though its handlers may still hold it for a moment.
+//  - A connection holds a place in peers_ from Start until it closes or is replaced there. A
+//    closed connection is never counted or replaced again, though its handlers may still hold
+//    it for a moment.
 #include "daemon/attach_server.h"
 
 #include <fcntl.h>
@@ -31,8 +31,6 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
-#include <list>
-#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -84,17 +82,9 @@ std::string EncodeReply(const v1::AttachReply& reply) {
   return out + body;
 }
 
-// The peer's credentials (pid 0 when the kernel cannot say).
-PeerCredentials PeerOf(int fd) {
-  ucred cred{};
-  socklen_t len = sizeof(cred);
-  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) return PeerCredentials{};
-  return PeerCredentials{.pid = cred.pid, .uid = cred.uid, .gid = cred.gid};
-}
-
 class AttachServerImpl;
 class Connection;
-using PeerConnections = std::list<Connection*>;  // oldest first
+using Peers = PeerTable<pid_t, Connection*>;  // the connections of each peer process
 
 // One handshake: read the request, answer, close. Owned by its pending handlers.
 class Connection : public std::enable_shared_from_this<Connection> {
@@ -104,8 +94,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   Connection(const Connection&) = delete;
   Connection& operator=(const Connection&) = delete;
 
-  void Start();
-  // Closes the socket (pending reads end with operation_aborted) and leaves the peer's list.
+  // `ticket`: its place in the server's peers_.
+  void Start(uint64_t ticket);
+  // Closes the socket (pending reads end with operation_aborted) and leaves peers_.
   void Close();
 
  private:
@@ -119,7 +110,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   AttachServerImpl& server_;
   Local::socket socket_;
   const PeerCredentials peer_;
-  std::optional<PeerConnections::iterator> listed_;  // in server_.by_peer_[peer_.pid]
+  std::optional<uint64_t> ticket_;  // its place in server_.peers_, until it leaves
   bool answered_ = false;
   asio::steady_timer deadline_;
   unsigned char header_[kLengthBytes] = {};
@@ -132,7 +123,11 @@ class Connection : public std::enable_shared_from_this<Connection> {
 class AttachServerImpl final : public AttachServer {
  public:
   AttachServerImpl(std::string path, AttachAuthorizer authorize, AttachServerOptions options)
-      : path_(std::move(path)), authorize_(std::move(authorize)), options_(options) {
+      : path_(std::move(path)),
+        authorize_(std::move(authorize)),
+        options_(options),
+        peers_({.max_total = options.max_connections,
+                .max_per_peer = options.max_connections_per_peer}) {
     io_.emplace();
     acceptor_.emplace(*io_);
     retry_.emplace(*io_);
@@ -242,38 +237,26 @@ class AttachServerImpl final : public AttachServer {
   // Serves `socket` unless its peer holds its share already; makes room at the global
   // limit by closing the oldest connection of the peer that holds the most.
   void Admit(Local::socket socket) {
-    const PeerCredentials peer = PeerOf(socket.native_handle());
-    auto mine = by_peer_.find(peer.pid);
-    if (mine != by_peer_.end() && mine->second.size() >= options_.max_connections_per_peer) {
+    const PeerCredentials peer = PeerCredentialsOf(socket.native_handle());
+    auto connection = std::make_shared<Connection>(*this, std::move(socket), peer);
+    Peers::Admission admission = peers_.Admit(peer.pid, connection.get());
+    if (!admission.admitted) {
       ++dropped_;  // the socket closes here: the client sees the end without a reply
       ++dropped_peer_limit_;
       return;
     }
-    if (live_ >= options_.max_connections) {
-      auto heaviest = by_peer_.begin();
-      for (auto it = by_peer_.begin(); it != by_peer_.end(); ++it) {
-        if (it->second.size() > heaviest->second.size()) heaviest = it;
-      }
-      if (heaviest == by_peer_.end()) return;  // cannot happen while live_ > 0
+    if (admission.evicted.has_value()) {
       ++dropped_;
       ++dropped_global_limit_;
-      heaviest->second.front()->Close();
+      (*admission.evicted)->Close();
     }
-    std::make_shared<Connection>(*this, std::move(socket), peer)->Start();
+    connection->Start(admission.ticket);
   }
 
-  void List(Connection* c) {
-    PeerConnections& list = by_peer_[c->peer_.pid];
-    c->listed_ = list.insert(list.end(), c);
-    ++live_;
-  }
-  void Unlist(Connection* c) {
-    if (!c->listed_.has_value()) return;
-    auto it = by_peer_.find(c->peer_.pid);
-    it->second.erase(*c->listed_);
-    if (it->second.empty()) by_peer_.erase(it);
-    c->listed_.reset();
-    --live_;
+  void Leave(Connection* c) {
+    if (!c->ticket_.has_value()) return;
+    peers_.Remove(*c->ticket_);  // false when it was replaced: its place is gone already
+    c->ticket_.reset();
   }
 
   const std::string path_;
@@ -285,9 +268,8 @@ class AttachServerImpl final : public AttachServer {
   std::optional<asio::steady_timer> retry_;
   std::thread thread_;
   std::optional<std::pair<dev_t, ino_t>> bound_;  // the socket file we created
-  // io thread only: the open connections of each peer process, and how many in all.
-  std::map<pid_t, PeerConnections> by_peer_;
-  uint32_t live_ = 0;
+  // io thread only.
+  Peers peers_;
   std::atomic<uint64_t> granted_{0};
   std::atomic<uint64_t> refused_{0};
   std::atomic<uint64_t> dropped_{0};
@@ -305,11 +287,11 @@ Connection::Connection(AttachServerImpl& server, Local::socket socket, const Pee
 
 Connection::~Connection() {
   if (send_fd_ >= 0) close(send_fd_);
-  server_.Unlist(this);
+  server_.Leave(this);
 }
 
-void Connection::Start() {
-  server_.List(this);
+void Connection::Start(uint64_t ticket) {
+  ticket_ = ticket;
   deadline_.expires_after(absl::ToChronoNanoseconds(server_.options_.handshake_timeout));
   deadline_.async_wait([self = shared_from_this()](boost::system::error_code ec) {
     if (ec) return;
@@ -441,7 +423,7 @@ void Connection::TrySend() {
 }
 
 void Connection::Close() {
-  server_.Unlist(this);
+  server_.Leave(this);
   boost::system::error_code ec;
   socket_.close(ec);   // pending reads complete with operation_aborted
   deadline_.cancel();  // releases the deadline handler's reference

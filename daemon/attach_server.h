@@ -10,11 +10,11 @@
 // request: lengths are checked before reading, bad messages get INVALID_ARGUMENT, a
 // protocol version outside the daemon's range FAILED_PRECONDITION.
 //
-// Fairness: the peer's credentials are read at accept. One peer process may hold at most
-// max_connections_per_peer handshakes (further connections are closed at once), and when
-// max_connections are taken, a new connection replaces the oldest one of the process that
-// holds the most: a flood of silent connections from one client cannot keep another
-// client's attach from being answered.
+// Fairness (daemon/peer_table.h, keyed by process): the peer's credentials are read at
+// accept. One peer process may hold at most max_connections_per_peer handshakes (further
+// connections are closed at once), and when max_connections are taken, a new connection
+// replaces the oldest one of the process that holds the most: a flood of silent connections
+// from one client cannot keep another client's attach from being answered.
 //
 // Thread-safe. Stop() (or the destructor) closes the socket, unlinks its path, and waits
 // for the thread.
@@ -33,14 +33,9 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "daemon/peer_table.h"
 
 namespace kvtier::daemon {
-
-struct PeerCredentials {
-  pid_t pid = 0;
-  uid_t uid = 0;
-  gid_t gid = 0;
-};
 
 // What an authorised peer receives. `fd` is borrowed: it must stay open until the reply is
 // sent (the tenant's arena outlives the server).
