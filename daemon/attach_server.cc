@@ -237,7 +237,9 @@ class AttachServerImpl final : public AttachServer {
   // Serves `socket` unless its peer holds its share already; makes room at the global
   // limit by closing the oldest connection of the peer that holds the most.
   void Admit(Local::socket socket) {
-    const PeerCredentials peer = PeerCredentialsOf(socket.native_handle());
+    // pid 0 when unknown: refused once its request is read.
+    const PeerCredentials peer =
+        PeerCredentialsOf(socket.native_handle()).value_or(PeerCredentials{});
     auto connection = std::make_shared<Connection>(*this, std::move(socket), peer);
     Peers::Admission admission = peers_.Admit(peer.pid, connection.get());
     if (!admission.admitted) {

@@ -164,6 +164,7 @@ constexpr ConfigField kLogFields[] = {
 constexpr ConfigField kMetricsFields[] = {
     {"address", [](const toml::node& n, std::string_view k, DaemonConfig* c) { return ReadString(n, k, &c->metrics_address); }},
     {"allow_remote", [](const toml::node& n, std::string_view k, DaemonConfig* c) { return ReadBool(n, k, &c->metrics_allow_remote); }},
+    {"max_connections_per_peer", [](const toml::node& n, std::string_view k, DaemonConfig* c) { return ReadInt(n, k, &c->metrics_max_connections_per_peer); }},
 };
 constexpr ConfigField kColdTierFields[] = {
     {"nodes", [](const toml::node& n, std::string_view k, DaemonConfig* c) { return ReadStrings(n, k, &c->cold_tier.nodes); }},

@@ -62,6 +62,9 @@ struct TenantConfig {
   friend bool operator==(const TenantConfig&, const TenantConfig&) = default;
 };
 
+// Connections the metrics endpoint serves at once, all peers together.
+inline constexpr uint32_t kMetricsMaxConnections = 16;
+
 struct DaemonConfig {
   // [server]
   std::string unix_socket;    // gRPC on this Unix socket; empty: the runtime default
@@ -95,6 +98,9 @@ struct DaemonConfig {
   // metrics_allow_remote: the metrics name tenants and sessions.
   std::string metrics_address = "auto";
   bool metrics_allow_remote = false;
+  // Connections one peer (a uid on a Unix socket, an IP address on TCP) may hold at once, of
+  // the endpoint's kMetricsMaxConnections.
+  uint32_t metrics_max_connections_per_peer = 4;
   // [cold_tier]
   ColdTierConfig cold_tier;
   // [log]

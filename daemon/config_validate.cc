@@ -199,6 +199,10 @@ absl::Status ValidateColdTier(const ColdTierConfig& c) {
 }
 
 absl::Status ValidateMetrics(const DaemonConfig& c) {
+  KVTIER_RETURN_IF_ERROR(CheckRange(
+      "metrics.max_connections_per_peer", c.metrics_max_connections_per_peer, 1,
+      kMetricsMaxConnections,
+      absl::StrFormat("at most the %d connections the endpoint serves", kMetricsMaxConnections)));
   const std::string& a = c.metrics_address;
   if (a.empty() || a == "auto" || a == "off") return absl::OkStatus();
   if (a.starts_with(kUnixPrefix)) {

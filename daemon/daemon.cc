@@ -264,6 +264,8 @@ absl::Status Daemon::StartAttach() {
 absl::Status Daemon::StartMetrics() {
   HttpServerOptions options;
   options.address = config_.metrics_address;
+  options.max_connections = kMetricsMaxConnections;
+  options.max_connections_per_peer = config_.metrics_max_connections_per_peer;
   KVTIER_ASSIGN_OR_RETURN(
       metrics_server_,
       HttpServer::Start(options, [this](const HttpRequest& request) -> HttpResponse {

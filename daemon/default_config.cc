@@ -47,6 +47,7 @@ max_inflight_calls_per_tenant = 64
 [metrics]
 address = "auto"          # a Unix socket beside the gRPC one: <unix_socket>.metrics
 allow_remote = false
+max_connections_per_peer = 4
 
 [cold_tier]
 nodes = []                # []: no cold tier

@@ -2,12 +2,14 @@
 //  - Every socket is an asio::generic::stream_protocol socket, so one code path serves TCP and
 //    Unix sockets alike.
 //  - A Connection is owned by its pending handlers and runs on its own strand: its handlers
-//    never run concurrently, so its members need no lock. live_ counts the Connection objects
-//    (incremented at accept, decremented by the destructor).
+//    never run concurrently, so its members need no lock. It holds a place in peers_ from its
+//    admission until its destruction, or until a newcomer replaces it there (then it is closed
+//    on its strand).
 //  - Stop() tears down only after the I/O threads are joined: acceptor first, then the
 //    io_context, whose destruction destroys the pending handlers and with them the connections.
 //  - Each request's read and its reply's write have one absolute deadline each (the stream's
-//    expiry), so a client that drips bytes is cut off at io_timeout like a silent one.
+//    expiry), so a client that drips bytes is cut off at io_timeout like a silent one; the
+//    read's headers have a nearer one (header_timeout).
 //  - Nothing a client sends can make a handler throw out of the I/O loop: parse errors become
 //    4xx replies, the handler's exceptions a 500.
 #include "daemon/http.h"
@@ -27,6 +29,7 @@
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/local/stream_protocol.hpp>
+#include <boost/asio/post.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/strand.hpp>
 #include <boost/beast/core/basic_stream.hpp>
@@ -38,7 +41,9 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <memory>
 #include <optional>
+#include <string>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -51,6 +56,7 @@
 #include "absl/strings/str_format.h"
 #include "core/mutex.h"
 #include "core/status.h"
+#include "daemon/peer_table.h"
 #include "daemon/unix_socket.h"
 
 namespace kvtier::daemon {
@@ -123,6 +129,34 @@ std::string BoundTcpAddress(int fd, int* port) {
   return absl::StrFormat("%s:%d", text, *port);
 }
 
+// Who is at the other end of `fd`, as the fairness rule counts peers: "uid:N" on a Unix
+// socket (SO_PEERCRED), the IP address on TCP (an IPv4 address mapped into IPv6 as IPv4); "?"
+// when the socket cannot say (the client is gone already).
+std::string PeerOf(int fd) {
+  sockaddr_storage ss{};
+  socklen_t len = sizeof(ss);
+  if (getpeername(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) return "?";
+  char text[INET6_ADDRSTRLEN] = {};
+  if (ss.ss_family == AF_UNIX) {
+    const std::optional<PeerCredentials> peer = PeerCredentialsOf(fd);
+    return peer.has_value() ? absl::StrCat("uid:", peer->uid) : "?";
+  }
+  if (ss.ss_family == AF_INET) {
+    inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(&ss)->sin_addr, text, sizeof(text));
+    return text;
+  }
+  if (ss.ss_family == AF_INET6) {
+    const in6_addr& a = reinterpret_cast<const sockaddr_in6*>(&ss)->sin6_addr;
+    if (IN6_IS_ADDR_V4MAPPED(&a)) {
+      inet_ntop(AF_INET, &a.s6_addr[12], text, sizeof(text));
+    } else {
+      inet_ntop(AF_INET6, &a, text, sizeof(text));
+    }
+    return text;
+  }
+  return "?";
+}
+
 // Whether `ec` says the peer sent something that is not HTTP (rather than leaving early).
 bool IsMalformed(const beast::error_code& ec) {
   return ec && ec.category() == http::make_error_code(http::error::end_of_stream).category() &&
@@ -130,6 +164,9 @@ bool IsMalformed(const beast::error_code& ec) {
 }
 
 class HttpServerImpl;
+class Connection;
+// The connections of each peer (PeerOf); the items can outlive their connections.
+using Peers = PeerTable<std::string, std::weak_ptr<Connection>>;
 
 // One client connection: requests read and answered in turn until the client or an error
 // closes it. Owned by its pending handlers.
@@ -140,9 +177,13 @@ class Connection : public std::enable_shared_from_this<Connection> {
   Connection(const Connection&) = delete;
   Connection& operator=(const Connection&) = delete;
 
-  void ReadRequest();
+  // Serves the connection admitted with `ticket` (its place in the server's peers_).
+  void Start(uint64_t ticket);
+  // Closes the connection from any thread (on its strand, soon): it was replaced.
+  void CloseSoon();
 
  private:
+  void ReadRequest();
   void OnRead(beast::error_code ec);
   void Serve(const http::request<http::string_body>& request);
   // Sends an error reply for a request that could not be read, then closes.
@@ -154,7 +195,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void Close();
 
   HttpServerImpl& server_;
+  std::optional<uint64_t> ticket_;  // set by Start
   Stream stream_;
+  // The end of the current request's read: io_timeout after it began.
+  std::chrono::steady_clock::time_point request_deadline_;
   beast::flat_buffer buffer_;
   std::optional<http::request_parser<http::string_body>> parser_;
   http::response<http::string_body> response_;
@@ -166,7 +210,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
 class HttpServerImpl final : public HttpServer {
  public:
   HttpServerImpl(HttpServerOptions options, HttpHandler handler)
-      : options_(std::move(options)), handler_(std::move(handler)) {
+      : options_(std::move(options)),
+        handler_(std::move(handler)),
+        peers_({.max_total = options_.max_connections,
+                .max_per_peer = options_.max_connections_per_peer}) {
     io_.emplace(kThreads);
     acceptor_.emplace(*io_);
     retry_.emplace(*io_);
@@ -273,13 +320,36 @@ class HttpServerImpl final : public HttpServer {
             });
             return;
           }
-          if (live_.load() >= options_.max_connections) {
-            ++refused_;  // the socket closes here: the client sees the end without a reply
-          } else {
-            std::make_shared<Connection>(*this, std::move(socket))->ReadRequest();
-          }
+          Admit(std::move(socket));
           Accept();
         });
+  }
+
+  // Serves `socket` unless its peer holds its share already; at max_connections, makes room
+  // by closing the oldest connection of the peer that holds the most.
+  void Admit(Generic::socket socket) {
+    const std::string peer = PeerOf(socket.native_handle());
+    auto connection = std::make_shared<Connection>(*this, std::move(socket));
+    Peers::Admission admission;
+    {
+      MutexLock lock(&peers_mu_);
+      admission = peers_.Admit(peer, connection);
+    }
+    if (!admission.admitted) {
+      ++refused_;  // the socket closes here: the client sees the end without a reply
+      return;
+    }
+    if (admission.evicted.has_value()) {
+      ++refused_;
+      // Expired when that connection is being destroyed already.
+      if (std::shared_ptr<Connection> evicted = admission.evicted->lock()) evicted->CloseSoon();
+    }
+    connection->Start(admission.ticket);
+  }
+
+  void Leave(uint64_t ticket) {
+    MutexLock lock(&peers_mu_);
+    peers_.Remove(ticket);  // false when it was replaced: its place is gone already
   }
 
   // What the handler answers, or a 500 when it throws or answers an impossible status.
@@ -302,6 +372,9 @@ class HttpServerImpl final : public HttpServer {
 
   const HttpServerOptions options_;
   const HttpHandler handler_;
+  // Before io_: the connections that io_'s destruction destroys leave it.
+  Mutex peers_mu_;
+  Peers peers_ ABSL_GUARDED_BY(peers_mu_);
   // Destroyed explicitly by Stop(), in this order: acceptor_ and retry_, then io_.
   std::optional<asio::io_context> io_;
   std::optional<Acceptor> acceptor_;
@@ -311,18 +384,26 @@ class HttpServerImpl final : public HttpServer {
   int port_ = 0;
   std::string socket_path_;
   std::optional<std::pair<dev_t, ino_t>> bound_file_;  // the socket file we created
-  std::atomic<uint32_t> live_{0};
   std::atomic<uint64_t> refused_{0};
   Mutex stop_mu_;
   bool stopped_ ABSL_GUARDED_BY(stop_mu_) = false;
 };
 
 Connection::Connection(HttpServerImpl& server, Generic::socket socket)
-    : server_(server), stream_(std::move(socket)) {
-  ++server_.live_;
+    : server_(server), stream_(std::move(socket)) {}
+
+Connection::~Connection() {
+  if (ticket_.has_value()) server_.Leave(*ticket_);
 }
 
-Connection::~Connection() { --server_.live_; }
+void Connection::Start(uint64_t ticket) {
+  ticket_ = ticket;
+  ReadRequest();
+}
+
+void Connection::CloseSoon() {
+  asio::post(stream_.get_executor(), [self = shared_from_this()] { self->Close(); });
+}
 
 void Connection::ReadRequest() {
   const HttpServerOptions& o = server_.options_;
@@ -330,13 +411,18 @@ void Connection::ReadRequest() {
   parser_->header_limit(
       static_cast<uint32_t>(std::min<size_t>(o.max_request_header_bytes, UINT32_MAX)));
   parser_->body_limit(kMaxRequestBodyBytes);
-  // One deadline for the whole request (and, on a kept-alive connection, the wait for it).
-  stream_.expires_after(absl::ToChronoNanoseconds(o.io_timeout));
+  // One deadline for the whole request (and, on a kept-alive connection, the wait for it),
+  // and a nearer one for its headers: a connection that sends nothing is closed at that.
+  const auto now = std::chrono::steady_clock::now();
+  request_deadline_ = now + absl::ToChronoNanoseconds(o.io_timeout);
+  stream_.expires_at(
+      std::min(request_deadline_, now + absl::ToChronoNanoseconds(o.header_timeout)));
   // The header first, then the body: Beast 1.74 checks a Content-Length against body_limit
   // only when the header is parsed on its own (an eager parse loses that error).
   http::async_read_header(
       stream_, buffer_, *parser_, [self = shared_from_this()](beast::error_code ec, size_t) {
         if (ec || self->parser_->is_done()) return self->OnRead(ec);
+        self->stream_.expires_at(self->request_deadline_);
         http::async_read(self->stream_, self->buffer_, *self->parser_,
                          [self](beast::error_code body_ec, size_t) { self->OnRead(body_ec); });
       });
@@ -594,14 +680,22 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(HttpServerOptions 
                                                               HttpHandler handler) {
   KVTIER_ASSIGN_OR_RETURN(const HttpAddress address, ParseHttpAddress(options.address));
   if (!handler) return absl::InvalidArgumentError("HTTP server needs a handler");
-  if (options.io_timeout <= absl::ZeroDuration()) {
-    return absl::InvalidArgumentError(absl::StrFormat("HTTP io_timeout is %s; it must be > 0",
-                                                      absl::FormatDuration(options.io_timeout)));
+  if (options.io_timeout <= absl::ZeroDuration() ||
+      options.header_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "HTTP io_timeout (%s) and header_timeout (%s) must be > 0",
+        absl::FormatDuration(options.io_timeout), absl::FormatDuration(options.header_timeout)));
   }
   if (options.max_connections == 0 || options.max_request_header_bytes == 0) {
     return absl::InvalidArgumentError(
         absl::StrFormat("HTTP max_connections (%d) and max_request_header_bytes (%d) must be > 0",
                         options.max_connections, options.max_request_header_bytes));
+  }
+  if (options.max_connections_per_peer == 0 ||
+      options.max_connections_per_peer > options.max_connections) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("HTTP max_connections_per_peer = %d must be in [1, max_connections = %d]",
+                        options.max_connections_per_peer, options.max_connections));
   }
   auto server = std::make_unique<HttpServerImpl>(std::move(options), std::move(handler));
   KVTIER_RETURN_IF_ERROR(server->Listen(address));

@@ -13,6 +13,13 @@
 // not a thread. The handler runs on an I/O thread: it should be quick (render a page), since
 // kThreads slow handlers at once delay every other connection.
 //
+// Fairness (daemon/peer_table.h, the attach socket's rule): a peer is an IP address on TCP and
+// a uid (SO_PEERCRED) on a Unix socket. One peer may hold max_connections_per_peer connections
+// (a further one is closed at accept), and at max_connections a new connection from a peer
+// under its limit replaces the oldest connection of the peer that holds the most. A request's
+// headers must arrive within header_timeout, so idle connections are closed early. One client
+// holding connections, however many, cannot keep a scraper from another peer from an answer.
+//
 // Thread-safe: Start, Stop and the accessors may be called from any thread; the handler may be
 // called concurrently from several connections.
 #ifndef KVTIER_DAEMON_HTTP_H_
@@ -68,12 +75,16 @@ using HttpHandler = std::function<HttpResponse(const HttpRequest&)>;
 
 struct HttpServerOptions {
   std::string address;  // see ParseHttpAddress
-  // Per request: reading it (from its first byte, or the end of the previous reply on a
-  // keep-alive connection: the idle timeout) and writing the reply. > 0.
+  // Per request: reading it (from the accept, or the end of the previous reply on a
+  // keep-alive connection) and writing the reply. > 0.
   absl::Duration io_timeout = absl::Seconds(5);
-  // Connections served at once, > 0; a connection past it is closed at once (counted in
-  // refused_connections()).
+  // Of that, the request line and headers: an idle connection is closed once it passes.
+  // > 0; when longer than io_timeout, io_timeout holds.
+  absl::Duration header_timeout = absl::Seconds(2);
+  // Connections served at once, > 0, and of one peer, in [1, max_connections] (see above).
+  // Connections closed over either (counted in refused_connections()).
   uint32_t max_connections = 16;
+  uint32_t max_connections_per_peer = 4;
   // The request line and headers, > 0; a larger request gets 431 and the connection is closed.
   size_t max_request_header_bytes = 8192;
 };
@@ -99,8 +110,10 @@ class HttpServer {
   virtual void Stop() = 0;
   // The address as bound: "unix:/path", or "127.0.0.1:PORT" / "[::1]:PORT" with the real port.
   virtual std::string address() const = 0;
-  virtual int port() const = 0;                      // 0 for a Unix socket
-  virtual uint64_t refused_connections() const = 0;  // closed at accept: over max_connections
+  virtual int port() const = 0;  // 0 for a Unix socket
+  // Connections closed unanswered by the fairness rule: at accept, over their peer's limit, or
+  // replaced at max_connections.
+  virtual uint64_t refused_connections() const = 0;
 
  protected:
   HttpServer() = default;

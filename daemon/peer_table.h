@@ -35,8 +35,9 @@ struct PeerCredentials {
 };
 
 // The credentials of the peer of connected Unix socket `fd` (SO_PEERCRED: the process that
-// connected, as it was then); pid 0 when the kernel cannot say.
-PeerCredentials PeerCredentialsOf(int fd);
+// connected, as it was then); nullopt when the kernel cannot say. The pid is 0 for a process
+// in another pid namespace.
+std::optional<PeerCredentials> PeerCredentialsOf(int fd);
 
 template <typename Key, typename Item>
 class PeerTable {

@@ -96,6 +96,8 @@ max_message_bytes = 1_048_576
 shutdown_grace_ms = 2500
 [limits]
 max_layers = 80
+[metrics]
+max_connections_per_peer = 2
 [log]
 level = "debug"
 format = "json"
@@ -107,6 +109,7 @@ format = "json"
   EXPECT_EQ(config->max_message_bytes, 1u << 20);
   EXPECT_EQ(config->shutdown_grace, absl::Milliseconds(2500));
   EXPECT_EQ(config->max_layers, 80u);
+  EXPECT_EQ(config->metrics_max_connections_per_peer, 2u);
   EXPECT_EQ(config->log_level, "debug");
   EXPECT_EQ(config->log_format, "json");
   // Untouched keys keep the base's values.
@@ -451,6 +454,12 @@ INSTANTIATE_TEST_SUITE_P(
         BadValue{"MetricsUnixPathTooLong",
                  [](DaemonConfig* c) { c->metrics_address = "unix:/" + std::string(120, 'm'); },
                  {"metrics.address", "107"}},
+        BadValue{"MetricsNoConnectionPerPeer",
+                 [](DaemonConfig* c) { c->metrics_max_connections_per_peer = 0; },
+                 {"metrics.max_connections_per_peer", "[1, 16]"}},
+        BadValue{"MetricsMoreConnectionsPerPeerThanInAll",
+                 [](DaemonConfig* c) { c->metrics_max_connections_per_peer = 17; },
+                 {"metrics.max_connections_per_peer", "[1, 16]", "16 connections"}},
         BadValue{"AdminToken",
                  [](DaemonConfig* c) { c->admin_token = std::string(1025, 'x'); },
                  {"server.admin_token", "1024"}},
@@ -621,6 +630,10 @@ TEST(ValidateTest, AcceptsTheEdgesOfEachRange) {
   config.tcp_address = "[::1]:0";
   config.shutdown_grace = absl::ZeroDuration();
   EXPECT_TRUE(config.Validate().ok()) << config.Validate();
+  for (uint32_t per_peer : {1u, kMetricsMaxConnections}) {
+    config.metrics_max_connections_per_peer = per_peer;
+    EXPECT_TRUE(config.Validate().ok()) << config.Validate();
+  }
 }
 
 TEST(ValidateTest, AcceptsTheEdgesOfEachColdTierRange) {
@@ -665,8 +678,8 @@ TEST(LoadConfigFileTest, ErrorsNameTheFileAndLine) {
 TEST(KnownConfigKeysTest, AreUniqueAndQualified) {
   const std::vector<std::string> keys = KnownConfigKeys();
   EXPECT_EQ(std::set<std::string>(keys.begin(), keys.end()).size(), keys.size());
-  // 15 server, 6 limits, 2 metrics, 9 cold_tier, 3 log, 12 tenant
-  EXPECT_EQ(keys.size(), 48u);
+  // 15 server, 6 limits, 3 metrics, 9 cold_tier, 3 log, 12 tenant
+  EXPECT_EQ(keys.size(), 49u);
   for (const std::string& key : keys) EXPECT_NE(key.find('.'), std::string::npos) << key;
 }
 

@@ -1,7 +1,7 @@
 // Daemon in-process: serves kvtier.v1 (Hello), the standard health service and reflection on its
 // Unix socket (and TCP when asked), shuts down removing its sockets, refuses a socket path a live
 // daemon holds, and replaces a stale one; its /metrics stays valid and bounded whatever method
-// paths unauthenticated callers send.
+// paths unauthenticated callers send, and keeps each peer to metrics.max_connections_per_peer.
 #include "daemon/daemon.h"
 
 #include <stdlib.h>
@@ -422,6 +422,34 @@ TEST_F(DaemonTest, MethodsTheDaemonDoesNotServeShareOneLabelValue) {
   EXPECT_FALSE(absl::StrContains(text, "bogus"));
   // One method's series more than before: the counter and the histogram's 19 lines.
   EXPECT_LT(text.size(), bytes_before + 4096);
+}
+
+// metrics.max_connections_per_peer reaches the endpoint: with 1, a connection this process
+// (one uid) holds leaves it no other until it closes.
+TEST_F(DaemonTest, TheMetricsEndpointServesAPeerItsConfiguredConnections) {
+  DaemonConfig config = SmallConfig();
+  config.metrics_max_connections_per_peer = 1;
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(config);
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string address = (*daemon)->metrics_address();
+  ASSERT_TRUE(absl::StartsWith(address, "unix:")) << address;
+  const int held = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(held, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  address.substr(5).copy(addr.sun_path, sizeof(addr.sun_path) - 1);
+  ASSERT_EQ(::connect(held, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)), 0);
+  const absl::StatusOr<HttpResponse> refused = HttpGet(address, "/metrics", absl::Seconds(60));
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable) << refused.status();
+  ::close(held);
+  // The endpoint notices the close on its own threads.
+  absl::StatusOr<HttpResponse> served;
+  for (const absl::Time end = absl::Now() + absl::Seconds(20); absl::Now() < end;) {
+    served = HttpGet(address, "/metrics", absl::Seconds(60));
+    if (served.ok()) break;
+  }
+  ASSERT_TRUE(served.ok()) << served.status();
+  EXPECT_EQ(served->status, 200);
 }
 
 TEST_F(DaemonTest, BadConfigIsInvalidArgument) {

@@ -3,12 +3,15 @@
 // file's life cycle, and HttpGet's errors. Timing appears only as generous upper bounds.
 #include "daemon/http.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <grp.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -74,7 +77,9 @@ std::unique_ptr<HttpServer> MustStart(HttpServerOptions options, HttpHandler han
 // fails the test instead of hanging it (no test relies on that time).
 class RawClient {
  public:
-  explicit RawClient(const std::string& address) {
+  // `source`: the local IPv4 address a TCP client binds before it connects ("127.0.0.2": every
+  // address of 127.0.0.0/8 is loopback), so that the server sees another peer; empty: any.
+  explicit RawClient(const std::string& address, const std::string& source = "") {
     auto parsed = ParseHttpAddress(address);
     EXPECT_TRUE(parsed.ok()) << parsed.status();
     if (parsed->kind == HttpAddress::Kind::kUnix) {
@@ -85,6 +90,13 @@ class RawClient {
       connected_ = connect(fd_, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) == 0;
     } else {
       fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      if (!source.empty()) {
+        sockaddr_in local{};
+        local.sin_family = AF_INET;
+        EXPECT_EQ(inet_pton(AF_INET, source.c_str(), &local.sin_addr), 1) << source;
+        EXPECT_EQ(bind(fd_, reinterpret_cast<const sockaddr*>(&local), sizeof(local)), 0)
+            << source << ": " << std::strerror(errno);
+      }
       sockaddr_in addr{};
       addr.sin_family = AF_INET;
       addr.sin_port = htons(parsed->port);
@@ -174,6 +186,15 @@ class RawClient {
       const ssize_t n = recv(fd_, buf, sizeof(buf), MSG_DONTWAIT);
       if (n == 0 || (n < 0 && errno == ECONNRESET)) return true;
     }
+  }
+
+  // True when the server has closed the connection by now (without waiting).
+  bool ClosedNow() {
+    pollfd p{.fd = fd_, .events = POLLIN, .revents = 0};
+    if (poll(&p, 1, 0) <= 0) return false;
+    char c;
+    const ssize_t n = recv(fd_, &c, 1, MSG_DONTWAIT | MSG_PEEK);
+    return n == 0 || (n < 0 && errno == ECONNRESET);
   }
 
   bool connected() const { return connected_; }
@@ -420,9 +441,12 @@ TEST(HttpServerTest, HandlersRunConcurrently) {
 // ---- misbehaving clients ---------------------------------------------------------------------
 
 TEST(HttpServerTest, StalledClientsDoNotDelayOthers) {
-  // More stalled clients than I/O threads, each holding half a request, and a timeout far
+  // More stalled clients than I/O threads, each holding half a request, and timeouts far
   // beyond the test: none of them may hold anything but its own connection.
-  auto server = MustStart({.address = "127.0.0.1:0", .io_timeout = absl::Minutes(5)});
+  auto server = MustStart({.address = "127.0.0.1:0",
+                           .io_timeout = absl::Minutes(5),
+                           .header_timeout = absl::Minutes(5),
+                           .max_connections_per_peer = 8});
   ASSERT_NE(server, nullptr);
   std::vector<std::unique_ptr<RawClient>> stalled;
   for (int i = 0; i < HttpServer::kThreads + 2; ++i) {
@@ -460,8 +484,30 @@ TEST(HttpServerTest, AnIdleKeptAliveConnectionIsClosedAtTheIoTimeout) {
   EXPECT_TRUE(c.ClosedWithin(absl::Seconds(30)));
 }
 
-TEST(HttpServerTest, ConnectionsPastTheLimitAreClosedAndServiceGoesOn) {
-  auto server = MustStart({.address = "127.0.0.1:0", .max_connections = 2});
+TEST(HttpServerTest, AnIdleConnectionIsClosedAtTheHeaderTimeout) {
+  // However long a request may take, its headers must come within header_timeout: a
+  // connection that sends nothing, or stops half-way, holds its place no longer than that.
+  auto server = MustStart({.address = "127.0.0.1:0",
+                           .io_timeout = absl::Minutes(5),
+                           .header_timeout = absl::Milliseconds(200)});
+  ASSERT_NE(server, nullptr);
+  RawClient silent(server->address());
+  RawClient halfway(server->address());
+  ASSERT_TRUE(halfway.Send("GET / HTTP/1.1\r\nHo"));
+  RawClient kept_alive(server->address());
+  ASSERT_TRUE(kept_alive.Send(Get("/")));
+  ASSERT_TRUE(kept_alive.Read().has_value());
+  EXPECT_TRUE(silent.ClosedWithin(absl::Seconds(30)));
+  EXPECT_TRUE(halfway.ClosedWithin(absl::Seconds(30)));
+  EXPECT_TRUE(kept_alive.ClosedWithin(absl::Seconds(30)));
+}
+
+TEST(HttpServerTest, ConnectionsPastAPeersLimitAreClosedAndServiceGoesOn) {
+  // Timeouts far beyond the test: the held connections stay until the test is done.
+  auto server = MustStart({.address = "127.0.0.1:0",
+                           .io_timeout = absl::Minutes(5),
+                           .header_timeout = absl::Minutes(5),
+                           .max_connections_per_peer = 2});
   ASSERT_NE(server, nullptr);
   // Two admitted connections (each answered once, so the server holds them), kept open.
   std::vector<std::unique_ptr<RawClient>> held;
@@ -489,6 +535,121 @@ TEST(HttpServerTest, ConnectionsPastTheLimitAreClosedAndServiceGoesOn) {
   } while (!r.ok() && absl::Now() < end);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->body, "GET /later\n");
+}
+
+// Several peers together hold every connection the server serves; a newcomer from another peer
+// is still answered, in the place of the oldest connection of the peer that holds the most.
+TEST(HttpServerTest, AtTheGlobalLimitTheHeaviestPeerMakesRoom) {
+  auto server = MustStart({.address = "127.0.0.1:0",
+                           .io_timeout = absl::Minutes(5),
+                           .header_timeout = absl::Minutes(5),
+                           .max_connections = 3,
+                           .max_connections_per_peer = 2});
+  ASSERT_NE(server, nullptr);
+  // 127.0.0.1 holds two, 127.0.0.3 one (each answered once, so the server holds them).
+  std::vector<std::unique_ptr<RawClient>> held;
+  for (const char* source : {"127.0.0.1", "127.0.0.1", "127.0.0.3"}) {
+    held.push_back(std::make_unique<RawClient>(server->address(), source));
+    ASSERT_TRUE(held.back()->Send(Get("/held")));
+    ASSERT_TRUE(held.back()->Read().has_value());
+  }
+  RawClient newcomer(server->address(), "127.0.0.2");
+  ASSERT_TRUE(newcomer.Send(Get("/new")));
+  const std::optional<RawClient::Response> r = newcomer.Read();
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->body, "GET /new\n");
+  EXPECT_EQ(server->refused_connections(), 1u);
+  EXPECT_TRUE(held[0]->ClosedWithin(absl::Seconds(30)));  // 127.0.0.1's oldest
+  for (size_t i : {1u, 2u}) {
+    ASSERT_TRUE(held[i]->Send(Get("/again")));
+    const std::optional<RawClient::Response> again = held[i]->Read();
+    ASSERT_TRUE(again.has_value()) << i;
+    EXPECT_EQ(again->body, "GET /again\n");
+  }
+}
+
+// ---- fairness between peers -------------------------------------------------------------------
+
+// More idle connections than a server serves at once (HttpServerOptions' default, the daemon's).
+constexpr int kFloodConnections = 20;
+
+// One peer (127.0.0.1) opens more idle connections than the server serves at once and holds
+// them, sending nothing, as one misbehaving client can; a scrape from another peer (127.0.0.2)
+// is answered while they are held, and every idle connection is closed at the header timeout.
+TEST(HttpServerTest, IdleConnectionsOfOneAddressDoNotKeepAnotherAddressFromBeingServed) {
+  auto server = MustStart({.address = "127.0.0.1:0"});
+  ASSERT_NE(server, nullptr);
+  std::vector<std::unique_ptr<RawClient>> idle;
+  for (int i = 0; i < kFloodConnections; ++i) {
+    idle.push_back(std::make_unique<RawClient>(server->address()));
+    ASSERT_TRUE(idle.back()->connected());
+  }
+  const absl::Time start = absl::Now();
+  RawClient scraper(server->address(), "127.0.0.2");
+  ASSERT_TRUE(scraper.connected());
+  ASSERT_TRUE(scraper.Send(Get("/metrics", false)));
+  const std::optional<RawClient::Response> r = scraper.Read();
+  ASSERT_TRUE(r.has_value()) << "the scrape from 127.0.0.2 was closed unanswered while "
+                                "127.0.0.1 held idle connections";
+  EXPECT_EQ(r->body, "GET /metrics\n");
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  // The flooding peer still held connections then (the server accepts in order).
+  int open = 0;
+  for (const auto& c : idle) open += c->ClosedNow() ? 0 : 1;
+  EXPECT_GT(open, 0);
+  for (const auto& c : idle) EXPECT_TRUE(c->ClosedWithin(absl::Seconds(30)));
+}
+
+// The same on a Unix socket, where a peer is a uid (SO_PEERCRED): this process (root) holds
+// the idle connections, a child that became another uid scrapes. Needs root.
+TEST(HttpServerTest, IdleConnectionsOfOneUidDoNotKeepAnotherUidFromBeingServed) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to connect as another uid";
+  TempDir dir;
+  // The child keeps group 0: the directory and the socket (mode 0660) let it in by group.
+  ASSERT_EQ(chmod(dir.Path(".").c_str(), 0750), 0) << std::strerror(errno);
+  const std::string path = dir.Path("m.sock");
+  auto server = MustStart({.address = "unix:" + path});
+  ASSERT_NE(server, nullptr);
+  std::vector<std::unique_ptr<RawClient>> idle;
+  for (int i = 0; i < kFloodConnections; ++i) {
+    idle.push_back(std::make_unique<RawClient>(server->address()));
+    ASSERT_TRUE(idle.back()->connected());
+  }
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  const char request[] = "GET /metrics HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n";
+  const char expected[] = "HTTP/1.1 200";
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {  // only async-signal-safe calls from here on
+    if (setgroups(0, nullptr) != 0 || setuid(65534) != 0) _exit(2);
+    const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0 || connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
+      _exit(3);
+    }
+    if (write(fd, request, sizeof(request) - 1) != static_cast<ssize_t>(sizeof(request) - 1)) {
+      _exit(4);
+    }
+    char reply[sizeof(expected) - 1];
+    size_t got = 0;
+    while (got < sizeof(reply)) {
+      const ssize_t n = read(fd, reply + got, sizeof(reply) - got);
+      if (n <= 0) _exit(5);  // closed unanswered
+      got += static_cast<size_t>(n);
+    }
+    _exit(memcmp(reply, expected, sizeof(reply)) == 0 ? 0 : 6);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0)
+      << "the scrape as uid 65534 (2: setuid, 3: connect, 4: write failed; 5: closed unanswered; "
+         "6: not 200) while uid 0 held idle connections";
+  int open = 0;
+  for (const auto& c : idle) open += c->ClosedNow() ? 0 : 1;
+  EXPECT_GT(open, 0);
+  for (const auto& c : idle) EXPECT_TRUE(c->ClosedWithin(absl::Seconds(30)));
 }
 
 TEST(HttpServerTest, OversizedHeadersGet431AndTheServerSurvives) {
@@ -600,6 +761,16 @@ TEST(HttpServerTest, RefusesBadAddressesAndOptions) {
   EXPECT_EQ(no_timeout.status().code(), absl::StatusCode::kInvalidArgument);
   auto no_connections = HttpServer::Start({.address = "127.0.0.1:0", .max_connections = 0}, Echo());
   EXPECT_EQ(no_connections.status().code(), absl::StatusCode::kInvalidArgument);
+  auto no_header_timeout =
+      HttpServer::Start({.address = "127.0.0.1:0", .header_timeout = absl::ZeroDuration()}, Echo());
+  EXPECT_EQ(no_header_timeout.status().code(), absl::StatusCode::kInvalidArgument);
+  for (uint32_t per_peer : {0u, 17u}) {
+    auto bad_per_peer = HttpServer::Start(
+        {.address = "127.0.0.1:0", .max_connections = 16, .max_connections_per_peer = per_peer},
+        Echo());
+    EXPECT_EQ(bad_per_peer.status().code(), absl::StatusCode::kInvalidArgument) << per_peer;
+    EXPECT_THAT(bad_per_peer.status().message(), HasSubstr("max_connections_per_peer"));
+  }
 }
 
 TEST(HttpServerTest, ABusyPortIsFailedPrecondition) {
