@@ -1,6 +1,9 @@
 #include "client/connection.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <filesystem>
 #include <limits>
 #include <string>
 #include <utility>
@@ -29,8 +32,12 @@ int ChannelLimit(uint64_t bytes) {
 
 }  // namespace
 
-Connection::Connection(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options)
-    : options_(options), channel_(std::move(channel)), stub_(v1::KvTier::NewStub(channel_)) {}
+Connection::Connection(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options,
+                       std::string unix_path)
+    : options_(options),
+      unix_path_(std::move(unix_path)),
+      channel_(std::move(channel)),
+      stub_(v1::KvTier::NewStub(channel_)) {}
 
 absl::StatusOr<std::shared_ptr<Connection>> Connection::Open(std::string_view target,
                                                              const ClientOptions& options) {
@@ -50,7 +57,7 @@ absl::StatusOr<std::shared_ptr<Connection>> Connection::Open(std::string_view ta
   args.SetMaxReceiveMessageSize(-1);
   auto channel =
       grpc::CreateCustomChannel(parsed.grpc_target, grpc::InsecureChannelCredentials(), args);
-  std::shared_ptr<Connection> conn(new Connection(std::move(channel), options));
+  std::shared_ptr<Connection> conn(new Connection(std::move(channel), options, parsed.unix_path));
   if (absl::Status st = conn->Hello(); !st.ok()) {
     return absl::Status(st.code(), absl::StrFormat("connect to %s: %s", target, st.message()));
   }
@@ -101,6 +108,15 @@ absl::Status Connection::AttachLocked() {
           "the session with Transport::kGrpc, or set ClientOptions.attach_socket");
     }
     path = caps_.attach_socket;
+    // The daemon names its attach socket as it sees it. A client in another mount namespace
+    // (an engine container sharing the daemon's socket directory as a volume) reaches that
+    // directory at a path of its own: where the reported path is not there, the socket of
+    // the same name beside the one this client connected through is the daemon's.
+    if (!unix_path_.empty() && ::access(path.c_str(), F_OK) != 0) {
+      const std::filesystem::path beside =
+          std::filesystem::path(unix_path_).parent_path() / std::filesystem::path(path).filename();
+      if (::access(beside.c_str(), F_OK) == 0) path = beside.string();
+    }
   }
   KVTIER_ASSIGN_OR_RETURN(
       AttachedArena a, AttachToArena(path, options_.tenant, options_.token, options_.rpc_timeout));

@@ -60,11 +60,13 @@ class Connection {
   absl::StatusOr<std::shared_ptr<ArenaMapping>> ArenaFor(Backend* backend);
 
  private:
-  Connection(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options);
+  Connection(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options,
+             std::string unix_path);
   absl::Status Hello();
   absl::Status AttachLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const ClientOptions options_;
+  std::string unix_path_;  // the socket this client connected through; empty for TCP
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::KvTier::StubInterface> stub_;
   Capabilities caps_;  // set by Hello before the Connection is shared

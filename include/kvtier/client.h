@@ -52,7 +52,10 @@ struct ClientOptions {
   std::string admin_token;  // Drain's token; empty: `token`
   std::string client_name = "libkvtier";
   absl::Duration rpc_timeout = absl::Seconds(30);  // deadline of every unary call
-  std::string attach_socket;                       // empty: the path Hello reports
+  // The shared-memory attach socket. Empty: the path Hello reports, or, where that path is
+  // not there (the daemon's socket directory mounted elsewhere, as in an engine container),
+  // the socket of the same name beside the one Connect was given.
+  std::string attach_socket;
   uint64_t max_message_bytes = 0;                  // 0: the daemon's limit from Hello
 };
 

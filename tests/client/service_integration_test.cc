@@ -1008,6 +1008,37 @@ TEST(ServiceShutdownTest, DrainThenSigtermExitsCleanlyAndRemovesTheSockets) {
   EXPECT_EQ((*a)->ListSessions().status().code(), absl::StatusCode::kUnavailable);
 }
 
+// An engine in another container reaches the daemon's socket directory as a volume mounted
+// at a path of its own, where the attach socket Hello names (the daemon's path) is not: the
+// client attaches through the socket of that name beside the one it connected through. The
+// daemon's directory is renamed under it, so the path Hello reports no longer exists.
+TEST(ServiceSocketDirTest, ShmSessionsAttachThroughTheSocketDirectoryTheClientSees) {
+  auto d = DaemonProcess::Start(TwoTenants());
+  ASSERT_TRUE(d.ok()) << d.status();
+  const std::string moved = (*d)->dir() + ".mounted";
+  ASSERT_EQ(::rename((*d)->dir().c_str(), moved.c_str()), 0) << std::strerror(errno);
+  struct Restore {  // the daemon's directory back where its owner removes it
+    std::string from, to;
+    ~Restore() { ::rename(from.c_str(), to.c_str()); }
+  } restore{moved, (*d)->dir()};
+  struct stat sb;
+  ASSERT_NE(stat((*d)->attach_path().c_str(), &sb), 0);
+  ClientOptions o;
+  o.tenant = "a";
+  o.token = "ta";
+  const std::string socket =
+      moved + "/" + (*d)->socket_path().substr((*d)->socket_path().rfind('/') + 1);
+  auto a = Client::Connect("unix://" + socket, o);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ((*a)->capabilities().attach_socket, (*d)->attach_path());
+  auto shm = (*a)->OpenSession(IntegrationSessionOptions(Transport::kShm));
+  ASSERT_TRUE(shm.ok()) << shm.status();
+  const SyntheticTrace trace(IntegrationTrace());
+  ASSERT_OK(testing::AppendTokens(**shm, trace, 0, 100));
+  EXPECT_EQ((*shm)->sequence().num_tokens(0), 100);
+  ASSERT_OK((*shm)->Close());
+}
+
 // docs/service.md, "What survives what": a daemon restart keeps no session. Arenas are memfds
 // owned by the daemon, so the restarted daemon does not know the old session ids: Reattach
 // answers NOT_FOUND (not a crash, not a hang), and a new session works at once.
