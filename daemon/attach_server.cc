@@ -89,7 +89,8 @@ using Peers = PeerTable<pid_t, Connection*>;  // the connections of each peer pr
 // One handshake: read the request, answer, close. Owned by its pending handlers.
 class Connection : public std::enable_shared_from_this<Connection> {
  public:
-  Connection(AttachServerImpl& server, Local::socket socket, const PeerCredentials& peer);
+  Connection(AttachServerImpl& server, Local::socket socket, const PeerCredentials& peer,
+             bool peer_known);
   ~Connection();
   Connection(const Connection&) = delete;
   Connection& operator=(const Connection&) = delete;
@@ -110,6 +111,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   AttachServerImpl& server_;
   Local::socket socket_;
   const PeerCredentials peer_;
+  const bool peer_known_;           // SO_PEERCRED answered
   std::optional<uint64_t> ticket_;  // its place in server_.peers_, until it leaves
   bool answered_ = false;
   asio::steady_timer deadline_;
@@ -237,11 +239,17 @@ class AttachServerImpl final : public AttachServer {
   // Serves `socket` unless its peer holds its share already; makes room at the global
   // limit by closing the oldest connection of the peer that holds the most.
   void Admit(Local::socket socket) {
-    // pid 0 when unknown: refused once its request is read.
-    const PeerCredentials peer =
-        PeerCredentialsOf(socket.native_handle()).value_or(PeerCredentials{});
-    auto connection = std::make_shared<Connection>(*this, std::move(socket), peer);
-    Peers::Admission admission = peers_.Admit(peer.pid, connection.get());
+    // Unknown credentials are refused once the request is read. A process in another pid
+    // namespace (an engine container beside the daemon's) shows pid 0: such peers are told
+    // apart by uid, under keys no pid takes.
+    const std::optional<PeerCredentials> cred = PeerCredentialsOf(socket.native_handle());
+    const PeerCredentials peer = cred.value_or(PeerCredentials{});
+    const pid_t key = !cred.has_value() ? 0
+                      : peer.pid != 0   ? peer.pid
+                                        : -static_cast<pid_t>(peer.uid & 0x3fffffff) - 1;
+    auto connection =
+        std::make_shared<Connection>(*this, std::move(socket), peer, cred.has_value());
+    Peers::Admission admission = peers_.Admit(key, connection.get());
     if (!admission.admitted) {
       ++dropped_;  // the socket closes here: the client sees the end without a reply
       ++dropped_peer_limit_;
@@ -284,8 +292,13 @@ class AttachServerImpl final : public AttachServer {
   bool stopped_ ABSL_GUARDED_BY(stop_mu_) = false;
 };
 
-Connection::Connection(AttachServerImpl& server, Local::socket socket, const PeerCredentials& peer)
-    : server_(server), socket_(std::move(socket)), peer_(peer), deadline_(*server.io_) {}
+Connection::Connection(AttachServerImpl& server, Local::socket socket, const PeerCredentials& peer,
+                       bool peer_known)
+    : server_(server),
+      socket_(std::move(socket)),
+      peer_(peer),
+      peer_known_(peer_known),
+      deadline_(*server.io_) {}
 
 Connection::~Connection() {
   if (send_fd_ >= 0) close(send_fd_);
@@ -346,7 +359,7 @@ void Connection::Decide() {
         "AttachRequest.protocol_version = %d: this daemon speaks protocol versions %d to %d",
         request.protocol_version(), o.min_protocol_version, o.max_protocol_version)));
   }
-  if (peer_.pid == 0) {
+  if (!peer_known_) {
     return Refuse(absl::InternalError("SO_PEERCRED of the attach peer failed: uid unknown"));
   }
   absl::StatusOr<AttachGrant> grant = server_.authorize_(peer_, request.tenant(), request.token());
@@ -459,8 +472,7 @@ absl::StatusOr<std::unique_ptr<AttachServer>> AttachServer::Start(
         absl::StrFormat("protocol versions [%d, %d]: need 1 <= min <= max",
                         options.min_protocol_version, options.max_protocol_version));
   }
-  KVTIER_RETURN_IF_ERROR(
-      ClaimUnixSocketPath("attach socket", path, "another kvtierd?").status());
+  KVTIER_RETURN_IF_ERROR(ClaimUnixSocketPath("attach socket", path, "another kvtierd?").status());
   auto server = std::make_unique<AttachServerImpl>(path, std::move(authorize), options);
   KVTIER_RETURN_IF_ERROR(server->Listen());
   server->Run();

@@ -5,8 +5,12 @@
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -1037,6 +1041,45 @@ TEST(ServiceSocketDirTest, ShmSessionsAttachThroughTheSocketDirectoryTheClientSe
   ASSERT_OK(testing::AppendTokens(**shm, trace, 0, 100));
   EXPECT_EQ((*shm)->sequence().num_tokens(0), 100);
   ASSERT_OK((*shm)->Close());
+}
+
+// kvtierd in a pid namespace of its own, as in a container, and the engine outside it: the
+// engine's pid is 0 on the daemon's side of SO_PEERCRED, which is not "unknown credentials".
+// The daemon runs under `unshare --pid --fork` (root).
+TEST(ServiceSocketDirTest, AnEngineInAnotherPidNamespaceAttaches) {
+  const bool ci = std::getenv("CI") != nullptr && std::string(std::getenv("CI")) == "true";
+  if (::geteuid() != 0 || ::access("/usr/bin/unshare", X_OK) != 0) {
+    if (ci) FAIL() << "needs root and /usr/bin/unshare";
+    GTEST_SKIP() << "needs root and /usr/bin/unshare";
+  }
+  // A wrapper in the place of kvtierd: the daemon, as pid 1 of a new pid namespace.
+  char dir[] = "/tmp/kvtierd-pidns-XXXXXX";
+  ASSERT_NE(::mkdtemp(dir), nullptr);
+  const std::string wrapper = std::string(dir) + "/kvtierd";
+  {
+    std::ofstream w(wrapper);
+    w << "#!/bin/sh\nexec /usr/bin/unshare --pid --fork --kill-child " << KVTIERD_PATH
+      << " \"$@\"\n";
+  }
+  ASSERT_EQ(::chmod(wrapper.c_str(), 0755), 0);
+  DaemonProcessOptions options = TwoTenants();
+  options.kvtierd_path = wrapper;
+  {
+    auto d = DaemonProcess::Start(options);
+    ASSERT_TRUE(d.ok()) << d.status();
+    ClientOptions o;
+    o.tenant = "a";
+    o.token = "ta";
+    auto a = Client::Connect((*d)->target(), o);
+    ASSERT_TRUE(a.ok()) << a.status();
+    auto shm = (*a)->OpenSession(IntegrationSessionOptions(Transport::kShm));
+    ASSERT_TRUE(shm.ok()) << shm.status() << "\n" << (*d)->Log();
+    const SyntheticTrace trace(IntegrationTrace());
+    ASSERT_OK(testing::AppendTokens(**shm, trace, 0, 64));
+    EXPECT_EQ((*shm)->sequence().num_tokens(0), 64);
+    ASSERT_OK((*shm)->Close());
+  }
+  std::filesystem::remove_all(dir);
 }
 
 // docs/service.md, "What survives what": a daemon restart keeps no session. Arenas are memfds
