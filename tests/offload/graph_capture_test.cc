@@ -18,17 +18,6 @@
 namespace kvtier::retriever_test {
 namespace {
 
-#ifdef KVTIER_TEST_CUDA
-constexpr DeviceKind kKind = DeviceKind::kCuda;
-#else
-constexpr DeviceKind kKind = DeviceKind::kCpu;
-#endif
-
-std::unique_ptr<Device> MakeDevice() {
-  absl::StatusOr<std::unique_ptr<Device>> d = CreateDevice(kKind);
-  return d.ok() ? *std::move(d) : nullptr;
-}
-
 struct Decoded {
   std::vector<std::vector<uint8_t>> out;         // [member][step · L + layer] bytes
   std::vector<std::vector<int32_t>> slot_table;  // [member · steps · L]
@@ -38,7 +27,7 @@ struct Decoded {
 // `members` sequences (ragged prompts) decoded `steps` steps, in one batch when batched.
 Decoded Decode(const SequenceOptions& options, int32_t members, int32_t steps, bool batched) {
   const Geometry g = SmallGeometry(DType::kF16);
-  std::unique_ptr<Device> device = MakeDevice();
+  std::unique_ptr<Device> device = MakeTestDevice();
   // One compute stream for every sequence, as an engine's: inputs and outputs are ordered
   // with each sequence's work.
   std::unique_ptr<Stream> compute = device->CreateStream().value();
@@ -48,7 +37,8 @@ Decoded Decode(const SequenceOptions& options, int32_t members, int32_t steps, b
   std::vector<std::unique_ptr<LocalSequence>> seqs;
   if (batched) batch = NewSequenceBatch(g, o, members, *device).value();
   for (int32_t m = 0; m < members; ++m) {
-    seqs.push_back(batched ? batch->NewSequence().value() : NewLocalSequence(g, o, *device).value());
+    seqs.push_back(batched ? batch->NewSequence().value()
+                           : NewLocalSequence(g, o, *device).value());
   }
   std::vector<HostModel> models;
   for (int32_t m = 0; m < members; ++m) models.emplace_back(g, 21 + m);
@@ -134,9 +124,7 @@ void ExpectSame(const Decoded& a, const Decoded& b, const std::string& what) {
 
 class GraphCaptureTest : public ::testing::TestWithParam<CorrectionTrigger> {
  protected:
-  void SetUp() override {
-    if (MakeDevice() == nullptr) GTEST_SKIP() << "no " << DeviceKindName(kKind) << " device";
-  }
+  void SetUp() override { KVTIER_SKIP_WITHOUT_TEST_DEVICE(); }
 };
 
 TEST_P(GraphCaptureTest, CapturedStepsEqualDirectLaunches) {
@@ -172,7 +160,7 @@ INSTANTIATE_TEST_SUITE_P(Triggers, GraphCaptureTest,
                          });
 
 TEST(GraphCaptureOffTest, OtherModesAndStrategiesLaunchDirectly) {
-  if (MakeDevice() == nullptr) GTEST_SKIP() << "no device";
+  KVTIER_SKIP_WITHOUT_TEST_DEVICE();
   SequenceOptions o = SmallOptions(RetrievalMode::kSpeculative);
   o.recall = RecallStrategy::kSlabDma;  // its plan goes to the host: nothing to capture
   o.capture_graphs = true;

@@ -19,23 +19,9 @@
 namespace kvtier::retriever_test {
 namespace {
 
-#ifdef KVTIER_TEST_CUDA
-constexpr DeviceKind kKind = DeviceKind::kCuda;
-#else
-constexpr DeviceKind kKind = DeviceKind::kCpu;
-#endif
-
-// The backend under test; null when it has no usable device (the test then skips).
-std::unique_ptr<Device> MakeDevice() {
-  absl::StatusOr<std::unique_ptr<Device>> d = CreateDevice(kKind);
-  return d.ok() ? *std::move(d) : nullptr;
-}
-
 class HostWaitsTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    if (MakeDevice() == nullptr) GTEST_SKIP() << "no usable " << DeviceKindName(kKind) << " device";
-  }
+  void SetUp() override { KVTIER_SKIP_WITHOUT_TEST_DEVICE(); }
 };
 
 // A buffer of backend memory holding `src`.
@@ -50,7 +36,7 @@ DeviceBuffer OnDevice(Device& d, Stream& s, const TypedBuffer& src) {
 // calls, summed over its layers, as the sequence reports them (SequenceStats::host_waits).
 std::vector<int64_t> Decode(const SequenceOptions& o, int32_t steps, SequenceStats* end) {
   const Geometry g = SmallGeometry(DType::kF16);
-  std::unique_ptr<Device> device = MakeDevice();
+  std::unique_ptr<Device> device = MakeTestDevice();
   std::unique_ptr<LocalSequence> seq = NewLocalSequence(g, o, *device).value();
   Stream& s = seq->compute_stream();
   HostModel model(g, 11);
@@ -139,7 +125,7 @@ TEST_F(HostWaitsTest, PageableInputsAreCountedAsSynchronousCopies) {
   const Geometry g = SmallGeometry(DType::kF16);
   SequenceOptions o = SmallOptions(RetrievalMode::kSpeculative);
   o.recall = RecallStrategy::kZeroCopy;
-  std::unique_ptr<Device> device = MakeDevice();
+  std::unique_ptr<Device> device = MakeTestDevice();
   std::unique_ptr<LocalSequence> seq = NewLocalSequence(g, o, *device).value();
   HostModel model(g, 5);
   auto prompt = model.Grow(30);

@@ -17,6 +17,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kvtier/device.h"
 #include "kvtier/layout.h"
 #include "offload/host_tier.h"
 #include "offload/page_pool.h"
@@ -24,6 +25,22 @@
 #include "tests/testutil/random_fill.h"
 
 namespace kvtier::retriever_test {
+
+// The backend of a test built twice (once for cpu, once, labelled gpu, with KVTIER_TEST_CUDA
+// for cuda), and a device of it: null when none is usable, and the test skips.
+#ifdef KVTIER_TEST_CUDA
+inline constexpr DeviceKind kTestKind = DeviceKind::kCuda;
+#else
+inline constexpr DeviceKind kTestKind = DeviceKind::kCpu;
+#endif
+inline std::unique_ptr<Device> MakeTestDevice() {
+  absl::StatusOr<std::unique_ptr<Device>> d = CreateDevice(kTestKind);
+  return d.ok() ? *std::move(d) : nullptr;
+}
+#define KVTIER_SKIP_WITHOUT_TEST_DEVICE()                                                       \
+  if (::kvtier::retriever_test::MakeTestDevice() == nullptr)                                    \
+  GTEST_SKIP() << "no usable " << ::kvtier::DeviceKindName(::kvtier::retriever_test::kTestKind) \
+               << " device"
 
 using testing::TypedBuffer;
 

@@ -1,7 +1,9 @@
 // SequenceBatch (kvtier/sequence.h, docs/retriever.md#batches): B sequences of ragged
 // lengths stepped as one batch give bit-identical outputs, working sets and statistics to the
 // same B sequences run alone, in every mode, with policies, with members joining and leaving
-// between steps and passed in any order; and the batch refuses what it cannot do.
+// between steps and passed in any order; and the batch refuses what it cannot do. Built twice:
+// on the cpu backend, and, labelled gpu, on cuda (sequence_batch_gpu_test; skips without a
+// device).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -25,7 +27,7 @@ constexpr int32_t kBatch = 4;
 struct Inputs {
   std::vector<std::pair<TypedBuffer, TypedBuffer>> prompt;
   std::vector<std::vector<std::pair<TypedBuffer, TypedBuffer>>> tokens;  // [step][layer]
-  std::vector<TypedBuffer> queries;                                       // [step]
+  std::vector<TypedBuffer> queries;                                      // [step]
 };
 
 Inputs MakeInputs(const Geometry& g, int32_t prompt, int32_t steps, uint64_t seed) {
@@ -54,8 +56,7 @@ struct Trace {
   SequenceStats stats;
 };
 
-void Record(const Geometry& g, LocalSequence& seq, Device& device, const void* out,
-            Trace* trace) {
+void Record(const Geometry& g, LocalSequence& seq, Device& device, const void* out, Trace* trace) {
   const size_t bytes = size_t{2} * g.num_q_heads * g.head_dim;  // fp16
   std::vector<uint8_t> host(bytes);
   EXPECT_TRUE(device.Copy(seq.compute_stream(), host.data(), out, bytes).ok());
@@ -83,10 +84,11 @@ void ExpectSame(const Trace& a, const Trace& b, const std::string& what) {
 
 // Runs one sequence alone from `first` to `last` step over its inputs.
 Trace RunAlone(const Geometry& g, const SequenceOptions& o, const Inputs& in, int32_t steps) {
-  std::unique_ptr<Device> device = CreateDevice(DeviceKind::kCpu).value();
+  std::unique_ptr<Device> device = MakeTestDevice();
   std::unique_ptr<LocalSequence> seq = NewLocalSequence(g, o, *device).value();
   Stream& s = seq->compute_stream();
-  const int32_t prompt = static_cast<int32_t>(in.prompt[0].first.size() / (g.num_kv_heads * g.head_dim));
+  const int32_t prompt =
+      static_cast<int32_t>(in.prompt[0].first.size() / (g.num_kv_heads * g.head_dim));
   for (int32_t l = 0; l < g.num_layers; ++l) {
     EXPECT_TRUE(seq->Append(l, in.prompt[l].first.data(), in.prompt[l].second.data(), prompt).ok());
   }
@@ -116,7 +118,7 @@ Trace RunAlone(const Geometry& g, const SequenceOptions& o, const Inputs& in, in
 std::vector<Trace> RunBatched(const Geometry& g, const SequenceOptions& o,
                               const std::vector<Inputs>& inputs, int32_t steps, int32_t swap_at,
                               int32_t reverse_from) {
-  std::unique_ptr<Device> device = CreateDevice(DeviceKind::kCpu).value();
+  std::unique_ptr<Device> device = MakeTestDevice();
   std::unique_ptr<SequenceBatch> batch = NewSequenceBatch(g, o, kBatch, *device).value();
   Stream& s = batch->compute_stream();
   std::vector<std::unique_ptr<LocalSequence>> seqs;
@@ -205,7 +207,10 @@ struct Case {
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
-class SequenceBatchTest : public ::testing::TestWithParam<Case> {};
+class SequenceBatchTest : public ::testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override { KVTIER_SKIP_WITHOUT_TEST_DEVICE(); }
+};
 
 TEST_P(SequenceBatchTest, BatchedEqualsAloneBitForBit) {
   const Case& c = GetParam();
@@ -223,7 +228,8 @@ TEST_P(SequenceBatchTest, BatchedEqualsAloneBitForBit) {
   for (int32_t i = 0; i <= kBatch; ++i) {
     // Member 1 ran kSwapAt steps before it left; its successor ran the rest.
     const int32_t steps = i == 1 ? kSwapAt : i == kBatch ? kSteps - kSwapAt : kSteps;
-    ExpectSame(batched[i], RunAlone(g, o, inputs[i], steps), c.name + " sequence " + std::to_string(i));
+    ExpectSame(batched[i], RunAlone(g, o, inputs[i], steps),
+               c.name + " sequence " + std::to_string(i));
   }
 }
 
@@ -239,9 +245,10 @@ INSTANTIATE_TEST_SUITE_P(
     [](const ::testing::TestParamInfo<Case>& p) { return p.param.name; });
 
 TEST(SequenceBatchErrorsTest, RefusesWhatItCannotDo) {
+  KVTIER_SKIP_WITHOUT_TEST_DEVICE();
   const Geometry g = SmallGeometry(DType::kF16);
   SequenceOptions o = SmallOptions(RetrievalMode::kSpeculative);
-  std::unique_ptr<Device> device = CreateDevice(DeviceKind::kCpu).value();
+  std::unique_ptr<Device> device = MakeTestDevice();
   o.recall = RecallStrategy::kSlabDma;
   EXPECT_TRUE(absl::IsInvalidArgument(NewSequenceBatch(g, o, 2, *device).status()));
   o.recall = RecallStrategy::kAuto;
