@@ -5,10 +5,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <iterator>
+#include <thread>
 #include <utility>
 
 #include "absl/cleanup/cleanup.h"
@@ -30,6 +32,9 @@ namespace kvtier::daemon {
 namespace {
 
 constexpr size_t kMaxLabelBytes = 256;
+// Sessions persisted at once at shutdown (PersistAllSessions): each is a few pipelines to the
+// cluster, so a few threads keep every node busy without a thread per session.
+constexpr size_t kPersistParallelism = 8;
 
 // This abseil's string_view is its own type, not std::string_view.
 absl::string_view Sv(std::string_view s) { return absl::string_view(s.data(), s.size()); }
@@ -1837,33 +1842,60 @@ void SessionManager::WriteColdMetrics(Exposition& out,
 }
 
 size_t SessionManager::PersistAllSessions(absl::Time deadline) {
-  std::vector<std::string> hot;
+  struct Hot {
+    std::string id, tenant;
+    absl::Status status;
+  };
+  std::vector<Hot> hot;
   {
     MutexLock lock(&mu_);
     for (const auto& [id, e] : sessions_) {
       // A persistent arena keeps its sessions itself.
       if (e.session != nullptr && ColdStoreOf(e.tenant) != nullptr && !Persistent(e.tenant)) {
-        hot.push_back(id);
+        hot.push_back({id, e.tenant, absl::OkStatus()});
       }
     }
   }
-  size_t demoted = 0;
-  for (const std::string& id : hot) {
-    if (absl::Now() >= deadline) {
-      spdlog::warn("shutdown: the deadline passed with {} sessions not demoted",
-                   hot.size() - demoted);
-      break;
+  if (hot.empty()) return 0;
+  // Each session on its own: a node that is slow or paused holds up only the sessions with
+  // keys on it, and only for their share of the deadline. A session starting with r sessions
+  // (itself included) still to start gets (time left) * workers / r, so every session gets at
+  // least (deadline - start) * workers / sessions even when each uses all of its share; one
+  // that finishes early leaves its time to the later ones.
+  const size_t workers = std::min(hot.size(), kPersistParallelism);
+  std::atomic<size_t> next{0};
+  const auto work = [&] {
+    for (;;) {
+      const size_t i = next.fetch_add(1, std::memory_order_relaxed);
+      if (i >= hot.size()) return;
+      const absl::Time now = absl::Now();
+      if (now >= deadline) {
+        hot[i].status = absl::DeadlineExceededError(
+            "the shutdown deadline (cold_tier.operation_timeout_ms) passed before its turn");
+        continue;
+      }
+      const size_t to_start = hot.size() - i;
+      const absl::Duration share =
+          (deadline - now) * static_cast<double>(workers) / static_cast<double>(to_start);
+      hot[i].status = Demote(hot[i].id, /*force=*/true, std::min(deadline, now + share));
     }
-    absl::Status st = Demote(id, /*force=*/true, deadline);
-    if (st.ok()) {
+  };
+  std::vector<std::thread> threads;
+  threads.reserve(workers - 1);
+  for (size_t t = 1; t < workers; ++t) threads.emplace_back(work);
+  work();
+  for (std::thread& t : threads) t.join();
+  size_t demoted = 0;
+  for (const Hot& h : hot) {
+    if (h.status.ok()) {
       ++demoted;
     } else {
-      spdlog::warn("shutdown: session {} stays in the host tier and is lost: {}", id,
-                   st.ToString());
+      spdlog::warn("shutdown: session {} of tenant '{}' was not persisted; it stays in the host "
+                   "tier and is lost: {}",
+                   h.id, h.tenant, h.status.ToString());
     }
   }
-  if (!hot.empty()) spdlog::info("shutdown: {} of {} sessions demoted to the cold tier", demoted,
-                                 hot.size());
+  spdlog::info("shutdown: {} of {} sessions demoted to the cold tier", demoted, hot.size());
   return demoted;
 }
 

@@ -307,8 +307,11 @@ class SessionManager {
   uint32_t InflightCalls() const ABSL_LOCKS_EXCLUDED(mu_);
   // Shutdown with cold_tier.persist_on_shutdown: demotes every session in the host tier to
   // the cold tier (fencing its holder first), so a daemon started later finds it. Sessions
-  // that cannot be demoted by `deadline` (or whose tenant has no cold tier) are left for
-  // CloseAllSessions. Returns the number demoted.
+  // are demoted independently, a few at once, each by its own share of the time left to
+  // `deadline`, so a slow node holds up only the sessions with keys on it. Sessions that
+  // cannot be demoted by then (or whose tenant has no cold tier) are left for
+  // CloseAllSessions; each one of a tenant with a cold tier is logged (id, tenant, error).
+  // Returns the number demoted.
   size_t PersistAllSessions(absl::Time deadline) ABSL_LOCKS_EXCLUDED(mu_);
   // Demotes the suspended session `id` to the cold tier now, as a full arena would
   // (operators, tests). FAILED_PRECONDITION when it is not suspended or its tenant has no

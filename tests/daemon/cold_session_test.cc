@@ -3,7 +3,8 @@
 // saying why, without redis-server): a tenant filled far beyond its arena demotes its
 // suspended sessions and every page reads back byte-exact; a full arena with nothing suspended
 // still refuses, and so does a full cold quota; a daemon that shut down and started again
-// finds its sessions and Reattach brings them back (GRPC sessions step again); a corrupted
+// finds its sessions and Reattach brings them back (GRPC sessions step again), and with a
+// master paused at shutdown it still finds every session with no key there; a corrupted
 // value is DATA_LOSS, never wrong bytes; a killed master loses nothing a demotion
 // acknowledged (WAIT for a replica); a tenant's Redis ACL user reaches only its own keys.
 // Live sessions with policy.host_drop = demote: pages move one by one and steps match a session
@@ -15,6 +16,7 @@
 #include <atomic>
 #include <memory>
 #include <optional>
+#include <sstream>
 #include <thread>
 #include <string>
 #include <vector>
@@ -26,6 +28,8 @@
 #include "daemon/cold_tier.h"
 #include "daemon/redis_cluster.h"
 #include "offload/session_region.h"
+#include "spdlog/sinks/ostream_sink.h"
+#include "spdlog/spdlog.h"
 #include "tests/daemon/session_manager_testutil.h"
 #include "tests/testutil/redis_cluster_process.h"
 
@@ -539,6 +543,107 @@ TEST_F(ColdSessionTest, ARestartedDaemonFindsItsSessionsAndReattachBringsThemBac
   ASSERT_NE(manager_, nullptr);
   EXPECT_TRUE(manager_->ListSessions(Caller{"a"}).empty());
   EXPECT_TRUE(manager_->ListSessions(Caller{"b"}).empty());
+}
+
+// Shutdown with one master paused (SIGSTOP): sessions are persisted independently, so every
+// session with no key on that master comes back after the restart, whichever order the
+// manager meets them in, and the log names every session that was not persisted, with its
+// tenant.
+TEST_F(ColdSessionTest, APausedMasterAtShutdownLosesOnlyTheSessionsWithKeysOnIt) {
+  DaemonConfig config = ColdConfig();
+  config.max_sessions_per_tenant = 12;
+  config.cold_tier.command_timeout = absl::Milliseconds(300);
+  manager_ = Make(config);
+  ASSERT_NE(manager_, nullptr);
+  const Geometry g = SmallGeometry();
+  std::vector<std::string> ids;
+  for (int i = 0; i < 12; ++i) {
+    absl::StatusOr<SessionRecord> r = manager_->OpenSession(Caller{"a"}, GrpcParams("a"));
+    ASSERT_TRUE(r.ok()) << r.status();
+    std::unique_ptr<OffloadStream> s = manager_->NewOffloadStream(Caller{"a"});
+    for (int32_t l = 0; l < g.num_layers; ++l) {
+      Rows rows(g, 64, 500 + 10 * i + l);
+      ASSERT_TRUE(s->Add(session_manager_testing::Chunk(r->id, l, rows, 0, 64, true, g)).ok());
+    }
+    ASSERT_TRUE(s->Commit().ok());
+    ASSERT_TRUE(s->Finish().ok());
+    ids.push_back(r->id);
+  }
+  // The masters a session's keys live on: its layers' pages, its record; and the tenant's
+  // index, which every session's demotion writes.
+  std::vector<int> masters;
+  for (int node = 0; node < cluster_->size(); ++node) {
+    absl::StatusOr<std::string> role = cluster_->Command(node, {"ROLE"});
+    ASSERT_TRUE(role.ok()) << role.status();
+    if (absl::StartsWith(*role, "master")) masters.push_back(node);
+  }
+  const auto master_of = [&](const std::string& key) {
+    absl::StatusOr<int> m = cluster_->MasterOf(RedisCluster::SlotOf(key));
+    EXPECT_TRUE(m.ok()) << m.status();
+    return m.ok() ? *m : -1;
+  };
+  const int index_master = master_of(absl::StrCat(prefix_, ":a:sessions"));
+  const auto touches = [&](const std::string& id, int node) {
+    if (master_of(absl::StrCat(prefix_, ":a:{", id, "}:meta")) == node) return true;
+    for (int32_t l = 0; l < g.num_layers; ++l) {
+      if (master_of(ColdKey(prefix_, "a", id, l, 0)) == node) return true;
+    }
+    return false;
+  };
+  // The paused master: not the index's, and holding keys of some sessions but not all.
+  int paused = -1;
+  std::vector<std::string> kept, lost;
+  for (int node : masters) {
+    if (node == index_master) continue;
+    std::vector<std::string> k, x;
+    for (const std::string& id : ids) (touches(id, node) ? x : k).push_back(id);
+    if (k.size() > kept.size() && !x.empty()) {
+      paused = node;
+      kept = k;
+      lost = x;
+    }
+  }
+  ASSERT_NE(paused, -1) << "no master holds keys of only some of the sessions";
+  ASSERT_FALSE(kept.empty());
+
+  std::ostringstream log;
+  std::shared_ptr<spdlog::logger> previous = spdlog::default_logger();
+  auto capture = std::make_shared<spdlog::logger>(
+      "capture", std::make_shared<spdlog::sinks::ostream_sink_mt>(log));
+  capture->set_level(spdlog::level::warn);
+  spdlog::set_default_logger(capture);
+  ASSERT_TRUE(cluster_->Pause(paused).ok());
+  const absl::Time began = absl::Now();
+  const size_t persisted = manager_->PersistAllSessions(absl::Now() + absl::Seconds(3));
+  const absl::Duration took = absl::Now() - began;
+  ASSERT_TRUE(cluster_->Resume(paused).ok());
+  spdlog::set_default_logger(previous);
+  EXPECT_LT(took, absl::Seconds(5));
+  EXPECT_EQ(manager_->CloseAllSessions(), ids.size() - persisted);
+  manager_.reset();
+  ASSERT_TRUE(cluster_->WaitForReplicas(absl::Seconds(10)).ok());
+
+  // Every session with no key on the paused master came back, whole.
+  EXPECT_GE(persisted, kept.size()) << log.str();
+  manager_ = Make(config);
+  ASSERT_NE(manager_, nullptr);
+  std::vector<std::string> listed;
+  for (const SessionRecord& r : manager_->ListSessions(Caller{"a"})) listed.push_back(r.id);
+  for (const std::string& id : kept) {
+    EXPECT_THAT(listed, ::testing::Contains(id)) << "session " << id << " was lost\n"
+                                                 << log.str();
+    absl::StatusOr<SessionRecord> r = manager_->Reattach(Caller{"a"}, id);
+    ASSERT_TRUE(r.ok()) << id << ": " << r.status();
+    EXPECT_EQ(r->committed_tokens, std::vector<uint64_t>(2, 64)) << id;
+  }
+  // Every session that was not persisted is named, with its tenant.
+  const std::string text = log.str();
+  int named = 0;
+  for (const std::string& id : lost) {
+    if (absl::StrContains(text, absl::StrCat("session ", id, " of tenant 'a'"))) ++named;
+  }
+  EXPECT_EQ(named, static_cast<int>(ids.size() - persisted)) << text;
+  for (const std::string& id : ids) manager_->CloseSession(Caller{"a"}, id).IgnoreError();
 }
 
 TEST_F(ColdSessionTest, ACorruptedValueIsDataLossNeverWrongBytes) {
