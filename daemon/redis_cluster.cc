@@ -406,6 +406,7 @@ absl::Status RedisCluster::LoadSlotMapFrom(Node* node, absl::Time deadline) {
   }
   ranges_ = std::move(ranges);
   refresh_wanted_ = false;
+  loaded_at_ = absl::Now();
   refreshes_.fetch_add(1, std::memory_order_relaxed);
   return absl::OkStatus();
 }
@@ -455,6 +456,12 @@ std::vector<absl::StatusOr<RedisReply>> RedisCluster::Pipeline(
     {
       absl::MutexLock lock(&map_mu_);
       refresh = refresh_wanted_;
+      const absl::Time now = absl::Now();
+      if (options_.slot_map_refresh > absl::ZeroDuration() &&
+          now - loaded_at_ >= options_.slot_map_refresh) {
+        refresh = true;
+        loaded_at_ = now;  // the other commands meanwhile keep the map they have
+      }
     }
     if (refresh) RefreshSlotMap(deadline).IgnoreError();  // the old map still routes
     const bool wait = RunRound(ops, deadline);
@@ -580,35 +587,37 @@ absl::StatusOr<RedisReply> RedisCluster::Run(const std::vector<std::string>& com
   return std::move(Pipeline({&command, 1}, deadline)[0]);
 }
 
+std::vector<RedisCluster::Node*> RedisCluster::ReplicasOf(uint16_t slot) {
+  absl::MutexLock lock(&map_mu_);
+  for (const SlotRange& r : ranges_) {
+    if (r.first <= slot && slot <= r.last) return r.replicas;
+  }
+  return {};
+}
+
 absl::StatusOr<RedisReply> RedisCluster::RunOnReplica(const std::vector<std::string>& command,
                                                       absl::Time deadline) {
   if (command.size() < 2) {
     return absl::InvalidArgumentError("a Redis Cluster command needs a key (args[1])");
   }
   const uint16_t slot = SlotOf(command[1]);
-  std::vector<Node*> replicas;
-  {
-    absl::MutexLock lock(&map_mu_);
-    for (const SlotRange& r : ranges_) {
-      if (r.first <= slot && slot <= r.last) replicas = r.replicas;
-    }
-  }
-  if (replicas.empty()) {
-    return absl::NotFoundError(absl::StrCat("Redis slot ", slot, " has no replica"));
-  }
-  absl::Status last;
   const Request request{&command, false};
-  for (Node* node : replicas) {
-    Exchanged ex = ExchangeWith(*node, options_, {&request, 1}, true, deadline);
-    if (!ex.link.ok()) {
-      last = ex.link;
-      continue;
+  for (int attempt = 0;; ++attempt) {
+    const std::vector<Node*> replicas = ReplicasOf(slot);
+    absl::Status last = absl::NotFoundError(absl::StrCat("Redis slot ", slot, " has no replica"));
+    for (Node* node : replicas) {
+      Exchanged ex = ExchangeWith(*node, options_, {&request, 1}, true, deadline);
+      if (!ex.link.ok()) {
+        last = ex.link;
+        continue;
+      }
+      if (!ex.answers[0].error) return std::move(ex.answers[0].reply);
+      const absl::Status error = ErrorReplyStatus(ex.answers[0].message);
+      last = absl::Status(error.code(), absl::StrCat(node->address, ": ", error.message()));
     }
-    if (!ex.answers[0].error) return std::move(ex.answers[0].reply);
-    const absl::Status error = ErrorReplyStatus(ex.answers[0].message);
-    last = absl::Status(error.code(), absl::StrCat(node->address, ": ", error.message()));
+    // No replica known, or none answered: the map may be older than the slot's replicas.
+    if (attempt > 0 || absl::Now() >= deadline || !RefreshSlotMap(deadline).ok()) return last;
   }
-  return last;
 }
 
 size_t RedisCluster::node_count() const {

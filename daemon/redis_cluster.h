@@ -22,6 +22,9 @@
 //   UNAVAILABLE when its node refused or dropped every connection until then (dead, not slow).
 //   A command retried after a lost connection may have run once already: send idempotent
 //   commands (SET, GET, DEL), as the cold tier does.
+//   - The slot map is also reloaded by the first command after it is
+//     options.slot_map_refresh old (replicas that joined since), and by a replica read that
+//     finds no replica or none that answers (see RunOnReplica).
 //   - Any other error reply is the command's own result: INVALID_ARGUMENT for a malformed
 //     command (unknown command, wrong arity, syntax), FAILED_PRECONDITION otherwise
 //     (WRONGTYPE, "not an integer", ...), with Redis' message. Other commands in the same
@@ -65,6 +68,9 @@ struct RedisClusterOptions {
   absl::Duration connect_timeout = absl::Seconds(1);  // per TCP connect
   absl::Duration command_timeout = absl::Seconds(2);  // per network round trip (socket timeout)
   int max_redirects = 5;  // MOVED/ASK followed per command (TRYAGAIN etc.: until the deadline)
+  // The slot map is reloaded by the first command after it is this old, so replicas added
+  // (or moved) since show up without a routing error; zero: only on errors and replica misses.
+  absl::Duration slot_map_refresh = absl::Seconds(30);
 };
 
 // One reply of Redis (RESP2); error replies are Statuses instead.
@@ -100,8 +106,10 @@ class RedisCluster {
 
   // The same read on a replica of the key's slot (READONLY on that connection), for re-fetching
   // a value whose checksum failed: the replicas are tried in turn, once each, without
-  // redirections. NOT_FOUND when the slot has no replica; otherwise the first reply, or the
-  // last replica's error.
+  // redirections. When the map names no replica for the slot, or none of them answers, the
+  // slot map is reloaded (a replica may have joined or replaced them since it was loaded) and
+  // the new map's replicas are tried once more. NOT_FOUND when the slot still has no replica;
+  // otherwise the first reply, or the last replica's error.
   absl::StatusOr<RedisReply> RunOnReplica(const std::vector<std::string>& command,
                                           absl::Time deadline);
 
@@ -130,6 +138,8 @@ class RedisCluster {
   // The node for "host:port", created on first use; never destroyed before *this.
   Node* NodeFor(const std::string& host, int port) ABSL_LOCKS_EXCLUDED(map_mu_);
   Node* NodeForLocked(const std::string& host, int port) ABSL_EXCLUSIVE_LOCKS_REQUIRED(map_mu_);
+  // The replicas the map names for `slot`.
+  std::vector<Node*> ReplicasOf(uint16_t slot) ABSL_LOCKS_EXCLUDED(map_mu_);
   // CLUSTER SLOTS from the known nodes (then the seeds), first answer wins.
   absl::Status RefreshSlotMap(absl::Time deadline) ABSL_LOCKS_EXCLUDED(map_mu_);
   absl::Status LoadSlotMapFrom(Node* node, absl::Time deadline) ABSL_LOCKS_EXCLUDED(map_mu_);
@@ -145,6 +155,9 @@ class RedisCluster {
   std::vector<SlotRange> ranges_ ABSL_GUARDED_BY(map_mu_);
   std::array<Node*, 16384> slot_master_ ABSL_GUARDED_BY(map_mu_){};  // nullptr: unknown
   bool refresh_wanted_ ABSL_GUARDED_BY(map_mu_) = false;
+  // When the map was last loaded, or a periodic reload last began (so that one command, not
+  // every one, does it).
+  absl::Time loaded_at_ ABSL_GUARDED_BY(map_mu_) = absl::InfinitePast();
   size_t refresh_cursor_ ABSL_GUARDED_BY(map_mu_) = 0;  // where the next refresh starts
   std::atomic<int64_t> redirects_{0};
   std::atomic<int64_t> refreshes_{0};

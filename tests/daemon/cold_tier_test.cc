@@ -6,7 +6,9 @@
 // (3 masters, 1 replica each; skipped, saying why, without redis-server): pages of several
 // sessions and layers read back byte-exact, a corrupted value is DATA_LOSS, a value corrupted
 // on the master alone is recovered from the replica, another page's value under a page's key
-// is refused, and nothing acknowledged is lost when a master is killed.
+// is refused, and nothing acknowledged is lost when a master is killed. On a cluster whose
+// replica joined after the client loaded its slot map: a value corrupted on the master is
+// read from that replica, and the map learns such replicas by age (slot_map_refresh).
 #include "daemon/cold_tier.h"
 
 #include <memory>
@@ -144,6 +146,7 @@ TEST(ColdTierTest, KeysPutTheTenantFirstAndHashTagSessionAndLayer) {
 }
 
 using testing::RedisClusterProcess;
+using testing::RedisClusterProcessOptions;
 
 class ColdTierClusterTest : public ::testing::Test {
  protected:
@@ -295,6 +298,78 @@ TEST_F(ColdTierClusterTest, AValueCorruptedOnTheMasterAloneComesBackFromItsRepli
   EXPECT_EQ(got[0]->data, data[0]);
   EXPECT_EQ(tier_->stats().checksum_failures, 1);
   EXPECT_EQ(tier_->stats().replica_recoveries, 1);
+}
+
+// A cluster whose replicas joined after the client loaded its slot map (so the map names
+// none): a value corrupted on its master alone still comes back intact from the new replica
+// (the replica read that finds no replica reloads the map), and the map learns such replicas
+// by age too (slot_map_refresh).
+class ColdTierLateReplicaTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    RedisClusterProcessOptions options;
+    options.replicas_per_master = 0;
+    auto started = RedisClusterProcess::Start(options);
+    if (absl::IsNotFound(started.status())) GTEST_SKIP() << started.status();
+    ASSERT_TRUE(started.ok()) << "cluster did not start: " << started.status();
+    process_ = *std::move(started);
+  }
+  std::unique_ptr<RedisClusterProcess> process_;
+};
+
+TEST_F(ColdTierLateReplicaTest, AReplicaThatJoinedLaterServesAValueCorruptedOnTheMaster) {
+  RedisClusterOptions options;
+  options.seeds = process_->seeds();
+  options.command_timeout = absl::Milliseconds(500);
+  auto cluster = RedisCluster::Connect(options);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  auto tier = ColdTier::Create(cluster->get(), "kvt");
+  ASSERT_TRUE(tier.ok()) << tier.status();
+  const int nodes = static_cast<int>((*cluster)->node_count());
+  EXPECT_EQ(nodes, 3);
+  // A page written with the map loaded (no replicas in it).
+  std::string data(4096, '\0');
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>((i * 37 + 11) & 0xff);
+  const ColdPageRef ref{0, 0, 5, data};
+  ASSERT_TRUE((*tier)->Put("acme", "s-late", {&ref, 1}, absl::Now() + absl::Seconds(10)).ok());
+  const std::string key = (*tier)->Key("acme", "s-late", 0, 0);
+  absl::StatusOr<int> master = process_->MasterOf(RedisCluster::SlotOf(key));
+  ASSERT_TRUE(master.ok()) << master.status();
+  // A replica joins that master and copies the page.
+  absl::StatusOr<int> replica = process_->AddReplica(*master, absl::Seconds(30));
+  ASSERT_TRUE(replica.ok()) << replica.status();
+  // The master's copy alone is damaged (a script whose effects are not replicated).
+  const std::string flipped(1, static_cast<char>(data[7] ^ 0x40));
+  ASSERT_TRUE(process_
+                  ->Command(*master, {"EVAL",
+                                      "redis.set_repl(redis.REPL_NONE); return "
+                                      "redis.call('SETRANGE', KEYS[1], ARGV[1], ARGV[2])",
+                                      "1", key, std::to_string(kColdHeaderBytes + 7), flipped})
+                  .ok());
+  const int64_t pages[] = {0};
+  std::vector<absl::StatusOr<ColdPage>> got =
+      (*tier)->Get("acme", "s-late", 0, pages, {}, absl::Now() + absl::Seconds(10));
+  ASSERT_TRUE(got[0].ok()) << got[0].status();
+  EXPECT_EQ(got[0]->data, data);
+  EXPECT_EQ((*tier)->stats().replica_recoveries, 1);
+  EXPECT_EQ((*cluster)->node_count(), 4u);
+}
+
+TEST_F(ColdTierLateReplicaTest, TheSlotMapLearnsReplicasThatJoinedLaterByAge) {
+  RedisClusterOptions options;
+  options.seeds = process_->seeds();
+  options.command_timeout = absl::Milliseconds(500);
+  options.slot_map_refresh = absl::Milliseconds(200);
+  auto cluster = RedisCluster::Connect(options);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  EXPECT_EQ((*cluster)->node_count(), 3u);
+  ASSERT_TRUE(process_->AddReplica(0, absl::Seconds(30)).ok());
+  const int64_t refreshes = (*cluster)->slot_map_refreshes();
+  absl::SleepFor(absl::Milliseconds(250));
+  // The first command after the map is that old reloads it; no routing error needed.
+  ASSERT_TRUE((*cluster)->Run({"SET", "late-replica", "x"}, absl::Now() + absl::Seconds(5)).ok());
+  EXPECT_GT((*cluster)->slot_map_refreshes(), refreshes);
+  EXPECT_EQ((*cluster)->node_count(), 4u);
 }
 
 // A value is bound to its key's (tenant, session, layer, page). Intact values of other pages

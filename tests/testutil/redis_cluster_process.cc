@@ -185,51 +185,9 @@ absl::StatusOr<std::unique_ptr<RedisClusterProcess>> RedisClusterProcess::Start(
     return absl::InternalError(absl::StrCat("mkdtemp: ", std::strerror(errno)));
   }
   c->dir_ = tmpl;
+  c->node_timeout_ms_ = options.node_timeout_ms;
   const int n = options.masters * (1 + options.replicas_per_master);
-  std::set<int> taken;
-  for (int i = 0; i < n; ++i) {
-    KVTIER_ASSIGN_OR_RETURN(const int port, FreePort(taken));
-    taken.insert(port);
-    const std::string dir = absl::StrCat(c->dir_, "/", port);
-    std::filesystem::create_directories(dir);
-    KVTIER_ASSIGN_OR_RETURN(const pid_t pid, Spawn({server,
-                                                    "--port",
-                                                    absl::StrCat(port),
-                                                    "--cluster-enabled",
-                                                    "yes",
-                                                    "--cluster-config-file",
-                                                    absl::StrCat("nodes-", port, ".conf"),
-                                                    "--cluster-node-timeout",
-                                                    absl::StrCat(options.node_timeout_ms),
-                                                    "--save",
-                                                    "",
-                                                    "--appendonly",
-                                                    "no",
-                                                    "--bind",
-                                                    "127.0.0.1",
-                                                    "--protected-mode",
-                                                    "no",
-                                                    "--dir",
-                                                    dir,
-                                                    "--daemonize",
-                                                    "no"},
-                                                   dir + "/redis.log"));
-    c->ports_.push_back(port);
-    c->pids_.push_back(pid);
-  }
-  for (int i = 0; i < n; ++i) {
-    while (!Query(c->port(i), {"PING"}).ok()) {
-      int st = 0;
-      if (::waitpid(c->pids_[static_cast<size_t>(i)], &st, WNOHANG) > 0) {
-        c->pids_[static_cast<size_t>(i)] = -1;
-        return absl::InternalError(
-            absl::StrCat("redis-server on port ", c->port(i), " exited at start-up: ",
-                         ReadFile(absl::StrCat(c->dir_, "/", c->port(i), "/redis.log"))));
-      }
-      if (absl::Now() > deadline) return absl::DeadlineExceededError("redis-server start-up");
-      absl::SleepFor(kPoll);
-    }
-  }
+  for (int i = 0; i < n; ++i) KVTIER_RETURN_IF_ERROR(c->SpawnNode(deadline));
   std::vector<std::string> create = {cli, "--cluster", "create"};
   for (int i = 0; i < n; ++i) create.push_back(c->address(i));
   create.push_back("--cluster-replicas");
@@ -252,6 +210,93 @@ absl::StatusOr<std::unique_ptr<RedisClusterProcess>> RedisClusterProcess::Start(
   }
   KVTIER_RETURN_IF_ERROR(c->WaitClusterOk(deadline - absl::Now()));
   return c;
+}
+
+absl::Status RedisClusterProcess::SpawnNode(absl::Time deadline) {
+  const std::string server = FindBinary("redis-server");
+  const std::set<int> taken(ports_.begin(), ports_.end());
+  KVTIER_ASSIGN_OR_RETURN(const int port, FreePort(taken));
+  const std::string dir = absl::StrCat(dir_, "/", port);
+  std::filesystem::create_directories(dir);
+  KVTIER_ASSIGN_OR_RETURN(const pid_t pid, Spawn({server,
+                                                  "--port",
+                                                  absl::StrCat(port),
+                                                  "--cluster-enabled",
+                                                  "yes",
+                                                  "--cluster-config-file",
+                                                  absl::StrCat("nodes-", port, ".conf"),
+                                                  "--cluster-node-timeout",
+                                                  absl::StrCat(node_timeout_ms_),
+                                                  "--save",
+                                                  "",
+                                                  "--appendonly",
+                                                  "no",
+                                                  "--bind",
+                                                  "127.0.0.1",
+                                                  "--protected-mode",
+                                                  "no",
+                                                  "--dir",
+                                                  dir,
+                                                  "--daemonize",
+                                                  "no"},
+                                                 dir + "/redis.log"));
+  ports_.push_back(port);
+  pids_.push_back(pid);
+  const size_t i = pids_.size() - 1;
+  while (!Query(port, {"PING"}).ok()) {
+    int st = 0;
+    if (::waitpid(pids_[i], &st, WNOHANG) > 0) {
+      pids_[i] = -1;
+      return absl::InternalError(absl::StrCat("redis-server on port ", port,
+                                              " exited at start-up: ",
+                                              ReadFile(dir + "/redis.log")));
+    }
+    if (absl::Now() > deadline) return absl::DeadlineExceededError("redis-server start-up");
+    absl::SleepFor(kPoll);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int> RedisClusterProcess::AddReplica(int master, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  KVTIER_ASSIGN_OR_RETURN(const std::string master_id, NodeId(master));
+  KVTIER_RETURN_IF_ERROR(SpawnNode(deadline));
+  const int node = size() - 1;
+  KVTIER_RETURN_IF_ERROR(
+      Command(node, {"CLUSTER", "MEET", "127.0.0.1", absl::StrCat(port(master))}).status());
+  // REPLICATE is refused until the new node has heard of the master (the gossip after MEET).
+  for (;;) {
+    const absl::StatusOr<std::string> r = Command(node, {"CLUSTER", "REPLICATE", master_id});
+    if (r.ok()) break;
+    if (absl::Now() > deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("CLUSTER REPLICATE on ", address(node), ": ", r.status().message()));
+    }
+    absl::SleepFor(kPoll);
+  }
+  // Every live node lists it in CLUSTER SLOTS (what a client loads, from any node), and it is
+  // in sync with its master.
+  const std::string listed = absl::StrCat("\n", port(node), "\n");
+  for (;;) {
+    bool everywhere = true;
+    for (int i = 0; i < size() && everywhere; ++i) {
+      if (!alive(i)) continue;
+      const absl::StatusOr<std::string> slots = Command(i, {"CLUSTER", "SLOTS"});
+      everywhere = slots.ok() && absl::StrContains(absl::StrCat("\n", *slots, "\n"), listed);
+    }
+    const absl::StatusOr<std::string> info = Command(master, {"INFO", "replication"});
+    if (everywhere && info.ok() &&
+        absl::StrContains(*info, absl::StrCat("port=", port(node), ",state=online"))) {
+      break;
+    }
+    if (absl::Now() > deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat(address(node), " did not become a replica of ", address(master)));
+    }
+    absl::SleepFor(kPoll);
+  }
+  KVTIER_RETURN_IF_ERROR(WaitForReplicas(deadline - absl::Now()));
+  return node;
 }
 
 RedisClusterProcess::~RedisClusterProcess() {

@@ -66,6 +66,12 @@ class RedisClusterProcess {
   // Waits until every live master's replicas have acknowledged its whole replication stream.
   absl::Status WaitForReplicas(absl::Duration timeout);
 
+  // Starts a new node and makes it a replica of master `master` (CLUSTER MEET, CLUSTER
+  // REPLICATE), then waits until every live node's CLUSTER SLOTS lists it and it has the
+  // master's whole replication stream. Returns its index. For a cluster whose replicas join after a
+  // client loaded its slot map.
+  absl::StatusOr<int> AddReplica(int master, absl::Duration timeout);
+
   // Slot migration by hand: Begin marks `slot` MIGRATING on `from` and IMPORTING on `to`
   // (keys not yet moved answer ASK); Finish moves the keys still on `from` and assigns the
   // slot to `to` on every live master (clients with the old map get MOVED).
@@ -75,6 +81,8 @@ class RedisClusterProcess {
  private:
   RedisClusterProcess() = default;
   absl::Status WaitClusterOk(absl::Duration timeout);
+  // Starts redis-server on a free port as a cluster node (not yet in the cluster).
+  absl::Status SpawnNode(absl::Time deadline);
   absl::StatusOr<std::string> NodeId(int node);
   int IndexOfPort(int port) const;
 
@@ -83,6 +91,7 @@ class RedisClusterProcess {
   std::vector<int> ports_;
   std::vector<pid_t> pids_;  // -1 once killed
   int replicas_per_master_ = 1;
+  int node_timeout_ms_ = 1000;
 };
 
 }  // namespace kvtier::testing
