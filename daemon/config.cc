@@ -175,6 +175,7 @@ constexpr ConfigField kColdTierFields[] = {
     {"command_timeout_ms", [](const toml::node& n, std::string_view k, DaemonConfig* c) { return ReadMillis(n, k, &c->cold_tier.command_timeout); }},
     {"operation_timeout_ms", [](const toml::node& n, std::string_view k, DaemonConfig* c) { return ReadMillis(n, k, &c->cold_tier.operation_timeout); }},
     {"min_replicas", [](const toml::node& n, std::string_view k, DaemonConfig* c) { return ReadInt(n, k, &c->cold_tier.min_replicas); }},
+    {"slot_map_refresh_ms", [](const toml::node& n, std::string_view k, DaemonConfig* c) { return ReadMillis(n, k, &c->cold_tier.slot_map_refresh); }},
     {"persist_on_shutdown", [](const toml::node& n, std::string_view k, DaemonConfig* c) { return ReadBool(n, k, &c->cold_tier.persist_on_shutdown); }},
     {"demote_suspended_after_ms", [](const toml::node& n, std::string_view k, DaemonConfig* c) { return ReadMillis(n, k, &c->cold_tier.demote_suspended_after); }},
 };

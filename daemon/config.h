@@ -30,6 +30,9 @@ struct ColdTierConfig {
   absl::Duration operation_timeout = absl::Seconds(30);  // one session's demotion or promotion
   uint32_t min_replicas = 0;        // replicas (WAIT) a demotion must reach before it counts
   bool persist_on_shutdown = true;
+  // The slot map (CLUSTER SLOTS) is reloaded this often, so replicas that join later are used
+  // for replica reads; 0: only on routing errors and replica reads that find no replica.
+  absl::Duration slot_map_refresh = absl::Seconds(30);
   // Suspended sessions are demoted once suspended this long, room needed or not (so they
   // outlive a daemon crash and free their host memory early); 0: only when the arena needs
   // the room.

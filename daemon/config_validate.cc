@@ -193,6 +193,9 @@ absl::Status ValidateColdTier(const ColdTierConfig& c) {
   }
   KVTIER_RETURN_IF_ERROR(
       CheckRange("cold_tier.min_replicas", c.min_replicas, 0, kMaxMinReplicas));
+  KVTIER_RETURN_IF_ERROR(CheckRange("cold_tier.slot_map_refresh_ms",
+                                    absl::ToInt64Milliseconds(c.slot_map_refresh), 0,
+                                    kMaxColdTimeoutMs, "0 (only on errors) to 10 min"));
   return CheckRange("cold_tier.demote_suspended_after_ms",
                     absl::ToInt64Milliseconds(c.demote_suspended_after), 0, int64_t{86'400'000},
                     "0 (only when the arena needs the room) to a day");

@@ -58,6 +58,7 @@ connect_timeout_ms = 1000
 command_timeout_ms = 2000
 operation_timeout_ms = 30000
 min_replicas = 0
+slot_map_refresh_ms = 30000     # 0: only on routing errors and replica misses
 persist_on_shutdown = true
 demote_suspended_after_ms = 0   # 0: only when the arena needs the room
 

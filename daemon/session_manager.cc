@@ -328,6 +328,7 @@ absl::Status SessionManager::StartColdTier() {
     o.password = std::move(password);
     o.connect_timeout = cc.connect_timeout;
     o.command_timeout = cc.command_timeout;
+    o.slot_map_refresh = cc.slot_map_refresh;
     absl::StatusOr<std::unique_ptr<RedisCluster>> c = RedisCluster::Connect(std::move(o));
     if (!c.ok()) {
       return absl::Status(c.status().code(),

@@ -219,6 +219,7 @@ connect_timeout_ms = 250
 command_timeout_ms = 1500
 operation_timeout_ms = 60000
 min_replicas = 2
+slot_map_refresh_ms = 5000
 persist_on_shutdown = false
 demote_suspended_after_ms = 1500
 [[tenant]]
@@ -244,6 +245,7 @@ host_memory_bytes = 1048576
   EXPECT_EQ(cold.operation_timeout, absl::Seconds(60));
   EXPECT_EQ(cold.min_replicas, 2u);
   EXPECT_FALSE(cold.persist_on_shutdown);
+  EXPECT_EQ(cold.slot_map_refresh, absl::Seconds(5));
   EXPECT_EQ(cold.demote_suspended_after, absl::Milliseconds(1500));
   ASSERT_EQ(config->tenants.size(), 2u);
   EXPECT_EQ(config->tenants[0].cold_quota_bytes, uint64_t{16} << 30);
@@ -550,6 +552,9 @@ INSTANTIATE_TEST_SUITE_P(
         BadValue{"DemoteSuspendedAfterBeyondADay",
                  [](DaemonConfig* c) { c->cold_tier.demote_suspended_after = absl::Hours(25); },
                  {"cold_tier.demote_suspended_after_ms = 90000000", "a day"}},
+        BadValue{"SlotMapRefreshBeyondTenMinutes",
+                 [](DaemonConfig* c) { c->cold_tier.slot_map_refresh = absl::Minutes(11); },
+                 {"cold_tier.slot_map_refresh_ms = 660000", "10 min"}},
         BadValue{"UserWithoutPassword",
                  [](DaemonConfig* c) { c->cold_tier.user = "kvtierd"; },
                  {"cold_tier.user", "cold_tier.password"}},
@@ -678,8 +683,8 @@ TEST(LoadConfigFileTest, ErrorsNameTheFileAndLine) {
 TEST(KnownConfigKeysTest, AreUniqueAndQualified) {
   const std::vector<std::string> keys = KnownConfigKeys();
   EXPECT_EQ(std::set<std::string>(keys.begin(), keys.end()).size(), keys.size());
-  // 15 server, 6 limits, 3 metrics, 9 cold_tier, 3 log, 12 tenant
-  EXPECT_EQ(keys.size(), 49u);
+  // 15 server, 6 limits, 3 metrics, 10 cold_tier, 3 log, 12 tenant
+  EXPECT_EQ(keys.size(), 50u);
   for (const std::string& key : keys) EXPECT_NE(key.find('.'), std::string::npos) << key;
 }
 
@@ -719,7 +724,7 @@ TEST(KnownConfigKeysTest, ListTheColdTierKeys) {
        {"cold_tier.nodes", "cold_tier.key_prefix", "cold_tier.user", "cold_tier.password",
         "cold_tier.connect_timeout_ms", "cold_tier.command_timeout_ms",
         "cold_tier.operation_timeout_ms", "cold_tier.min_replicas", "cold_tier.persist_on_shutdown",
-        "cold_tier.demote_suspended_after_ms",
+        "cold_tier.demote_suspended_after_ms", "cold_tier.slot_map_refresh_ms",
         "tenant.cold_quota_bytes", "tenant.redis_user", "tenant.redis_password"}) {
     EXPECT_TRUE(known.count(key)) << key;
   }
