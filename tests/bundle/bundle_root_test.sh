@@ -133,7 +133,7 @@ for c in s["checks"]:
         cpu_passed.add(c["name"])
 want = {"devices", "backend_ops_cpu", "host_waits_cpu"}
 if have_cuda_libs:
-    want.add("engine_golden_cpu")  # kvtier-run's arithmetic links cuBLAS
+    want |= {"engine_golden_cpu", "kvtier-run-cpu"}  # the engine's arithmetic links cuBLAS
 if not want <= cpu_passed:
     fail.append("cpu checks passed: %s, expected at least %s" % (sorted(cpu_passed), sorted(want)))
 for c in s["checks"]:
