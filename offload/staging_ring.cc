@@ -1,5 +1,6 @@
 #include "offload/staging_ring.h"
 
+#include <algorithm>
 #include <cstdlib>
 
 #include "absl/strings/str_format.h"
@@ -55,12 +56,11 @@ StagingRing::Block StagingRing::TryAcquire(size_t bytes) {
 
 void StagingRing::Release(uint64_t ticket) {
   if (ticket == 0) return;
-  for (Entry& e : blocks_) {
-    if (e.ticket == ticket) {
-      e.released = true;
-      break;
-    }
-  }
+  // Tickets grow with every acquisition and blocks_ is in acquisition order: a binary search,
+  // not a scan (a prefill's offload holds many blocks at once, and releases each).
+  const auto it = std::lower_bound(blocks_.begin(), blocks_.end(), ticket,
+                                   [](const Entry& e, uint64_t t) { return e.ticket < t; });
+  if (it != blocks_.end() && it->ticket == ticket) it->released = true;
   while (!blocks_.empty() && blocks_.front().released) {
     tail_ = blocks_.front().end;
     blocks_.pop_front();
