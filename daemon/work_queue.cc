@@ -1,6 +1,7 @@
 // WorkQueue. Invariants: queued_ is the number of jobs in waiting_; a tenant is in waiting_
-// only while it has a job waiting; a job leaves the queue exactly once, to a worker (with OK)
-// or to Shutdown (with UNAVAILABLE).
+// only while it has a job waiting, and in running_ only while it has a job running (never
+// more than per_tenant_); a job leaves the queue exactly once, to a worker (with OK) or to
+// Shutdown (with UNAVAILABLE).
 #include "daemon/work_queue.h"
 
 #include <algorithm>
@@ -28,12 +29,20 @@ absl::StatusOr<std::unique_ptr<WorkQueue>> WorkQueue::Create(const WorkQueueOpti
   if (options.max_queued < 1) {
     return absl::InvalidArgumentError("work queue max_queued must be > 0");
   }
+  if (options.max_running_per_tenant < 0 || options.max_running_per_tenant > options.threads) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("work queue max_running_per_tenant = %d: must be in [0, threads = %d]",
+                        options.max_running_per_tenant, options.threads));
+  }
   std::unique_ptr<WorkQueue> q(new WorkQueue(options));
   for (int i = 0; i < options.threads; ++i) q->workers_.emplace_back([w = q.get()] { w->Work(); });
   return q;
 }
 
-WorkQueue::WorkQueue(const WorkQueueOptions& options) : options_(options) {}
+WorkQueue::WorkQueue(const WorkQueueOptions& options)
+    : options_(options),
+      per_tenant_(options.max_running_per_tenant > 0 ? options.max_running_per_tenant
+                                                     : std::max(1, options.threads - 1)) {}
 
 WorkQueue::~WorkQueue() { Shutdown(); }
 
@@ -59,13 +68,30 @@ absl::Status WorkQueue::Submit(std::string_view tenant, Job job) {
   return absl::OkStatus();
 }
 
-WorkQueue::Job WorkQueue::TakeNext() {
-  // The first tenant at or after next_ (wrapping around): round-robin in name order.
-  auto it = waiting_.lower_bound(next_);
-  if (it == waiting_.end()) it = waiting_.begin();
+std::map<std::string, std::deque<WorkQueue::Job>, std::less<>>::iterator WorkQueue::NextTenant() {
+  // The first tenant at or after next_ (wrapping around) below its share: round-robin in name
+  // order over the tenants that may run another job.
+  const auto may_run = [this](const std::string& tenant) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto r = running_.find(tenant);
+    return r == running_.end() || r->second < per_tenant_;
+  };
+  const auto from = waiting_.lower_bound(next_);
+  for (auto it = from; it != waiting_.end(); ++it) {
+    if (may_run(it->first)) return it;
+  }
+  for (auto it = waiting_.begin(); it != from; ++it) {
+    if (may_run(it->first)) return it;
+  }
+  return waiting_.end();
+}
+
+WorkQueue::Job WorkQueue::TakeNext(std::string* tenant) {
+  auto it = NextTenant();
   Job job = std::move(it->second.front());
   it->second.pop_front();
   --queued_;
+  ++running_[it->first];
+  *tenant = it->first;
   // The tenant after this one goes next: its name with a NUL appended sorts right after it.
   next_ = it->first + '\0';
   if (it->second.empty()) waiting_.erase(it);
@@ -80,18 +106,26 @@ absl::Duration WorkQueue::RetryHint() const {
 void WorkQueue::Work() {
   for (;;) {
     Job job;
+    std::string tenant;
     {
       MutexLock lock(&mu_);
-      wake_.Await(&mu_,
-                  [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || queued_ > 0; });
+      wake_.Await(&mu_, [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stopping_ || (queued_ > 0 && NextTenant() != waiting_.end());
+      });
       if (stopping_) return;  // Shutdown hands out what is left
-      job = TakeNext();
+      job = TakeNext(&tenant);
     }
     const absl::Time start = absl::Now();
     std::move(job)(absl::OkStatus());
     const absl::Duration took = absl::Now() - start;
-    MutexLock lock(&mu_);
-    mean_job_ = mean_job_ * 0.9 + took * 0.1;
+    {
+      MutexLock lock(&mu_);
+      mean_job_ = mean_job_ * 0.9 + took * 0.1;
+      auto r = running_.find(tenant);
+      if (--r->second == 0) running_.erase(r);
+    }
+    // A job of this tenant that waited for its share may run now, on another worker too.
+    wake_.Signal();
   }
 }
 

@@ -1,6 +1,7 @@
 // WorkQueue: jobs run exactly once on a worker; tenants are served round-robin; the queue is
-// bounded (RESOURCE_EXHAUSTED with a retry hint); Shutdown hands jobs that never started
-// UNAVAILABLE. Workers are held with a gate, so every ordering below is deterministic.
+// bounded (RESOURCE_EXHAUSTED with a retry hint); a tenant whose jobs block holds at most its
+// share of the workers; Shutdown hands jobs that never started UNAVAILABLE. Workers are held with a
+// gate, so every ordering below is deterministic.
 #include "daemon/work_queue.h"
 
 #include <memory>
@@ -123,9 +124,38 @@ TEST(WorkQueueTest, ShutdownHandsJobsThatNeverStartedUnavailable) {
   }
 }
 
+TEST(WorkQueueTest, ATenantWhoseJobsBlockLeavesAWorkerToOthers) {
+  Recorder r;
+  std::unique_ptr<WorkQueue> q = Queue(2, 16);
+  EXPECT_EQ(q->max_running_per_tenant(), 1);  // all but one of 2
+  // Tenant a's jobs block (a stalled cold-tier node): the first holds a worker, the second
+  // waits for a's share rather than taking the other worker.
+  ASSERT_TRUE(q->Submit("a", r.Gate()).ok());
+  r.AwaitGate();
+  ASSERT_TRUE(q->Submit("a", r.Gate()).ok());
+  ASSERT_TRUE(q->Submit("b", r.Job("b1")).ok());
+  {
+    MutexLock lock(&r.mu);
+    EXPECT_TRUE(r.cv.AwaitWithTimeout(
+        &r.mu, [&r]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(r.mu) { return !r.ran.empty(); },
+        absl::Seconds(10)))
+        << "tenant b's job waited for tenant a's blocked ones";
+  }
+  EXPECT_EQ(q->queued(), 1u);  // a's second job, still waiting for a's worker
+  r.Open();
+  ASSERT_TRUE(q->Submit("a", r.Job("a3")).ok());
+  r.AwaitRan(2);
+  MutexLock lock(&r.mu);
+  EXPECT_THAT(r.ran, ElementsAre("b1", "a3"));
+}
+
 TEST(WorkQueueTest, OptionsOutOfRangeAreRefused) {
   EXPECT_EQ(WorkQueue::Create({.threads = 0}).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(WorkQueue::Create({.threads = 1, .max_queued = 0}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(WorkQueue::Create({.threads = 2, .max_running_per_tenant = 3}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(WorkQueue::Create({.threads = 2, .max_running_per_tenant = -1}).status().code(),
             absl::StatusCode::kInvalidArgument);
 }
 
