@@ -68,8 +68,8 @@ absl::Status ColdStore::WaitForReplicas(const std::vector<std::string>& keys,
   // WAIT blocks its connection: at most most of one round trip's timeout (the socket would
   // give up first), so a slot whose master has no replica left (after a failover) fails the
   // write in a bounded time instead of using the whole deadline.
-  const int64_t ms = std::max<int64_t>(
-      1, absl::ToInt64Milliseconds(std::min(deadline - absl::Now(), wait_timeout_)));
+  const absl::Duration left = deadline - absl::Now();
+  const int64_t ms = std::max<int64_t>(1, absl::ToInt64Milliseconds(std::min(left, wait_timeout_)));
   std::vector<std::vector<std::string>> waits(
       route.size(), {"WAIT", absl::StrCat(options_.min_replicas), absl::StrCat(ms)});
   std::vector<absl::StatusOr<RedisReply>> replies = cluster_->Pipeline(waits, deadline, route);
@@ -77,10 +77,15 @@ absl::Status ColdStore::WaitForReplicas(const std::vector<std::string>& keys,
     KVTIER_RETURN_IF_ERROR(replies[i].status());
     if (replies[i]->type != RedisReply::Type::kInteger ||
         replies[i]->integer < static_cast<int64_t>(options_.min_replicas)) {
-      return absl::UnavailableError(absl::StrFormat(
+      // A WAIT the deadline cut short says nothing of the replicas: the call ran out of time.
+      const std::string msg = absl::StrFormat(
           "WAIT %d: only %d replicas acknowledged the writes to the node of %s "
           "(cold_tier.min_replicas)",
-          options_.min_replicas, replies[i]->integer, route[i]));
+          options_.min_replicas, replies[i]->integer, route[i]);
+      if (left < wait_timeout_) {
+        return absl::DeadlineExceededError(absl::StrCat(msg, " before the deadline"));
+      }
+      return absl::UnavailableError(msg);
     }
   }
   return absl::OkStatus();

@@ -14,7 +14,13 @@ namespace kvtier::daemon {
 SessionColdPages::~SessionColdPages() { (void)RemoveAll(); }
 
 absl::Time SessionColdPages::DeadlineOf(absl::Time deadline) const {
-  return std::min(absl::Now() + timeout_, deadline);
+  MutexLock lock(&call_mu_);
+  return std::min({absl::Now() + timeout_, deadline, call_deadline_});
+}
+
+void SessionColdPages::SetCallDeadline(absl::Time deadline) {
+  MutexLock lock(&call_mu_);
+  call_deadline_ = deadline;
 }
 
 absl::Status SessionColdPages::Put(const StoredPage& page, std::span<const uint8_t> bytes) {

@@ -14,7 +14,9 @@
 // back), but stay charged, and RemoveAll removes them with the rest.
 //
 // Every call has the deadline `timeout` from its start (cold_tier.operation_timeout_ms), or
-// the earlier one it is given.
+// the earlier one it is given, or the earlier deadline of the RPC it runs for (CallScope):
+// the Retriever's ColdPages calls (offload/cold_pages.h) name no deadline, so the session
+// sets its caller's around the Retriever work it does for a call.
 //
 // Thread-safe: the session's Retriever and its Fetch both call it, under the session's lock.
 #ifndef KVTIER_DAEMON_SESSION_COLD_PAGES_H_
@@ -49,6 +51,23 @@ class SessionColdPages final : public ColdPages {
                    absl::Duration timeout)
       : store_(store), session_(session + ".live"), page_bytes_(page_bytes), timeout_(timeout) {}
   ~SessionColdPages() override;
+
+  // While it lives, every call also ends by `deadline` (that of the RPC the session runs the
+  // Retriever for: Apply, Step). Scopes do not nest; the session's lock orders them.
+  class CallScope {
+   public:
+    CallScope(SessionColdPages* pages, absl::Time deadline) : pages_(pages) {
+      if (pages_ != nullptr) pages_->SetCallDeadline(deadline);
+    }
+    CallScope(const CallScope&) = delete;
+    CallScope& operator=(const CallScope&) = delete;
+    ~CallScope() {
+      if (pages_ != nullptr) pages_->SetCallDeadline(absl::InfiniteFuture());
+    }
+
+   private:
+    SessionColdPages* const pages_;
+  };
 
   absl::Status Put(const StoredPage& page, std::span<const uint8_t> bytes) override
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -92,8 +111,9 @@ class SessionColdPages final : public ColdPages {
   absl::Status ReadEach(std::span<const Read> reads, absl::Time deadline,
                         absl::FunctionRef<void(size_t, std::string&&)> take)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // The earlier of `deadline` and the timeout from now.
-  absl::Time DeadlineOf(absl::Time deadline) const;
+  // The earliest of `deadline`, the call's (CallScope) and the timeout from now.
+  absl::Time DeadlineOf(absl::Time deadline) const ABSL_LOCKS_EXCLUDED(call_mu_);
+  void SetCallDeadline(absl::Time deadline) ABSL_LOCKS_EXCLUDED(call_mu_);
 
   ColdStore* const store_;
   const std::string session_;
@@ -104,6 +124,9 @@ class SessionColdPages final : public ColdPages {
   // Each key of both is charged once (its value's size).
   std::map<Key, uint64_t> held_ ABSL_GUARDED_BY(mu_);
   std::set<Key> unacknowledged_ ABSL_GUARDED_BY(mu_);
+  // Apart from mu_, which a batch holds through its I/O.
+  mutable Mutex call_mu_;
+  absl::Time call_deadline_ ABSL_GUARDED_BY(call_mu_) = absl::InfiniteFuture();
 };
 
 }  // namespace kvtier::daemon

@@ -299,6 +299,8 @@ absl::StatusOr<std::vector<uint64_t>> TenantSession::Apply(const std::vector<Off
   KVTIER_RETURN_IF_ERROR(CheckWritable(what));
   // Checked with the session held: waiting for it may have used up the deadline.
   KVTIER_RETURN_IF_ERROR(caller.CheckLive(what));
+  // The demotions the appends need end by the call's deadline, not operation_timeout_ms.
+  SessionColdPages::CallScope cold_call(cold_pages_.get(), caller.deadline);
   absl::Status st;
   for (const OffloadChunk& c : chunks) {
     st = retriever_->Append(static_cast<int32_t>(c.layer), c.k.data(), c.v.data(),
@@ -425,7 +427,11 @@ absl::StatusOr<StepResult> TenantSession::Step(int32_t layer, std::string_view q
   KVTIER_RETURN_IF_ERROR(
       caller.CheckLive(absl::StrFormat("step %d of layer %d", done.run + 1, layer)));
   bool advanced = false;
-  absl::StatusOr<StepResult> r = RunStep(layer, q, want_output, &advanced);
+  absl::StatusOr<StepResult> r = [&] {
+    // The promotions (and demotions) the step needs end by the call's deadline.
+    SessionColdPages::CallScope cold_call(cold_pages_.get(), caller.deadline);
+    return RunStep(layer, q, want_output, &advanced);
+  }();
   if (!advanced) return r;  // BeginStep refused: the layer did not move
   done.run += 1;  // the Retriever ran EndStep, even after an error
   {

@@ -134,7 +134,8 @@ class TenantSession {
   // validated; lease holds the ComputeRegionLayout of spec.
   // `demote_to`: the tenant's cold store, for a GRPC session whose host tier holds fewer pages
   // than the session (SessionSpec::demotes_pages; null otherwise): its Retriever demotes
-  // pages there (daemon/session_cold_pages.h), each operation within `cold_timeout`.
+  // pages there (daemon/session_cold_pages.h), each operation within `cold_timeout` and,
+  // during Apply and Step, by their caller's deadline.
   static absl::StatusOr<std::shared_ptr<TenantSession>> Create(
       std::string id, SessionSpec spec, RegionLease lease, Backend* backend, MemoryBudget* budget,
       ColdStore* demote_to = nullptr, absl::Duration cold_timeout = absl::Seconds(10));
@@ -182,8 +183,9 @@ class TenantSession {
   // GRPC: appends every chunk to the Retriever, layer by layer in order, waits for the work,
   // and commits the pages that were stored. Returns the tokens per layer afterwards. Starts
   // only while `caller` is live (its error otherwise, nothing applied); once started it
-  // completes. REQUIRES: every chunk was validated against this session. NOT_FOUND once
-  // closed.
+  // completes, but the demotions it needs end by the caller's deadline: one cut off fails
+  // the commit with nothing leaving the host tier. REQUIRES: every chunk was validated against
+  // this session. NOT_FOUND once closed.
   absl::StatusOr<std::vector<uint64_t>> Apply(const std::vector<OffloadChunk>& chunks,
                                               const Caller& caller, std::string_view what)
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -224,7 +226,9 @@ class TenantSession {
   // n − 1, and when it has run n with the same q the kept reply comes back (replayed)
   // without running; otherwise FAILED_PRECONDITION with the kStepsRunTrailer. A step starts
   // only while `caller` is live (its error otherwise, nothing run); once started it
-  // completes and its reply is kept for a retry, even when the caller's deadline passes.
+  // completes and its reply is kept for a retry, even when the caller's deadline passes;
+  // only its cold-tier I/O (host_drop = demote) ends by the deadline, and a promotion cut off
+  // fails the step and the session's Retriever, as any promotion that fails does.
   absl::StatusOr<StepResult> Step(int32_t layer, std::string_view q, bool want_output,
                                   uint64_t step, const Caller& caller) ABSL_LOCKS_EXCLUDED(mu_);
 
