@@ -1047,16 +1047,18 @@ absl::StatusOr<std::unique_ptr<FetchCursor>> SessionManager::DoStartFetch(
                              [&seen](int64_t p) { return !seen.insert(p).second; }),
               pages.end());
   KVTIER_ASSIGN_OR_RETURN(std::vector<int64_t> committed, s->CommittedPages(l, pages));
-  return std::unique_ptr<FetchCursor>(new FetchCursor(this, std::move(s), l, std::move(committed)));
+  return std::unique_ptr<FetchCursor>(
+      new FetchCursor(this, std::move(s), l, std::move(committed), caller.deadline));
 }
 
 FetchCursor::FetchCursor(SessionManager* manager, std::shared_ptr<TenantSession> session,
-                         int32_t layer, std::vector<int64_t> pages)
+                         int32_t layer, std::vector<int64_t> pages, absl::Time deadline)
     : manager_(manager),
       inflight_(manager),
       session_(std::move(session)),
       layer_(layer),
-      pages_(std::move(pages)) {}
+      pages_(std::move(pages)),
+      deadline_(deadline) {}
 
 absl::StatusOr<std::vector<PageData>> FetchCursor::Next(uint64_t max_message_bytes) {
   if (done()) return std::vector<PageData>();
@@ -1069,7 +1071,7 @@ absl::StatusOr<std::vector<PageData>> FetchCursor::Next(uint64_t max_message_byt
   }
   const size_t n = std::min<size_t>(pages_.size() - next_, max_message_bytes / per_page);
   KVTIER_ASSIGN_OR_RETURN(std::vector<PageData> out,
-                          session_->ReadPages(layer_, pages_.data() + next_, n));
+                          session_->ReadPages(layer_, pages_.data() + next_, n, deadline_));
   next_ += n;
   manager_->fetched_pages_.Add({session_->tenant()}, out.size());
   return out;

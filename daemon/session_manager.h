@@ -209,13 +209,14 @@ class FetchCursor {
  private:
   friend class SessionManager;
   FetchCursor(SessionManager* manager, std::shared_ptr<TenantSession> session, int32_t layer,
-              std::vector<int64_t> pages);
+              std::vector<int64_t> pages, absl::Time deadline);
   SessionManager* manager_;
   InflightCall inflight_;
   std::shared_ptr<TenantSession> session_;
   int32_t layer_;
   std::vector<int64_t> pages_;
   size_t next_ = 0;
+  const absl::Time deadline_;  // the Fetch's: its demoted pages are read from the cold tier by it
 };
 
 class SessionManager {

@@ -354,9 +354,10 @@ absl::StatusOr<std::vector<int64_t>> TenantSession::CommittedPages(
 }
 
 absl::StatusOr<std::vector<PageData>> TenantSession::ReadPages(int32_t layer, const int64_t* pages,
-                                                               size_t count) {
+                                                               size_t count, absl::Time deadline) {
   MutexLock lock(&mu_);
   KVTIER_RETURN_IF_ERROR(CheckOpen());
+  SessionColdPages::CallScope cold_call(cold_pages_.get(), deadline);
   const size_t page_bytes = spec_.geometry.host_page_bytes();
   std::vector<PageData> out(count);
   for (size_t i = 0; i < count; ++i) {

@@ -196,9 +196,10 @@ class TenantSession {
                                                       const std::vector<int64_t>& pages) const;
   // Copies committed pages out of the region, with the range checks of
   // SessionRegion::Lookup. ABORTED when an SHM writer re-committed a page while it was read.
-  // A page the session demoted is read from the cold tier (its errors; DATA_LOSS when no
-  // intact copy is left).
-  absl::StatusOr<std::vector<PageData>> ReadPages(int32_t layer, const int64_t* pages, size_t count)
+  // A page the session demoted is read from the cold tier by `deadline` (the Fetch's; its
+  // errors; DATA_LOSS when no intact copy is left).
+  absl::StatusOr<std::vector<PageData>> ReadPages(int32_t layer, const int64_t* pages, size_t count,
+                                                  absl::Time deadline = absl::InfiniteFuture())
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // SHM sessions that demote pages (DemotePages / PromotePages): moves `pages` between the
