@@ -12,13 +12,15 @@
 // needs it; such a session survives a restart. SHM sessions' DemotePages / PromotePages: a
 // promotion whose call ended (deadline, cancel) while its master was paused never writes its
 // slot; a page named many times is written and charged once; a demotion WAIT refused leaves
-// no keys and no charge after close.
+// no keys and no charge after close. A master stalled under one tenant's demotions fails its
+// calls at their deadlines and never holds the work queue's workers from another tenant.
 #include <atomic>
+#include <future>
 #include <memory>
 #include <optional>
 #include <sstream>
-#include <thread>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -27,6 +29,7 @@
 #include "absl/time/clock.h"
 #include "daemon/cold_tier.h"
 #include "daemon/redis_cluster.h"
+#include "daemon/work_queue.h"
 #include "offload/session_region.h"
 #include "spdlog/sinks/ostream_sink.h"
 #include "spdlog/spdlog.h"
@@ -848,6 +851,149 @@ TEST_F(ColdSessionTest, ATenantsAclUserReachesOnlyItsOwnKeys) {
 // PromotePages whose deadline passes while the cold tier stalls (the page's master paused
 // past it) answers DEADLINE_EXCEEDED and never writes the slot it named, then or later: the
 // engine owns that slot again once the call has ended.
+// The case: one master SIGSTOPped under tenant a's sessions, four Offload commits of a
+// (deadline 1 s) that must demote pages to it, on a work queue of 2 workers. a's calls end
+// DEADLINE_EXCEEDED at about their deadline, not at cold_tier.operation_timeout_ms, and tenant
+// b's Step, whose session never touches the cold tier, does not wait for them. The bounds are
+// seconds against the 10 s the stall would cost.
+TEST_F(ColdSessionTest, AStalledNodeHoldsNoOtherTenantsStepAndEndsAtTheCallsDeadline) {
+  DaemonConfig config = ColdConfig();
+  config.cold_tier.operation_timeout = absl::Seconds(10);
+  manager_ = Make(config);
+  ASSERT_NE(manager_, nullptr);
+  const Geometry g = SmallGeometry();
+  OpenSessionParams pb = GrpcParams("b");
+  pb.mode = RetrievalMode::kSync;
+  pb.max_tokens = 1024;
+  const SessionRecord b = Open(pb);
+  ASSERT_FALSE(b.id.empty());
+  std::vector<Rows> brows;
+  for (int32_t l = 0; l < g.num_layers; ++l) brows.emplace_back(g, 64, 7 + l);
+  OffloadAll("b", b.id, brows, 0, 64, 64);
+  // Four sessions of a that demote (16 host pages per layer), each with a layer whose pages go
+  // to the master the first one's layer 0 goes to.
+  int master = -1;
+  std::vector<SessionRecord> as;
+  for (int tries = 0; as.size() < 4 && tries < 40; ++tries) {
+    OpenSessionParams pa = pb;
+    pa.tenant = "a";
+    pa.host_drop = "demote";
+    pa.host_tokens = 128;
+    const SessionRecord s = Open(pa);
+    ASSERT_FALSE(s.id.empty());
+    bool on = false;
+    for (int32_t l = 0; l < g.num_layers; ++l) {
+      absl::StatusOr<int> m =
+          cluster_->MasterOf(RedisCluster::SlotOf(ColdKey(prefix_, "a", s.id + ".live", l, 0)));
+      ASSERT_TRUE(m.ok()) << m.status();
+      if (master < 0) master = *m;
+      on = on || *m == master;
+    }
+    if (on) {
+      as.push_back(s);
+    } else {
+      ASSERT_TRUE(manager_->CloseSession(Caller{"a"}, s.id).ok());
+    }
+  }
+  ASSERT_EQ(as.size(), 4u);
+  // 15 pages a layer fill their host tiers: the next commit demotes.
+  std::vector<Rows> arows;
+  for (int32_t l = 0; l < g.num_layers; ++l) arows.emplace_back(g, 512, 70 + l);
+  for (const SessionRecord& s : as) OffloadAll("a", s.id, arows, 0, 120, 120);
+  ASSERT_FALSE(HasFailure());
+
+  absl::StatusOr<std::unique_ptr<WorkQueue>> queue = WorkQueue::Create({.threads = 2});
+  ASSERT_TRUE(queue.ok()) << queue.status();
+  ASSERT_TRUE(cluster_->Pause(master).ok());
+  struct Resume {
+    testing::RedisClusterProcess* cluster;
+    int node;
+    bool done = false;
+    void operator()() {
+      if (done) return;
+      done = true;
+      EXPECT_TRUE(cluster->Resume(node).ok());
+    }
+    ~Resume() { (*this)(); }
+  } resume{cluster_, master};
+
+  struct Done {
+    absl::Status status;
+    absl::Duration took;
+  };
+  const absl::Time start = absl::Now();
+  Caller ca{"a"};
+  ca.deadline = start + absl::Seconds(1);
+  std::vector<std::future<Done>> a_done;
+  for (const SessionRecord& s : as) {
+    std::promise<Done> done;
+    a_done.push_back(done.get_future());
+    ASSERT_TRUE((*queue)
+                    ->Submit("a",
+                             [this, &arows, g, ca, start, id = s.id,
+                              done = std::move(done)](absl::Status st) mutable {
+                               if (st.ok()) {
+                                 std::unique_ptr<OffloadStream> stream =
+                                     manager_->NewOffloadStream(ca);
+                                 for (int32_t l = 0; l < g.num_layers && st.ok(); ++l) {
+                                   st = stream->Add(
+                                       Chunk(id, l, arows[l], 120, 200, l + 1 == g.num_layers, g));
+                                 }
+                                 if (st.ok()) st = stream->Commit();
+                               }
+                               done.set_value({st, absl::Now() - start});
+                             })
+                    .ok());
+  }
+  absl::SleepFor(absl::Milliseconds(200));  // a's first commits are in the cold tier
+  std::string q(static_cast<size_t>(g.num_q_heads) * g.head_dim * g.element_bytes(), '\0');
+  std::promise<Done> b_promise;
+  std::future<Done> b_done = b_promise.get_future();
+  const absl::Time b_start = absl::Now();
+  Caller cb{"b"};
+  cb.deadline = b_start + absl::Seconds(30);
+  ASSERT_TRUE((*queue)
+                  ->Submit("b",
+                           [this, cb, b_start, q, id = b.id,
+                            done = std::move(b_promise)](absl::Status st) mutable {
+                             if (st.ok()) st = manager_->Step(cb, id, 0, q, true).status();
+                             done.set_value({st, absl::Now() - b_start});
+                           })
+                  .ok());
+  ASSERT_EQ(b_done.wait_for(std::chrono::seconds(60)), std::future_status::ready);
+  const Done bd = b_done.get();
+  EXPECT_TRUE(bd.status.ok()) << bd.status;
+  EXPECT_LT(bd.took, absl::Seconds(1)) << "tenant b's Step waited for tenant a's stalled node";
+  for (std::future<Done>& f : a_done) {
+    ASSERT_EQ(f.wait_for(std::chrono::seconds(120)), std::future_status::ready);
+    const Done ad = f.get();
+    EXPECT_EQ(ad.status.code(), absl::StatusCode::kDeadlineExceeded) << ad.status;
+    EXPECT_LT(ad.took, absl::Seconds(4)) << "a's call outlived its 1 s deadline: " << ad.status;
+  }
+  (*queue)->Shutdown();
+  // The node answers again: a's sessions take the rest of the commits, from the tokens each
+  // layer holds (a layer's appends before the cut-off demotion stay, as committed_tokens says).
+  resume();
+  for (const SessionRecord& s : as) {
+    const std::vector<uint64_t> held = Listed("a", s.id).committed_tokens;
+    ASSERT_EQ(held.size(), 2u);
+    std::unique_ptr<OffloadStream> stream = manager_->NewOffloadStream(Caller{"a"});
+    for (int32_t l = 0; l < g.num_layers; ++l) {
+      const int64_t from = static_cast<int64_t>(held[l]);
+      ASSERT_LE(from, 320);
+      if (from < 320) {
+        EXPECT_TRUE(stream->Add(Chunk(s.id, l, arows[l], from, 320 - from, false, g)).ok());
+      }
+    }
+    absl::StatusOr<OffloadResult> r = stream->Finish();
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->layer_tokens, std::vector<uint64_t>(2, 320)) << s.id;
+  }
+  EXPECT_TRUE(manager_->Step(Caller{"a"}, as[0].id, 0, q, true).ok());
+  for (const SessionRecord& s : as) EXPECT_TRUE(manager_->CloseSession(Caller{"a"}, s.id).ok());
+  EXPECT_TRUE(manager_->CloseSession(Caller{"b"}, b.id).ok());
+}
+
 TEST_F(ColdSessionTest, PromotePagesNeverWritesItsSlotAfterItsDeadline) {
   manager_ = Make(ColdConfig());
   ASSERT_NE(manager_, nullptr);
