@@ -13,7 +13,8 @@
 // promotion whose call ended (deadline, cancel) while its master was paused never writes its
 // slot; a page named many times is written and charged once; a demotion WAIT refused leaves
 // no keys and no charge after close. A master stalled under one tenant's demotions fails its
-// calls at their deadlines and never holds the work queue's workers from another tenant.
+// calls at their deadlines and never holds the work queue's workers from another tenant; a
+// Fetch of demoted pages from a stalled master ends at its deadline too.
 #include <atomic>
 #include <future>
 #include <memory>
@@ -992,6 +993,57 @@ TEST_F(ColdSessionTest, AStalledNodeHoldsNoOtherTenantsStepAndEndsAtTheCallsDead
   EXPECT_TRUE(manager_->Step(Caller{"a"}, as[0].id, 0, q, true).ok());
   for (const SessionRecord& s : as) EXPECT_TRUE(manager_->CloseSession(Caller{"a"}, s.id).ok());
   EXPECT_TRUE(manager_->CloseSession(Caller{"b"}, b.id).ok());
+}
+
+// Fetch reads a live session's demoted pages by the Fetch's deadline, not by
+// cold_tier.operation_timeout_ms, when their master is stalled.
+TEST_F(ColdSessionTest, FetchOfDemotedPagesEndsAtItsDeadlineWhenTheirMasterStalls) {
+  DaemonConfig config = ColdConfig();
+  config.cold_tier.operation_timeout = absl::Seconds(10);
+  manager_ = Make(config);
+  ASSERT_NE(manager_, nullptr);
+  const Geometry g = SmallGeometry();
+  OpenSessionParams p = GrpcParams("a");
+  p.mode = RetrievalMode::kSync;
+  p.max_tokens = 1024;
+  p.host_drop = "demote";
+  p.host_tokens = 128;  // 16 pages per layer of the 25 below
+  const SessionRecord s = Open(p);
+  ASSERT_FALSE(s.id.empty());
+  std::vector<Rows> rows;
+  for (int32_t l = 0; l < g.num_layers; ++l) rows.emplace_back(g, 200, 90 + l);
+  OffloadAll("a", s.id, rows, 0, 200, 200);
+  // Layer 0's pages share a slot.
+  absl::StatusOr<int> master =
+      cluster_->MasterOf(RedisCluster::SlotOf(ColdKey(prefix_, "a", s.id + ".live", 0, 0)));
+  ASSERT_TRUE(master.ok()) << master.status();
+  ASSERT_TRUE(cluster_->Pause(*master).ok());
+  bool resumed = false;
+  const auto resume = [&] {
+    if (resumed) return;
+    resumed = true;
+    EXPECT_TRUE(cluster_->Resume(*master).ok());
+  };
+  Caller caller{"a"};
+  caller.deadline = absl::Now() + absl::Milliseconds(500);
+  const absl::Time start = absl::Now();
+  absl::Status st;
+  absl::StatusOr<std::unique_ptr<FetchCursor>> cursor = manager_->StartFetch(caller, s.id, 0, {});
+  if (!cursor.ok()) st = cursor.status();
+  while (cursor.ok() && !(*cursor)->done() && st.ok()) {
+    st = (*cursor)->Next(uint64_t{1} << 20).status();
+  }
+  const absl::Duration took = absl::Now() - start;
+  resume();
+  EXPECT_EQ(st.code(), absl::StatusCode::kDeadlineExceeded) << st;
+  EXPECT_LT(took, absl::Seconds(4)) << "the Fetch outlived its 0.5 s deadline: " << st;
+  // The node answers again: every page reads back.
+  const std::vector<PageData> pages = FetchAll(Caller{"a"}, s.id, 0);
+  EXPECT_EQ(pages.size(), 25u);
+  for (const PageData& page : pages) {
+    EXPECT_EQ(page.data, ExpectedPage(g, rows[0], page.page)) << "page " << page.page;
+  }
+  EXPECT_TRUE(manager_->CloseSession(Caller{"a"}, s.id).ok());
 }
 
 TEST_F(ColdSessionTest, PromotePagesNeverWritesItsSlotAfterItsDeadline) {
