@@ -159,8 +159,13 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonConfig config) {
       c.max_tokens_per_offload, c.admin_token.empty() ? "unset (Drain refused)" : "set");
   KVTIER_ASSIGN_OR_RETURN(daemon->manager_, SessionManager::Create(c));
   daemon->LogTenants();
-  KVTIER_ASSIGN_OR_RETURN(daemon->work_, WorkQueue::Create({.threads = WorkThreads(c),
-                                                            .max_queued = c.max_queued_calls}));
+  // With one tenant there is no other to keep a worker for: it may use them all.
+  const int work_threads = WorkThreads(c);
+  KVTIER_ASSIGN_OR_RETURN(
+      daemon->work_,
+      WorkQueue::Create({.threads = work_threads,
+                         .max_queued = c.max_queued_calls,
+                         .max_running_per_tenant = c.tenants.size() > 1 ? 0 : work_threads}));
   daemon->rpc_metrics_ = std::make_unique<RpcMetrics>();
   // The attach socket and metrics first: Hello reports them from the first call on.
   if (c.shm) KVTIER_RETURN_IF_ERROR(daemon->StartAttach());
