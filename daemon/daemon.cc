@@ -86,32 +86,36 @@ const char* MethodLabel(grpc::experimental::ServerRpcInfo* info) {
 }
 
 // Counts every gRPC call (any service) by method and status, with its wall time: from the
-// interceptor's creation, when the call arrives, to its destruction, when the call is done.
-// A call that ends without a status sent (cancelled) counts as CANCELLED.
+// interceptor's creation, when the call arrives, to its status, counted just before the status
+// is sent, so a client that has its status finds its call in /metrics. A call that ends
+// without a status sent (cancelled) counts as CANCELLED when the interceptor goes.
 class RpcMetricsInterceptor final : public grpc::experimental::Interceptor {
  public:
   RpcMetricsInterceptor(grpc::experimental::ServerRpcInfo* info, RpcMetrics& metrics)
       : metrics_(metrics), method_(MethodLabel(info)) {
     metrics_.Begin();
   }
-  ~RpcMetricsInterceptor() override {
-    metrics_.End(method_,
-                 absl::StatusCodeToString(static_cast<absl::StatusCode>(code_)),
-                 absl::ToDoubleSeconds(absl::Now() - start_));
-  }
+  ~RpcMetricsInterceptor() override { End(grpc::StatusCode::CANCELLED); }
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
     if (methods->QueryInterceptionHookPoint(
             grpc::experimental::InterceptionHookPoints::PRE_SEND_STATUS)) {
-      code_ = methods->GetSendStatus().error_code();
+      End(methods->GetSendStatus().error_code());
     }
     methods->Proceed();
   }
 
  private:
+  void End(grpc::StatusCode code) {
+    if (ended_) return;
+    ended_ = true;
+    metrics_.End(method_, absl::StatusCodeToString(static_cast<absl::StatusCode>(code)),
+                 absl::ToDoubleSeconds(absl::Now() - start_));
+  }
+
   RpcMetrics& metrics_;
   const std::string method_;
   const absl::Time start_ = absl::Now();
-  grpc::StatusCode code_ = grpc::StatusCode::CANCELLED;
+  bool ended_ = false;  // counted
 };
 
 class RpcMetricsFactory final : public grpc::experimental::ServerInterceptorFactoryInterface {

@@ -45,8 +45,9 @@ StagingRing::Block StagingRing::TryAcquire(size_t bytes) {
   if (offset + size > capacity_) begin += capacity_ - offset;  // skip the ring's tail end
   if (begin + size - tail_ > capacity_) return {};
   if (begin != head_) {
-    // The skipped bytes form a released block, so that tail_ passes them in order.
-    blocks_.push_back(Entry{0, begin, true});
+    // The skipped bytes form a released block, so that tail_ passes them in order. It takes
+    // the last ticket given, which keeps blocks_ sorted by ticket for Release's search.
+    blocks_.push_back(Entry{next_ticket_ - 1, begin, true});
   }
   const uint64_t ticket = next_ticket_++;
   blocks_.push_back(Entry{ticket, begin + size, false});
@@ -56,8 +57,9 @@ StagingRing::Block StagingRing::TryAcquire(size_t bytes) {
 
 void StagingRing::Release(uint64_t ticket) {
   if (ticket == 0) return;
-  // Tickets grow with every acquisition and blocks_ is in acquisition order: a binary search,
-  // not a scan (a prefill's offload holds many blocks at once, and releases each).
+  // Tickets grow with every acquisition and blocks_ is in acquisition order (a skipped end
+  // carries the ticket before it): a binary search, not a scan (a prefill's offload holds
+  // many blocks at once, and releases each). The first entry of a ticket is its block.
   const auto it = std::lower_bound(blocks_.begin(), blocks_.end(), ticket,
                                    [](const Entry& e, uint64_t t) { return e.ticket < t; });
   if (it != blocks_.end() && it->ticket == ticket) it->released = true;
