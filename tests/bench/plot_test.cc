@@ -11,6 +11,8 @@
 #include <iterator>
 #include <limits>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -356,6 +358,369 @@ TEST(PlotTest, WriteLinePlotWritesTheRenderedImage) {
   EXPECT_EQ(missing.code(), absl::StatusCode::kNotFound) << missing;
   EXPECT_EQ(WriteLinePlot(path, o, {Line("m", {1}, {})}).code(),
             absl::StatusCode::kInvalidArgument);
+  std::filesystem::remove_all(dir);
+}
+
+// ---- Heatmaps ----
+
+Image RenderHeat(const HeatmapOptions& o, const std::vector<std::vector<double>>& values,
+                 std::vector<std::string> rows = {}, std::vector<std::string> cols = {}) {
+  if (rows.empty()) rows.assign(values.size(), "");
+  if (cols.empty() && !values.empty()) cols.assign(values[0].size(), "");
+  Image img;
+  absl::StatusOr<std::string> png = RenderHeatmapPng(o, rows, cols, values);
+  EXPECT_TRUE(png.ok()) << png.status();
+  if (png.ok()) Decode(*png, &img);
+  return img;
+}
+
+// Neither white, black nor any grey: a cell of the colour scale (or the colour bar).
+bool Coloured(PlotColor c) { return !(c.r == c.g && c.g == c.b); }
+
+// Inclusive pixel spans of a heatmap's rows and columns, found by scanning (row 0 and
+// column 0 must have no NaN cell): the first image row with the most scale-coloured pixels
+// runs along the grid's top, where no cell label reaches; the coloured runs on it are the
+// columns (then the colour bar), and the coloured runs down the grid's left edge the rows.
+struct Grid {
+  std::vector<std::pair<int, int>> cols, rows;
+  int CenterX(size_t c) const { return (cols[c].first + cols[c].second) / 2; }
+  int CenterY(size_t r) const { return (rows[r].first + rows[r].second) / 2; }
+};
+
+std::vector<std::pair<int, int>> ColouredRuns(const Image& img, bool along_x, int at) {
+  std::vector<std::pair<int, int>> runs;
+  const int n = along_x ? img.w : img.h;
+  for (int i = 0; i < n; ++i) {
+    if (!Coloured(along_x ? img.At(i, at) : img.At(at, i))) continue;
+    if (!runs.empty() && runs.back().second == i - 1) {
+      runs.back().second = i;
+    } else {
+      runs.push_back({i, i});
+    }
+  }
+  return runs;
+}
+
+Grid FindGrid(const Image& img, size_t rows, size_t cols) {
+  Grid g;
+  int top = 0, most = 0;
+  for (int y = 0; y < img.h; ++y) {
+    const int n = static_cast<int>(ColouredRuns(img, true, y).size());
+    int px = 0;
+    for (int x = 0; x < img.w; ++x) px += Coloured(img.At(x, y));
+    if (n > 0 && px > most) top = y, most = px;
+  }
+  g.cols = ColouredRuns(img, true, top);
+  if (g.cols.empty()) return g;
+  g.rows = ColouredRuns(img, false, g.cols[0].first);
+  EXPECT_GE(g.cols.size(), cols + 1) << "the columns, then the colour bar";
+  EXPECT_EQ(g.rows.size(), rows);
+  g.cols.resize(std::min(g.cols.size(), cols));
+  return g;
+}
+
+bool Greenish(PlotColor c) { return c.g > c.r + 60 && c.g > c.b + 30; }
+bool Reddish(PlotColor c) { return c.r > c.g + 60 && c.r > c.b + 60; }
+bool Yellowish(PlotColor c) { return c.r > 200 && c.g > 200 && c.b + 40 < std::min(c.r, c.g); }
+
+TEST(HeatmapTest, PngDecodesToTheRequestedSize) {
+  for (auto [w, h] : {std::pair{960, 600}, {200, 200}, {4096, 200}, {333, 1234}}) {
+    HeatmapOptions o;
+    o.width = w;
+    o.height = h;
+    o.title = "Needle in a haystack: accuracy";
+    o.x_label = "needle depth";
+    o.y_label = "context length";
+    std::vector<std::vector<double>> v(12, std::vector<double>(20, 0.5));
+    std::vector<std::string> rows(12, "a long row label, truncated"), cols(20, "depth 50%");
+    Image img;
+    ASSERT_NO_FATAL_FAILURE(img = RenderHeat(o, v, rows, cols));
+    EXPECT_EQ(img.w, w);
+    EXPECT_EQ(img.h, h);
+    EXPECT_EQ(img.depth, 8);
+    EXPECT_EQ(img.colour_type, 2);  // RGB
+  }
+}
+
+TEST(HeatmapTest, HiIsGreenLoIsRedTheMiddleYellow) {
+  HeatmapOptions o;
+  o.lo = -5;
+  o.hi = 15;
+  o.annotate = false;
+  const Image img = RenderHeat(o, {{15, 5, -5}, {-5, 15, 5}});
+  const Grid g = FindGrid(img, 2, 3);
+  ASSERT_EQ(g.rows.size(), 2u);
+  ASSERT_EQ(g.cols.size(), 3u);
+  for (auto [r, c] : {std::pair{0, 0}, {1, 1}}) {
+    const PlotColor hi = img.At(g.CenterX(c), g.CenterY(r));
+    EXPECT_TRUE(Greenish(hi)) << r << c << ": " << +hi.r << " " << +hi.g << " " << +hi.b;
+  }
+  for (auto [r, c] : {std::pair{0, 2}, {1, 0}}) {
+    const PlotColor lo = img.At(g.CenterX(c), g.CenterY(r));
+    EXPECT_TRUE(Reddish(lo)) << r << c << ": " << +lo.r << " " << +lo.g << " " << +lo.b;
+  }
+  for (auto [r, c] : {std::pair{0, 1}, {1, 2}}) {
+    const PlotColor mid = img.At(g.CenterX(c), g.CenterY(r));
+    EXPECT_TRUE(Yellowish(mid)) << r << c << ": " << +mid.r << " " << +mid.g << " " << +mid.b;
+  }
+  // Every cell is one colour, edge to edge.
+  for (size_t r = 0; r < 2; ++r) {
+    for (size_t c = 0; c < 3; ++c) {
+      const PlotColor centre = img.At(g.CenterX(c), g.CenterY(r));
+      EXPECT_EQ(CountIn(img, g.cols[c].first, g.rows[r].first, g.cols[c].second + 1,
+                        g.rows[r].second + 1, &centre),
+                (g.cols[c].second - g.cols[c].first + 1) * (g.rows[r].second - g.rows[r].first + 1))
+          << r << c;
+    }
+  }
+}
+
+TEST(HeatmapTest, ValuesOutsideTheScaleTakeTheColourOfItsEnd) {
+  HeatmapOptions o;
+  o.annotate = false;
+  const double inf = std::numeric_limits<double>::infinity();
+  const Image img = RenderHeat(o, {{1, 1.5, 1e300, inf}, {0, -0.5, -1e300, -inf}});
+  const Grid g = FindGrid(img, 2, 4);
+  ASSERT_EQ(g.rows.size(), 2u);
+  ASSERT_EQ(g.cols.size(), 4u);
+  for (size_t r = 0; r < 2; ++r) {
+    const PlotColor end = img.At(g.CenterX(0), g.CenterY(r));
+    EXPECT_TRUE(r == 0 ? Greenish(end) : Reddish(end));
+    for (size_t c = 1; c < 4; ++c) EXPECT_EQ(img.At(g.CenterX(c), g.CenterY(r)), end) << r << c;
+  }
+}
+
+TEST(HeatmapTest, NanCellIsGreyAndUnlabelled) {
+  HeatmapOptions o;  // annotated
+  const Image img = RenderHeat(o, {{0.9, 0.9, 0.9}, {0.9, kNaN, 0.9}, {0.9, 0.9, 0.1}});
+  const Grid g = FindGrid(img, 3, 3);
+  ASSERT_EQ(g.rows.size(), 3u);
+  ASSERT_EQ(g.cols.size(), 3u);
+  const PlotColor grey = img.At(g.CenterX(1), g.CenterY(1));
+  EXPECT_EQ(grey.r, grey.g);
+  EXPECT_EQ(grey.g, grey.b);
+  EXPECT_GT(grey.r, 100);
+  EXPECT_LT(grey.r, 240);
+  // No label: the whole cell (its spans scanned along row 0 and column 0) is that grey.
+  const int x0 = g.cols[1].first, x1 = g.cols[1].second, y0 = g.rows[1].first,
+            y1 = g.rows[1].second;
+  EXPECT_EQ(CountIn(img, x0, y0, x1 + 1, y1 + 1, &grey), (x1 - x0 + 1) * (y1 - y0 + 1));
+}
+
+// Pixels inside cell (r, c) that differ from its top-left pixel (the cell's own colour).
+int LabelPixels(const Image& img, const Grid& g, size_t r, size_t c, PlotColor* ink = nullptr) {
+  const PlotColor bg = img.At(g.cols[c].first, g.rows[r].first);
+  int n = 0;
+  for (int y = g.rows[r].first; y <= g.rows[r].second; ++y) {
+    for (int x = g.cols[c].first; x <= g.cols[c].second; ++x) {
+      if (img.At(x, y) == bg) continue;
+      ++n;
+      if (ink != nullptr) *ink = img.At(x, y);
+    }
+  }
+  return n;
+}
+
+TEST(HeatmapTest, CellLabelsContrastWithTheirCell) {
+  HeatmapOptions o;
+  const std::vector<std::vector<double>> v = {{1.0, 0.5}, {0.0, 0.75}};
+  const Image img = RenderHeat(o, v);
+  const Grid g = FindGrid(img, 2, 2);
+  ASSERT_EQ(g.rows.size(), 2u);
+  ASSERT_EQ(g.cols.size(), 2u);
+  PlotColor ink;
+  // Dark green and dark red cells: white text; the light yellow one: dark text.
+  for (auto [r, c] : {std::pair{0, 0}, {1, 0}}) {
+    EXPECT_GT(LabelPixels(img, g, r, c, &ink), 20) << r << c;
+    EXPECT_EQ(ink, (PlotColor{255, 255, 255})) << r << c;
+  }
+  EXPECT_GT(LabelPixels(img, g, 0, 1, &ink), 20);
+  EXPECT_TRUE(ink.r < 100 && ink.g < 100 && ink.b < 100);
+  // Without annotation every cell is plain.
+  o.annotate = false;
+  const Image plain = RenderHeat(o, v);
+  for (size_t r = 0; r < 2; ++r) {
+    for (size_t c = 0; c < 2; ++c) EXPECT_EQ(LabelPixels(plain, g, r, c), 0) << r << c;
+  }
+}
+
+TEST(HeatmapTest, DecimalsSetTheLabelsLength) {
+  HeatmapOptions o;
+  o.width = o.height = 400;  // labels at the small scale in both images
+  auto label_pixels = [&](int32_t decimals) {
+    o.decimals = decimals;
+    const Image img = RenderHeat(o, {{0.25, 0.25}});
+    const Grid g = FindGrid(img, 1, 2);
+    return g.cols.size() == 2 ? LabelPixels(img, g, 0, 1) : -1;
+  };
+  const int none = label_pixels(0), four = label_pixels(4);
+  EXPECT_GT(none, 5);          // "0"
+  EXPECT_GT(four, none + 40);  // "0.2500"
+}
+
+TEST(HeatmapTest, LabelsOfCellsTooSmallForThemAreSkipped) {
+  // A needle-in-a-haystack grid on the smallest image: no cell is big enough for "0.50".
+  HeatmapOptions o;
+  o.width = o.height = 200;
+  const std::vector<std::vector<double>> v(12, std::vector<double>(20, 0.5));
+  const std::vector<std::string> rows(12, "r"), cols(20, "c");
+  const absl::StatusOr<std::string> annotated = RenderHeatmapPng(o, rows, cols, v);
+  o.annotate = false;
+  const absl::StatusOr<std::string> plain = RenderHeatmapPng(o, rows, cols, v);
+  ASSERT_TRUE(annotated.ok() && plain.ok());
+  EXPECT_EQ(*annotated, *plain);
+  // At the default size every one of them is labelled.
+  o = HeatmapOptions{};
+  const Image img = RenderHeat(o, v, rows, cols);
+  const Grid g = FindGrid(img, 12, 20);
+  ASSERT_EQ(g.rows.size(), 12u);
+  ASSERT_EQ(g.cols.size(), 20u);
+  for (size_t r = 0; r < 12; ++r) {
+    for (size_t c = 0; c < 20; ++c) EXPECT_GT(LabelPixels(img, g, r, c), 10) << r << c;
+  }
+}
+
+TEST(HeatmapTest, RowAndColumnLabelsGoLeftOfAndBelowTheGrid) {
+  HeatmapOptions o;
+  o.annotate = false;
+  const std::vector<std::vector<double>> v(4, std::vector<double>(10, 0.8));
+  auto dark_left_below = [&](const std::vector<std::string>& rows,
+                             const std::vector<std::string>& cols) {
+    const Image img = RenderHeat(o, v, rows, cols);
+    const Grid g = FindGrid(img, 4, 10);
+    if (g.cols.size() != 10 || g.rows.size() != 4) return std::tuple{-1, -1, -1};
+    // Below the grid, left of its right edge (the colour bar's "0.00" reaches lower).
+    const int left = CountIn(img, 0, 0, g.cols[0].first, img.h);
+    const int x1 = g.cols.back().second + 1, y0 = g.rows.back().second + 1;
+    int first = img.h, last = -1;  // the dark rows below the grid
+    for (int y = y0; y < img.h; ++y) {
+      if (CountIn(img, 0, y, x1, y + 1) > 0) first = std::min(first, y), last = y;
+    }
+    return std::tuple{left, CountIn(img, 0, y0, x1, img.h), std::max(0, last - first + 1)};
+  };
+  const std::vector<std::string> none4(4, ""), none10(10, "");
+  const std::vector<std::string> rows = {"1k", "4k", "16k", "64k"};
+  const std::vector<std::string> cols = {"0", "10", "20", "30", "40", "50", "60", "70", "80", "90"};
+  const auto [left0, below0, tall0] = dark_left_below(none4, none10);
+  EXPECT_EQ(left0, 0);
+  EXPECT_EQ(below0, 0);
+  const auto [left1, below1, tall1] = dark_left_below(rows, cols);
+  EXPECT_GT(left1, 40);
+  EXPECT_GT(below1, 40);
+  EXPECT_LE(tall1, 8);  // one line of text
+  // Labels wider than a column turn vertical: the band below the grid grows taller.
+  std::vector<std::string> long_cols;
+  for (const std::string& c : cols) long_cols.push_back(absl::StrCat("depth ", c, " percent"));
+  const auto [left2, below2, tall2] = dark_left_below(rows, long_cols);
+  EXPECT_GT(tall2, 60);
+}
+
+TEST(HeatmapTest, ColourBarRunsFromLoToHiWithBothLabelled) {
+  HeatmapOptions o;
+  o.annotate = false;
+  const Image img = RenderHeat(o, {{0.5, 0.5}});
+  const Grid g = FindGrid(img, 1, 2);
+  ASSERT_EQ(g.cols.size(), 2u);
+  // The first coloured column right of the grid: green at its top, red at its bottom.
+  int bar_x = -1;
+  for (int x = g.cols.back().second + 1; x < img.w && bar_x < 0; ++x) {
+    for (int y = 0; y < img.h && bar_x < 0; ++y) bar_x = Coloured(img.At(x, y)) ? x : -1;
+  }
+  ASSERT_GT(bar_x, 0);
+  const std::vector<std::pair<int, int>> runs = ColouredRuns(img, false, bar_x + 2);
+  ASSERT_EQ(runs.size(), 1u);
+  EXPECT_GT(runs[0].second - runs[0].first, img.h / 2);
+  EXPECT_TRUE(Greenish(img.At(bar_x + 2, runs[0].first)));
+  EXPECT_TRUE(Reddish(img.At(bar_x + 2, runs[0].second)));
+  // Its labels ("1.00" at the top, "0.00" at the bottom) lie right of it.
+  const int mid = (runs[0].first + runs[0].second) / 2;
+  EXPECT_GT(CountIn(img, bar_x, 0, img.w, mid), 20);
+  EXPECT_GT(CountIn(img, bar_x, mid, img.w, img.h), 20);
+}
+
+TEST(HeatmapTest, Deterministic) {
+  HeatmapOptions o;
+  o.title = "t";
+  const std::vector<std::vector<double>> v = {{0.1, kNaN, 0.9}, {1, 0.5, 0}};
+  const std::vector<std::string> rows = {"a", "b"}, cols = {"x", "y", "z"};
+  const absl::StatusOr<std::string> a = RenderHeatmapPng(o, rows, cols, v);
+  const absl::StatusOr<std::string> b = RenderHeatmapPng(o, rows, cols, v);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(*a, *b);
+  o.lo = -1;  // and the inputs matter
+  EXPECT_NE(*RenderHeatmapPng(o, rows, cols, v), *a);
+}
+
+TEST(HeatmapTest, InvalidArguments) {
+  const std::vector<std::vector<double>> v = {{0.1, 0.2}, {0.3, 0.4}};
+  const std::vector<std::string> two = {"a", "b"};
+  constexpr auto kInvalid = absl::StatusCode::kInvalidArgument;
+  const auto code = [](const HeatmapOptions& o, const std::vector<std::string>& rows,
+                       const std::vector<std::string>& cols,
+                       const std::vector<std::vector<double>>& values) {
+    return RenderHeatmapPng(o, rows, cols, values).status().code();
+  };
+  ASSERT_EQ(code(HeatmapOptions{}, two, two, v), absl::StatusCode::kOk);
+  for (auto [w, h] : {std::pair{199, 600}, {4097, 600}, {960, 199}, {960, 4097}, {0, -1}}) {
+    HeatmapOptions o;
+    o.width = w;
+    o.height = h;
+    EXPECT_EQ(code(o, two, two, v), kInvalid) << w << "x" << h;
+  }
+  EXPECT_EQ(code(HeatmapOptions{}, {}, two, {}), kInvalid);                    // no rows
+  EXPECT_EQ(code(HeatmapOptions{}, two, {}, {{}, {}}), kInvalid);              // no columns
+  EXPECT_EQ(code(HeatmapOptions{}, two, two, {{0.1, 0.2}, {0.3}}), kInvalid);  // ragged
+  EXPECT_EQ(code(HeatmapOptions{}, two, two, {{0.1, 0.2}, {}}), kInvalid);     // ragged
+  EXPECT_EQ(code(HeatmapOptions{}, {"a"}, two, v), kInvalid);                  // row labels
+  EXPECT_EQ(code(HeatmapOptions{}, {"a", "b", "c"}, two, v), kInvalid);        // row labels
+  EXPECT_EQ(code(HeatmapOptions{}, two, {"a"}, v), kInvalid);                  // column labels
+  EXPECT_EQ(code(HeatmapOptions{}, two, {"a", "b", "c"}, v), kInvalid);        // column labels
+  const double inf = std::numeric_limits<double>::infinity();
+  for (auto [lo, hi] :
+       {std::pair{1.0, 1.0}, {1.0, 0.0}, {kNaN, 1.0}, {0.0, kNaN}, {-inf, 1.0}, {0.0, inf}}) {
+    HeatmapOptions o;
+    o.lo = lo;
+    o.hi = hi;
+    EXPECT_EQ(code(o, two, two, v), kInvalid) << lo << ".." << hi;
+  }
+  for (int32_t d : {-1, 11}) {
+    HeatmapOptions o;
+    o.decimals = d;
+    EXPECT_EQ(code(o, two, two, v), kInvalid) << "decimals " << d;
+  }
+  // The extremes of the valid ranges are fine.
+  HeatmapOptions o;
+  o.lo = -1e308;
+  o.hi = 1e308;
+  o.decimals = 10;
+  o.width = o.height = 200;
+  EXPECT_EQ(code(o, two, two, v), absl::StatusCode::kOk);
+}
+
+TEST(HeatmapTest, WriteHeatmapWritesTheRenderedImage) {
+  const std::filesystem::path dir =
+      std::filesystem::path(::testing::TempDir()) / absl::StrCat("heatmap_test_", getpid());
+  std::filesystem::create_directories(dir);
+  const std::string path = (dir / "heatmap.png").string();
+  HeatmapOptions o;
+  o.title = "write";
+  const std::vector<std::string> rows = {"4k", "8k"}, cols = {"0%", "50%", "100%"};
+  const std::vector<std::vector<double>> v = {{1, 0.5, 0}, {kNaN, 0.25, 0.75}};
+  ASSERT_TRUE(WriteHeatmap(path, o, rows, cols, v).ok());
+  ASSERT_TRUE(WriteHeatmap(path, o, rows, cols, v).ok());  // replaces an existing file
+  std::ifstream in(path, std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const absl::StatusOr<std::string> png = RenderHeatmapPng(o, rows, cols, v);
+  ASSERT_TRUE(png.ok());
+  EXPECT_EQ(bytes, *png);
+  // No temporary file is left behind.
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir),
+                          std::filesystem::directory_iterator()),
+            1);
+  const absl::Status missing =
+      WriteHeatmap((dir / "no-such-dir" / "h.png").string(), o, rows, cols, v);
+  EXPECT_EQ(missing.code(), absl::StatusCode::kNotFound) << missing;
+  EXPECT_EQ(WriteHeatmap(path, o, rows, {"0%"}, v).code(), absl::StatusCode::kInvalidArgument);
   std::filesystem::remove_all(dir);
 }
 
