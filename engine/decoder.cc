@@ -80,8 +80,8 @@ absl::Status Decoder::Init() {
 
 absl::Status Decoder::UploadStep() {
   Device& dev = math_.device();
-  KVTIER_RETURN_IF_ERROR(dev.Copy(stream_, ids_.data(), host_ids_.data(),
-                                  host_ids_.size() * sizeof(int32_t)));
+  KVTIER_RETURN_IF_ERROR(
+      dev.Copy(stream_, ids_.data(), host_ids_.data(), host_ids_.size() * sizeof(int32_t)));
   KVTIER_RETURN_IF_ERROR(dev.Copy(stream_, positions_.data(), host_positions_.data(),
                                   host_positions_.size() * sizeof(int32_t)));
   // The Math on the CPU reads them right away; a GPU copy from pageable memory has been
@@ -98,7 +98,8 @@ absl::Status Decoder::Observe(int32_t layer, int64_t m, const float* k, const fl
   host_v_.resize(m * kvd);
   Device& dev = math_.device();
   KVTIER_RETURN_IF_ERROR(math_.Fence());
-  KVTIER_RETURN_IF_ERROR(dev.Copy(stream_, host_q_.data(), q_.data(), host_q_.size() * sizeof(float)));
+  KVTIER_RETURN_IF_ERROR(
+      dev.Copy(stream_, host_q_.data(), q_.data(), host_q_.size() * sizeof(float)));
   KVTIER_RETURN_IF_ERROR(dev.Copy(stream_, host_k_.data(), k, host_k_.size() * sizeof(float)));
   KVTIER_RETURN_IF_ERROR(dev.Copy(stream_, host_v_.data(), v, host_v_.size() * sizeof(float)));
   KVTIER_RETURN_IF_ERROR(stream_.Synchronize());
@@ -130,7 +131,8 @@ absl::Status Decoder::HiddenDelta(int32_t layer, const float* x, int64_t m, floa
   float* out = delta_.as<float>() + row0 * n_layers + layer;
   if (first_token) KVTIER_RETURN_IF_ERROR(math_.Copy(prev_l, x, d));
   KVTIER_RETURN_IF_ERROR(math_.RowDistance(x, prev_l, out, 1, d, n_layers));
-  if (m > 1) KVTIER_RETURN_IF_ERROR(math_.RowDistance(x + d, x, out + n_layers, m - 1, d, n_layers));
+  if (m > 1)
+    KVTIER_RETURN_IF_ERROR(math_.RowDistance(x + d, x, out + n_layers, m - 1, d, n_layers));
   return math_.Copy(prev_l, x + (m - 1) * d, d);
 }
 
@@ -169,7 +171,8 @@ absl::Status Decoder::Forward(int64_t m, const std::function<float*(int32_t)>& k
     KVTIER_RETURN_IF_ERROR(math_.Rope(r));
     if (observer_) KVTIER_RETURN_IF_ERROR(Observe(l, m, k, v));
     KVTIER_RETURN_IF_ERROR(attention(l, m));
-    KVTIER_RETURN_IF_ERROR(math_.MatMul(attn_.as<float>(), lw.wo.as<float>(), nullptr, h, m, c.dim, qd));
+    KVTIER_RETURN_IF_ERROR(
+        math_.MatMul(attn_.as<float>(), lw.wo.as<float>(), nullptr, h, m, c.dim, qd));
     KVTIER_RETURN_IF_ERROR(math_.Add(x, h, m * c.dim));
     KVTIER_RETURN_IF_ERROR(math_.RmsNorm(x, lw.ffn_norm.as<float>(), h, m, c.dim, c.eps));
     KVTIER_RETURN_IF_ERROR(
@@ -183,12 +186,13 @@ absl::Status Decoder::Forward(int64_t m, const std::function<float*(int32_t)>& k
     if (after_layer) KVTIER_RETURN_IF_ERROR(after_layer(l, x));
   }
   const float* last = x + (m - logit_rows) * c.dim;
-  KVTIER_RETURN_IF_ERROR(math_.RmsNorm(last, w.output_norm.as<float>(), h, logit_rows, c.dim, c.eps));
-  KVTIER_RETURN_IF_ERROR(math_.MatMul(h, w.output_matrix(), nullptr, logits_.as<float>(),
-                                      logit_rows, c.vocab, c.dim));
+  KVTIER_RETURN_IF_ERROR(
+      math_.RmsNorm(last, w.output_norm.as<float>(), h, logit_rows, c.dim, c.eps));
+  KVTIER_RETURN_IF_ERROR(
+      math_.MatMul(h, w.output_matrix(), nullptr, logits_.as<float>(), logit_rows, c.vocab, c.dim));
   logits->resize(static_cast<size_t>(logit_rows * c.vocab));
-  KVTIER_RETURN_IF_ERROR(math_.device().Copy(stream_, logits->data(), logits_.data(),
-                                             logits->size() * sizeof(float)));
+  KVTIER_RETURN_IF_ERROR(
+      math_.device().Copy(stream_, logits->data(), logits_.data(), logits->size() * sizeof(float)));
   if (after_layer) {  // the hidden-state changes come back with the logits: one wait
     KVTIER_RETURN_IF_ERROR(math_.device().Copy(stream_, host_delta_.data(), delta_.data(),
                                                m * c.layers * sizeof(float)));
@@ -198,7 +202,8 @@ absl::Status Decoder::Forward(int64_t m, const std::function<float*(int32_t)>& k
 
 absl::Status Decoder::PrefillInto(Sequence* seq, DenseKv& kv, const std::vector<int32_t>& ids,
                                   std::vector<float>* logits,
-                                  const std::function<void(int64_t, int64_t)>& progress) {
+                                  const std::function<void(int64_t, int64_t)>& progress,
+                                  PrefillRecord* record) {
   const LlamaConfig& c = config_;
   const int64_t n = static_cast<int64_t>(ids.size());
   if (n < 1) return absl::InvalidArgumentError("prefill: the prompt has no tokens");
@@ -247,14 +252,16 @@ absl::Status Decoder::PrefillInto(Sequence* seq, DenseKv& kv, const std::vector<
       if (seq == nullptr) return absl::OkStatus();
       KVTIER_RETURN_IF_ERROR(math_.ToDType(kv.k(l, pos0), k_kv_.data(), dt, rows * kvd));
       KVTIER_RETURN_IF_ERROR(math_.ToDType(kv.v(l, pos0), v_kv_.data(), dt, rows * kvd));
-      KVTIER_RETURN_IF_ERROR(seq->Append(l, k_kv_.data(), v_kv_.data(), static_cast<int32_t>(rows)));
+      KVTIER_RETURN_IF_ERROR(
+          seq->Append(l, k_kv_.data(), v_kv_.data(), static_cast<int32_t>(rows)));
       // The prompt's last `window` queries, for ObserveQueries.
       const int64_t first_obs = n - window;  // relative to the prompt
       const int64_t lo = std::max(done, first_obs), hi = done + rows;
       if (local != nullptr && lo < hi) {
         auto* dst = static_cast<uint8_t*>(observe_.data()) +
                     ((l * options_.observe_window) + (lo - first_obs)) * qd * e;
-        KVTIER_RETURN_IF_ERROR(math_.ToDType(q_.as<float>() + (lo - done) * qd, dst, dt, (hi - lo) * qd));
+        KVTIER_RETURN_IF_ERROR(
+            math_.ToDType(q_.as<float>() + (lo - done) * qd, dst, dt, (hi - lo) * qd));
       }
       // k_kv_/v_kv_ are rewritten by the next layer: the append must have read them.
       return math_.Fence();
@@ -268,15 +275,40 @@ absl::Status Decoder::PrefillInto(Sequence* seq, DenseKv& kv, const std::vector<
     KVTIER_RETURN_IF_ERROR(Forward(
         m, [&](int32_t l) { return kv.k(l, pos0); }, [&](int32_t l) { return kv.v(l, pos0); },
         attention, after_layer, 1, logits));
-    if (after_layer) KVTIER_RETURN_IF_ERROR(ReportHiddenDelta(*local, pos0, m));
+    if (after_layer) {
+      KVTIER_RETURN_IF_ERROR(ReportHiddenDelta(*local, pos0, m));
+      if (record != nullptr) {
+        record->delta_.insert(record->delta_.end(), host_delta_.begin(),
+                              host_delta_.begin() + m * c.layers);
+      }
+    }
     done += m;
     kv.set_length(start + done);
     if (progress) progress(done, n);
   }
+  if (record != nullptr) {
+    // The observed queries and last hidden states, copied before another prefill reuses
+    // the scratch (F32 copies: the query rows are an even count of 2- or 4-byte values).
+    const int64_t obs_floats = int64_t{c.layers} * options_.observe_window * qd * int64_t(e) / 4;
+    KVTIER_ASSIGN_OR_RETURN(record->observe_, math_.device().Allocate(obs_floats * sizeof(float)));
+    KVTIER_RETURN_IF_ERROR(
+        math_.Copy(record->observe_.as<float>(), observe_.as<float>(), obs_floats));
+    record->window_ = window;
+    if (prev != nullptr) {
+      const int64_t hidden = int64_t{c.layers} * c.dim;
+      KVTIER_ASSIGN_OR_RETURN(record->last_hidden_,
+                              math_.device().Allocate(hidden * sizeof(float)));
+      KVTIER_RETURN_IF_ERROR(math_.Copy(record->last_hidden_.as<float>(), prev, hidden));
+    }
+    record->logits_ = *logits;
+    KVTIER_RETURN_IF_ERROR(math_.Fence());
+  }
   if (local != nullptr && window > 0) {
     for (int32_t l = 0; l < c.layers; ++l) {
-      const auto* q = static_cast<const uint8_t*>(observe_.data()) + l * options_.observe_window * qd * e;
-      KVTIER_RETURN_IF_ERROR(local->ObserveQueries(l, q, static_cast<int32_t>(window), start + n - window));
+      const auto* q =
+          static_cast<const uint8_t*>(observe_.data()) + l * options_.observe_window * qd * e;
+      KVTIER_RETURN_IF_ERROR(
+          local->ObserveQueries(l, q, static_cast<int32_t>(window), start + n - window));
     }
   }
   if (local != nullptr && options_.report_logits) {
@@ -291,16 +323,98 @@ absl::Status Decoder::PrefillInto(Sequence* seq, DenseKv& kv, const std::vector<
 
 absl::Status Decoder::Prefill(Sequence& seq, const std::vector<int32_t>& ids,
                               std::vector<float>* logits,
-                              const std::function<void(int64_t, int64_t)>& progress) {
+                              const std::function<void(int64_t, int64_t)>& progress,
+                              PrefillRecord* record) {
   if (seq.num_tokens(0) != 0) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "prefill: the sequence already holds %d tokens; prefill starts a sequence",
-        seq.num_tokens(0)));
+    return absl::FailedPreconditionError(
+        absl::StrFormat("prefill: the sequence already holds %d tokens; prefill starts a sequence",
+                        seq.num_tokens(0)));
   }
-  // The prompt's own dense K/V, for the prefill's attention only.
-  KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<DenseKv> scratch,
-                          DenseKv::Create(config_, math_.device(), static_cast<int64_t>(ids.size())));
-  return PrefillInto(&seq, *scratch, ids, logits, progress);
+  if (record != nullptr && !record->empty()) {
+    if (record->ids_ != ids) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("prefill: the record holds another prompt (%d tokens; this one has %d)",
+                          record->ids_.size(), ids.size()));
+    }
+    return Replay(seq, *record, logits);
+  }
+  if (seq.local() == nullptr) record = nullptr;  // a remote sequence's prefill is not kept
+  // The prompt's own dense K/V, for the prefill's attention (and the record).
+  KVTIER_ASSIGN_OR_RETURN(
+      std::unique_ptr<DenseKv> scratch,
+      DenseKv::Create(config_, math_.device(), static_cast<int64_t>(ids.size())));
+  if (record == nullptr) return PrefillInto(&seq, *scratch, ids, logits, progress);
+  record->Clear();
+  absl::Status s = PrefillInto(&seq, *scratch, ids, logits, progress, record);
+  if (!s.ok()) {
+    record->Clear();
+    return s;
+  }
+  record->ids_ = ids;
+  record->kv_ = std::move(scratch);
+  return absl::OkStatus();
+}
+
+void PrefillRecord::Clear() {
+  ids_.clear();
+  kv_.reset();
+  observe_ = DeviceBuffer();
+  window_ = 0;
+  delta_.clear();
+  logits_.clear();
+  last_hidden_ = DeviceBuffer();
+}
+
+absl::Status Decoder::Replay(Sequence& seq, const PrefillRecord& r, std::vector<float>* logits) {
+  const LlamaConfig& c = config_;
+  const int64_t n = static_cast<int64_t>(r.ids_.size());
+  const int64_t qd = int64_t{c.q_heads} * c.head_dim;
+  const int64_t kvd = int64_t{c.kv_heads} * c.head_dim;
+  const DType dt = options_.kv_dtype;
+  const size_t e = DTypeSize(dt);
+  LocalSequence* local = seq.local();
+  DenseKv& kv = *r.kv_;
+  // The same chunks as the recorded prefill: each layer's Append, then the chunk's hidden
+  // deltas.
+  for (int64_t done = 0; done < n;) {
+    const int64_t m = std::min<int64_t>(options_.prefill_chunk, n - done);
+    for (int32_t l = 0; l < c.layers; ++l) {
+      KVTIER_RETURN_IF_ERROR(math_.ToDType(kv.k(l, done), k_kv_.data(), dt, m * kvd));
+      KVTIER_RETURN_IF_ERROR(math_.ToDType(kv.v(l, done), v_kv_.data(), dt, m * kvd));
+      KVTIER_RETURN_IF_ERROR(seq.Append(l, k_kv_.data(), v_kv_.data(), static_cast<int32_t>(m)));
+      KVTIER_RETURN_IF_ERROR(math_.Fence());
+    }
+    if (local != nullptr && options_.report_hidden_delta && !r.delta_.empty()) {
+      StepSignals s;
+      s.first_position = done;
+      s.num_tokens = static_cast<int32_t>(m);
+      s.hidden_delta = std::span<const float>(r.delta_.data() + done * c.layers, m * c.layers);
+      s.num_layers = c.layers;
+      KVTIER_RETURN_IF_ERROR(local->ReportSignals(s));
+    }
+    done += m;
+  }
+  if (local != nullptr && options_.report_hidden_delta && r.last_hidden_.size() > 0) {
+    KVTIER_ASSIGN_OR_RETURN(float* prev, LastHidden(&seq));
+    KVTIER_RETURN_IF_ERROR(math_.Copy(prev, r.last_hidden_.as<float>(), int64_t{c.layers} * c.dim));
+  }
+  if (local != nullptr && r.window_ > 0) {
+    for (int32_t l = 0; l < c.layers; ++l) {
+      const auto* q =
+          static_cast<const uint8_t*>(r.observe_.data()) + l * options_.observe_window * qd * e;
+      KVTIER_RETURN_IF_ERROR(
+          local->ObserveQueries(l, q, static_cast<int32_t>(r.window_), n - r.window_));
+    }
+  }
+  *logits = r.logits_;
+  if (local != nullptr && options_.report_logits) {
+    StepSignals s;
+    s.first_position = 0;
+    s.num_tokens = static_cast<int32_t>(n);
+    s.logits = std::span<const float>(*logits);
+    KVTIER_RETURN_IF_ERROR(local->ReportSignals(s));
+  }
+  return stream_.Synchronize();
 }
 
 absl::Status Decoder::PrefillDense(DenseKv& kv, const std::vector<int32_t>& ids,

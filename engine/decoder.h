@@ -79,6 +79,30 @@ class DenseKv {
   int64_t length_ = 0;
 };
 
+// A prompt's prefill, kept so that more sequences start from the same prompt without the
+// model running again (kvtier-run eval runs every variant from one prompt): the prompt's K/V
+// (F32, device memory), its observed queries, hidden-state changes, logits and last hidden
+// states. The first Prefill given an empty record fills it; a Prefill of the same ids given
+// the filled record replays it, handing the sequence exactly the calls the first one made
+// (Append per chunk and layer, ReportSignals, ObserveQueries) in the same order, so the
+// sequence and its policies start from the same state without a forward pass.
+class PrefillRecord {
+ public:
+  bool empty() const { return ids_.empty(); }
+  const std::vector<int32_t>& ids() const { return ids_; }
+  void Clear();
+
+ private:
+  friend class Decoder;
+  std::vector<int32_t> ids_;
+  std::unique_ptr<DenseKv> kv_;
+  DeviceBuffer observe_;  // [layers][window][Hq][d], KV dtype
+  int64_t window_ = 0;
+  std::vector<float> delta_;  // [n][layers], when the decoder reports hidden deltas
+  std::vector<float> logits_;
+  DeviceBuffer last_hidden_;  // [layers][dim], when it does
+};
+
 class Decoder {
  public:
   // REQUIRES: config, weights and math outlive the decoder.
@@ -94,8 +118,11 @@ class Decoder {
   // Runs `ids` (the whole prompt, at positions 0 ..) through the model and appends every
   // layer's K/V to `seq` (which must be empty); `logits` gets the next-token logits after
   // the last prompt token [vocab]. `progress(done, total)` after each chunk.
+  // With `record`: fills it when it is empty; replays it (no forward pass) when it holds the
+  // same ids (INVALID_ARGUMENT when it holds others). Records only for a LocalSequence.
   absl::Status Prefill(Sequence& seq, const std::vector<int32_t>& ids, std::vector<float>* logits,
-                       const std::function<void(int64_t, int64_t)>& progress = {});
+                       const std::function<void(int64_t, int64_t)>& progress = {},
+                       PrefillRecord* record = nullptr);
   // The same over the dense cache `kv` (its length grows by ids.size()).
   absl::Status PrefillDense(DenseKv& kv, const std::vector<int32_t>& ids,
                             std::vector<float>* logits,
@@ -130,9 +157,9 @@ class Decoder {
   // last `logit_rows` rows into `logits`; with `after_layer`, delta_'s m rows into
   // host_delta_ too.
   absl::Status Forward(int64_t m, const std::function<float*(int32_t)>& k_rows,
-                       const std::function<float*(int32_t)>& v_rows,
-                       const AttentionFn& attention, const AfterLayerFn& after_layer,
-                       int64_t logit_rows, std::vector<float>* logits);
+                       const std::function<float*(int32_t)>& v_rows, const AttentionFn& attention,
+                       const AfterLayerFn& after_layer, int64_t logit_rows,
+                       std::vector<float>* logits);
   // Hands layer l's rows to the observer (copied to the host).
   absl::Status Observe(int32_t layer, int64_t m, const float* k, const float* v);
   // The hidden-state change of rows [0, m) of x for layer l into delta_ [m][L]: rows
@@ -146,7 +173,10 @@ class Decoder {
   absl::StatusOr<float*> LastHidden(const Sequence* seq);
   absl::Status PrefillInto(Sequence* seq, DenseKv& kv, const std::vector<int32_t>& ids,
                            std::vector<float>* logits,
-                           const std::function<void(int64_t, int64_t)>& progress);
+                           const std::function<void(int64_t, int64_t)>& progress,
+                           PrefillRecord* record = nullptr);
+  // Hands `seq` what a recorded prefill handed its sequence.
+  absl::Status Replay(Sequence& seq, const PrefillRecord& record, std::vector<float>* logits);
   // host_ids_ and host_positions_ into ids_ and positions_, waited for.
   absl::Status UploadStep();
 
@@ -161,8 +191,8 @@ class Decoder {
   DeviceBuffer q_kv_, k_kv_, v_kv_, out_kv_;  // in the KV dtype
   DeviceBuffer observe_;                      // [layers][window][Hq][d], KV dtype
   std::vector<int32_t> host_ids_, host_positions_;
-  DeviceBuffer delta_;             // [rows][layers]: hidden-state changes of a pass
-  std::vector<float> host_delta_;  // its host copy
+  DeviceBuffer delta_;                           // [rows][layers]: hidden-state changes of a pass
+  std::vector<float> host_delta_;                // its host copy
   std::vector<float> host_q_, host_k_, host_v_;  // the observer's rows
   std::unordered_map<const Sequence*, DeviceBuffer> last_hidden_;
   LayerObserver observer_;

@@ -27,9 +27,9 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& option
   KVTIER_ASSIGN_OR_RETURN(e->config_, LlamaConfig::FromGguf(*e->file_));
   KVTIER_ASSIGN_OR_RETURN(e->tokenizer_, LoadTokenizer(*e->file_));
   if (e->tokenizer_->vocab_size() > e->config_.vocab) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "GGUF: the tokenizer has %d tokens but token_embd.weight only %d rows",
-        e->tokenizer_->vocab_size(), e->config_.vocab));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("GGUF: the tokenizer has %d tokens but token_embd.weight only %d rows",
+                        e->tokenizer_->vocab_size(), e->config_.vocab));
   }
   DeviceOptions dopt;
   dopt.cpu_threads = options.threads;
@@ -173,9 +173,22 @@ int32_t Sample(const float* logits, int32_t vocab, const GenerateOptions& o, std
 double Seconds(absl::Time since) { return absl::ToDoubleSeconds(absl::Now() - since); }
 
 absl::Status CheckOptions(const GenerateOptions& o) {
-  if (o.max_new_tokens >= 1) return absl::OkStatus();
-  return absl::InvalidArgumentError(
-      absl::StrFormat("generate: max_new_tokens = %d must be at least 1", o.max_new_tokens));
+  if (o.max_new_tokens < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("generate: max_new_tokens = %d must be at least 1", o.max_new_tokens));
+  }
+  if (o.prompt_steps < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("generate: prompt_steps = %d must not be negative", o.prompt_steps));
+  }
+  return absl::OkStatus();
+}
+
+// The prompt's tokens the prefill takes, and those decode steps feed after it (at least one
+// token is prefilled).
+size_t PrefillCount(const std::vector<int32_t>& prompt, const GenerateOptions& o) {
+  const size_t steps = std::min<size_t>(o.prompt_steps, prompt.empty() ? 0 : prompt.size() - 1);
+  return prompt.size() - steps;
 }
 
 // Keeps the logits row (when asked), samples the next token of sequence `index` into `r`
@@ -192,16 +205,14 @@ bool TakeToken(const float* row, int32_t vocab, int32_t eos, int32_t index,
 
 }  // namespace
 
-absl::StatusOr<std::vector<GenerateResult>> Generate(Engine& engine,
-                                                     const std::vector<Sequence*>& seqs,
-                                                     const std::vector<std::vector<int32_t>>& prompts,
-                                                     const GenerateOptions& options,
-                                                     const TokenFn& on_token,
-                                                     const ProgressFn& progress) {
+absl::StatusOr<std::vector<GenerateResult>> Generate(
+    Engine& engine, const std::vector<Sequence*>& seqs,
+    const std::vector<std::vector<int32_t>>& prompts, const GenerateOptions& options,
+    const TokenFn& on_token, const ProgressFn& progress) {
   if (seqs.empty() || seqs.size() != prompts.size()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "generate: %d sequences and %d prompts: need one prompt per sequence", seqs.size(),
-        prompts.size()));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("generate: %d sequences and %d prompts: need one prompt per sequence",
+                        seqs.size(), prompts.size()));
   }
   KVTIER_RETURN_IF_ERROR(CheckOptions(options));
   const int32_t vocab = engine.config().vocab;
@@ -220,11 +231,17 @@ absl::StatusOr<std::vector<GenerateResult>> Generate(Engine& engine,
   };
   for (size_t b = 0; b < seqs.size(); ++b) {
     results[b].prompt_tokens = static_cast<int64_t>(prompts[b].size());
+    const size_t prefilled = PrefillCount(prompts[b], options);
     KVTIER_RETURN_IF_ERROR(engine.decoder().Prefill(
-        *seqs[b], prompts[b], &logits, [&](int64_t done, int64_t) {
+        *seqs[b], std::vector<int32_t>(prompts[b].begin(), prompts[b].begin() + prefilled), &logits,
+        [&](int64_t done, int64_t) {
           if (progress) progress(done_prompt + done, total_prompt);
         }));
+    for (size_t i = prefilled; i < prompts[b].size(); ++i) {
+      KVTIER_RETURN_IF_ERROR(engine.decoder().Step({seqs[b]}, {prompts[b][i]}, &logits));
+    }
     done_prompt += static_cast<int64_t>(prompts[b].size());
+    if (progress) progress(done_prompt, total_prompt);
     take(b, logits.data());
   }
   const double prefill = Seconds(t0);
@@ -274,7 +291,12 @@ absl::StatusOr<GenerateResult> GenerateDense(Engine& engine, const std::vector<i
   r.prompt_tokens = static_cast<int64_t>(prompt.size());
   std::vector<float> logits;
   absl::Time t0 = absl::Now();
-  KVTIER_RETURN_IF_ERROR(engine.decoder().PrefillDense(*kv, prompt, &logits, progress));
+  const size_t prefilled = PrefillCount(prompt, options);
+  KVTIER_RETURN_IF_ERROR(engine.decoder().PrefillDense(
+      *kv, std::vector<int32_t>(prompt.begin(), prompt.begin() + prefilled), &logits, progress));
+  for (size_t i = prefilled; i < prompt.size(); ++i) {
+    KVTIER_RETURN_IF_ERROR(engine.decoder().StepDense(*kv, prompt[i], &logits));
+  }
   r.prefill_seconds = Seconds(t0);
   t0 = absl::Now();
   const int32_t eos = engine.tokenizer().eos();

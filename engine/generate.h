@@ -109,6 +109,11 @@ struct GenerateOptions {
   bool stop_at_eos = true;
   // Keep the logits of every step (golden tests): [step][vocab], step 0 after the prompt.
   bool keep_logits = false;
+  // The last prompt_steps tokens of each prompt go through decode steps after the prefill
+  // (the working set, as kvtier decodes) instead of the prefill's full attention, as an
+  // engine feeds a question after a cached context: the answer's first token then depends
+  // on what the working set holds too. 0: the whole prompt is prefilled.
+  int32_t prompt_steps = 0;
 };
 
 struct GenerateResult {
@@ -126,12 +131,10 @@ using ProgressFn = std::function<void(int64_t, int64_t)>;
 
 // Prefills each prompt into its sequence, then decodes all of them as one batch until each
 // has max_new_tokens (or its EOS). One result per sequence; times are the batch's.
-absl::StatusOr<std::vector<GenerateResult>> Generate(Engine& engine,
-                                                     const std::vector<Sequence*>& seqs,
-                                                     const std::vector<std::vector<int32_t>>& prompts,
-                                                     const GenerateOptions& options,
-                                                     const TokenFn& on_token = {},
-                                                     const ProgressFn& progress = {});
+absl::StatusOr<std::vector<GenerateResult>> Generate(
+    Engine& engine, const std::vector<Sequence*>& seqs,
+    const std::vector<std::vector<int32_t>>& prompts, const GenerateOptions& options,
+    const TokenFn& on_token = {}, const ProgressFn& progress = {});
 
 // The baseline: the same model over a plain dense KV cache in the engine (batch 1).
 absl::StatusOr<GenerateResult> GenerateDense(Engine& engine, const std::vector<int32_t>& prompt,

@@ -13,6 +13,8 @@
 // the engine's own, the baseline); the first mode's text streams to stdout, progress and
 // the summary (speed, KV held on the device side, agreement with the reference mode) go to
 // stderr, and --json writes everything.
+#include <toml++/toml.h>
+
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -21,8 +23,6 @@
 #include <sstream>
 #include <string>
 #include <vector>
-
-#include <toml++/toml.h>
 
 #include "CLI/CLI.hpp"
 #include "absl/status/status.h"
@@ -66,6 +66,7 @@ struct Flags {
   float temperature = 0.0f;
   int32_t top_k = 40;
   uint64_t seed = 1;
+  int32_t prompt_steps = 0;
   int32_t batch = 1;
   int32_t prefill_chunk = 256;
   std::string budget_policy = "fixed";
@@ -82,9 +83,9 @@ struct Flags {
 absl::Status ReadConfig(const std::string& path, Flags* f) {
   toml::parse_result parsed = toml::parse_file(path);
   if (!parsed) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "--config %s: %s (line %d)", path, std::string(parsed.error().description()),
-        parsed.error().source().begin.line));
+    return absl::InvalidArgumentError(absl::StrFormat("--config %s: %s (line %d)", path,
+                                                      std::string(parsed.error().description()),
+                                                      parsed.error().source().begin.line));
   }
   const toml::table& t = parsed.table();
   for (const auto& [key_node, node] : t) {
@@ -94,7 +95,8 @@ absl::Status ReadConfig(const std::string& path, Flags* f) {
         *out = *v;
         return absl::OkStatus();
       }
-      return absl::InvalidArgumentError(absl::StrFormat("--config %s: %s must be a string", path, key));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("--config %s: %s must be a string", path, key));
     };
     auto num = [&](auto* out) -> absl::Status {
       using T = std::remove_pointer_t<decltype(out)>;
@@ -102,29 +104,52 @@ absl::Status ReadConfig(const std::string& path, Flags* f) {
         *out = static_cast<T>(*v);
         return absl::OkStatus();
       }
-      return absl::InvalidArgumentError(absl::StrFormat("--config %s: %s must be a number", path, key));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("--config %s: %s must be a number", path, key));
     };
     absl::Status st;
-    if (key == "model") st = str(&f->model);
-    else if (key == "prompt") st = str(&f->prompt);
-    else if (key == "modes" || key == "mode") st = str(&f->modes);
-    else if (key == "reference") st = str(&f->reference);
-    else if (key == "kv_dtype") st = str(&f->kv_dtype);
-    else if (key == "device") st = str(&f->device);
-    else if (key == "connect") st = str(&f->connect);
-    else if (key == "transport") st = str(&f->transport);
-    else if (key == "tenant") st = str(&f->tenant);
-    else if (key == "n") st = num(&f->n);
-    else if (key == "budget") st = num(&f->budget);
-    else if (key == "page_size") st = num(&f->page_size);
-    else if (key == "tau") st = num(&f->tau);
-    else if (key == "trigger") st = str(&f->trigger);
-    else if (key == "max_loss") st = num(&f->max_loss);
-    else if (key == "threads") st = num(&f->threads);
-    else if (key == "temperature") st = num(&f->temperature);
-    else if (key == "top_k") st = num(&f->top_k);
-    else if (key == "batch") st = num(&f->batch);
-    else if (key == "prefill_chunk") st = num(&f->prefill_chunk);
+    if (key == "model")
+      st = str(&f->model);
+    else if (key == "prompt")
+      st = str(&f->prompt);
+    else if (key == "modes" || key == "mode")
+      st = str(&f->modes);
+    else if (key == "reference")
+      st = str(&f->reference);
+    else if (key == "kv_dtype")
+      st = str(&f->kv_dtype);
+    else if (key == "device")
+      st = str(&f->device);
+    else if (key == "connect")
+      st = str(&f->connect);
+    else if (key == "transport")
+      st = str(&f->transport);
+    else if (key == "tenant")
+      st = str(&f->tenant);
+    else if (key == "n")
+      st = num(&f->n);
+    else if (key == "budget")
+      st = num(&f->budget);
+    else if (key == "page_size")
+      st = num(&f->page_size);
+    else if (key == "tau")
+      st = num(&f->tau);
+    else if (key == "trigger")
+      st = str(&f->trigger);
+    else if (key == "max_loss")
+      st = num(&f->max_loss);
+    else if (key == "threads")
+      st = num(&f->threads);
+    else if (key == "temperature")
+      st = num(&f->temperature);
+    else if (key == "top_k")
+      st = num(&f->top_k);
+    else if (key == "batch")
+      st = num(&f->batch);
+    else if (key == "prompt_steps")
+      st = num(&f->prompt_steps);
+    else if (key == "prefill_chunk")
+      st = num(&f->prefill_chunk);
     else if (key == "policy" && node.is_table()) {
       for (const auto& [pk, pv] : *node.as_table()) {
         const std::string k(pk.str());
@@ -151,13 +176,15 @@ absl::Status ReadConfig(const std::string& path, Flags* f) {
           f->host_drop = *v;
         } else {
           return absl::InvalidArgumentError(absl::StrFormat(
-              "--config %s: unknown key policy.%s (budget, residency, host_drop, params)", path, k));
+              "--config %s: unknown key policy.%s (budget, residency, host_drop, params)", path,
+              k));
         }
       }
     } else {
       return absl::InvalidArgumentError(absl::StrFormat(
           "--config %s: unknown key '%s' (model, prompt, modes, reference, n, budget, "
-          "page_size, tau, trigger, max_loss, kv_dtype, device, threads, connect, transport, tenant, temperature, "
+          "page_size, tau, trigger, max_loss, kv_dtype, device, threads, connect, transport, "
+          "tenant, temperature, "
           "top_k, batch, prefill_chunk, [policy])",
           path, key));
     }
@@ -189,6 +216,7 @@ absl::StatusOr<ModeRun> RunMode(Engine& engine, const Flags& f, const std::strin
   g.temperature = f.temperature;
   g.top_k = f.top_k;
   g.seed = f.seed;
+  g.prompt_steps = f.prompt_steps;
   const Tokenizer& tok = engine.tokenizer();
   Utf8Stream utf8;
   auto on_token = [&](int32_t b, int32_t t) {
@@ -202,8 +230,8 @@ absl::StatusOr<ModeRun> RunMode(Engine& engine, const Flags& f, const std::strin
     last_progress = absl::Now();
     const double s = absl::ToDoubleSeconds(absl::Now() - started);
     std::fprintf(stderr, "\r[%s] prefill %lld/%lld tokens (%.0f%%), %.0f tokens/s%s", mode.c_str(),
-                 static_cast<long long>(done), static_cast<long long>(total),
-                 100.0 * done / total, s > 0 ? done / s : 0.0, done == total ? "\n" : "");
+                 static_cast<long long>(done), static_cast<long long>(total), 100.0 * done / total,
+                 s > 0 ? done / s : 0.0, done == total ? "\n" : "");
   };
   int64_t total_tokens = 0;
   for (const auto& p : prompts) total_tokens += static_cast<int64_t>(p.size()) + f.n;
@@ -231,7 +259,8 @@ absl::StatusOr<ModeRun> RunMode(Engine& engine, const Flags& f, const std::strin
     int64_t longest = 0;
     for (const auto& p : prompts) longest = std::max<int64_t>(longest, p.size());
     const int64_t need = longest + f.n + f.page_size;
-    spec.options.max_tokens = static_cast<int32_t>((need + f.page_size - 1) / f.page_size * f.page_size);
+    spec.options.max_tokens =
+        static_cast<int32_t>((need + f.page_size - 1) / f.page_size * f.page_size);
     spec.options.correction_threshold = f.tau;
     if (!ParseCorrectionTrigger(f.trigger, &spec.options.correction_trigger)) {
       return absl::InvalidArgumentError(
@@ -339,12 +368,13 @@ int RunGenerate(const Flags& f) {
   for (int32_t b = 0; b < std::max<int32_t>(f.batch, static_cast<int32_t>(texts.size())); ++b) {
     prompts.push_back(e.tokenizer().Encode(texts[b % texts.size()]));
   }
-  const int64_t longest = static_cast<int64_t>(
-      std::max_element(prompts.begin(), prompts.end(), [](auto& a, auto& b) {
-        return a.size() < b.size();
-      })->size());
+  const int64_t longest =
+      static_cast<int64_t>(std::max_element(prompts.begin(), prompts.end(), [](auto& a, auto& b) {
+                             return a.size() < b.size();
+                           })->size());
   if (!f.quiet) {
-    std::fprintf(stderr, "model: %s\ndevice: %s; KV %s, page %d; %zu prompt(s), longest %lld tokens\n",
+    std::fprintf(stderr,
+                 "model: %s\ndevice: %s; KV %s, page %d; %zu prompt(s), longest %lld tokens\n",
                  e.config().ToString().c_str(), e.device().Describe().c_str(),
                  std::string(DTypeName(dt)).c_str(), f.page_size, prompts.size(),
                  static_cast<long long>(longest));
@@ -396,8 +426,9 @@ int RunGenerate(const Flags& f) {
   for (size_t i = 0; i < modes.size(); ++i) {
     const bool stream = i == 0 && !f.no_stream;
     if (!f.quiet) {
-      std::fprintf(stderr, "--- %s%s\n", modes[i].c_str(),
-                   modes[i] == "dense" ? "" : absl::StrFormat(" (budget %d tokens)", f.budget).c_str());
+      std::fprintf(
+          stderr, "--- %s%s\n", modes[i].c_str(),
+          modes[i] == "dense" ? "" : absl::StrFormat(" (budget %d tokens)", f.budget).c_str());
     }
     absl::StatusOr<ModeRun> run = RunMode(e, f, modes[i], prompts, client.get(), stream);
     if (!run.ok()) {
@@ -417,10 +448,11 @@ int RunGenerate(const Flags& f) {
   std::ostringstream json;
   json << "{\"commit\": \"" << KVTIER_GIT_COMMIT << "\", \"threads\": " << f.threads
        << ", \"model\": \"" << JsonEscape(f.model) << "\", \"config\": \""
-       << JsonEscape(e.config().ToString()) << "\", \"device\": \"" << JsonEscape(e.device().Describe())
-       << "\", \"kv_dtype\": \"" << DTypeName(dt) << "\", \"budget_tokens\": " << f.budget
-       << ", \"page_size\": " << f.page_size << ", \"prompts\": " << prompts.size()
-       << ", \"prompt_tokens\": " << longest << ", \"new_tokens\": " << f.n << ", \"runs\": [";
+       << JsonEscape(e.config().ToString()) << "\", \"device\": \""
+       << JsonEscape(e.device().Describe()) << "\", \"kv_dtype\": \"" << DTypeName(dt)
+       << "\", \"budget_tokens\": " << f.budget << ", \"page_size\": " << f.page_size
+       << ", \"prompts\": " << prompts.size() << ", \"prompt_tokens\": " << longest
+       << ", \"new_tokens\": " << f.n << ", \"runs\": [";
   for (size_t i = 0; i < runs.size(); ++i) {
     const ModeRun& r = runs[i];
     const GenerateResult& g0 = r.results[0];
@@ -433,7 +465,8 @@ int RunGenerate(const Flags& f) {
     const int64_t decoded = generated - static_cast<int64_t>(r.results.size());
     const double prefill_tps = prompt_total / std::max(g0.prefill_seconds, 1e-9);
     const double decode_tps = decoded / std::max(g0.decode_seconds, 1e-9);
-    const double held = r.full_kv_bytes > 0 ? static_cast<double>(r.device_kv_bytes) / r.full_kv_bytes : 0;
+    const double held =
+        r.full_kv_bytes > 0 ? static_cast<double>(r.device_kv_bytes) / r.full_kv_bytes : 0;
     std::pair<double, int64_t> agree{1.0, -1};
     if (ref != nullptr && ref != &r) agree = Agreement(ref->results[0].tokens, g0.tokens);
     if (!f.quiet) {
@@ -454,12 +487,14 @@ int RunGenerate(const Flags& f) {
       }
       std::fprintf(stderr, "\n");
     }
-    json << (i ? ", " : "") << "{\"mode\": \"" << r.mode << "\", \"prefill_tokens_per_s\": "
-         << prefill_tps << ", \"decode_tokens_per_s\": " << decode_tps
-         << ", \"prefill_seconds\": " << g0.prefill_seconds << ", \"decode_seconds\": "
-         << g0.decode_seconds << ", \"decoded_tokens\": " << decoded
-         << ", \"device_kv_bytes\": " << r.device_kv_bytes << ", \"full_kv_bytes\": "
-         << r.full_kv_bytes << ", \"correction_rate\": " << r.stats.correction_rate()
+    json << (i ? ", " : "") << "{\"mode\": \"" << r.mode
+         << "\", \"prefill_tokens_per_s\": " << prefill_tps
+         << ", \"decode_tokens_per_s\": " << decode_tps
+         << ", \"prefill_seconds\": " << g0.prefill_seconds
+         << ", \"decode_seconds\": " << g0.decode_seconds << ", \"decoded_tokens\": " << decoded
+         << ", \"device_kv_bytes\": " << r.device_kv_bytes
+         << ", \"full_kv_bytes\": " << r.full_kv_bytes
+         << ", \"correction_rate\": " << r.stats.correction_rate()
          << ", \"recalled_bytes\": " << r.stats.recalled_bytes << ", \"agreement\": " << agree.first
          << ", \"first_difference\": " << agree.second << ", \"tokens\": ["
          << absl::StrJoin(g0.tokens, ", ") << "], \"text\": \"" << JsonEscape(r.text) << "\"}";
@@ -496,9 +531,10 @@ int Info(const std::string& model) {
   std::cout << c->ToString() << "\n"
             << "GGUF version " << (*file)->version() << ", " << (*file)->tensors().size()
             << " tensors, " << (*file)->Keys().size() << " metadata keys\n"
-            << "tokenizer: " << (tok.ok() ? absl::StrCat((*tok)->vocab_size(), " tokens, pre-tokenizer ",
-                                                         (*tok)->pre())
-                                          : std::string(tok.status().message()))
+            << "tokenizer: "
+            << (tok.ok()
+                    ? absl::StrCat((*tok)->vocab_size(), " tokens, pre-tokenizer ", (*tok)->pre())
+                    : std::string(tok.status().message()))
             << "\n";
   return tok.ok() ? 0 : 1;
 }
@@ -524,14 +560,22 @@ int main(int argc, char** argv) {
   std::string config;
   CLI::App* gen = app.add_subcommand("generate", "prompt in, streamed text out");
   gen->add_option("--config", config, "TOML file with any of the flags below (flags win)");
-  gen->add_option("--model", f.model, "GGUF file (llama or qwen2 architecture)")->required(f.model.empty());
+  gen->add_option("--model", f.model, "GGUF file (llama or qwen2 architecture)")
+      ->required(f.model.empty());
   gen->add_option("--prompt", f.prompt, "prompt text");
   gen->add_option("--prompt-file", f.prompt_files, "prompt file (repeat for a batch of prompts)");
-  gen->add_option("-n,--new-tokens", f.n, "tokens to generate per prompt")->check(CLI::Range(1, 1 << 20));
+  gen->add_option("-n,--new-tokens", f.n, "tokens to generate per prompt")
+      ->check(CLI::Range(1, 1 << 20));
   gen->add_option("--modes", f.modes,
                   "comma-separated: full, sync, speculative, drop, dense (the plain dense loop)");
-  gen->add_option("--reference", f.reference, "mode the others are compared with (default: full, else dense)");
-  gen->add_option("--budget", f.budget, "working set in tokens (sync/speculative/drop), a multiple of 4 pages");
+  gen->add_option("--reference", f.reference,
+                  "mode the others are compared with (default: full, else dense)");
+  gen->add_option("--prompt-steps", f.prompt_steps,
+                  "the prompt's last N tokens go through decode steps (the working set), not the "
+                  "prefill: e.g. a question after a long context")
+      ->check(CLI::Range(0, 1 << 20));
+  gen->add_option("--budget", f.budget,
+                  "working set in tokens (sync/speculative/drop), a multiple of 4 pages");
   gen->add_option("--page-size", f.page_size, "tokens per page");
   gen->add_option("--tau", f.tau, "speculative correction threshold τ (the cosine trigger)");
   gen->add_option("--trigger", f.trigger,
@@ -541,7 +585,8 @@ int main(int argc, char** argv) {
   gen->add_option("--kv-dtype", f.kv_dtype, "fp16, bf16 or fp32");
   gen->add_option("--device", f.device, "cpu, cuda or auto");
   gen->add_option("--threads", f.threads, "CPU threads (0: all cores)");
-  gen->add_option("--connect", f.connect, "kvtierd address (unix:///path or host:port); empty: in-process");
+  gen->add_option("--connect", f.connect,
+                  "kvtierd address (unix:///path or host:port); empty: in-process");
   gen->add_option("--transport", f.transport, "shm or grpc (with --connect)");
   gen->add_option("--tenant", f.tenant, "kvtierd tenant");
   gen->add_option("--token", f.token, "the tenant's token");
