@@ -30,6 +30,9 @@ struct ModelFlags {
 
 struct EvalFlags {
   ModelFlags m;
+  // ppl: teacher-forced perplexity and KL against full KV (eval.h); niah and copy: the
+  // retrieval tasks (eval_tasks.h).
+  std::string task = "ppl";
   int64_t prefill = 0;  // 0: the context left after the steps
   int64_t steps = 256;
   int64_t context = 0;  // 0: the model's (or the text's, when shorter)
@@ -40,6 +43,15 @@ struct EvalFlags {
   int32_t recall_every = 4;
   std::string json;
   std::string plot;  // PNG path prefix: <plot>-ppl.png, <plot>-kl.png, <plot>-recall.png
+  // niah and copy: budgets as fractions 1/d of each prompt's context.
+  std::vector<int32_t> divisors = {32, 16, 8, 4};
+  std::vector<int64_t> contexts;   // niah: prompt lengths (empty: the model's context)
+  int32_t depths = 10;             // niah
+  int32_t trials = 0;              // niah: 3, copy: 2 when 0
+  std::string needles = "single,multikey";  // niah
+  std::vector<int64_t> distances;  // copy (empty: 512, 1024, 2048 and 3/4 of the context)
+  int32_t passage = 128;           // copy
+  uint64_t seed = 1;
 };
 
 struct TraceFlags {

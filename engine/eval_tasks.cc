@@ -1,0 +1,415 @@
+#include "engine/eval_tasks.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <memory>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_replace.h"
+#include "core/status.h"
+#include "engine/eval_metrics.h"
+
+namespace kvtier::engine {
+namespace {
+
+// engine/model/train.py writes the same strings into the training data.
+constexpr char kNeedle[] = " The pass key is {key}. Remember it. {key} is the pass key.";
+constexpr char kQuestion[] = " What is the pass key? The pass key is";
+constexpr char kNamedNeedle[] = " The pass key of {name} is {key}.";
+constexpr char kNamedQuestion[] = " What is the pass key of {name}? The pass key of {name} is";
+constexpr const char* kNames[] = {
+    "the red door",   "the blue door",  "the green door", "the old house",   "the new house",
+    "the north gate", "the south gate", "the east tower", "the west tower",  "the iron box",
+    "the silver box", "the golden box", "the first ship", "the second ship", "the last ship",
+    "the small room", "the great hall", "the high road",  "the low road",    "the white whale"};
+constexpr int kNamedNeedles = 4;
+
+std::string RandomKey(std::mt19937_64& rng) {
+  const int digits = std::uniform_int_distribution<int>(5, 7)(rng);
+  int64_t lo = 1;
+  for (int i = 1; i < digits; ++i) lo *= 10;
+  return absl::StrCat(std::uniform_int_distribution<int64_t>(lo, lo * 10 - 1)(rng));
+}
+
+std::string Fill(const char* pattern, const std::string& key, const std::string& name = "") {
+  return absl::StrReplaceAll(pattern, {{"{key}", key}, {"{name}", name}});
+}
+
+// The answer is complete once it has something after its digits (or starts with no digit).
+bool AnswerDone(std::string_view text) {
+  size_t i = 0;
+  while (i < text.size() && text[i] == ' ') ++i;
+  if (i == text.size()) return false;
+  if (!std::isdigit(static_cast<unsigned char>(text[i]))) return true;
+  while (i < text.size() && std::isdigit(static_cast<unsigned char>(text[i]))) ++i;
+  return i < text.size();
+}
+
+// A run: full mode, or a variant at a budget divisor.
+struct Run {
+  const EvalVariant* variant;
+  int32_t divisor;  // 0: full
+};
+
+std::vector<Run> Runs(const EvalVariant& full, const std::vector<EvalVariant>& variants,
+                      const TaskOptions& o) {
+  std::vector<Run> runs = {{&full, 0}};
+  for (const EvalVariant& v : variants) {
+    if (v.options.mode == RetrievalMode::kFull) continue;
+    for (int32_t d : o.budget_divisors) runs.push_back({&v, d});
+  }
+  return runs;
+}
+
+// The budget of `divisor` for a context: context / divisor, down to whole units of 4 pages,
+// at least one unit.
+int32_t BudgetTokens(int64_t context, int32_t divisor, int32_t page_size) {
+  if (divisor <= 0) return 0;
+  const int64_t unit = 4 * int64_t{page_size};
+  return static_cast<int32_t>(std::max(unit, context / divisor / unit * unit));
+}
+
+std::string RunName(const Run& r) {
+  return r.divisor > 0 ? absl::StrCat(r.variant->name, "@1/", r.divisor) : r.variant->name;
+}
+
+// A sequence for one run of a prompt of `tokens` tokens (and `extra` more to come).
+absl::StatusOr<std::unique_ptr<EngineSequence>> OpenRun(Engine& engine, const Run& run,
+                                                        int32_t page_size, int64_t tokens,
+                                                        int64_t extra, int32_t* budget) {
+  SequenceSpec spec;
+  spec.options = run.variant->options;
+  spec.page_size = page_size;
+  spec.options.max_tokens =
+      static_cast<int32_t>((tokens + extra + 2 * page_size) / page_size * page_size);
+  *budget = BudgetTokens(tokens + extra, run.divisor, page_size);
+  if (*budget >= tokens + extra) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("budget 1/%d: %d tokens is not below the context of %d tokens", run.divisor,
+                        *budget, tokens + extra));
+  }
+  if (*budget > 0) KVTIER_RETURN_IF_ERROR(spec.options.SetBudgetTokens(*budget, page_size));
+  return EngineSequence::Open(engine, spec, nullptr);
+}
+
+// Greedy answer of one run to a needle prompt.
+absl::StatusOr<std::string> Answer(Engine& engine, const NeedlePrompt& p, const Run& run,
+                                   const NiahOptions& o, PrefillRecord& record, int32_t* budget) {
+  const int64_t total = static_cast<int64_t>(p.context.size() + p.question.size());
+  KVTIER_ASSIGN_OR_RETURN(
+      std::unique_ptr<EngineSequence> es,
+      OpenRun(engine, run, o.task.page_size, total, o.max_answer_tokens, budget));
+  Sequence& seq = es->sequence();
+  Decoder& dec = engine.decoder();
+  std::vector<float> logits;
+  absl::Status st = dec.Prefill(seq, p.context, &logits, {}, &record);
+  for (size_t i = 0; st.ok() && i < p.question.size(); ++i)
+    st = dec.Step({&seq}, {p.question[i]}, &logits);
+  std::vector<int32_t> answer;
+  const Tokenizer& tok = engine.tokenizer();
+  for (int32_t i = 0; st.ok() && i < o.max_answer_tokens; ++i) {
+    const int32_t next = ArgMax(logits);
+    if (next == tok.eos()) break;
+    answer.push_back(next);
+    if (AnswerDone(tok.Decode(answer)) || i + 1 == o.max_answer_tokens) break;
+    st = dec.Step({&seq}, {next}, &logits);
+  }
+  if (st.ok()) st = seq.Wait();
+  absl::Status closed = es->Close();
+  KVTIER_RETURN_IF_ERROR(st);
+  KVTIER_RETURN_IF_ERROR(closed);
+  return tok.Decode(answer);
+}
+
+}  // namespace
+
+bool ParseNeedleKind(std::string_view name, NeedleKind* out) {
+  if (name == "single") {
+    *out = NeedleKind::kSingle;
+  } else if (name == "multikey") {
+    *out = NeedleKind::kMultiKey;
+  } else {
+    return false;
+  }
+  return true;
+}
+
+std::string_view NeedleKindName(NeedleKind kind) {
+  return kind == NeedleKind::kSingle ? "single" : "multikey";
+}
+
+std::string AnswerKey(std::string_view answer) {
+  size_t i = 0;
+  while (i < answer.size() && answer[i] == ' ') ++i;
+  size_t j = i;
+  while (j < answer.size() && std::isdigit(static_cast<unsigned char>(answer[j]))) ++j;
+  return std::string(answer.substr(i, j - i));
+}
+
+absl::StatusOr<NeedlePrompt> BuildNeedlePrompt(const Tokenizer& tok,
+                                               const std::vector<int32_t>& filler, int64_t tokens,
+                                               double depth, NeedleKind kind,
+                                               std::mt19937_64& rng) {
+  if (!(depth >= 0 && depth <= 1)) {
+    return absl::InvalidArgumentError(absl::StrFormat("needle depth %g is outside [0, 1]", depth));
+  }
+  NeedlePrompt p;
+  p.key = RandomKey(rng);
+  std::vector<std::vector<int32_t>> needles;
+  if (kind == NeedleKind::kSingle) {
+    needles.push_back(tok.Encode(Fill(kNeedle, p.key), /*add_special=*/false));
+    p.question = tok.Encode(kQuestion, false);
+  } else {
+    std::vector<int> names(std::size(kNames));
+    for (size_t i = 0; i < names.size(); ++i) names[i] = static_cast<int>(i);
+    std::shuffle(names.begin(), names.end(), rng);
+    needles.push_back(tok.Encode(Fill(kNamedNeedle, p.key, kNames[names[0]]), false));
+    for (int i = 1; i < kNamedNeedles; ++i) {
+      needles.push_back(tok.Encode(Fill(kNamedNeedle, RandomKey(rng), kNames[names[i]]), false));
+    }
+    p.question = tok.Encode(Fill(kNamedQuestion, "", kNames[names[0]]), false);
+  }
+  const bool bos = tok.add_bos() && tok.bos() >= 0;
+  int64_t fixed = static_cast<int64_t>(p.question.size()) + (bos ? 1 : 0);
+  for (const auto& n : needles) fixed += static_cast<int64_t>(n.size());
+  const int64_t fill = tokens - fixed;
+  if (fill < 1) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "a needle prompt of %d tokens cannot hold its needles and question (%d tokens)", tokens,
+        fixed));
+  }
+  if (static_cast<int64_t>(filler.size()) < fill) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("the filler text has %d tokens; a needle prompt of %d tokens needs %d",
+                        filler.size(), tokens, fill));
+  }
+  const int64_t start =
+      std::uniform_int_distribution<int64_t>(0, static_cast<int64_t>(filler.size()) - fill)(rng);
+  // The asked needle at `depth` of the filler; the others anywhere.
+  std::vector<std::pair<int64_t, size_t>> at = {
+      {static_cast<int64_t>(std::floor(depth * fill)), 0}};
+  for (size_t i = 1; i < needles.size(); ++i) {
+    at.push_back({std::uniform_int_distribution<int64_t>(0, fill)(rng), i});
+  }
+  std::stable_sort(at.begin(), at.end(),
+                   [](const auto& a, const auto& b) { return a.first < b.first; });
+  if (bos) p.context.push_back(tok.bos());
+  int64_t prev = 0;
+  for (const auto& [pos, i] : at) {
+    p.context.insert(p.context.end(), filler.begin() + start + prev, filler.begin() + start + pos);
+    if (i == 0) p.needle_position = static_cast<int64_t>(p.context.size());
+    p.context.insert(p.context.end(), needles[i].begin(), needles[i].end());
+    prev = pos;
+  }
+  p.context.insert(p.context.end(), filler.begin() + start + prev, filler.begin() + start + fill);
+  return p;
+}
+
+absl::StatusOr<std::vector<NiahCell>> RunNiah(Engine& engine, const std::vector<int32_t>& filler,
+                                              const NiahOptions& o,
+                                              const std::vector<EvalVariant>& variants,
+                                              const EvalProgress& progress) {
+  if (o.depths < 1 || o.trials < 1 || o.contexts.empty() || o.kinds.empty() ||
+      o.max_answer_tokens < 1) {
+    return absl::InvalidArgumentError(
+        "niah: --depths, --trials and the answer length must be at least 1, with a context and "
+        "a needle kind");
+  }
+  const int64_t model_context = engine.config().context;
+  for (int64_t c : o.contexts) {
+    if (c < 64 || (model_context > 0 && c + o.max_answer_tokens > model_context)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "niah: --contexts %d: a prompt needs at least 64 tokens, and with its answer (%d) at "
+          "most the model's context of %d",
+          c, o.max_answer_tokens, model_context));
+    }
+  }
+  EvalVariant full;
+  full.name = "full";
+  full.options.mode = RetrievalMode::kFull;
+  const std::vector<Run> runs = Runs(full, variants, o.task);
+  // Cells in the order (run, kind, context, depth); prompts in (context, kind, depth, trial).
+  std::vector<NiahCell> cells;
+  auto cell_index = [&](size_t run, size_t kind, size_t context, int32_t depth) {
+    return ((run * o.kinds.size() + kind) * o.contexts.size() + context) * o.depths + depth;
+  };
+  for (const Run& r : runs) {
+    for (NeedleKind k : o.kinds) {
+      for (int64_t c : o.contexts) {
+        for (int32_t d = 0; d < o.depths; ++d) {
+          NiahCell cell;
+          cell.variant = r.variant->name;
+          cell.mode = r.variant->options.mode;
+          cell.budget_divisor = r.divisor;
+          cell.budget_tokens = BudgetTokens(c + o.max_answer_tokens, r.divisor, o.task.page_size);
+          cell.kind = k;
+          cell.context = c;
+          cell.depth = o.depths == 1 ? 0.5 : static_cast<double>(d) / (o.depths - 1);
+          cells.push_back(std::move(cell));
+        }
+      }
+    }
+  }
+  std::mt19937_64 rng(o.task.seed);
+  const int64_t prompts =
+      static_cast<int64_t>(o.contexts.size() * o.kinds.size()) * o.depths * o.trials;
+  int64_t done = 0;
+  for (size_t ci = 0; ci < o.contexts.size(); ++ci) {
+    for (size_t ki = 0; ki < o.kinds.size(); ++ki) {
+      for (int32_t d = 0; d < o.depths; ++d) {
+        for (int32_t t = 0; t < o.trials; ++t) {
+          const double depth = cells[cell_index(0, ki, ci, d)].depth;
+          KVTIER_ASSIGN_OR_RETURN(
+              NeedlePrompt p, BuildNeedlePrompt(engine.tokenizer(), filler, o.contexts[ci], depth,
+                                                o.kinds[ki], rng));
+          PrefillRecord record;  // the prompt's forward pass, run once for every run
+          for (size_t ri = 0; ri < runs.size(); ++ri) {
+            NiahCell& cell = cells[cell_index(ri, ki, ci, d)];
+            if (!cell.status.ok()) continue;
+            int32_t budget = 0;
+            absl::StatusOr<std::string> a = Answer(engine, p, runs[ri], o, record, &budget);
+            if (!a.ok()) {
+              if (ri == 0) return a.status();  // full mode is the reference
+              cell.status = a.status();
+              continue;
+            }
+            cell.budget_tokens = budget;
+            ++cell.trials;
+            cell.correct += AnswerKey(*a) == p.key;
+            cell.last_answer = *a;
+          }
+          if (progress) progress("niah", ++done, prompts);
+        }
+      }
+    }
+  }
+  return cells;
+}
+
+absl::StatusOr<std::vector<CopyCell>> RunCopy(Engine& engine, const std::vector<int32_t>& text,
+                                              const CopyOptions& o,
+                                              const std::vector<EvalVariant>& variants,
+                                              const EvalProgress& progress) {
+  if (o.passage < 2 || o.skip < 0 || o.skip >= o.passage || o.trials < 1 || o.distances.empty()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "copy: --passage (%d) must be at least 2 and above --skip (%d), --trials (%d) at least 1, "
+        "with a distance",
+        o.passage, o.skip, o.trials));
+  }
+  const int64_t model_context = engine.config().context;
+  const int64_t n = static_cast<int64_t>(text.size());
+  for (int64_t d : o.distances) {
+    if (d <= o.passage || (model_context > 0 && 1 + d + o.passage > model_context) ||
+        d + o.passage > n) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "copy: --distances %d: must exceed the passage (%d tokens), fit the model's context "
+          "(%d) with the passage and its repeat, and the text (%d tokens)",
+          d, o.passage, model_context, n));
+    }
+  }
+  EvalVariant full;
+  full.name = "full";
+  full.options.mode = RetrievalMode::kFull;
+  const std::vector<Run> runs = Runs(full, variants, o.task);
+  std::vector<CopyCell> cells;
+  for (const Run& r : runs) {
+    for (int64_t d : o.distances) {
+      CopyCell c;
+      c.variant = r.variant->name;
+      c.mode = r.variant->options.mode;
+      c.budget_divisor = r.divisor;
+      c.distance = d;
+      cells.push_back(std::move(c));
+    }
+  }
+  const Tokenizer& tok = engine.tokenizer();
+  const bool bos = tok.add_bos() && tok.bos() >= 0;
+  Decoder& dec = engine.decoder();
+  std::mt19937_64 rng(o.task.seed);
+  const int64_t prompts = static_cast<int64_t>(o.distances.size()) * o.trials;
+  int64_t done = 0;
+  const int32_t P = o.passage;
+  for (size_t di = 0; di < o.distances.size(); ++di) {
+    const int64_t gap = o.distances[di] - P;
+    for (int32_t t = 0; t < o.trials; ++t) {
+      // A filler window, and a passage outside it (so the passage's only earlier occurrence
+      // is the one `distance` back).
+      const int64_t fs = std::uniform_int_distribution<int64_t>(0, n - gap - P)(rng);
+      std::vector<int64_t> starts;
+      for (int64_t s = 0; s + P <= n; ++s) {
+        if (s + P <= fs || s >= fs + gap) starts.push_back(s);
+      }
+      if (starts.empty()) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("copy: the text (%d tokens) is too short for a passage of %d beside %d "
+                            "tokens of filler",
+                            n, P, gap));
+      }
+      const int64_t ps = starts[std::uniform_int_distribution<size_t>(0, starts.size() - 1)(rng)];
+      const std::vector<int32_t> passage(text.begin() + ps, text.begin() + ps + P);
+      std::vector<int32_t> context;
+      if (bos) context.push_back(tok.bos());
+      context.insert(context.end(), passage.begin(), passage.end());
+      context.insert(context.end(), text.begin() + fs, text.begin() + fs + gap);
+      // The first occurrence's loss: full attention over the dense cache.
+      double first = 0;
+      {
+        KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<DenseKv> kv,
+                                DenseKv::Create(engine.config(), engine.device(), P + 2));
+        std::vector<float> logits;
+        const int32_t i0 = bos ? 0 : 1;  // without BOS, the first token is the prompt
+        KVTIER_RETURN_IF_ERROR(dec.PrefillDense(*kv, {bos ? tok.bos() : passage[0]}, &logits));
+        for (int32_t i = i0; i < P; ++i) {
+          if (i >= o.skip) first -= LogProbAt(logits, passage[i]);
+          if (i + 1 < P) KVTIER_RETURN_IF_ERROR(dec.StepDense(*kv, passage[i], &logits));
+        }
+        first /= P - std::max(o.skip, i0);
+      }
+      PrefillRecord record;
+      for (size_t ri = 0; ri < runs.size(); ++ri) {
+        CopyCell& cell = cells[ri * o.distances.size() + di];
+        if (!cell.status.ok()) continue;
+        int32_t budget = 0;
+        absl::StatusOr<std::unique_ptr<EngineSequence>> es = OpenRun(
+            engine, runs[ri], o.task.page_size, static_cast<int64_t>(context.size()), P, &budget);
+        absl::Status st = es.status();
+        double loss = 0;
+        if (st.ok()) {
+          Sequence& seq = (*es)->sequence();
+          std::vector<float> logits;
+          st = dec.Prefill(seq, context, &logits, {}, &record);
+          for (int32_t i = 0; st.ok() && i < P; ++i) {
+            if (i >= o.skip) loss -= LogProbAt(logits, passage[i]);
+            if (i + 1 < P) st = dec.Step({&seq}, {passage[i]}, &logits);
+          }
+          if (st.ok()) st = seq.Wait();
+          absl::Status closed = (*es)->Close();
+          if (st.ok()) st = closed;
+        }
+        if (!st.ok()) {
+          if (ri == 0) return st;
+          cell.status = st;
+          continue;
+        }
+        cell.budget_tokens = budget;
+        cell.first_loss += first;
+        cell.repeat_loss += loss / (P - o.skip);
+        ++cell.trials;
+      }
+      if (progress) progress("copy", ++done, prompts);
+    }
+  }
+  for (CopyCell& c : cells) {
+    if (c.trials > 0) {
+      c.first_loss /= c.trials;
+      c.repeat_loss /= c.trials;
+    }
+  }
+  return cells;
+}
+
+}  // namespace kvtier::engine
