@@ -215,17 +215,13 @@ absl::StatusOr<std::unique_ptr<Event>> PageOffloader::TakeEvent() {
 }
 
 void PageOffloader::Reap() {
-  size_t kept = 0;
-  for (size_t i = 0; i < in_flight_.size(); ++i) {
-    if (in_flight_[i].done->Query()) {
-      if (ring_ != nullptr) ring_->Release(in_flight_[i].ticket);
-      spare_events_.push_back(std::move(in_flight_[i].done));
-    } else {
-      if (kept != i) in_flight_[kept] = std::move(in_flight_[i]);
-      ++kept;
-    }
+  // One stream runs the batches in order: the first one still running ends the done prefix.
+  // (Querying every batch made each offload cost O(in flight), and a long prefill quadratic.)
+  while (!in_flight_.empty() && in_flight_.front().done->Query()) {
+    if (ring_ != nullptr) ring_->Release(in_flight_.front().ticket);
+    spare_events_.push_back(std::move(in_flight_.front().done));
+    in_flight_.pop_front();
   }
-  in_flight_.resize(kept);
 }
 
 absl::Status PageOffloader::Drain() {

@@ -9,11 +9,13 @@
 // as they were. Op arguments live in backend memory: the item list is uploaded with
 // Backend::Allocate + Copy, and kept alive until an event recorded after the op has fired.
 //
-// Thread-compatible: one PageOffloader per stream, used by one thread at a time.
+// Thread-compatible: one PageOffloader per stream, used by one thread at a time. The stream
+// runs its work in order, so item lists are reclaimed in the order they were uploaded.
 #ifndef KVTIER_OFFLOAD_PAGE_OFFLOADER_H_
 #define KVTIER_OFFLOAD_PAGE_OFFLOADER_H_
 
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <span>
 #include <vector>
@@ -118,7 +120,7 @@ class PageOffloader {
   Backend& backend_;
   PagePool& pool_;
   StagingRing* const ring_;
-  std::vector<Batch> in_flight_;
+  std::deque<Batch> in_flight_;  // in upload order
   std::vector<std::unique_ptr<Event>> spare_events_;
 };
 
