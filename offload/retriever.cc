@@ -658,6 +658,17 @@ absl::Status RetrieverImpl::AppendTokens(int32_t layer, const void* k, const voi
   const auto* ks = static_cast<const uint8_t*>(k);
   const auto* vs = static_cast<const uint8_t*>(v);
   const size_t tb = token_bytes();
+  // Tokens bound for consecutive slots are copied together: one copy of K and one of V per
+  // run of pages (a chunked prefill fills the recent ring in one), not per page. A run is
+  // copied before anything reads the working set or moves it.
+  size_t run_dst = 0, run_src = 0, run_bytes = 0;
+  const auto copy_run = [&]() {
+    if (run_bytes == 0) return absl::OkStatus();
+    const size_t bytes = std::exchange(run_bytes, 0);
+    absl::Status st = backend_.Copy(*compute_, l.ws.k.as<uint8_t>() + run_dst, ks + run_src, bytes);
+    if (st.ok()) st = backend_.Copy(*compute_, l.ws.v.as<uint8_t>() + run_dst, vs + run_src, bytes);
+    return st;
+  };
   int32_t done = 0;
   while (done < n_tokens) {
     const int64_t page = l.tokens / p;
@@ -666,6 +677,8 @@ absl::Status RetrieverImpl::AppendTokens(int32_t layer, const void* k, const voi
     if (l.ws.managed == nullptr) {
       slot = SlotOf(page);
     } else if (off == 0) {
+      // Placing a managed page may move the working set.
+      if (absl::Status cs = copy_run(); !cs.ok()) return Fail(cs);
       absl::StatusOr<int32_t> placed = PlaceManaged(layer, static_cast<int32_t>(page));
       if (!placed.ok()) return Fail(placed.status());
       slot = *placed;
@@ -673,9 +686,6 @@ absl::Status RetrieverImpl::AppendTokens(int32_t layer, const void* k, const voi
     } else {
       slot = l.ws.managed->SlotOf(0, static_cast<int32_t>(page));
     }
-    // Placing a managed page may have moved the working set: take its address now.
-    auto* kw = l.ws.k.as<uint8_t>();
-    auto* vw = l.ws.v.as<uint8_t>();
     if (off == 0 && l.ws.managed == nullptr) {
       for (int32_t h = 0; h < geometry_.num_kv_heads; ++h) {
         l.ws.table_mirror[static_cast<size_t>(h) * slots_per_layer_ + slot] =
@@ -685,19 +695,26 @@ absl::Status RetrieverImpl::AppendTokens(int32_t layer, const void* k, const voi
     }
     const int32_t n = std::min(p - off, n_tokens - done);
     const size_t dst = (static_cast<size_t>(slot) * p + off) * tb;
-    absl::Status st = backend_.Copy(*compute_, kw + dst, ks + done * tb, n * tb);
-    if (st.ok()) st = backend_.Copy(*compute_, vw + dst, vs + done * tb, n * tb);
-    if (!st.ok()) return Fail(st);
+    const size_t src = static_cast<size_t>(done) * tb;
+    if (run_bytes == 0 || run_dst + run_bytes != dst || run_src + run_bytes != src) {
+      if (absl::Status cs = copy_run(); !cs.ok()) return Fail(cs);
+      run_dst = dst;
+      run_src = src;
+    }
+    run_bytes += n * tb;
     l.tokens += n;
     done += n;
     if (l.tokens % p == 0 && has_host_tier()) {
       l.host.pending.push_back({page, slot});
       // Flush before a ring slot holding a pending page is reused.
       if (static_cast<int32_t>(l.host.pending.size()) >= options_.recent_pages) {
-        if (absl::Status fs = FlushOffloads(layer, restoring); !fs.ok()) return Fail(fs);
+        absl::Status fs = copy_run();
+        if (fs.ok()) fs = FlushOffloads(layer, restoring);
+        if (!fs.ok()) return Fail(fs);
       }
     }
   }
+  if (absl::Status cs = copy_run(); !cs.ok()) return Fail(cs);
   absl::Status st = FlushOffloads(layer, restoring);
   if (st.ok()) st = UploadTable(l);
   UpdateCounts(layer);

@@ -290,6 +290,27 @@ TEST(RetrieverTest, AppendsAcrossPageBoundariesMatchTokenByToken) {
   EXPECT_EQ(ra.out, rb.out);
 }
 
+// Pages that land in consecutive slots are copied into the working set together: one copy
+// of K and one of V for the run, so an Append that fills eight pages makes no more backend
+// tasks than one that fills one (full mode: page L in slot L, no host tier).
+TEST(RetrieverTest, AnAppendCopiesARunOfConsecutiveSlotsOnce) {
+  const Geometry g = SmallGeometry(DType::kF16);
+  const SequenceOptions o = SmallOptions(RetrievalMode::kFull);
+  testing::ChaosOptions co;
+  co.max_delay = absl::ZeroDuration();
+  const auto tasks_of_append = [&](int32_t pages) {
+    auto chaos = testing::NewChaosBackend(co);
+    Harness h(g, o, chaos.get());
+    EXPECT_TRUE(h.retriever->Wait().ok());
+    const int64_t before = testing::GetChaosStats(*chaos).tasks_run;
+    h.Append(pages * g.page_size);
+    EXPECT_TRUE(h.retriever->Wait().ok());
+    EXPECT_EQ(h.retriever->num_tokens(0), pages * g.page_size);
+    return testing::GetChaosStats(*chaos).tasks_run - before;
+  };
+  EXPECT_EQ(tasks_of_append(8), tasks_of_append(1));
+}
+
 TEST(RetrieverTest, DropModeKeepsSinksAndSlidingWindow) {
   const Geometry g = SmallGeometry();
   const SequenceOptions o = SmallOptions(RetrievalMode::kDrop);
