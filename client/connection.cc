@@ -99,7 +99,7 @@ std::unique_ptr<grpc::ClientContext> Connection::Context(absl::Duration timeout)
 }
 
 absl::Status Connection::AttachLocked() {
-  if (attached_.has_value()) return absl::OkStatus();
+  if (mappings_ != nullptr) return absl::OkStatus();
   std::string path = options_.attach_socket;
   if (path.empty()) {
     if (!caps_.shm_available || caps_.attach_socket.empty()) {
@@ -125,34 +125,86 @@ absl::Status Connection::AttachLocked() {
         absl::StrFormat("the daemon's session region layout is version %d; this client reads %d",
                         a.region_layout_version, kRegionLayoutVersion));
   }
-  attached_ = std::move(a);
+  mappings_ = std::make_shared<ArenaMappings>(std::move(a.arena));
   return absl::OkStatus();
 }
 
 absl::StatusOr<std::shared_ptr<ArenaMapping>> Connection::ArenaFor(Backend* backend) {
-  MutexLock lock(&mu_);
-  KVTIER_RETURN_IF_ERROR(AttachLocked());
+  std::shared_ptr<ArenaMappings> mappings;
   std::shared_ptr<Backend> owned;
-  if (backend == nullptr) {
-    if (cpu_backend_ == nullptr) {
-      KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<Backend> cpu, CreateBackend(DeviceKind::kCpu));
-      cpu_backend_ = std::move(cpu);
+  {
+    MutexLock lock(&mu_);
+    KVTIER_RETURN_IF_ERROR(AttachLocked());
+    if (backend == nullptr) {
+      if (cpu_backend_ == nullptr) {
+        KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<Backend> cpu, CreateBackend(DeviceKind::kCpu));
+        cpu_backend_ = std::move(cpu);
+      }
+      owned = cpu_backend_;
+      backend = owned.get();
     }
-    owned = cpu_backend_;
-    backend = owned.get();
+    mappings = mappings_;
   }
-  if (auto it = mappings_.find(backend); it != mappings_.end()) {
-    if (std::shared_ptr<ArenaMapping> m = it->second.lock()) return m;
+  return mappings->For(*backend, std::move(owned));
+}
+
+int64_t Connection::arena_maps() const {
+  MutexLock lock(&mu_);
+  return mappings_ == nullptr ? 0 : mappings_->maps();
+}
+
+ArenaMapping::~ArenaMapping() {
+  if (mappings != nullptr && arena != nullptr) mappings->Release(arena);
+}
+
+ArenaMappings::ArenaMappings(std::unique_ptr<HostArena> first) {
+  entries_.push_back(Entry{.arena = std::move(first)});
+}
+
+absl::StatusOr<std::shared_ptr<ArenaMapping>> ArenaMappings::For(Backend& backend,
+                                                                 std::shared_ptr<Backend> owned) {
+  MutexLock lock(&mu_);
+  Entry* unused = nullptr;
+  for (Entry& e : entries_) {
+    if (e.backend == &backend) {
+      if (std::shared_ptr<ArenaMapping> m = e.user.lock()) return m;
+    }
+    if (e.backend == nullptr && unused == nullptr) unused = &e;
   }
-  // A mapping of its own per backend: HostArena registers with one backend at a time.
-  const HostArena& base = *attached_->arena;
+  // An entry whose holder is gone but not yet Released is not reused: its Release may be
+  // unregistering it now.
+  if (unused == nullptr) {
+    const HostArena& first = *entries_.front().arena;
+    KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<HostArena> arena,
+                            HostArena::Map(first.fd(), first.size()));
+    entries_.push_back(Entry{.arena = std::move(arena)});
+    unused = &entries_.back();
+  }
+  KVTIER_RETURN_IF_ERROR(unused->arena->RegisterWith(backend));
   auto m = std::make_shared<ArenaMapping>();
   m->owned_backend = std::move(owned);
-  m->backend = backend;
-  KVTIER_ASSIGN_OR_RETURN(m->arena, HostArena::Map(base.fd(), base.size()));
-  KVTIER_RETURN_IF_ERROR(m->arena->RegisterWith(*backend));
-  mappings_[backend] = m;
+  m->backend = &backend;
+  m->arena = unused->arena.get();
+  m->mappings = shared_from_this();
+  unused->backend = &backend;
+  unused->user = m;
   return m;
+}
+
+int64_t ArenaMappings::maps() const {
+  MutexLock lock(&mu_);
+  return static_cast<int64_t>(entries_.size());
+}
+
+void ArenaMappings::Release(HostArena* arena) {
+  MutexLock lock(&mu_);
+  for (Entry& e : entries_) {
+    if (e.arena.get() != arena) continue;
+    (void)e.arena->Unregister();  // the backend may go once its last session has
+    e.backend = nullptr;
+    e.user.reset();
+    return;
+  }
 }
 
 absl::StatusOr<SessionInfo> LookupSessionInfo(Connection& conn, std::string_view id) {

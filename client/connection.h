@@ -1,18 +1,19 @@
 // Connection: what a Client and its sessions share — the gRPC channel and stub, the options,
-// the daemon's capabilities, and (for SHM sessions) the tenant arena, attached once and
-// mapped once per backend it is registered with. Sessions hold it by shared_ptr, so they
-// keep working after the Client object is gone.
+// the daemon's capabilities, and (for SHM sessions) the tenant arena, attached and mapped
+// once: its mappings stay for the Connection's life, and only their registration with a
+// backend follows the sessions. Sessions hold it by shared_ptr, so they keep working after
+// the Client object is gone.
 //
 // Thread-safe.
 #ifndef KVTIER_CLIENT_CONNECTION_H_
 #define KVTIER_CLIENT_CONNECTION_H_
 
+#include <cstdint>
 #include <memory>
-#include <optional>
 #include <string_view>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -27,12 +28,57 @@
 
 namespace kvtier {
 
-// One mapping of the tenant arena, registered with one backend. Members are destroyed in
-// reverse order: the arena (which unregisters) before a backend the Client owns.
+class ArenaMappings;
+
+// The tenant arena as the sessions on one backend use it: a mapping registered with that
+// backend while this lives. The mapping itself belongs to the Connection's ArenaMappings and
+// outlives this: the destructor only unregisters it and hands it back, so the next session
+// (on any backend) finds the arena mapped and its page tables filled.
 struct ArenaMapping {
+  ArenaMapping() = default;
+  ArenaMapping(const ArenaMapping&) = delete;
+  ArenaMapping& operator=(const ArenaMapping&) = delete;
+  ~ArenaMapping();
+
   std::shared_ptr<Backend> owned_backend;  // the Client's CPU backend; null for an engine's
   Backend* backend = nullptr;              // the one registered with
-  std::unique_ptr<HostArena> arena;
+  HostArena* arena = nullptr;              // owned by `mappings`
+  std::shared_ptr<ArenaMappings> mappings;
+};
+
+// Every mapping of the tenant arena one Connection made, each kept until the last holder
+// (the Connection or an ArenaMapping) is gone, and registered with one backend at a time
+// (HostArena's limit): a second mapping is made only while two backends are in use at once.
+//
+// Thread-safe.
+class ArenaMappings : public std::enable_shared_from_this<ArenaMappings> {
+ public:
+  // `first`: the attach's mapping (HostArena::Map of the received descriptor, populated).
+  explicit ArenaMappings(std::unique_ptr<HostArena> first);
+  ArenaMappings(const ArenaMappings&) = delete;
+  ArenaMappings& operator=(const ArenaMappings&) = delete;
+
+  // The mapping registered with `backend` for as long as the result lives: the one already
+  // registered with it, else an unused one registered now, else a new mapping of the arena.
+  // `owned`: kept by the result (the Client's CPU backend). Errors: HostArena::Map's and
+  // RegisterWith's.
+  absl::StatusOr<std::shared_ptr<ArenaMapping>> For(Backend& backend,
+                                                    std::shared_ptr<Backend> owned);
+  // Mappings of the arena made so far, the attach's included.
+  int64_t maps() const;
+
+ private:
+  friend struct ArenaMapping;
+  struct Entry {
+    std::unique_ptr<HostArena> arena;
+    Backend* backend = nullptr;          // registered with; null: unused
+    std::weak_ptr<ArenaMapping> user{};  // the holder while `backend` is set
+  };
+  // ~ArenaMapping: unregisters `arena` and marks it unused.
+  void Release(HostArena* arena);
+
+  mutable Mutex mu_;
+  std::vector<Entry> entries_ ABSL_GUARDED_BY(mu_);  // never empty; [0] is the attach's
 };
 
 class Connection {
@@ -54,10 +100,13 @@ class Connection {
   std::unique_ptr<grpc::ClientContext> Context(absl::Duration timeout) const;
 
   // The tenant arena mapped and registered with `backend` (null: the Client's own CPU
-  // backend, created on first use). The first call attaches over the attach socket;
-  // mappings are shared while any session holds them. FAILED_PRECONDITION when the daemon
-  // serves no attach socket; the attach errors of shm_attach.h otherwise.
+  // backend, created on first use), shared by the sessions on that backend. The first call
+  // attaches over the attach socket and maps the arena; later ones reuse the mapping
+  // (ArenaMappings). FAILED_PRECONDITION when the daemon serves no attach socket; the attach
+  // errors of shm_attach.h otherwise.
   absl::StatusOr<std::shared_ptr<ArenaMapping>> ArenaFor(Backend* backend);
+  // Mappings of the arena this Connection made (0 before the first SHM session).
+  int64_t arena_maps() const;
 
  private:
   Connection(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options,
@@ -72,10 +121,9 @@ class Connection {
   Capabilities caps_;  // set by Hello before the Connection is shared
   uint64_t max_message_bytes_ = 0;
 
-  Mutex mu_;
-  std::optional<AttachedArena> attached_ ABSL_GUARDED_BY(mu_);
+  mutable Mutex mu_;
+  std::shared_ptr<ArenaMappings> mappings_ ABSL_GUARDED_BY(mu_);  // set by the attach
   std::shared_ptr<Backend> cpu_backend_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<Backend*, std::weak_ptr<ArenaMapping>> mappings_ ABSL_GUARDED_BY(mu_);
 };
 
 // The daemon's record of session `id` (from ListSessions): NOT_FOUND when the caller's

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "client/connection.h"
 #include "client/rpc_util.h"
 #include "client/shm_attach.h"
 #include "core/status.h"
@@ -399,6 +400,78 @@ TEST_F(ServiceTest, DetachedSessionsStayOpenUntilClosedById) {
   EXPECT_TRUE(found);
   ASSERT_OK(a->CloseSession(id));
   EXPECT_EQ(a->CloseSession(id).code(), absl::StatusCode::kNotFound);
+}
+
+// This process's mappings of tenant `tenant`'s arena (the daemon's memfd "kvtier-<tenant>"),
+// as their address ranges in /proc/self/maps.
+std::vector<std::string> ArenaMappingsOf(const std::string& tenant) {
+  const std::string path = "/memfd:kvtier-" + tenant;
+  std::ifstream maps("/proc/self/maps");
+  std::vector<std::string> out;
+  for (std::string line; std::getline(maps, line);) {
+    const size_t at = line.find(path);
+    if (at == std::string::npos) continue;
+    const size_t end = at + path.size();
+    if (end == line.size() || line[end] == ' ') out.push_back(line.substr(0, line.find(' ')));
+  }
+  return out;
+}
+
+// A Client maps its tenant's arena once: SHM sessions opened one after another find it
+// mapped (no second mapping for the session, none anew per session), and it goes with the
+// Client.
+TEST_F(ServiceTest, AClientMapsTheArenaOnceForAllItsShmSessions) {
+  const std::vector<std::string> before = ArenaMappingsOf("a");
+  std::unique_ptr<Client> a = MustConnect("a", "ta");
+  ASSERT_NE(a, nullptr);
+  const SyntheticTrace trace(IntegrationTrace());
+  std::vector<std::string> first;
+  for (int i = 0; i < 3; ++i) {
+    auto s = a->OpenSession(IntegrationSessionOptions(Transport::kShm, backend_));
+    ASSERT_TRUE(s.ok()) << s.status();
+    ASSERT_OK(testing::AppendTokens(**s, trace, 0, 100));
+    const std::vector<std::string> now = ArenaMappingsOf("a");
+    ASSERT_EQ(now.size(), before.size() + 1) << "session " << i;
+    if (i == 0) first = now;
+    EXPECT_EQ(now, first) << "session " << i << " mapped the arena anew";
+    ASSERT_OK((*s)->Close());
+  }
+  a.reset();
+  EXPECT_EQ(ArenaMappingsOf("a"), before);
+}
+
+// The Connection's mappings: shared by the sessions on one backend, a second one only while
+// two backends are in use at once, each reused afterwards; a mapping is unregistered from its
+// backend with its last holder, so the engine may destroy its device after its last session.
+TEST_F(ServiceTest, ArenaMappingsAreKeptAndUnregisteredWithTheirLastHolder) {
+  ClientOptions o;
+  o.tenant = "a";
+  o.token = "ta";
+  absl::StatusOr<std::shared_ptr<Connection>> conn = Connection::Open(daemon_->target(), o);
+  ASSERT_TRUE(conn.ok()) << conn.status();
+  EXPECT_EQ((*conn)->arena_maps(), 0);
+  std::unique_ptr<Backend> engine = NewCpuBackend(1);
+  const HostArena* arena = nullptr;
+  {
+    absl::StatusOr<std::shared_ptr<ArenaMapping>> m = (*conn)->ArenaFor(engine.get());
+    ASSERT_TRUE(m.ok()) << m.status();
+    absl::StatusOr<std::shared_ptr<ArenaMapping>> again = (*conn)->ArenaFor(engine.get());
+    ASSERT_TRUE(again.ok()) << again.status();
+    EXPECT_EQ(again->get(), m->get());
+    arena = (*m)->arena;
+    EXPECT_FALSE(arena->registered_chunks().empty());
+    EXPECT_EQ((*conn)->arena_maps(), 1);
+    absl::StatusOr<std::shared_ptr<ArenaMapping>> other = (*conn)->ArenaFor(backend_);
+    ASSERT_TRUE(other.ok()) << other.status();
+    EXPECT_NE((*other)->arena, arena);
+    EXPECT_EQ((*conn)->arena_maps(), 2);
+  }
+  EXPECT_TRUE(arena->registered_chunks().empty());
+  engine.reset();
+  absl::StatusOr<std::shared_ptr<ArenaMapping>> m = (*conn)->ArenaFor(backend_);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_FALSE((*m)->arena->registered_chunks().empty());
+  EXPECT_EQ((*conn)->arena_maps(), 2);
 }
 
 TEST_F(ServiceTest, TenantsAreIsolated) {
