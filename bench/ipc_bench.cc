@@ -14,6 +14,8 @@
 #include "bench/redis_server.h"
 #include "bench/resp_client.h"
 #include "core/status.h"
+#include "kernels/cpu/cpu_ops.h"
+#include "kernels/ops.h"
 #include "kvtier/client.h"
 #include "kvtier/device.h"
 #include "kvtier/v1/kvtier.grpc.pb.h"
@@ -161,13 +163,16 @@ absl::StatusOr<DeviceKv> MakeDeviceKv(Device& device, int64_t bytes_per_run) {
 }
 
 struct ShmTimes {
-  double open_s = 0;  // OpenSession: arena attach and mapping, region, sequence
-  double data_s = 0;  // every page appended, through Flush
+  double open_s = 0;   // OpenSession: arena attach and mapping (the Client's first), region,
+                       // sequence
+  double data_s = 0;   // every page appended, through Flush
+  double close_s = 0;  // Close through the session object's destruction
 };
 
 // shm through the client library against the daemon process: OpenSession (SHM), then the
 // pages' tokens appended kAppendTokens per call and Flush, timed; then the daemon is asked
-// how many tokens it sees committed (they must all be) and the session is closed (untimed).
+// how many tokens it sees committed (they must all be, untimed) and the session is closed
+// (timed apart).
 absl::StatusOr<ShmTimes> ShmWrite(Client& client, Device& device, const DeviceKv& kv,
                                   int64_t page_bytes, int64_t pages) {
   SessionOptions so;
@@ -201,8 +206,42 @@ absl::StatusOr<ShmTimes> ShmWrite(Client& client, Device& device, const DeviceKv
         "shm: the daemon sees ", info.committed_tokens.empty() ? 0 : info.committed_tokens[0],
         " tokens committed, want ", tokens));
   }
+  const auto t3 = Clock::now();
   KVTIER_RETURN_IF_ERROR(session->Close());
+  session.reset();
+  t.close_s = Seconds(Clock::now() - t3);
   return t;
+}
+
+// The ceiling of the shm path's data on a cpu device: the offload op alone, as the session's
+// stream runs it (on one thread, kBatchPages pages per op), from the engine's rows straight
+// into host pages of a fresh (faulted-in) buffer: one read of K and V, one write of each HND
+// page, the keys read again for their summaries. None of the rest: the working set's recent
+// ring (which stays in the cache), the stream's hand-offs, the commits.
+double OffloadFloor(const Geometry& g, const DeviceKv& kv, int64_t pages) {
+  constexpr int64_t kBatchPages = 4;  // the sessions' recent ring (BudgetTokens)
+  const size_t page_bytes = g.host_page_bytes();
+  std::string host(static_cast<size_t>(pages) * page_bytes, '\0');
+  std::string summaries(static_cast<size_t>(pages) * g.summary_bytes(), '\0');
+  OffloadArgs a;
+  a.shape = KvShapeOf(g);
+  a.k_src = kv.k.data();  // NHD rows: slot i is page i
+  a.v_src = kv.v.data();
+  a.num_src_slots = pages;
+  a.host_pages = host.data();
+  a.num_host_pages = pages;
+  a.summaries = summaries.data();
+  a.num_summary_pages = pages;
+  std::vector<OffloadItem> items(kBatchPages);
+  const auto t0 = Clock::now();
+  for (int64_t first = 0; first < pages; first += kBatchPages) {
+    const int64_t n = std::min(kBatchPages, pages - first);
+    for (int64_t i = 0; i < n; ++i) items[i] = OffloadItem{first + i, first + i, first + i};
+    a.items = items.data();
+    a.num_items = static_cast<int32_t>(n);
+    if (!CpuOffload(a, /*pool=*/nullptr).ok()) return 0;
+  }
+  return Gbps(pages * static_cast<int64_t>(page_bytes), Seconds(Clock::now() - t0));
 }
 
 // The same bytes copied between two private buffers: the ceiling of any copy-in path.
@@ -396,25 +435,27 @@ absl::StatusOr<JsonObject> RunIpcBench(const IpcBenchOptions& o, std::ostream& l
       "(p10-p90 below it), GB/s; redis pipeline %d; commit %s\n",
       client->capabilities().server_version, daemon->pid(), o.bytes_per_run >> 20, o.repeats,
       o.redis_pipeline, Commit());
-  log << absl::StreamFormat("%8s %11s %11s %11s %11s %11s %11s %8s %9s\n", "page", "memcpy", "shm",
-                            "grpc off", "grpc fetch", "redis SET", "redis GET", "shm/SET",
-                            "shm open");
+  log << absl::StreamFormat("%8s %11s %11s %11s %11s %11s %11s %11s %8s %9s %9s\n", "page",
+                            "memcpy", "offload op", "shm", "grpc off", "grpc fetch", "redis SET",
+                            "redis GET", "shm/SET", "shm open", "shm close");
   JsonObject pages_json;
   struct {
-    Spread shm, off, fetch, set, get, open;
+    Spread shm, off, fetch, set, get, open, close;
     double ratio = 0;
   } top;  // the last page size's
   for (int64_t page_bytes : o.page_bytes) {
     const int64_t pages = o.bytes_per_run / page_bytes;
     const int64_t bytes = pages * page_bytes;
     const Source src(page_bytes);
-    std::vector<double> memcpy_s, shm_s, open_ms, off_s, fetch_s, set_s, get_s;
+    std::vector<double> memcpy_s, floor_s, shm_s, open_ms, close_ms, off_s, fetch_s, set_s, get_s;
     for (int32_t i = 0; i < o.repeats; ++i) {
       memcpy_s.push_back(MemcpyPeak(page_bytes, pages, src));
+      floor_s.push_back(OffloadFloor(ToGeometry(GeometryFor(page_bytes)), kv, pages));
       KVTIER_ASSIGN_OR_RETURN(const ShmTimes shm,
                               ShmWrite(*client, *device, kv, page_bytes, pages));
       shm_s.push_back(Gbps(bytes, shm.data_s));
       open_ms.push_back(shm.open_s * 1e3);
+      close_ms.push_back(shm.close_s * 1e3);
       KVTIER_ASSIGN_OR_RETURN(const GrpcRates g, GrpcOffloadFetch(*stub, page_bytes, pages, src));
       off_s.push_back(g.offload_gbps);
       fetch_s.push_back(g.fetch_gbps);
@@ -425,30 +466,37 @@ absl::StatusOr<JsonObject> RunIpcBench(const IpcBenchOptions& o, std::ostream& l
         get_s.push_back(r.get_gbps);
       }
     }
-    const Spread memcpy_gbps = SpreadOf(memcpy_s), shm = SpreadOf(shm_s), open = SpreadOf(open_ms),
-                 off = SpreadOf(off_s), fetch = SpreadOf(fetch_s), set = SpreadOf(set_s),
-                 get = SpreadOf(get_s);
+    const Spread memcpy_gbps = SpreadOf(memcpy_s), floor = SpreadOf(floor_s), shm = SpreadOf(shm_s),
+                 open = SpreadOf(open_ms),
+                 close = SpreadOf(close_ms), off = SpreadOf(off_s), fetch = SpreadOf(fetch_s),
+                 set = SpreadOf(set_s), get = SpreadOf(get_s);
     const double ratio = set.median > 0 ? shm.median / set.median : 0;
     const auto range = [](const Spread& s) { return absl::StrFormat("%.2f-%.2f", s.p10, s.p90); };
-    log << absl::StreamFormat("%7lldK %11.2f %11.2f %11.2f %11.2f %11.2f %11.2f %7.1fx %6.2f ms\n",
-                              page_bytes >> 10, memcpy_gbps.median, shm.median, off.median,
-                              fetch.median, set.median, get.median, ratio, open.median);
-    log << absl::StreamFormat("%8s %11s %11s %11s %11s %11s %11s %8s %9s\n", "", range(memcpy_gbps),
-                              range(shm), range(off), range(fetch), range(set), range(get), "",
-                              range(open));
+    log << absl::StreamFormat(
+        "%7lldK %11.2f %11.2f %11.2f %11.2f %11.2f %11.2f %11.2f %7.1fx %6.2f ms %6.2f ms\n",
+        page_bytes >> 10, memcpy_gbps.median, floor.median, shm.median, off.median, fetch.median,
+        set.median, get.median, ratio, open.median, close.median);
+    log << absl::StreamFormat("%8s %11s %11s %11s %11s %11s %11s %11s %8s %9s %9s\n", "",
+                              range(memcpy_gbps), range(floor), range(shm), range(off),
+                              range(fetch), range(set), range(get), "", range(open), range(close));
     JsonObject p;
     p.Add("page_bytes", page_bytes).Add("pages", pages);
     AddSpread(p, "memcpy_gbps", memcpy_gbps);
+    AddSpread(p, "offload_floor_gbps", floor);
     AddSpread(p, "shm_gbps", shm);
     AddSpread(p, "shm_open_ms", open);
-    p.Add("shm_fraction_of_memcpy", memcpy_gbps.median > 0 ? shm.median / memcpy_gbps.median : 0.0);
+    AddSpread(p, "shm_close_ms", close);
+    p.Add("shm_fraction_of_memcpy", memcpy_gbps.median > 0 ? shm.median / memcpy_gbps.median : 0.0)
+        .Add("floor_fraction_of_memcpy",
+             memcpy_gbps.median > 0 ? floor.median / memcpy_gbps.median : 0.0)
+        .Add("shm_fraction_of_floor", floor.median > 0 ? shm.median / floor.median : 0.0);
     AddSpread(p, "grpc_offload_gbps", off);
     AddSpread(p, "grpc_fetch_gbps", fetch);
     AddSpread(p, "redis_set_gbps", set);
     AddSpread(p, "redis_get_gbps", get);
     p.Add("shm_over_redis_set", ratio);
     pages_json.AddObject(absl::StrCat(page_bytes), p);
-    if (page_bytes == o.page_bytes.back()) top = {shm, off, fetch, set, get, open, ratio};
+    if (page_bytes == o.page_bytes.back()) top = {shm, off, fetch, set, get, open, close, ratio};
   }
   KVTIER_ASSIGN_OR_RETURN(Latency lu, UnaryRoundTrip(uds, o.unary_calls));
   KVTIER_ASSIGN_OR_RETURN(Latency lt, UnaryRoundTrip(tcp, o.unary_calls));
@@ -484,6 +532,7 @@ absl::StatusOr<JsonObject> RunIpcBench(const IpcBenchOptions& o, std::ostream& l
   AddSpread(out, "redis_set_gbps", top.set);
   AddSpread(out, "redis_get_gbps", top.get);
   AddSpread(out, "shm_open_ms", top.open);
+  AddSpread(out, "shm_close_ms", top.close);
   out.Add("shm_over_redis_set", top.ratio)
       .AddObject("pages", pages_json)
       .Add("unary_calls", static_cast<int64_t>(o.unary_calls))

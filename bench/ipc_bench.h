@@ -7,14 +7,20 @@
 //     then the pages' tokens appended 2048 per call on a cpu device, as a chunked prefill
 //     (the sequence offloads each full page into the session's region and commits it) and
 //     Flush (every commit visible to the daemon, which is asked for its count afterwards).
-//     shm_gbps times Append through Flush; shm_open_ms the OpenSession (attach and mapping
-//     included);
+//     shm_gbps times Append through Flush; shm_open_ms the OpenSession (the arena's attach
+//     and mapping included, which the Client does once: the first run's); shm_close_ms Close
+//     and the session's destruction;
 //   - grpc offload / fetch: pages streamed to a GRPC session (the daemon's Retriever appends
 //     and offloads them) and streamed back, over the Unix socket;
 //   - unary round trip (Hello) p50 / p99 over the Unix socket and over TCP;
 //   - redis SET / GET of page-sized values on a private redis-server over its Unix socket,
 //     pipelined (depth --redis-pipeline);
-//   - memcpy: the same bytes between two private buffers, the ceiling of any copy-in path.
+//   - memcpy: the same bytes between two private buffers, the ceiling of any copy-in path;
+//   - offload op: the shm path's data on the cpu device at its floor, the offload op alone on
+//     one thread (4 pages per op, as a session's stream runs it) from the rows straight into
+//     host pages: one read of K and V, one write of the HND page, the keys read again for the
+//     summaries (offload_floor_gbps; floor_fraction_of_memcpy is the most shm can reach of
+//     memcpy, shm_fraction_of_floor how much of that it does).
 // Every throughput is the median over --repeats runs, with p10 / p90 (<key>_p10, <key>_p90).
 // Page sizes 16 KiB (one head-page slab at p = 32, d = 128, fp16: Hkv = 1) and 128 KiB
 // (a Llama-3.1-8B host page: Hkv = 8).
@@ -44,8 +50,9 @@ struct IpcBenchOptions {
 };
 
 // Runs everything; the human table goes to `log`. Top-level keys are the 128 KiB numbers
-// (shm_gbps, grpc_offload_gbps, grpc_fetch_gbps, redis_set_gbps, redis_get_gbps, each with
-// _p10 / _p90), with every page size under "pages", and the unary latencies. NOT_FOUND
+// (shm_gbps, grpc_offload_gbps, grpc_fetch_gbps, redis_set_gbps, redis_get_gbps,
+// shm_open_ms, shm_close_ms, each with _p10 / _p90), with every page size under "pages" (the
+// offload op's and memcpy's there too), and the unary latencies. NOT_FOUND
 // when there is no kvtierd binary (saying where it looked); the daemon's start-up failure
 // with the tail of its log.
 absl::StatusOr<JsonObject> RunIpcBench(const IpcBenchOptions& o, std::ostream& log);
