@@ -52,3 +52,62 @@ def write(path, kv, tensors):
         for data in blobs:
             f.write(data)
             f.write(b"\0" * ((-len(data)) % ALIGNMENT))
+
+
+def read(path):
+    """Reads a GGUF v3 file as gguf_write.write writes it (and llama.cpp's F32/F16 files):
+    returns ({key: value}, {name: float32 numpy array in row-major [out][in]})."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if data[:4] != b"GGUF":
+        raise ValueError(f"{path}: not a GGUF file")
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", data, 4)
+    if version != 3:
+        raise ValueError(f"{path}: GGUF version {version}, this reader reads 3")
+    pos = 24
+
+    def take(fmt):
+        nonlocal pos
+        v = struct.unpack_from(fmt, data, pos)
+        pos += struct.calcsize(fmt)
+        return v[0] if len(v) == 1 else v
+
+    def string():
+        nonlocal pos
+        n = take("<Q")
+        s = data[pos:pos + n].decode("utf-8")
+        pos += n
+        return s
+
+    by_code = {code: fmt for code, fmt in _SCALAR.values()}
+
+    def value(code):
+        if code == _STRING:
+            return string()
+        if code == _ARRAY:
+            el, n = take("<I"), take("<Q")
+            return [value(el) for _ in range(n)]
+        return take(by_code[code])
+
+    kv = {}
+    for _ in range(n_kv):
+        key = string()
+        kv[key] = value(take("<I"))
+    infos = []
+    for _ in range(n_tensors):
+        name = string()
+        nd = take("<I")
+        dims = [take("<Q") for _ in range(nd)]
+        ty, off = take("<I"), take("<Q")
+        infos.append((name, dims, ty, off))
+    align = kv.get("general.alignment", ALIGNMENT)
+    base = pos + (-pos) % align
+    dtypes = {code: dt for code, dt in _TENSOR_TYPE.values()}
+    tensors = {}
+    for name, dims, ty, off in infos:
+        if ty not in dtypes:
+            raise ValueError(f"{path}: tensor {name} has type {ty}; this reader reads F32 and F16")
+        count = int(np.prod(dims))
+        arr = np.frombuffer(data, dtype=dtypes[ty], count=count, offset=base + off)
+        tensors[name] = arr.reshape(list(reversed(dims))).astype(np.float32)
+    return kv, tensors

