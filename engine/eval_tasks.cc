@@ -73,10 +73,6 @@ int32_t BudgetTokens(int64_t context, int32_t divisor, int32_t page_size) {
   return static_cast<int32_t>(std::max(unit, context / divisor / unit * unit));
 }
 
-std::string RunName(const Run& r) {
-  return r.divisor > 0 ? absl::StrCat(r.variant->name, "@1/", r.divisor) : r.variant->name;
-}
-
 // A sequence for one run of a prompt of `tokens` tokens (and `extra` more to come).
 absl::StatusOr<std::unique_ptr<EngineSequence>> OpenRun(Engine& engine, const Run& run,
                                                         int32_t page_size, int64_t tokens,
@@ -209,6 +205,38 @@ absl::StatusOr<NeedlePrompt> BuildNeedlePrompt(const Tokenizer& tok,
   return p;
 }
 
+absl::StatusOr<CopyPrompt> BuildCopyPrompt(const Tokenizer& tok, const std::vector<int32_t>& text,
+                                           int64_t tokens, int64_t distance, int32_t passage,
+                                           std::mt19937_64& rng) {
+  const bool bos = tok.add_bos() && tok.bos() >= 0;
+  const int64_t n = static_cast<int64_t>(text.size());
+  const int64_t P = passage;
+  const int64_t gap = distance - P;
+  // Filler before the passage, so that every prompt fills `tokens` and the budgets are the
+  // same fractions of it at every distance.
+  const int64_t prefix = tokens - (bos ? 1 : 0) - distance - P;
+  if (P < 1 || gap < 0 || prefix < 0 || n < tokens) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "copy prompt: %d tokens cannot hold a passage of %d repeated %d tokens later from a "
+        "text of %d tokens",
+        tokens, P, distance, n));
+  }
+  // A passage, and filler from the rest of the text (so the passage's only earlier
+  // occurrence is the one `distance` back).
+  const int64_t ps = std::uniform_int_distribution<int64_t>(0, n - P)(rng);
+  CopyPrompt cp;
+  cp.passage.assign(text.begin() + ps, text.begin() + ps + P);
+  std::vector<int32_t> rest(text.begin(), text.begin() + ps);
+  rest.insert(rest.end(), text.begin() + ps + P, text.end());
+  const int64_t fs = std::uniform_int_distribution<int64_t>(
+      0, static_cast<int64_t>(rest.size()) - prefix - gap)(rng);
+  if (bos) cp.context.push_back(tok.bos());
+  cp.context.insert(cp.context.end(), rest.begin() + fs, rest.begin() + fs + prefix);
+  cp.context.insert(cp.context.end(), cp.passage.begin(), cp.passage.end());
+  cp.context.insert(cp.context.end(), rest.begin() + fs + prefix, rest.begin() + fs + prefix + gap);
+  return cp;
+}
+
 absl::StatusOr<std::vector<NiahCell>> RunNiah(Engine& engine, const std::vector<int32_t>& filler,
                                               const NiahOptions& o,
                                               const std::vector<EvalVariant>& variants,
@@ -302,13 +330,22 @@ absl::StatusOr<std::vector<CopyCell>> RunCopy(Engine& engine, const std::vector<
   }
   const int64_t model_context = engine.config().context;
   const int64_t n = static_cast<int64_t>(text.size());
+  const int64_t context_tokens = o.context > 0 ? o.context : model_context;
+  if (context_tokens < 1 || (model_context > 0 && context_tokens > model_context)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "copy: --context %d: must be positive and at most the model's context of %d", o.context,
+        model_context));
+  }
+  if (context_tokens > n) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "copy: the text has %d tokens; a context of %d needs as many", n, context_tokens));
+  }
   for (int64_t d : o.distances) {
-    if (d <= o.passage || (model_context > 0 && 1 + d + o.passage > model_context) ||
-        d + o.passage > n) {
+    if (d <= o.passage || 1 + d + o.passage > context_tokens) {
       return absl::InvalidArgumentError(absl::StrFormat(
-          "copy: --distances %d: must exceed the passage (%d tokens), fit the model's context "
-          "(%d) with the passage and its repeat, and the text (%d tokens)",
-          d, o.passage, model_context, n));
+          "copy: --distances %d: must exceed the passage (%d tokens) and fit the context (%d) "
+          "with the passage and its repeat",
+          d, o.passage, context_tokens));
     }
   }
   EvalVariant full;
@@ -334,27 +371,11 @@ absl::StatusOr<std::vector<CopyCell>> RunCopy(Engine& engine, const std::vector<
   int64_t done = 0;
   const int32_t P = o.passage;
   for (size_t di = 0; di < o.distances.size(); ++di) {
-    const int64_t gap = o.distances[di] - P;
     for (int32_t t = 0; t < o.trials; ++t) {
-      // A filler window, and a passage outside it (so the passage's only earlier occurrence
-      // is the one `distance` back).
-      const int64_t fs = std::uniform_int_distribution<int64_t>(0, n - gap - P)(rng);
-      std::vector<int64_t> starts;
-      for (int64_t s = 0; s + P <= n; ++s) {
-        if (s + P <= fs || s >= fs + gap) starts.push_back(s);
-      }
-      if (starts.empty()) {
-        return absl::InvalidArgumentError(
-            absl::StrFormat("copy: the text (%d tokens) is too short for a passage of %d beside %d "
-                            "tokens of filler",
-                            n, P, gap));
-      }
-      const int64_t ps = starts[std::uniform_int_distribution<size_t>(0, starts.size() - 1)(rng)];
-      const std::vector<int32_t> passage(text.begin() + ps, text.begin() + ps + P);
-      std::vector<int32_t> context;
-      if (bos) context.push_back(tok.bos());
-      context.insert(context.end(), passage.begin(), passage.end());
-      context.insert(context.end(), text.begin() + fs, text.begin() + fs + gap);
+      KVTIER_ASSIGN_OR_RETURN(CopyPrompt cp,
+                              BuildCopyPrompt(tok, text, context_tokens, o.distances[di], P, rng));
+      const std::vector<int32_t>& passage = cp.passage;
+      const std::vector<int32_t>& context = cp.context;
       // The first occurrence's loss: full attention over the dense cache.
       double first = 0;
       {

@@ -6,8 +6,9 @@
 //         greedy answer per (variant, budget, context, depth). The multi-key needle states
 //         four named keys and asks for one, so the working set must hold the right one.
 //   copy  the loss on a held-out passage repeated `distance` tokens after its first
-//         occurrence (a model that uses its context copies it), per (variant, budget,
-//         distance), against the same passage's loss at its first occurrence.
+//         occurrence, at the end of a context-long prompt (a model that uses its context
+//         copies it), per (variant, budget, distance), against the same passage's loss at its
+//         first occurrence.
 //
 // Prompts are built with the model's own tokenizer, so the tasks run on any GGUF model
 // kvtier-run loads. The model sees the context through a prefill and the question (niah)
@@ -102,7 +103,22 @@ struct CopyOptions {
   int32_t passage = 128;                                     // tokens
   int32_t skip = 16;   // first tokens of each occurrence not scored
   int32_t trials = 2;  // passages per distance
+  // Tokens of each prompt, the repeat included (filler comes first, then the passage, the
+  // gap and the repeat), so the budgets are the same fractions at every distance. 0: the
+  // model's context.
+  int64_t context = 0;
 };
+
+struct CopyPrompt {
+  std::vector<int32_t> context;  // BOS, filler, the passage, `distance − passage` more filler
+  std::vector<int32_t> passage;  // its repeat follows the context, scored token by token
+};
+// A copy prompt of `tokens` tokens in all (the repeat included) from random windows of `text`
+// (token ids of held-out text; the passage's tokens do not recur in the filler).
+// INVALID_ARGUMENT when the text or `tokens` cannot hold it.
+absl::StatusOr<CopyPrompt> BuildCopyPrompt(const Tokenizer& tok, const std::vector<int32_t>& text,
+                                           int64_t tokens, int64_t distance, int32_t passage,
+                                           std::mt19937_64& rng);
 
 // One (variant, budget, distance) cell: mean loss (nats per token) over the trials.
 struct CopyCell {

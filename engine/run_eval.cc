@@ -683,9 +683,11 @@ int RunTaskCommand(const EvalFlags& f, const std::vector<EvalVariant>& variants)
     o.passage = f.passage;
     if (f.trials > 0) o.trials = f.trials;
     o.distances = f.distances;
+    o.context = f.context;
+    const int64_t copy_context = o.context > 0 ? o.context : model_context;
     if (o.distances.empty()) {
-      for (int64_t d : {int64_t{512}, int64_t{1024}, int64_t{2048}, model_context * 3 / 4}) {
-        if (1 + d + f.passage <= model_context && (o.distances.empty() || d > o.distances.back())) {
+      for (int64_t d : {int64_t{512}, int64_t{1024}, int64_t{2048}, copy_context * 3 / 4}) {
+        if (1 + d + f.passage <= copy_context && (o.distances.empty() || d > o.distances.back())) {
           o.distances.push_back(d);
         }
       }

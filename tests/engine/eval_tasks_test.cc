@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "engine/eval.h"
+#include "engine/eval_metrics.h"
 #include "engine/generate.h"
 #include "gtest/gtest.h"
 #include "tests/engine/golden.h"
@@ -239,6 +240,7 @@ TEST_F(EvalTasksTest, CopyScoresTheRepeatAndFullModeScoresItAsTheDenseDecoder) {
   CopyOptions o;
   o.distances = {300, 900};
   o.passage = 64;
+  o.context = 1024;
   o.trials = 1;
   o.task.budget_divisors = {8};
   absl::StatusOr<std::vector<CopyCell>> cells =
@@ -251,17 +253,44 @@ TEST_F(EvalTasksTest, CopyScoresTheRepeatAndFullModeScoresItAsTheDenseDecoder) {
     EXPECT_GT(c.first_loss, 0);
     EXPECT_GT(c.repeat_loss, 0);
   }
-  EXPECT_EQ((*cells)[2].budget_tokens, 128);  // 1/8 of 1 + 900 + 64, to 4 pages
+  EXPECT_EQ((*cells)[2].budget_tokens, 128);  // 1/8 of the 1,024-token context
   // The first occurrence is scored once, the same for every run.
   EXPECT_EQ((*cells)[0].first_loss, (*cells)[2].first_loss);
   EXPECT_EQ((*cells)[1].first_loss, (*cells)[3].first_loss);
   // The window sees less than full KV: its loss on the repeat differs.
   EXPECT_NE((*cells)[2].repeat_loss, (*cells)[0].repeat_loss);
+  // Full mode's loss on the repeat is the dense decoder's on the same prompt (the prompts are
+  // drawn in order from the seed).
+  std::mt19937_64 rng(o.task.seed);
+  for (size_t d = 0; d < o.distances.size(); ++d) {
+    absl::StatusOr<CopyPrompt> cp =
+        BuildCopyPrompt(engine_->tokenizer(), text_, 1024, o.distances[d], o.passage, rng);
+    ASSERT_TRUE(cp.ok()) << cp.status();
+    EXPECT_EQ(cp->context.size() + cp->passage.size(), 1024u);
+    absl::StatusOr<std::unique_ptr<DenseKv>> kv =
+        DenseKv::Create(engine_->config(), engine_->device(), 1024);
+    ASSERT_TRUE(kv.ok());
+    std::vector<float> logits;
+    ASSERT_TRUE(engine_->decoder().PrefillDense(**kv, cp->context, &logits).ok());
+    double loss = 0;
+    for (int32_t i = 0; i < o.passage; ++i) {
+      if (i >= o.skip) loss -= LogProbAt(logits, cp->passage[i]);
+      if (i + 1 < o.passage)
+        ASSERT_TRUE(engine_->decoder().StepDense(**kv, cp->passage[i], &logits).ok());
+    }
+    EXPECT_NEAR((*cells)[d].repeat_loss, loss / (o.passage - o.skip), 0.02)
+        << "at " << o.distances[d];
+  }
   o.distances = {40};
   EXPECT_TRUE(absl::IsInvalidArgument(RunCopy(*engine_, text_, o, {}).status()));
   o.distances = {100000};
   EXPECT_TRUE(absl::IsInvalidArgument(RunCopy(*engine_, text_, o, {}).status()));
+  o.distances = {960};  // 1 + 960 + 64 > 1024
+  EXPECT_TRUE(absl::IsInvalidArgument(RunCopy(*engine_, text_, o, {}).status()));
   o.distances = {300};
+  o.context = 100000;
+  EXPECT_TRUE(absl::IsInvalidArgument(RunCopy(*engine_, text_, o, {}).status()));
+  o.context = 1024;
   o.skip = 64;
   EXPECT_TRUE(absl::IsInvalidArgument(RunCopy(*engine_, text_, o, {}).status()));
 }
