@@ -1,5 +1,5 @@
 // Writes a decode trace file, format version 1 of docs/trace-format.md: the engine's own
-// writer (the engine sees only the public API, so it does not share bench/trace.h's code;
+// writer (the engine does not link the benchmarks' code, so it does not share bench/trace.h's;
 // tests read what it writes back with the benchmark's reader). Tensors come in as F32 and
 // are stored in the trace's dtype; every record is written at its computed offset, so
 // records may arrive in any order.
