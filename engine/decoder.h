@@ -4,7 +4,8 @@
 // each chunk's K/V to the sequence; a decode step appends the new token's K/V and, per
 // layer, drives the sequence as an engine does: BeginStep → attention over the working set
 // → EndStep on a LocalSequence, Decode on a remote one. Several sequences decode as one
-// batch: one matrix product per weight for the whole batch, attention per sequence.
+// batch: one matrix product per weight for the whole batch; attention is one BeginStep →
+// Attend → EndStep for the batch when they are members of one SequenceBatch, else per sequence.
 //
 // The same forward also runs over a plain dense KV cache of its own (DenseKv): the
 // baseline "dense decoder loop" kvtier is compared with, and the prefill's scratch.
