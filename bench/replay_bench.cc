@@ -561,7 +561,7 @@ JsonObject Replay::ModeReport(const ModeRun& m, double* mass) const {
   return j;
 }
 
-// The accuracy target of docs/architecture.md#performance.
+// The accuracy target of docs/benchmarks.md#targets.
 constexpr double kMassRecallTarget = 0.95;
 
 JsonObject Replay::Report() const {
