@@ -78,7 +78,7 @@ bool ParseRecallStrategy(std::string_view name, RecallStrategy* out);
 // name (docs/policies.md lists every one, its default and its range):
 //   budget     fixed | confidence (Conf-KV) | xkv (per layer) | kv_compress (per head)
 //   residency  none | attention | h2o | epiphany (EpiKV) | kv_compress
-//   host_drop  refuse | evict
+//   host_drop  refuse | evict | demote (to a cold tier behind the host tier)
 // Parameters are "<policy>.<name>" = value, e.g. "confidence.enter_tight" = "0.75".
 struct PolicyConfig {
   std::string budget = "fixed";
