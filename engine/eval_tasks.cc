@@ -55,9 +55,15 @@ struct Run {
   int32_t divisor;  // 0: full
 };
 
-std::vector<Run> Runs(const EvalVariant& full, const std::vector<EvalVariant>& variants,
-                      const TaskOptions& o) {
-  std::vector<Run> runs = {{&full, 0}};
+// Full mode (every run's reference) first, then every variant at every budget.
+std::vector<Run> Runs(const std::vector<EvalVariant>& variants, const TaskOptions& o) {
+  static const EvalVariant* full = [] {
+    auto* v = new EvalVariant;
+    v->name = "full";
+    v->options.mode = RetrievalMode::kFull;
+    return v;
+  }();
+  std::vector<Run> runs = {{full, 0}};
   for (const EvalVariant& v : variants) {
     if (v.options.mode == RetrievalMode::kFull) continue;
     for (int32_t d : o.budget_divisors) runs.push_back({&v, d});
@@ -256,10 +262,7 @@ absl::StatusOr<std::vector<NiahCell>> RunNiah(Engine& engine, const std::vector<
           c, o.max_answer_tokens, model_context));
     }
   }
-  EvalVariant full;
-  full.name = "full";
-  full.options.mode = RetrievalMode::kFull;
-  const std::vector<Run> runs = Runs(full, variants, o.task);
+  const std::vector<Run> runs = Runs(variants, o.task);
   // Cells in the order (run, kind, context, depth); prompts in (context, kind, depth, trial).
   std::vector<NiahCell> cells;
   auto cell_index = [&](size_t run, size_t kind, size_t context, int32_t depth) {
@@ -348,10 +351,7 @@ absl::StatusOr<std::vector<CopyCell>> RunCopy(Engine& engine, const std::vector<
           d, o.passage, context_tokens));
     }
   }
-  EvalVariant full;
-  full.name = "full";
-  full.options.mode = RetrievalMode::kFull;
-  const std::vector<Run> runs = Runs(full, variants, o.task);
+  const std::vector<Run> runs = Runs(variants, o.task);
   std::vector<CopyCell> cells;
   for (const Run& r : runs) {
     for (int64_t d : o.distances) {

@@ -39,7 +39,9 @@ class EvalTasksTest : public ::testing::Test {
     SequenceSpec spec;
     spec.options = v.options;
     spec.options.max_tokens = max_tokens;
-    if (budget > 0) EXPECT_TRUE(spec.options.SetBudgetTokens(budget, spec.page_size).ok());
+    if (budget > 0) {
+      EXPECT_TRUE(spec.options.SetBudgetTokens(budget, spec.page_size).ok());
+    }
     absl::StatusOr<std::unique_ptr<EngineSequence>> s =
         EngineSequence::Open(*engine_, spec, nullptr);
     EXPECT_TRUE(s.ok()) << s.status();
@@ -275,8 +277,9 @@ TEST_F(EvalTasksTest, CopyScoresTheRepeatAndFullModeScoresItAsTheDenseDecoder) {
     double loss = 0;
     for (int32_t i = 0; i < o.passage; ++i) {
       if (i >= o.skip) loss -= LogProbAt(logits, cp->passage[i]);
-      if (i + 1 < o.passage)
+      if (i + 1 < o.passage) {
         ASSERT_TRUE(engine_->decoder().StepDense(**kv, cp->passage[i], &logits).ok());
+      }
     }
     EXPECT_NEAR((*cells)[d].repeat_loss, loss / (o.passage - o.skip), 0.02)
         << "at " << o.distances[d];
