@@ -634,6 +634,15 @@ def autocast(model):
 
 
 # ---------------------------------------------------------------- checkpoints
+def load_checkpoint(path, device):
+    """A checkpoint this script saved (optimizer state, random states and the curve too: not
+    weights only, which newer torch versions assume by default)."""
+    try:
+        return torch.load(path, map_location=device, weights_only=False)
+    except TypeError:  # a torch without weights_only
+        return torch.load(path, map_location=device)
+
+
 def save_checkpoint(path, state):
     tmp = path + ".tmp"
     torch.save(state, tmp)
@@ -939,7 +948,7 @@ def train_retrieval(model, cfg, tasks, phases, lr, ckpt_dir, ckpt_every, probe_e
     state = {"step": 0, "curve": [], "seconds": [0.0] * len(phases), "tokens": 0}
     path = os.path.join(ckpt_dir, "retrieval.pt") if ckpt_dir else None
     if path and os.path.exists(path):
-        ck = torch.load(path, map_location=next(model.parameters()).device)
+        ck = load_checkpoint(path, next(model.parameters()).device)
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])
         rng.setstate(ck["rng"])
@@ -1183,7 +1192,7 @@ def main():
     if rphases:
         cfg.rope_base = args.rope_base
     if args.init_weights:
-        model.load_state_dict(torch.load(args.init_weights, map_location="cpu")["model"])
+        model.load_state_dict(load_checkpoint(args.init_weights, "cpu")["model"])
         init_info["weights"] = os.path.basename(args.init_weights)
     if args.ckpt:
         os.makedirs(args.ckpt, exist_ok=True)
