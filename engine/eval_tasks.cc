@@ -27,6 +27,9 @@ constexpr const char* kNames[] = {
     "the silver box", "the golden box", "the first ship", "the second ship", "the last ship",
     "the small room", "the great hall", "the high road",  "the low road",    "the white whale"};
 constexpr int kNamedNeedles = 4;
+constexpr char kValueNeedle[] = " One of the pass keys of {name} is {key}.";
+constexpr char kValueQuestion[] =
+    " What are all the pass keys of {name}? The pass keys of {name} are";
 
 std::string RandomKey(std::mt19937_64& rng) {
   const int digits = std::uniform_int_distribution<int>(5, 7)(rng);
@@ -37,6 +40,27 @@ std::string RandomKey(std::mt19937_64& rng) {
 
 std::string Fill(const char* pattern, const std::string& key, const std::string& name = "") {
   return absl::StrReplaceAll(pattern, {{"{key}", key}, {"{name}", name}});
+}
+
+// Every run of digits in `text`.
+std::vector<std::string> DigitRuns(std::string_view text) {
+  std::vector<std::string> runs;
+  for (size_t i = 0; i < text.size();) {
+    if (!std::isdigit(static_cast<unsigned char>(text[i]))) {
+      ++i;
+      continue;
+    }
+    size_t j = i;
+    while (j < text.size() && std::isdigit(static_cast<unsigned char>(text[j]))) ++j;
+    runs.emplace_back(text.substr(i, j - i));
+    i = j;
+  }
+  return runs;
+}
+
+// A multivalue answer is complete at the end of its sentence.
+bool ListDone(std::string_view text) {
+  return !DigitRuns(text).empty() && text.find_first_of(".?\n") != std::string_view::npos;
 }
 
 // The answer is complete once it has something after its digits (or starts with no digit).
@@ -102,9 +126,10 @@ absl::StatusOr<std::unique_ptr<EngineSequence>> OpenRun(Engine& engine, const Ru
 absl::StatusOr<std::string> Answer(Engine& engine, const NeedlePrompt& p, const Run& run,
                                    const NiahOptions& o, PrefillRecord& record, int32_t* budget) {
   const int64_t total = static_cast<int64_t>(p.context.size() + p.question.size());
-  KVTIER_ASSIGN_OR_RETURN(
-      std::unique_ptr<EngineSequence> es,
-      OpenRun(engine, run, o.task.page_size, total, o.max_answer_tokens, budget));
+  const bool list = p.keys.size() > 1;
+  const int32_t max_answer = list ? 4 * o.max_answer_tokens : o.max_answer_tokens;
+  KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<EngineSequence> es,
+                          OpenRun(engine, run, o.task.page_size, total, max_answer, budget));
   Sequence& seq = es->sequence();
   Decoder& dec = engine.decoder();
   std::vector<float> logits;
@@ -113,11 +138,12 @@ absl::StatusOr<std::string> Answer(Engine& engine, const NeedlePrompt& p, const 
     st = dec.Step({&seq}, {p.question[i]}, &logits);
   std::vector<int32_t> answer;
   const Tokenizer& tok = engine.tokenizer();
-  for (int32_t i = 0; st.ok() && i < o.max_answer_tokens; ++i) {
+  for (int32_t i = 0; st.ok() && i < max_answer; ++i) {
     const int32_t next = ArgMax(logits);
     if (next == tok.eos()) break;
     answer.push_back(next);
-    if (AnswerDone(tok.Decode(answer)) || i + 1 == o.max_answer_tokens) break;
+    const std::string text = tok.Decode(answer);
+    if ((list ? ListDone(text) : AnswerDone(text)) || i + 1 == max_answer) break;
     st = dec.Step({&seq}, {next}, &logits);
   }
   if (st.ok()) st = seq.Wait();
@@ -134,6 +160,8 @@ bool ParseNeedleKind(std::string_view name, NeedleKind* out) {
     *out = NeedleKind::kSingle;
   } else if (name == "multikey") {
     *out = NeedleKind::kMultiKey;
+  } else if (name == "multivalue") {
+    *out = NeedleKind::kMultiValue;
   } else {
     return false;
   }
@@ -141,7 +169,24 @@ bool ParseNeedleKind(std::string_view name, NeedleKind* out) {
 }
 
 std::string_view NeedleKindName(NeedleKind kind) {
-  return kind == NeedleKind::kSingle ? "single" : "multikey";
+  switch (kind) {
+    case NeedleKind::kSingle:
+      return "single";
+    case NeedleKind::kMultiKey:
+      return "multikey";
+    case NeedleKind::kMultiValue:
+      return "multivalue";
+  }
+  return "?";
+}
+
+bool AnswerIsRight(const NeedlePrompt& p, NeedleKind kind, std::string_view answer) {
+  if (kind != NeedleKind::kMultiValue) return AnswerKey(answer) == p.key;
+  const std::vector<std::string> runs = DigitRuns(answer);
+  for (const std::string& k : p.keys) {
+    if (std::find(runs.begin(), runs.end(), k) == runs.end()) return false;
+  }
+  return true;
 }
 
 std::string AnswerKey(std::string_view answer) {
@@ -165,7 +210,7 @@ absl::StatusOr<NeedlePrompt> BuildNeedlePrompt(const Tokenizer& tok,
   if (kind == NeedleKind::kSingle) {
     needles.push_back(tok.Encode(Fill(kNeedle, p.key), /*add_special=*/false));
     p.question = tok.Encode(kQuestion, false);
-  } else {
+  } else if (kind == NeedleKind::kMultiKey) {
     std::vector<int> names(std::size(kNames));
     for (size_t i = 0; i < names.size(); ++i) names[i] = static_cast<int>(i);
     std::shuffle(names.begin(), names.end(), rng);
@@ -174,7 +219,19 @@ absl::StatusOr<NeedlePrompt> BuildNeedlePrompt(const Tokenizer& tok,
       needles.push_back(tok.Encode(Fill(kNamedNeedle, RandomKey(rng), kNames[names[i]]), false));
     }
     p.question = tok.Encode(Fill(kNamedQuestion, "", kNames[names[0]]), false);
+  } else {
+    const char* name = kNames[std::uniform_int_distribution<size_t>(0, std::size(kNames) - 1)(rng)];
+    p.keys.push_back(p.key);
+    while (p.keys.size() < kNamedNeedles) {
+      std::string k = RandomKey(rng);
+      if (std::find(p.keys.begin(), p.keys.end(), k) == p.keys.end())
+        p.keys.push_back(std::move(k));
+    }
+    for (const std::string& k : p.keys)
+      needles.push_back(tok.Encode(Fill(kValueNeedle, k, name), false));
+    p.question = tok.Encode(Fill(kValueQuestion, "", name), false);
   }
+  if (p.keys.empty()) p.keys.push_back(p.key);
   const bool bos = tok.add_bos() && tok.bos() >= 0;
   int64_t fixed = static_cast<int64_t>(p.question.size()) + (bos ? 1 : 0);
   for (const auto& n : needles) fixed += static_cast<int64_t>(n.size());
@@ -310,7 +367,7 @@ absl::StatusOr<std::vector<NiahCell>> RunNiah(Engine& engine, const std::vector<
             }
             cell.budget_tokens = budget;
             ++cell.trials;
-            cell.correct += AnswerKey(*a) == p.key;
+            cell.correct += AnswerIsRight(p, o.kinds[ki], *a);
             cell.last_answer = *a;
           }
           if (progress) progress("niah", ++done, prompts);

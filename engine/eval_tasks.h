@@ -39,14 +39,19 @@ namespace kvtier::engine {
 enum class NeedleKind : uint8_t {
   kSingle,    // " The pass key is K. Remember it. K is the pass key." ... " The pass key is"
   kMultiKey,  // four " The pass key of NAME is K." at random depths, one asked for
+  // four " One of the pass keys of NAME is K." (one NAME, four keys) at random depths, all
+  // asked for: right when the answer holds every key (RULER's multi-value needle)
+  kMultiValue,
 };
-bool ParseNeedleKind(std::string_view name, NeedleKind* out);  // "single", "multikey"
+// "single", "multikey", "multivalue"
+bool ParseNeedleKind(std::string_view name, NeedleKind* out);
 std::string_view NeedleKindName(NeedleKind kind);
 
 struct NeedlePrompt {
   std::vector<int32_t> context;   // BOS (when the model has one), filler and needle(s)
   std::vector<int32_t> question;  // decoded step by step, ending where the key follows
-  std::string key;                // the expected answer's digits
+  std::string key;                // the expected answer's digits (the asked needle's)
+  std::vector<std::string> keys;  // every key the answer must hold (multivalue: four)
   int64_t needle_position = 0;    // token index of the asked needle in `context`
 };
 
@@ -60,6 +65,9 @@ absl::StatusOr<NeedlePrompt> BuildNeedlePrompt(const Tokenizer& tok,
 
 // The key an answer gives: its first run of digits after leading spaces (empty if none).
 std::string AnswerKey(std::string_view answer);
+// Whether an answer is right: its key is the prompt's (single, multikey), or every one of
+// the prompt's keys is among the answer's runs of digits (multivalue).
+bool AnswerIsRight(const NeedlePrompt& p, NeedleKind kind, std::string_view answer);
 
 struct TaskOptions {
   std::vector<int32_t> budget_divisors = {32, 16, 8, 4};  // budgets: context / d, to 4 pages
@@ -73,7 +81,7 @@ struct NiahOptions {
   int32_t depths = 10;                     // evenly from 0 to 1
   int32_t trials = 3;                      // prompts per (context, depth, kind)
   std::vector<NeedleKind> kinds = {NeedleKind::kSingle, NeedleKind::kMultiKey};
-  int32_t max_answer_tokens = 12;
+  int32_t max_answer_tokens = 12;  // a multivalue answer gets four times as many
 };
 
 // One (variant, budget, kind, context, depth) cell.

@@ -318,7 +318,9 @@ CLI::App* AddEvalCommand(CLI::App& app, EvalFlags* f) {
       ->check(CLI::Range(1, 1000));
   c->add_option("--trials", f->trials, "niah, copy: prompts per cell (default 3 and 2)")
       ->check(CLI::Range(0, 100000));
-  c->add_option("--needles", f->needles, "niah: needle kinds, comma-separated: single, multikey");
+  c->add_option("--needles", f->needles,
+                "niah: needle kinds, comma-separated: single, multikey, multivalue (default "
+                "single,multikey)");
   c->add_option(
        "--distances", f->distances,
        "copy: tokens from a passage to its repeat (default 512, 1024, 2048 and 3/4 of the context)")
@@ -375,12 +377,12 @@ void PrintNiah(const std::vector<NiahCell>& cells, std::ostream& os) {
     return n > 0 ? absl::StrFormat("%.3f", double(ok) / n) : std::string("-");
   };
   os << "needle accuracy (exact match of the greedy answer), over every depth\n";
-  os << absl::StrFormat("%-20s %-9s", "variant", "needle");
+  os << absl::StrFormat("%-20s %-10s", "variant", "needle");
   for (int32_t d : divisors) os << absl::StrFormat(" %7s", BudgetName(d));
   os << "\n";
   for (NeedleKind k : kinds) {
     for (const std::string& v : variants) {
-      os << absl::StrFormat("%-20s %-9s", v, NeedleKindName(k));
+      os << absl::StrFormat("%-20s %-10s", v, NeedleKindName(k));
       if (v == "full") {
         os << absl::StrFormat(" %7s", accuracy(v, 0, k, -1)) << "  (every budget: all)\n";
         continue;
@@ -390,14 +392,14 @@ void PrintNiah(const std::vector<NiahCell>& cells, std::ostream& os) {
     }
   }
   os << "\naccuracy per needle depth (0: the context's start)\n";
-  os << absl::StrFormat("%-20s %-9s %-6s", "variant", "needle", "budget");
+  os << absl::StrFormat("%-20s %-10s %-6s", "variant", "needle", "budget");
   for (double dp : depths) os << absl::StrFormat(" %5.2f", dp);
   os << "\n";
   for (NeedleKind k : kinds) {
     for (const std::string& v : variants) {
       std::vector<int32_t> ds = v == "full" ? std::vector<int32_t>{0} : divisors;
       for (int32_t d : ds) {
-        os << absl::StrFormat("%-20s %-9s %-6s", v, NeedleKindName(k), BudgetName(d));
+        os << absl::StrFormat("%-20s %-10s %-6s", v, NeedleKindName(k), BudgetName(d));
         for (double dp : depths) {
           const std::string a = accuracy(v, d, k, dp);
           os << absl::StrFormat(" %5s", a.size() > 5 ? a.substr(0, 4) : a);
@@ -610,7 +612,8 @@ int RunTaskCommand(const EvalFlags& f, const std::vector<EvalVariant>& variants)
   for (absl::string_view n : absl::StrSplit(f.needles, ',', absl::SkipEmpty())) {
     NeedleKind k;
     if (!ParseNeedleKind(std::string_view(n.data(), n.size()), &k)) {
-      std::cerr << "kvtier-run eval: --needles: unknown '" << n << "' (single, multikey)\n";
+      std::cerr << "kvtier-run eval: --needles: unknown '" << n
+                << "' (single, multikey, multivalue)\n";
       return 2;
     }
     kinds.push_back(k);

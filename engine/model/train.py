@@ -397,6 +397,8 @@ QUESTION = " What is the pass key? The pass key is"
 NAMED_NEEDLE = " The pass key of {name} is {key}."
 NAMED_QUESTION = " What is the pass key of {name}? The pass key of {name} is"
 ANSWER = " {key}."
+VALUE_NEEDLE = " One of the pass keys of {name} is {key}."
+VALUE_QUESTION = " What are all the pass keys of {name}? The pass keys of {name} are"
 # Names for the named (multi-key) needles: common words, each a single pre-token.
 NAMES = ["the red door", "the blue door", "the green door", "the old house", "the new house",
          "the north gate", "the south gate", "the east tower", "the west tower", "the iron box",
@@ -501,8 +503,15 @@ class Tasks:
                 ids[c:c + L] = span
             return ids, pos
         # pass keys: k needles at random places before the question, the question last.
-        k = 1 if rng.random() < 0.5 else rng.randint(2, 4)
-        if k == 1:
+        r = rng.random()
+        k = 1 if r < 0.5 else rng.randint(2, 4)
+        if r >= 0.85:  # one name, several keys, all asked for (multi-value)
+            name = rng.choice(NAMES)
+            keys = [random_key(rng) for _ in range(k)]
+            needles = [self.encode(VALUE_NEEDLE.format(name=name, key=ky)) for ky in keys]
+            tail = (self.encode(VALUE_QUESTION.format(name=name)) +
+                    self.encode(" " + ", ".join(keys[:-1]) + " and " + keys[-1] + "."))
+        elif k == 1:
             key = random_key(rng)
             needles = [self.encode(NEEDLE.format(key=key))]
             tail = self.encode(QUESTION) + self.encode(ANSWER.format(key=key))

@@ -180,6 +180,42 @@ TEST_F(EvalTasksTest, NeedlePromptsAreWhatTheyClaim) {
       BuildNeedlePrompt(tok, text_, 1000, 1.5, NeedleKind::kSingle, rng).status()));
 }
 
+TEST_F(EvalTasksTest, AMultiValueNeedleStatesFourKeysOfOneNameAndAsksForAll) {
+  const Tokenizer& tok = engine_->tokenizer();
+  std::mt19937_64 rng(11);
+  absl::StatusOr<NeedlePrompt> p =
+      BuildNeedlePrompt(tok, text_, 1500, 0.3, NeedleKind::kMultiValue, rng);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->context.size() + p->question.size(), 1500u);
+  ASSERT_EQ(p->keys.size(), 4u);
+  EXPECT_EQ(p->keys[0], p->key);
+  const std::string context = tok.Decode(p->context);
+  const std::string question = tok.Decode(p->question);
+  const std::string name =
+      question.substr(std::string(" What are all the pass keys of ").size(),
+                      question.find('?') - std::string(" What are all the pass keys of ").size());
+  for (const std::string& k : p->keys) {
+    EXPECT_EQ(std::count(p->keys.begin(), p->keys.end(), k), 1) << "distinct keys";
+    EXPECT_NE(context.find(" One of the pass keys of " + name + " is " + k + "."),
+              std::string::npos)
+        << k;
+  }
+  const std::string all =
+      " " + p->keys[2] + ", " + p->keys[0] + ", " + p->keys[3] + " and " + p->keys[1] + ".";
+  EXPECT_TRUE(AnswerIsRight(*p, NeedleKind::kMultiValue, all));
+  EXPECT_FALSE(
+      AnswerIsRight(*p, NeedleKind::kMultiValue, " " + p->keys[0] + ", " + p->keys[1] + "."));
+  EXPECT_FALSE(AnswerIsRight(*p, NeedleKind::kMultiValue,
+                             " " + p->keys[0] + p->keys[1] + p->keys[2] + p->keys[3]));
+  // Single and multi-key needles are right on their one key only.
+  NeedlePrompt one;
+  one.key = "48291";
+  one.keys = {"48291"};
+  EXPECT_TRUE(AnswerIsRight(one, NeedleKind::kSingle, " 48291."));
+  EXPECT_FALSE(AnswerIsRight(one, NeedleKind::kSingle, " 482913."));
+  EXPECT_FALSE(AnswerIsRight(one, NeedleKind::kMultiKey, " the 48291"));
+}
+
 TEST(AnswerKeyTest, TakesTheLeadingDigits) {
   EXPECT_EQ(AnswerKey(" 482913."), "482913");
   EXPECT_EQ(AnswerKey("482913"), "482913");
