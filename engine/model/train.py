@@ -486,7 +486,11 @@ class Tasks:
             return ids, pos
         if kind in ("copy", "random"):
             ids = self.text(n)
-            L = rng.randint(24, max(24, min(320, n // 3))) if kind == "copy" else rng.randint(8, 48)
+            # both occurrences must fit: across the skip, the source before the cut and the
+            # repeat after it
+            room = min(n // 3, cut, n - cut) if cut < n - 1 else n // 3
+            L = rng.randint(min(24, room), max(min(24, room), min(320, room))) if kind == "copy" \
+                else rng.randint(min(8, room), min(48, room))
             # source in [0, cut - L), first repeat in [cut, n - L): across the skip when there
             # is one; without a skip, cut is n and the repeat just follows its source.
             if cut >= n - 1:
