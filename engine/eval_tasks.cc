@@ -311,12 +311,16 @@ absl::StatusOr<std::vector<NiahCell>> RunNiah(Engine& engine, const std::vector<
         "a needle kind");
   }
   const int64_t model_context = engine.config().context;
+  int32_t answer = o.max_answer_tokens;
+  for (NeedleKind k : o.kinds) {
+    if (k == NeedleKind::kMultiValue) answer = 4 * o.max_answer_tokens;
+  }
   for (int64_t c : o.contexts) {
-    if (c < 64 || (model_context > 0 && c + o.max_answer_tokens > model_context)) {
+    if (c < 64 || (model_context > 0 && c + answer > model_context)) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "niah: --contexts %d: a prompt needs at least 64 tokens, and with its answer (%d) at "
           "most the model's context of %d",
-          c, o.max_answer_tokens, model_context));
+          c, answer, model_context));
     }
   }
   const std::vector<Run> runs = Runs(variants, o.task);

@@ -655,7 +655,11 @@ int RunTaskCommand(const EvalFlags& f, const std::vector<EvalVariant>& variants)
   if (f.task == "niah") {
     NiahOptions o;
     o.task = task;
-    o.contexts = f.contexts.empty() ? std::vector<int64_t>{model_context - 16} : f.contexts;
+    // By default the model's context less the longest answer (a multivalue one lists 4 keys).
+    const bool multivalue =
+        std::find(kinds.begin(), kinds.end(), NeedleKind::kMultiValue) != kinds.end();
+    o.contexts = f.contexts.empty() ? std::vector<int64_t>{model_context - (multivalue ? 48 : 16)}
+                                    : f.contexts;
     o.depths = f.depths;
     if (f.trials > 0) o.trials = f.trials;
     o.kinds = kinds;
