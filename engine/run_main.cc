@@ -403,9 +403,15 @@ int RunGenerate(const Flags& f) {
     std::cerr << "kvtier-run: --trigger: unknown '" << f.trigger << "' (cosine, mass)\n";
     return 2;
   }
-  if (!(f.max_loss >= 0.0f && f.max_loss <= 1.0f)) {
-    std::cerr << "kvtier-run: --max-loss = " << f.max_loss << ": must be in [0, 1]\n";
-    return 2;
+  {  // --tau, --trigger and --max-loss by the options' one resolver
+    SequenceOptions check;
+    check.correction_threshold = f.tau;
+    check.correction_trigger = trigger;
+    check.correction_max_loss = f.max_loss;
+    if (absl::Status st = ResolveSequenceOptions(check, kDefaultPageSize).status(); !st.ok()) {
+      std::cerr << "kvtier-run: " << st.message() << " (--tau, --max-loss)\n";
+      return 2;
+    }
   }
   for (const std::string& m : modes) {
     RetrievalMode mode;

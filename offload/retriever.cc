@@ -177,61 +177,12 @@ absl::StatusOr<std::unique_ptr<Event>> RetrieverImpl::TakeEvent() {
 absl::Status RetrieverImpl::Init() {
   KVTIER_RETURN_IF_ERROR(geometry_.Validate());
   const auto bad = [](std::string msg) { return absl::InvalidArgumentError(std::move(msg)); };
-  if (options_.max_tokens <= 0 || options_.max_tokens > (1 << 30)) {
-    return bad(
-        absl::StrFormat("sequence.max_tokens = %d: must be in [1, 2^30]", options_.max_tokens));
-  }
+  // The options' rules are the resolver's alone (kvtier/options.h); what follows is what only
+  // a Retriever knows: its host tier, its batch.
+  KVTIER_RETURN_IF_ERROR(ResolveSequenceOptions(options_, geometry_.page_size).status());
   max_pages_ = (options_.max_tokens + geometry_.page_size - 1) / geometry_.page_size;
-  if (options_.sink_pages < 0 || options_.selected_pages < 0 || options_.recent_pages < 1) {
-    return bad(absl::StrFormat(
-        "sequence pages sink = %d, selected = %d, recent = %d: sink and selected must be >= 0 "
-        "and recent >= 1 (it holds the page being filled)",
-        options_.sink_pages, options_.selected_pages, options_.recent_pages));
-  }
-  if (options_.mode == RetrievalMode::kFull) {
-    slots_per_layer_ = max_pages_;
-  } else {
-    const int64_t s =
-        int64_t{options_.sink_pages} + options_.selected_pages + options_.recent_pages;
-    if (s > kMaxSlots) {
-      return bad(absl::StrFormat("sequence budget = %d pages: must be at most %d", s, kMaxSlots));
-    }
-    slots_per_layer_ = static_cast<int32_t>(s);
-  }
-  // Selection picks k pages of the P a layer can hold: more than P could never be chosen,
-  // and would fail at the first step inside TopK instead of here.
-  if (has_host_tier() && options_.selected_pages > max_pages_) {
-    return bad(absl::StrFormat(
-        "sequence selected_pages = %d (budget %d tokens: sink %d + selected %d + recent %d "
-        "pages) exceeds the %d pages a layer holds (max_tokens = %d at page_size %d)",
-        options_.selected_pages,
-        (int64_t{options_.sink_pages} + options_.selected_pages + options_.recent_pages) *
-            geometry_.page_size,
-        options_.sink_pages, options_.selected_pages, options_.recent_pages, max_pages_,
-        options_.max_tokens, geometry_.page_size));
-  }
+  slots_per_layer_ = options_.mode == RetrievalMode::kFull ? max_pages_ : options_.budget_pages();
   KVTIER_RETURN_IF_ERROR(InitPolicies());
-  if (!(options_.correction_threshold == options_.correction_threshold)) {
-    return bad("sequence.correction_threshold is NaN");
-  }
-  if (options_.correction_trigger != CorrectionTrigger::kCosine &&
-      options_.correction_trigger != CorrectionTrigger::kMass) {
-    return bad(absl::StrFormat("sequence.correction_trigger = %d: must be cosine (%d) or mass (%d)",
-                               static_cast<int>(options_.correction_trigger),
-                               static_cast<int>(CorrectionTrigger::kCosine),
-                               static_cast<int>(CorrectionTrigger::kMass)));
-  }
-  if (!(options_.correction_max_loss >= 0.0f && options_.correction_max_loss <= 1.0f)) {
-    return bad(absl::StrFormat(
-        "sequence.correction_max_loss = %g: must be in [0, 1] (a fraction of the attention mass)",
-        options_.correction_max_loss));
-  }
-  if (options_.stream_chunk_items < 1 || options_.stream_chunk_items > 65536) {
-    return bad(absl::StrFormat("sequence.stream_chunk_items = %d: must be in [1, 65536]",
-                               options_.stream_chunk_items));
-  }
-  if (options_.deadline <= absl::ZeroDuration()) return bad("sequence.deadline must be positive");
-  if (!(options_.softmax_scale >= 0.0f)) return bad("sequence.softmax_scale must be >= 0");
   scale_ = options_.softmax_scale > 0 ? options_.softmax_scale
                                       : 1.0f / std::sqrt(float(geometry_.head_dim));
   if (has_host_tier() && pool_ == nullptr) {
@@ -1318,12 +1269,16 @@ absl::StatusOr<std::unique_ptr<LocalSequence>> NewLocalSequence(const Geometry& 
                                                                 const SequenceOptions& options,
                                                                 Device& device) {
   KVTIER_ASSIGN_OR_RETURN(Backend * backend, BackendOf(device, "NewLocalSequence"));
+  KVTIER_RETURN_IF_ERROR(geometry.Validate());
+  // Resolved before the host tier is sized from them.
+  KVTIER_ASSIGN_OR_RETURN(const SequenceOptions resolved,
+                          ResolveSequenceOptions(options, geometry.page_size));
   std::unique_ptr<HostTier> host;
-  if (options.mode == RetrievalMode::kSpeculative || options.mode == RetrievalMode::kSync) {
-    KVTIER_ASSIGN_OR_RETURN(host, NewOwnedHostTier(geometry, options.max_tokens, *backend));
+  if (resolved.mode == RetrievalMode::kSpeculative || resolved.mode == RetrievalMode::kSync) {
+    KVTIER_ASSIGN_OR_RETURN(host, NewOwnedHostTier(geometry, resolved.max_tokens, *backend));
   }
   KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<Retriever> r,
-                          Retriever::Create(geometry, options, *backend, std::move(host)));
+                          Retriever::Create(geometry, resolved, *backend, std::move(host)));
   return std::unique_ptr<LocalSequence>(std::move(r));
 }
 

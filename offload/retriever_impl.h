@@ -34,8 +34,6 @@
 
 namespace kvtier::retriever_internal {
 
-constexpr int32_t kMaxSlots = 1 << 20;
-
 // Sets an op's INT8 storage fields (k_int8, v_int8, k_scale, v_scale) to a layer's buffers.
 template <typename Args, typename Layer>
 void SetInt8Buffers(const Layer& l, Args* a) {

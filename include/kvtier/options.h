@@ -1,7 +1,7 @@
 // What a sequence is configured with: retrieval modes, key summaries and pooling, recall
 // strategies, the policy set, and what the engine reports for the policies. Every default
 // of the retrieval layer is written here once (kDefault*); the daemon, the C API and the
-// Python client take theirs from these.
+// Python client take theirs from these. Every rule is too: ResolveSequenceOptions.
 //
 // Value types; thread-compatible.
 #ifndef KVTIER_OPTIONS_H_
@@ -15,6 +15,7 @@
 #include <string_view>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/time/time.h"
 
 namespace kvtier {
@@ -29,6 +30,10 @@ inline constexpr int32_t kDefaultMaxTokens = 131072;        // per layer
 inline constexpr float kDefaultCorrectionThreshold = 0.9f;  // τ
 inline constexpr float kDefaultCorrectionMaxLoss = 0.1f;    // of the selection's mass
 inline constexpr absl::Duration kDefaultDeadline = absl::Seconds(30);
+// The largest values ResolveSequenceOptions accepts.
+inline constexpr int32_t kMaxSequenceTokens = 1 << 30;  // max_tokens, per layer
+inline constexpr int32_t kMaxBudgetPages = 1 << 20;     // sink + selected + recent
+inline constexpr int32_t kMaxStreamChunkItems = 65536;  // stream_chunk_items
 
 // How a sequence keeps its working set:
 //   speculative  attends over the pages selected with the previous step's query while the
@@ -124,7 +129,9 @@ struct SequenceOptions {
   // Capacity of the sequence in tokens per layer: sizes the summaries and page maps.
   int32_t max_tokens = kDefaultMaxTokens;
   // τ: a KV head whose mean cos(q_t, q_{t-1}) over its query group is below τ is corrected
-  // (speculative mode, trigger kCosine). τ ≤ -1 never corrects; τ > 1 always does.
+  // (speculative mode, trigger kCosine). Any finite τ: the cosine lies in [-1, 1] and the
+  // test is strict, so τ ≤ -1 never corrects and τ > 1 always does (τ = 1 spares a head
+  // whose query did not change). NaN and ±inf are INVALID_ARGUMENT.
   float correction_threshold = kDefaultCorrectionThreshold;
   CorrectionTrigger correction_trigger = CorrectionTrigger::kCosine;
   // Trigger kMass: a KV head is corrected when the selection q_t would make holds more than
@@ -162,10 +169,38 @@ struct SequenceOptions {
   PolicyConfig policy;
 
   // Sets sink/selected/recent from a budget in tokens, split 1/4 : 1/2 : 1/4.
-  // INVALID_ARGUMENT unless the budget is a positive multiple of 4·page_size.
+  // INVALID_ARGUMENT unless the budget is a positive multiple of 4·page_size
+  // ("budget_tokens = 100: must be a positive multiple of 4 pages (128 tokens at page_size
+  // 32)"); every entry point that takes a budget in tokens sets it through here.
   absl::Status SetBudgetTokens(int32_t budget_tokens, int32_t page_size);
   int32_t budget_pages() const { return sink_pages + selected_pages + recent_pages; }
 };
+
+// The one resolver of SequenceOptions (docs/architecture.md#options-are-resolved-once):
+// turns what a caller gave, for a sequence whose pages hold `page_size` tokens, into what
+// runs. Every entry point calls it — NewLocalSequence and every Retriever, the C++ client
+// (and through it the C API) before it sends, kvtierd once it has converted OpenSession's
+// retrieval options — so each accepts the same options and refuses the others with the
+// same INVALID_ARGUMENT and message: the first violated option, its value and the rule,
+// e.g. "correction_max_loss = -0.5: must be in [0, 1] (...)". The rules:
+//   mode                  one of RetrievalMode
+//   max_tokens            in [1, kMaxSequenceTokens]
+//   sink/selected_pages   >= 0; recent_pages >= 1 (it holds the page being filled)
+//   the budget            at most kMaxBudgetPages (not in mode full, which holds every
+//                         page); in speculative and sync modes selected_pages at most the
+//                         ceil(max_tokens / page_size) pages a layer holds
+//   correction_threshold  finite (see the field)
+//   correction_trigger    one of CorrectionTrigger
+//   correction_max_loss   in [0, 1]
+//   softmax_scale         finite and >= 0
+//   stream_chunk_items    in [1, kMaxStreamChunkItems]
+//   deadline              positive
+// The policies are checked by their own registry when the sequence is built
+// (docs/policies.md). Today the options that run are those given: nothing is clamped or
+// filled in (a service's zero values are its own, resolved before it calls this).
+// Idempotent. REQUIRES: page_size >= 1 (a validated Geometry's).
+absl::StatusOr<SequenceOptions> ResolveSequenceOptions(const SequenceOptions& given,
+                                                       int32_t page_size);
 
 }  // namespace kvtier
 
