@@ -560,10 +560,10 @@ absl::StatusOr<SessionSpec> SessionManager::ResolveSpec(const Caller& caller,
   const int64_t max_tokens =
       p.max_tokens != 0 ? p.max_tokens
                         : std::min(config_.default_max_tokens, config_.max_tokens_per_session);
-  if (max_tokens < 1 || max_tokens > config_.max_tokens_per_session) {
-    return bad(
-        absl::StrFormat("retrieval.max_tokens = %d: must be in [1, max_tokens_per_session = %d]",
-                        max_tokens, config_.max_tokens_per_session));
+  // This daemon's limits; the options' own rules are ResolveSequenceOptions's, below.
+  if (max_tokens > config_.max_tokens_per_session) {
+    return bad(absl::StrFormat("max_tokens = %d: must be at most max_tokens_per_session = %d",
+                               max_tokens, config_.max_tokens_per_session));
   }
   // The working set never needs to be larger than the capacity, rounded up to whole budgets.
   const int64_t quantum = int64_t{4} * g.page_size;
@@ -572,54 +572,31 @@ absl::StatusOr<SessionSpec> SessionManager::ResolveSpec(const Caller& caller,
       p.budget_tokens != 0 ? p.budget_tokens : std::min<int64_t>(kDefaultBudgetTokens, cap);
   if (budget > cap) {
     return bad(absl::StrFormat(
-        "retrieval.budget_tokens = %d: must be at most %d (max_tokens = %d rounded up to a "
-        "multiple of 4 × page_size)",
+        "budget_tokens = %d: must be at most %d (max_tokens = %d rounded up to a multiple of "
+        "4 × page_size) in this service",
         budget, cap, max_tokens));
   }
+  // The protocol's options as SequenceOptions (zero and unset: the defaults), then resolved.
+  SequenceOptions given;
+  given.mode = p.mode;
+  given.max_tokens = static_cast<int32_t>(max_tokens);
+  KVTIER_RETURN_IF_ERROR(given.SetBudgetTokens(static_cast<int32_t>(budget), g.page_size));
+  given.correction_threshold = p.correction_threshold.value_or(kDefaultCorrectionThreshold);
+  if (!p.correction_trigger.empty() &&
+      !ParseCorrectionTrigger(p.correction_trigger, &given.correction_trigger)) {
+    return bad(absl::StrFormat(
+        "retrieval.correction_trigger = '%s': must be one of cosine, mass (empty: cosine)",
+        Printable(p.correction_trigger)));
+  }
+  given.correction_max_loss = p.correction_max_loss.value_or(kDefaultCorrectionMaxLoss);
   SessionSpec spec;
   spec.tenant = caller.tenant;
   spec.label = p.label;
   spec.geometry = g;
   spec.transport = p.transport;
   spec.budget_tokens = static_cast<int32_t>(budget);
-  spec.sequence.mode = p.mode;
-  spec.sequence.max_tokens = static_cast<int32_t>(max_tokens);
-  if (absl::Status st = spec.sequence.SetBudgetTokens(spec.budget_tokens, g.page_size); !st.ok()) {
-    return bad(absl::StrFormat("retrieval.budget_tokens = %d: %s", budget, st.message()));
-  }
+  KVTIER_ASSIGN_OR_RETURN(spec.sequence, ResolveSequenceOptions(given, g.page_size));
   const bool selects = p.mode == RetrievalMode::kSpeculative || p.mode == RetrievalMode::kSync;
-  if (selects && spec.sequence.selected_pages > spec.max_pages()) {
-    return bad(absl::StrFormat(
-        "retrieval.budget_tokens = %d%s selects %d pages a step, but the session holds at most "
-        "%d pages per layer (max_tokens = %d at page_size %d): lower the budget, raise max_tokens "
-        "to at least %d, or use mode FULL",
-        budget, p.budget_tokens == 0 ? " (the default)" : "", spec.sequence.selected_pages,
-        spec.max_pages(), max_tokens, g.page_size,
-        int64_t{spec.sequence.selected_pages} * g.page_size));
-  }
-  spec.sequence.correction_threshold = p.correction_threshold.value_or(kDefaultCorrectionThreshold);
-  // τ is compared with a mean cosine, which lies in [-1, 1]: -1 never corrects, 1 always.
-  const float tau = spec.sequence.correction_threshold;
-  if (!(tau >= -1.0f && tau <= 1.0f)) {
-    return bad(absl::StrFormat(
-        "retrieval.correction_threshold = %g: must be in [-1, 1] (τ is compared with a mean "
-        "cosine similarity; -1 never corrects, 1 always)",
-        tau));
-  }
-  if (!p.correction_trigger.empty() &&
-      !ParseCorrectionTrigger(p.correction_trigger, &spec.sequence.correction_trigger)) {
-    return bad(absl::StrFormat(
-        "retrieval.correction_trigger = '%s': must be one of cosine, mass (empty: cosine)",
-        Printable(p.correction_trigger)));
-  }
-  spec.sequence.correction_max_loss = p.correction_max_loss.value_or(kDefaultCorrectionMaxLoss);
-  const float max_loss = spec.sequence.correction_max_loss;
-  if (!(max_loss >= 0.0f && max_loss <= 1.0f)) {
-    return bad(absl::StrFormat(
-        "retrieval.correction_max_loss = %g: must be in [0, 1] (the fraction of a head's "
-        "estimated attention mass its stale selection may lose; 0 corrects on any loss, 1 never)",
-        max_loss));
-  }
   PolicyConfig& pc = spec.sequence.policy;
   if (!p.budget_policy.empty()) pc.budget = p.budget_policy;
   if (!p.residency_policy.empty()) pc.residency = p.residency_policy;

@@ -109,13 +109,15 @@ TEST_F(IntegrityTest, OpenSessionChecksWhatTheDaemonServesUpFront) {
   page.geometry.page_size = 7;
   ExpectError(manager_->OpenSession(Caller("a"), page).status(), absl::StatusCode::kInvalidArgument,
               {"page_size = 7", "8, 16, 32, 64, 128"});
-  for (float tau : {5.0f, -1.5f, std::numeric_limits<float>::infinity()}) {
+  // Any finite τ: the mean cosine lies in [-1, 1], so τ > 1 always corrects, τ <= -1 never.
+  for (float tau : {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                    std::numeric_limits<float>::quiet_NaN()}) {
     OpenSessionParams p = GrpcParams("a");
     p.correction_threshold = tau;
     ExpectError(manager_->OpenSession(Caller("a"), p).status(), absl::StatusCode::kInvalidArgument,
-                {"correction_threshold", "[-1, 1]"});
+                {"correction_threshold = ", "must be finite"});
   }
-  for (float tau : {-1.0f, 0.0f, 1.0f}) {
+  for (float tau : {-2.0f, -1.0f, 0.0f, 1.0f, 1.5f, 5.0f}) {
     OpenSessionParams p = GrpcParams("a");
     p.correction_threshold = tau;
     const SessionRecord r = Open(p);
@@ -126,8 +128,8 @@ TEST_F(IntegrityTest, OpenSessionChecksWhatTheDaemonServesUpFront) {
   tiny.max_tokens = 8;
   tiny.budget_tokens = 0;
   ExpectError(manager_->OpenSession(Caller("a"), tiny).status(), absl::StatusCode::kInvalidArgument,
-              {"budget_tokens = 32 (the default) selects 2 pages", "at most 1 pages per layer",
-               "max_tokens = 8"});
+              {"selected_pages = 2: must be at most the 1 pages a layer holds", "max_tokens = 8",
+               "the budget is 32 tokens"});
   tiny.mode = RetrievalMode::kFull;  // full mode selects nothing: fine
   EXPECT_TRUE(manager_->OpenSession(Caller("a"), tiny).ok());
 }

@@ -155,13 +155,13 @@ INSTANTIATE_TEST_SUITE_P(
                       BadOpen{"MaxLoss",
                               [](OpenSessionParams* p) { p->correction_max_loss = 1.5f; },
                               absl::StatusCode::kInvalidArgument,
-                              {"retrieval.correction_max_loss = 1.5", "[0, 1]"}},
+                              {"correction_max_loss = 1.5", "[0, 1]"}},
                       BadOpen{"MaxLossNaN",
                               [](OpenSessionParams* p) {
                                 p->correction_max_loss = std::numeric_limits<float>::quiet_NaN();
                               },
                               absl::StatusCode::kInvalidArgument,
-                              {"retrieval.correction_max_loss = nan", "[0, 1]"}},
+                              {"correction_max_loss = nan", "[0, 1]"}},
                       BadOpen{"Policy",
                               [](OpenSessionParams* p) { p->budget_policy = "greedy"; },
                               absl::StatusCode::kInvalidArgument,
