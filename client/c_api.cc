@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/str_format.h"
 #include "kvtier/client.h"
 
@@ -59,7 +60,20 @@ absl::Status Synced(kvtier::Session& s, absl::Status st) {
   return local != nullptr ? local->compute_stream().Synchronize() : absl::OkStatus();
 }
 
-kvtier::SessionOptions ToSessionOptions(const kvtier_session_options& o, absl::Status* st) {
+// The C enums are the C++ ones: a value passes through and the resolver judges it.
+static_assert(KVTIER_MODE_SPECULATIVE == static_cast<int>(kvtier::RetrievalMode::kSpeculative) &&
+              KVTIER_MODE_SYNC == static_cast<int>(kvtier::RetrievalMode::kSync) &&
+              KVTIER_MODE_FULL == static_cast<int>(kvtier::RetrievalMode::kFull) &&
+              KVTIER_MODE_DROP == static_cast<int>(kvtier::RetrievalMode::kDrop));
+static_assert(KVTIER_CORRECTION_TRIGGER_COSINE ==
+                  static_cast<int>(kvtier::CorrectionTrigger::kCosine) &&
+              KVTIER_CORRECTION_TRIGGER_MASS == static_cast<int>(kvtier::CorrectionTrigger::kMass));
+
+// The C options as the C++ ones: only what C adds is checked here (the dtype, the transport,
+// the demotion flag; an int that is no enum value of the C++ type at all). The sequence
+// options are the resolver's (kvtier::ResolveSequenceOptions), which the client runs before
+// it sends, so the C API answers exactly as the C++ client and kvtierd do.
+absl::StatusOr<kvtier::SessionOptions> ToSessionOptions(const kvtier_session_options& o) {
   kvtier::SessionOptions s;
   kvtier::Geometry& g = s.geometry;
   g.num_layers = o.geometry.num_layers;
@@ -78,36 +92,37 @@ kvtier::SessionOptions ToSessionOptions(const kvtier_session_options& o, absl::S
       g.dtype = kvtier::DType::kF32;
       break;
     default:
-      *st = absl::InvalidArgumentError(
+      return absl::InvalidArgumentError(
           absl::StrFormat("geometry.dtype = %d: must be a KVTIER_DTYPE_*", o.geometry.dtype));
   }
-  if (o.mode < KVTIER_MODE_SPECULATIVE || o.mode > KVTIER_MODE_DROP) {
-    *st = absl::InvalidArgumentError(absl::StrFormat("mode = %d: must be a KVTIER_MODE_*", o.mode));
+  // Out of uint8_t's range the cast would alias a valid value.
+  if (o.mode < 0 || o.mode > 255) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("mode = %d: must be a KVTIER_MODE_*", o.mode));
   }
   s.sequence.mode = static_cast<kvtier::RetrievalMode>(o.mode);
   if (o.budget_tokens != 0) {
-    if (absl::Status b = s.sequence.SetBudgetTokens(o.budget_tokens, g.page_size); !b.ok()) {
-      *st = b;
+    if (absl::Status st = s.sequence.SetBudgetTokens(o.budget_tokens, g.page_size); !st.ok()) {
+      return st;
     }
   }
   s.sequence.max_tokens = o.max_tokens;
   s.host_tokens = o.host_tokens;
   if (o.host_drop_demote != 0 && o.host_drop_demote != 1) {
-    *st = absl::InvalidArgumentError(
+    return absl::InvalidArgumentError(
         absl::StrFormat("host_drop_demote = %d: must be 0 or 1", o.host_drop_demote));
   }
   // Without a residency policy (the C API sets none) the oldest pages are demoted first.
   if (o.host_drop_demote == 1) s.sequence.policy.host_drop = "demote";
   s.sequence.correction_threshold = o.correction_threshold;
-  if (o.correction_trigger != KVTIER_CORRECTION_TRIGGER_COSINE &&
-      o.correction_trigger != KVTIER_CORRECTION_TRIGGER_MASS) {
-    *st = absl::InvalidArgumentError(absl::StrFormat(
+  if (o.correction_trigger < 0 || o.correction_trigger > 255) {
+    return absl::InvalidArgumentError(absl::StrFormat(
         "correction_trigger = %d: must be a KVTIER_CORRECTION_TRIGGER_*", o.correction_trigger));
   }
   s.sequence.correction_trigger = static_cast<kvtier::CorrectionTrigger>(o.correction_trigger);
   s.sequence.correction_max_loss = o.correction_max_loss;
   if (o.transport != KVTIER_TRANSPORT_SHM && o.transport != KVTIER_TRANSPORT_GRPC) {
-    *st = absl::InvalidArgumentError(
+    return absl::InvalidArgumentError(
         absl::StrFormat("transport = %d: must be a KVTIER_TRANSPORT_*", o.transport));
   }
   s.transport = static_cast<kvtier::Transport>(o.transport);
@@ -122,9 +137,9 @@ int OpenOrReattach(kvtier_client* client, const char* session_id,
   }
   *out = nullptr;
   return Guard([&]() -> absl::Status {
-    absl::Status st;
-    const kvtier::SessionOptions o = ToSessionOptions(*options, &st);
-    if (!st.ok()) return st;
+    absl::StatusOr<kvtier::SessionOptions> converted = ToSessionOptions(*options);
+    if (!converted.ok()) return converted.status();
+    const kvtier::SessionOptions& o = *converted;
     absl::StatusOr<std::unique_ptr<kvtier::Session>> s =
         session_id == nullptr ? client->client->OpenSession(o)
                               : client->client->Reattach(session_id, o);

@@ -1,6 +1,5 @@
 #include "client/convert.h"
 
-#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -23,6 +22,12 @@ absl::StatusOr<v1::OpenSessionRequest> BuildOpenSessionRequest(std::string_view 
   const Geometry& g = options.geometry;
   KVTIER_RETURN_IF_ERROR(g.Validate());
   const SequenceOptions& r = options.sequence;
+  // The options' rules are the resolver's. max_tokens 0 leaves the capacity to the daemon,
+  // which resolves the options again once it has filled it in.
+  SequenceOptions given = r;
+  if (given.max_tokens == 0) given.max_tokens = kMaxSequenceTokens;
+  KVTIER_RETURN_IF_ERROR(ResolveSequenceOptions(given, g.page_size).status());
+  // What the protocol can carry: a budget in tokens, split as SetBudgetTokens splits it.
   const int64_t budget_tokens = int64_t{r.budget_pages()} * g.page_size;
   SequenceOptions split;
   if (budget_tokens > std::numeric_limits<int32_t>::max() ||
@@ -36,24 +41,6 @@ absl::StatusOr<v1::OpenSessionRequest> BuildOpenSessionRequest(std::string_view 
         "tokens at p = %d); use SequenceOptions::SetBudgetTokens",
         r.sink_pages, r.selected_pages, r.recent_pages, budget_tokens, 4 * g.page_size,
         g.page_size));
-  }
-  if (r.max_tokens < 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "sequence.max_tokens = %d: must be >= 0 (0: the daemon's default)", r.max_tokens));
-  }
-  if (!std::isfinite(r.correction_threshold)) {
-    return absl::InvalidArgumentError("sequence.correction_threshold: must be finite");
-  }
-  if (r.correction_trigger != CorrectionTrigger::kCosine &&
-      r.correction_trigger != CorrectionTrigger::kMass) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "sequence.correction_trigger = %d: must be cosine (%d) or mass (%d)",
-        static_cast<int>(r.correction_trigger), static_cast<int>(CorrectionTrigger::kCosine),
-        static_cast<int>(CorrectionTrigger::kMass)));
-  }
-  if (!(r.correction_max_loss >= 0.0f && r.correction_max_loss <= 1.0f)) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "sequence.correction_max_loss = %g: must be in [0, 1]", r.correction_max_loss));
   }
   v1::OpenSessionRequest req;
   req.set_tenant(std::string(tenant));
@@ -79,8 +66,8 @@ absl::StatusOr<v1::OpenSessionRequest> BuildOpenSessionRequest(std::string_view 
   return req;
 }
 
-absl::StatusOr<SequenceOptions> ResolveSequenceOptions(const SequenceOptions& local,
-                                                       const SessionInfo& info) {
+absl::StatusOr<SequenceOptions> SequenceOptionsForSession(const SequenceOptions& local,
+                                                          const SessionInfo& info) {
   SequenceOptions o = local;
   o.mode = info.mode;
   if (info.budget_tokens != 0) {

@@ -21,17 +21,19 @@ namespace kvtier {
 std::string RandomRequestId();
 
 // The OpenSessionRequest for `options` on behalf of `tenant` (request_id: options' or a
-// random one). INVALID_ARGUMENT (naming the field and limit) for an invalid geometry, a
-// working-set split the protocol's budget_tokens cannot express (sink : selected : recent
-// must be 1 : 2 : 1, budget a multiple of 4·p), a negative max_tokens or a non-finite τ.
+// random one). INVALID_ARGUMENT (naming the field and limit) for an invalid geometry,
+// sequence options ResolveSequenceOptions refuses (with its message; max_tokens 0 is the
+// daemon's default, resolved there), a working-set split the protocol's budget_tokens
+// cannot express (sink : selected : recent must be 1 : 2 : 1, budget a multiple of 4·p) or
+// a negative host_tokens.
 absl::StatusOr<v1::OpenSessionRequest> BuildOpenSessionRequest(std::string_view tenant,
                                                                const SessionOptions& options);
 
 // The local sequence's options for a session as the daemon resolved it: mode, budget,
 // max_tokens and τ from `info`, everything else from `local`. INTERNAL when the resolved
 // budget cannot be split (a daemon bug, reported as such).
-absl::StatusOr<SequenceOptions> ResolveSequenceOptions(const SequenceOptions& local,
-                                                       const SessionInfo& info);
+absl::StatusOr<SequenceOptions> SequenceOptionsForSession(const SequenceOptions& local,
+                                                          const SessionInfo& info);
 
 absl::StatusOr<SessionInfo> SessionInfoFromProto(const v1::SessionInfo& info);
 Capabilities CapabilitiesFromHello(const v1::HelloReply& reply);

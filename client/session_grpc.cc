@@ -329,7 +329,7 @@ absl::StatusOr<std::unique_ptr<Session>> NewGrpcSession(std::shared_ptr<Connecti
                                                         const SessionInfo& info,
                                                         const SessionOptions& options) {
   KVTIER_ASSIGN_OR_RETURN(const SequenceOptions resolved,
-                          ResolveSequenceOptions(options.sequence, info));
+                          SequenceOptionsForSession(options.sequence, info));
   auto session = std::make_unique<GrpcSession>(std::move(conn), info, resolved);
   return std::unique_ptr<Session>(std::move(session));
 }

@@ -164,7 +164,7 @@ absl::Status ShmSession::Init(bool restore) {
                           SessionRegion::Open(base, info_.region_bytes, info_.geometry));
   region_.emplace(region);
   KVTIER_ASSIGN_OR_RETURN(const SequenceOptions so,
-                          ResolveSequenceOptions(options_.sequence, info_));
+                          SequenceOptionsForSession(options_.sequence, info_));
   const bool demote = so.policy.host_drop == "demote";
   if (demote) cold_ = std::make_unique<DaemonColdPages>(conn_, info_.id, info_.epoch);
   // A session that demotes pages is rebuilt by appending its pages again (RebuildDemoting):

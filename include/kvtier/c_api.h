@@ -93,7 +93,7 @@ typedef struct kvtier_session_options {
   int32_t mode;               /* KVTIER_MODE_* */
   int32_t budget_tokens;      /* working set per layer, a multiple of 4 pages; 0: 2048 */
   int32_t max_tokens;         /* capacity per layer; 0: the daemon's default */
-  float correction_threshold; /* tau */
+  float correction_threshold; /* tau: any finite value (> 1 always corrects, <= -1 never) */
   int32_t transport;          /* KVTIER_TRANSPORT_* */
   const char* label;          /* NULL: none */
   int32_t correction_trigger; /* KVTIER_CORRECTION_TRIGGER_* */

@@ -166,7 +166,7 @@ TEST(SessionInfoProtoTest, ResolvedOptionsDriveTheLocalRetriever) {
 
   SequenceOptions local;
   local.recall = RecallStrategy::kBatchedDma;
-  absl::StatusOr<SequenceOptions> o = ResolveSequenceOptions(local, *info);
+  absl::StatusOr<SequenceOptions> o = SequenceOptionsForSession(local, *info);
   ASSERT_TRUE(o.ok()) << o.status();
   EXPECT_EQ(o->sink_pages, 2);
   EXPECT_EQ(o->selected_pages, 4);
@@ -179,7 +179,7 @@ TEST(SessionInfoProtoTest, ResolvedOptionsDriveTheLocalRetriever) {
   p.mutable_retrieval()->set_correction_max_loss(0.3f);
   absl::StatusOr<SessionInfo> mass = SessionInfoFromProto(p);
   ASSERT_TRUE(mass.ok()) << mass.status();
-  absl::StatusOr<SequenceOptions> mo = ResolveSequenceOptions(local, *mass);
+  absl::StatusOr<SequenceOptions> mo = SequenceOptionsForSession(local, *mass);
   ASSERT_TRUE(mo.ok()) << mo.status();
   EXPECT_EQ(mo->correction_trigger, CorrectionTrigger::kMass);
   EXPECT_FLOAT_EQ(mo->correction_max_loss, 0.3f);
@@ -187,7 +187,7 @@ TEST(SessionInfoProtoTest, ResolvedOptionsDriveTheLocalRetriever) {
   EXPECT_EQ(SessionInfoFromProto(p).status().code(), absl::StatusCode::kInvalidArgument);
 
   info->budget_tokens = 100;  // not a multiple of 4 pages: a daemon bug
-  EXPECT_EQ(ResolveSequenceOptions(local, *info).status().code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(SequenceOptionsForSession(local, *info).status().code(), absl::StatusCode::kInternal);
 }
 
 TEST(SessionInfoProtoTest, StateSaysClosingSuspendedOrCold) {
