@@ -205,6 +205,32 @@ TEST(CorrectionTriggerTest, MassTriggerRunStaysConsistent) {
   EXPECT_LT(st.corrected_heads, st.checked_heads);
 }
 
+// The τ rule (kvtier/options.h): any finite τ, compared with a mean cosine in [-1, 1] by a
+// strict <. With an unchanged query (cosine 1) τ = 1.5 corrects every head and τ = 1 none;
+// with a fresh random query τ = -2 corrects none.
+TEST(CorrectionTriggerTest, TauAboveOneAlwaysCorrectsAndBelowMinusOneNever) {
+  const Geometry g = SmallGeometry();
+  const auto corrected = [&](float tau, uint64_t second_query) {
+    SequenceOptions o = Speculative(CorrectionTrigger::kCosine);
+    o.correction_threshold = tau;
+    Harness h(g, o);
+    h.Append(160);
+    h.Step(h.seq.Query(3));
+    h.Step(h.seq.Query(second_query), /*end=*/false);
+    std::vector<int32_t> per_layer;
+    for (int32_t l = 0; l < g.num_layers; ++l) {
+      per_layer.push_back(h.retriever->LastStep(l).corrected_heads);
+    }
+    return per_layer;
+  };
+  const std::vector<int32_t> all(static_cast<size_t>(g.num_layers), g.num_kv_heads);
+  const std::vector<int32_t> none(static_cast<size_t>(g.num_layers), 0);
+  EXPECT_EQ(corrected(1.5f, /*same query*/ 3), all);
+  EXPECT_EQ(corrected(1.0f, /*same query*/ 3), none);
+  EXPECT_EQ(corrected(-2.0f, /*another query*/ 77), none);
+  EXPECT_EQ(corrected(1.5f, /*another query*/ 77), all);
+}
+
 TEST(CorrectionTriggerTest, OptionsAreValidatedAndNamed) {
   const Geometry g = SmallGeometry();
   Harness h(g, Speculative(CorrectionTrigger::kMass));

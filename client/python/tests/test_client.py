@@ -18,10 +18,16 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 import unittest
 from typing import List, Optional, Tuple
 
 KVTIERD = os.environ.get("KVTIERD", "")
+# The one-option table every entry point answers alike (tests/include/option_table.toml).
+_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..")
+OPTION_TABLE = os.environ.get("KVTIER_OPTION_TABLE") or os.path.join(
+    _ROOT, "tests", "include", "option_table.toml"
+)
 if os.environ.get("KVTIER_PYTHONPATH"):
     sys.path.insert(0, os.environ["KVTIER_PYTHONPATH"])
 
@@ -317,6 +323,38 @@ class ClientTest(unittest.TestCase):
             self.open(correction_trigger="mass", correction_max_loss=2.0)
         self.assertEqual(ctx.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
         self.assertIn("correction_max_loss", ctx.exception.message)
+
+    def test_every_case_of_the_option_table_is_answered_as_the_table_says(self) -> None:
+        # The client checks nothing itself: the daemon's resolver answers, with the message
+        # the C++ entry points give (tests/client/option_table_test.cc).
+        with open(OPTION_TABLE, "rb") as f:
+            table = tomllib.load(f)
+        base = table["base"]
+        cases = [dict(base, **case) for case in table["case"]]
+        self.assertTrue(any("error" not in c for c in cases))
+        self.assertTrue(any("error" in c for c in cases))
+        for c in cases:
+            if not c.get("wire", True):
+                continue  # a negative value: the protocol's fields are unsigned
+            with self.subTest(case=c["name"]):
+                geometry = dict(GEOMETRY, page_size=c["page_size"])
+                kwargs = dict(
+                    mode=c["mode"],
+                    budget_tokens=c["budget_tokens"],
+                    max_tokens=c["max_tokens"],
+                    transport="grpc",
+                    correction_threshold=c["correction_threshold"],
+                    correction_trigger=c["correction_trigger"],
+                    correction_max_loss=c["correction_max_loss"],
+                )
+                if "error" not in c:
+                    session = self.client.open_session(geometry, **kwargs)
+                    self._close_quietly(session)
+                    continue
+                with self.assertRaises(KvtierError) as ctx:
+                    self.client.open_session(geometry, **kwargs)
+                self.assertEqual(ctx.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+                self.assertEqual(ctx.exception.message, c["error"])
 
     def test_host_tokens_and_host_drop_are_carried_and_checked(self) -> None:
         # Below max_tokens without demotion, and demotion without a cold tier: both refused,
