@@ -296,8 +296,11 @@ class Client:
         budget_tokens / max_tokens take the daemon's defaults; `mode` is one of
         speculative, sync, full, drop; `transport` grpc or shm (shm sessions need
         libkvtier's in-process Retriever: this client only drives grpc ones).
-        `correction_trigger` is cosine or mass (None: the daemon's default, cosine);
-        `correction_max_loss` in [0, 1] is the mass trigger's threshold (None: 0.1).
+        `correction_threshold` (τ) is any finite number (None: 0.9; > 1 always corrects,
+        <= -1 never); `correction_trigger` is cosine or mass (None: the daemon's default,
+        cosine); `correction_max_loss` in [0, 1] is the mass trigger's threshold (None: 0.1).
+        The options are checked by the daemon (the library's ResolveSequenceOptions): a
+        refusal is a KvtierError INVALID_ARGUMENT with its message.
         `request_id` makes a retry safe: while the session it opened is open, opening with
         the same id returns that session (default: a fresh random id per call).
         `host_drop` "demote" with `host_tokens` below max_tokens keeps only that many tokens
