@@ -26,13 +26,14 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
+#include "core/mutex.h"
+#include "core/status.h"
 #include "kernels/cuda/compute_kernels.h"
 #include "kernels/cuda/copy_kernels.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_stream.h"
 #include "kernels/host_calls.h"
-#include "core/mutex.h"
-#include "core/status.h"
+#include "kvtier/cuda.h"
 
 namespace kvtier {
 namespace {
@@ -116,6 +117,10 @@ class CudaBackend final : public Backend {
         cuda::CudaStream::Create(this, device_, slots_, priority == StreamPriority::kLow));
     return std::unique_ptr<Stream>(std::move(stream));
   }
+
+  // kvtier/cuda.h: AdoptCudaStream checked `native` (not a default stream) first.
+  absl::StatusOr<std::unique_ptr<Stream>> AdoptStream(cudaStream_t native);
+  int ordinal() const { return device_; }
 
   absl::StatusOr<std::unique_ptr<Event>> CreateEvent() override {
     KVTIER_CUDA_SCOPED_DEVICE(device_);
@@ -605,6 +610,39 @@ absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(const DeviceOptions& opt
   return std::make_unique<CudaBackend>(device, *std::move(description), BatchCopyOff());
 }
 
+absl::StatusOr<std::unique_ptr<Stream>> CudaBackend::AdoptStream(cudaStream_t native) {
+  KVTIER_CUDA_SCOPED_DEVICE(device_);
+#if CUDART_VERSION >= 12080
+  int native_device = -1;
+  KVTIER_RETURN_IF_ERROR(CudaStatus(cudaStreamGetDevice(native, &native_device),
+                                    "AdoptCudaStream: cudaStreamGetDevice"));
+  if (native_device != device_) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("AdoptCudaStream: the stream belongs to cuda:%d, the device is cuda:%d",
+                        native_device, device_));
+  }
+#else
+  // Before CUDA 12.8 the runtime cannot say which device a stream belongs to; at least
+  // check that the handle is a stream (the device is the caller's REQUIRES).
+  unsigned int flags = 0;
+  KVTIER_RETURN_IF_ERROR(
+      CudaStatus(cudaStreamGetFlags(native, &flags), "AdoptCudaStream: cudaStreamGetFlags"));
+#endif
+  KVTIER_ASSIGN_OR_RETURN(auto stream, cuda::CudaStream::Adopt(this, device_, slots_, native));
+  return std::unique_ptr<Stream>(std::move(stream));
+}
+
+// The CUDA backend behind `device`, or INVALID_ARGUMENT naming `op`.
+absl::StatusOr<CudaBackend*> AsCudaBackend(Device& device, absl::string_view op) {
+  auto* backend = dynamic_cast<CudaBackend*>(&device);
+  if (backend == nullptr) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: needs a kvtier cuda device (CreateDevice(DeviceKind::kCuda)), got a %s device", op,
+        DeviceKindName(device.kind())));
+  }
+  return backend;
+}
+
 int CudaDeviceCountImpl() {
   int count = 0;
   if (!CudaStatus(cudaGetDeviceCount(&count), "cudaGetDeviceCount").ok()) return 0;
@@ -612,5 +650,32 @@ int CudaDeviceCountImpl() {
 }
 
 bool CudaBuilt() { return true; }
+
+// ---- kvtier/cuda.h ----
+
+absl::StatusOr<cudaStream_t> NativeCudaStream(Stream& stream) {
+  auto* cuda_stream = dynamic_cast<cuda::CudaStream*>(&stream);
+  if (cuda_stream == nullptr) {
+    return absl::InvalidArgumentError(
+        "NativeCudaStream: not a stream of a kvtier cuda device (a cpu stream has no native "
+        "CUDA stream)");
+  }
+  return cuda_stream->handle();
+}
+
+absl::StatusOr<std::unique_ptr<Stream>> AdoptCudaStream(Device& device, cudaStream_t native) {
+  KVTIER_ASSIGN_OR_RETURN(CudaBackend * backend, AsCudaBackend(device, "AdoptCudaStream"));
+  if (native == nullptr || native == cudaStreamLegacy || native == cudaStreamPerThread) {
+    return absl::InvalidArgumentError(
+        "AdoptCudaStream: a default stream (0, cudaStreamLegacy, cudaStreamPerThread) cannot be "
+        "adopted: it synchronises implicitly and cannot be captured; create a stream");
+  }
+  return backend->AdoptStream(native);
+}
+
+absl::StatusOr<int> CudaDeviceOrdinal(Device& device) {
+  KVTIER_ASSIGN_OR_RETURN(CudaBackend * backend, AsCudaBackend(device, "CudaDeviceOrdinal"));
+  return backend->ordinal();
+}
 
 }  // namespace kvtier

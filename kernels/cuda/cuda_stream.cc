@@ -274,7 +274,17 @@ absl::StatusOr<std::unique_ptr<CudaStream>> CudaStream::Create(const Backend* ow
     (void)cudaStreamDestroy(stream);
     return errors.status();
   }
-  return std::unique_ptr<CudaStream>(new CudaStream(owner, device, stream, *std::move(errors)));
+  return std::unique_ptr<CudaStream>(
+      new CudaStream(owner, device, stream, *std::move(errors), /*owned=*/true));
+}
+
+absl::StatusOr<std::unique_ptr<CudaStream>> CudaStream::Adopt(const Backend* owner, int device,
+                                                              ErrorSlotPool& slots,
+                                                              cudaStream_t native) {
+  // The claim word is reset in `native`'s order, before any kvtier kernel enqueued there.
+  KVTIER_ASSIGN_OR_RETURN(std::shared_ptr<ErrorSlot> errors, slots.Acquire(native));
+  return std::unique_ptr<CudaStream>(
+      new CudaStream(owner, device, native, std::move(errors), /*owned=*/false));
 }
 
 CudaStream::~CudaStream() {
@@ -290,7 +300,7 @@ CudaStream::~CudaStream() {
   }
   // Kernels still queued write into errors_; drain them before it can be freed.
   if (cudaStreamSynchronize(stream_) == cudaSuccess) errors_->Retire();
-  (void)cudaStreamDestroy(stream_);
+  if (owned_) (void)cudaStreamDestroy(stream_);
 }
 
 absl::Status CudaStream::RefuseWhileCapturing(absl::string_view op) {

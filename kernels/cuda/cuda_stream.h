@@ -49,9 +49,9 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "core/mutex.h"
 #include "kernels/backend.h"
 #include "kernels/cuda/device_error.h"
-#include "core/mutex.h"
 
 namespace kvtier::cuda {
 
@@ -173,7 +173,15 @@ class CudaStream final : public Stream {
   static absl::StatusOr<std::unique_ptr<CudaStream>> Create(const Backend* owner, int device,
                                                             ErrorSlotPool& slots,
                                                             bool low_priority = false);
-  // Abandons a capture in progress, waits for the enqueued work, then destroys the stream.
+  // A stream over the engine's `native` stream (kvtier/cuda.h AdoptCudaStream), reporting
+  // into a slot of `slots`; it keeps `native`'s flags and priority and does not own it.
+  // REQUIRES: `device` is current, `native` is a created stream of `device` and outlives
+  // the returned one.
+  static absl::StatusOr<std::unique_ptr<CudaStream>> Adopt(const Backend* owner, int device,
+                                                           ErrorSlotPool& slots,
+                                                           cudaStream_t native);
+  // Abandons a capture in progress, waits for the enqueued work, then destroys the stream
+  // (unless adopted: the engine's stream is left alive).
   ~CudaStream() override;
 
   // FAILED_PRECONDITION while capturing (and the capture then fails). Synchronize counts one
@@ -203,14 +211,19 @@ class CudaStream final : public Stream {
 
  private:
   CudaStream(const Backend* owner, int device, cudaStream_t stream,
-             std::shared_ptr<ErrorSlot> errors)
-      : owner_(owner), device_(device), stream_(stream), errors_(std::move(errors)) {}
+             std::shared_ptr<ErrorSlot> errors, bool owned)
+      : owner_(owner),
+        device_(device),
+        stream_(stream),
+        owned_(owned),
+        errors_(std::move(errors)) {}
   // FAILED_PRECONDITION naming `op`, recorded as the capture's failure.
   absl::Status RefuseWhileCapturing(absl::string_view op);
 
   const Backend* const owner_;
   const int device_;
   const cudaStream_t stream_;
+  const bool owned_;                   // false: adopted, the engine destroys stream_
   std::shared_ptr<ErrorSlot> errors_;  // the graph's slot while capturing
   uint64_t op_seq_ = 0;                // kernels enqueued so far (into errors_)
   ErrorDeps upstream_;                 // failures of work this stream waited on
