@@ -25,6 +25,10 @@
 // back to cuBLAS's own pool, and every op is a launch on the stream. Every call makes the
 // stream's device current for its duration (and restores the caller's), as the backend
 // does, and checks its launch (cudaGetLastError) into a Status naming the op.
+//
+// kvtier is seen through its public headers only, as an engine outside the tree sees it: the
+// stream's native handle and the device's ordinal come from kvtier/cuda.h, and the CUDA error
+// conversion and the current-device guard below are the engine's own.
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -41,16 +45,12 @@
 #include "absl/strings/string_view.h"
 #include "core/status.h"
 #include "engine/math.h"
-#include "kernels/backend.h"
-#include "kernels/cuda/cuda_check.h"
-#include "kernels/cuda/cuda_stream.h"
-#include "kernels/registry.h"
+#include "kvtier/cuda.h"
+#include "kvtier/device.h"
 #include "kvtier/dtype.h"
 
 namespace kvtier::engine {
 namespace {
-
-using cuda::CudaStatus;
 
 constexpr int kThreads = 256;    // elementwise and RmsNorm blocks
 constexpr int kBlocksPerSm = 8;  // grid-stride kernels: enough resident blocks
@@ -62,6 +62,50 @@ constexpr int kMaxLaneDims = kMaxHeadDim / kWarpSize;  // head dims per lane
 constexpr int kKeysPerStep = 4;
 // cuBLAS's recommended workspace on Hopper (4 MiB suffices before it); one per Math.
 constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;
+
+// ---- Errors and the current device ----------------------------------------------------------
+// The engine's own, as any engine outside kvtier has them: kvtier's conversion is internal.
+
+// OK for cudaSuccess, else a status naming `call` with CUDA's name and text: out of memory
+// is RESOURCE_EXHAUSTED, an invalid value INVALID_ARGUMENT, anything else INTERNAL. Clears
+// the thread's last error, so the next launch check does not report it again.
+absl::Status CudaStatus(cudaError_t err, absl::string_view call) {
+  if (err == cudaSuccess) return absl::OkStatus();
+  (void)cudaGetLastError();
+  absl::StatusCode code = absl::StatusCode::kInternal;
+  if (err == cudaErrorMemoryAllocation) code = absl::StatusCode::kResourceExhausted;
+  if (err == cudaErrorInvalidValue) code = absl::StatusCode::kInvalidArgument;
+  return absl::Status(
+      code, absl::StrFormat("%s: %s (%s)", call, cudaGetErrorName(err), cudaGetErrorString(err)));
+}
+
+// Makes `ordinal` current on the calling thread for its lifetime and restores the caller's
+// device afterwards (engine threads keep the device they had). Check status() first.
+class ScopedDevice {
+ public:
+  explicit ScopedDevice(int ordinal) : status_(MakeCurrent(ordinal, &previous_)) {}
+  ~ScopedDevice() {
+    if (previous_ >= 0) (void)cudaSetDevice(previous_);
+  }
+  ScopedDevice(const ScopedDevice&) = delete;
+  ScopedDevice& operator=(const ScopedDevice&) = delete;
+
+  const absl::Status& status() const { return status_; }
+
+ private:
+  // Makes `ordinal` current; sets *previous to the device to restore when it changed one.
+  static absl::Status MakeCurrent(int ordinal, int* previous) {
+    int current = -1;
+    KVTIER_RETURN_IF_ERROR(CudaStatus(cudaGetDevice(&current), "cudaGetDevice"));
+    if (current == ordinal) return absl::OkStatus();
+    KVTIER_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(ordinal), "cudaSetDevice"));
+    *previous = current;
+    return absl::OkStatus();
+  }
+
+  int previous_ = -1;  // -1: nothing to restore
+  absl::Status status_;
+};
 
 // OK for CUBLAS_STATUS_SUCCESS, else a status naming `call` with cuBLAS's name and text.
 absl::Status CublasStatus(cublasStatus_t s, absl::string_view call) {
@@ -338,7 +382,7 @@ class CudaMath final : public Math {
       : device_(device), ordinal_(ordinal), stream_(stream), sms_(sms), cublas_(cublas) {}
 
   ~CudaMath() override {
-    cuda::DeviceGuard guard(ordinal_);
+    ScopedDevice guard(ordinal_);
     (void)cublasDestroy(cublas_);  // nothing to report to; the workspace is freed after it
   }
 
@@ -348,9 +392,9 @@ class CudaMath final : public Math {
   // Binds the handle to the stream, then gives it its own workspace (cublasSetStream resets
   // the workspace to cuBLAS's default pool, so the order matters). REQUIRES: the device is
   // current.
-  absl::Status Init(Backend& backend) {
+  absl::Status Init() {
     KVTIER_RETURN_IF_ERROR(CublasStatus(cublasSetStream(cublas_, stream_), "cublasSetStream"));
-    KVTIER_ASSIGN_OR_RETURN(workspace_, backend.Allocate(kCublasWorkspaceBytes));
+    KVTIER_ASSIGN_OR_RETURN(workspace_, device_.Allocate(kCublasWorkspaceBytes));
     KVTIER_RETURN_IF_ERROR(CublasStatus(
         cublasSetWorkspace(cublas_, workspace_.data(), workspace_.size()), "cublasSetWorkspace"));
     KVTIER_RETURN_IF_ERROR(CublasStatus(cublasSetPointerMode(cublas_, CUBLAS_POINTER_MODE_HOST),
@@ -367,7 +411,8 @@ class CudaMath final : public Math {
     KVTIER_RETURN_IF_ERROR(CheckCount("MatMul", "n", n, INT_MAX));
     KVTIER_RETURN_IF_ERROR(CheckCount("MatMul", "k", k, INT_MAX));
     if (m == 0 || n == 0) return absl::OkStatus();
-    KVTIER_CUDA_SCOPED_DEVICE(ordinal_);
+    ScopedDevice guard(ordinal_);
+    KVTIER_RETURN_IF_ERROR(guard.status());
     const float one = 1.0f;
     const float zero = 0.0f;
     const int ld = static_cast<int>(std::max<int64_t>(k, 1));
@@ -385,7 +430,8 @@ class CudaMath final : public Math {
     KVTIER_RETURN_IF_ERROR(CheckCount("RmsNorm", "m", m, INT_MAX));
     KVTIER_RETURN_IF_ERROR(CheckCount("RmsNorm", "d", d, INT64_MAX));
     if (m == 0 || d == 0) return absl::OkStatus();
-    KVTIER_CUDA_SCOPED_DEVICE(ordinal_);
+    ScopedDevice guard(ordinal_);
+    KVTIER_RETURN_IF_ERROR(guard.status());
     RmsNormKernel<<<static_cast<unsigned>(m), kThreads, 0, stream_>>>(x, weight, y, d, eps);
     return LaunchStatus("RmsNorm");
   }
@@ -400,7 +446,8 @@ class CudaMath final : public Math {
     }
     const int64_t pairs = a.m * (a.rot_dim / 2);
     if (pairs == 0 || a.heads == 0) return absl::OkStatus();
-    KVTIER_CUDA_SCOPED_DEVICE(ordinal_);
+    ScopedDevice guard(ordinal_);
+    KVTIER_RETURN_IF_ERROR(guard.status());
     RopeKernel<<<GridFor(pairs), kThreads, 0, stream_>>>(a);
     return LaunchStatus("Rope");
   }
@@ -408,7 +455,8 @@ class CudaMath final : public Math {
   absl::Status SiluMul(float* gate, const float* up, int64_t count) override {
     KVTIER_RETURN_IF_ERROR(CheckCount("SiluMul", "count", count, INT64_MAX));
     if (count == 0) return absl::OkStatus();
-    KVTIER_CUDA_SCOPED_DEVICE(ordinal_);
+    ScopedDevice guard(ordinal_);
+    KVTIER_RETURN_IF_ERROR(guard.status());
     SiluMulKernel<<<GridFor(count), kThreads, 0, stream_>>>(gate, up, count);
     return LaunchStatus("SiluMul");
   }
@@ -416,7 +464,8 @@ class CudaMath final : public Math {
   absl::Status Add(float* y, const float* x, int64_t count) override {
     KVTIER_RETURN_IF_ERROR(CheckCount("Add", "count", count, INT64_MAX));
     if (count == 0) return absl::OkStatus();
-    KVTIER_CUDA_SCOPED_DEVICE(ordinal_);
+    ScopedDevice guard(ordinal_);
+    KVTIER_RETURN_IF_ERROR(guard.status());
     AddKernel<<<GridFor(count), kThreads, 0, stream_>>>(y, x, count);
     return LaunchStatus("Add");
   }
@@ -424,7 +473,8 @@ class CudaMath final : public Math {
   absl::Status Copy(float* y, const float* x, int64_t count) override {
     KVTIER_RETURN_IF_ERROR(CheckCount("Copy", "count", count, INT64_MAX));
     if (count == 0) return absl::OkStatus();
-    KVTIER_CUDA_SCOPED_DEVICE(ordinal_);
+    ScopedDevice guard(ordinal_);
+    KVTIER_RETURN_IF_ERROR(guard.status());
     return CudaStatus(
         cudaMemcpyAsync(y, x, count * sizeof(float), cudaMemcpyDeviceToDevice, stream_),
         "Copy: cudaMemcpyAsync");
@@ -435,9 +485,9 @@ class CudaMath final : public Math {
     KVTIER_RETURN_IF_ERROR(CheckCount("RowDistance", "m", m, INT_MAX));
     KVTIER_RETURN_IF_ERROR(CheckCount("RowDistance", "d", d, INT64_MAX));
     if (m == 0) return absl::OkStatus();
-    KVTIER_CUDA_SCOPED_DEVICE(ordinal_);
-    RowDistanceKernel<<<static_cast<unsigned>(m), kThreads, 0, stream_>>>(a, b, out, d,
-                                                                          out_stride);
+    ScopedDevice guard(ordinal_);
+    KVTIER_RETURN_IF_ERROR(guard.status());
+    RowDistanceKernel<<<static_cast<unsigned>(m), kThreads, 0, stream_>>>(a, b, out, d, out_stride);
     return LaunchStatus("RowDistance");
   }
 
@@ -446,7 +496,8 @@ class CudaMath final : public Math {
     KVTIER_RETURN_IF_ERROR(CheckCount("Embed", "m", m, INT64_MAX));
     KVTIER_RETURN_IF_ERROR(CheckCount("Embed", "d", d, INT64_MAX));
     if (m == 0 || d == 0) return absl::OkStatus();
-    KVTIER_CUDA_SCOPED_DEVICE(ordinal_);
+    ScopedDevice guard(ordinal_);
+    KVTIER_RETURN_IF_ERROR(guard.status());
     EmbedKernel<<<GridFor(m * d), kThreads, 0, stream_>>>(ids, table, y, m, d);
     return LaunchStatus("Embed");
   }
@@ -467,7 +518,8 @@ class CudaMath final : public Math {
           kMaxHeadDim, a.head_dim, a.q_heads));
     }
     if (a.m == 0) return absl::OkStatus();
-    KVTIER_CUDA_SCOPED_DEVICE(ordinal_);
+    ScopedDevice guard(ordinal_);
+    KVTIER_RETURN_IF_ERROR(guard.status());
     const dim3 grid(static_cast<unsigned>(a.m), static_cast<unsigned>(a.q_heads));
     CausalAttentionKernel<<<grid, kAttnWarps * kWarpSize, 0, stream_>>>(a, a.q_heads / a.kv_heads);
     return LaunchStatus("CausalAttention");
@@ -476,7 +528,8 @@ class CudaMath final : public Math {
   absl::Status ToDType(const float* x, void* y, DType dtype, int64_t count) override {
     KVTIER_RETURN_IF_ERROR(CheckCount("ToDType", "count", count, INT64_MAX / 4));
     if (count == 0) return absl::OkStatus();
-    KVTIER_CUDA_SCOPED_DEVICE(ordinal_);
+    ScopedDevice guard(ordinal_);
+    KVTIER_RETURN_IF_ERROR(guard.status());
     switch (dtype) {
       case DType::kF32:
         return CudaStatus(cudaMemcpyAsync(y, x, static_cast<size_t>(count) * sizeof(float),
@@ -497,7 +550,8 @@ class CudaMath final : public Math {
   absl::Status FromDType(const void* x, DType dtype, float* y, int64_t count) override {
     KVTIER_RETURN_IF_ERROR(CheckCount("FromDType", "count", count, INT64_MAX / 4));
     if (count == 0) return absl::OkStatus();
-    KVTIER_CUDA_SCOPED_DEVICE(ordinal_);
+    ScopedDevice guard(ordinal_);
+    KVTIER_RETURN_IF_ERROR(guard.status());
     switch (dtype) {
       case DType::kF32:
         return CudaStatus(cudaMemcpyAsync(y, x, static_cast<size_t>(count) * sizeof(float),
@@ -545,39 +599,44 @@ class CudaMath final : public Math {
   DeviceBuffer workspace_;  // cuBLAS's; freed after the handle is destroyed
 };
 
-// The device ordinal the stream belongs to.
-absl::StatusOr<int> StreamDevice(cudaStream_t stream) {
-  int ordinal = -1;
+// INVALID_ARGUMENT when `stream` runs on another GPU than `ordinal`. Checked from CUDA 12.8
+// on; before, the runtime cannot say which device a stream belongs to.
+absl::Status CheckStreamDevice(cudaStream_t stream, int ordinal) {
 #if CUDART_VERSION >= 12080
-  KVTIER_CUDA_RETURN_IF_ERROR(cudaStreamGetDevice(stream, &ordinal));
+  int stream_ordinal = -1;
+  KVTIER_RETURN_IF_ERROR(
+      CudaStatus(cudaStreamGetDevice(stream, &stream_ordinal), "engine math: cudaStreamGetDevice"));
+  if (stream_ordinal != ordinal) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "engine math: the stream runs on cuda:%d, the device is cuda:%d", stream_ordinal, ordinal));
+  }
 #else
-  // Before CUDA 12.8 the runtime cannot say; the backend made its device current when it
-  // created the stream, and kvtier's engines run on the device they created.
   (void)stream;
-  KVTIER_CUDA_RETURN_IF_ERROR(cudaGetDevice(&ordinal));
+  (void)ordinal;
 #endif
-  return ordinal;
+  return absl::OkStatus();
 }
 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Math>> NewCudaMath(Device& device, Stream& stream) {
-  KVTIER_ASSIGN_OR_RETURN(Backend * backend, BackendOf(device, "engine math"));
-  if (backend->kind() != DeviceKind::kCuda) {
+  if (device.kind() != DeviceKind::kCuda) {
     return absl::InvalidArgumentError("engine math: NewCudaMath needs a cuda device");
   }
-  KVTIER_ASSIGN_OR_RETURN(cuda::CudaStream * cuda_stream,
-                          cuda::AsCudaStream(stream, backend, "engine math"));
-  const cudaStream_t handle = cuda_stream->handle();
-  KVTIER_ASSIGN_OR_RETURN(const int ordinal, StreamDevice(handle));
-  KVTIER_CUDA_SCOPED_DEVICE(ordinal);
+  // The public CUDA face of the device (kvtier/cuda.h): its ordinal and the stream's handle.
+  KVTIER_ASSIGN_OR_RETURN(const int ordinal, CudaDeviceOrdinal(device));
+  KVTIER_ASSIGN_OR_RETURN(const cudaStream_t handle, NativeCudaStream(stream));
+  KVTIER_RETURN_IF_ERROR(CheckStreamDevice(handle, ordinal));
+  ScopedDevice guard(ordinal);
+  KVTIER_RETURN_IF_ERROR(guard.status());
   int sms = 0;
-  KVTIER_CUDA_RETURN_IF_ERROR(
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, ordinal));
+  KVTIER_RETURN_IF_ERROR(
+      CudaStatus(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, ordinal),
+                 "engine math: cudaDeviceGetAttribute"));
   cublasHandle_t cublas = nullptr;
   KVTIER_RETURN_IF_ERROR(CublasStatus(cublasCreate(&cublas), "engine math: cublasCreate"));
   auto math = std::make_unique<CudaMath>(device, ordinal, handle, std::max(sms, 1), cublas);
-  KVTIER_RETURN_IF_ERROR(math->Init(*backend));
+  KVTIER_RETURN_IF_ERROR(math->Init());
   return std::unique_ptr<Math>(std::move(math));
 }
 
