@@ -3,7 +3,8 @@
 #   1. cmake --install BUILD into a temporary prefix, then move the prefix elsewhere;
 #   2. check its layout: libkvtier.so with its soname links, exactly include/kvtier/*.h,
 #      kvtierd, the CMake package and kvtier.pc, no path of the build or source tree or of
-#      the prefix before the move, and libkvtier.so exporting only kvtier's API;
+#      the prefix before the move, and libkvtier.so exporting only kvtier's API (the
+#      functions of kvtier/cuda.h included);
 #   3. build tests/install/consumer against the moved prefix (find_package(kvtier) for C++,
 #      pkg-config for C);
 #   4. start the installed kvtierd on private sockets and run both consumers against it,
@@ -102,6 +103,10 @@ for sym in kvtier_connect kvtier_decode; do
 done
 grep -q '^kvtier::Client::Connect(' <<<"$demangled" ||
   fail "libkvtier.so does not export kvtier::Client::Connect"
+# kvtier/cuda.h is defined in every build (by the CUDA backend, or by its stub).
+for fn in NativeCudaStream AdoptCudaStream CudaDeviceOrdinal; do
+  grep -q "^kvtier::$fn(" <<<"$demangled" || fail "libkvtier.so does not export kvtier::$fn"
+done
 echo "libkvtier.so: $(wc -l <<<"$exported") exported symbols, none of its dependencies"
 
 # ---- 3. build the consumer against the moved prefix -----------------------------------------
