@@ -871,11 +871,13 @@ depth — **{"met" if key_ok else "missed"}** (worst depth {min(r["passkey"].val
 """
         if not (copy_ok and key_ok):
             text += """
-A model of this size learns to copy once attention heads that find an earlier occurrence of
-the current context and read what followed it (induction heads) form; in small transformers
-that takes tens to hundreds of millions of tokens of text rich in repeats, and a 2-core CPU
-trains about a thousand tokens a second. The context phases are made to run on a GPU
-(`--device cuda`, bfloat16): the same script, warm-started from this file, checkpointed.
+A model learns to copy once attention heads that find an earlier occurrence of the current
+context and read what followed it (induction heads) form — in this script's first context
+phase, after a plateau of a few million tokens of recurring spans (the curve below) — and to
+copy from thousands of tokens back, and to answer the pass-key question, only in the later
+phases (the mix, the position skips, the full context): more tokens than a 2-core CPU trains
+in a few hours at about a thousand tokens a second. The context phases also run on a GPU
+(`--device cuda`, bfloat16): the same script, warm-started from a file or a checkpoint.
 """
         text += """
 `kvtier-run eval --task niah` and `--task copy` measure the same with kvtier's working sets
