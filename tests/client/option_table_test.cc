@@ -21,6 +21,7 @@
 #include "kvtier/options.h"
 #include "kvtier/sequence.h"
 #include "kvtier/v1/kvtier.grpc.pb.h"
+#include "proto/convert.h"
 #include "tests/client/daemon_process.h"
 #include "toml++/toml.h"
 
@@ -181,20 +182,6 @@ absl::Status ViaCApi(const OptionCase& c, kvtier_client* client) {
   return absl::OkStatus();
 }
 
-v1::Mode ProtoMode(RetrievalMode m) {
-  switch (m) {
-    case RetrievalMode::kSpeculative:
-      return v1::MODE_SPECULATIVE;
-    case RetrievalMode::kSync:
-      return v1::MODE_SYNC;
-    case RetrievalMode::kFull:
-      return v1::MODE_FULL;
-    case RetrievalMode::kDrop:
-      return v1::MODE_DROP;
-  }
-  return v1::MODE_UNSPECIFIED;
-}
-
 // What the daemon answers a raw OpenSession: no client checks anything first.
 absl::Status ViaDaemon(const OptionCase& c, v1::KvTier::Stub& stub) {
   v1::OpenSessionRequest req;
@@ -207,7 +194,7 @@ absl::Status ViaDaemon(const OptionCase& c, v1::KvTier::Stub& stub) {
   g->set_page_size(static_cast<uint32_t>(c.page_size));
   g->set_dtype(v1::DTYPE_FP16);
   v1::RetrievalOptions* r = req.mutable_retrieval();
-  r->set_mode(ProtoMode(ModeOf(c.mode)));
+  r->set_mode(ModeToProto(ModeOf(c.mode)));
   r->set_budget_tokens(static_cast<uint32_t>(c.budget_tokens));
   r->set_max_tokens(static_cast<uint32_t>(c.max_tokens));
   r->set_correction_threshold(c.correction_threshold);
@@ -218,9 +205,7 @@ absl::Status ViaDaemon(const OptionCase& c, v1::KvTier::Stub& stub) {
   v1::OpenSessionReply reply;
   std::unique_ptr<grpc::ClientContext> ctx = NewCallContext(kTenant, kToken, absl::Seconds(30));
   const grpc::Status st = stub.OpenSession(ctx.get(), req, &reply);
-  if (!st.ok()) {
-    return absl::Status(static_cast<absl::StatusCode>(st.error_code()), st.error_message());
-  }
+  if (!st.ok()) return FromGrpcStatus(st);
   EXPECT_EQ(reply.session().retrieval().correction_threshold(), c.correction_threshold) << c.name;
   v1::CloseSessionRequest close;
   close.set_session_id(reply.session().session_id());
