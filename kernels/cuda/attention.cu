@@ -732,8 +732,14 @@ __global__ void __launch_bounds__(kThreads) AttentionKernel(const AttnParams p) 
   FinishBlock<S>(p, w, st);
 }
 
+// The combine kernel's weights in shared memory: one per split, padded to whole groups of 4
+// with the padding zeroed. ptxas may read the remainder of an unrolled loop over the weights
+// as one vector load (compute-sanitizer on an H200 saw a 12-byte read of a 2-split launch's 8
+// bytes), so every 16-byte group it can touch is allocated and reads as weight 0.
+__host__ __device__ constexpr int32_t PaddedSplits(int32_t splits) { return (splits + 3) / 4 * 4; }
+
 // Merges the splits of one (sequence, query head), as the CPU merges its chunks. Dynamic
-// shared memory: one weight per split.
+// shared memory: one weight per split (PaddedSplits).
 template <typename T, bool kSparse>
 __global__ void __launch_bounds__(kCombineThreads) CombineKernel(const AttnParams p) {
   extern __shared__ float s_weight[];
@@ -746,9 +752,9 @@ __global__ void __launch_bounds__(kCombineThreads) CombineKernel(const AttnParam
   const float* ml = p.part_ml + bh * splits * 2;
   float mx = NegInf();
   for (int32_t c = 0; c < splits; ++c) mx = fmaxf(mx, ml[2 * c]);
-  for (int32_t c = static_cast<int32_t>(threadIdx.x); c < splits; c += kCombineThreads) {
-    // A split that attended nothing (l = 0) is skipped: weight 0.
-    s_weight[c] = mx != NegInf() && ml[2 * c + 1] != 0 ? expf(ml[2 * c] - mx) : 0.0f;
+  for (int32_t c = static_cast<int32_t>(threadIdx.x); c < PaddedSplits(splits); c += kCombineThreads) {
+    // A split that attended nothing (l = 0) is skipped: weight 0; so is the padding.
+    s_weight[c] = c < splits && mx != NegInf() && ml[2 * c + 1] != 0 ? expf(ml[2 * c] - mx) : 0.0f;
   }
   __syncthreads();
   float l = 0.0f;
@@ -1069,7 +1075,7 @@ cudaError_t LaunchAttention(AttnParams p, DType dtype, int32_t batch, bool vecto
         AttentionKernel<S, kSparse><<<grid, kThreads, 0, stream>>>(p);
         if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
         if (p.splits > 1) {
-          const size_t smem = sizeof(float) * static_cast<size_t>(p.splits);
+          const size_t smem = sizeof(float) * static_cast<size_t>(PaddedSplits(p.splits));
           CombineKernel<T, kSparse>
               <<<static_cast<unsigned>(heads), kCombineThreads, smem, stream>>>(p);
           if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
