@@ -15,6 +15,13 @@
 // Thread-safe. Calls on different sessions run in parallel; calls on the same session
 // serialize. Expensive work (OpenSession, Step, an Offload commit) runs on the calling
 // thread: the gRPC service calls them from its WorkQueue.
+//
+// SessionManager's definitions are split by job: session_manager.cc (construction, the
+// session table), session_admission.cc (authentication, call slots, calls in flight,
+// draining), session_open.cc (OpenSession), session_streams.cc (Step, Fetch, Offload),
+// session_tiering.cc (the cold tier), session_persistence.cc (what outlives a restart) and
+// session_metrics.cc (GetStats, the metrics); session_manager_internal.h holds the helpers
+// they share.
 #ifndef KVTIER_DAEMON_SESSION_MANAGER_H_
 #define KVTIER_DAEMON_SESSION_MANAGER_H_
 
