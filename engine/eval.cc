@@ -59,6 +59,35 @@ struct Accumulator {
   int64_t timed_steps = 0;
 };
 
+}  // namespace
+
+absl::Status SetBudget(SequenceOptions& o, int32_t budget_tokens, int32_t page_size,
+                       const BudgetSplit& split) {
+  KVTIER_RETURN_IF_ERROR(o.SetBudgetTokens(budget_tokens, page_size));
+  const BudgetSplit standard;
+  if (split.sink == standard.sink && split.selected == standard.selected &&
+      split.recent == standard.recent) {
+    return absl::OkStatus();
+  }
+  const int32_t parts = split.sink + split.selected + split.recent;
+  if (split.sink < 0 || split.selected < 0 || split.recent < 0 || parts <= 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "budget split %d:%d:%d: sink, selected and recent parts must be >= 0 with a positive sum",
+        split.sink, split.selected, split.recent));
+  }
+  const int32_t pages = o.budget_pages();
+  o.sink_pages = pages * split.sink / parts;
+  o.recent_pages = std::max(1, pages * split.recent / parts);
+  o.selected_pages = pages - o.sink_pages - o.recent_pages;
+  if (o.selected_pages < 0) {
+    o.sink_pages += o.selected_pages;
+    o.selected_pages = 0;
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
 // Adds the attention-mass recall of one decode step: every layer, every query head.
 absl::Status AddRecall(const LlamaConfig& c, Sequence& seq, const OracleRecorder& oracle,
                        int64_t n, int64_t budget, int32_t page_size, Accumulator* acc) {
@@ -143,7 +172,7 @@ absl::StatusOr<EvalResult> RunOne(Engine& engine, const std::vector<int32_t>& id
   spec.options.max_tokens =
       static_cast<int32_t>((context + 2 * o.page_size) / o.page_size * o.page_size);
   if (run.budget > 0) {
-    KVTIER_RETURN_IF_ERROR(spec.options.SetBudgetTokens(run.budget, o.page_size));
+    KVTIER_RETURN_IF_ERROR(SetBudget(spec.options, run.budget, o.page_size, o.split));
   }
   KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<EngineSequence> es, EngineSequence::Open(engine, spec, nullptr));
   Sequence& seq = es->sequence();

@@ -31,11 +31,21 @@ struct EvalVariant {
   SequenceOptions options;  // mode, τ or trigger, policy; the budget is set per run
 };
 
+// How a budget divides into sink, selected and recent pages, as parts of the whole
+// (SequenceOptions::SetBudgetTokens's 1 : 2 : 1 by default; recent gets at least one page).
+struct BudgetSplit {
+  int32_t sink = 1, selected = 2, recent = 1;
+};
+// Sets o's three regions for a budget of `budget_tokens` (a multiple of 4 pages).
+absl::Status SetBudget(SequenceOptions& o, int32_t budget_tokens, int32_t page_size,
+                       const BudgetSplit& split);
+
 struct EvalOptions {
   int64_t prefill_tokens = 0;    // P ≥ 1
   int64_t steps = 0;             // N ≥ 1 scored decode steps; the text needs P + N + 1 tokens
-  std::vector<int32_t> budgets;  // working-set tokens per layer (split 1/4 : 1/2 : 1/4)
+  std::vector<int32_t> budgets;  // working-set tokens per layer, split as `split` says
   int32_t page_size = 32;
+  BudgetSplit split;
   // Oracle recall on every k-th step (all layers and query heads); the others are timed.
   int32_t recall_every = 4;
 };

@@ -105,8 +105,9 @@ int32_t BudgetTokens(int64_t context, int32_t divisor, int32_t page_size) {
 
 // A sequence for one run of a prompt of `tokens` tokens (and `extra` more to come).
 absl::StatusOr<std::unique_ptr<EngineSequence>> OpenRun(Engine& engine, const Run& run,
-                                                        int32_t page_size, int64_t tokens,
+                                                        const TaskOptions& task, int64_t tokens,
                                                         int64_t extra, int32_t* budget) {
+  const int32_t page_size = task.page_size;
   SequenceSpec spec;
   spec.options = run.variant->options;
   spec.page_size = page_size;
@@ -118,7 +119,7 @@ absl::StatusOr<std::unique_ptr<EngineSequence>> OpenRun(Engine& engine, const Ru
         absl::StrFormat("budget 1/%d: %d tokens is not below the context of %d tokens", run.divisor,
                         *budget, tokens + extra));
   }
-  if (*budget > 0) KVTIER_RETURN_IF_ERROR(spec.options.SetBudgetTokens(*budget, page_size));
+  if (*budget > 0) KVTIER_RETURN_IF_ERROR(SetBudget(spec.options, *budget, page_size, task.split));
   return EngineSequence::Open(engine, spec, nullptr);
 }
 
@@ -129,7 +130,7 @@ absl::StatusOr<std::string> Answer(Engine& engine, const NeedlePrompt& p, const 
   const bool list = p.keys.size() > 1;
   const int32_t max_answer = list ? 4 * o.max_answer_tokens : o.max_answer_tokens;
   KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<EngineSequence> es,
-                          OpenRun(engine, run, o.task.page_size, total, max_answer, budget));
+                          OpenRun(engine, run, o.task, total, max_answer, budget));
   Sequence& seq = es->sequence();
   Decoder& dec = engine.decoder();
   std::vector<float> logits;
@@ -457,7 +458,7 @@ absl::StatusOr<std::vector<CopyCell>> RunCopy(Engine& engine, const std::vector<
         if (!cell.status.ok()) continue;
         int32_t budget = 0;
         absl::StatusOr<std::unique_ptr<EngineSequence>> es = OpenRun(
-            engine, runs[ri], o.task.page_size, static_cast<int64_t>(context.size()), P, &budget);
+            engine, runs[ri], o.task, static_cast<int64_t>(context.size()), P, &budget);
         absl::Status st = es.status();
         double loss = 0;
         if (st.ok()) {

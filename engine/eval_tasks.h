@@ -72,6 +72,7 @@ bool AnswerIsRight(const NeedlePrompt& p, NeedleKind kind, std::string_view answ
 struct TaskOptions {
   std::vector<int32_t> budget_divisors = {32, 16, 8, 4};  // budgets: context / d, to 4 pages
   int32_t page_size = 32;
+  BudgetSplit split;  // the budget's sink : selected : recent parts
   uint64_t seed = 1;
 };
 

@@ -50,6 +50,20 @@ const std::vector<std::string>& VariantNames() {
 
 // A variant's name, optionally with its trigger parameter: "speculative:tau=0.7",
 // "speculative-mass:loss=0.1" (for sweeps).
+// --split S:SEL:R, three integers.
+absl::StatusOr<BudgetSplit> ParseSplit(const std::string& text) {
+  const std::vector<std::string> parts = absl::StrSplit(text, ':');
+  BudgetSplit b;
+  if (parts.size() != 3 || !absl::SimpleAtoi(parts[0], &b.sink) ||
+      !absl::SimpleAtoi(parts[1], &b.selected) || !absl::SimpleAtoi(parts[2], &b.recent) ||
+      b.sink < 0 || b.selected < 0 || b.recent < 0 || b.sink + b.selected + b.recent <= 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--split '%s': sink:selected:recent, three integers >= 0 with a positive sum (e.g. 1:2:1)",
+        text));
+  }
+  return b;
+}
+
 absl::StatusOr<EvalVariant> MakeVariant(const std::string& spec, const EvalFlags& f) {
   const std::vector<std::string> parts = absl::StrSplit(spec, absl::MaxSplits(':', 1));
   const std::string& name = parts[0];
@@ -74,6 +88,14 @@ absl::StatusOr<EvalVariant> MakeVariant(const std::string& spec, const EvalFlags
   SequenceOptions& o = v.options;
   PolicyConfig& p = o.policy;
   o.correction_threshold = tau;
+  if (f.summary == "center-mad") {
+    o.summary = SummaryMode::kCenterMad;
+  } else if (f.summary == "minmax") {
+    o.summary = SummaryMode::kMinMax;
+  } else if (!f.summary.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--summary: '%s': minmax (Quest's bounds) or center-mad (ArkVale's)", f.summary));
+  }
   if (name == "sync") {
     o.mode = RetrievalMode::kSync;
   } else if (name == "speculative") {
@@ -296,6 +318,11 @@ CLI::App* AddEvalCommand(CLI::App& app, EvalFlags* f) {
   c->add_option("--recall-every", f->recall_every, "oracle recall on every k-th step")
       ->check(CLI::Range(1, 1 << 20));
   c->add_option("--page-size", f->m.page_size, "tokens per page");
+  c->add_option("--split", f->split,
+                "the budget's sink:selected:recent parts (default 1:2:1: a quarter sinks, half "
+                "selected, a quarter recent)");
+  c->add_option("--summary", f->summary,
+                "page summaries: center-mad (ArkVale's, the default) or minmax (Quest's per-dimension bounds)");
   c->add_option("--kv-dtype", f->m.kv_dtype, "fp16, bf16 or fp32");
   c->add_option("--device", f->m.device, "cpu, cuda or auto");
   c->add_option("--threads", f->m.threads, "CPU threads (0: all cores)");
@@ -631,6 +658,12 @@ int RunTaskCommand(const EvalFlags& f, const std::vector<EvalVariant>& variants)
   TaskOptions task;
   task.budget_divisors = f.divisors;
   task.page_size = f.m.page_size;
+  if (absl::StatusOr<BudgetSplit> split = ParseSplit(f.split); split.ok()) {
+    task.split = *split;
+  } else {
+    std::cerr << "kvtier-run eval: " << split.status().message() << "\n";
+    return 2;
+  }
   task.seed = f.seed;
   const absl::Time started = absl::Now();
   absl::Time last = absl::InfinitePast();
@@ -645,8 +678,8 @@ int RunTaskCommand(const EvalFlags& f, const std::vector<EvalVariant>& variants)
   head << "{\"bench\": \"kvtier-run eval --task " << f.task << "\", \"commit\": \""
        << KVTIER_GIT_COMMIT << "\", \"model\": \"" << JsonEscape(e.config().ToString())
        << "\", \"device\": \"" << JsonEscape(e.device().Describe()) << "\", \"kv_dtype\": \""
-       << f.m.kv_dtype << "\", \"page_size\": " << f.m.page_size
-       << ", \"text_tokens\": " << in.ids.size() << ", \"seed\": " << f.seed
+       << f.m.kv_dtype << "\", \"page_size\": " << f.m.page_size << ", \"summary\": \""
+       << (f.summary.empty() ? "default" : f.summary) << "\", \"text_tokens\": " << in.ids.size() << ", \"seed\": " << f.seed
        << ", \"tau\": " << f.tau;
   std::string body;
   absl::Status failed;
@@ -768,6 +801,12 @@ int RunEvalCommand(const EvalFlags& f) {
   o.steps = f.steps;
   o.prefill_tokens = context - f.steps;
   o.page_size = f.m.page_size;
+  if (absl::StatusOr<BudgetSplit> split = ParseSplit(f.split); split.ok()) {
+    o.split = *split;
+  } else {
+    std::cerr << "kvtier-run eval: " << split.status().message() << "\n";
+    return 2;
+  }
   o.recall_every = f.recall_every;
   o.budgets = f.budgets;
   if (o.budgets.empty()) {
@@ -832,7 +871,8 @@ int RunEvalCommand(const EvalFlags& f) {
     j << "{\"bench\": \"kvtier-run eval\", \"commit\": \"" << KVTIER_GIT_COMMIT
       << "\", \"model\": \"" << JsonEscape(e.config().ToString()) << "\", \"device\": \""
       << JsonEscape(e.device().Describe()) << "\", \"kv_dtype\": \"" << f.m.kv_dtype
-      << "\", \"page_size\": " << f.m.page_size << ", \"text_tokens\": " << text_tokens
+      << "\", \"page_size\": " << f.m.page_size << ", \"summary\": \""
+      << (f.summary.empty() ? "default" : f.summary) << "\", \"text_tokens\": " << text_tokens
       << ", \"context\": " << context << ", \"prefill_tokens\": " << o.prefill_tokens
       << ", \"steps\": " << o.steps << ", \"recall_every\": " << o.recall_every
       << ", \"tau\": " << f.tau << ", \"results\": [";

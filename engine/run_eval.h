@@ -38,8 +38,10 @@ struct EvalFlags {
   int64_t context = 0;  // 0: the model's (or the text's, when shorter)
   std::vector<int32_t> budgets;  // empty: 1/32, 1/16, 1/8, 1/4 of the context
   std::string variants;          // empty: all
-  float tau = 0.9f;
+  float tau = kDefaultCorrectionThreshold;  // the library's
   float max_loss = -1;  // < 0: the library default
+  std::string summary;  // page summaries of every variant: minmax, center-mad, empty: the default
+  std::string split = "1:2:1";  // the budget's sink : selected : recent parts
   int32_t recall_every = 4;
   std::string json;
   std::string plot;  // PNG path prefix: <plot>-ppl.png, <plot>-kl.png, <plot>-recall.png
