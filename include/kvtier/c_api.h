@@ -104,7 +104,7 @@ typedef struct kvtier_session_options {
 } kvtier_session_options;
 
 /* Fills the defaults: tenant "default", 30 s timeout; fp16 geometry with page size 32,
- * speculative mode, budget 2048, tau 0.9, the cosine trigger, max loss 0.1, SHM
+ * speculative mode, budget 2048, tau 0.7, the cosine trigger, max loss 0.1, SHM
  * (kvtier/options.h: kDefault*). */
 void kvtier_client_options_init(kvtier_client_options* options);
 void kvtier_session_options_init(kvtier_session_options* options);

@@ -160,7 +160,7 @@ TEST(SessionInfoProtoTest, ResolvedOptionsDriveTheLocalRetriever) {
   EXPECT_EQ(info->epoch, 3u);
   EXPECT_EQ(info->committed_tokens, (std::vector<int64_t>{64, 32}));
   EXPECT_EQ(info->region_offset, 65536u);
-  EXPECT_FLOAT_EQ(info->correction_threshold, 0.9f);  // unset: the protocol's default
+  EXPECT_FLOAT_EQ(info->correction_threshold, kDefaultCorrectionThreshold);  // unset: the default
   EXPECT_EQ(info->correction_trigger, CorrectionTrigger::kCosine);
   EXPECT_FLOAT_EQ(info->correction_max_loss, 0.1f);
 

@@ -57,7 +57,7 @@ TEST_F(SessionManagerTest, OpenResolvesDefaultsAndCloseFreesTheRegion) {
   EXPECT_EQ(r.spec.label, "test");
   EXPECT_EQ(r.spec.sequence.max_tokens, 256);   // default_max_tokens
   EXPECT_EQ(r.spec.budget_tokens, 256);         // 2048 capped at the capacity
-  EXPECT_FLOAT_EQ(r.spec.sequence.correction_threshold, 0.9f);
+  EXPECT_FLOAT_EQ(r.spec.sequence.correction_threshold, kDefaultCorrectionThreshold);
   EXPECT_EQ(r.spec.sequence.correction_trigger, CorrectionTrigger::kCosine);
   EXPECT_FLOAT_EQ(r.spec.sequence.correction_max_loss, 0.1f);
   EXPECT_EQ(r.epoch, 1u);

@@ -296,7 +296,7 @@ class Client:
         budget_tokens / max_tokens take the daemon's defaults; `mode` is one of
         speculative, sync, full, drop; `transport` grpc or shm (shm sessions need
         libkvtier's in-process Retriever: this client only drives grpc ones).
-        `correction_threshold` (τ) is any finite number (None: 0.9; > 1 always corrects,
+        `correction_threshold` (τ) is any finite number (None: 0.7; > 1 always corrects,
         <= -1 never); `correction_trigger` is cosine or mass (None: the daemon's default,
         cosine); `correction_max_loss` in [0, 1] is the mass trigger's threshold (None: 0.1).
         The options are checked by the daemon (the library's ResolveSequenceOptions): a
