@@ -679,7 +679,8 @@ int RunTaskCommand(const EvalFlags& f, const std::vector<EvalVariant>& variants)
        << KVTIER_GIT_COMMIT << "\", \"model\": \"" << JsonEscape(e.config().ToString())
        << "\", \"device\": \"" << JsonEscape(e.device().Describe()) << "\", \"kv_dtype\": \""
        << f.m.kv_dtype << "\", \"page_size\": " << f.m.page_size << ", \"summary\": \""
-       << (f.summary.empty() ? "default" : f.summary) << "\", \"text_tokens\": " << in.ids.size() << ", \"seed\": " << f.seed
+       << (f.summary.empty() ? "default" : f.summary) << "\", \"split\": \"" << f.split
+       << "\", \"text_tokens\": " << in.ids.size() << ", \"seed\": " << f.seed
        << ", \"tau\": " << f.tau;
   std::string body;
   absl::Status failed;
@@ -872,7 +873,8 @@ int RunEvalCommand(const EvalFlags& f) {
       << "\", \"model\": \"" << JsonEscape(e.config().ToString()) << "\", \"device\": \""
       << JsonEscape(e.device().Describe()) << "\", \"kv_dtype\": \"" << f.m.kv_dtype
       << "\", \"page_size\": " << f.m.page_size << ", \"summary\": \""
-      << (f.summary.empty() ? "default" : f.summary) << "\", \"text_tokens\": " << text_tokens
+      << (f.summary.empty() ? "default" : f.summary) << "\", \"split\": \"" << f.split
+       << "\", \"text_tokens\": " << text_tokens
       << ", \"context\": " << context << ", \"prefill_tokens\": " << o.prefill_tokens
       << ", \"steps\": " << o.steps << ", \"recall_every\": " << o.recall_every
       << ", \"tau\": " << f.tau << ", \"results\": [";
