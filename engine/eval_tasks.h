@@ -69,6 +69,10 @@ std::string AnswerKey(std::string_view answer);
 // the prompt's keys is among the answer's runs of digits (multivalue).
 bool AnswerIsRight(const NeedlePrompt& p, NeedleKind kind, std::string_view answer);
 
+// The working-set budget of 1/`divisor` of a context of `context` tokens: to the nearest
+// whole unit of 4 pages, at least one unit (0 when divisor <= 0: full KV).
+int32_t BudgetTokens(int64_t context, int32_t divisor, int32_t page_size);
+
 struct TaskOptions {
   std::vector<int32_t> budget_divisors = {32, 16, 8, 4};  // budgets: context / d, to 4 pages
   int32_t page_size = 32;

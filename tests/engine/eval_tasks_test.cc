@@ -224,6 +224,18 @@ TEST(AnswerKeyTest, TakesTheLeadingDigits) {
   EXPECT_EQ(AnswerKey(""), "");
 }
 
+TEST(BudgetTokensTest, RoundsToTheNearestUnitOfFourPages) {
+  // A needle prompt of 4,080 tokens (the context less room for the answer), pages of 32:
+  // 1/32, 1/16, 1/8 and 1/4 are 128, 256, 512 and 1,024 tokens, not 128, 128, 384 and 896.
+  EXPECT_EQ(BudgetTokens(4080, 32, 32), 128);
+  EXPECT_EQ(BudgetTokens(4080, 16, 32), 256);
+  EXPECT_EQ(BudgetTokens(4080, 8, 32), 512);
+  EXPECT_EQ(BudgetTokens(4080, 4, 32), 1024);
+  EXPECT_EQ(BudgetTokens(4096, 16, 32), 256);
+  EXPECT_EQ(BudgetTokens(1000, 64, 32), 128);  // at least one unit
+  EXPECT_EQ(BudgetTokens(4096, 0, 32), 0);     // full KV
+}
+
 TEST_F(EvalTasksTest, NiahHasACellPerRunAndPromptAndFullModeAnswersAsTheDenseDecoder) {
   NiahOptions o;
   o.contexts = {1024};
