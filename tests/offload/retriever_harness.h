@@ -140,8 +140,10 @@ class HostModel {
   }
   int32_t tokens() const { return tokens_; }
 
-  // Quest scores pooled by raw mean over the group (PoolMode::kRawMean), then the top k
-  // among full pages [sink, full − recent_full): the selection a host model expects.
+  // Quest scores over the page summaries `o.summary` names (per-dimension max/min, or mean ±
+  // mean absolute deviation, computed as the CPU kernel does), pooled by raw mean over the
+  // group (PoolMode::kRawMean), then the top k among full pages [sink, full − recent_full):
+  // the selection a host model expects.
   std::vector<int32_t> Select(int32_t layer, const TypedBuffer& q, int32_t h, int32_t tokens,
                               const SequenceOptions& o) const {
     const int32_t p = g_.page_size;
@@ -157,9 +159,21 @@ class HostModel {
         float s = 0;
         for (int32_t i = 0; i < g_.head_dim; ++i) {
           float hi = -INFINITY, lo = INFINITY;
-          for (int32_t t = page * p; t < (page + 1) * p; ++t) {
-            hi = std::max(hi, K(layer, t, h, i));
-            lo = std::min(lo, K(layer, t, h, i));
+          if (o.summary == SummaryMode::kMinMax) {
+            for (int32_t t = page * p; t < (page + 1) * p; ++t) {
+              hi = std::max(hi, K(layer, t, h, i));
+              lo = std::min(lo, K(layer, t, h, i));
+            }
+          } else {
+            float centre = 0, dev = 0;
+            for (int32_t t = page * p; t < (page + 1) * p; ++t) centre += K(layer, t, h, i);
+            centre /= static_cast<float>(p);
+            for (int32_t t = page * p; t < (page + 1) * p; ++t) {
+              dev += std::fabs(K(layer, t, h, i) - centre);
+            }
+            const float mad = dev / static_cast<float>(p);
+            hi = centre + mad;
+            lo = centre - mad;
           }
           const float qi = q.Get(int64_t{qh} * g_.head_dim + i);
           s += std::max(qi * hi, qi * lo);

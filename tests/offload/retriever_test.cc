@@ -31,10 +31,13 @@ using namespace retriever_test;  // NOLINT: the harness is this test's vocabular
 using testing::TypedBuffer;
 
 TEST(RetrieverTest, SyncWorkingSetEqualsSelection) {
+  for (const SummaryMode summary : {SummaryMode::kCenterMad, SummaryMode::kMinMax})
   for (RecallStrategy strategy : kRecallStrategies) {
+    SCOPED_TRACE(summary == SummaryMode::kMinMax ? "minmax summaries" : "center-mad summaries");
     const Geometry g = SmallGeometry();
     SequenceOptions o = SmallOptions(RetrievalMode::kSync);
     o.recall = strategy;
+    o.summary = summary;
     Harness h(g, o);
     h.Append(150);  // 18 full pages + a partial one
     for (int step = 0; step < 6; ++step) {
