@@ -1038,6 +1038,27 @@ class StopFlag:
                 (self.at_step > 0 and self.step >= self.at_step))
 
 
+def step_seconds(model, tasks, seq, batch, flag, steps=3):
+    """Median seconds of one training step (sampling, forward, backward) of a phase, after a
+    warm-up step (kernel selection, allocator); the weights are left as they were."""
+    cuda = next(model.parameters()).is_cuda
+    it = task_batches(tasks, seq, batch, flag == "skip", flag == "induct")
+    times = []
+    for _ in range(steps + 1):
+        if cuda:
+            torch.cuda.synchronize()
+        t = time.time()
+        x, y, pos = next(it)
+        with autocast(model):
+            logits = model(x, pos)
+        F.cross_entropy(logits.float().flatten(0, 1), y.flatten().to(logits.device)).backward()
+        model.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.time() - t)
+    return sorted(times[1:])[len(times[1:]) // 2]
+
+
 def fit_phases(model, tasks, phases, seconds, ckpt_dir):
     """Scales every phase's step count by one factor so that the curriculum's training steps
     take about `seconds` on this machine, timed on a few steps of each phase (forward and
@@ -1049,24 +1070,7 @@ def fit_phases(model, tasks, phases, seconds, ckpt_dir):
             out = [tuple(p) for p in json.load(f)]
         log(f"fitted plan from {path}: {out}")
         return out
-    cuda = next(model.parameters()).is_cuda
-    per_step = []
-    for seq, batch, steps, flag in phases:
-        it = task_batches(tasks, seq, batch, flag == "skip", flag == "induct")
-        times = []
-        for i in range(4):  # the first is a warm-up (kernel selection, allocator)
-            if cuda:
-                torch.cuda.synchronize()
-            t = time.time()
-            x, y, pos = next(it)
-            with autocast(model):
-                logits = model(x, pos)
-            F.cross_entropy(logits.float().flatten(0, 1), y.flatten().to(logits.device)).backward()
-            model.zero_grad(set_to_none=True)
-            if cuda:
-                torch.cuda.synchronize()
-            times.append(time.time() - t)
-        per_step.append(sorted(times[1:])[1])
+    per_step = [step_seconds(model, tasks, seq, batch, flag) for seq, batch, _, flag in phases]
     planned = sum(p[2] * t for p, t in zip(phases, per_step))
     f = seconds / planned
     out = [(seq, batch, max(1, round(steps * f)), flag) for (seq, batch, steps, flag) in phases]
@@ -1359,15 +1363,8 @@ def main():
 
     if args.bench:
         for seq, batch, steps, skip in rphases:
-            it = task_batches(tasks, seq, batch, skip == "skip", skip == "induct")
-            t = time.time()
-            for _ in range(2):
-                x, y, pos = next(it)
-                with autocast(model):
-                    logits = model(x, pos)
-                F.cross_entropy(logits.float().flatten(0, 1), y.flatten().to(logits.device)).backward()
-            log(f"retrieval {seq}x{batch} {skip}: {(time.time() - t) / 2:.1f} s/step, "
-                f"{steps} steps ~ {(time.time() - t) / 2 * steps / 60:.0f} min")
+            dt = step_seconds(model, tasks, seq, batch, skip, steps=2)
+            log(f"retrieval {seq}x{batch} {skip}: {dt:.1f} s/step, {steps} steps ~ {dt * steps / 60:.0f} min")
         t = time.time()
         probe(model)
         log(f"probe: {time.time() - t:.0f} s")
