@@ -64,6 +64,17 @@ absl::StatusOr<BudgetSplit> ParseSplit(const std::string& text) {
   return b;
 }
 
+// --split into *out, or false after saying why.
+bool SplitOf(const EvalFlags& f, BudgetSplit* out) {
+  absl::StatusOr<BudgetSplit> split = ParseSplit(f.split);
+  if (!split.ok()) {
+    std::cerr << "kvtier-run eval: " << split.status().message() << "\n";
+    return false;
+  }
+  *out = *split;
+  return true;
+}
+
 absl::StatusOr<EvalVariant> MakeVariant(const std::string& spec, const EvalFlags& f) {
   const std::vector<std::string> parts = absl::StrSplit(spec, absl::MaxSplits(':', 1));
   const std::string& name = parts[0];
@@ -658,12 +669,7 @@ int RunTaskCommand(const EvalFlags& f, const std::vector<EvalVariant>& variants)
   TaskOptions task;
   task.budget_divisors = f.divisors;
   task.page_size = f.m.page_size;
-  if (absl::StatusOr<BudgetSplit> split = ParseSplit(f.split); split.ok()) {
-    task.split = *split;
-  } else {
-    std::cerr << "kvtier-run eval: " << split.status().message() << "\n";
-    return 2;
-  }
+  if (!SplitOf(f, &task.split)) return 2;
   task.seed = f.seed;
   const absl::Time started = absl::Now();
   absl::Time last = absl::InfinitePast();
@@ -802,12 +808,7 @@ int RunEvalCommand(const EvalFlags& f) {
   o.steps = f.steps;
   o.prefill_tokens = context - f.steps;
   o.page_size = f.m.page_size;
-  if (absl::StatusOr<BudgetSplit> split = ParseSplit(f.split); split.ok()) {
-    o.split = *split;
-  } else {
-    std::cerr << "kvtier-run eval: " << split.status().message() << "\n";
-    return 2;
-  }
+  if (!SplitOf(f, &o.split)) return 2;
   o.recall_every = f.recall_every;
   o.budgets = f.budgets;
   if (o.budgets.empty()) {
