@@ -3,14 +3,10 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
-#include <random>
-#include <unordered_set>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/time/clock.h"
-#include "absl/time/time.h"
 #include "core/status.h"
 
 namespace kvtier {
@@ -106,7 +102,7 @@ absl::StatusOr<std::unique_ptr<SlabRecaller>> SlabRecaller::Create(Backend& back
   if (strategy == RecallStrategy::kAuto) {
     return absl::InvalidArgumentError(
         "SlabRecaller: name a strategy (slab_dma, batched_dma or zero_copy); kAuto is resolved "
-        "by CalibrateRecall");
+        "by the step plan");
   }
   if (max_items < 1 || chunk_items < 1) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -221,83 +217,6 @@ absl::StatusOr<int64_t> SlabRecaller::Enqueue(Stream& drive, Stream& xform, int3
   KVTIER_RETURN_IF_ERROR(xform.Record(*done_));
   KVTIER_RETURN_IF_ERROR(drive.Wait(*done_));
   return issued;
-}
-
-// ---- Calibration ----
-
-std::string RecallCalibration::Summary() const {
-  std::string s;
-  for (size_t i = 0; i < kRecallStrategies.size(); ++i) {
-    absl::StrAppend(&s, i == 0 ? "" : ", ", std::string(RecallStrategyName(kRecallStrategies[i])),
-                    " ", absl::StrFormat("%.1f", us[i]), " us");
-  }
-  absl::StrAppend(&s, " for ", num_items, " slabs → ", std::string(RecallStrategyName(best)));
-  return s;
-}
-
-absl::StatusOr<RecallCalibration> CalibrateRecall(Backend& backend, const Geometry& g,
-                                                  const void* host_pages, int64_t num_host_pages,
-                                                  int32_t num_items, int32_t chunk_items,
-                                                  int32_t repeats) {
-  if (host_pages == nullptr || num_host_pages < 1 || num_items < 1 || chunk_items < 1 ||
-      repeats < 1) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "CalibrateRecall: need host pages (got %d), num_items (%d), chunk_items (%d) and "
-        "repeats (%d) ≥ 1",
-        num_host_pages, num_items, chunk_items, repeats));
-  }
-  const int64_t slabs = num_host_pages * g.num_kv_heads;
-  const int32_t n = static_cast<int32_t>(std::min<int64_t>(num_items, slabs));
-  // Distinct random (page, head) slabs, each into the next free slot of its head.
-  std::mt19937_64 rng(0x6b767469ULL);
-  std::vector<RecallItem> plan;
-  plan.reserve(n);
-  std::vector<int32_t> next_slot(g.num_kv_heads, 0);
-  if (n == slabs) {
-    for (int64_t s = 0; s < slabs; ++s) {
-      const auto h = static_cast<int32_t>(s % g.num_kv_heads);
-      plan.push_back(RecallItem{s / g.num_kv_heads, h, next_slot[h]++});
-    }
-    std::shuffle(plan.begin(), plan.end(), rng);
-  } else {
-    std::unordered_set<int64_t> used;
-    std::uniform_int_distribution<int64_t> pick(0, slabs - 1);
-    while (static_cast<int32_t>(plan.size()) < n) {
-      const int64_t s = pick(rng);
-      if (!used.insert(s).second) continue;
-      const auto h = static_cast<int32_t>(s % g.num_kv_heads);
-      plan.push_back(RecallItem{s / g.num_kv_heads, h, next_slot[h]++});
-    }
-  }
-  const int32_t num_slots = *std::max_element(next_slot.begin(), next_slot.end());
-  const size_t cache_bytes = static_cast<size_t>(num_slots) * g.page_size * g.num_kv_heads *
-                             g.head_dim * g.element_bytes();
-  KVTIER_ASSIGN_OR_RETURN(DeviceBuffer k_cache, backend.Allocate(cache_bytes));
-  KVTIER_ASSIGN_OR_RETURN(DeviceBuffer v_cache, backend.Allocate(cache_bytes));
-  KVTIER_ASSIGN_OR_RETURN(auto drive, backend.CreateStream());
-  KVTIER_ASSIGN_OR_RETURN(auto xform, backend.CreateStream());
-  RecallTarget t{host_pages, num_host_pages, k_cache.data(), v_cache.data(), num_slots};
-
-  RecallCalibration cal;
-  cal.num_items = n;
-  for (size_t i = 0; i < kRecallStrategies.size(); ++i) {
-    KVTIER_ASSIGN_OR_RETURN(auto recaller,
-                            SlabRecaller::Create(backend, g, kRecallStrategies[i], n, chunk_items));
-    std::copy(plan.begin(), plan.end(), recaller->plan());
-    std::vector<double> times;
-    for (int32_t r = 0; r <= repeats; ++r) {  // run 0 warms up
-      const absl::Time start = absl::Now();
-      KVTIER_RETURN_IF_ERROR(recaller->Enqueue(*drive, *xform, n, t).status());
-      KVTIER_RETURN_IF_ERROR(drive->Synchronize());
-      if (r > 0) times.push_back(absl::ToDoubleMicroseconds(absl::Now() - start));
-    }
-    std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
-    cal.us[i] = times[times.size() / 2];
-  }
-  const size_t best =
-      static_cast<size_t>(std::min_element(cal.us.begin(), cal.us.end()) - cal.us.begin());
-  cal.best = kRecallStrategies[best];
-  return cal;
 }
 
 }  // namespace kvtier

@@ -13,9 +13,8 @@
 //
 // The DMA strategies need the plan on the host (the copy engines are driven by the host);
 // the zero-copy gather reads it wherever it is, so a plan made on the device never comes
-// back. Which is fastest depends on the GPU, the PCIe link, the slab size and the number of
-// slabs: CalibrateRecall times all three on the real backend and host memory, and the
-// Retriever picks the fastest at start-up unless told which to use (SequenceOptions).
+// back. Which one a sequence uses is its step plan's (offload/step_plan.h): the one
+// SequenceOptions names, or the gather, or batched_dma where the host must see the plan.
 #ifndef KVTIER_OFFLOAD_RECALL_STRATEGY_H_
 #define KVTIER_OFFLOAD_RECALL_STRATEGY_H_
 
@@ -105,22 +104,6 @@ class SlabRecaller {
   std::unique_ptr<Event> staged_[2], freed_[2], done_;
   std::vector<CopyRange> ranges_;  // scratch
 };
-
-// Start-up calibration: the time of one recall of `num_items` scattered slabs (distinct
-// random (page, head) pairs of the host area into distinct slots) per strategy, the median
-// of `repeats` runs after one warm-up, on `backend` and the host memory given (which must be
-// registered with the backend, as the host tier is). The scratch working set is allocated
-// here. Reads host memory only.
-struct RecallCalibration {
-  std::array<double, 3> us = {0, 0, 0};  // per kRecallStrategies entry
-  RecallStrategy best = RecallStrategy::kZeroCopy;
-  int32_t num_items = 0;
-  std::string Summary() const;  // "slab_dma 812.3 us, batched_dma 640.1 us, zero_copy ... → x"
-};
-absl::StatusOr<RecallCalibration> CalibrateRecall(Backend& backend, const Geometry& g,
-                                                  const void* host_pages, int64_t num_host_pages,
-                                                  int32_t num_items, int32_t chunk_items,
-                                                  int32_t repeats = 5);
 
 }  // namespace kvtier
 

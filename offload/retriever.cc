@@ -29,10 +29,8 @@
 #include <utility>
 #include <vector>
 
-#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "core/mutex.h"
 #include "core/status.h"
 #include "kernels/registry.h"
 #include "kvtier/layout.h"
@@ -180,6 +178,12 @@ absl::Status RetrieverImpl::Init() {
   // The options' rules are the resolver's alone (kvtier/options.h); what follows is what only
   // a Retriever knows: its host tier, its batch.
   KVTIER_RETURN_IF_ERROR(ResolveSequenceOptions(options_, geometry_.page_size).status());
+  // What runs in every step, and the rules that combine features (offload/step_plan.h).
+  KVTIER_ASSIGN_OR_RETURN(
+      plan_, plan::PlanSequence(plan::ConfigOf(
+                 options_, /*batch=*/shared_ != nullptr,
+                 /*cold_tier=*/host_ != nullptr && host_->cold() != nullptr,
+                 backend_.SupportsCapture())));
   max_pages_ = (options_.max_tokens + geometry_.page_size - 1) / geometry_.page_size;
   slots_per_layer_ = options_.mode == RetrievalMode::kFull ? max_pages_ : options_.budget_pages();
   KVTIER_RETURN_IF_ERROR(InitPolicies());
@@ -207,9 +211,7 @@ absl::Status RetrieverImpl::Init() {
   KVTIER_ASSIGN_OR_RETURN(sync_compute_, backend_.CreateEvent());
   KVTIER_ASSIGN_OR_RETURN(sync_recall_, backend_.CreateEvent());
   KVTIER_ASSIGN_OR_RETURN(sync_dma_, backend_.CreateEvent());
-  if (has_host_tier()) {
-    KVTIER_ASSIGN_OR_RETURN(strategy_, ResolveStrategy());
-  }
+  if (has_host_tier()) strategy_ = plan_.strategy;
   stats_.recall_strategy = strategy_;
   if (host_ != nullptr) telemetry_block_ = host_->telemetry();
   if (telemetry_block_.has_value()) {
@@ -222,15 +224,7 @@ absl::Status RetrieverImpl::Init() {
   const size_t kk = static_cast<size_t>(std::max(selected_pages(), 1));
   layers_.resize(geometry_.num_layers);
   stats_.corrections.assign(static_cast<size_t>(geometry_.num_layers) * hkv, 0);
-  const bool managed = options_.mode == RetrievalMode::kDrop && policies_on();
-  if (managed && shared_->max_batch() > 1) {
-    return bad("sequence: a drop-mode working set managed by policies changes size, so it "
-               "cannot share a batch");
-  }
-  if (demote() && shared_->max_batch() > 1) {
-    return bad("policy.host_drop = demote: a batch recalls with the zero-copy gather, which "
-               "cannot promote a demoted page; such a sequence cannot share a batch");
-  }
+  const bool managed = plan_.managed;
   for (int32_t li = 0; li < geometry_.num_layers; ++li) {
     LayerState& l = layers_[li];
     const auto field = [&](DeviceBuffer* buf, size_t bytes, Field f) {
@@ -748,40 +742,6 @@ absl::Status RetrieverImpl::Pump(int32_t layer) {
   return absl::OkStatus();
 }
 
-namespace {
-
-// Calibrations made in this process, by backend device and recall shape: every Retriever of
-// the same shape on the same device takes the same strategy without measuring again.
-Mutex calibration_mu;
-absl::flat_hash_map<std::string, RecallStrategy>& Calibrations()
-    ABSL_EXCLUSIVE_LOCKS_REQUIRED(calibration_mu) {
-  static auto* cache = new absl::flat_hash_map<std::string, RecallStrategy>();
-  return *cache;
-}
-
-}  // namespace
-
-absl::StatusOr<RecallStrategy> RetrieverImpl::ResolveStrategy() {
-  if (options_.recall != RecallStrategy::kAuto) return options_.recall;
-  const int32_t n = geometry_.num_kv_heads * selected_pages();
-  if (n == 0) return demote() ? RecallStrategy::kSlabDma : RecallStrategy::kZeroCopy;
-  // host_drop = demote: the fastest DMA strategy (only they show the host the plan).
-  const std::string key = absl::StrCat(backend_.Describe(), "|", geometry_.ToString(), "|", n, "|",
-                                       options_.stream_chunk_items, demote() ? "|dma" : "");
-  MutexLock lock(&calibration_mu);
-  auto it = Calibrations().find(key);
-  if (it != Calibrations().end()) return it->second;
-  KVTIER_ASSIGN_OR_RETURN(RecallCalibration cal,
-                          CalibrateRecall(backend_, geometry_, pool_->base(), pool_->num_slots(), n,
-                                          options_.stream_chunk_items, /*repeats=*/3));
-  RecallStrategy best = cal.best;
-  if (demote() && best == RecallStrategy::kZeroCopy) {
-    best = cal.us[0] <= cal.us[1] ? kRecallStrategies[0] : kRecallStrategies[1];
-  }
-  Calibrations()[key] = best;
-  return best;
-}
-
 absl::Status RetrieverImpl::RecordStats(Stream& s, int32_t layer, int64_t step, bool background,
                                         bool checked) {
   LayerState& l = layers_[layer];
@@ -927,43 +887,33 @@ absl::StatusOr<RetrieverImpl::BeginPath> RetrieverImpl::BeginHost(int32_t layer,
   }
   (void)Collect(/*block=*/false);
   Stream& c = *compute_;
-  const bool speculative = options_.mode == RetrievalMode::kSpeculative;
   absl::Status st;
   // The background recall writes the working set and reads the policy buffers: wait for it
   // before anything below touches them.
-  if (speculative && l.recall.in_flight) st = c.Wait(*l.recall.done);
+  if (l.recall.in_flight) st = c.Wait(*l.recall.done);
   l.recall.in_flight = false;
   bool reselect = false;
   if (st.ok()) st = ApplyPolicies(layer, &reselect);
   if (st.ok()) st = UploadCountsIfDirty(layer);
   if (st.ok() && copy_q) st = backend_.Copy(c, l.select.q_cur.data(), q, q_bytes());
   if (!st.ok()) return Fail(st);
-  if (options_.mode == RetrievalMode::kSync || (speculative && (l.step == 0 || reselect))) {
-    return BeginPath::kSelect;
-  }
-  return speculative ? BeginPath::kCorrect : BeginPath::kNone;
+  return plan::PlanBegin(plan_, {.step = l.step, .reselect = reselect, .profiling = profiling_});
 }
 
 absl::Status RetrieverImpl::BeginDevice(int32_t layer, BeginPath path, int32_t n) {
   LayerState& l = layers_[layer];
   Stream& c = *compute_;
   absl::Status st;
-  switch (path) {
-    case BeginPath::kSelect:
-      // Select every head with q_t before attention. Sync mode recalls with its strategy;
-      // speculative mode's first (and re-)selection is on the critical path and planned on
-      // the device, so it gathers zero-copy, unless pages may be demoted (the host must see
-      // the plan to promote them).
-      st = Select(c,
-                  options_.mode == RetrievalMode::kSync || demote() ? RecallPath::kForeground
-                                                                    : RecallPath::kGather,
-                  layer, l.select.q_cur.data(), l.ws.counts.full_pages, l.ws.counts.candidates,
-                  /*mask=*/nullptr, /*scored=*/false, n);
+  switch (path.work) {
+    case plan::BeginWork::kSelect:
+      st = Select(c, path.route, layer, l.select.q_cur.data(), l.ws.counts.full_pages,
+                  l.ws.counts.candidates, /*mask=*/nullptr, /*scored=*/false, n);
       break;
-    case BeginPath::kCorrect:
-      st = RunCaptured(c, l, &l.graphs.correct[n], [&] { return Correct(c, layer, n); });
+    case plan::BeginWork::kCorrect:
+      st = RunCaptured(c, l, path.captured, &l.graphs.correct[n],
+                       [&] { return Correct(c, path.route, layer, n); });
       break;
-    case BeginPath::kNone:
+    case plan::BeginWork::kNone:
       break;
   }
   return st.ok() ? st : Fail(st);
@@ -974,7 +924,7 @@ absl::StatusOr<WorkingSetView> RetrieverImpl::BeginFinish(int32_t layer, BeginPa
   Stream& c = *compute_;
   // Full and drop mode select nothing: the record carries the slot table alone.
   absl::Status st = RecordStats(c, layer, l.step, /*background=*/false,
-                                /*checked=*/path == BeginPath::kCorrect);
+                                /*checked=*/path.checked);
   if (st.ok()) st = Park(c);
   if (st.ok()) st = c.Record(*l.ready);
   if (!st.ok()) return Fail(st);
@@ -1047,7 +997,7 @@ absl::Status RetrieverImpl::Attend(int32_t layer, const void* q, void* out, floa
   return st;
 }
 
-absl::StatusOr<bool> RetrieverImpl::EndHost(int32_t layer, const void* q) {
+absl::StatusOr<plan::EndPlan> RetrieverImpl::EndHost(int32_t layer, const void* q) {
   KVTIER_RETURN_IF_ERROR(CheckCall(layer, "EndStep"));
   if (q == nullptr) return absl::InvalidArgumentError("EndStep: q must be non-null");
   LayerState& l = layers_[layer];
@@ -1057,7 +1007,8 @@ absl::StatusOr<bool> RetrieverImpl::EndHost(int32_t layer, const void* q) {
   }
   l.in_step = false;
   ++l.step;
-  if (options_.mode != RetrievalMode::kSpeculative) return false;
+  const plan::EndPlan end = plan::PlanEnd(plan_, profiling_);
+  if (!end.background_select) return end;
   // Fresh events for this step (FreeKV re-records one event per layer, which is only safe
   // while nobody can still be about to wait on the old record): the previous step's are
   // retired and reused only once they have fired.
@@ -1066,10 +1017,11 @@ absl::StatusOr<bool> RetrieverImpl::EndHost(int32_t layer, const void* q) {
     if (!fresh.ok()) return Fail(fresh.status());
     retired_events_.push_back(std::exchange(*e, *std::move(fresh)));
   }
-  return true;
+  return end;
 }
 
-absl::Status RetrieverImpl::EndDevice(int32_t layer, const void* q, int32_t n) {
+absl::Status RetrieverImpl::EndDevice(int32_t layer, const plan::EndPlan& end, const void* q,
+                                      int32_t n) {
   LayerState& l = layers_[layer];
   // On the compute stream, after attention: remember q_t and snapshot the page counts.
   Stream& c = *compute_;
@@ -1085,8 +1037,8 @@ absl::Status RetrieverImpl::EndDevice(int32_t layer, const void* q, int32_t n) {
   // recall the misses into the slots of evicted pages.
   if (st.ok()) st = recall_->Wait(*l.recall.attn_done);
   if (st.ok()) {
-    st = RunCaptured(*recall_, l, &l.graphs.select[n], [&] {
-      return Select(*recall_, RecallPath::kBackground, layer, l.select.q_prev.data(),
+    st = RunCaptured(*recall_, l, end.captured, &l.graphs.select[n], [&] {
+      return Select(*recall_, end.route, layer, l.select.q_prev.data(),
                     l.ws.counts.full_at_end, l.ws.counts.cand_at_end, nullptr, /*scored=*/false,
                     n);
     });
@@ -1104,12 +1056,13 @@ absl::Status RetrieverImpl::AttendCaptured(LayerState& l, const SparseAttentionA
     l.graphs.attend.reset();
     return direct();
   }
-  return RunCaptured(*compute_, l, &l.graphs.attend, direct);
+  return RunCaptured(*compute_, l, /*captured=*/true, &l.graphs.attend, direct);
 }
 
-absl::Status RetrieverImpl::RunCaptured(Stream& s, LayerState& l, std::unique_ptr<Graph>* graph,
+absl::Status RetrieverImpl::RunCaptured(Stream& s, LayerState& l, bool use_graph,
+                                        std::unique_ptr<Graph>* graph,
                                         const std::function<absl::Status()>& work) {
-  if (!graphs_on() || l.graphs.refused) return work();
+  if (!use_graph || !graphs_on() || l.graphs.refused) return work();
   if (*graph == nullptr) {
     // Every argument of the captured ops is a buffer of the layer (or of the batch slots of
     // the run) or a constant of the options, so one capture serves every later step.
@@ -1185,9 +1138,9 @@ void RetrieverImpl::PublishTelemetry(bool gauges) {
 absl::Status RetrieverImpl::EndStep(int32_t layer, const void* q) {
   const HostCalls start = ThreadHostCalls();
   absl::Status st = [&]() -> absl::Status {
-    KVTIER_ASSIGN_OR_RETURN(bool background, EndHost(layer, q));
-    if (background) {
-      KVTIER_RETURN_IF_ERROR(EndDevice(layer, q, 1));
+    KVTIER_ASSIGN_OR_RETURN(const plan::EndPlan end, EndHost(layer, q));
+    if (end.background_select) {
+      KVTIER_RETURN_IF_ERROR(EndDevice(layer, end, q, 1));
       KVTIER_RETURN_IF_ERROR(EndFinish(layer));
     }
     return CommitStored(/*wait=*/false);

@@ -30,6 +30,7 @@
 #include "offload/policy/config.h"
 #include "offload/recall_strategy.h"
 #include "offload/retriever.h"
+#include "offload/step_plan.h"
 #include "offload/telemetry.h"
 
 namespace kvtier::retriever_internal {
@@ -303,9 +304,7 @@ class RetrieverImpl final : public Retriever {
   }
   int32_t selected_pages() const { return options_.selected_pages; }
   int32_t SlotOf(int64_t logical) const;
-  bool dma() const {
-    return strategy_ == RecallStrategy::kSlabDma || strategy_ == RecallStrategy::kBatchedDma;
-  }
+  bool dma() const { return plan_.dma; }
   // Full pages of the recent window: excluded from top-k candidates.
   int32_t RecentFull(const LayerState& l) const;
   // Slots of the layer's working set (the managed ones change size).
@@ -409,11 +408,7 @@ class RetrieverImpl final : public Retriever {
   // Writes the layer's counts into the batch's mirror (uploaded before the next step).
   void UpdateCounts(int32_t layer);
   // How Select recalls the misses of its plan (made on the device by Replace).
-  enum class RecallPath : uint8_t {
-    kGather,      // the zero-copy gather op on the same stream, reading the device plan
-    kBackground,  // the strategy: a DMA plan goes to the host, its DMAs are issued by Pump
-    kForeground,  // the strategy, now: a DMA plan is waited for on the host (sync mode)
-  };
+  using RecallPath = plan::RecallRoute;
   // Score → TopK → Replace → recall of the layer's selected region on `s`. `scored`: the
   // layer's pooled scores already hold q's for every head (the mass trigger computed them).
   // `n`: the run of sequences in consecutive batch slots starting at this one's (batch.h).
@@ -428,15 +423,12 @@ class RetrieverImpl final : public Retriever {
   // Speculative mode before attention: the drift check of every head of the layer with q_t
   // (QueryCosine's group means always; the drift flags from the configured trigger), then
   // the correction of the drifted heads.
-  absl::Status Correct(Stream& s, int32_t layer, int32_t n = 1);
+  absl::Status Correct(Stream& s, RecallPath route, int32_t layer, int32_t n = 1);
   // The mass trigger: q_t's scores and selection for every head, and the drift flags from
   // the relative mass the stale selection loses (SelectionLoss).
   absl::Status MassDrift(Stream& s, LayerState& l, const int32_t* num_pages,
                          const int32_t* candidates, int32_t n);
-  bool mass_trigger() const {
-    return options_.mode == RetrievalMode::kSpeculative &&
-           options_.correction_trigger == CorrectionTrigger::kMass;
-  }
+  bool mass_trigger() const { return plan_.mass_trigger; }
   absl::Status RecallPlan(Stream& s, RecallPath path, LayerState& l, int32_t n = 1);
   // Issues the DMAs of background plans that have reached the host: of every layer whose
   // plan is ready (layer < 0), or of `layer`, waiting for its plan (bounded by the
@@ -444,17 +436,13 @@ class RetrieverImpl final : public Retriever {
   absl::Status Pump(int32_t layer);
   absl::Status LaunchPlanned(LayerState& l);
   RecallTarget Target(const LayerState& l, int32_t n = 1) const;
-  // kAuto → the calibrated strategy (cached per backend device and shape).
-  absl::StatusOr<RecallStrategy> ResolveStrategy();
   absl::Status RecordStats(Stream& s, int32_t layer, int64_t step, bool background, bool checked);
 
   // The phases of BeginStep and EndStep, so that a batch (sequence_batch.cc) runs each
   // phase for every member and the device work once per run of consecutive slots.
-  enum class BeginPath : uint8_t {
-    kSelect,   // select every head before attention (sync; speculative's first or re-selection)
-    kCorrect,  // speculative: the drift check and correction
-    kNone,     // full and drop modes
-  };
+  // What BeginStep runs: the plan's (offload/step_plan.h), from the layer's step and the
+  // policies' verdict.
+  using BeginPath = plan::BeginPlan;
   // Checks, the wait for the background recall (on the stream), policies, the counts and
   // (copy_q) the query into q_cur.
   absl::StatusOr<BeginPath> BeginHost(int32_t layer, const void* q, bool copy_q);
@@ -462,23 +450,20 @@ class RetrieverImpl final : public Retriever {
   absl::Status BeginDevice(int32_t layer, BeginPath path, int32_t n);
   // The statistics record, the ready event and the view.
   absl::StatusOr<WorkingSetView> BeginFinish(int32_t layer, BeginPath path);
-  // Ends the step on the host; true when a background selection follows (speculative).
-  absl::StatusOr<bool> EndHost(int32_t layer, const void* q);
+  // Ends the step on the host; the plan of what follows attention.
+  absl::StatusOr<plan::EndPlan> EndHost(int32_t layer, const void* q);
   // q_prev (n rows of q), the count snapshot and the background selection of the run.
-  absl::Status EndDevice(int32_t layer, const void* q, int32_t n);
+  absl::Status EndDevice(int32_t layer, const plan::EndPlan& end, const void* q, int32_t n);
   absl::Status EndFinish(int32_t layer);
   // The step's blocking host calls go to the last step's and the sequence's statistics.
   void CloseStepCalls(int32_t layer);
   // Publishes the statistics into the host tier's telemetry block (offload/telemetry.h), when
   // it has one; `gauges`: also the working-set gauges, which walk every layer.
   void PublishTelemetry(bool gauges);
-  bool graphs_on() const {
-    return options_.capture_graphs && options_.mode == RetrievalMode::kSpeculative && !dma() &&
-           !profiling_ && backend_.SupportsCapture();
-  }
-  // Enqueues `work` on `s` through *graph, capturing it into *graph when empty; directly
-  // when graphs are off or a capture of the layer was refused.
-  absl::Status RunCaptured(Stream& s, LayerState& l, std::unique_ptr<Graph>* graph,
+  bool graphs_on() const { return plan_.graphs && !profiling_; }
+  // Enqueues `work` on `s` through *graph (when the plan says so: use_graph), capturing it into
+  // *graph when empty; directly otherwise, or when a capture of the layer was refused.
+  absl::Status RunCaptured(Stream& s, LayerState& l, bool use_graph, std::unique_ptr<Graph>* graph,
                            const std::function<absl::Status()>& work);
   // The sparse attention of `a` (a run of a.batch sequences from this one) on the compute
   // stream: as a graph once the same q, out and lse came back on consecutive steps.
@@ -512,6 +497,8 @@ class RetrieverImpl final : public Retriever {
   int32_t max_pages_ = 0;        // max pages per layer
   float scale_ = 1.0f;
   RecallStrategy strategy_ = RecallStrategy::kZeroCopy;  // resolved (never kAuto)
+  // What every step runs (Init).
+  plan::SequencePlan plan_;
 
   std::vector<LayerState> layers_;
   policy::Policies policies_;  // empty unless options_.policy is not the default

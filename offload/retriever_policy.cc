@@ -41,24 +41,9 @@ absl::Status RetrieverImpl::InitPolicies() {
   ctx.default_pages = options_.selected_pages;
   ctx.xkv_store = policy_store_;
   KVTIER_ASSIGN_OR_RETURN(policies_, policy::MakePolicies(options_.policy, ctx));
-  if (policies_.host_drop != policy::HostDropMode::kRefuse && !has_host_tier()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "policy.host_drop = %s: mode %s has no host tier (speculative or sync only)",
-        policy::HostDropModeName(policies_.host_drop), RetrievalModeName(options_.mode)));
-  }
-  if (policies_.host_drop == policy::HostDropMode::kDemote) {
-    ColdPages* cold = host_ != nullptr ? host_->cold() : nullptr;
-    if (cold == nullptr) {
-      return absl::InvalidArgumentError(
-          "policy.host_drop = demote: the host tier has no cold tier behind it (kvtierd: "
-          "configure [cold_tier] and open the session with transport GRPC)");
-    }
-    if (options_.recall == RecallStrategy::kZeroCopy) {
-      return absl::InvalidArgumentError(
-          "policy.host_drop = demote with recall = zero_copy: the gather reads host pages on "
-          "the device, so a demoted page could not be promoted before it; use slab_dma, "
-          "batched_dma or auto");
-    }
+  // The rules that combine host drop, INT8 and the modes are the plan's (offload/step_plan.h),
+  // checked in Init; what is left is the host tier's size.
+  if (plan_.demote) {
     const int64_t need = DemoteFloorPages(geometry_, options_);
     if (host_->pool().num_slots() < need) {
       return absl::InvalidArgumentError(absl::StrFormat(
@@ -67,12 +52,7 @@ absl::Status RetrieverImpl::InitPolicies() {
           host_->pool().num_slots(), need, geometry_.num_layers, options_.sink_pages,
           options_.recent_pages, geometry_.num_kv_heads, options_.selected_pages));
     }
-    cold_ = cold;
-  }
-  if (policies_.int8_window_pages > 0 && options_.mode != RetrievalMode::kDrop) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("int8.window_pages = %d: INT8 storage applies in drop mode only (mode %s)",
-                        policies_.int8_window_pages, RetrievalModeName(options_.mode)));
+    cold_ = host_->cold();
   }
   host_drop_ = std::make_unique<policy::HostDropPolicy>(policies_.host_drop);
   // Managed drop layers start at the budget plus the page being filled.
@@ -437,12 +417,15 @@ absl::Status RetrieverImpl::DropHostPages(int32_t layer, int64_t n) {
   const std::string full = absl::StrFormat(
       "Append: layer %d: %d more pages would fill but the host tier has %d of %d pages free", layer,
       n + (ps.capacity - ps.in_use), ps.capacity - ps.in_use, ps.capacity);
-  if (demote()) {
-    // A background plan that is not issued yet may name any host page of its layer: issue
-    // them all first (waiting for their selections), so that every layer's pages may go.
+  // A background plan that is not issued yet may name any host page of its layer, and its
+  // recall's event is recorded only once it is: issue them all first (waiting for their
+  // selections), so that every layer's pages may go once their recall has run.
+  if (demote() || policies_.host_drop == policy::HostDropMode::kEvict) {
     for (int32_t li = 0; li < geometry_.num_layers; ++li) {
       if (layers_[li].recall.plan_pending) KVTIER_RETURN_IF_ERROR(Pump(li));
     }
+  }
+  if (demote()) {
     return DemoteHostPages(std::max(n, kDemoteBatch), n, /*launching=*/-1, {},
                            absl::StrFormat("Append: layer %d", layer));
   }

@@ -105,7 +105,7 @@ absl::Status RetrieverImpl::MassDrift(Stream& s, LayerState& l, const int32_t* n
   return Lap(s, &mark, &stats_.select_us);
 }
 
-absl::Status RetrieverImpl::Correct(Stream& s, int32_t layer, int32_t n) {
+absl::Status RetrieverImpl::Correct(Stream& s, RecallPath route, int32_t layer, int32_t n) {
   LayerState& l = layers_[layer];
   const bool mass = mass_trigger();
   // The group means are kept with either trigger, so the two can be compared step by step.
@@ -124,8 +124,7 @@ absl::Status RetrieverImpl::Correct(Stream& s, int32_t layer, int32_t n) {
   // Re-select only the drifted heads, with q_t; the others keep last step's pages. The
   // correction recall is a few pages on the critical path: one fused op, no pipeline
   // hand-offs. The mass trigger scored every head with q_t already.
-  return Select(s, demote() ? RecallPath::kForeground : RecallPath::kGather, layer,
-                l.select.q_cur.data(), num_pages, candidates,
+  return Select(s, route, layer, l.select.q_cur.data(), num_pages, candidates,
                 l.select.drifted.as<uint8_t>(), /*scored=*/mass, n);
 }
 

@@ -134,15 +134,16 @@ class SequenceBatchImpl final : public SequenceBatch {
     const HostCalls start = ThreadHostCalls();
     const size_t qb = m[0]->q_bytes();
     absl::Status st;
-    bool background = false;
+    // Every member has the batch's options, so one plan: the last member's.
+    plan::EndPlan end;
     for (size_t i = 0; i < m.size() && st.ok(); ++i) {
-      absl::StatusOr<bool> b = m[i]->EndHost(layer, qs(q) + i * qb);
-      if (b.ok()) background = *b;
-      st = b.status();
+      absl::StatusOr<plan::EndPlan> e = m[i]->EndHost(layer, qs(q) + i * qb);
+      if (e.ok()) end = *e;
+      st = e.status();
     }
-    if (background) {
+    if (end.background_select) {
       ForRuns(m, nullptr, [&](size_t i, int32_t n) -> absl::Status {
-        return m[i]->EndDevice(layer, qs(q) + i * qb, n);
+        return m[i]->EndDevice(layer, end, qs(q) + i * qb, n);
       }, &st);
       for (size_t i = 0; i < m.size() && st.ok(); ++i) st = m[i]->EndFinish(layer);
     }
@@ -228,13 +229,12 @@ absl::StatusOr<std::unique_ptr<SequenceBatch>> MakeBatch(
         absl::StrFormat("NewSequenceBatch: max_batch = %d must be in [1, 4096]", max_batch));
   }
   SequenceOptions o = options;
-  if (o.recall == RecallStrategy::kAuto) o.recall = RecallStrategy::kZeroCopy;
-  if (o.recall != RecallStrategy::kZeroCopy) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "NewSequenceBatch: recall strategy %s drives one sequence's DMAs: a batch recalls "
-        "zero_copy (or auto)",
-        RecallStrategyName(o.recall)));
-  }
+  // What a batch cannot run is refused here, before any member (offload/step_plan.h). The
+  // cold tier is the members' host tier's; assumed present, a demoting batch is still refused.
+  KVTIER_ASSIGN_OR_RETURN(const plan::SequencePlan p,
+                          plan::PlanSequence(plan::ConfigOf(o, /*batch=*/true, /*cold_tier=*/true,
+                                                            backend.SupportsCapture())));
+  o.recall = p.strategy;  // the gather
   if (o.max_tokens <= 0 || o.max_tokens > (1 << 30)) {
     return absl::InvalidArgumentError(
         absl::StrFormat("sequence.max_tokens = %d: must be in [1, 2^30]", o.max_tokens));

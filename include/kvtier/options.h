@@ -74,7 +74,7 @@ enum class SummaryMode : uint8_t {
 
 // How recalls move pages from the host tier into the working set.
 enum class RecallStrategy : uint8_t {
-  kAuto = 0,        // calibrated on the device and host tier when the sequence is created
+  kAuto = 0,        // the gather (kZeroCopy), or kBatchedDma where pages may be demoted
   kSlabDma = 1,     // one DMA per head-page slab
   kBatchedDma = 2,  // all slabs of a recall as one batched copy
   kZeroCopy = 3,    // a gather kernel reading pinned host memory directly
@@ -146,10 +146,12 @@ struct SequenceOptions {
   PoolMode pool = PoolMode::kSoftmaxMean;
   SummaryMode summary = SummaryMode::kCenterMad;
   float softmax_scale = 0.0f;  // 0: 1/sqrt(head_dim)
-  // How background recalls (and sync mode's) move pages; kAuto calibrates the strategies
-  // at creation (once per device and shape in a process) and takes the fastest
-  // (SequenceStats::recall_strategy says which). The speculative correction recall (a few
-  // pages on the critical path) is always the zero-copy gather.
+  // How background recalls (and sync mode's) move pages; kAuto takes the zero-copy gather
+  // (measured 4–9 times faster than the DMA strategies on an H200 at every budget and churn,
+  // docs/retriever.md#recall-strategies), or batched_dma when policy.host_drop = demote
+  // (the host must see the plan to promote pages first). SequenceStats::recall_strategy says
+  // which. The speculative correction recall (a few pages on the critical path) is always
+  // the zero-copy gather.
   RecallStrategy recall = RecallStrategy::kAuto;
   int32_t stream_chunk_items = 64;  // head-pages per staging buffer (DMA strategies)
   // Longest a background recall or Wait() may take before the step fails with

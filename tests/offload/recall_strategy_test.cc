@@ -1,6 +1,6 @@
 // The recall strategies on the cpu backend: each moves exactly the bytes the Recall op does
-// (skips, chunk boundaries, merged runs included), plan errors name the item and the limit,
-// and the calibration measures all three and picks one of them.
+// (skips, chunk boundaries, merged runs included), and plan errors name the item and the
+// limit.
 #include "offload/recall_strategy.h"
 
 #include <cstdlib>
@@ -153,25 +153,6 @@ TEST_F(RecallStrategyTest, PlanErrorsNameTheItemAndTheLimit) {
   EXPECT_EQ(SlabRecaller::Create(*backend_, g_, RecallStrategy::kAuto, 4, 2).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(SlabRecaller::Create(*backend_, g_, RecallStrategy::kSlabDma, 0, 2).status().code(),
-            absl::StatusCode::kInvalidArgument);
-}
-
-TEST_F(RecallStrategyTest, CalibrationTimesAllThreeAndPicksTheFastest) {
-  auto cal = CalibrateRecall(*backend_, g_, pages_.data.get(), pages_.num, 24, 8, 2);
-  ASSERT_TRUE(cal.ok()) << cal.status();
-  EXPECT_EQ(cal->num_items, 24);
-  size_t best = 0;
-  for (size_t i = 0; i < cal->us.size(); ++i) {
-    EXPECT_GT(cal->us[i], 0.0);
-    if (cal->us[i] < cal->us[best]) best = i;
-  }
-  EXPECT_EQ(cal->best, kRecallStrategies[best]);
-  EXPECT_NE(cal->Summary().find("batched_dma"), std::string::npos);
-  // More items than slabs: capped at every slab once.
-  auto all = CalibrateRecall(*backend_, g_, pages_.data.get(), 3, 100, 8, 1);
-  ASSERT_TRUE(all.ok()) << all.status();
-  EXPECT_EQ(all->num_items, 3 * g_.num_kv_heads);
-  EXPECT_EQ(CalibrateRecall(*backend_, g_, nullptr, 3, 4, 8).status().code(),
             absl::StatusCode::kInvalidArgument);
 }
 

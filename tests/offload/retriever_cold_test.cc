@@ -21,52 +21,6 @@ namespace {
 using namespace retriever_test;  // NOLINT: the harness is this test's vocabulary
 using testing::TypedBuffer;
 
-// A cold tier in memory, with injectable faults.
-class MemoryColdPages final : public ColdPages {
- public:
-  absl::Status Put(const StoredPage& page, std::span<const uint8_t> bytes) override {
-    if (!put_error.ok()) return put_error;
-    pages[{page.layer, page.page}].assign(bytes.begin(), bytes.end());
-    ++puts;
-    return absl::OkStatus();
-  }
-  absl::Status Get(int32_t layer, int64_t page, int64_t /*slot*/, std::span<uint8_t> out) override {
-    if (!get_error.ok()) return get_error;
-    auto it = pages.find({layer, page});
-    if (it == pages.end()) return absl::NotFoundError("never demoted");
-    if (it->second.size() != out.size()) return absl::InternalError("size");
-    std::memcpy(out.data(), it->second.data(), out.size());
-    ++gets;
-    return absl::OkStatus();
-  }
-  std::map<std::pair<int32_t, int64_t>, std::vector<uint8_t>> pages;
-  absl::Status put_error, get_error;
-  int64_t puts = 0, gets = 0;
-};
-
-// A host tier over a pool with a cold tier behind it; records withdrawals and commits.
-class ColdHostTier final : public HostTier {
- public:
-  ColdHostTier(PagePool& pool, MemoryColdPages& cold) : pool_(pool), cold_(cold) {}
-  PagePool& pool() override { return pool_; }
-  absl::Status Commit(std::span<const StoredPage> pages) override {
-    for (const StoredPage& p : pages) live[{p.layer, p.page}] = p.slot;
-    return absl::OkStatus();
-  }
-  ColdPages* cold() override { return &cold_; }
-  absl::Status Withdraw(int32_t layer, int64_t page) override {
-    if (live.erase({layer, page}) != 1) return absl::InternalError("withdrew an unpublished page");
-    ++withdrawn;
-    return absl::OkStatus();
-  }
-  std::map<std::pair<int32_t, int64_t>, int64_t> live;  // published (layer, page) → slot
-  int64_t withdrawn = 0;
-
- private:
-  PagePool& pool_;
-  MemoryColdPages& cold_;
-};
-
 SequenceOptions DemoteOptions(RetrievalMode mode, RecallStrategy recall) {
   SequenceOptions o = SmallOptions(mode);
   o.recall = recall;

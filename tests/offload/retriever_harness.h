@@ -7,7 +7,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <deque>
+#include <map>
 #include <memory>
 #include <random>
 #include <set>
@@ -19,6 +21,7 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "kvtier/device.h"
 #include "kvtier/layout.h"
+#include "offload/cold_pages.h"
 #include "offload/host_tier.h"
 #include "offload/page_pool.h"
 #include "offload/retriever.h"
@@ -196,6 +199,91 @@ class HostModel {
   std::mt19937_64 rng_;
   std::vector<std::vector<float>> k_, v_;
   int32_t tokens_ = 0;
+};
+
+// Attention of query q over exactly the tokens each KV head's slot table names (the host
+// model of what the working set holds), fp64.
+inline std::vector<float> AttentionOverTable(const Geometry& g, const HostModel& seq, int32_t layer,
+                                      const TypedBuffer& q, const std::vector<int32_t>& table,
+                                      int32_t num_slots, int32_t tokens) {
+  const int32_t p = g.page_size;
+  const int32_t G = g.group_size();
+  const double scale = 1.0 / std::sqrt(double(g.head_dim));
+  std::vector<float> out(static_cast<size_t>(g.num_q_heads) * g.head_dim, 0.0f);
+  for (int32_t qh = 0; qh < g.num_q_heads; ++qh) {
+    const int32_t h = qh / G;
+    std::vector<int32_t> pos;
+    for (int32_t s = 0; s < num_slots; ++s) {
+      const int32_t page = table[static_cast<size_t>(h) * num_slots + s];
+      for (int32_t t = 0; page >= 0 && t < p && page * p + t < tokens; ++t) {
+        pos.push_back(page * p + t);
+      }
+    }
+    std::vector<double> w(pos.size());
+    double mx = -INFINITY;
+    for (size_t j = 0; j < pos.size(); ++j) {
+      double dot = 0;
+      for (int32_t i = 0; i < g.head_dim; ++i) {
+        dot += double(q.Get(int64_t{qh} * g.head_dim + i)) * seq.K(layer, pos[j], h, i);
+      }
+      w[j] = dot * scale;
+      mx = std::max(mx, w[j]);
+    }
+    double sum = 0;
+    for (double& x : w) sum += (x = std::exp(x - mx));
+    for (int32_t i = 0; i < g.head_dim; ++i) {
+      double acc = 0;
+      for (size_t j = 0; j < pos.size(); ++j) acc += w[j] * seq.V(layer, pos[j], h, i);
+      out[static_cast<size_t>(qh) * g.head_dim + i] = static_cast<float>(acc / sum);
+    }
+  }
+  return out;
+}
+
+// A cold tier in memory, with injectable faults.
+class MemoryColdPages final : public ColdPages {
+ public:
+  absl::Status Put(const StoredPage& page, std::span<const uint8_t> bytes) override {
+    if (!put_error.ok()) return put_error;
+    pages[{page.layer, page.page}].assign(bytes.begin(), bytes.end());
+    ++puts;
+    return absl::OkStatus();
+  }
+  absl::Status Get(int32_t layer, int64_t page, int64_t /*slot*/, std::span<uint8_t> out) override {
+    if (!get_error.ok()) return get_error;
+    auto it = pages.find({layer, page});
+    if (it == pages.end()) return absl::NotFoundError("never demoted");
+    if (it->second.size() != out.size()) return absl::InternalError("size");
+    std::memcpy(out.data(), it->second.data(), out.size());
+    ++gets;
+    return absl::OkStatus();
+  }
+  std::map<std::pair<int32_t, int64_t>, std::vector<uint8_t>> pages;
+  absl::Status put_error, get_error;
+  int64_t puts = 0, gets = 0;
+};
+
+// A host tier over a pool with a cold tier behind it; records withdrawals and commits.
+class ColdHostTier final : public HostTier {
+ public:
+  ColdHostTier(PagePool& pool, MemoryColdPages& cold) : pool_(pool), cold_(cold) {}
+  PagePool& pool() override { return pool_; }
+  absl::Status Commit(std::span<const StoredPage> pages) override {
+    for (const StoredPage& p : pages) live[{p.layer, p.page}] = p.slot;
+    return absl::OkStatus();
+  }
+  ColdPages* cold() override { return &cold_; }
+  absl::Status Withdraw(int32_t layer, int64_t page) override {
+    if (live.erase({layer, page}) != 1) return absl::InternalError("withdrew an unpublished page");
+    ++withdrawn;
+    return absl::OkStatus();
+  }
+  std::map<std::pair<int32_t, int64_t>, int64_t> live;  // published (layer, page) → slot
+  int64_t withdrawn = 0;
+
+ private:
+  PagePool& pool_;
+  MemoryColdPages& cold_;
 };
 
 // The pages of head h's selected region, sorted.

@@ -45,45 +45,6 @@ void Report(Harness& h, bool confident) {
   ASSERT_TRUE(h.retriever->ReportSignals(s).ok());
 }
 
-// Attention of query q over exactly the tokens each KV head's slot table names (the host
-// model of what the working set holds), fp64.
-std::vector<float> AttentionOverTable(const Geometry& g, const HostModel& seq, int32_t layer,
-                                      const TypedBuffer& q, const std::vector<int32_t>& table,
-                                      int32_t num_slots, int32_t tokens) {
-  const int32_t p = g.page_size;
-  const int32_t G = g.group_size();
-  const double scale = 1.0 / std::sqrt(double(g.head_dim));
-  std::vector<float> out(static_cast<size_t>(g.num_q_heads) * g.head_dim, 0.0f);
-  for (int32_t qh = 0; qh < g.num_q_heads; ++qh) {
-    const int32_t h = qh / G;
-    std::vector<int32_t> pos;
-    for (int32_t s = 0; s < num_slots; ++s) {
-      const int32_t page = table[static_cast<size_t>(h) * num_slots + s];
-      for (int32_t t = 0; page >= 0 && t < p && page * p + t < tokens; ++t) {
-        pos.push_back(page * p + t);
-      }
-    }
-    std::vector<double> w(pos.size());
-    double mx = -INFINITY;
-    for (size_t j = 0; j < pos.size(); ++j) {
-      double dot = 0;
-      for (int32_t i = 0; i < g.head_dim; ++i) {
-        dot += double(q.Get(int64_t{qh} * g.head_dim + i)) * seq.K(layer, pos[j], h, i);
-      }
-      w[j] = dot * scale;
-      mx = std::max(mx, w[j]);
-    }
-    double sum = 0;
-    for (double& x : w) sum += (x = std::exp(x - mx));
-    for (int32_t i = 0; i < g.head_dim; ++i) {
-      double acc = 0;
-      for (size_t j = 0; j < pos.size(); ++j) acc += w[j] * seq.V(layer, pos[j], h, i);
-      out[static_cast<size_t>(qh) * g.head_dim + i] = static_cast<float>(acc / sum);
-    }
-  }
-  return out;
-}
-
 // Resident pages of KV head kh in a snapshot of layer l's table.
 std::vector<int32_t> HeadPages(const Harness& h, int32_t l, int32_t num_slots, int32_t kh) {
   std::vector<int32_t> pages;
