@@ -158,14 +158,7 @@ Capabilities CapabilitiesFromHello(const v1::HelloReply& r) {
 
 SequenceStats StatsFromProto(const v1::SessionStats& s) {
   SequenceStats r;
-  r.steps = s.steps();
-  r.appended_tokens = s.appended_tokens();
-  r.offloaded_pages = s.offloaded_pages();
-  r.recalled_pages = s.recalled_pages();
-  r.recalled_bytes = s.recalled_bytes();
-  r.correction_pages = s.correction_pages();
-  r.checked_heads = s.checked_heads();
-  r.corrected_heads = s.corrected_heads();
+  CountersFromProto(s, &r);
   return r;
 }
 

@@ -5,6 +5,23 @@
 
 namespace kvtier {
 
+std::span<const CounterInfo> SequenceCounters() {
+  static constexpr CounterInfo kCounters[] = {
+#define KVTIER_COUNTER_INFO(name, kind, help) \
+  {#name, CounterKind::kind, help, &SequenceStats::name},
+      KVTIER_SEQUENCE_COUNTERS(KVTIER_COUNTER_INFO)
+#undef KVTIER_COUNTER_INFO
+  };
+  return kCounters;
+}
+
+std::optional<int64_t> GetCounter(const SequenceStats& stats, std::string_view name) {
+  for (const CounterInfo& c : SequenceCounters()) {
+    if (c.name == name) return stats.*c.field;
+  }
+  return std::nullopt;
+}
+
 absl::Status LocalSequence::Decode(int32_t layer, const void* q, void* out, float* lse) {
   KVTIER_RETURN_IF_ERROR(BeginStep(layer, q).status());
   if (out != nullptr) KVTIER_RETURN_IF_ERROR(Attend(layer, q, out, lse));

@@ -16,6 +16,7 @@
 #include "core/status.h"
 #include "daemon/logging.h"
 #include "daemon/session_params.h"
+#include "proto/convert.h"
 #include "google/protobuf/stubs/logging.h"
 #include "grpcpp/support/proto_buffer_reader.h"
 #include "spdlog/spdlog.h"
@@ -104,14 +105,7 @@ v1::SessionInfo SessionToProto(const SessionRecord& r) {
 
 void StatsToProto(const SessionStatsRecord& s, v1::SessionStats* p) {
   p->set_session_id(s.session_id);
-  p->set_steps(s.sequence.steps);
-  p->set_appended_tokens(s.sequence.appended_tokens);
-  p->set_offloaded_pages(s.sequence.offloaded_pages);
-  p->set_recalled_pages(s.sequence.recalled_pages);
-  p->set_recalled_bytes(s.sequence.recalled_bytes);
-  p->set_correction_pages(s.sequence.correction_pages);
-  p->set_checked_heads(s.sequence.checked_heads);
-  p->set_corrected_heads(s.sequence.corrected_heads);
+  CountersToProto(s.sequence, p);
   p->set_correction_rate(s.sequence.correction_rate());
   p->set_committed_pages(s.committed_pages);
 }

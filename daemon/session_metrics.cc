@@ -213,26 +213,26 @@ void SessionManager::WriteMetrics(Exposition& out) const {
   telemetry("kvtier_session_pages_committed_total", "counter",
             "(layer, page) pairs the session's writer committed.",
             [](const TelemetryValues& t) { return t.pages_committed; });
-  telemetry("kvtier_retrieval_steps_total", "counter", "Layer-steps begun (BeginStep calls).",
-            [](const TelemetryValues& t) { return t.steps; });
-  telemetry("kvtier_retrieval_appended_tokens_total", "counter",
-            "Tokens appended, per layer, summed over layers.",
-            [](const TelemetryValues& t) { return t.appended_tokens; });
-  telemetry("kvtier_retrieval_recalled_pages_total", "counter",
-            "Head-pages recalled from the host tier (background and correction).",
-            [](const TelemetryValues& t) { return t.recalled_pages; });
-  telemetry("kvtier_retrieval_recalled_bytes_total", "counter",
-            "K+V bytes of the recalled head-pages.",
-            [](const TelemetryValues& t) { return t.recalled_bytes; });
-  telemetry("kvtier_retrieval_correction_pages_total", "counter",
-            "Head-pages recalled before attention, for corrected heads.",
-            [](const TelemetryValues& t) { return t.correction_pages; });
+  // Every counter of kvtier/counters.h, from the telemetry block, which has a word for each:
+  // kvtier_retrieval_<name>_total for a counter, kvtier_retrieval_<name> for a gauge.
+  // checked_heads and corrected_heads come by the depth class of the layer (below).
+#define KVTIER_METRIC_FAMILY(name, kind, help)                                          \
+  if (std::string_view(#name) != "checked_heads" &&                                     \
+      std::string_view(#name) != "corrected_heads") {                                   \
+    constexpr bool counter = CounterKind::kind == CounterKind::kCounter;                \
+    telemetry(counter ? "kvtier_retrieval_" #name "_total" : "kvtier_retrieval_" #name, \
+              counter ? "counter" : "gauge", help,                                       \
+              [](const TelemetryValues& t) { return t.name; });                          \
+  }
+  KVTIER_SEQUENCE_COUNTERS(KVTIER_METRIC_FAMILY)
+#undef KVTIER_METRIC_FAMILY
   const auto per_class = [&](std::string_view name, std::string_view help, bool corrected) {
     out.Family(name, "counter", help);
     for (const Row& r : rows) {
       if (!r.t.has_value()) continue;
       for (int c = 0; c < kHeadClasses; ++c) {
-        const uint64_t n = corrected ? r.t->corrected_heads[c] : r.t->checked_heads[c];
+        const uint64_t n =
+            corrected ? r.t->corrected_heads_by_class[c] : r.t->checked_heads_by_class[c];
         out.Sample(name,
                    {{"tenant", r.tenant},
                     {"session", r.id},
@@ -251,7 +251,7 @@ void SessionManager::WriteMetrics(Exposition& out) const {
             "the depth class of the layer.",
             true);
   out.Family("kvtier_retrieval_recall_strategy", "gauge",
-             "1 for the recall strategy the session uses (after calibration).");
+             "1 for the recall strategy the session uses.");
   for (const Row& r : rows) {
     if (!r.t.has_value() || r.t->recall_strategy == 0 || r.t->recall_strategy > 4) continue;
     const std::string_view name =
@@ -263,22 +263,6 @@ void SessionManager::WriteMetrics(Exposition& out) const {
                 {"strategy", name}},
                1);
   }
-  telemetry("kvtier_retrieval_host_waits_total", "counter",
-            "Blocking host calls (event waits, synchronous copies, allocations) of ended "
-            "layer-steps.",
-            [](const TelemetryValues& t) { return t.host_waits; });
-  telemetry("kvtier_retrieval_host_dropped_pages_total", "counter",
-            "Pages dropped for good because the host tier was full (host_drop = evict).",
-            [](const TelemetryValues& t) { return t.host_dropped_pages; });
-  telemetry("kvtier_retrieval_evicted_head_pages_total", "counter",
-            "Head-pages evicted for good by drop-mode policies.",
-            [](const TelemetryValues& t) { return t.evicted_head_pages; });
-  telemetry("kvtier_retrieval_resident_bytes", "gauge",
-            "K+V bytes of the working sets, all layers.",
-            [](const TelemetryValues& t) { return t.resident_bytes; });
-  telemetry("kvtier_retrieval_resident_head_pages", "gauge",
-            "Head-pages in the working sets, all layers.",
-            [](const TelemetryValues& t) { return t.resident_head_pages; });
   out.Family("kvtier_retrieval_estimated_mass_recall", "summary",
              "Share of the attention mass the attended selection keeps, as the page summaries "
              "estimate it, per checked head (mass correction trigger only).");

@@ -837,8 +837,8 @@ absl::Status RetrieverImpl::Collect(bool block) {
         stats_.checked_heads += geometry_.num_kv_heads;
         stats_.corrected_heads += st.corrected_heads;
         const int c = HeadClassOf(r.layer, geometry_.num_layers);
-        telemetry_own_.checked_heads[c] += hkv;
-        telemetry_own_.corrected_heads[c] += static_cast<uint64_t>(st.corrected_heads);
+        telemetry_own_.checked_heads_by_class[c] += hkv;
+        telemetry_own_.corrected_heads_by_class[c] += static_cast<uint64_t>(st.corrected_heads);
         if (r.lost_mass != nullptr) {
           // A corrected head attends a fresh selection: the summaries estimate no loss.
           for (size_t h = 0; h < hkv; ++h) {
@@ -1116,22 +1116,13 @@ void RetrieverImpl::CloseStepCalls(int32_t layer) {
 void RetrieverImpl::PublishTelemetry(bool gauges) {
   if (!telemetry_block_.has_value()) return;
   TelemetryValues& v = telemetry_own_;
-  const auto u = [](int64_t x) { return static_cast<uint64_t>(std::max<int64_t>(x, 0)); };
-  v.steps = u(stats_.steps);
-  v.appended_tokens = u(stats_.appended_tokens);
-  v.recalled_pages = u(stats_.recalled_pages);
-  v.recalled_bytes = u(stats_.recalled_bytes);
-  v.correction_pages = u(stats_.correction_pages);
-  v.host_waits = u(stats_.host_waits);
-  v.evicted_head_pages = u(stats_.evicted_head_pages);
+  // Every counter as Stats() reports it; what the policies fill in (the working-set gauges,
+  // the host drops) walks every layer, so it is taken only with `gauges` and kept between.
+  if (gauges) FillPolicyStats(&policy_snapshot_);
+  SequenceStats st = stats_;
+  CopyPolicyStats(policy_snapshot_, &st);
+  v.SetCounters(st);
   v.recall_strategy = has_host_tier() ? static_cast<uint64_t>(strategy_) + 1 : 0;
-  if (gauges) {
-    SequenceStats st;
-    FillPolicyStats(&st);
-    v.resident_bytes = u(st.resident_bytes);
-    v.resident_head_pages = u(st.resident_head_pages);
-    v.host_dropped_pages = u(st.host_dropped_pages);
-  }
   telemetry_block_->Publish(v.ContinuedFrom(telemetry_base_));
 }
 

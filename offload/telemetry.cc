@@ -7,6 +7,8 @@
 #include <cstring>
 #include <type_traits>
 
+#include "kvtier/sequence.h"
+
 namespace kvtier {
 namespace {
 
@@ -14,7 +16,8 @@ static_assert(std::is_trivially_copyable_v<TelemetryValues>);
 static_assert(sizeof(TelemetryValues) % sizeof(uint64_t) == 0);
 static_assert(std::atomic_ref<uint64_t>::is_always_lock_free);
 
-constexpr uint64_t kTelemetryVersion = 1;
+// 2: a word for every counter of kvtier/counters.h.
+constexpr uint64_t kTelemetryVersion = 2;
 constexpr size_t kValueWords = sizeof(TelemetryValues) / sizeof(uint64_t);
 // Words before the values: the magic and the version.
 constexpr size_t kHead = 2;
@@ -36,20 +39,23 @@ void TelemetryValues::AddStepTime(double seconds) {
   ++step_count;
 }
 
+void TelemetryValues::SetCounters(const SequenceStats& stats) {
+  const auto u = [](int64_t x) { return static_cast<uint64_t>(std::max<int64_t>(x, 0)); };
+#define KVTIER_SET_WORD(name, kind, help) name = u(stats.name);
+  KVTIER_SEQUENCE_COUNTERS(KVTIER_SET_WORD)
+#undef KVTIER_SET_WORD
+}
+
 TelemetryValues TelemetryValues::ContinuedFrom(const TelemetryValues& base) const {
   TelemetryValues out = *this;
-  out.steps += base.steps;
-  out.appended_tokens += base.appended_tokens;
-  out.recalled_pages += base.recalled_pages;
-  out.recalled_bytes += base.recalled_bytes;
-  out.correction_pages += base.correction_pages;
+#define KVTIER_CONTINUE_WORD(name, kind, help) \
+  if (CounterKind::kind == CounterKind::kCounter) out.name += base.name;
+  KVTIER_SEQUENCE_COUNTERS(KVTIER_CONTINUE_WORD)
+#undef KVTIER_CONTINUE_WORD
   for (int c = 0; c < kHeadClasses; ++c) {
-    out.checked_heads[c] += base.checked_heads[c];
-    out.corrected_heads[c] += base.corrected_heads[c];
+    out.checked_heads_by_class[c] += base.checked_heads_by_class[c];
+    out.corrected_heads_by_class[c] += base.corrected_heads_by_class[c];
   }
-  out.host_waits += base.host_waits;
-  out.host_dropped_pages += base.host_dropped_pages;
-  out.evicted_head_pages += base.evicted_head_pages;
   out.mass_recall_micros += base.mass_recall_micros;
   out.mass_recall_count += base.mass_recall_count;
   for (size_t b = 0; b < kLayerStepBuckets; ++b) out.step_buckets[b] += base.step_buckets[b];

@@ -23,6 +23,8 @@
 #include <cstdint>
 #include <optional>
 
+#include "kvtier/counters.h"
+
 namespace kvtier {
 
 // Layers are put in three classes by depth: the first, middle and last third of the model.
@@ -43,22 +45,17 @@ inline constexpr size_t kLayerStepBuckets = kLayerStepBucketsSeconds.size() + 1;
 
 // The published values. Plain data; the block stores it word by word.
 struct TelemetryValues {
-  uint64_t steps = 0;            // layer-steps begun
-  uint64_t appended_tokens = 0;  // per layer, summed over layers
+  // A word for every counter of kvtier/counters.h, named as there.
+#define KVTIER_TELEMETRY_WORD(name, kind, help) uint64_t name = 0;
+  KVTIER_SEQUENCE_COUNTERS(KVTIER_TELEMETRY_WORD)
+#undef KVTIER_TELEMETRY_WORD
   // (layer, page) pairs made visible in the region: written by AddCommitted alone (the host
   // tier's commits); Publish leaves the word as it is.
   uint64_t pages_committed = 0;
-  uint64_t recalled_pages = 0;   // head-pages, background + correction
-  uint64_t recalled_bytes = 0;
-  uint64_t correction_pages = 0;  // head-pages recalled before attention
-  std::array<uint64_t, kHeadClasses> checked_heads{};    // (layer-step, KV head) checked
-  std::array<uint64_t, kHeadClasses> corrected_heads{};  // of which corrected
-  uint64_t host_waits = 0;         // blocking host calls of ended layer-steps
+  // checked_heads and corrected_heads by the depth class of the layer.
+  std::array<uint64_t, kHeadClasses> checked_heads_by_class{};
+  std::array<uint64_t, kHeadClasses> corrected_heads_by_class{};
   uint64_t recall_strategy = 0;    // RecallStrategy + 1; 0: not yet known
-  uint64_t resident_bytes = 0;     // gauge: K+V bytes of the working sets
-  uint64_t resident_head_pages = 0;  // gauge
-  uint64_t host_dropped_pages = 0;   // host tier full, dropped for good
-  uint64_t evicted_head_pages = 0;   // drop mode, evicted by the policies
   // Estimated mass recall (mass trigger only: 1 − the estimated relative loss of each checked
   // head's selection, 1 for a corrected head), in millionths, and how many heads it sums.
   uint64_t mass_recall_micros = 0;
@@ -71,6 +68,8 @@ struct TelemetryValues {
 
   // Adds a layer-step of `seconds` to the histogram.
   void AddStepTime(double seconds);
+  // The counters' words from `stats` (gauges too).
+  void SetCounters(const SequenceStats& stats);
   // `base` + this, word by word (a reattached writer continues the counts it found; gauges,
   // the strategy and pages_committed are this one's).
   TelemetryValues ContinuedFrom(const TelemetryValues& base) const;

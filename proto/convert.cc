@@ -4,6 +4,9 @@
 #include <limits>
 #include <string>
 
+#include <google/protobuf/descriptor.h>
+#include <google/protobuf/message.h>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/status.h"
@@ -116,6 +119,38 @@ absl::StatusOr<Geometry> GeometryFromProto(const v1::Geometry& p) {
   if (g.page_size == 0) g.page_size = 32;
   KVTIER_ASSIGN_OR_RETURN(g.dtype, DTypeFromProto(p.dtype()));
   return g;
+}
+
+void CountersToProto(const SequenceStats& stats, v1::SessionStats* p) {
+  const google::protobuf::Descriptor* d = p->GetDescriptor();
+  const google::protobuf::Reflection* r = p->GetReflection();
+  for (const CounterInfo& c : SequenceCounters()) {
+    const std::string name(c.name);
+    const int64_t value = stats.*c.field;
+    (*p->mutable_counters())[name] = value;
+    const google::protobuf::FieldDescriptor* f = d->FindFieldByName(name);
+    if (f != nullptr && f->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_INT64 &&
+        !f->is_repeated()) {
+      r->SetInt64(p, f, value);
+    }
+  }
+}
+
+void CountersFromProto(const v1::SessionStats& p, SequenceStats* stats) {
+  const google::protobuf::Descriptor* d = p.GetDescriptor();
+  const google::protobuf::Reflection* r = p.GetReflection();
+  for (const CounterInfo& c : SequenceCounters()) {
+    const std::string name(c.name);
+    if (auto it = p.counters().find(name); it != p.counters().end()) {
+      stats->*c.field = it->second;
+      continue;
+    }
+    const google::protobuf::FieldDescriptor* f = d->FindFieldByName(name);
+    if (f != nullptr && f->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_INT64 &&
+        !f->is_repeated()) {
+      stats->*c.field = r->GetInt64(p, f);
+    }
+  }
 }
 
 absl::Status FromGrpcStatus(const grpc::Status& status) {

@@ -17,6 +17,7 @@
 #include "kvtier/geometry.h"
 #include "kvtier/options.h"
 #include "kvtier/protocol.h"
+#include "kvtier/sequence.h"
 #include "kvtier/v1/kvtier.pb.h"
 
 namespace kvtier {
@@ -40,6 +41,13 @@ absl::StatusOr<Geometry> GeometryFromProto(const v1::Geometry& g);
 
 // A protocol integer as an int32 field; INVALID_ARGUMENT naming `field` beyond INT32_MAX.
 absl::StatusOr<int32_t> ToInt32(uint64_t v, std::string_view field);
+
+// The counters of kvtier/counters.h into SessionStats.counters, and into the fields of the
+// message that predate the map (by name: none is listed here).
+void CountersToProto(const SequenceStats& stats, v1::SessionStats* p);
+// The counters of `p` into `stats`: from the map, or, for a daemon that predates it, from the
+// fields of the same name. Names this build does not know are left out.
+void CountersFromProto(const v1::SessionStats& p, SequenceStats* stats);
 
 absl::Status FromGrpcStatus(const grpc::Status& status);
 grpc::Status ToGrpcStatus(const absl::Status& status);

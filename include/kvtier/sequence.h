@@ -31,6 +31,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "kvtier/counters.h"
 #include "kvtier/device.h"
 #include "kvtier/geometry.h"
 #include "kvtier/options.h"
@@ -77,45 +78,20 @@ struct StepStats {
   int64_t host_waits = 0;
 };
 
-// Cumulative statistics of a sequence. A head-page is one KV head's K+V of one page.
+// Cumulative statistics of a sequence: a field for every counter of kvtier/counters.h
+// (steps, appended_tokens, recalled_pages, ... host_waits, graph_launches: their meaning is
+// written there, once), and what is not a single number.
 struct SequenceStats {
-  int64_t steps = 0;                 // layer-steps
-  int64_t appended_tokens = 0;       // per layer, summed over layers
-  int64_t offloaded_pages = 0;       // (layer, page) pairs written to the host tier
-  int64_t recalled_pages = 0;        // head-pages recalled, background + correction
-  int64_t recalled_bytes = 0;        // K+V bytes of those head-pages
-  int64_t correction_pages = 0;      // of which before attention
-  int64_t checked_heads = 0;         // (layer-step, KV head) pairs checked for drift
-  int64_t corrected_heads = 0;       // of which corrected
+#define KVTIER_COUNTER_FIELD(name, kind, help) int64_t name = 0;
+  KVTIER_SEQUENCE_COUNTERS(KVTIER_COUNTER_FIELD)
+#undef KVTIER_COUNTER_FIELD
   std::vector<int64_t> corrections;  // [layer][Hkv]: corrected heads per layer and head
-  RecallStrategy recall_strategy = RecallStrategy::kAuto;  // the one in use (after calibration)
-  // Wall time of each phase over the layer-steps run while profiling, µs
+  RecallStrategy recall_strategy = RecallStrategy::kAuto;  // the one in use (kAuto resolved)
+  // Wall time of each phase over the profiled_steps run while profiling, µs
   // (LocalSequence::SetProfiling).
-  int64_t profiled_steps = 0;
   double select_us = 0;     // scoring, top-k and replacement (foreground and background)
   double recall_us = 0;     // recall of the misses (foreground and background)
   double attention_us = 0;  // attention
-  // Working-set memory and policy decisions.
-  int64_t resident_head_pages = 0;  // now, all layers: sinks, selected/kept, recent
-  int64_t resident_bytes = 0;       // their K+V bytes (INT8 ones at 1 byte + scales)
-  int64_t int8_head_pages = 0;      // now, stored as INT8
-  int64_t evicted_head_pages = 0;   // drop mode: evicted for good by the policies
-  int64_t budget_changes = 0;       // layer-steps whose budget differed from the previous
-  int64_t host_dropped_pages = 0;   // host tier full, host_drop = evict: dropped for good
-  int64_t host_refusals = 0;        // host tier full, host_drop = refuse
-  int64_t host_demoted_pages = 0;   // host tier full, host_drop = demote: moved to the cold tier
-  int64_t host_promoted_pages = 0;  // demoted pages a selection brought back into the host tier
-  int64_t cold_written_pages = 0;   // demotions that wrote the page (its first; pages never change)
-  // Blocking host calls of the ended layer-steps (StepStats::host_waits, summed), and their
-  // kinds.
-  int64_t host_waits = 0;
-  int64_t host_event_waits = 0;   // Event::Wait, Stream::Synchronize
-  int64_t host_sync_copies = 0;   // copies into or out of pageable host memory
-  int64_t host_allocations = 0;   // device allocations, host registrations
-  int64_t host_frees = 0;
-  // Launches of captured graphs (SequenceOptions::capture_graphs): the correction before
-  // attention, the attention, and the background selection after it.
-  int64_t graph_launches = 0;
   double correction_rate() const {
     return checked_heads == 0 ? 0.0 : static_cast<double>(corrected_heads) / checked_heads;
   }

@@ -3,6 +3,7 @@
 #include "client/convert.h"
 
 #include <limits>
+#include <set>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -220,6 +221,45 @@ TEST(OffloadChunkTokensTest, BoundedByMessageSizeAndTokenLimit) {
   absl::StatusOr<int32_t> none = OffloadChunkTokens(g, 511 + 1024, 0, 1024);
   EXPECT_EQ(none.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(none.status().message().find("max_message_bytes"), std::string::npos);
+}
+
+// Every counter of kvtier/counters.h crosses the wire by name, and a reply of a daemon that
+// predates the map still gives the counters its fields carry.
+TEST(CountersProtoTest, EveryCounterRoundTripsAndOldRepliesStillRead) {
+  SequenceStats in;
+  int64_t v = 1000;
+  for (const CounterInfo& c : SequenceCounters()) in.*c.field = v++;
+  v1::SessionStats p;
+  CountersToProto(in, &p);
+  EXPECT_EQ(p.counters_size(), kNumSequenceCounters);
+  EXPECT_EQ(p.steps(), in.steps) << "the field of protocol 1 is filled too";
+  EXPECT_EQ(p.corrected_heads(), in.corrected_heads);
+  const SequenceStats out = StatsFromProto(p);
+  for (const CounterInfo& c : SequenceCounters()) {
+    EXPECT_EQ(out.*c.field, in.*c.field) << c.name;
+    EXPECT_EQ(GetCounter(out, c.name), in.*c.field) << c.name;
+  }
+  EXPECT_EQ(GetCounter(out, "no_such_counter"), std::nullopt);
+
+  v1::SessionStats old;  // no map: the fields are all there is
+  old.set_steps(7);
+  old.set_recalled_bytes(4096);
+  const SequenceStats from_old = StatsFromProto(old);
+  EXPECT_EQ(from_old.steps, 7);
+  EXPECT_EQ(from_old.recalled_bytes, 4096);
+  EXPECT_EQ(from_old.graph_launches, 0);
+}
+
+TEST(CountersTest, NamesAreUniqueAndEveryFieldIsListedOnce) {
+  std::set<std::string_view> names;
+  std::set<const void*> fields;
+  SequenceStats s;
+  for (const CounterInfo& c : SequenceCounters()) {
+    EXPECT_TRUE(names.insert(c.name).second) << c.name;
+    EXPECT_TRUE(fields.insert(&(s.*c.field)).second) << c.name;
+    EXPECT_FALSE(c.help.empty()) << c.name;
+  }
+  EXPECT_EQ(names.size(), static_cast<size_t>(kNumSequenceCounters));
 }
 
 }  // namespace

@@ -253,20 +253,14 @@ void ExpectCountersMatch(const Driven& d,
     EXPECT_EQ(*got, static_cast<double>(want)) << name;
   };
   EXPECT_EQ(d.stats.steps, d.layer_steps);
-  expect("kvtier_retrieval_steps_total", d.stats.steps);
-  expect("kvtier_retrieval_appended_tokens_total", d.stats.appended_tokens);
-  expect("kvtier_retrieval_recalled_pages_total", d.stats.recalled_pages);
-  expect("kvtier_retrieval_recalled_bytes_total", d.stats.recalled_bytes);
-  expect("kvtier_retrieval_correction_pages_total", d.stats.correction_pages);
-  expect("kvtier_retrieval_checked_heads_total", d.stats.checked_heads);
-  expect("kvtier_retrieval_corrected_heads_total", d.stats.corrected_heads);
-  if (d.transport == "shm") {
-    // GetStats does not carry these two, so only the in-process sequence can be compared.
-    expect("kvtier_retrieval_host_waits_total", d.stats.host_waits);
-    expect("kvtier_retrieval_resident_bytes", d.stats.resident_bytes);
-  } else {
-    EXPECT_GT(value("kvtier_retrieval_resident_bytes", who).value_or(0), 0);
+  // Every counter of kvtier/counters.h has its family (GetStats carries every one too, so a
+  // GRPC session's are compared as an SHM session's are).
+  for (const CounterInfo& c : SequenceCounters()) {
+    expect("kvtier_retrieval_" + std::string(c.name) +
+               (c.kind == CounterKind::kCounter ? "_total" : ""),
+           d.stats.*c.field);
   }
+  EXPECT_GT(value("kvtier_retrieval_resident_bytes", who).value_or(0), 0);
   expect("kvtier_retrieval_layer_step_duration_seconds_count", d.layer_steps);
   expect("kvtier_session_pages_committed_total", d.stats.offloaded_pages);
   // The trace makes speculation wrong sometimes: the counters moved, they are not zeros.

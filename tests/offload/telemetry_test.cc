@@ -12,6 +12,7 @@
 
 #include "gtest/gtest.h"
 #include "kvtier/geometry.h"
+#include "kvtier/sequence.h"
 #include "offload/session_region.h"
 
 namespace kvtier {
@@ -77,14 +78,14 @@ TEST(TelemetryTest, AReattachedWriterContinuesCountsButNotGauges) {
   TelemetryValues mine;
   mine.steps = 4;
   mine.recalled_bytes = 100;
-  mine.corrected_heads[1] = 2;
+  mine.corrected_heads_by_class[1] = 2;
   mine.step_buckets[3] = 1;
   mine.resident_bytes = 77;
   mine.recall_strategy = 2;
   const TelemetryValues c = mine.ContinuedFrom(base);
   EXPECT_EQ(c.steps, base.steps + 4);
   EXPECT_EQ(c.recalled_bytes, base.recalled_bytes + 100);
-  EXPECT_EQ(c.corrected_heads[1], base.corrected_heads[1] + 2);
+  EXPECT_EQ(c.corrected_heads_by_class[1], base.corrected_heads_by_class[1] + 2);
   EXPECT_EQ(c.step_buckets[3], base.step_buckets[3] + 1);
   EXPECT_EQ(c.mass_recall_count, base.mass_recall_count);
   EXPECT_EQ(c.resident_bytes, 77u);  // gauges are the new writer's
@@ -128,6 +129,24 @@ TEST(TelemetryTest, ARegionIsFormattedWithAnEmptyBlockThatReadsBackThroughOpen) 
   EXPECT_EQ(opened->epoch(), 1u);
   EXPECT_EQ(opened->CommittedPages(), 0);
   std::free(base);
+}
+
+// The block has a word for every counter of kvtier/counters.h, set from a sequence's stats.
+TEST(TelemetryTest, EveryCounterHasAWord) {
+  SequenceStats st;
+  int64_t v = 11;
+  for (const CounterInfo& c : SequenceCounters()) st.*c.field = v++;
+  TelemetryValues t;
+  t.SetCounters(st);
+  alignas(8) uint64_t words[kTelemetryWords] = {};
+  TelemetryBlock block(words);
+  block.Format();
+  block.Publish(t);
+  const TelemetryValues back = *block.Read();
+#define KVTIER_CHECK_WORD(name, kind, help) \
+  EXPECT_EQ(back.name, static_cast<uint64_t>(st.name)) << #name;
+  KVTIER_SEQUENCE_COUNTERS(KVTIER_CHECK_WORD)
+#undef KVTIER_CHECK_WORD
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -20,6 +21,7 @@
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/channel_arguments.h"
+#include "kvtier/counters.h"
 #include "kvtier/v1/kvtier.grpc.pb.h"
 #include "tools/kvtierctl/format.h"
 #include "tools/kvtierctl/prometheus.h"
@@ -342,16 +344,25 @@ int Ctl::Stats(const std::string& session_id) {
   }
   const v1::SessionStats& s = reply.session();
   std::string text = Field("session", s.session_id());
-  absl::StrAppend(&text, Field("  steps", absl::StrCat(s.steps())),
-                  Field("  appended_tokens", absl::StrCat(s.appended_tokens())),
-                  Field("  offloaded_pages", absl::StrCat(s.offloaded_pages())),
-                  Field("  recalled_pages", absl::StrCat(s.recalled_pages())),
-                  Field("  recalled_bytes", absl::StrFormat("%d (%s)", s.recalled_bytes(),
-                                                            HumanBytes(s.recalled_bytes()))),
-                  Field("  correction_pages", absl::StrCat(s.correction_pages())),
-                  Field("  checked_heads", absl::StrCat(s.checked_heads())),
-                  Field("  corrected_heads", absl::StrCat(s.corrected_heads())),
-                  Field("  correction_rate", absl::StrFormat("%.4f", s.correction_rate())),
+  // Every counter the daemon sent: those of kvtier/counters.h in its order, then any this
+  // build does not know (a newer daemon's), by name.
+  std::vector<std::string> names;
+  for (const CounterInfo& c : SequenceCounters()) names.emplace_back(c.name);
+  std::vector<std::string> unknown;
+  for (const auto& [name, value] : s.counters()) {
+    if (std::find(names.begin(), names.end(), name) == names.end()) unknown.push_back(name);
+  }
+  std::sort(unknown.begin(), unknown.end());
+  names.insert(names.end(), unknown.begin(), unknown.end());
+  for (const std::string& name : names) {
+    const auto it = s.counters().find(name);
+    if (it == s.counters().end()) continue;
+    const int64_t v = it->second;
+    absl::StrAppend(&text, Field("  " + name, absl::EndsWith(name, "_bytes")
+                                                  ? absl::StrFormat("%d (%s)", v, HumanBytes(v))
+                                                  : absl::StrCat(v)));
+  }
+  absl::StrAppend(&text, Field("  correction_rate", absl::StrFormat("%.4f", s.correction_rate())),
                   Field("  committed_pages", absl::StrCat(s.committed_pages())));
   for (const v1::TenantStats& t : reply.tenants()) {
     absl::StrAppend(&text, Field("tenant", t.tenant()),
