@@ -451,37 +451,44 @@ absl::Status Decoder::Step(const std::vector<Sequence*>& seqs, const std::vector
   const size_t e = DTypeSize(dt);
   const bool host_memory = math_.device().kind() == DeviceKind::kCpu;
   std::vector<uint8_t> staging;  // remote sequences on a GPU engine: host copies
-  // Members of one SequenceBatch step together: one launch of each op for the whole batch.
-  SequenceBatch* batch = seqs[0]->local() != nullptr ? seqs[0]->local()->batch() : nullptr;
-  std::vector<LocalSequence*> members;
-  for (int64_t i = 0; i < b && batch != nullptr; ++i) {
-    LocalSequence* local = seqs[i]->local();
-    if (local == nullptr || local->batch() != batch) batch = nullptr;
-    if (local != nullptr) members.push_back(local);
-  }
+  // Local sequences step through their batch (every sequence kvtier makes is a member of one:
+  // a sequence made alone is its own batch of one), one batch step per run of consecutive
+  // sequences of the same batch, so members of one batch launch each op once; a local
+  // sequence outside any batch (an engine's wrapper) takes the same steps through its own
+  // calls. Remote sequences read host memory: on a device whose memory the host cannot read,
+  // q, k and v are staged out and the output back in.
   auto attention = [&](int32_t l, int64_t rows) -> absl::Status {
     KVTIER_RETURN_IF_ERROR(math_.ToDType(q_.as<float>(), q_kv_.data(), dt, rows * qd));
     KVTIER_RETURN_IF_ERROR(math_.ToDType(k_.as<float>(), k_kv_.data(), dt, rows * kvd));
     KVTIER_RETURN_IF_ERROR(math_.ToDType(v_.as<float>(), v_kv_.data(), dt, rows * kvd));
-    if (batch != nullptr) {
-      for (int64_t i = 0; i < rows; ++i) {
-        auto* k = static_cast<uint8_t*>(k_kv_.data()) + i * kvd * e;
-        auto* v = static_cast<uint8_t*>(v_kv_.data()) + i * kvd * e;
-        KVTIER_RETURN_IF_ERROR(members[i]->Append(l, k, v, 1));
-      }
-      KVTIER_RETURN_IF_ERROR(batch->BeginStep(l, members, q_kv_.data()).status());
-      KVTIER_RETURN_IF_ERROR(batch->Attend(l, members, q_kv_.data(), out_kv_.data(), nullptr));
-      KVTIER_RETURN_IF_ERROR(batch->EndStep(l, members, q_kv_.data()));
-      KVTIER_RETURN_IF_ERROR(math_.Fence());
-      return math_.FromDType(out_kv_.data(), dt, attn_.as<float>(), rows * qd);
-    }
-    for (int64_t i = 0; i < rows; ++i) {
+    const auto row = [&](const DeviceBuffer& buf, int64_t i, int64_t width) {
+      return static_cast<uint8_t*>(buf.data()) + i * width * e;
+    };
+    for (int64_t i = 0; i < rows;) {
       Sequence& s = *seqs[i];
-      auto* q = static_cast<uint8_t*>(q_kv_.data()) + i * qd * e;
-      auto* k = static_cast<uint8_t*>(k_kv_.data()) + i * kvd * e;
-      auto* v = static_cast<uint8_t*>(v_kv_.data()) + i * kvd * e;
-      auto* out = static_cast<uint8_t*>(out_kv_.data()) + i * qd * e;
+      if (LocalSequence* local = s.local(); local != nullptr && local->batch() != nullptr) {
+        SequenceBatch* batch = local->batch();
+        std::vector<LocalSequence*> run;
+        for (int64_t j = i; j < rows; ++j) {
+          LocalSequence* m = seqs[j]->local();
+          if (m == nullptr || m->batch() != batch) break;
+          run.push_back(m);
+          KVTIER_RETURN_IF_ERROR(m->Append(l, row(k_kv_, j, kvd), row(v_kv_, j, kvd), 1));
+        }
+        KVTIER_RETURN_IF_ERROR(batch->BeginStep(l, run, row(q_kv_, i, qd)).status());
+        KVTIER_RETURN_IF_ERROR(
+            batch->Attend(l, run, row(q_kv_, i, qd), row(out_kv_, i, qd), nullptr));
+        KVTIER_RETURN_IF_ERROR(batch->EndStep(l, run, row(q_kv_, i, qd)));
+        i += static_cast<int64_t>(run.size());
+        continue;
+      }
+      uint8_t* q = row(q_kv_, i, qd);
+      uint8_t* k = row(k_kv_, i, kvd);
+      uint8_t* v = row(v_kv_, i, kvd);
+      uint8_t* out = row(out_kv_, i, qd);
       if (LocalSequence* local = s.local(); local != nullptr) {
+        // A local sequence outside any batch (one an engine wraps, or whose batch object is
+        // gone): the same protocol through its own calls.
         KVTIER_RETURN_IF_ERROR(local->Append(l, k, v, 1));
         KVTIER_RETURN_IF_ERROR(local->BeginStep(l, q).status());
         KVTIER_RETURN_IF_ERROR(local->Attend(l, q, out, nullptr));
@@ -491,7 +498,6 @@ absl::Status Decoder::Step(const std::vector<Sequence*>& seqs, const std::vector
         KVTIER_RETURN_IF_ERROR(s.Append(l, k, v, 1));
         KVTIER_RETURN_IF_ERROR(s.Decode(l, q, out, nullptr));
       } else {
-        // A remote sequence reads host memory: stage q, k, v out and the output back in.
         const size_t qb = qd * e, kb = kvd * e;
         staging.resize(2 * qb + 2 * kb);
         uint8_t* hq = staging.data();
@@ -508,6 +514,7 @@ absl::Status Decoder::Step(const std::vector<Sequence*>& seqs, const std::vector
         KVTIER_RETURN_IF_ERROR(dev.Copy(stream_, out, ho, qb));
         KVTIER_RETURN_IF_ERROR(stream_.Synchronize());
       }
+      ++i;
     }
     // Attention ran on the compute stream (a worker thread on the CPU).
     KVTIER_RETURN_IF_ERROR(math_.Fence());

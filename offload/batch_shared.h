@@ -135,6 +135,12 @@ class BatchShared {
   std::unique_ptr<Stream> recall_, xform_fg_, xform_bg_, dma_;
 };
 
+// The batch object of a sequence made alone (Retriever::Create, NewLocalSequence): a batch of
+// one over its own storage, so that every local sequence is a member of a batch and steps
+// through SequenceBatch as well as alone (offload/sequence_batch.cc).
+std::unique_ptr<SequenceBatch> NewBatchOfOne(const Geometry& g, const SequenceOptions& o,
+                                             Backend& backend, std::shared_ptr<BatchShared> shared);
+
 }  // namespace kvtier::retriever_internal
 
 #endif  // KVTIER_OFFLOAD_BATCH_SHARED_H_

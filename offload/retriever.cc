@@ -181,7 +181,7 @@ absl::Status RetrieverImpl::Init() {
   // What runs in every step, and the rules that combine features (offload/step_plan.h).
   KVTIER_ASSIGN_OR_RETURN(
       plan_, plan::PlanSequence(plan::ConfigOf(
-                 options_, /*batch=*/shared_ != nullptr,
+                 options_, /*batch=*/shared_ != nullptr && shared_->max_batch() > 1,
                  /*cold_tier=*/host_ != nullptr && host_->cold() != nullptr,
                  backend_.SupportsCapture())));
   max_pages_ = (options_.max_tokens + geometry_.page_size - 1) / geometry_.page_size;
@@ -194,9 +194,11 @@ absl::Status RetrieverImpl::Init() {
                                RetrievalModeName(options_.mode)));
   }
   if (shared_ == nullptr) {
+    // Made alone: the one member of a batch of one (its storage, and the batch object).
     KVTIER_ASSIGN_OR_RETURN(shared_, BatchShared::Create(geometry_, options_, backend_,
                                                          /*max_batch=*/1,
                                                          RingBytes(geometry_, options_)));
+    own_batch_ = NewBatchOfOne(geometry_, options_, backend_, shared_);
   }
   KVTIER_ASSIGN_OR_RETURN(slot_, shared_->TakeSlot());
   compute_ = &shared_->compute();

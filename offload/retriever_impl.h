@@ -507,6 +507,9 @@ class RetrieverImpl final : public Retriever {
   RecallStrategy strategy_ = RecallStrategy::kZeroCopy;  // resolved (never kAuto)
   // What every step runs (Init).
   plan::SequencePlan plan_;
+  // The batch of one of a sequence made alone (Init); null for a member of a batch made
+  // with NewSequenceBatch, which owns the batch object itself.
+  std::unique_ptr<SequenceBatch> own_batch_;
   // The policy-filled statistics as the telemetry last took them (PublishTelemetry).
   SequenceStats policy_snapshot_;
 

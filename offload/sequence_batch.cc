@@ -215,6 +215,11 @@ class SequenceBatchImpl final : public SequenceBatch {
   std::shared_ptr<BatchShared> shared_;
 };
 
+std::unique_ptr<SequenceBatch> NewBatchOfOne(const Geometry& g, const SequenceOptions& o,
+                                             Backend& backend, std::shared_ptr<BatchShared> shared) {
+  return std::make_unique<SequenceBatchImpl>(g, o, backend, std::move(shared));
+}
+
 }  // namespace retriever_internal
 
 namespace {
@@ -232,9 +237,10 @@ absl::StatusOr<std::unique_ptr<SequenceBatch>> MakeBatch(
   // What a batch cannot run is refused here, before any member (offload/step_plan.h). The
   // cold tier is the members' host tier's; assumed present, a demoting batch is still refused.
   KVTIER_ASSIGN_OR_RETURN(const plan::SequencePlan p,
-                          plan::PlanSequence(plan::ConfigOf(o, /*batch=*/true, /*cold_tier=*/true,
+                          plan::PlanSequence(plan::ConfigOf(o, /*batch=*/max_batch > 1,
+                                                            /*cold_tier=*/true,
                                                             backend.SupportsCapture())));
-  o.recall = p.strategy;  // the gather
+  o.recall = p.strategy;  // the gather, in a batch of more than one
   if (o.max_tokens <= 0 || o.max_tokens > (1 << 30)) {
     return absl::InvalidArgumentError(
         absl::StrFormat("sequence.max_tokens = %d: must be in [1, 2^30]", o.max_tokens));

@@ -181,8 +181,11 @@ class LocalSequence : public Sequence {
 
   virtual Stream& compute_stream() = 0;
   LocalSequence* local() override { return this; }
-  // The batch this sequence is a member of (SequenceBatch::NewSequence), or null; null too
-  // once the batch object is gone.
+  // The batch this sequence is a member of: the one SequenceBatch::NewSequence made it in,
+  // or, for a sequence made alone (NewLocalSequence, an SHM session), its own batch of one,
+  // so every local sequence steps through the one batch protocol (SequenceBatch::BeginStep,
+  // Attend, EndStep with itself as the member) as well as through the calls above, with the
+  // same results. Null once a NewSequenceBatch batch object is gone.
   virtual SequenceBatch* batch() { return nullptr; }
 };
 
@@ -203,9 +206,9 @@ absl::StatusOr<std::unique_ptr<LocalSequence>> NewLocalSequence(const Geometry& 
 // destruction) between steps, and a member may still be stepped alone through its own
 // LocalSequence calls. The batch's storage for max_batch sequences is allocated when it is
 // made (and each member's host tier with it): nothing on the decode path allocates.
-// A batch recalls zero-copy (recall strategy zero_copy; the DMA strategies drive one
-// sequence), and a drop-mode working set managed by policies, which changes size, cannot
-// join one.
+// A batch of more than one recalls zero-copy (recall strategy zero_copy; the DMA strategies
+// drive one sequence), and a drop-mode working set managed by policies, which changes size,
+// or one that demotes pages cannot join one (offload/step_plan.h has the rules).
 //
 // Thread-compatible: one thread drives a batch and its members at a time.
 class SequenceBatch {
@@ -234,8 +237,8 @@ class SequenceBatch {
 
 // A batch of up to max_batch sequences of `geometry` with `options` (every member's), each
 // with a private host tier of max_tokens per layer. INVALID_ARGUMENT for invalid geometry or
-// options, max_batch outside [1, 4096], a DMA recall strategy, or a device kvtier did not
-// create; RESOURCE_EXHAUSTED when memory runs out. REQUIRES: `device` (and
+// options, max_batch outside [1, 4096], options a batch of max_batch cannot run (above), or
+// a device kvtier did not create; RESOURCE_EXHAUSTED when memory runs out. REQUIRES: `device` (and
 // options.compute_stream) outlive the batch and its members.
 absl::StatusOr<std::unique_ptr<SequenceBatch>> NewSequenceBatch(const Geometry& geometry,
                                                                 const SequenceOptions& options,

@@ -214,7 +214,11 @@ TEST_P(EngineTest, SequenceBatchDecodesAsSeparateSequences) {
     ASSERT_NE(members.back(), nullptr);
     ASSERT_NE(separate.back(), nullptr);
     ASSERT_EQ(members.back()->sequence().local()->batch(), batch->get());
-    ASSERT_EQ(separate.back()->sequence().local()->batch(), nullptr);
+    // A sequence made alone is the one member of its own batch of one.
+    SequenceBatch* own = separate.back()->sequence().local()->batch();
+    ASSERT_NE(own, nullptr);
+    ASSERT_NE(own, batch->get());
+    ASSERT_EQ(own->max_batch(), 1);
     in_batch.push_back(&members.back()->sequence());
     apart.push_back(&separate.back()->sequence());
   }

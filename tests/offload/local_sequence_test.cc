@@ -3,6 +3,7 @@
 // one, and devices kvtier did not create refused.
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -66,6 +67,55 @@ TEST(LocalSequenceTest, DecodesAsTheRetrieverOverAPoolDoes) {
             static_cast<size_t>(g.num_kv_heads) * o.budget_pages());
   ASSERT_TRUE((*seq)->Close().ok());
   EXPECT_TRUE(absl::IsFailedPrecondition((*seq)->Append(0, nullptr, nullptr, 1)));
+}
+
+// A sequence made alone is the one member of its own batch of one: stepping it through that
+// batch gives bit for bit what its own calls give, with every recall strategy (a batch of one
+// may use the DMA ones) and every mode.
+TEST(LocalSequenceTest, ASequenceMadeAloneStepsThroughItsBatchOfOne) {
+  const Geometry g = SmallGeometry(DType::kF16);
+  absl::StatusOr<std::unique_ptr<Device>> device = CreateDevice(DeviceKind::kCpu);
+  ASSERT_TRUE(device.ok()) << device.status();
+  for (RetrievalMode mode : {RetrievalMode::kSpeculative, RetrievalMode::kSync,
+                             RetrievalMode::kFull, RetrievalMode::kDrop})
+    for (RecallStrategy recall : {RecallStrategy::kSlabDma, RecallStrategy::kBatchedDma,
+                                  RecallStrategy::kZeroCopy}) {
+      SCOPED_TRACE(std::string(RetrievalModeName(mode)) + " " +
+                   std::string(RecallStrategyName(recall)));
+      SequenceOptions o = SmallOptions(mode);
+      o.recall = recall;
+      std::unique_ptr<LocalSequence> alone = NewLocalSequence(g, o, **device).value();
+      std::unique_ptr<LocalSequence> via = NewLocalSequence(g, o, **device).value();
+      SequenceBatch* batch = via->batch();
+      ASSERT_NE(batch, nullptr);
+      EXPECT_EQ(batch->max_batch(), 1);
+      EXPECT_NE(batch, alone->batch());
+      HostModel model(g, 9);
+      auto rows = model.Grow(90);
+      for (int32_t l = 0; l < g.num_layers; ++l) {
+        ASSERT_TRUE(alone->Append(l, rows[l].first.data(), rows[l].second.data(), 90).ok());
+        ASSERT_TRUE(via->Append(l, rows[l].first.data(), rows[l].second.data(), 90).ok());
+      }
+      LocalSequence* const member[] = {via.get()};
+      for (int32_t step = 0; step < 5; ++step) {
+        const TypedBuffer q = model.Query(7 + step);
+        for (int32_t l = 0; l < g.num_layers; ++l) {
+          TypedBuffer a(g.dtype, int64_t{g.num_q_heads} * g.head_dim), b = a;
+          ASSERT_TRUE(alone->Decode(l, q.data(), a.data(), nullptr).ok());
+          ASSERT_TRUE(batch->BeginStep(l, member, q.data()).ok());
+          ASSERT_TRUE(batch->Attend(l, member, q.data(), b.data(), nullptr).ok());
+          ASSERT_TRUE(batch->EndStep(l, member, q.data()).ok());
+          ASSERT_TRUE(alone->Wait().ok());
+          ASSERT_TRUE(via->Wait().ok());
+          EXPECT_EQ(a.ToFloats(), b.ToFloats()) << "step " << step << " layer " << l;
+        }
+      }
+      EXPECT_EQ(alone->Stats().recalled_pages, via->Stats().recalled_pages);
+      EXPECT_EQ(via->Stats().recall_strategy,
+                mode == RetrievalMode::kSpeculative || mode == RetrievalMode::kSync
+                    ? recall
+                    : RecallStrategy::kZeroCopy);
+    }
 }
 
 TEST(LocalSequenceTest, FullAndDropModesNeedNoHostTier) {
