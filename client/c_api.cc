@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_format.h"
+#include "client/c_api_internal.h"
 #include "kvtier/client.h"
 
 struct kvtier_client {
@@ -23,32 +24,8 @@ struct kvtier_session {
 
 namespace {
 
-thread_local std::string last_error;
-
-int Report(const absl::Status& st) {
-  if (st.ok()) {
-    last_error.clear();
-  } else {
-    last_error = std::string(st.message());
-  }
-  return static_cast<int>(st.code());
-}
-
-int InvalidArgument(const char* what) { return Report(absl::InvalidArgumentError(what)); }
-
-// Runs `f` (returning absl::Status), turning exceptions into statuses.
-template <typename F>
-int Guard(F&& f) {
-  try {
-    return Report(f());
-  } catch (const std::bad_alloc&) {
-    return Report(absl::ResourceExhaustedError("out of memory"));
-  } catch (const std::exception& e) {
-    return Report(absl::InternalError(e.what()));
-  } catch (...) {
-    return Report(absl::InternalError("unknown exception"));
-  }
-}
+using kvtier::c_api::Guard;
+using kvtier::c_api::InvalidArgument;
 
 // A session's calls return once the compute stream has run their work.
 // Every call returns once the work that reads or writes the caller's buffers has run: the
@@ -75,26 +52,9 @@ static_assert(KVTIER_CORRECTION_TRIGGER_COSINE ==
 // it sends, so the C API answers exactly as the C++ client and kvtierd do.
 absl::StatusOr<kvtier::SessionOptions> ToSessionOptions(const kvtier_session_options& o) {
   kvtier::SessionOptions s;
-  kvtier::Geometry& g = s.geometry;
-  g.num_layers = o.geometry.num_layers;
-  g.num_q_heads = o.geometry.num_q_heads;
-  g.num_kv_heads = o.geometry.num_kv_heads;
-  g.head_dim = o.geometry.head_dim;
-  g.page_size = o.geometry.page_size;
-  switch (o.geometry.dtype) {
-    case KVTIER_DTYPE_F16:
-      g.dtype = kvtier::DType::kF16;
-      break;
-    case KVTIER_DTYPE_BF16:
-      g.dtype = kvtier::DType::kBF16;
-      break;
-    case KVTIER_DTYPE_F32:
-      g.dtype = kvtier::DType::kF32;
-      break;
-    default:
-      return absl::InvalidArgumentError(
-          absl::StrFormat("geometry.dtype = %d: must be a KVTIER_DTYPE_*", o.geometry.dtype));
-  }
+  absl::StatusOr<kvtier::Geometry> g = kvtier::c_api::GeometryFromC(o.geometry);
+  if (!g.ok()) return g.status();
+  s.geometry = *g;
   // Out of uint8_t's range the cast would alias a valid value.
   if (o.mode < 0 || o.mode > 255) {
     return absl::InvalidArgumentError(
@@ -102,7 +62,7 @@ absl::StatusOr<kvtier::SessionOptions> ToSessionOptions(const kvtier_session_opt
   }
   s.sequence.mode = static_cast<kvtier::RetrievalMode>(o.mode);
   if (o.budget_tokens != 0) {
-    if (absl::Status st = s.sequence.SetBudgetTokens(o.budget_tokens, g.page_size); !st.ok()) {
+    if (absl::Status st = s.sequence.SetBudgetTokens(o.budget_tokens, g->page_size); !st.ok()) {
       return st;
     }
   }
@@ -178,7 +138,7 @@ const char* kvtier_version(void) {
   return version.c_str();
 }
 
-const char* kvtier_last_error(void) { return last_error.c_str(); }
+const char* kvtier_last_error(void) { return kvtier::c_api::last_error.c_str(); }
 
 int kvtier_connect(const char* target, const kvtier_client_options* options, kvtier_client** out) {
   if (target == nullptr || out == nullptr) {

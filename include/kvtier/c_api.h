@@ -157,6 +157,146 @@ int kvtier_session_suspend(kvtier_session* session);
 /* Frees the handle; a session not closed is detached (kvtier_reattach takes it over). */
 void kvtier_session_free(kvtier_session* session);
 
+/* ---- In-process sequences: the data path without kvtierd (kvtier/sequence.h) ----------
+ *
+ * A device, batches of local sequences on it, and the batch-first step protocol: a sequence
+ * made alone (kvtier_sequence_create) is the one member of its own batch of one
+ * (kvtier_sequence_batch), so an engine steps every sequence as a batch:
+ *
+ *   kvtier_device* d;  kvtier_sequence* s;
+ *   kvtier_device_create(KVTIER_DEVICE_CPU, &d);
+ *   kvtier_sequence_options so;  kvtier_sequence_options_init(&so);
+ *   kvtier_sequence_create(d, &geometry, &so, &s);
+ *   kvtier_sequence_append(s, layer, k, v, n);             (prefill; then 1 per step)
+ *   kvtier_sequence_decode(s, layer, q, out, NULL);          (one step of one layer)
+ *   or, batch-first, with the engine's own attention in between:
+ *   kvtier_batch* b = kvtier_sequence_batch(s);
+ *   kvtier_batch_begin_step(b, layer, &s, 1, q, &view);   (view: the working set)
+ *   kvtier_batch_attend(b, layer, &s, 1, q, out, NULL);    (or the engine's kernel on view)
+ *   kvtier_batch_end_step(b, layer, &s, 1, q);
+ *   kvtier_batch_synchronize(b);                            (before the host reads out)
+ *
+ * Pointers (k, v, q, out, lse) are memory of the device: host memory on the CPU device;
+ * device memory (or host memory the device can read) on CUDA. The calls enqueue on the
+ * batch's compute stream and return without waiting for it (speculative mode's background
+ * selection and recall run on their own stream): kvtier_batch_synchronize waits for the
+ * compute stream, kvtier_sequence_wait for everything. The device must outlive its batches
+ * and sequences; a batch's members may outlive the batch handle (they keep its storage; the
+ * step calls then need a handle of theirs). Thread-compatible: one thread drives a batch and
+ * its members at a time. Long calls do not hold any lock a binding takes (ctypes releases
+ * Python's GIL around every call). */
+
+/* Device kinds (kvtier::DeviceKind); auto: CUDA when a GPU is usable, else the CPU. */
+enum { KVTIER_DEVICE_AUTO = 0, KVTIER_DEVICE_CPU = 1, KVTIER_DEVICE_CUDA = 2 };
+/* Recall strategies (kvtier::RecallStrategy). */
+enum {
+  KVTIER_RECALL_AUTO = 0,
+  KVTIER_RECALL_SLAB_DMA = 1,
+  KVTIER_RECALL_BATCHED_DMA = 2,
+  KVTIER_RECALL_ZERO_COPY = 3
+};
+
+typedef struct kvtier_device kvtier_device;
+typedef struct kvtier_batch kvtier_batch;
+typedef struct kvtier_sequence kvtier_sequence;
+
+typedef struct kvtier_sequence_options {
+  int32_t mode;               /* KVTIER_MODE_* */
+  int32_t budget_tokens;      /* working set per layer, a multiple of 4 pages; 0: 2048 */
+  int32_t max_tokens;         /* capacity per layer (sizes the host tier); 0: 131072 */
+  float correction_threshold; /* tau: any finite value (> 1 always corrects, <= -1 never) */
+  int32_t correction_trigger; /* KVTIER_CORRECTION_TRIGGER_* */
+  float correction_max_loss;  /* mass trigger: in [0, 1] */
+  int32_t recall;             /* KVTIER_RECALL_* */
+  int32_t capture_graphs;     /* 1: capture steady-state steps as graphs (speculative, gather) */
+  /* CUDA: the engine's cudaStream_t, adopted (not owned) as the compute stream of every
+   * member, so kvtier's work is ordered with the engine's on it; NULL: kvtier makes one
+   * (kvtier_batch_native_stream hands it out). Must outlive the batch. */
+  void* compute_stream;
+} kvtier_sequence_options;
+
+/* One member's working set of one layer for this step (kvtier::WorkingSetView): what a
+ * paged decode kernel reads. Device memory, valid until the member's next step of the layer. */
+typedef struct kvtier_working_set {
+  int32_t layer;
+  int32_t num_slots;           /* S */
+  int32_t num_tokens;          /* tokens of the sequence so far */
+  int32_t reserved;
+  const void* k_cache;         /* [S][page_size][num_kv_heads][head_dim], the geometry dtype */
+  const void* v_cache;
+  const int32_t* slot_table;   /* [num_kv_heads][S]: logical page per slot, -1 empty */
+  const int32_t* partial_page; /* [1]: the logical page being filled, or -1 */
+  const int32_t* partial_len;  /* [1]: its tokens */
+} kvtier_working_set;
+
+/* Defaults: speculative, budget 2048, max_tokens 131072, tau 0.7, the cosine trigger, max
+ * loss 0.1, recall auto, no graphs, kvtier's own stream (kvtier/options.h: kDefault*). */
+void kvtier_sequence_options_init(kvtier_sequence_options* options);
+
+/* KVTIER_UNAVAILABLE when the kind is not usable here (no CUDA device, or a build without). */
+int kvtier_device_create(int32_t kind, kvtier_device** out);
+void kvtier_device_free(kvtier_device* device); /* NULL: no-op */
+int32_t kvtier_device_kind(const kvtier_device* device);
+
+/* A batch of up to max_batch sequences of one geometry and options (kvtier::NewSequenceBatch):
+ * KVTIER_INVALID_ARGUMENT naming the option and rule, or the combination a batch of more
+ * than one cannot run. */
+int kvtier_batch_create(kvtier_device* device, const kvtier_geometry* geometry,
+                        const kvtier_sequence_options* options, int32_t max_batch,
+                        kvtier_batch** out);
+/* A new member. KVTIER_RESOURCE_EXHAUSTED when max_batch members are open. */
+int kvtier_batch_add(kvtier_batch* batch, kvtier_sequence** out);
+int32_t kvtier_batch_max_batch(const kvtier_batch* batch);
+/* The step protocol for n members of the batch (each at most once), their queries q
+ * [n][num_q_heads][head_dim] in that order. begin_step readies the working sets and writes
+ * the n views (may be NULL); attend writes out [n][num_q_heads][head_dim] (lse [n][num_q_heads]
+ * floats, or NULL); end_step launches the next step's selection and recall. */
+int kvtier_batch_begin_step(kvtier_batch* batch, int32_t layer, kvtier_sequence* const* members,
+                            int32_t n, const void* q, kvtier_working_set* views);
+int kvtier_batch_attend(kvtier_batch* batch, int32_t layer, kvtier_sequence* const* members,
+                        int32_t n, const void* q, void* out, float* lse);
+int kvtier_batch_end_step(kvtier_batch* batch, int32_t layer, kvtier_sequence* const* members,
+                          int32_t n, const void* q);
+/* Waits for the batch's compute stream (bounded by the members' deadline). */
+int kvtier_batch_synchronize(kvtier_batch* batch);
+/* CUDA: the cudaStream_t of the batch's compute stream; KVTIER_UNIMPLEMENTED on the CPU. */
+int kvtier_batch_native_stream(kvtier_batch* batch, void** out);
+/* Frees the handle; members stay usable through their own calls. */
+void kvtier_batch_free(kvtier_batch* batch);
+
+/* A sequence made alone, with a private host tier of max_tokens per layer in pinned host
+ * memory (kvtier::NewLocalSequence): the one member of its own batch of one. */
+int kvtier_sequence_create(kvtier_device* device, const kvtier_geometry* geometry,
+                           const kvtier_sequence_options* options, kvtier_sequence** out);
+/* The batch the sequence is a member of (its own batch of one when made alone); valid while
+ * the sequence (and, for a member of kvtier_batch_create's batch, that handle) lives; NULL
+ * once that handle was freed. */
+kvtier_batch* kvtier_sequence_batch(kvtier_sequence* sequence);
+/* k, v: NHD [n_tokens][num_kv_heads][head_dim]. KVTIER_OUT_OF_RANGE past max_tokens. */
+int kvtier_sequence_append(kvtier_sequence* sequence, int32_t layer, const void* k,
+                           const void* v, int32_t n_tokens);
+int32_t kvtier_sequence_num_tokens(const kvtier_sequence* sequence, int32_t layer);
+/* One step of one layer: begin, attend (out may be NULL), end (kvtier::Sequence::Decode). */
+int kvtier_sequence_decode(kvtier_sequence* sequence, int32_t layer, const void* q, void* out,
+                           float* lse);
+/* Waits for all work enqueued so far (background recalls included). */
+int kvtier_sequence_wait(kvtier_sequence* sequence);
+/* Counter `name` of kvtier/counters.h into *value (KVTIER_NOT_FOUND for another name); the
+ * counts of the steps whose work is known to have run (after kvtier_sequence_wait: all). */
+int kvtier_sequence_counter(kvtier_sequence* sequence, const char* name, int64_t* value);
+/* The last step of `layer` (after kvtier_sequence_wait): KV heads corrected, and the slot
+ * table its attention read into table [num_kv_heads][*num_slots] when capacity allows
+ * (KVTIER_OUT_OF_RANGE otherwise; *num_slots is set either way). */
+int kvtier_sequence_last_step(kvtier_sequence* sequence, int32_t layer, int32_t* corrected_heads,
+                              int32_t* num_slots, int32_t* table, size_t table_capacity);
+/* Stops the sequence (drains its work); later calls fail KVTIER_FAILED_PRECONDITION. */
+int kvtier_sequence_close(kvtier_sequence* sequence);
+void kvtier_sequence_free(kvtier_sequence* sequence); /* NULL: no-op */
+
+/* The counters of kvtier/counters.h: how many, and the name of the i-th (NULL out of range). */
+int32_t kvtier_counter_count(void);
+const char* kvtier_counter_name(int32_t i);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

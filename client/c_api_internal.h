@@ -1,0 +1,75 @@
+// What the C API's source files (c_api.cc: sessions of kvtierd; c_api_local.cc: in-process
+// sequences) share: the thread's last error and the guard every entry point runs in, so no
+// exception crosses the boundary. Internal.
+#ifndef KVTIER_CLIENT_C_API_INTERNAL_H_
+#define KVTIER_CLIENT_C_API_INTERNAL_H_
+
+#include <exception>
+#include <new>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_format.h"
+#include "kvtier/c_api.h"
+#include "kvtier/geometry.h"
+
+namespace kvtier::c_api {
+
+// kvtier_last_error()'s text, per thread.
+inline thread_local std::string last_error;
+
+inline int Report(const absl::Status& st) {
+  if (st.ok()) {
+    last_error.clear();
+  } else {
+    last_error = std::string(st.message());
+  }
+  return static_cast<int>(st.code());
+}
+
+inline int InvalidArgument(const char* what) { return Report(absl::InvalidArgumentError(what)); }
+
+// Runs `f` (returning absl::Status), turning exceptions into statuses.
+template <typename F>
+int Guard(F&& f) {
+  try {
+    return Report(f());
+  } catch (const std::bad_alloc&) {
+    return Report(absl::ResourceExhaustedError("out of memory"));
+  } catch (const std::exception& e) {
+    return Report(absl::InternalError(e.what()));
+  } catch (...) {
+    return Report(absl::InternalError("unknown exception"));
+  }
+}
+
+// The C geometry as the C++ one: only the dtype is C's to check (the rest is
+// Geometry::Validate's, where the geometry is used).
+inline absl::StatusOr<Geometry> GeometryFromC(const kvtier_geometry& c) {
+  Geometry g;
+  g.num_layers = c.num_layers;
+  g.num_q_heads = c.num_q_heads;
+  g.num_kv_heads = c.num_kv_heads;
+  g.head_dim = c.head_dim;
+  g.page_size = c.page_size;
+  switch (c.dtype) {
+    case KVTIER_DTYPE_F16:
+      g.dtype = DType::kF16;
+      break;
+    case KVTIER_DTYPE_BF16:
+      g.dtype = DType::kBF16;
+      break;
+    case KVTIER_DTYPE_F32:
+      g.dtype = DType::kF32;
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrFormat("geometry.dtype = %d: must be a KVTIER_DTYPE_*", c.dtype));
+  }
+  return g;
+}
+
+}  // namespace kvtier::c_api
+
+#endif  // KVTIER_CLIENT_C_API_INTERNAL_H_

@@ -1,0 +1,132 @@
+"""libkvtier's C API (include/kvtier/c_api.h) through ctypes.
+
+Why ctypes over the C API and not a compiled extension: the C API is plain C99 with POD
+structs, so one build of libkvtier.so serves every Python >= 3.9 and every torch (the
+package links against neither; tensors cross as DLPack, kvtier._dlpack) — the way
+llama-cpp-python binds llama.cpp, and unlike extensions pinned to one torch ABI, which is the
+most common complaint of LMCache's users. ctypes releases the GIL around every foreign call,
+so kvtier's long calls (a prefill's append, a step that waits) never stall other threads.
+
+The library is found at $KVTIER_LIBRARY, else next to the package in a build tree
+(<build>/libkvtier.so), else in the package directory, else by the system's search
+(ctypes.util.find_library("kvtier"), e.g. after `cmake --install`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import threading
+from typing import Optional
+
+c_int32_p = ctypes.POINTER(ctypes.c_int32)
+
+
+class Geometry(ctypes.Structure):
+    _fields_ = [("num_layers", ctypes.c_int32), ("num_q_heads", ctypes.c_int32),
+                ("num_kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32),
+                ("page_size", ctypes.c_int32), ("dtype", ctypes.c_int32)]
+
+
+class SequenceOptions(ctypes.Structure):
+    _fields_ = [("mode", ctypes.c_int32), ("budget_tokens", ctypes.c_int32),
+                ("max_tokens", ctypes.c_int32), ("correction_threshold", ctypes.c_float),
+                ("correction_trigger", ctypes.c_int32), ("correction_max_loss", ctypes.c_float),
+                ("recall", ctypes.c_int32), ("capture_graphs", ctypes.c_int32),
+                ("compute_stream", ctypes.c_void_p)]
+
+
+class WorkingSet(ctypes.Structure):
+    _fields_ = [("layer", ctypes.c_int32), ("num_slots", ctypes.c_int32),
+                ("num_tokens", ctypes.c_int32), ("reserved", ctypes.c_int32),
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+                ("slot_table", ctypes.c_void_p), ("partial_page", ctypes.c_void_p),
+                ("partial_len", ctypes.c_void_p)]
+
+
+_PROTOTYPES = {
+    "kvtier_version": (ctypes.c_char_p, []),
+    "kvtier_last_error": (ctypes.c_char_p, []),
+    "kvtier_sequence_options_init": (None, [ctypes.POINTER(SequenceOptions)]),
+    "kvtier_device_create": (ctypes.c_int, [ctypes.c_int32, ctypes.POINTER(ctypes.c_void_p)]),
+    "kvtier_device_free": (None, [ctypes.c_void_p]),
+    "kvtier_device_kind": (ctypes.c_int32, [ctypes.c_void_p]),
+    "kvtier_batch_create": (ctypes.c_int, [ctypes.c_void_p, ctypes.POINTER(Geometry),
+                                           ctypes.POINTER(SequenceOptions), ctypes.c_int32,
+                                           ctypes.POINTER(ctypes.c_void_p)]),
+    "kvtier_batch_add": (ctypes.c_int, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]),
+    "kvtier_batch_max_batch": (ctypes.c_int32, [ctypes.c_void_p]),
+    "kvtier_batch_begin_step": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int32,
+                                               ctypes.POINTER(ctypes.c_void_p), ctypes.c_int32,
+                                               ctypes.c_void_p, ctypes.POINTER(WorkingSet)]),
+    "kvtier_batch_attend": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int32,
+                                           ctypes.POINTER(ctypes.c_void_p), ctypes.c_int32,
+                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]),
+    "kvtier_batch_end_step": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int32,
+                                             ctypes.POINTER(ctypes.c_void_p), ctypes.c_int32,
+                                             ctypes.c_void_p]),
+    "kvtier_batch_synchronize": (ctypes.c_int, [ctypes.c_void_p]),
+    "kvtier_batch_native_stream": (ctypes.c_int, [ctypes.c_void_p,
+                                                  ctypes.POINTER(ctypes.c_void_p)]),
+    "kvtier_batch_free": (None, [ctypes.c_void_p]),
+    "kvtier_sequence_create": (ctypes.c_int, [ctypes.c_void_p, ctypes.POINTER(Geometry),
+                                              ctypes.POINTER(SequenceOptions),
+                                              ctypes.POINTER(ctypes.c_void_p)]),
+    "kvtier_sequence_batch": (ctypes.c_void_p, [ctypes.c_void_p]),
+    "kvtier_sequence_append": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p,
+                                              ctypes.c_void_p, ctypes.c_int32]),
+    "kvtier_sequence_num_tokens": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32]),
+    "kvtier_sequence_decode": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p,
+                                              ctypes.c_void_p, ctypes.c_void_p]),
+    "kvtier_sequence_wait": (ctypes.c_int, [ctypes.c_void_p]),
+    "kvtier_sequence_counter": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_char_p,
+                                               ctypes.POINTER(ctypes.c_int64)]),
+    "kvtier_sequence_last_step": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int32, c_int32_p,
+                                                 c_int32_p, c_int32_p, ctypes.c_size_t]),
+    "kvtier_sequence_close": (ctypes.c_int, [ctypes.c_void_p]),
+    "kvtier_sequence_free": (None, [ctypes.c_void_p]),
+    "kvtier_counter_count": (ctypes.c_int32, []),
+    "kvtier_counter_name": (ctypes.c_char_p, [ctypes.c_int32]),
+}
+
+_lib: Optional[ctypes.CDLL] = None
+_lock = threading.Lock()
+
+
+def _candidates():
+    env = os.environ.get("KVTIER_LIBRARY")
+    if env:
+        yield env
+    here = os.path.dirname(os.path.abspath(__file__))
+    # <build>/client/python/kvtier -> <build>/libkvtier.so
+    yield os.path.join(here, "..", "..", "..", "libkvtier.so")
+    yield os.path.join(here, "libkvtier.so")
+    found = ctypes.util.find_library("kvtier")
+    if found:
+        yield found
+
+
+def lib() -> ctypes.CDLL:
+    """The loaded library, its prototypes declared. OSError naming every place tried."""
+    global _lib
+    with _lock:
+        if _lib is not None:
+            return _lib
+        tried = []
+        for path in _candidates():
+            if os.path.sep in path and not os.path.exists(path):
+                tried.append(path + " (absent)")
+                continue
+            try:
+                loaded = ctypes.CDLL(path)
+            except OSError as e:
+                tried.append("%s (%s)" % (path, e))
+                continue
+            for name, (restype, argtypes) in _PROTOTYPES.items():
+                fn = getattr(loaded, name)
+                fn.restype = restype
+                fn.argtypes = argtypes
+            _lib = loaded
+            return _lib
+        raise OSError("libkvtier.so not found; set KVTIER_LIBRARY. Tried: " + "; ".join(tried))

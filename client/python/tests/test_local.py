@@ -1,0 +1,310 @@
+"""kvtier.local: the in-process data path from Python over libkvtier's C API, on the CPU.
+
+Needs the package and the library, from the environment (ctest sets both):
+  KVTIER_PYTHONPATH  the package root (<build>/client/python)
+  KVTIER_LIBRARY     libkvtier.so (else the package finds the build tree's)
+and numpy; the torch tests run where torch is importable. Without the package every test is
+skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import unittest
+
+if os.environ.get("KVTIER_PYTHONPATH"):
+    sys.path.insert(0, os.environ["KVTIER_PYTHONPATH"])
+
+try:
+    import numpy as np
+
+    import kvtier
+    from kvtier import local as kvlocal
+
+    kvlocal._native.lib()
+    IMPORT_ERROR = ""
+except (ImportError, OSError) as e:
+    kvtier = None
+    IMPORT_ERROR = str(e)
+
+try:
+    import torch
+except ImportError:
+    torch = None
+
+SMALL = dict(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=8)
+
+
+def reference_attention(q, keys, values, group):
+    """q [Hq][d]; keys/values [Hkv] lists of [t][d] arrays (the tokens each head attends)."""
+    out = np.zeros(q.shape, dtype=np.float64)
+    for h in range(q.shape[0]):
+        k = keys[h // group].astype(np.float64)
+        v = values[h // group].astype(np.float64)
+        s = k @ q[h].astype(np.float64) / np.sqrt(q.shape[1])
+        p = np.exp(s - s.max())
+        out[h] = (p / p.sum()) @ v
+    return out
+
+
+@unittest.skipIf(kvtier is None, "kvtier not importable: %s" % IMPORT_ERROR)
+class LocalTest(unittest.TestCase):
+    def setUp(self):
+        self.dev = kvtier.Device("cpu")
+        self.rng = np.random.default_rng(7)
+
+    def geometry(self, dtype="float32"):
+        return kvtier.LocalGeometry(dtype=dtype, **SMALL)
+
+    def kv(self, n, dtype=np.float32):
+        k = self.rng.standard_normal((n, SMALL["num_kv_heads"], SMALL["head_dim"])).astype(dtype)
+        v = self.rng.standard_normal((n, SMALL["num_kv_heads"], SMALL["head_dim"])).astype(dtype)
+        return k, v
+
+    def q(self, dtype=np.float32, n=None):
+        shape = (SMALL["num_q_heads"], SMALL["head_dim"]) if n is None else (
+            n, SMALL["num_q_heads"], SMALL["head_dim"])
+        return self.rng.standard_normal(shape).astype(dtype)
+
+    def test_full_mode_equals_dense_attention(self):
+        g = self.geometry()
+        seq = kvtier.Sequence(self.dev, g, kvtier.SequenceOptions(mode="full", max_tokens=512))
+        k, v = self.kv(77)
+        for layer in range(g.num_layers):
+            seq.append(layer, k, v)
+        self.assertEqual(seq.num_tokens(0), 77)
+        for step in range(3):
+            q = self.q()
+            out = np.zeros_like(q)
+            lse = np.zeros(g.num_q_heads, np.float32)
+            seq.decode(0, q, out, lse)
+            want = reference_attention(q, [k[:, h] for h in range(2)], [v[:, h] for h in range(2)], 2)
+            np.testing.assert_allclose(out, want, atol=1e-5)
+            self.assertTrue(np.all(np.isfinite(lse)))
+        self.assertEqual(seq.stats()["steps"], 3)
+
+    def test_working_set_views_hold_the_tokens_their_tables_name(self):
+        # Speculative mode, stepped batch-first through the sequence's batch of one: every
+        # slot a view's table names holds that page's K and V, and kvtier's attention equals
+        # attention over exactly those tokens.
+        g = self.geometry()
+        o = kvtier.SequenceOptions(mode="speculative", budget_tokens=4 * 8, max_tokens=512)
+        seq = kvtier.Sequence(self.dev, g, o)
+        self.assertEqual(seq.batch.max_batch, 1)
+        k, v = self.kv(150)
+        for layer in range(g.num_layers):
+            seq.append(layer, k, v)
+        keys, values = [k], [v]
+        p = g.page_size
+        for step in range(6):
+            kk, vv = np.concatenate(keys), np.concatenate(values)
+            q = self.q()
+            for layer in range(g.num_layers):
+                view = seq.batch.begin_step(layer, [seq], q)[0]
+                out = np.zeros_like(q)
+                seq.batch.attend(layer, [seq], q, out)
+                kc = np.from_dlpack(view.k_cache)
+                vc = np.from_dlpack(view.v_cache)
+                table = np.from_dlpack(view.slot_table)
+                self.assertEqual(kc.shape, (view.num_slots, p, 2, 16))
+                self.assertEqual(table.shape, (2, view.num_slots))
+                self.assertEqual(view.num_tokens, kk.shape[0])
+                held_k, held_v = [], []
+                for h in range(2):
+                    tokens = []
+                    for s in range(view.num_slots):
+                        page = int(table[h, s])
+                        if page < 0:
+                            continue
+                        n = min(p, view.num_tokens - page * p)
+                        np.testing.assert_array_equal(kc[s, :n, h], kk[page * p:page * p + n, h])
+                        np.testing.assert_array_equal(vc[s, :n, h], vv[page * p:page * p + n, h])
+                        tokens.extend(range(page * p, page * p + n))
+                    self.assertLessEqual(len(tokens), 4 * p + p)  # the budget (+ the page filling)
+                    held_k.append(kk[tokens, h])
+                    held_v.append(vv[tokens, h])
+                np.testing.assert_allclose(out, reference_attention(q, held_k, held_v, 2),
+                                           atol=1e-5)
+                seq.batch.end_step(layer, [seq], q)
+            nk, nv = self.kv(1 + step % 3)
+            for layer in range(g.num_layers):
+                seq.append(layer, nk, nv)
+            keys.append(nk)
+            values.append(nv)
+        seq.wait()
+        st = seq.stats()
+        self.assertEqual(st["steps"], 6 * g.num_layers)
+        self.assertGreater(st["checked_heads"], 0)
+        self.assertGreater(st["recalled_pages"], 0)
+        corrected, table = seq.last_step(0)
+        self.assertEqual(len(table), 2)
+        self.assertGreaterEqual(corrected, 0)
+
+    def test_a_batch_of_two_equals_two_sequences_alone(self):
+        g = self.geometry(dtype="float16")
+        o = kvtier.SequenceOptions(mode="speculative", budget_tokens=32, max_tokens=512)
+        batch = kvtier.Batch(self.dev, g, o, max_batch=2)
+        members = [batch.add(), batch.add()]
+        alone = [kvtier.Sequence(self.dev, g, o) for _ in range(2)]
+        with self.assertRaises(kvtier.Error) as full:
+            batch.add()
+        self.assertEqual(full.exception.code, "RESOURCE_EXHAUSTED")
+        for i, n in enumerate((120, 83)):
+            k, v = self.kv(n, np.float16)
+            for layer in range(g.num_layers):
+                members[i].append(layer, k, v)
+                alone[i].append(layer, k, v)
+        for step in range(5):
+            q = self.q(np.float16, n=2)
+            out = np.zeros_like(q)
+            for layer in range(g.num_layers):
+                batch.begin_step(layer, members, q)
+                batch.attend(layer, members, q, out)
+                batch.end_step(layer, members, q)
+                for i in range(2):
+                    mine = np.zeros_like(q[i])
+                    alone[i].decode(layer, q[i], mine)
+                    np.testing.assert_array_equal(out[i], mine)
+        for m, a in zip(members, alone):
+            m.wait()
+            a.wait()
+            self.assertEqual(m.stats()["recalled_pages"], a.stats()["recalled_pages"])
+
+    def test_buffers_without_dlpack(self):
+        g = self.geometry()
+        seq = kvtier.Sequence(self.dev, g, kvtier.SequenceOptions(mode="full", max_tokens=64))
+        k, v = self.kv(9)
+        # Typed buffers (the buffer protocol's format and shape say what they hold).
+        kb = memoryview(bytearray(k.tobytes())).cast("B").cast("f", k.shape)
+        vb = memoryview(bytearray(v.tobytes())).cast("B").cast("f", v.shape)
+        seq.append(0, kb, vb)
+        self.assertEqual(seq.num_tokens(0), 9)
+        # Bytes say nothing of their type: refused, not reinterpreted.
+        with self.assertRaises(kvtier.Error) as e:
+            seq.append(0, bytearray(k.tobytes()), vb)
+        self.assertIn("got uint8 [1152]", e.exception.message)
+
+    def test_bad_tensors_name_the_argument_and_what_was_expected(self):
+        g = self.geometry()
+        seq = kvtier.Sequence(self.dev, g, kvtier.SequenceOptions(mode="full", max_tokens=64))
+        k, v = self.kv(5)
+        seq.append(0, k, v)
+        q, out = self.q(), np.zeros((4, 16), np.float32)
+        cases = [
+            ("q", lambda: seq.decode(0, q.astype(np.float16), out), "float32"),
+            ("q", lambda: seq.decode(0, q[:3], out), "[4, 16]"),
+            ("out", lambda: seq.decode(0, q, np.zeros((8, 16), np.float32)[::2]), "not contiguous"),
+            ("k", lambda: seq.append(0, k[:, :1], v), "[n, 2, 16]"),
+            ("v", lambda: seq.append(0, k, v[:4]), "[5, 2, 16]"),
+            ("q", lambda: seq.decode(0, [[0.0] * 16] * 4, out), "__dlpack__"),
+        ]
+        for name, call, says in cases:
+            with self.subTest(name=name, says=says):
+                with self.assertRaises(kvtier.Error) as e:
+                    call()
+                self.assertEqual(e.exception.code, "INVALID_ARGUMENT")
+                self.assertIn(name + ":", e.exception.message)
+                self.assertIn(says, e.exception.message)
+        self.assertEqual(seq.num_tokens(0), 5, "nothing of a refused call is kept")
+
+    def test_bad_options_and_limits_get_the_library_s_answer(self):
+        g = self.geometry()
+        with self.assertRaises(kvtier.Error) as e:
+            kvtier.Sequence(self.dev, g, kvtier.SequenceOptions(mode="fast"))
+        self.assertIn("mode = 'fast'", e.exception.message)
+        with self.assertRaises(kvtier.Error) as e:
+            kvtier.Sequence(self.dev, g, kvtier.SequenceOptions(budget_tokens=100, max_tokens=64))
+        self.assertEqual(e.exception.code, "INVALID_ARGUMENT")
+        self.assertIn("budget_tokens = 100", e.exception.message)
+        with self.assertRaises(kvtier.Error) as e:
+            kvtier.Sequence(self.dev, g, kvtier.SequenceOptions(max_loss=1.5, budget_tokens=32,
+                                                                max_tokens=64))
+        self.assertIn("correction_max_loss = 1.5", e.exception.message)
+        seq = kvtier.Sequence(self.dev, g, kvtier.SequenceOptions(mode="full", max_tokens=16))
+        k, v = self.kv(17)
+        with self.assertRaises(kvtier.Error) as e:
+            seq.append(0, k, v)
+        self.assertEqual(e.exception.code, "OUT_OF_RANGE")
+        with self.assertRaises(kvtier.Error) as e:
+            kvtier.Device("tpu")
+        self.assertIn("kind = 'tpu'", e.exception.message)
+        seq.close()
+        with self.assertRaises(kvtier.Error) as e:
+            seq.append(0, k[:1], v[:1])
+        self.assertEqual(e.exception.code, "FAILED_PRECONDITION")
+
+    def test_stats_are_the_library_s_counters(self):
+        g = self.geometry()
+        seq = kvtier.Sequence(self.dev, g, kvtier.SequenceOptions(mode="full", max_tokens=64))
+        names = list(seq.stats())
+        for expected in ("steps", "appended_tokens", "recalled_pages", "host_waits",
+                         "graph_launches", "resident_bytes"):
+            self.assertIn(expected, names)
+        self.assertEqual(len(names), len(set(names)))
+
+    def test_calls_from_threads_run_concurrently(self):
+        # ctypes releases the GIL around every call: two sequences driven from two threads.
+        g = self.geometry()
+        errors = []
+
+        def drive(seed):
+            try:
+                rng = np.random.default_rng(seed)
+                s = kvtier.Sequence(self.dev, g, kvtier.SequenceOptions(mode="full",
+                                                                        max_tokens=256))
+                k = rng.standard_normal((100, 2, 16)).astype(np.float32)
+                s.append(0, k, k)
+                q = rng.standard_normal((4, 16)).astype(np.float32)
+                out = np.zeros_like(q)
+                for _ in range(20):
+                    s.decode(0, q, out)
+                want = reference_attention(q, [k[:, 0], k[:, 1]], [k[:, 0], k[:, 1]], 2)
+                np.testing.assert_allclose(out, want, atol=1e-5)
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=drive, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.assertEqual(errors, [])
+
+
+@unittest.skipIf(kvtier is None or torch is None,
+                 "needs kvtier and torch: %s" % (IMPORT_ERROR or "torch not importable"))
+class TorchTest(unittest.TestCase):
+    def test_torch_tensors_in_and_views_out(self):
+        dev = kvtier.Device("cpu")
+        g = kvtier.LocalGeometry(dtype="float16", **SMALL)
+        seq = kvtier.Sequence(dev, g, kvtier.SequenceOptions(mode="full", max_tokens=256))
+        torch.manual_seed(0)
+        k = torch.randn(40, 2, 16, dtype=torch.float16)
+        v = torch.randn(40, 2, 16, dtype=torch.float16)
+        seq.append(0, k, v)
+        q = torch.randn(4, 16, dtype=torch.float16)
+        out = torch.zeros(4, 16, dtype=torch.float16)
+        seq.decode(0, q, out)
+        want = reference_attention(q.float().numpy(), [k[:, 0].float().numpy(),
+                                                       k[:, 1].float().numpy()],
+                                   [v[:, 0].float().numpy(), v[:, 1].float().numpy()], 2)
+        np.testing.assert_allclose(out.float().numpy(), want, atol=3e-3)
+        view = seq.batch.begin_step(0, [seq], q)[0]
+        kc = torch.from_dlpack(view.k_cache)
+        self.assertEqual(kc.dtype, torch.float16)
+        self.assertEqual(tuple(kc.shape), (view.num_slots, 8, 2, 16))
+        table = torch.from_dlpack(view.slot_table)
+        self.assertEqual(table.dtype, torch.int32)
+        # Full mode: slot s holds page s.
+        self.assertTrue(torch.equal(kc[0, :8], k[:8]))
+        seq.batch.attend(0, [seq], q, out)
+        seq.batch.end_step(0, [seq], q)
+        with self.assertRaises(kvtier.Error) as e:
+            seq.decode(0, q.t(), out)  # a transposed view: not contiguous
+        self.assertIn("not contiguous", e.exception.message)
+
+
+if __name__ == "__main__":
+    unittest.main()
