@@ -45,7 +45,45 @@ class WorkingSet(ctypes.Structure):
                 ("partial_len", ctypes.c_void_p)]
 
 
+class ClientOptions(ctypes.Structure):
+    _fields_ = [("tenant", ctypes.c_char_p), ("token", ctypes.c_char_p),
+                ("client_name", ctypes.c_char_p), ("rpc_timeout_ms", ctypes.c_int64),
+                ("attach_socket", ctypes.c_char_p), ("max_message_bytes", ctypes.c_uint64)]
+
+
+class SessionOptions(ctypes.Structure):
+    _fields_ = [("geometry", Geometry), ("mode", ctypes.c_int32),
+                ("budget_tokens", ctypes.c_int32), ("max_tokens", ctypes.c_int32),
+                ("correction_threshold", ctypes.c_float), ("transport", ctypes.c_int32),
+                ("label", ctypes.c_char_p), ("correction_trigger", ctypes.c_int32),
+                ("correction_max_loss", ctypes.c_float), ("host_tokens", ctypes.c_int32),
+                ("host_drop_demote", ctypes.c_int32)]
+
+
 _PROTOTYPES = {
+    # kvtierd's sessions
+    "kvtier_client_options_init": (None, [ctypes.POINTER(ClientOptions)]),
+    "kvtier_session_options_init": (None, [ctypes.POINTER(SessionOptions)]),
+    "kvtier_connect": (ctypes.c_int, [ctypes.c_char_p, ctypes.POINTER(ClientOptions),
+                                      ctypes.POINTER(ctypes.c_void_p)]),
+    "kvtier_client_free": (None, [ctypes.c_void_p]),
+    "kvtier_open_session": (ctypes.c_int, [ctypes.c_void_p, ctypes.POINTER(SessionOptions),
+                                           ctypes.POINTER(ctypes.c_void_p)]),
+    "kvtier_reattach": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_char_p,
+                                       ctypes.POINTER(SessionOptions),
+                                       ctypes.POINTER(ctypes.c_void_p)]),
+    "kvtier_session_id": (ctypes.c_char_p, [ctypes.c_void_p]),
+    "kvtier_num_tokens": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32]),
+    "kvtier_append": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p,
+                                     ctypes.c_void_p, ctypes.c_int32]),
+    "kvtier_decode": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p,
+                                     ctypes.c_void_p, ctypes.c_void_p, c_int32_p, c_int32_p,
+                                     ctypes.c_size_t]),
+    "kvtier_flush": (ctypes.c_int, [ctypes.c_void_p]),
+    "kvtier_close_session": (ctypes.c_int, [ctypes.c_void_p]),
+    "kvtier_session_suspend": (ctypes.c_int, [ctypes.c_void_p]),
+    "kvtier_session_free": (None, [ctypes.c_void_p]),
+    # in-process
     "kvtier_version": (ctypes.c_char_p, []),
     "kvtier_last_error": (ctypes.c_char_p, []),
     "kvtier_sequence_options_init": (None, [ctypes.POINTER(SequenceOptions)]),
