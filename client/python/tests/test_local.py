@@ -306,5 +306,88 @@ class TorchTest(unittest.TestCase):
         self.assertIn("not contiguous", e.exception.message)
 
 
+def cuda_usable():
+    if kvtier is None or torch is None or not torch.cuda.is_available():
+        return False
+    try:
+        kvtier.Device("cuda")
+        return True
+    except kvtier.Error:
+        return False
+
+
+@unittest.skipUnless(cuda_usable(), "needs a GPU, torch with CUDA and a CUDA build of libkvtier")
+class CudaTest(unittest.TestCase):
+    """The same data path on CUDA tensors, with torch's stream adopted as the sequences'
+    compute stream (the GPU bundle's step 10 runs this)."""
+
+    def setUp(self):
+        self.dev = kvtier.Device("cuda")
+        self.g = kvtier.LocalGeometry(dtype="float16", **SMALL)
+        self.stream = torch.cuda.Stream()
+        torch.manual_seed(1)
+
+    def test_full_mode_on_cuda_tensors_with_torch_s_stream(self):
+        with torch.cuda.stream(self.stream):
+            o = kvtier.SequenceOptions(mode="full", max_tokens=512, stream=self.stream)
+            seq = kvtier.Sequence(self.dev, self.g, o)
+            k = torch.randn(77, 2, 16, dtype=torch.float16, device="cuda")
+            v = torch.randn(77, 2, 16, dtype=torch.float16, device="cuda")
+            seq.append(0, k, v)
+            q = torch.randn(4, 16, dtype=torch.float16, device="cuda")
+            out = torch.empty_like(q)
+            seq.decode(0, q, out)  # ordered on self.stream: no host wait
+            got = out.float().cpu()  # the copy waits for the stream
+        want = reference_attention(q.float().cpu().numpy(),
+                                   [k[:, h].float().cpu().numpy() for h in range(2)],
+                                   [v[:, h].float().cpu().numpy() for h in range(2)], 2)
+        np.testing.assert_allclose(got.numpy(), want, atol=3e-3)
+        self.assertEqual(seq.batch.native_stream, self.stream.cuda_stream)
+
+    def test_views_on_cuda_hold_the_tokens_their_tables_name(self):
+        with torch.cuda.stream(self.stream):
+            o = kvtier.SequenceOptions(mode="speculative", budget_tokens=32, max_tokens=512,
+                                       stream=self.stream)
+            seq = kvtier.Sequence(self.dev, self.g, o)
+            k = torch.randn(150, 2, 16, dtype=torch.float16, device="cuda")
+            v = torch.randn(150, 2, 16, dtype=torch.float16, device="cuda")
+            for layer in range(self.g.num_layers):
+                seq.append(layer, k, v)
+            for step in range(4):
+                q = torch.randn(4, 16, dtype=torch.float16, device="cuda")
+                out = torch.empty_like(q)
+                view = seq.batch.begin_step(0, [seq], q)[0]
+                seq.batch.attend(0, [seq], q, out)
+                kc = torch.from_dlpack(view.k_cache)
+                table = torch.from_dlpack(view.slot_table)
+                self.assertEqual(kc.device.type, "cuda")
+                kc_host, table_host = kc.cpu(), table.cpu()  # copies after the step's work
+                got = out.float().cpu().numpy()
+                held_k, held_v = [], []
+                for h in range(2):
+                    tokens = []
+                    for s in range(view.num_slots):
+                        page = int(table_host[h, s])
+                        if page < 0:
+                            continue
+                        n = min(8, view.num_tokens - page * 8)
+                        self.assertTrue(torch.equal(kc_host[s, :n, h],
+                                                    k[page * 8:page * 8 + n, h].cpu()))
+                        tokens.extend(range(page * 8, page * 8 + n))
+                    held_k.append(k[tokens, h].float().cpu().numpy())
+                    held_v.append(v[tokens, h].float().cpu().numpy())
+                np.testing.assert_allclose(got, reference_attention(q.float().cpu().numpy(),
+                                                                    held_k, held_v, 2),
+                                           atol=3e-3)
+                seq.batch.end_step(0, [seq], q)
+            self.stream.synchronize()
+        seq.wait()
+        self.assertGreater(seq.stats()["checked_heads"], 0)
+        with self.assertRaises(kvtier.Error) as e:
+            seq.decode(0, torch.zeros(4, 16, dtype=torch.float16), torch.zeros(4, 16,
+                                                                               dtype=torch.float16))
+        self.assertIn("on cuda; got float16 [4, 16] on cpu", e.exception.message)
+
+
 if __name__ == "__main__":
     unittest.main()
