@@ -235,6 +235,36 @@ class LocalTest(unittest.TestCase):
             seq.append(0, k[:1], v[:1])
         self.assertEqual(e.exception.code, "FAILED_PRECONDITION")
 
+    def test_every_case_of_the_option_table_is_answered_as_the_table_says(self):
+        # The one-option table (tests/include/option_table.toml) in-process from Python: the
+        # C API hands the options to the library's resolver, so every case is accepted or
+        # refused with exactly the message every other entry point gives.
+        import tomllib
+
+        path = os.environ.get("KVTIER_OPTION_TABLE") or os.path.join(
+            os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "tests", "include",
+            "option_table.toml")
+        with open(path, "rb") as f:
+            table = tomllib.load(f)
+        cases = [dict(table["base"], **case) for case in table["case"]]
+        self.assertTrue(any("error" in c for c in cases) and any("error" not in c for c in cases))
+        for c in cases:
+            with self.subTest(case=c["name"]):
+                g = kvtier.LocalGeometry(num_layers=1, num_q_heads=8, num_kv_heads=2,
+                                         head_dim=64, page_size=c["page_size"])
+                o = kvtier.SequenceOptions(mode=c["mode"], budget_tokens=c["budget_tokens"],
+                                           max_tokens=c["max_tokens"],
+                                           tau=c["correction_threshold"],
+                                           trigger=c["correction_trigger"],
+                                           max_loss=c["correction_max_loss"])
+                if "error" not in c:
+                    kvtier.Sequence(self.dev, g, o).close()
+                    continue
+                with self.assertRaises(kvtier.Error) as e:
+                    kvtier.Sequence(self.dev, g, o)
+                self.assertEqual(e.exception.code, "INVALID_ARGUMENT")
+                self.assertEqual(e.exception.message, c["error"])
+
     def test_stats_are_the_library_s_counters(self):
         g = self.geometry()
         seq = kvtier.Sequence(self.dev, g, kvtier.SequenceOptions(mode="full", max_tokens=64))
