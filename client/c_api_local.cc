@@ -17,12 +17,15 @@
 #include "kvtier/device.h"
 #include "kvtier/sequence.h"
 
+// A device handle shares the device with every batch and sequence made on it, so freeing the
+// handles in any order (a binding's garbage collector does) never frees it under them.
 struct kvtier_device {
-  std::unique_ptr<kvtier::Device> device;
+  std::shared_ptr<kvtier::Device> device;
 };
 
 struct kvtier_batch {
-  // The engine's stream, adopted: declared first, so it outlives the batch object.
+  std::shared_ptr<kvtier::Device> device;  // first: destroyed last
+  // The engine's stream, adopted: declared before the batch object, so it outlives it.
   std::unique_ptr<kvtier::Stream> adopted;
   std::unique_ptr<kvtier::SequenceBatch> owned;  // null for a sequence's own batch of one
   kvtier::SequenceBatch* batch = nullptr;
@@ -32,6 +35,7 @@ struct kvtier_batch {
 };
 
 struct kvtier_sequence {
+  std::shared_ptr<kvtier::Device> device;  // first: destroyed last
   std::unique_ptr<kvtier_batch> own;  // made alone: the handle of its batch of one
   std::unique_ptr<kvtier::LocalSequence> seq;
   kvtier_batch* parent = nullptr;  // a member of kvtier_batch_create's batch
@@ -151,7 +155,7 @@ int kvtier_device_create(int32_t kind, kvtier_device** out) {
     absl::StatusOr<std::unique_ptr<kvtier::Device>> d =
         kvtier::CreateDevice(static_cast<kvtier::DeviceKind>(kind));
     if (!d.ok()) return absl::UnavailableError(d.status().message());
-    *out = new kvtier_device{*std::move(d)};
+    *out = new kvtier_device{std::shared_ptr<kvtier::Device>(*std::move(d))};
     return absl::OkStatus();
   });
 }
@@ -182,6 +186,7 @@ int kvtier_batch_create(kvtier_device* device, const kvtier_geometry* geometry,
     if (!made.ok()) return made.status();
     b->owned = *std::move(made);
     b->batch = b->owned.get();
+    b->device = device->device;
     b->geometry = *g;
     *out = b.release();
     return absl::OkStatus();
@@ -198,6 +203,7 @@ int kvtier_batch_add(kvtier_batch* batch, kvtier_sequence** out) {
     if (!s.ok()) return s.status();
     auto seq = std::make_unique<kvtier_sequence>();
     seq->seq = *std::move(s);
+    seq->device = batch->device;
     seq->parent = batch;
     seq->parent_alive = batch->alive;
     *out = seq.release();
@@ -304,6 +310,7 @@ int kvtier_sequence_create(kvtier_device* device, const kvtier_geometry* geometr
         kvtier::NewLocalSequence(*g, *o, *device->device);
     if (!s.ok()) return s.status();
     seq->seq = *std::move(s);
+    seq->device = device->device;
     seq->own->batch = seq->seq->batch();
     seq->own->geometry = *g;
     if (seq->own->batch == nullptr) {

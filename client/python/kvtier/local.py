@@ -121,8 +121,9 @@ class SequenceOptions:
 
 
 class Device:
-    """A kvtier device: "cpu", "cuda" or "auto" (CUDA when a GPU is usable). Must outlive the
-    sequences and batches made on it."""
+    """A kvtier device: "cpu", "cuda" or "auto" (CUDA when a GPU is usable). The sequences and
+    batches made on it keep it (the library's handles share it), so objects may be collected
+    in any order."""
 
     def __init__(self, kind: str = "cpu"):
         handle = ctypes.c_void_p()

@@ -274,6 +274,24 @@ class LocalTest(unittest.TestCase):
             self.assertIn(expected, names)
         self.assertEqual(len(names), len(set(names)))
 
+    def test_handles_may_be_freed_in_any_order(self):
+        # A script whose device and sequence are both globals: Python frees them at exit in
+        # an order of its own, the device possibly first (the library's handles share it).
+        script = ("import numpy as np, kvtier\n"
+                  "dev = kvtier.Device('cpu')\n"
+                  "g = kvtier.LocalGeometry(num_layers=1, num_q_heads=4, num_kv_heads=2, "
+                  "head_dim=16, page_size=8, dtype='float32')\n"
+                  "seq = kvtier.Sequence(dev, g, kvtier.SequenceOptions(max_tokens=64, "
+                  "budget_tokens=32))\n"
+                  "seq.append(0, np.ones((20, 2, 16), np.float32), np.ones((20, 2, 16), np.float32))\n"
+                  "def f():\n    pass\n"
+                  "del dev\n")
+        import subprocess
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                              text=True, timeout=120)
+        self.assertEqual(done.returncode, 0, done.stderr)
+
     def test_calls_from_threads_run_concurrently(self):
         # ctypes releases the GIL around every call: two sequences driven from two threads.
         g = self.geometry()
