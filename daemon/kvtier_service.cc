@@ -433,6 +433,7 @@ absl::Status KvTierService::DoGetStats(const Caller& caller, const v1::GetStatsR
   t->set_quota_bytes(r.tenant.quota_bytes);
   t->set_used_bytes(r.tenant.used_bytes);
   t->set_sessions(r.tenant.sessions);
+  t->set_cold_sessions(r.tenant.cold_sessions);
   t->set_refused_requests(r.tenant.refused_requests);
   if (r.session.has_value()) StatsToProto(*r.session, reply->mutable_session());
   reply->set_uptime_s(

@@ -97,7 +97,10 @@ struct TenantStatsRecord {
   std::string tenant;
   uint64_t quota_bytes = 0;
   uint64_t used_bytes = 0;
+  // Sessions that hold host memory (what max_sessions_per_tenant and kvtier_tenant_sessions
+  // count), and sessions in the cold tier (counted apart, as their memory is).
   uint32_t sessions = 0;
+  uint32_t cold_sessions = 0;
   uint64_t refused_requests = 0;  // calls of the tenant that ended in an error
 };
 

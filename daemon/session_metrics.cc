@@ -40,7 +40,10 @@ absl::StatusOr<StatsReport> SessionManager::GetStats(const Caller& caller,
   r.tenant.used_bytes = t->used_bytes();
   r.tenant.refused_requests = t->refused_requests();
   MutexLock lock(&mu_);
-  for (const auto& [id, e] : sessions_) r.tenant.sessions += e.tenant == t->name();
+  for (const auto& [id, e] : sessions_) {
+    if (e.tenant != t->name()) continue;
+    ++(e.session != nullptr ? r.tenant.sessions : r.tenant.cold_sessions);
+  }
   return r;
 }
 

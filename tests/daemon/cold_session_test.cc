@@ -266,6 +266,13 @@ TEST_F(ColdSessionTest, FillsATenantBeyondItsArenaAndReadsEveryPageBack) {
   ASSERT_TRUE(st.ok()) << st.status();
   EXPECT_EQ(st->session->committed_pages, 2u * kTokens / SmallGeometry().page_size);
   EXPECT_TRUE(Listed("small", ids[0]).cold);  // the later Fetches demoted it again
+  // GetStats counts sessions as admission does: those holding host memory, and the cold
+  // ones apart.
+  uint32_t cold = 0;
+  for (const std::string& id : ids) cold += Listed("small", id).cold;
+  EXPECT_GT(cold, 0u);
+  EXPECT_EQ(st->tenant.cold_sessions, cold);
+  EXPECT_EQ(st->tenant.sessions, kSessions - cold);
   EXPECT_LE(manager_->tenant("small").used_bytes(), 3 * kMiB / 2);
   // The metrics count both ways: each session was demoted at least once and promoted once.
   Exposition out;

@@ -371,6 +371,7 @@ int Ctl::Stats(const std::string& session_id) {
                     Field("  used_bytes",
                           absl::StrFormat("%d (%s)", t.used_bytes(), HumanBytes(t.used_bytes()))),
                     Field("  sessions", absl::StrCat(t.sessions())),
+                    Field("  cold_sessions", absl::StrCat(t.cold_sessions())),
                     Field("  refused_requests", absl::StrCat(t.refused_requests())));
   }
   absl::StrAppend(&text, Field("uptime", Uptime(reply.uptime_s())),
