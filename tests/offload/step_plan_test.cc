@@ -108,11 +108,21 @@ void ExpectPlanProperties(const plan::SequenceConfig& c, const plan::SequencePla
   }
   // The host must see the plan of a DMA strategy and of a demoting sequence; a batch and a
   // captured graph keep it on the device.
-  if (p.demote) EXPECT_TRUE(p.dma && p.host_tier && c.cold_tier);
-  if (c.batch) EXPECT_TRUE(p.strategy == RecallStrategy::kZeroCopy && !p.demote && !p.managed);
-  if (p.graphs) EXPECT_TRUE(speculative && !p.dma && c.capture_graphs && c.backend_captures);
-  if (c.host_drop != policy::HostDropMode::kRefuse) EXPECT_TRUE(p.host_tier);
-  if (c.int8_window_pages > 0) EXPECT_EQ(c.mode, RetrievalMode::kDrop);
+  if (p.demote) {
+    EXPECT_TRUE(p.dma && p.host_tier && c.cold_tier);
+  }
+  if (c.batch) {
+    EXPECT_TRUE(p.strategy == RecallStrategy::kZeroCopy && !p.demote && !p.managed);
+  }
+  if (p.graphs) {
+    EXPECT_TRUE(speculative && !p.dma && c.capture_graphs && c.backend_captures);
+  }
+  if (c.host_drop != policy::HostDropMode::kRefuse) {
+    EXPECT_TRUE(p.host_tier);
+  }
+  if (c.int8_window_pages > 0) {
+    EXPECT_EQ(c.mode, RetrievalMode::kDrop);
+  }
   EXPECT_EQ(p.managed, c.mode == RetrievalMode::kDrop && c.policies);
   EXPECT_EQ(p.mass_trigger, speculative && c.trigger == CorrectionTrigger::kMass);
   // The steps.
@@ -142,7 +152,9 @@ void ExpectPlanProperties(const plan::SequenceConfig& c, const plan::SequencePla
                     p.dma && (c.mode == RetrievalMode::kSync || p.demote));
         }
         EXPECT_NE(b.route, RecallRoute::kBackground);
-        if (b.captured) EXPECT_TRUE(p.graphs && !profiling && b.work == BeginWork::kCorrect);
+        if (b.captured) {
+          EXPECT_TRUE(p.graphs && !profiling && b.work == BeginWork::kCorrect);
+        }
         const plan::EndPlan e = plan::PlanEnd(p, profiling);
         EXPECT_EQ(e.background_select, speculative);
         if (e.background_select) {
@@ -328,9 +340,15 @@ void RunLone(const plan::SequenceConfig& c, Backend& backend) {
   ASSERT_TRUE(drained.ok()) << drained;
   const SequenceStats st = r.Stats();
   EXPECT_EQ(st.steps, int64_t{kSteps} * g.num_layers);
-  if (c.mode == RetrievalMode::kSpeculative) EXPECT_GT(st.checked_heads, 0);
-  if (c.host_drop == policy::HostDropMode::kDemote) EXPECT_GT(st.host_demoted_pages, 0);
-  if (c.host_drop == policy::HostDropMode::kEvict) EXPECT_GT(st.host_dropped_pages, 0);
+  if (c.mode == RetrievalMode::kSpeculative) {
+    EXPECT_GT(st.checked_heads, 0);
+  }
+  if (c.host_drop == policy::HostDropMode::kDemote) {
+    EXPECT_GT(st.host_demoted_pages, 0);
+  }
+  if (c.host_drop == policy::HostDropMode::kEvict) {
+    EXPECT_GT(st.host_dropped_pages, 0);
+  }
   ASSERT_TRUE(r.Close().ok());
 }
 
