@@ -1,6 +1,7 @@
-// A minimal Redis client (RESP2 over a Unix or TCP socket) for the peer baseline of
-// `kvtier-bench ipc`: SET and GET of binary values, pipelined to a chosen depth, as KV
-// offload services use Redis. Not a general client: only the replies SET and GET give.
+// A Redis client for the peer baseline of `kvtier-bench ipc`: SET and GET of binary values,
+// pipelined to a chosen depth, as KV offload services use Redis. A thin layer over hiredis
+// (the library kvtierd's cold tier already links), so the benchmark's client is the RESP
+// implementation everyone uses, not one of its own.
 //
 // Thread-compatible: one thread per RespClient.
 #ifndef KVTIER_BENCH_RESP_CLIENT_H_
@@ -14,6 +15,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+
+struct redisContext;  // hiredis
 
 namespace kvtier::bench {
 
@@ -36,21 +39,9 @@ class RespClient {
   absl::Status FlushAll();
 
  private:
-  explicit RespClient(int fd) : fd_(fd) {}
-  absl::Status WriteAll(std::string_view bytes);
-  absl::Status Fill();  // reads more bytes into buf_
-  absl::StatusOr<std::string> ReadLine();
-  absl::Status ReadExact(size_t n, std::string* out);
-  // One reply: simple string / error / integer / bulk (nullopt-like: *is_nil for $-1).
-  absl::StatusOr<std::string> ReadReply(bool* is_nil);
-
-  int fd_;
-  std::string buf_;
-  size_t pos_ = 0;
+  explicit RespClient(redisContext* c) : c_(c) {}
+  redisContext* c_;
 };
-
-// Encodes one command as a RESP array of bulk strings (exposed for tests).
-std::string EncodeCommand(const std::vector<std::string_view>& args);
 
 }  // namespace kvtier::bench
 

@@ -12,12 +12,6 @@
 namespace kvtier::bench {
 namespace {
 
-TEST(EncodeCommandTest, BulkStringArray) {
-  EXPECT_EQ(EncodeCommand({"GET", "k"}), "*2\r\n$3\r\nGET\r\n$1\r\nk\r\n");
-  EXPECT_EQ(EncodeCommand({"SET", "a", std::string_view("\r\n\0", 3)}),
-            std::string("*3\r\n$3\r\nSET\r\n$1\r\na\r\n$3\r\n\r\n\0\r\n", 29));
-}
-
 class RedisTest : public ::testing::Test {
  protected:
   void SetUp() override {
