@@ -202,17 +202,9 @@ int kvtier_decode(kvtier_session* session, int32_t layer, const void* q, void* o
     if (num_slots == nullptr && slot_table == nullptr) return absl::OkStatus();
     // The step's record (its slot table) is complete once all work enqueued so far has run.
     if (absl::Status st = s.sequence().Wait(); !st.ok()) return st;
-    const kvtier::StepStats step = s.sequence().LastStep(layer);
-    if (num_slots != nullptr) *num_slots = step.num_slots;
-    if (slot_table == nullptr) return absl::OkStatus();
-    if (slot_table_capacity < step.slot_table.size()) {
-      return absl::OutOfRangeError(
-          absl::StrFormat("kvtier_decode: slot_table_capacity = %d entries; the slot table has "
-                          "num_kv_heads x num_slots = %d",
-                          slot_table_capacity, step.slot_table.size()));
-    }
-    std::memcpy(slot_table, step.slot_table.data(), step.slot_table.size() * sizeof(int32_t));
-    return absl::OkStatus();
+    return kvtier::c_api::CopySlotTable(s.sequence().LastStep(layer), num_slots, slot_table,
+                                        slot_table_capacity,
+                                        "kvtier_decode: slot_table_capacity");
   });
 }
 

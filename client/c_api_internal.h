@@ -4,6 +4,7 @@
 #ifndef KVTIER_CLIENT_C_API_INTERNAL_H_
 #define KVTIER_CLIENT_C_API_INTERNAL_H_
 
+#include <cstring>
 #include <exception>
 #include <new>
 #include <string>
@@ -13,6 +14,7 @@
 #include "absl/strings/str_format.h"
 #include "kvtier/c_api.h"
 #include "kvtier/geometry.h"
+#include "kvtier/sequence.h"
 
 namespace kvtier::c_api {
 
@@ -68,6 +70,22 @@ inline absl::StatusOr<Geometry> GeometryFromC(const kvtier_geometry& c) {
           absl::StrFormat("geometry.dtype = %d: must be a KVTIER_DTYPE_*", c.dtype));
   }
   return g;
+}
+
+// A step's slot table [Hkv][S] into the caller's `table` of `capacity` entries (*num_slots
+// set first when given; nothing copied for a null table): OUT_OF_RANGE naming `capacity_name`
+// when it does not fit.
+inline absl::Status CopySlotTable(const StepStats& step, int32_t* num_slots, int32_t* table,
+                                  size_t capacity, const char* capacity_name) {
+  if (num_slots != nullptr) *num_slots = step.num_slots;
+  if (table == nullptr) return absl::OkStatus();
+  if (capacity < step.slot_table.size()) {
+    return absl::OutOfRangeError(
+        absl::StrFormat("%s = %d entries; the slot table has num_kv_heads x num_slots = %d",
+                        capacity_name, capacity, step.slot_table.size()));
+  }
+  std::memcpy(table, step.slot_table.data(), step.slot_table.size() * sizeof(int32_t));
+  return absl::OkStatus();
 }
 
 }  // namespace kvtier::c_api

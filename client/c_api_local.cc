@@ -370,16 +370,8 @@ int kvtier_sequence_last_step(kvtier_sequence* sequence, int32_t layer, int32_t*
   return Guard([&]() -> absl::Status {
     const kvtier::StepStats step = sequence->seq->LastStep(layer);
     if (corrected_heads != nullptr) *corrected_heads = step.corrected_heads;
-    if (num_slots != nullptr) *num_slots = step.num_slots;
-    if (table == nullptr) return absl::OkStatus();
-    if (table_capacity < step.slot_table.size()) {
-      return absl::OutOfRangeError(absl::StrFormat(
-          "kvtier_sequence_last_step: table_capacity = %d entries; the slot table has "
-          "num_kv_heads x num_slots = %d",
-          table_capacity, step.slot_table.size()));
-    }
-    std::memcpy(table, step.slot_table.data(), step.slot_table.size() * sizeof(int32_t));
-    return absl::OkStatus();
+    return kvtier::c_api::CopySlotTable(step, num_slots, table, table_capacity,
+                                        "kvtier_sequence_last_step: table_capacity");
   });
 }
 

@@ -1058,13 +1058,13 @@ absl::Status RetrieverImpl::AttendCaptured(LayerState& l, const SparseAttentionA
     l.graphs.attend.reset();
     return direct();
   }
-  return RunCaptured(*compute_, l, /*captured=*/true, &l.graphs.attend, direct);
+  return RunCaptured(*compute_, l, /*use_graph=*/true, &l.graphs.attend, direct);
 }
 
 absl::Status RetrieverImpl::RunCaptured(Stream& s, LayerState& l, bool use_graph,
                                         std::unique_ptr<Graph>* graph,
                                         const std::function<absl::Status()>& work) {
-  if (!use_graph || !graphs_on() || l.graphs.refused) return work();
+  if (!use_graph || l.graphs.refused) return work();
   if (*graph == nullptr) {
     // Every argument of the captured ops is a buffer of the layer (or of the batch slots of
     // the run) or a constant of the options, so one capture serves every later step.
@@ -1118,12 +1118,11 @@ void RetrieverImpl::CloseStepCalls(int32_t layer) {
 void RetrieverImpl::PublishTelemetry(bool gauges) {
   if (!telemetry_block_.has_value()) return;
   TelemetryValues& v = telemetry_own_;
-  // Every counter as Stats() reports it; what the policies fill in (the working-set gauges,
-  // the host drops) walks every layer, so it is taken only with `gauges` and kept between.
-  if (gauges) FillPolicyStats(&policy_snapshot_);
-  SequenceStats st = stats_;
-  CopyPolicyStats(policy_snapshot_, &st);
-  v.SetCounters(st);
+  // Every counter as Stats() reports it. What the policies fill in (the working-set gauges,
+  // the host drops) walks every layer, so it is refreshed in stats_ only with `gauges`;
+  // nothing else writes those fields, so between refreshes they keep the last values.
+  if (gauges) FillPolicyStats(&stats_);
+  v.SetCounters(stats_);
   v.recall_strategy = has_host_tier() ? static_cast<uint64_t>(strategy_) + 1 : 0;
   telemetry_block_->Publish(v.ContinuedFrom(telemetry_base_));
 }

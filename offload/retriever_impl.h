@@ -367,14 +367,6 @@ class RetrieverImpl final : public Retriever {
                            std::span<const int64_t> keep);
   int64_t ResidentHeadPages(const LayerState& l) const;
   void FillPolicyStats(SequenceStats* st) const;
-  // The fields FillPolicyStats sets, from `from`.
-  static void CopyPolicyStats(const SequenceStats& from, SequenceStats* to) {
-    to->resident_head_pages = from.resident_head_pages;
-    to->int8_head_pages = from.int8_head_pages;
-    to->resident_bytes = from.resident_bytes;
-    to->host_dropped_pages = from.host_dropped_pages;
-    to->host_refusals = from.host_refusals;
-  }
 
   absl::Status CheckCall(int32_t layer, std::string_view what) const;
   absl::Status Allocate(DeviceBuffer* buf, size_t bytes);
@@ -510,8 +502,6 @@ class RetrieverImpl final : public Retriever {
   // The batch of one of a sequence made alone (Init); null for a member of a batch made
   // with NewSequenceBatch, which owns the batch object itself.
   std::unique_ptr<SequenceBatch> own_batch_;
-  // The policy-filled statistics as the telemetry last took them (PublishTelemetry).
-  SequenceStats policy_snapshot_;
 
   std::vector<LayerState> layers_;
   policy::Policies policies_;  // empty unless options_.policy is not the default

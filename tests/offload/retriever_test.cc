@@ -222,29 +222,18 @@ TEST(RetrieverTest, FullModeEqualsDenseAttention) {
   for (int step = 0; step < 3; ++step) {
     const TypedBuffer q = h.seq.Query(70 + step);
     auto r = h.Step(q);
+    // Dense attention on the host, in double: over a table naming every page for every head.
+    const int32_t pages = (h.seq.tokens() + g.page_size - 1) / g.page_size;
+    std::vector<int32_t> every;
+    for (int32_t kh = 0; kh < g.num_kv_heads; ++kh) {
+      for (int32_t p = 0; p < pages; ++p) every.push_back(p);
+    }
     for (int32_t l = 0; l < g.num_layers; ++l) {
-      // Dense attention on the host, in double.
-      const int32_t G = g.group_size();
-      const float scale = 1.0f / std::sqrt(float(g.head_dim));
-      for (int32_t qh = 0; qh < g.num_q_heads; ++qh) {
-        std::vector<double> logit(h.seq.tokens());
-        double mx = -INFINITY;
-        for (int32_t t = 0; t < h.seq.tokens(); ++t) {
-          double s = 0;
-          for (int32_t i = 0; i < g.head_dim; ++i) {
-            s += double(q.Get(int64_t{qh} * g.head_dim + i)) * h.seq.K(l, t, qh / G, i);
-          }
-          logit[t] = s * scale;
-          mx = std::max(mx, logit[t]);
-        }
-        double z = 0;
-        for (double& x : logit) z += (x = std::exp(x - mx));
-        for (int32_t i = 0; i < g.head_dim; ++i) {
-          double o = 0;
-          for (int32_t t = 0; t < h.seq.tokens(); ++t) o += logit[t] * h.seq.V(l, t, qh / G, i);
-          EXPECT_NEAR(r.out[l][qh * g.head_dim + i], o / z, 1e-4)
-              << "layer " << l << " head " << qh;
-        }
+      const std::vector<float> want =
+          AttentionOverTable(g, h.seq, l, q, every, pages, h.seq.tokens());
+      for (size_t i = 0; i < want.size(); ++i) {
+        EXPECT_NEAR(r.out[l][i], want[i], 1e-4)
+            << "layer " << l << " head " << i / g.head_dim;
       }
     }
     h.Append(5);

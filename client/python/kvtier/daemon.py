@@ -26,7 +26,7 @@ import ctypes
 from typing import Any, List, Optional, Tuple
 
 from kvtier import _native
-from kvtier.local import (Device, Error, LocalGeometry, _MODES, _TRIGGERS, _check, _choice,
+from kvtier.local import (Device, LocalGeometry, _MODES, _TRIGGERS, _check, _choice,
                           _tensor)
 
 _CPU = None  # tensors of an SHM session are host memory

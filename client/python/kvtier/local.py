@@ -210,9 +210,6 @@ class Batch:
             arr[i] = m._h
         return arr
 
-    def _rows(self, name: str, obj: Any, n: int, width: Tuple[int, ...], dtype: str):
-        return _tensor(name, obj, (n,) + width, dtype, self.device)
-
     def begin_step(self, layer: int, members: Seq["Sequence"], q: Any) -> List[WorkingSetView]:
         """Readies the members' working sets of `layer` for q [n][Hq][d] (or [Hq][d] for one);
         returns each member's view."""

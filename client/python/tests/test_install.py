@@ -46,7 +46,7 @@ SMOKE = textwrap.dedent("""
 
 def pip_usable() -> str:
     try:
-        import setuptools  # noqa: F401
+        import setuptools  # noqa: F401  (only whether it is there)
     except ImportError:
         return "setuptools is not installed"
     done = subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True)
