@@ -417,13 +417,18 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     if a.threads > 0:
         torch.set_num_threads(a.threads)
-    if a.prompt_ids_from:
-        with open(a.prompt_ids_from, encoding="utf-8") as f:
-            ids = [int(t) for t in json.load(f)["prompt_ids"]]
-    else:
-        ids = [int(t) for t in a.ids.split(",") if t.strip()]
-    model = LlamaModel.from_gguf(a.model, device=a.device, prefill_chunk=a.prefill_chunk)
-    meta, _ = gguf.read(a.model)
+    # What a user can get wrong (a path, a file, an id list) is a message, not a traceback.
+    try:
+        if a.prompt_ids_from:
+            with open(a.prompt_ids_from, encoding="utf-8") as f:
+                ids = [int(t) for t in json.load(f)["prompt_ids"]]
+        else:
+            ids = [int(t) for t in a.ids.split(",") if t.strip()]
+        model = LlamaModel.from_gguf(a.model, device=a.device, prefill_chunk=a.prefill_chunk)
+        meta, _ = gguf.read(a.model)
+    except (OSError, ValueError, KeyError) as e:
+        print("kvtier.llama: %s" % e, file=sys.stderr)
+        return 2
     dev = kv.Device(a.device)
     runs = []
     for mode in [m.strip() for m in a.mode.split(",") if m.strip()]:
