@@ -69,6 +69,7 @@ import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import kvtier
+from kvtier.local import _DEFAULT_STREAMS
 
 ATTN_IMPLEMENTATION = "kvtier"
 _MARK = "_kvtier_layer"  # the attribute a decode step's returned K carries
@@ -206,13 +207,15 @@ class _KvtierLayerState:
         if t == 1:
             core._check_attn_implementation()
         core._ensure(batch, key_states)
+        # [Hkv, T, d] -> NHD [T, Hkv, d], contiguous (a copy: transformers' layout is HND)
         keep = []
+        for row in range(batch):
+            keep += [key_states[row].transpose(0, 1).contiguous(),
+                     value_states[row].transpose(0, 1).contiguous()]
+        current = core._enter()
         for row, seq in enumerate(core.sequences):
-            # [Hkv, T, d] -> NHD [T, Hkv, d], contiguous (a copy: transformers' layout is HND)
-            k = key_states[row].transpose(0, 1).contiguous()
-            v = value_states[row].transpose(0, 1).contiguous()
-            seq.append(self.layer, k, v)
-            keep += [k, v]
+            seq.append(self.layer, keep[2 * row], keep[2 * row + 1])
+        core._leave(current)
         self._keep = tuple(keep)
         self.num_tokens += t
         if t > 1:
@@ -254,6 +257,7 @@ class _KvtierLayerState:
                 "or one row at a time")
         q = query[:, :, 0, :].contiguous()      # [B, Hq, d]
         out = torch.empty_like(q)
+        current = core._enter()
         if len(core.sequences) == 1:
             core.sequences[0].decode(self.layer, q[0], out[0])
         else:
@@ -261,6 +265,7 @@ class _KvtierLayerState:
             core.batch.begin_step(self.layer, members, q)
             core.batch.attend(self.layer, members, q, out)
             core.batch.end_step(self.layer, members, q)
+        core._leave(current)
         self._keep += (q, out)
         self.steps += 1
         return out.unsqueeze(1), None           # [B, 1, Hq, d]
@@ -352,6 +357,7 @@ class KvtierCacheCore:
         self.batch: Optional[kvtier.Batch] = None
         self.sequences: Optional[List[kvtier.Sequence]] = None
         self.torch_device = None
+        self._kv_stream = None      # kvtier's CUDA stream, as torch sees it
         self.layers = [_KvtierLayerState(self, i) for i in range(self.num_layers)]
 
     @classmethod
@@ -397,6 +403,7 @@ class KvtierCacheCore:
         dtype and device allowed)."""
         self.close()
         self.sequences, self.batch, self.geometry, self.torch_device = None, None, None, None
+        self._kv_stream = None
         self.dtype = self._dtype_arg
         if self._device_arg is None:
             self.device = None
@@ -486,7 +493,11 @@ class KvtierCacheCore:
             raise ValueError("kvtier.hf: a batch of %d rows" % batch)
         options = self.options
         if kind == "cuda" and options.stream is None:
-            options = dataclasses.replace(options, stream=torch.cuda.current_stream())
+            current = torch.cuda.current_stream()
+            # torch's default stream (cuda_stream 0) cannot be adopted: kvtier then makes its
+            # own, and every call is ordered with torch's stream by events (_enter / _leave).
+            if int(current.cuda_stream) not in _DEFAULT_STREAMS:
+                options = dataclasses.replace(options, stream=current)
         self.options = options
         self.dtype = got
         self.torch_device = k.device
@@ -499,6 +510,28 @@ class KvtierCacheCore:
         else:
             self.batch = kvtier.Batch(self.device, self.geometry, options, max_batch=batch)
             self.sequences = [self.batch.add() for _ in range(batch)]
+        self._kv_stream = torch.cuda.ExternalStream(self.batch.native_stream, device=k.device) \
+            if kind == "cuda" else None
+
+    # -- ordering with torch's stream (CUDA) -----------------------------------------------
+    def _enter(self) -> Any:
+        """Before a kvtier call on CUDA: kvtier's stream waits for torch's current one (the
+        tensors kvtier is about to read were written there). Returns that stream for _leave,
+        or None where there is nothing to order (the CPU, or torch's stream is kvtier's)."""
+        if getattr(self, "_kv_stream", None) is None:
+            return None
+        torch = _torch()
+        current = torch.cuda.current_stream(self.torch_device)
+        if int(current.cuda_stream) == int(self._kv_stream.cuda_stream):
+            return None
+        self._kv_stream.wait_stream(current)
+        return current
+
+    def _leave(self, current: Any) -> None:
+        """After it: torch's stream waits for kvtier's (what kvtier wrote, and the reuse of the
+        tensors it read)."""
+        if current is not None:
+            current.wait_stream(self._kv_stream)
 
 
 def torch_attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any,

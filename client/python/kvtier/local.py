@@ -87,12 +87,18 @@ class LocalGeometry:
                                 _choice("geometry.dtype", self.dtype, _DTYPES))
 
 
+# cudaStream_t values that name a default stream: 0 (the legacy one, torch's default stream's
+# cuda_stream), cudaStreamLegacy and cudaStreamPerThread.
+_DEFAULT_STREAMS = (0, 1, 2)
+
+
 @dataclasses.dataclass
 class SequenceOptions:
     """kvtier/options.h's SequenceOptions as the C API takes them; the defaults are the
     library's (kvtier_sequence_options_init). `stream`: on CUDA, the engine's stream to adopt
-    (a torch.cuda.Stream, or its integer cudaStream_t), so kvtier's work is ordered with the
-    engine's; None: kvtier makes its own (Batch.native_stream hands it out)."""
+    (a torch.cuda.Stream, or its integer cudaStream_t; not a default stream, which is refused),
+    so kvtier's work is ordered with the engine's; None: kvtier makes its own
+    (Batch.native_stream hands it out)."""
     mode: str = "speculative"
     budget_tokens: int = 2048
     max_tokens: int = 131072
@@ -115,8 +121,17 @@ class SequenceOptions:
         o.recall = _choice("recall", self.recall, _RECALLS)
         o.capture_graphs = 1 if self.capture_graphs else 0
         if self.stream is not None:
-            handle = getattr(self.stream, "cuda_stream", self.stream)
-            o.compute_stream = int(handle)
+            handle = int(getattr(self.stream, "cuda_stream", self.stream))
+            if handle in _DEFAULT_STREAMS:
+                # Silently making kvtier's own stream instead would leave its work unordered
+                # with the caller's (kvtier's streams do not synchronise with the default one).
+                raise _invalid(
+                    "stream: a default CUDA stream (handle %d%s) cannot be adopted: it "
+                    "synchronises implicitly and cannot be captured; run under "
+                    "torch.cuda.stream(torch.cuda.Stream()), or pass stream=None and order "
+                    "your work with Batch.native_stream"
+                    % (handle, ", torch's default stream" if handle == 0 else ""))
+            o.compute_stream = handle
         return o
 
 

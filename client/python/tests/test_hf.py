@@ -397,7 +397,10 @@ class CoreTest(unittest.TestCase):
         out2, _ = hf.torch_attention(types.SimpleNamespace(), q, k, v, mask)
         torch.testing.assert_close(out2, out)
         # an unmarked K (any other cache): attention_forward is the model's own attention
-        out3, _ = hf.attention_forward(types.SimpleNamespace(), q, k, v, None)
+        # (the module's attributes as LlamaAttention's: transformers' SDPA expands the KV
+        # heads by num_key_value_groups)
+        llama_like = types.SimpleNamespace(is_causal=True, num_key_value_groups=HQ // HKV)
+        out3, _ = hf.attention_forward(llama_like, q, k, v, None)
         torch.testing.assert_close(out3, out)
 
     def test_llama_block_full_mode_equals_a_plain_growing_kv(self):
@@ -661,6 +664,83 @@ def hf_llama_logits(weights, config, ids):
         x = x + (gate * (h @ weights[p + "mlp.up_proj.weight"].T)) @ \
             weights[p + "mlp.down_proj.weight"].T
     return rms(x, weights["model.norm.weight"]) @ weights["model.embed_tokens.weight"].T
+
+
+def cuda_usable():
+    if not HAVE_ALL or not torch.cuda.is_available():
+        return False
+    try:
+        kvtier.Device("cuda")
+        return True
+    except kvtier.Error:
+        return False
+
+
+def run_layer(test, device, dtype, streams):
+    """One layer through the core: a 300-token prefill and 12 decode steps of random K/V/q
+    made on `device` (on CUDA each after a spin kernel, so they are written late on torch's
+    stream), every step's output against float64 attention over everything appended.
+    streams(step): the context the step runs in (a torch stream, or nothing)."""
+    c = core(dtype=dtype, max_tokens=512, device=device)
+    state = c.layers[0]
+    tdtype = getattr(torch, dtype)
+    g = torch.Generator(device=device).manual_seed(11)
+    ks, vs = [], []
+    for step, t in enumerate([300] + [1] * 12):
+        with streams(step):
+            if device == "cuda":
+                torch.cuda._sleep(20_000_000)   # what follows is written late on this stream
+            k = torch.randn(1, HKV, t, D, device=device, generator=g).to(tdtype)
+            v = torch.randn(1, HKV, t, D, device=device, generator=g).to(tdtype)
+            rk, rv = state.update(k, v)
+            ks.append(k.cpu())
+            vs.append(v.cpu())
+            if t > 1:
+                continue
+            if device == "cuda":
+                torch.cuda._sleep(20_000_000)
+            q = torch.randn(1, HQ, 1, D, device=device, generator=g).to(tdtype)
+            out, _ = hf.attention_forward(types.SimpleNamespace(layer_idx=0), q, rk, rv, None,
+                                          scaling=D ** -0.5)
+            got = out.cpu()   # ordered on this stream: after kvtier's attention
+            qc = q.cpu()
+        want = reference_attention(qc, torch.cat(ks, 2), torch.cat(vs, 2))
+        torch.testing.assert_close(got.double(), want, rtol=0,
+                                   atol=3e-3 if dtype == "float16" else 1e-4)
+    test.assertEqual(state.steps, 12)
+    test.assertEqual(c.get_seq_length(0), 312)
+    c.close()
+
+
+@unittest.skipUnless(HAVE_ALL, "needs torch and kvtier")
+class CpuLayerTest(unittest.TestCase):
+    def test_a_layer_on_the_cpu(self):
+        for dtype in ("float32", "float16"):
+            with self.subTest(dtype=dtype):
+                run_layer(self, "cpu", dtype, lambda step: contextlib.nullcontext())
+
+
+@unittest.skipUnless(cuda_usable(), "needs a GPU, torch with CUDA and a CUDA build of libkvtier")
+class CudaCoreTest(unittest.TestCase):
+    """The core on CUDA tensors written late on torch's stream: kvtier must read them after
+    torch wrote them and torch must read kvtier's output after kvtier wrote it — on torch's
+    default stream (which kvtier cannot adopt: the core orders the two with events), on a
+    stream of torch's own (adopted), and when torch's current stream changes between steps."""
+
+    def test_torch_default_stream(self):
+        for dtype in ("float32", "float16"):
+            with self.subTest(dtype=dtype):
+                run_layer(self, "cuda", dtype, lambda step: contextlib.nullcontext())
+
+    def test_a_torch_stream_adopted(self):
+        s = torch.cuda.Stream()
+        run_layer(self, "cuda", "float32", lambda step: torch.cuda.stream(s))
+
+    def test_torch_s_stream_changing_between_steps(self):
+        s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+        run_layer(self, "cuda", "float32",
+                  lambda step: contextlib.nullcontext() if step % 3 == 2
+                  else torch.cuda.stream(s1 if step % 3 == 0 else s2))
 
 
 @unittest.skipIf(torch is None, "needs torch")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import types
 import unittest
 
 if os.environ.get("KVTIER_PYTHONPATH"):
@@ -234,6 +235,16 @@ class LocalTest(unittest.TestCase):
         with self.assertRaises(kvtier.Error) as e:
             seq.append(0, k[:1], v[:1])
         self.assertEqual(e.exception.code, "FAILED_PRECONDITION")
+
+    def test_a_default_cuda_stream_is_refused_not_replaced(self):
+        # torch's default stream hands out cuda_stream 0; kvtier cannot adopt it, and making
+        # its own stream instead would leave its work unordered with the caller's.
+        for handle in (0, 1, 2, types.SimpleNamespace(cuda_stream=0)):
+            with self.assertRaises(kvtier.Error) as e:
+                kvtier.Sequence(self.dev, self.geometry(),
+                                kvtier.SequenceOptions(mode="full", stream=handle))
+            self.assertEqual(e.exception.code, "INVALID_ARGUMENT")
+            self.assertIn("a default CUDA stream", e.exception.message)
 
     def test_every_case_of_the_option_table_is_answered_as_the_table_says(self):
         # The one-option table (tests/include/option_table.toml) in-process from Python: the
