@@ -12,14 +12,15 @@ does. Queries drift as a decoder's do: q_t = a·q_{t−1} + sqrt(1 − a²)·noi
 half the heads, near the 0.48 the project's model gives (docs/eval.md); 0.95 corrects almost
 none, 0 almost all. Keys and values are random: the selection is not a model's.
 
-Three variants, interleaved call by call: seq.decode with torch tensors, with numpy arrays,
-and the same native calls (kvtier_sequence_decode, then kvtier_batch_synchronize as the
+Four variants, interleaved call by call: seq.decode with torch tensors, with numpy arrays,
+the same native calls (kvtier_sequence_decode, then kvtier_batch_synchronize as the
 package does on the CPU) made straight through ctypes with their arguments prepared outside
-the timing (kvtier._native, the package's internal binding). It also times the package's
+the timing (kvtier._native, the package's internal binding), and those two calls timed in
+C++ (bench/native_step.cc, libkvtier_native_step.so in the build tree: the baseline the
+ratios are taken against, free of Python's and ctypes' cost). It also times the package's
 argument handling alone (kvtier.local._tensor for q and out: the checks and DLPack borrows a
 decode call makes before it calls the library), which is what the package adds per call;
 the native time is dominated by the step itself and varies more than that from call to call.
-Compare the totals with the C++ benchmark's per-layer step.
 
     PYTHONPATH=<build>/client/python python3 client/python/examples/step_overhead.py
     ... --shape tiny --steps 500        # one of the shapes, more steps
@@ -28,6 +29,8 @@ Compare the totals with the C++ benchmark's per-layer step.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import os
 import statistics
 import sys
 import time
@@ -55,7 +58,28 @@ def summary(us):
         statistics.fmean(us), us[len(us) // 2], us[int(len(us) * 0.9)], us[0], len(us))
 
 
-def run_shape(name, s, args, dev):
+def load_cpp(path):
+    """libkvtier_native_step.so (bench/native_step.cc): the decode step timed in C++; None,
+    and why on stderr, where it is not found."""
+    candidates = [path] if path else [
+        os.path.join(os.path.dirname(os.path.abspath(_native.lib()._name)),
+                     "bench", "libkvtier_native_step.so"),
+        os.path.join(os.path.dirname(os.path.abspath(_native.lib()._name)),
+                     "libkvtier_native_step.so")]
+    for c in candidates:
+        if c and os.path.exists(c):
+            cpp = ctypes.CDLL(c)
+            cpp.kvtier_native_decode_timed.restype = ctypes.c_int
+            cpp.kvtier_native_decode_timed.argtypes = [
+                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p,
+                ctypes.c_void_p, ctypes.POINTER(ctypes.c_double)]
+            return cpp
+    print("step_overhead: libkvtier_native_step.so not found (%s): no C++-timed baseline"
+          % ", ".join(c for c in candidates if c), file=sys.stderr)
+    return None
+
+
+def run_shape(name, s, args, dev, cpp):
     L, Hq, Hkv, d, T = s["layers"], s["q_heads"], s["kv_heads"], s["head_dim"], s["tokens"]
     T = args.tokens or T
     steps = args.steps or (500 if name == "tiny" else 150)
@@ -104,6 +128,14 @@ def run_shape(name, s, args, dev):
             t = time.perf_counter()
             seq.decode(layer, qn, out)
             dt = time.perf_counter() - t
+        elif kind == "cpp":  # the same two calls timed in C++ (libkvtier_native_step)
+            out = np.empty_like(qn)
+            qp, op = _dlpack.borrow(qn), _dlpack.borrow(out)
+            us = ctypes.c_double()
+            rc = cpp.kvtier_native_decode_timed(h, batch, layer, qp.ptr, op.ptr, ctypes.byref(us))
+            if rc:
+                raise RuntimeError(lib.kvtier_last_error().decode())
+            dt = us.value * 1e-6
         else:  # the native calls alone, their arguments prepared outside the timing
             out = np.empty_like(qn)
             qp, op = _dlpack.borrow(qn), _dlpack.borrow(out)
@@ -116,7 +148,8 @@ def run_shape(name, s, args, dev):
         if times is not None:
             times.append(dt * 1e6)
 
-    kinds = (["torch"] if torch is not None else []) + ["numpy", "native"]
+    kinds = (["torch"] if torch is not None else []) + ["numpy", "native"] + \
+        (["cpp"] if cpp is not None else [])
     for _ in range(args.warmup):
         for layer in range(L):
             call(kinds[0], layer, None)
@@ -131,7 +164,7 @@ def run_shape(name, s, args, dev):
     # The package's own work per call without the native call: the two tensors' checks and
     # DLPack borrows (kvtier.local._tensor, what decode does before it calls the library).
     wrap = {}
-    for kind in kinds[:-1]:
+    for kind in [k for k in kinds if k in ("torch", "numpy")]:
         qn = next_q(0)
         qx = torch.from_numpy(qn) if kind == "torch" else qn
         ox = torch.empty_like(qx) if kind == "torch" else np.empty_like(qn)
@@ -150,8 +183,13 @@ def run_shape(name, s, args, dev):
                                                     prefill_s, steps))
     for kind in kinds:
         label = {"torch": "seq.decode, torch", "numpy": "seq.decode, numpy",
-                 "native": "native calls (ctypes)"}[kind]
+                 "native": "native calls (ctypes)", "cpp": "native calls (C++ timed)"}[kind]
         print("  %-24s %s" % (label, summary(results[kind])))
+    if cpp is not None:
+        base = statistics.median(results["cpp"])
+        print("  median against C++: " + ", ".join(
+            "%s %.2fx" % (kind, statistics.median(results[kind]) / base)
+            for kind in kinds if kind != "cpp"))
     for kind, times in wrap.items():
         print("  %-24s %s" % ("argument handling, " + kind, summary(times)))
     print("  correction rate %.3f (%d of %d KV heads), recalled pages %d" % (
@@ -171,12 +209,15 @@ def main(argv=None):
     ap.add_argument("--tau", type=float, default=0.7)
     ap.add_argument("--drift", type=float, default=0.7, help="query autocorrelation a in [0, 1)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's)")
+    ap.add_argument("--native-step", help="libkvtier_native_step.so (default: beside "
+                    "libkvtier.so in the build tree, <build>/bench/)")
     args = ap.parse_args(argv)
     if torch is not None and args.threads > 0:
         torch.set_num_threads(args.threads)
     dev = kvtier.Device("cpu")
+    cpp = load_cpp(args.native_step)
     for name in (sorted(SHAPES, reverse=True) if args.shape == "all" else [args.shape]):
-        run_shape(name, SHAPES[name], args, dev)
+        run_shape(name, SHAPES[name], args, dev, cpp)
     del dev
     return 0
 
