@@ -1,0 +1,120 @@
+"""engine/model/train.py's context-training sequences (Tasks): the kinds a --task-mix names,
+where their repeats and answers lie, and the loss weights --filler-weight gives them.
+
+Run by ctest (train_tasks_test) with the system python3; skipped where torch or numpy is not
+importable (train.py needs both). The tokenizer and text are the shipped model's and its
+held-out eval text, so no dataset is needed."""
+
+import importlib.util
+import os
+import random
+import sys
+import unittest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+MODEL_DIR = os.path.join(ROOT, "engine", "model")
+sys.path.insert(0, MODEL_DIR)
+
+
+def load_train():
+    try:
+        spec = importlib.util.spec_from_file_location("kvtier_train", os.path.join(MODEL_DIR, "train.py"))
+        train = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(train)
+        return train, ""
+    except ImportError as e:
+        return None, "%s: %s" % (type(e).__name__, e)
+
+
+train, WHY = load_train()
+
+
+@unittest.skipIf(train is None, "train.py not importable: %s" % WHY)
+class TasksTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        import numpy as np
+        import gguf_write
+
+        kv, _ = gguf_write.read(os.path.join(MODEL_DIR, "kvtier-tiny.gguf"))
+        cls.bpe = train.Bpe(kv["tokenizer.ggml.tokens"], kv["tokenizer.ggml.merges"])
+        with open(os.path.join(MODEL_DIR, "golden", "eval.txt"), encoding="utf-8") as f:
+            ids = cls.bpe.encode(f.read())
+        cls.stream = np.array(ids * 2, dtype=np.int32)
+
+    def tasks(self, mix, filler_weight=1.0, seed=1):
+        return train.Tasks(self.stream, self.bpe, len(self.bpe.tokens) - 2, 4096,
+                           random.Random(seed), train.Tasks.parse_mix(mix), filler_weight)
+
+    def test_parse_mix_normalises_and_refuses_unknown_kinds(self):
+        mix = train.Tasks.parse_mix("text=1,shuffled=3")
+        self.assertEqual(mix, (("text", 0.25), ("shuffled", 0.75)))
+        for bad in ("text=1,nope=1", "text=x", "text=0", "text=-1,copy=2"):
+            with self.assertRaises(SystemExit):
+                train.Tasks.parse_mix(bad)
+
+    def test_shuffled_passages_repeat_at_their_distance_and_only_the_repeat_weighs_one(self):
+        t = self.tasks("shuffled=1", filler_weight=0.05)
+        distances = []
+        for _ in range(40):
+            ids, pos, w = t.sample(2048, False)
+            self.assertEqual((len(ids), len(pos), len(w)), (2049, 2048, 2048))
+            self.assertEqual(pos, list(range(2048)))
+            ones = [i for i, x in enumerate(w) if x == 1.0]
+            self.assertTrue(ones)
+            self.assertTrue(all(x in (1.0, 0.05) for x in w))
+            self.assertEqual(ones, list(range(ones[0], ones[-1] + 1)))  # one run
+            # targets ones[0]..ones[-1] predict ids[ones[0] + 1 ..]: the repeat after its
+            # first token; the same tokens stand d earlier
+            start, end = ones[0], ones[-1] + 2   # the repeat is ids[start:end]
+            length = end - start
+            found = [d for d in range(length, start + 1)
+                     if ids[start - d:end - d] == ids[start:end]]
+            self.assertTrue(found, "no earlier occurrence of the repeat")
+            distances.append(found[0])
+        self.assertGreater(max(distances), 1000)   # uniform distances reach far back
+
+    def test_a_shuffled_passage_is_the_corpus_s_words_in_another_order(self):
+        t = self.tasks("shuffled=1", seed=3)
+        text = t.text(400)
+        t.rng = random.Random(7)
+        t.text = lambda n, _text=text: list(_text[:n])     # the passage's source, fixed
+        out = t.shuffled(300)
+        self.assertEqual(len(out), 300)
+        self.assertEqual(sorted(out), sorted(text[:300]))   # the same tokens ...
+        self.assertNotEqual(out, text[:300])                 # ... in another order
+
+    def test_pass_keys_weigh_one_on_the_question_and_answer_only(self):
+        t = self.tasks("passkey=1", filler_weight=0.1, seed=5)
+        for _ in range(20):
+            ids, _, w = t.sample(1024, False)
+            ones = [i for i, x in enumerate(w) if x == 1.0]
+            self.assertEqual(ones[-1], 1023)                 # through the last target
+            answer = self.bpe.decode(ids[ones[0] + 1:])
+            self.assertIn("pass key", answer)
+            self.assertTrue(any(c.isdigit() for c in answer))
+            self.assertGreater(len(ones), 4)
+            self.assertLess(len(ones), 80)
+
+    def test_without_a_filler_weight_every_target_weighs_one(self):
+        t = self.tasks("text=1,copy=1,passkey=1,shuffled=1", seed=9)
+        for _ in range(10):
+            _, _, w = t.sample(512, False)
+            self.assertEqual(set(w), {1.0})
+
+    def test_the_weighted_loss_is_the_plain_mean_when_every_weight_is_one(self):
+        import torch
+        g = torch.Generator().manual_seed(0)
+        logits = torch.randn(2, 5, 11, generator=g)
+        y = torch.randint(0, 11, (2, 5), generator=g)
+        plain = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+        ones = torch.ones(2, 5)
+        torch.testing.assert_close(train.weighted_loss(logits, y, ones), plain)
+        w = torch.zeros(2, 5)
+        w[1, 3] = 1.0
+        ce = torch.nn.functional.cross_entropy(logits[1, 3][None], y[1, 3][None])
+        torch.testing.assert_close(train.weighted_loss(logits, y, w), ce)
+
+
+if __name__ == "__main__":
+    unittest.main()
