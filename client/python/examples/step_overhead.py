@@ -84,7 +84,7 @@ def run_shape(name, s, args, dev, cpp):
     T = args.tokens or T
     steps = args.steps or (500 if name == "tiny" else 150)
     page = 32
-    total_steps = args.warmup + 3 * steps  # one call of each of three variants per step
+    total_steps = args.warmup + 4 * steps  # one call of each of (up to) four variants per step
     max_tokens = -(-(T + total_steps + page) // page) * page
     geo = kvtier.LocalGeometry(num_layers=L, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=d,
                                page_size=page, dtype="float16")
