@@ -518,7 +518,7 @@ class KvtierCacheCore:
         """Before a kvtier call on CUDA: kvtier's stream waits for torch's current one (the
         tensors kvtier is about to read were written there). Returns that stream for _leave,
         or None where there is nothing to order (the CPU, or torch's stream is kvtier's)."""
-        if getattr(self, "_kv_stream", None) is None:
+        if self._kv_stream is None:
             return None
         torch = _torch()
         current = torch.cuda.current_stream(self.torch_device)

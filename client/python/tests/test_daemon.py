@@ -13,22 +13,15 @@ import textwrap
 import time
 import unittest
 
-if os.environ.get("KVTIER_PYTHONPATH"):
-    sys.path.insert(0, os.environ["KVTIER_PYTHONPATH"])
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _support  # noqa: E402 - the package on the path
 
-try:
+kvtier, IMPORT_ERROR = _support.load_kvtier("numpy", "kvtier.daemon", "test_client")
+if kvtier is not None:
     import numpy as np
 
-    import kvtier
     import kvtier.daemon as kd
     from test_client import TENANT, TOKEN, Daemon  # kvtierd on temporary sockets
-
-    kvtier.local._native.lib()
-    IMPORT_ERROR = ""
-except (ImportError, OSError) as e:
-    kvtier = None
-    IMPORT_ERROR = str(e)
 
 KVTIERD = os.environ.get("KVTIERD", "")
 GEOMETRY = dict(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=32,

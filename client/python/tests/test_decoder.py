@@ -21,22 +21,15 @@ import sys
 import tempfile
 import unittest
 
-if os.environ.get("KVTIER_PYTHONPATH"):
-    sys.path.insert(0, os.environ["KVTIER_PYTHONPATH"])
+import _support  # the package on the path
 
 _SOURCE_PACKAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "kvtier")
 
-try:
+kvtier, IMPORT_ERROR = _support.load_kvtier("numpy")
+if kvtier is not None:
     import numpy as np
 
-    import kvtier
     from kvtier import local as kvlocal
-
-    kvlocal._native.lib()
-    IMPORT_ERROR = ""
-except (ImportError, OSError) as e:
-    kvtier = None
-    IMPORT_ERROR = str(e)
 
 gguf = llama = None
 TORCH_ERROR = ""

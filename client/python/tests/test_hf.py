@@ -28,8 +28,7 @@ import tempfile
 import types
 import unittest
 
-if os.environ.get("KVTIER_PYTHONPATH"):
-    sys.path.insert(0, os.environ["KVTIER_PYTHONPATH"])
+import _support  # the package on the path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.normpath(os.path.join(HERE, "..", "..", ".."))
@@ -42,16 +41,10 @@ try:
 except ImportError:
     torch = None
 
-try:
-    import kvtier
+kvtier, IMPORT_ERROR = _support.load_kvtier("kvtier.hf")
+hf = None
+if kvtier is not None:
     from kvtier import hf
-    from kvtier import local as kvlocal
-
-    kvlocal._native.lib()
-    IMPORT_ERROR = ""
-except (ImportError, OSError) as e:
-    kvtier = hf = None
-    IMPORT_ERROR = str(e)
 
 NEEDS = "needs kvtier, its library and torch: %s" % (IMPORT_ERROR or "torch not importable")
 HAVE_ALL = kvtier is not None and torch is not None
@@ -666,16 +659,6 @@ def hf_llama_logits(weights, config, ids):
     return rms(x, weights["model.norm.weight"]) @ weights["model.embed_tokens.weight"].T
 
 
-def cuda_usable():
-    if not HAVE_ALL or not torch.cuda.is_available():
-        return False
-    try:
-        kvtier.Device("cuda")
-        return True
-    except kvtier.Error:
-        return False
-
-
 def run_layer(test, device, dtype, streams):
     """One layer through the core: a 300-token prefill and 12 decode steps of random K/V/q
     made on `device` (on CUDA each after a spin kernel, so they are written late on torch's
@@ -720,7 +703,7 @@ class CpuLayerTest(unittest.TestCase):
                 run_layer(self, "cpu", dtype, lambda step: contextlib.nullcontext())
 
 
-@unittest.skipUnless(cuda_usable(), "needs a GPU, torch with CUDA and a CUDA build of libkvtier")
+@unittest.skipUnless(_support.cuda_usable(kvtier, torch), "needs a GPU, torch with CUDA and a CUDA build of libkvtier")
 class CudaCoreTest(unittest.TestCase):
     """The core on CUDA tensors written late on torch's stream: kvtier must read them after
     torch wrote them and torch must read kvtier's output after kvtier wrote it — on torch's

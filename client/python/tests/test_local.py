@@ -15,20 +15,13 @@ import threading
 import types
 import unittest
 
-if os.environ.get("KVTIER_PYTHONPATH"):
-    sys.path.insert(0, os.environ["KVTIER_PYTHONPATH"])
+import _support  # the package on the path
 
-try:
+kvtier, IMPORT_ERROR = _support.load_kvtier("numpy")
+if kvtier is not None:
     import numpy as np
 
-    import kvtier
     from kvtier import local as kvlocal
-
-    kvlocal._native.lib()
-    IMPORT_ERROR = ""
-except (ImportError, OSError) as e:
-    kvtier = None
-    IMPORT_ERROR = str(e)
 
 try:
     import torch
@@ -365,17 +358,7 @@ class TorchTest(unittest.TestCase):
         self.assertIn("not contiguous", e.exception.message)
 
 
-def cuda_usable():
-    if kvtier is None or torch is None or not torch.cuda.is_available():
-        return False
-    try:
-        kvtier.Device("cuda")
-        return True
-    except kvtier.Error:
-        return False
-
-
-@unittest.skipUnless(cuda_usable(), "needs a GPU, torch with CUDA and a CUDA build of libkvtier")
+@unittest.skipUnless(_support.cuda_usable(kvtier, torch), "needs a GPU, torch with CUDA and a CUDA build of libkvtier")
 class CudaTest(unittest.TestCase):
     """The same data path on CUDA tensors, with torch's stream adopted as the sequences'
     compute stream (the GPU bundle's step 10 runs this)."""
