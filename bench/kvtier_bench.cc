@@ -332,7 +332,7 @@ int main(int argc, char** argv) {
   replay->add_flag("--no-sync", no_sync, "skip sync mode");
   replay->add_flag("--no-drop", no_drop, "skip drop mode (sinks + sliding window)");
   replay
-      ->add_option("--recall", recall, "recall strategy: auto, slab_dma, batched_dma or zero_copy")
+      ->add_option("--recall", recall, "recall strategy: auto, batched_dma or zero_copy")
       ->capture_default_str();
   rf.mass_layers = std::to_string(ro.mass_layers);
   replay
@@ -440,8 +440,7 @@ int main(int argc, char** argv) {
     ro.sync = !no_sync;
     ro.drop = !no_drop;
     if (!kvtier::ParseRecallStrategy(recall, &ro.recall)) {
-      std::cerr << "kvtier-bench replay: --recall must be auto, slab_dma, batched_dma or "
-                   "zero_copy\n";
+      std::cerr << "kvtier-bench replay: --recall must be auto, batched_dma or zero_copy\n";
       return 2;
     }
     if (!write_trace.empty()) {

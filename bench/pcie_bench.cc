@@ -122,9 +122,10 @@ struct RecallRow {
   int32_t churn = 0;                           // percent
   int32_t items = 0;                           // slabs per plan
   int64_t bytes = 0;                           // recalled bytes per plan
-  std::array<double, 3> seconds = {0, 0, 0};   // per kRecallStrategies entry (median)
-  std::array<Spread, 3> spread;                // per kRecallStrategies entry, seconds
-  std::array<int64_t, 3> ranges = {0, 0, 0};   // copy ranges the DMA strategies issued
+  static constexpr size_t kStrategies = kRecallStrategies.size();
+  std::array<double, kStrategies> seconds{};   // per kRecallStrategies entry (median)
+  std::array<Spread, kStrategies> spread;      // per kRecallStrategies entry, seconds
+  std::array<int64_t, kStrategies> ranges{};   // copy ranges the DMA strategy issued
   std::vector<std::vector<RecallItem>> plans;  // 1 warm-up + iters
 };
 
@@ -451,7 +452,7 @@ absl::Status PcieBench::Recall() {
   log_ << absl::StrFormat("  %6s %5s %6s %9s |", "budget", "churn", "items", "bytes");
   for (RecallStrategy s : kRecallStrategies)
     log_ << absl::StrFormat(" %-21s|", RecallStrategyName(s));
-  log_ << " best/slab_dma\n";
+  log_ << " best/batched_dma\n";
   for (const RecallRow& r : recall_) {
     log_ << absl::StrFormat("  %6d %4d%% %6d %9s |", r.budget, r.churn, r.items, Bytes(r.bytes));
     double best = 0;
@@ -460,8 +461,8 @@ absl::Status PcieBench::Recall() {
       best = std::max(best, gbps);
       log_ << absl::StrFormat(" %7.2f (%s) %5dr |", gbps, FractionText(gbps), r.ranges[s]);
     }
-    const double slab = Gbps(static_cast<double>(r.bytes), r.seconds[0]);
-    log_ << absl::StrFormat(" %.2fx\n", slab > 0 ? best / slab : 0.0);
+    const double dma = Gbps(static_cast<double>(r.bytes), r.seconds[0]);  // batched_dma
+    log_ << absl::StrFormat(" %.2fx\n", dma > 0 ? best / dma : 0.0);
   }
   const Spread best = GbpsOf(static_cast<double>(ref.bytes), ref.spread[best_]);
   log_ << absl::StrFormat(

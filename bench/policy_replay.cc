@@ -89,10 +89,9 @@ absl::StatusOr<RunSpec> MakeSpec(const std::string& name, int32_t budget_tokens,
     // The defaults: sinks + sliding window.
   } else if (name == "h2o") {
     c.residency = "h2o";
-  } else if (name == "conf-kv" || name == "conf-kv-int8") {
+  } else if (name == "conf-kv") {
     c.budget = "confidence";
     c.residency = "attention";
-    if (name == "conf-kv-int8") c.params["int8.window_pages"] = absl::StrCat(ro.recent_pages);
   } else if (name == "epikv" || name == "epikv-kv") {
     c.residency = "epiphany";
     c.params["epiphany.signal"] = name == "epikv" ? "hidden_delta" : "key_variance";
@@ -414,10 +413,10 @@ absl::StatusOr<RunResult> PolicyReplay::RunOne(const RunSpec& spec) {
 void PolicyReplay::PrintRow(const RunResult& r) const {
   const std::string budget =
       r.spec.budget_tokens > 0 ? absl::StrCat(r.spec.budget_tokens) : std::string("all");
-  log_ << absl::StrFormat("%-17s %6s %9.2f %8.4f %10.3e %10.3e %10.3e %7d %9d %7d %6.1f\n",
+  log_ << absl::StrFormat("%-17s %6s %9.2f %8.4f %10.3e %10.3e %10.3e %7d %9d %6.1f\n",
                           r.spec.policy, budget, r.memory_bytes / (1 << 20), r.memory_fraction,
                           r.rel_error, r.rel_error_p95, r.rel_error_max, r.stats.budget_changes,
-                          r.stats.evicted_head_pages, r.stats.int8_head_pages, r.seconds);
+                          r.stats.evicted_head_pages, r.seconds);
   log_.flush();
 }
 
@@ -460,7 +459,6 @@ JsonObject PolicyReplay::Report(double wall_seconds) const {
         .Add("rel_error_max", r.rel_error_max)
         .Add("budget_changes", st.budget_changes)
         .Add("evicted_head_pages", st.evicted_head_pages)
-        .Add("int8_head_pages", st.int8_head_pages)
         .Add("resident_head_pages", st.resident_head_pages)
         .Add("host_tier_bytes", st.offloaded_pages * static_cast<int64_t>(g_.host_page_bytes()))
         .Add("recall_bytes_per_step", static_cast<double>(st.recalled_bytes) / measured())
@@ -525,9 +523,9 @@ absl::StatusOr<JsonObject> PolicyReplay::Run() {
   }
   log_ << absl::StrFormat("  drift over the measured steps: mean %.3f, max %.3f\n",
                           drift_sum / measured(), drift_max);
-  log_ << absl::StrFormat("%-17s %6s %9s %8s %10s %10s %10s %7s %9s %7s %6s\n", "policy", "budget",
+  log_ << absl::StrFormat("%-17s %6s %9s %8s %10s %10s %10s %7s %9s %6s\n", "policy", "budget",
                           "mem MiB", "mem frac", "rel_err", "err p95", "err max", "bud_chg",
-                          "evicted", "int8", "run s");
+                          "evicted", "run s");
   RunSpec full;
   full.policy = "full";
   full.mode = RetrievalMode::kFull;
@@ -561,8 +559,8 @@ absl::StatusOr<JsonObject> PolicyReplay::Run() {
 
 const std::vector<std::string>& PolicyReplayNames() {
   static const auto* names =
-      new std::vector<std::string>{"window",   "h2o", "conf-kv",     "conf-kv-int8",  "epikv",
-                                   "epikv-kv", "xkv", "kv-compress", kSpeculativeConf};
+      new std::vector<std::string>{"window", "h2o",         "conf-kv",       "epikv", "epikv-kv",
+                                   "xkv",    "kv-compress", kSpeculativeConf};
   return *names;
 }
 

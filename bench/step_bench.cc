@@ -782,7 +782,7 @@ int RunStepCommand(StepFlags& f) {
     return 2;
   }
   if (!ParseRecallStrategy(f.recall, &o.recall)) {
-    std::cerr << "kvtier-bench step: --recall must be auto, slab_dma, batched_dma or zero_copy\n";
+    std::cerr << "kvtier-bench step: --recall must be auto, batched_dma or zero_copy\n";
     return 2;
   }
   o.sync = !f.no_sync;
@@ -837,8 +837,7 @@ CLI::App* AddStepCommand(CLI::App& app, int* rc) {
       ->capture_default_str();
   cmd->add_option("--tau", f.o.tau, "speculative correction threshold")->capture_default_str();
   cmd->add_option("--recall", f.recall,
-                  "recall strategy: auto, slab_dma, batched_dma or "
-                  "zero_copy")
+                  "recall strategy: auto, batched_dma or zero_copy")
       ->capture_default_str();
   cmd->add_flag("--no-sync", f.no_sync, "skip sync mode");
   cmd->add_flag("--graphs", f.graphs,

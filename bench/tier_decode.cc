@@ -185,7 +185,7 @@ absl::StatusOr<SequenceOptions> DecodeSequenceOptions(const TierDecodeOptions& o
   }
   SequenceOptions so;
   so.mode = RetrievalMode::kSpeculative;
-  so.recall = RecallStrategy::kSlabDma;
+  so.recall = RecallStrategy::kBatchedDma;
   so.max_tokens = o.prefill + o.steps;
   so.policy.residency = "h2o";
   if (absl::Status st = so.SetBudgetTokens(o.budget_tokens, p); !st.ok()) {
@@ -304,7 +304,7 @@ absl::StatusOr<TierDecodeResult> RunTierDecode(daemon::ColdTier* cold, const std
   }
   log << absl::StreamFormat(
       "decode with host_drop = demote (%d layers, %d + %d tokens, %d of %d pages per layer in "
-      "the host tier; speculative, slab_dma, h2o; cpu backend, 2 threads):\n"
+      "the host tier; speculative, batched_dma, h2o; cpu backend, 2 threads):\n"
       "  prefill        unbounded %8.1f ms   demote %8.1f ms (cold tier %.1f ms)\n"
       "  step p50       unbounded %8.3f ms   demote %8.3f ms   ratio %.2f\n"
       "  step p99       unbounded %8.3f ms   demote %8.3f ms\n"

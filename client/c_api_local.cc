@@ -53,7 +53,6 @@ using kvtier::c_api::InvalidArgument;
 using kvtier::c_api::Report;
 
 static_assert(KVTIER_RECALL_AUTO == static_cast<int>(kvtier::RecallStrategy::kAuto) &&
-              KVTIER_RECALL_SLAB_DMA == static_cast<int>(kvtier::RecallStrategy::kSlabDma) &&
               KVTIER_RECALL_BATCHED_DMA == static_cast<int>(kvtier::RecallStrategy::kBatchedDma) &&
               KVTIER_RECALL_ZERO_COPY == static_cast<int>(kvtier::RecallStrategy::kZeroCopy));
 static_assert(KVTIER_DEVICE_AUTO == static_cast<int>(kvtier::DeviceKind::kAuto) &&

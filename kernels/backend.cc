@@ -85,10 +85,6 @@ absl::Status Backend::DenseAttention(Stream& s, const DenseAttentionArgs& a) {
   KVTIER_RETURN_IF_ERROR(ValidateArgs(a));
   return DoDenseAttention(s, a);
 }
-absl::Status Backend::QuantizeSlots(Stream& s, const QuantizeSlotsArgs& a) {
-  KVTIER_RETURN_IF_ERROR(ValidateArgs(a));
-  return DoQuantizeSlots(s, a);
-}
 absl::Status Backend::MoveHeadSlots(Stream& s, const MoveHeadSlotsArgs& a) {
   KVTIER_RETURN_IF_ERROR(ValidateArgs(a));
   return DoMoveHeadSlots(s, a);

@@ -67,7 +67,6 @@ class Backend : public Device {
   absl::Status Offload(Stream& s, const OffloadArgs& a);
   absl::Status SparseAttention(Stream& s, const SparseAttentionArgs& a);
   absl::Status DenseAttention(Stream& s, const DenseAttentionArgs& a);
-  absl::Status QuantizeSlots(Stream& s, const QuantizeSlotsArgs& a);
   absl::Status MoveHeadSlots(Stream& s, const MoveHeadSlotsArgs& a);
 
  protected:
@@ -82,7 +81,6 @@ class Backend : public Device {
   virtual absl::Status DoOffload(Stream& s, const OffloadArgs& a) = 0;
   virtual absl::Status DoSparseAttention(Stream& s, const SparseAttentionArgs& a) = 0;
   virtual absl::Status DoDenseAttention(Stream& s, const DenseAttentionArgs& a) = 0;
-  virtual absl::Status DoQuantizeSlots(Stream& s, const QuantizeSlotsArgs& a) = 0;
   virtual absl::Status DoMoveHeadSlots(Stream& s, const MoveHeadSlotsArgs& a) = 0;
 };
 

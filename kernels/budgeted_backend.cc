@@ -103,9 +103,6 @@ class BudgetedBackend final : public Backend {
   absl::Status DoDenseAttention(Stream& s, const DenseAttentionArgs& a) override {
     return inner_.DenseAttention(s, a);
   }
-  absl::Status DoQuantizeSlots(Stream& s, const QuantizeSlotsArgs& a) override {
-    return inner_.QuantizeSlots(s, a);
-  }
   absl::Status DoMoveHeadSlots(Stream& s, const MoveHeadSlotsArgs& a) override {
     return inner_.MoveHeadSlots(s, a);
   }

@@ -58,25 +58,6 @@ absl::Status CheckRanges(const char* op, std::initializer_list<NamedRange> field
   return absl::OkStatus();
 }
 
-// INVALID_ARGUMENT unless the pointers of a group are all null or all non-null.
-absl::Status CheckAllOrNone(const char* op, std::initializer_list<NamedPtr> group) {
-  bool any = false, all = true;
-  for (const NamedPtr& f : group) {
-    any = any || f.p != nullptr;
-    all = all && f.p != nullptr;
-  }
-  if (any == all) return absl::OkStatus();
-  std::string names;
-  const char* missing = "";
-  for (const NamedPtr& f : group) {
-    if (!names.empty()) names += ", ";
-    names += f.field;
-    if (f.p == nullptr && *missing == '\0') missing = f.field;
-  }
-  return absl::InvalidArgumentError(absl::StrFormat(
-      "%s: %s must be given together or not at all (%s is null)", op, names, missing));
-}
-
 constexpr int32_t kMaxBatch = 1 << 16;
 constexpr int32_t kMaxPages = 1 << 24;  // 512M tokens at p = 32
 
@@ -122,10 +103,7 @@ absl::Status ValidateShape(const char* op, const KvShape& s, unsigned needs) {
 enum WorkingSetField : unsigned {
   kCaches = 1u << 0,  // k_cache, v_cache
   kSlotTable = 1u << 1,
-  kPartialPage = 1u << 2,   // partial_page, partial_len
-  kInt8Required = 1u << 3,  // k_int8, v_int8, k_scale, v_scale, all given
-  kInt8Optional = 1u << 4,  // the same four, all or none
-  kInt8Slots = 1u << 5,     // slot_int8 and the same four, all or none
+  kPartialPage = 1u << 2,  // partial_page, partial_len
 };
 
 // The one check of an op's PagedKv: num_slots in [1, max_slots] and the fields in `needs`.
@@ -141,25 +119,6 @@ absl::Status ValidateWorkingSet(const char* op, const PagedKv& kv, int64_t max_s
   if ((needs & kPartialPage) != 0) {
     KVTIER_RETURN_IF_ERROR(
         CheckPtrs(op, {{"kv.partial_page", kv.partial_page}, {"kv.partial_len", kv.partial_len}}));
-  }
-  if ((needs & kInt8Required) != 0) {
-    KVTIER_RETURN_IF_ERROR(CheckPtrs(op, {{"kv.k_int8", kv.k_int8},
-                                          {"kv.v_int8", kv.v_int8},
-                                          {"kv.k_scale", kv.k_scale},
-                                          {"kv.v_scale", kv.v_scale}}));
-  }
-  if ((needs & kInt8Slots) != 0) {
-    return CheckAllOrNone(op, {{"kv.slot_int8", kv.slot_int8},
-                               {"kv.k_int8", kv.k_int8},
-                               {"kv.v_int8", kv.v_int8},
-                               {"kv.k_scale", kv.k_scale},
-                               {"kv.v_scale", kv.v_scale}});
-  }
-  if ((needs & kInt8Optional) != 0) {
-    return CheckAllOrNone(op, {{"kv.k_int8", kv.k_int8},
-                               {"kv.v_int8", kv.v_int8},
-                               {"kv.k_scale", kv.k_scale},
-                               {"kv.v_scale", kv.v_scale}});
   }
   return absl::OkStatus();
 }
@@ -280,7 +239,7 @@ absl::Status ValidateArgs(const SparseAttentionArgs& a) {
   KVTIER_RETURN_IF_ERROR(ValidateShape(op, a.shape, kHeadShape | kPageSize));
   KVTIER_RETURN_IF_ERROR(CheckRange(op, "batch", a.batch, 1, kMaxBatch));
   KVTIER_RETURN_IF_ERROR(
-      ValidateWorkingSet(op, a.kv, kMaxPages, kCaches | kSlotTable | kPartialPage | kInt8Slots));
+      ValidateWorkingSet(op, a.kv, kMaxPages, kCaches | kSlotTable | kPartialPage));
   KVTIER_RETURN_IF_ERROR(CheckPtrs(op, {{"q", a.q}, {"out", a.out}}));
   // The alignment contract of every backend: K/V rows are read as 16-byte vectors (head_dim
   // is a multiple of 8 elements, so every row of an aligned cache is aligned). A misaligned
@@ -305,22 +264,13 @@ absl::Status ValidateArgs(const DenseAttentionArgs& a) {
                    {{"q", a.q}, {"k", a.k}, {"v", a.v}, {"seq_len", a.seq_len}, {"out", a.out}});
 }
 
-absl::Status ValidateArgs(const QuantizeSlotsArgs& a) {
-  constexpr const char* op = "QuantizeSlots";
-  KVTIER_RETURN_IF_ERROR(ValidateShape(op, a.shape, kPageShape));
-  KVTIER_RETURN_IF_ERROR(CheckRange(op, "num_items", a.num_items, 0, INT32_MAX));
-  if (a.num_items == 0) return absl::OkStatus();
-  KVTIER_RETURN_IF_ERROR(ValidateWorkingSet(op, a.kv, INT32_MAX, kCaches | kInt8Required));
-  return CheckPtr(op, "items", a.items);
-}
-
 // Items live in backend memory, so src_slot == dst_slot is found when the op runs.
 absl::Status ValidateArgs(const MoveHeadSlotsArgs& a) {
   constexpr const char* op = "MoveHeadSlots";
   KVTIER_RETURN_IF_ERROR(ValidateShape(op, a.shape, kPageShape));
   KVTIER_RETURN_IF_ERROR(CheckRange(op, "num_items", a.num_items, 0, INT32_MAX));
   if (a.num_items == 0) return absl::OkStatus();
-  KVTIER_RETURN_IF_ERROR(ValidateWorkingSet(op, a.kv, INT32_MAX, kCaches | kInt8Optional));
+  KVTIER_RETURN_IF_ERROR(ValidateWorkingSet(op, a.kv, INT32_MAX, kCaches));
   return CheckPtr(op, "items", a.items);
 }
 

@@ -39,8 +39,7 @@ inline KvShape KvShapeOf(const Geometry& g) {
 }
 
 // A working set in backend memory: NHD K and V caches of num_slots slots of p tokens, with
-// the per-KV-head slot tables, the partial page and the INT8 copies (Conf-KV) attention
-// reads. Ops that batch sequences (SparseAttention, Replace) take num_slots = S per sequence,
+// the per-KV-head slot tables and the partial page attention reads. Ops that batch sequences (SparseAttention, Replace) take num_slots = S per sequence,
 // global slot b·S + s; the others address global slots and take the whole cache as one
 // sequence, num_slots = B·S. Each op says which fields it reads and which it writes; the
 // pointers are mutable because some op writes each of them.
@@ -51,14 +50,6 @@ struct PagedKv {
   int32_t* slot_table = nullptr;          // [B][Hkv][S] → logical page, or kEmptySlot
   const int32_t* partial_page = nullptr;  // [B] logical page being filled, or -1 for none
   const int32_t* partial_len = nullptr;   // [B] tokens in it, in [0, p]
-  // INT8 storage: where slot_int8[b][h][s] is 1, head h's part of slot s is read from
-  // k_int8/v_int8 (the caches' NHD layout) times the per-channel scale of that (slot, head):
-  // value = q · scale[b·S + s][h][dim]. QuantizeSlots writes them; MoveHeadSlots moves them.
-  const uint8_t* slot_int8 = nullptr;  // [B][Hkv][S]
-  int8_t* k_int8 = nullptr;            // [num_slots][p][Hkv][d]
-  int8_t* v_int8 = nullptr;
-  float* k_scale = nullptr;  // [num_slots][Hkv][d]
-  float* v_scale = nullptr;
 };
 
 // Page scores (Quest): score[b][hq][page] = Σ_i max(q_i·hi_i, q_i·lo_i), then pooled per
@@ -263,8 +254,7 @@ struct OffloadArgs {
 // the one holding kv.partial_page[b], which holds kv.partial_len[b]. fp32 accumulation and
 // online softmax; output in shape.dtype. A head with no tokens outputs zeros and lse = -inf.
 // Reads every shape field, and of the working set ([B][S][p][Hkv][d], kv.num_slots = S per
-// sequence) the caches, the slot tables and the partial page; the INT8 storage
-// (kv.slot_int8, k_int8, v_int8, k_scale, v_scale) is optional, all five or none.
+// sequence) the caches, the slot tables and the partial page.
 // K and V caches of SparseAttention must be aligned to this many bytes (ValidateArgs refuses
 // others with INVALID_ARGUMENT on every backend).
 inline constexpr size_t kAttentionAlignment = 16;
@@ -291,32 +281,10 @@ struct SparseAttentionArgs {
   size_t workspace_bytes = 0;
 };
 
-// One KV head's part of one working-set slot (global slot b·S + s).
-struct HeadSlot {
-  int32_t kv_head;
-  int32_t slot;
-};
-
-// Symmetric INT8 quantisation of head-slots (Conf-KV): for each item, per channel c of K
-// (and of V): scale[slot][h][c] = max over the page's p tokens of |x[t][h][c]| / 127 (fp32),
-// q[t][h][c] = x / scale rounded to nearest (ties to even), clamped to [−127, 127]; a zero
-// scale gives q = 0. So |x − q·scale| ≤ scale / 2 up to float rounding. The FP16/BF16/FP32
-// caches are left as they are. Reads shape.dtype, num_kv_heads, head_dim, page_size and
-// kv.k_cache, kv.v_cache (kv.num_slots global slots, for range checks); writes kv.k_int8,
-// v_int8, k_scale and v_scale, which are required.
-struct QuantizeSlotsArgs {
-  KvShape shape{};
-  PagedKv kv{};
-  const HeadSlot* items = nullptr;
-  int32_t num_items = 0;
-};
-
 // Moves one KV head's part of a slot to another slot (compaction in drop mode): K and V of
-// head `kv_head`, all p tokens, from src_slot to dst_slot, bit-exact; the INT8 copies and
-// their scales too when those buffers are given. Items run in order; src and dst of one
-// item may not be equal. Reads the shape as QuantizeSlots; reads and writes kv.k_cache,
-// kv.v_cache (kv.num_slots global slots) and, optionally, all four INT8 buffers (not
-// kv.slot_int8).
+// head `kv_head`, all p tokens, from src_slot to dst_slot, bit-exact. Items run in order;
+// src and dst of one item may not be equal. Reads shape.dtype, num_kv_heads, head_dim and
+// page_size; reads and writes kv.k_cache and kv.v_cache (kv.num_slots global slots).
 struct HeadSlotMove {
   int32_t kv_head;
   int32_t src_slot;
@@ -357,7 +325,6 @@ absl::Status ValidateArgs(const ReplaceArgs& a);
 absl::Status ValidateArgs(const OffloadArgs& a);
 absl::Status ValidateArgs(const SparseAttentionArgs& a);
 absl::Status ValidateArgs(const DenseAttentionArgs& a);
-absl::Status ValidateArgs(const QuantizeSlotsArgs& a);
 absl::Status ValidateArgs(const MoveHeadSlotsArgs& a);
 
 }  // namespace kvtier

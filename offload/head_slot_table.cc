@@ -1,5 +1,4 @@
-// HeadSlotTable. Invariants: a page appears at most once per head; int8_ is 0 wherever the
-// table entry is empty.
+// HeadSlotTable. Invariant: a page appears at most once per head.
 #include "offload/head_slot_table.h"
 
 #include <algorithm>
@@ -12,8 +11,7 @@ namespace kvtier {
 HeadSlotTable::HeadSlotTable(int32_t num_kv_heads, int32_t capacity)
     : hkv_(num_kv_heads),
       cap_(capacity),
-      table_(static_cast<size_t>(num_kv_heads) * capacity, kEmptySlot),
-      int8_(table_.size(), 0) {
+      table_(static_cast<size_t>(num_kv_heads) * capacity, kEmptySlot) {
   KVTIER_CHECK(num_kv_heads >= 1 && capacity >= 0);
 }
 
@@ -32,7 +30,6 @@ bool HeadSlotTable::Evict(int32_t h, int32_t page) {
   const int32_t s = SlotOf(h, page);
   if (s < 0) return false;
   table_[Index(h, s)] = kEmptySlot;
-  int8_[Index(h, s)] = 0;
   return true;
 }
 
@@ -62,10 +59,6 @@ int64_t HeadSlotTable::resident() const {
   return std::count_if(table_.begin(), table_.end(), [](int32_t e) { return e != kEmptySlot; });
 }
 
-int64_t HeadSlotTable::int8_resident() const {
-  return std::count(int8_.begin(), int8_.end(), uint8_t{1});
-}
-
 std::vector<HeadSlotMove> HeadSlotTable::Compact(int32_t fixed) {
   std::vector<HeadSlotMove> moves;
   for (int32_t h = 0; h < hkv_; ++h) {
@@ -77,9 +70,7 @@ std::vector<HeadSlotMove> HeadSlotTable::Compact(int32_t fixed) {
       while (hi >= 0 && (hi == fixed || at(h, hi) == kEmptySlot)) --hi;
       if (lo >= hi) break;
       table_[Index(h, lo)] = at(h, hi);
-      int8_[Index(h, lo)] = int8_[Index(h, hi)];
       table_[Index(h, hi)] = kEmptySlot;
-      int8_[Index(h, hi)] = 0;
       moves.push_back(HeadSlotMove{h, hi, lo});
     }
   }
@@ -98,17 +89,13 @@ int32_t HeadSlotTable::used() const {
 void HeadSlotTable::Resize(int32_t new_capacity) {
   KVTIER_CHECK(new_capacity >= used());
   std::vector<int32_t> table(static_cast<size_t>(hkv_) * new_capacity, kEmptySlot);
-  std::vector<uint8_t> int8(table.size(), 0);
   const int32_t keep = std::min(cap_, new_capacity);
   for (int32_t h = 0; h < hkv_; ++h) {
     std::copy_n(table_.begin() + static_cast<ptrdiff_t>(Index(h, 0)), keep,
                 table.begin() + static_cast<ptrdiff_t>(h) * new_capacity);
-    std::copy_n(int8_.begin() + static_cast<ptrdiff_t>(Index(h, 0)), keep,
-                int8.begin() + static_cast<ptrdiff_t>(h) * new_capacity);
   }
   cap_ = new_capacity;
   table_ = std::move(table);
-  int8_ = std::move(int8);
 }
 
 }  // namespace kvtier

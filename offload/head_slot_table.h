@@ -27,11 +27,7 @@ class HeadSlotTable {
   int32_t capacity() const { return cap_; }
   // [Hkv][capacity]: the logical page in each head's part of each slot, or −1.
   const std::vector<int32_t>& table() const { return table_; }
-  // [Hkv][capacity]: 1 where that part is stored as INT8.
-  const std::vector<uint8_t>& int8() const { return int8_; }
   int32_t at(int32_t h, int32_t slot) const { return table_[Index(h, slot)]; }
-  bool is_int8(int32_t h, int32_t slot) const { return int8_[Index(h, slot)] != 0; }
-  void set_int8(int32_t h, int32_t slot) { int8_[Index(h, slot)] = 1; }
 
   // Puts `page` in the lowest slot free in every head; returns it, or −1 when there is none
   // (Compact, then Resize up).
@@ -44,7 +40,6 @@ class HeadSlotTable {
   std::vector<int32_t> Pages(int32_t h) const;
   int32_t CountOf(int32_t h) const;
   int64_t resident() const;  // head-pages held, all heads
-  int64_t int8_resident() const;
 
   // Moves every head's pages into its lowest slots (keeping their order), except the slot
   // `fixed` (−1: none), which stays where it is in every head (the page being filled: its
@@ -65,7 +60,6 @@ class HeadSlotTable {
   int32_t hkv_;
   int32_t cap_;
   std::vector<int32_t> table_;
-  std::vector<uint8_t> int8_;
 };
 
 }  // namespace kvtier

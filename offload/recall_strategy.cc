@@ -39,8 +39,6 @@ std::string_view RecallStrategyName(RecallStrategy strategy) {
   switch (strategy) {
     case RecallStrategy::kAuto:
       return "auto";
-    case RecallStrategy::kSlabDma:
-      return "slab_dma";
     case RecallStrategy::kBatchedDma:
       return "batched_dma";
     case RecallStrategy::kZeroCopy:
@@ -50,8 +48,8 @@ std::string_view RecallStrategyName(RecallStrategy strategy) {
 }
 
 bool ParseRecallStrategy(std::string_view name, RecallStrategy* out) {
-  for (RecallStrategy s : {RecallStrategy::kAuto, RecallStrategy::kSlabDma,
-                           RecallStrategy::kBatchedDma, RecallStrategy::kZeroCopy}) {
+  for (RecallStrategy s :
+       {RecallStrategy::kAuto, RecallStrategy::kBatchedDma, RecallStrategy::kZeroCopy}) {
     if (name == RecallStrategyName(s)) {
       *out = s;
       return true;
@@ -101,8 +99,8 @@ absl::StatusOr<std::unique_ptr<SlabRecaller>> SlabRecaller::Create(Backend& back
                                                                    int32_t chunk_items) {
   if (strategy == RecallStrategy::kAuto) {
     return absl::InvalidArgumentError(
-        "SlabRecaller: name a strategy (slab_dma, batched_dma or zero_copy); kAuto is resolved "
-        "by the step plan");
+        "SlabRecaller: name a strategy (batched_dma or zero_copy); kAuto is resolved by the step "
+        "plan");
   }
   if (max_items < 1 || chunk_items < 1) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -151,8 +149,8 @@ absl::StatusOr<int64_t> SlabRecaller::Enqueue(Stream& drive, Stream& xform, int3
     return 0;
   }
 
-  // The DMA strategies read the plan here: drop skips, check ranges, and (batched) order by
-  // host address so that adjacent slabs become one range.
+  // The DMA strategy reads the plan here: drop skips, check ranges, and order by host address
+  // so that adjacent slabs become one range.
   int32_t m = 0;
   for (int32_t i = 0; i < n; ++i) {
     const RecallItem& it = plan_[i];
@@ -161,11 +159,9 @@ absl::StatusOr<int64_t> SlabRecaller::Enqueue(Stream& drive, Stream& xform, int3
     ordered_[m++] = it;
   }
   if (m == 0) return 0;
-  if (strategy_ == RecallStrategy::kBatchedDma) {
-    std::sort(ordered_, ordered_ + m, [](const RecallItem& a, const RecallItem& b) {
-      return a.host_page != b.host_page ? a.host_page < b.host_page : a.kv_head < b.kv_head;
-    });
-  }
+  std::sort(ordered_, ordered_ + m, [](const RecallItem& a, const RecallItem& b) {
+    return a.host_page != b.host_page ? a.host_page < b.host_page : a.kv_head < b.kv_head;
+  });
   const size_t slab_bytes = static_cast<size_t>(g_.slab_elements()) * g_.element_bytes();
   const size_t page_bytes = g_.host_page_bytes();
   const auto* host = static_cast<const uint8_t*>(t.host_pages);
@@ -183,7 +179,7 @@ absl::StatusOr<int64_t> SlabRecaller::Enqueue(Stream& drive, Stream& xform, int3
       const uint8_t* src = host + static_cast<size_t>(it.host_page) * page_bytes +
                            static_cast<size_t>(it.kv_head) * slab_bytes;
       uint8_t* dst = stage + static_cast<size_t>(j) * slab_bytes;
-      if (strategy_ == RecallStrategy::kBatchedDma && !ranges_.empty()) {
+      if (!ranges_.empty()) {
         CopyRange& last = ranges_.back();
         if (static_cast<const uint8_t*>(last.src) + last.bytes == src &&
             static_cast<uint8_t*>(last.dst) + last.bytes == dst) {
@@ -193,13 +189,7 @@ absl::StatusOr<int64_t> SlabRecaller::Enqueue(Stream& drive, Stream& xform, int3
       }
       ranges_.push_back(CopyRange{dst, src, slab_bytes});
     }
-    if (strategy_ == RecallStrategy::kBatchedDma) {
-      KVTIER_RETURN_IF_ERROR(backend_.CopyBatch(drive, ranges_.data(), ranges_.size()));
-    } else {
-      for (const CopyRange& r : ranges_) {
-        KVTIER_RETURN_IF_ERROR(backend_.Copy(drive, r.dst, r.src, r.bytes));
-      }
-    }
+    KVTIER_RETURN_IF_ERROR(backend_.CopyBatch(drive, ranges_.data(), ranges_.size()));
     issued += static_cast<int64_t>(ranges_.size());
     KVTIER_RETURN_IF_ERROR(drive.Record(*staged_[b]));
     KVTIER_RETURN_IF_ERROR(xform.Wait(*staged_[b]));

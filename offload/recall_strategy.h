@@ -1,17 +1,17 @@
-// Recall strategies (docs/architecture.md#backends): three ways of moving selected (page, KV head)
+// Recall strategies (docs/architecture.md#backends): two ways of moving selected (page, KV head)
 // slabs from the host tier (HND pages in registered host memory) into a layer's NHD working set,
-// all bit-exact and interchangeable:
+// bit-exact and interchangeable:
 //
-//   kSlabDma     one DMA per (page, head) K+V slab (16 KiB at p = 32, d = 128, fp16) into a
-//                double-buffered staging buffer; the HND → NHD transform (ScatterSlabs) of
-//                chunk n runs on a second stream while chunk n+1 is copied (FreeKV's way).
-//   kBatchedDma  as kSlabDma, but the plan is sorted by host address, runs of adjacent slabs
-//                are merged into one range, and each chunk's ranges go out as one batched
-//                copy (Backend::CopyBatch: cudaMemcpyBatchAsync where the runtime has it).
+//   kBatchedDma  the (page, head) K+V slabs (16 KiB at p = 32, d = 128, fp16) into a
+//                double-buffered staging buffer, the plan sorted by host address, runs of
+//                adjacent slabs merged into one range, and each chunk's ranges sent as one
+//                batched copy (Backend::CopyBatch: cudaMemcpyBatchAsync where the runtime
+//                has it); the HND → NHD transform (ScatterSlabs) of chunk n runs on a second
+//                stream while chunk n+1 is copied (FreeKV's staging, with fewer copies).
 //   kZeroCopy    one gather kernel (the Recall op) reads the registered host arena and
 //                writes NHD in one pass; no staging, no copy engine.
 //
-// The DMA strategies need the plan on the host (the copy engines are driven by the host);
+// The DMA strategy needs the plan on the host (the copy engines are driven by the host);
 // the zero-copy gather reads it wherever it is, so a plan made on the device never comes
 // back. Which one a sequence uses is its step plan's (offload/step_plan.h): the one
 // SequenceOptions names, or the gather, or batched_dma where the host must see the plan.
@@ -34,8 +34,8 @@
 namespace kvtier {
 
 // The concrete strategies (RecallStrategy of kvtier/options.h, kAuto aside).
-inline constexpr std::array<RecallStrategy, 3> kRecallStrategies = {
-    RecallStrategy::kSlabDma, RecallStrategy::kBatchedDma, RecallStrategy::kZeroCopy};
+inline constexpr std::array<RecallStrategy, 2> kRecallStrategies = {RecallStrategy::kBatchedDma,
+                                                                    RecallStrategy::kZeroCopy};
 
 // Where a recall reads and writes: the host tier's page area (host page i is the HND page at
 // host_pages + i · host_page_bytes) and a working set of num_slots NHD slots.

@@ -370,12 +370,7 @@ absl::Status RetrieverImpl::UploadTable(LayerState& l) {
   auto* table = l.ws.table.as<int32_t>();
   if (l.ws.managed != nullptr) {
     const std::vector<int32_t>& t = l.ws.managed->table();
-    KVTIER_RETURN_IF_ERROR(Upload(*compute_, table, t.data(), t.size() * sizeof(int32_t)));
-    if (l.ws.slot_int8.size() > 1) {
-      const std::vector<uint8_t>& f = l.ws.managed->int8();
-      KVTIER_RETURN_IF_ERROR(Upload(*compute_, l.ws.slot_int8.data(), f.data(), f.size()));
-    }
-    return absl::OkStatus();
+    return Upload(*compute_, table, t.data(), t.size() * sizeof(int32_t));
   }
   const bool selects = has_host_tier();
   for (int32_t h = 0; h < geometry_.num_kv_heads; ++h) {

@@ -35,15 +35,6 @@
 
 namespace kvtier::retriever_internal {
 
-// Sets an op's INT8 storage fields (k_int8, v_int8, k_scale, v_scale) to a layer's buffers.
-template <typename Args, typename Layer>
-void SetInt8Buffers(const Layer& l, Args* a) {
-  a->kv.k_int8 = l.ws.k_int8.template as<int8_t>();
-  a->kv.v_int8 = l.ws.v_int8.template as<int8_t>();
-  a->kv.k_scale = l.ws.k_scale.template as<float>();
-  a->kv.v_scale = l.ws.v_scale.template as<float>();
-}
-
 // Host buffers read or written by enqueued copies, kept until the event after them fires.
 struct Parked {
   std::vector<std::unique_ptr<uint8_t[]>> buffers;
@@ -101,11 +92,8 @@ struct LayerState {
     CountsView counts;
     std::vector<int32_t> table_mirror;  // [Hkv][S]; host-owned entries are authoritative
     bool table_dirty = true;
-    // Drop mode with policies: the per-head slot table (authoritative; table_mirror unused)
-    // and the INT8 copies of pages older than the FP16 window.
+    // Drop mode with policies: the per-head slot table (authoritative; table_mirror unused).
     std::unique_ptr<HeadSlotTable> managed;
-    DeviceBuffer slot_int8;                         // uint8 [Hkv][S]
-    DeviceBuffer k_int8, v_int8, k_scale, v_scale;  // [S][p][Hkv][d] int8, [S][Hkv][d] float
   };
   // The layer's pages in the host tier (speculative, sync) and their key summaries.
   struct HostPages {
@@ -327,7 +315,6 @@ class RetrieverImpl final : public Retriever {
   absl::Status TakeProbe(int32_t layer, int64_t step, int64_t position);
   absl::Status ConsumeProbe(int32_t layer);
   absl::Status Evict(int32_t layer);
-  absl::Status QuantizeOld(int32_t layer);
   absl::Status UpdateFlags(int32_t layer);
   // The slot for new page `page` of a managed layer (compacting or growing as needed).
   absl::StatusOr<int32_t> PlaceManaged(int32_t layer, int32_t page);

@@ -1,10 +1,10 @@
 // The Retriever's policy side (docs/architecture.md#policies): budgets, pins, drop-mode eviction
-// with per-head compaction, INT8 storage, host-tier drops, and the attention the policies read.
+// with per-head compaction, host-tier drops, and the attention the policies read.
 // Invariants (on top of retriever.cc's):
 //   - Policy buffers the background selection reads (head_k, page_flags) change only on the
 //     compute stream after BeginStep has made it wait for that selection.
-//   - A managed layer's HeadSlotTable is the truth; the device table and slot_int8 flags are
-//     uploaded from it before the next op that reads them (table_dirty).
+//   - A managed layer's HeadSlotTable is the truth; the device table is uploaded from it
+//     before the next op that reads it (table_dirty).
 //   - A managed page is placed, compacted or resized only at a page boundary, where no page
 //     is partial, so every move is of full pages and the page being filled has one slot.
 //   - The token probabilities of a step reach the policies at the layer's next BeginStep
@@ -86,18 +86,6 @@ absl::Status RetrieverImpl::InitLayerPolicies(int32_t layer) {
       KVTIER_RETURN_IF_ERROR(Allocate(&l.policy.token_prob, bytes, layer, Field::kTokenProb));
     }
   }
-  if (l.ws.managed != nullptr && policies_.int8_window_pages > 0) {
-    const size_t elems = slots * p * hkv * geometry_.head_dim;
-    KVTIER_RETURN_IF_ERROR(Allocate(&l.ws.slot_int8, hkv * slots));
-    KVTIER_RETURN_IF_ERROR(Allocate(&l.ws.k_int8, elems));
-    KVTIER_RETURN_IF_ERROR(Allocate(&l.ws.v_int8, elems));
-    KVTIER_RETURN_IF_ERROR(
-        Allocate(&l.ws.k_scale, slots * hkv * geometry_.head_dim * sizeof(float)));
-    KVTIER_RETURN_IF_ERROR(
-        Allocate(&l.ws.v_scale, slots * hkv * geometry_.head_dim * sizeof(float)));
-    KVTIER_RETURN_IF_ERROR(
-        backend_.Memset(*compute_, l.ws.slot_int8.data(), 0, l.ws.slot_int8.size()));
-  }
   return Park(*compute_);
 }
 
@@ -119,10 +107,6 @@ absl::StatusOr<void*> RetrieverImpl::StageArgs(const void* src, size_t bytes) {
 
 void RetrieverImpl::SetPolicyArgs(LayerState& l, SparseAttentionArgs* a) {
   if (reads_attention()) a->token_prob = l.policy.token_prob.as<float>();
-  if (l.ws.managed != nullptr && l.ws.slot_int8.size() > 1) {
-    a->kv.slot_int8 = l.ws.slot_int8.as<uint8_t>();
-    SetInt8Buffers(l, a);
-  }
 }
 
 absl::Status RetrieverImpl::TakeProbe(int32_t layer, int64_t step, int64_t position) {
@@ -221,7 +205,6 @@ absl::Status RetrieverImpl::ApplyPolicies(int32_t layer, bool* reselect) {
   absl::Status st;
   if (l.ws.managed != nullptr) {
     st = Evict(layer);
-    if (st.ok()) st = QuantizeOld(layer);
     if (st.ok()) st = UploadTable(l);
   } else if (has_host_tier()) {
     st = UpdateFlags(layer);
@@ -302,36 +285,6 @@ absl::Status RetrieverImpl::Evict(int32_t layer) {
   return absl::OkStatus();
 }
 
-absl::Status RetrieverImpl::QuantizeOld(int32_t layer) {
-  LayerState& l = layers_[layer];
-  if (l.ws.slot_int8.size() <= 1) return absl::OkStatus();
-  HeadSlotTable& t = *l.ws.managed;
-  // Full pages older than the FP16 window of the newest int8.window_pages full pages; sinks
-  // stay FP16.
-  const int32_t older_than = l.tokens / geometry_.page_size - policies_.int8_window_pages;
-  std::vector<HeadSlot> items;
-  for (int32_t h = 0; h < geometry_.num_kv_heads; ++h) {
-    for (int32_t s = 0; s < t.capacity(); ++s) {
-      const int32_t page = t.at(h, s);
-      if (page < options_.sink_pages || page >= older_than || t.is_int8(h, s)) continue;
-      items.push_back({h, s});
-      t.set_int8(h, s);
-    }
-  }
-  if (items.empty()) return absl::OkStatus();
-  KVTIER_ASSIGN_OR_RETURN(void* dev_items,
-                          StageArgs(items.data(), items.size() * sizeof(HeadSlot)));
-  QuantizeSlotsArgs a{.shape = KvShapeOf(geometry_)};
-  a.items = static_cast<const HeadSlot*>(dev_items);
-  a.num_items = static_cast<int32_t>(items.size());
-  a.kv.k_cache = l.ws.k.data();
-  a.kv.v_cache = l.ws.v.data();
-  SetInt8Buffers(l, &a);
-  a.kv.num_slots = t.capacity();
-  l.ws.table_dirty = true;  // the slot_int8 flags
-  return backend_.QuantizeSlots(*compute_, a);
-}
-
 absl::StatusOr<int32_t> RetrieverImpl::PlaceManaged(int32_t layer, int32_t page) {
   LayerState& l = layers_[layer];
   HeadSlotTable& t = *l.ws.managed;
@@ -367,7 +320,6 @@ absl::Status RetrieverImpl::CompactManaged(LayerState& l) {
   a.num_items = static_cast<int32_t>(moves.size());
   a.kv.k_cache = l.ws.k.data();
   a.kv.v_cache = l.ws.v.data();
-  if (l.ws.slot_int8.size() > 1) SetInt8Buffers(l, &a);
   a.kv.num_slots = l.ws.managed->capacity();
   l.ws.table_dirty = true;
   return backend_.MoveHeadSlots(*compute_, a);
@@ -379,7 +331,6 @@ absl::Status RetrieverImpl::ResizeManaged(LayerState& l, int32_t capacity) {
   const size_t keep = std::min(old_cap, capacity);
   const size_t hkv = geometry_.num_kv_heads;
   const size_t slot_elems = static_cast<size_t>(geometry_.page_size) * hkv * geometry_.head_dim;
-  const size_t scale_bytes = hkv * geometry_.head_dim * sizeof(float);
   // New buffers; the kept prefix of slots is copied on the compute stream.
   auto grow = [&](DeviceBuffer* buf, size_t per_slot, bool copy) -> absl::Status {
     DeviceBuffer fresh;
@@ -397,13 +348,6 @@ absl::Status RetrieverImpl::ResizeManaged(LayerState& l, int32_t capacity) {
     KVTIER_RETURN_IF_ERROR(grow(
         &l.policy.token_prob,
         static_cast<size_t>(geometry_.num_q_heads) * geometry_.page_size * sizeof(float), false));
-  }
-  if (l.ws.slot_int8.data() != nullptr) {
-    KVTIER_RETURN_IF_ERROR(grow(&l.ws.slot_int8, hkv, false));
-    KVTIER_RETURN_IF_ERROR(grow(&l.ws.k_int8, slot_elems, true));
-    KVTIER_RETURN_IF_ERROR(grow(&l.ws.v_int8, slot_elems, true));
-    KVTIER_RETURN_IF_ERROR(grow(&l.ws.k_scale, scale_bytes, true));
-    KVTIER_RETURN_IF_ERROR(grow(&l.ws.v_scale, scale_bytes, true));
   }
   l.ws.managed->Resize(capacity);
   l.ws.table_dirty = true;
@@ -492,16 +436,9 @@ int64_t RetrieverImpl::ResidentHeadPages(const LayerState& l) const {
 
 void RetrieverImpl::FillPolicyStats(SequenceStats* st) const {
   int64_t resident = 0;
-  int64_t int8 = 0;
-  for (const LayerState& l : layers_) {
-    resident += ResidentHeadPages(l);
-    if (l.ws.managed != nullptr) int8 += l.ws.managed->int8_resident();
-  }
-  const int64_t slab = geometry_.slab_elements();
+  for (const LayerState& l : layers_) resident += ResidentHeadPages(l);
   st->resident_head_pages = resident;
-  st->int8_head_pages = int8;
-  st->resident_bytes = (resident - int8) * slab * static_cast<int64_t>(elem()) +
-                       int8 * (slab + 2 * int64_t{geometry_.head_dim} * int64_t{sizeof(float)});
+  st->resident_bytes = resident * geometry_.slab_elements() * static_cast<int64_t>(elem());
   if (host_drop_ != nullptr) {
     st->host_dropped_pages = host_drop_->dropped();
     st->host_refusals = host_drop_->refused();

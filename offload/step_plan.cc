@@ -1,16 +1,13 @@
 #include "offload/step_plan.h"
 
 #include "absl/status/status.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "core/status.h"
 
 namespace kvtier::plan {
 namespace {
 
-bool IsDma(RecallStrategy s) {
-  return s == RecallStrategy::kSlabDma || s == RecallStrategy::kBatchedDma;
-}
+bool IsDma(RecallStrategy s) { return s == RecallStrategy::kBatchedDma; }
 
 absl::Status Bad(std::string message) { return absl::InvalidArgumentError(std::move(message)); }
 
@@ -25,10 +22,6 @@ SequenceConfig ConfigOf(const SequenceOptions& o, bool batch, bool cold_tier,
   (void)policy::ParseHostDropMode(o.policy.host_drop, &c.host_drop);
   c.cold_tier = cold_tier;
   c.policies = !o.policy.is_default();
-  if (auto it = o.policy.params.find("int8.window_pages"); it != o.policy.params.end()) {
-    int32_t pages = 0;
-    if (absl::SimpleAtoi(it->second, &pages) && pages > 0) c.int8_window_pages = pages;
-  }
   c.batch = batch;
   c.capture_graphs = o.capture_graphs;
   c.backend_captures = backend_captures;
@@ -44,6 +37,17 @@ absl::StatusOr<SequencePlan> PlanSequence(const SequenceConfig& c) {
   p.mass_trigger =
       c.mode == RetrievalMode::kSpeculative && c.trigger == CorrectionTrigger::kMass;
 
+  if (c.recall != RecallStrategy::kAuto && c.recall != RecallStrategy::kBatchedDma &&
+      c.recall != RecallStrategy::kZeroCopy) {
+    if (static_cast<int>(c.recall) == 1) {
+      return Bad(
+          "recall strategy 1: slab_dma was removed (batched_dma makes the same copies, adjacent "
+          "ones merged); use batched_dma, zero_copy or auto");
+    }
+    return Bad(absl::StrFormat(
+        "recall strategy %d: unknown; one of auto (0), batched_dma (2), zero_copy (3)",
+        static_cast<int>(c.recall)));
+  }
   // Pages leave the host tier only from a host tier.
   if (c.host_drop != policy::HostDropMode::kRefuse && !p.host_tier) {
     return Bad(absl::StrFormat(
@@ -59,13 +63,7 @@ absl::StatusOr<SequencePlan> PlanSequence(const SequenceConfig& c) {
   if (p.demote && c.recall == RecallStrategy::kZeroCopy) {
     return Bad(
         "policy.host_drop = demote with recall = zero_copy: the gather reads host pages on the "
-        "device, so a demoted page could not be promoted before it; use slab_dma, batched_dma "
-        "or auto");
-  }
-  if (c.int8_window_pages > 0 && c.mode != RetrievalMode::kDrop) {
-    return Bad(absl::StrFormat(
-        "int8.window_pages = %d: INT8 storage applies in drop mode only (mode %s)",
-        c.int8_window_pages, RetrievalModeName(c.mode)));
+        "device, so a demoted page could not be promoted before it; use batched_dma or auto");
   }
   if (c.batch) {
     // A batch recalls every member with one gather on the device: no member's plan reaches

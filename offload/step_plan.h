@@ -37,7 +37,6 @@ struct SequenceConfig {
   policy::HostDropMode host_drop = policy::HostDropMode::kRefuse;
   bool cold_tier = false;   // its host tier has a cold tier behind it
   bool policies = false;    // a budget or residency policy other than the defaults
-  int32_t int8_window_pages = 0;
   bool batch = false;       // a member of a batch (NewSequenceBatch)
   bool capture_graphs = false;  // SequenceOptions::capture_graphs
   bool backend_captures = false;  // the backend can capture streams
@@ -59,10 +58,9 @@ struct SequencePlan {
   bool mass_trigger = false;  // speculative with the mass trigger
   // The recall strategy: the one given, or for kAuto the zero-copy gather, unless pages may
   // be demoted (then batched_dma: the host must see the plan). Measured on an H100-class
-  // GPU, the gather moves scattered slabs 4–9 times faster than either DMA strategy at every
-  // budget and churn, and batched_dma beats slab_dma from half the slabs changing
-  // (bench/results/gpu-2026-11-27-h200, kvtier-bench pcie [3]); on the CPU backend all three
-  // are memcpys.
+  // GPU, the gather moves scattered slabs 4–9 times faster than the DMA strategies at every
+  // budget and churn (bench/results/gpu-2026-11-27-h200, kvtier-bench pcie [3]); on the CPU
+  // backend both are memcpys.
   RecallStrategy strategy = RecallStrategy::kZeroCopy;
   bool dma = false;  // the strategy copies slabs with DMAs driven from the host
   // Steps are captured as graphs (before profiling switches them off): speculative mode,

@@ -16,8 +16,9 @@ static_assert(std::is_trivially_copyable_v<TelemetryValues>);
 static_assert(sizeof(TelemetryValues) % sizeof(uint64_t) == 0);
 static_assert(std::atomic_ref<uint64_t>::is_always_lock_free);
 
-// 2: a word for every counter of kvtier/counters.h.
-constexpr uint64_t kTelemetryVersion = 2;
+// 2: a word for every counter of kvtier/counters.h; 3: int8_head_pages gone (INT8
+// storage removed), so the words after resident_bytes moved.
+constexpr uint64_t kTelemetryVersion = 3;
 constexpr size_t kValueWords = sizeof(TelemetryValues) / sizeof(uint64_t);
 // Words before the values: the magic and the version.
 constexpr size_t kHead = 2;

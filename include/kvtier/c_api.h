@@ -189,12 +189,8 @@ void kvtier_session_free(kvtier_session* session);
 /* Device kinds (kvtier::DeviceKind); auto: CUDA when a GPU is usable, else the CPU. */
 enum { KVTIER_DEVICE_AUTO = 0, KVTIER_DEVICE_CPU = 1, KVTIER_DEVICE_CUDA = 2 };
 /* Recall strategies (kvtier::RecallStrategy). */
-enum {
-  KVTIER_RECALL_AUTO = 0,
-  KVTIER_RECALL_SLAB_DMA = 1,
-  KVTIER_RECALL_BATCHED_DMA = 2,
-  KVTIER_RECALL_ZERO_COPY = 3
-};
+/* (1 was slab_dma: removed, refused with INVALID_ARGUMENT.) */
+enum { KVTIER_RECALL_AUTO = 0, KVTIER_RECALL_BATCHED_DMA = 2, KVTIER_RECALL_ZERO_COPY = 3 };
 
 typedef struct kvtier_device kvtier_device;
 typedef struct kvtier_batch kvtier_batch;

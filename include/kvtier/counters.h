@@ -34,8 +34,7 @@ enum class CounterKind : uint8_t { kCounter = 0, kGauge = 1 };
   X(profiled_steps, kCounter, "Layer-steps run while profiling (LocalSequence::SetProfiling).") \
   X(resident_head_pages, kGauge,                                                               \
     "Head-pages in the working sets, all layers: sinks, selected or kept, recent.")          \
-  X(resident_bytes, kGauge, "K+V bytes of the working sets, all layers (INT8 pages at theirs).") \
-  X(int8_head_pages, kGauge, "Head-pages of the working sets stored as INT8.")                \
+  X(resident_bytes, kGauge, "K+V bytes of the working sets, all layers.")                    \
   X(evicted_head_pages, kCounter, "Head-pages evicted for good by drop-mode policies.")       \
   X(budget_changes, kCounter, "Layer-steps whose budget differed from the previous one.")     \
   X(host_dropped_pages, kCounter,                                                              \

@@ -73,13 +73,14 @@ enum class SummaryMode : uint8_t {
 };
 
 // How recalls move pages from the host tier into the working set.
+// (1 was slab_dma, one DMA per head-page slab: removed, batched_dma does its work in fewer
+// copies and the step plan needs no third strategy; sequences made with it are refused.)
 enum class RecallStrategy : uint8_t {
   kAuto = 0,        // the gather (kZeroCopy), or kBatchedDma where pages may be demoted
-  kSlabDma = 1,     // one DMA per head-page slab
-  kBatchedDma = 2,  // all slabs of a recall as one batched copy
+  kBatchedDma = 2,  // the slabs of a recall as batched copies, adjacent ones merged
   kZeroCopy = 3,    // a gather kernel reading pinned host memory directly
 };
-// "auto", "slab_dma", "batched_dma", "zero_copy".
+// "auto", "batched_dma", "zero_copy".
 std::string_view RecallStrategyName(RecallStrategy strategy);
 bool ParseRecallStrategy(std::string_view name, RecallStrategy* out);
 

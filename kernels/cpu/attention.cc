@@ -2,9 +2,8 @@
 // and dense over contiguous KV (the reference). Both stream blocks of tokens through one
 // online-softmax accumulator per query head (fp32), convert each K/V row once per query
 // group (GQA), and split long contexts into chunks merged afterwards (split-K) so a batch of
-// few heads still uses every thread. Sparse attention also takes a causal limit, INT8 slots
-// (dequantised to fp32 as they are loaded) and, on request, a second pass that writes every
-// token's softmax probability.
+// few heads still uses every thread. Sparse attention also takes a causal limit and, on
+// request, a second pass that writes every token's softmax probability.
 //
 // Two implementations share the sources (which tokens a block holds) and the checks: the
 // scalar reference (GroupState below: the loops every other kernel is tested against, and
@@ -54,30 +53,12 @@ struct GroupState {
     Fold(n, scale);
   }
 
-  // As AddBlock for INT8 rows: element i of a row is float(q[i]) · scale[i].
-  KVTIER_CPU_INLINE void AddBlockInt8(const int8_t* k, const int8_t* v, const float* k_scale,
-                                      const float* v_scale, int64_t stride, int32_t n,
-                                      float scale) {
-    LoadRowsInt8(k, k_scale, stride, n, kf);
-    LoadRowsInt8(v, v_scale, stride, n, vf);
-    Fold(n, scale);
-  }
-
   // dst[t][i] = float(src[t·stride + i]) for n rows of d.
   template <typename T>
   KVTIER_CPU_INLINE void LoadRows(const T* src, int64_t stride, int32_t n,
                                   std::vector<float>& dst) const {
     dst.resize(static_cast<size_t>(n) * d);
     for (int32_t t = 0; t < n; ++t) cpu::LoadRow(src + t * stride, d, dst.data() + int64_t{t} * d);
-  }
-  KVTIER_CPU_INLINE void LoadRowsInt8(const int8_t* src, const float* row_scale, int64_t stride,
-                                      int32_t n, std::vector<float>& dst) const {
-    dst.resize(static_cast<size_t>(n) * d);
-    for (int32_t t = 0; t < n; ++t) {
-      const int8_t* row = src + t * stride;
-      float* out = dst.data() + int64_t{t} * d;
-      for (int32_t i = 0; i < d; ++i) out[i] = static_cast<float>(row[i]) * row_scale[i];
-    }
   }
 
   // The scaled score of query g against loaded key t: the one formula both passes use, so
@@ -201,17 +182,13 @@ void RunAttention(const Source& src, int32_t B, int32_t Hq, int32_t Hkv, int32_t
 }
 
 // What the vectorised kernel needs of one block of one KV head: its n tokens' K and V rows
-// (dtype T, or INT8 with per-channel scales when k8 is set), `stride` elements apart, and
+// (dtype T), `stride` elements apart, and
 // where the raw scores go for token_prob (head g of the group at raw + g·raw_stride).
 struct AttentionBlock {
   int32_t n = 0;
   int64_t stride = 0;
   const void* k = nullptr;
   const void* v = nullptr;
-  const int8_t* k8 = nullptr;
-  const int8_t* v8 = nullptr;
-  const float* k_scale = nullptr;
-  const float* v_scale = nullptr;
   float* raw = nullptr;
   int64_t raw_stride = 0;
 };
@@ -225,8 +202,7 @@ struct BlockRegion {
 };
 
 // Blocks of a working set: block = slot; per KV head, only slots holding a page count, and
-// of those only the tokens at or before the query position. A slot flagged in slot_int8
-// is read from the INT8 copies.
+// of those only the tokens at or before the query position.
 template <typename T>
 struct SparseSource {
   const SparseAttentionArgs& a;
@@ -248,13 +224,6 @@ struct SparseSource {
     }
     return n;
   }
-  KVTIER_CPU_INLINE bool IsInt8(int32_t b, int32_t h, int32_t slot) const {
-    return a.kv.slot_int8 != nullptr && a.kv.slot_int8[tl.Offset(b, h, slot)] != 0;
-  }
-  // Start of (b, slot, head h)'s per-channel scales, [B·S][Hkv][d].
-  KVTIER_CPU_INLINE int64_t ScaleOffset(int32_t b, int32_t slot, int32_t h) const {
-    return (wl.GlobalSlot(b, slot) * a.shape.num_kv_heads + h) * a.shape.head_dim;
-  }
 
   KVTIER_CPU_INLINE void Fold(GroupState& st, int32_t b, int32_t h, int64_t blk, int64_t stride,
                               float scale) const {
@@ -262,14 +231,8 @@ struct SparseSource {
     const int32_t n = Tokens(b, h, slot);
     if (n <= 0) return;
     const int64_t off = wl.Offset(b, slot, 0, h, 0);
-    if (IsInt8(b, h, slot)) {
-      const int64_t so = ScaleOffset(b, slot, h);
-      st.AddBlockInt8(a.kv.k_int8 + off, a.kv.v_int8 + off, a.kv.k_scale + so, a.kv.v_scale + so,
-                      stride, n, scale);
-    } else {
-      st.AddBlock(static_cast<const T*>(a.kv.k_cache) + off,
-                  static_cast<const T*>(a.kv.v_cache) + off, stride, n, scale);
-    }
+    st.AddBlock(static_cast<const T*>(a.kv.k_cache) + off,
+                static_cast<const T*>(a.kv.v_cache) + off, stride, n, scale);
   }
 
   // The vectorised kernel's view (attention_simd.inc).
@@ -284,16 +247,8 @@ struct SparseSource {
     if (bl.n <= 0) return bl;
     bl.stride = wl.token_stride();
     const int64_t off = wl.Offset(b, slot, 0, h, 0);
-    if (IsInt8(b, h, slot)) {
-      const int64_t so = ScaleOffset(b, slot, h);
-      bl.k8 = a.kv.k_int8 + off;
-      bl.v8 = a.kv.v_int8 + off;
-      bl.k_scale = a.kv.k_scale + so;
-      bl.v_scale = a.kv.v_scale + so;
-    } else {
-      bl.k = static_cast<const T*>(a.kv.k_cache) + off;
-      bl.v = static_cast<const T*>(a.kv.v_cache) + off;
-    }
+    bl.k = static_cast<const T*>(a.kv.k_cache) + off;
+    bl.v = static_cast<const T*>(a.kv.v_cache) + off;
     if (a.token_prob != nullptr) {
       const int32_t G = group(), p = a.shape.page_size;
       const int64_t hq = int64_t{b} * a.shape.num_q_heads + int64_t{h} * G;
@@ -302,7 +257,7 @@ struct SparseSource {
     }
     return bl;
   }
-  // The fp caches of the slot (INT8 slots are read where they are, unprefetched).
+  // The caches of the slot.
   BlockRegion Region(int32_t b, int64_t blk) const {
     const int64_t off = wl.Offset(b, static_cast<int32_t>(blk), 0, 0, 0);
     return BlockRegion{static_cast<const T*>(a.kv.k_cache) + off,
@@ -314,11 +269,7 @@ struct SparseSource {
   KVTIER_CPU_INLINE void LoadKeys(GroupState& st, int32_t b, int32_t h, int32_t slot, int32_t n,
                                   int64_t stride) const {
     const int64_t off = wl.Offset(b, slot, 0, h, 0);
-    if (IsInt8(b, h, slot)) {
-      st.LoadRowsInt8(a.kv.k_int8 + off, a.kv.k_scale + ScaleOffset(b, slot, h), stride, n, st.kf);
-    } else {
-      st.LoadRows(static_cast<const T*>(a.kv.k_cache) + off, stride, n, st.kf);
-    }
+    st.LoadRows(static_cast<const T*>(a.kv.k_cache) + off, stride, n, st.kf);
   }
 };
 

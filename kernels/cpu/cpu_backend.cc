@@ -216,9 +216,6 @@ class CpuBackend final : public Backend {
   absl::Status DoDenseAttention(Stream& s, const DenseAttentionArgs& a) override {
     return Submit(s, [a, pool = PoolFor(s)] { return CpuDenseAttention(a, pool); });
   }
-  absl::Status DoQuantizeSlots(Stream& s, const QuantizeSlotsArgs& a) override {
-    return Submit(s, [a, pool = PoolFor(s)] { return CpuQuantizeSlots(a, pool); });
-  }
   absl::Status DoMoveHeadSlots(Stream& s, const MoveHeadSlotsArgs& a) override {
     return Submit(s, [a, pool = PoolFor(s)] { return CpuMoveHeadSlots(a, pool); });
   }

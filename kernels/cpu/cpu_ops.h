@@ -25,7 +25,6 @@ absl::Status CpuReplace(const ReplaceArgs& a, ThreadPool* pool);
 absl::Status CpuOffload(const OffloadArgs& a, ThreadPool* pool);
 absl::Status CpuSparseAttention(const SparseAttentionArgs& a, ThreadPool* pool);
 absl::Status CpuDenseAttention(const DenseAttentionArgs& a, ThreadPool* pool);
-absl::Status CpuQuantizeSlots(const QuantizeSlotsArgs& a, ThreadPool* pool);
 absl::Status CpuMoveHeadSlots(const MoveHeadSlotsArgs& a, ThreadPool* pool);
 
 // The hot ops with the instruction set named: cpu::Isa::kScalar runs the scalar reference

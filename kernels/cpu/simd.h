@@ -4,7 +4,6 @@
 //   V::kLanes                     fp32 lanes of V::F
 //   Zero(), Set1(x)               constants
 //   Load(const T*)                kLanes elements of float, Half or BFloat16 as fp32
-//   LoadI8(const int8_t*)         kLanes int8 as fp32
 //   Store(float*, F)
 //   Add, Sub, Mul, Max, Min, Fma(a, b, c) = a·b + c
 //   ReduceAdd(F), ReduceMax(F)    horizontal sum and max
@@ -76,10 +75,6 @@ struct Avx2 {
     const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
   }
-  KVTIER_SIMD_INLINE F LoadI8(const int8_t* p) {
-    return _mm256_cvtepi32_ps(
-        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-  }
   KVTIER_SIMD_INLINE void Store(float* p, F v) { _mm256_storeu_ps(p, v); }
   KVTIER_SIMD_INLINE F Add(F a, F b) { return _mm256_add_ps(a, b); }
   KVTIER_SIMD_INLINE F Sub(F a, F b) { return _mm256_sub_ps(a, b); }
@@ -141,10 +136,6 @@ struct Avx512 {
     const __m512i w =
         _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-  }
-  KVTIER_SIMD_INLINE F LoadI8(const int8_t* p) {
-    return _mm512_cvtepi32_ps(
-        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
   KVTIER_SIMD_INLINE void Store(float* p, F v) { _mm512_storeu_ps(p, v); }
   KVTIER_SIMD_INLINE F Add(F a, F b) { return _mm512_add_ps(a, b); }

@@ -8,8 +8,7 @@
 // refuses anything else with INVALID_ARGUMENT naming the field before launching): K and V
 // rows are read only as 16-byte vectors, so kv.k_cache and kv.v_cache are 16-byte aligned
 // and shape.head_dim is a multiple of 16 / sizeof(element) (8 for fp16/bf16, 4 for fp32);
-// the INT8 copies kv.k_int8 / kv.v_int8 are aligned to that many bytes and the scales
-// kv.k_scale / kv.v_scale to 16; q, out, lse, token_prob, the int32 tables, query_position
+// q, out, lse, token_prob, the int32 tables, query_position
 // and the workspace to their element. kvtier's own buffers always qualify: cudaMalloc
 // returns 256-byte aligned memory, Geometry makes d a multiple of 8, and every slot, row and
 // head offset of the working set is a multiple of d elements. A misaligned view (a cache
@@ -28,8 +27,7 @@
 // their K and V rows first (memory-level parallelism), then computes the scores (per-lane
 // partial dot products and a butterfly over the row group), and rescales its accumulators
 // once per step. Sparse tokens are resolved per token (slot table, partial page, causal
-// limit, INT8 flag); a step where no token of the warp is attended is skipped, and a step
-// holding INT8 slots goes token by token, dequantising as it loads (q · scale, as the CPU).
+// limit); a step where no token of the warp is attended is skipped.
 // At the end the streams merge: within a warp by shuffles, across warps through shared
 // memory in a fixed order, so results are deterministic. Dense attention over head dims that
 // are not a multiple of the 16-byte vector (or misaligned buffers) takes a scalar path with
@@ -161,13 +159,6 @@ __device__ __forceinline__ float ElementOf(const U& u, int e) {
   }
 }
 
-// Element e of a word holding INT8 values, as float.
-template <typename U>
-__device__ __forceinline__ float Int8Of(const U& u, int e) {
-  const uint32_t byte = (WordAt(u, e / 4) >> (8 * (e % 4))) & 0xffu;
-  return static_cast<float>(static_cast<int8_t>(byte));
-}
-
 template <typename U>
 __device__ __forceinline__ U LoadWord(const void* p) {
   return __ldg(static_cast<const U*>(p));
@@ -193,7 +184,6 @@ struct Shape {
   static constexpr int kTile = kThreads / L * U;  // tokens per block step
   static constexpr int kDimCap = NV * L * W;
   using Word = typename WordOf<W * static_cast<int>(sizeof(T))>::type;
-  using Int8Word = typename WordOf<W>::type;
   static_assert(L >= 1 && L <= 32 && (L & (L - 1)) == 0, "L: a power of two ≤ 32");
 };
 
@@ -225,11 +215,6 @@ struct AttnParams {
   const int32_t* partial_len;
   const int64_t* query_position;
   float* token_prob;
-  const uint8_t* slot_int8;
-  const int8_t* k_int8;
-  const int8_t* v_int8;
-  const float* k_scale;
-  const float* v_scale;
   // Dense only.
   int32_t max_tokens;
   const int32_t* seq_len;
@@ -323,10 +308,8 @@ __device__ __forceinline__ void LoadQuery(const AttnParams& p, const BlockWork& 
 // The U tokens of one stream step.
 template <int U>
 struct StepTokens {
-  bool valid[U];    // attended
-  bool int8[U];     // read from the INT8 copies
-  int64_t row[U];   // element offset of the token's row of the KV head
-  int64_t sc[U];    // element offset of the slot's per-channel scales (INT8 only)
+  bool valid[U];   // attended
+  int64_t row[U];  // element offset of the token's row of the KV head
 };
 
 // Position of a stream in the flattened [S][p] index: slot and token within it.
@@ -363,9 +346,7 @@ __device__ __forceinline__ void ResolveSparse(const AttnParams& p, const BlockWo
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     st->valid[u] = false;
-    st->int8[u] = false;
     st->row[u] = 0;
-    st->sc[u] = 0;
     if (t0 + u < w.stop) {
       const int64_t ti = table + slot;
       const int32_t page = __ldg(p.slot_table + ti);
@@ -379,10 +360,6 @@ __device__ __forceinline__ void ResolveSparse(const AttnParams& p, const BlockWo
           const int64_t gs = int64_t{w.b} * p.num_slots + slot;
           st->valid[u] = true;
           st->row[u] = (gs * p.page_size + tok) * row_stride + int64_t{w.h} * p.head_dim;
-          if (p.slot_int8 != nullptr && __ldg(p.slot_int8 + ti) != 0) {
-            st->int8[u] = true;
-            st->sc[u] = (gs * p.num_kv_heads + w.h) * p.head_dim;
-          }
         }
       }
     }
@@ -402,9 +379,7 @@ __device__ __forceinline__ void ResolveDense(const AttnParams& p, const BlockWor
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     st->valid[u] = t0 + u < w.stop;
-    st->int8[u] = false;
     st->row[u] = first + u * row_stride;
-    st->sc[u] = 0;
   }
 }
 
@@ -422,44 +397,6 @@ __device__ __forceinline__ void LoadRaw(const void* base, const StepTokens<S::U>
       if (st.valid[u] && vok[j]) {
         out[u][j] = LoadWord<typename S::Word>(src + st.row[u] + (j * S::L + r) * S::W);
       }
-    }
-  }
-}
-
-// Row u of the step as float, an INT8 row dequantised (q · scale, as the CPU); zero where
-// not attended or beyond d. Steps with INT8 rows go one token at a time: fewer registers.
-template <class S>
-__device__ __forceinline__ void LoadMixedRow(const void* base, const int8_t* base8,
-                                             const float* scales, const StepTokens<S::U>& st,
-                                             int u, int r, const bool (&vok)[S::NV],
-                                             float (&out)[1][S::kPerLane]) {
-  const auto* src = static_cast<const typename S::T*>(base);
-#pragma unroll
-  for (int j = 0; j < S::NV; ++j) {
-    const int dim0 = (j * S::L + r) * S::W;
-#pragma unroll
-    for (int e = 0; e < S::W; ++e) out[0][j * S::W + e] = 0.0f;
-    if (!st.valid[u] || !vok[j]) continue;
-    if (st.int8[u]) {
-      const auto word = LoadWord<typename S::Int8Word>(base8 + st.row[u] + dim0);
-      // Sparse shapes only, all vectorised (the alignment contract): W is 4 or 8 and the
-      // scales of a lane's vector are 16-byte aligned.
-      static_assert(S::W % 4 == 0, "INT8 rows are read by the vector path only");
-      float scale[S::W];
-#pragma unroll
-      for (int c = 0; c < S::W / 4; ++c) {
-        const float4 f = __ldg(reinterpret_cast<const float4*>(scales + st.sc[u] + dim0) + c);
-        scale[4 * c] = f.x;
-        scale[4 * c + 1] = f.y;
-        scale[4 * c + 2] = f.z;
-        scale[4 * c + 3] = f.w;
-      }
-#pragma unroll
-      for (int e = 0; e < S::W; ++e) out[0][j * S::W + e] = Int8Of(word, e) * scale[e];
-    } else {
-      const auto word = LoadWord<typename S::Word>(src + st.row[u] + dim0);
-#pragma unroll
-      for (int e = 0; e < S::W; ++e) out[0][j * S::W + e] = ElementOf<typename S::T>(word, e);
     }
   }
 }
@@ -697,29 +634,9 @@ __global__ void __launch_bounds__(kThreads) AttentionKernel(const AttnParams p) 
       ResolveDense<S::U>(p, w, t0, &tok);
     }
     bool any = false;
-    bool any8 = false;
 #pragma unroll
-    for (int u = 0; u < S::U; ++u) {
-      any = any || tok.valid[u];
-      any8 = any8 || tok.int8[u];
-    }
+    for (int u = 0; u < S::U; ++u) any = any || tok.valid[u];
     if (!__any_sync(kFullMask, any)) continue;
-    if constexpr (kSparse) {
-      if (__any_sync(kFullMask, any8)) {
-#pragma unroll
-        for (int u = 0; u < S::U; ++u) {
-          float kf[1][S::kPerLane];
-          float vf[1][S::kPerLane];
-          LoadMixedRow<S>(p.k, p.k_int8, p.k_scale, tok, u, r, vok, kf);
-          LoadMixedRow<S>(p.v, p.v_int8, p.v_scale, tok, u, r, vok, vf);
-          const bool valid[1] = {tok.valid[u]};
-          Fold<S, 1>(
-              st, q, valid, p.scale, [&](int, int i) { return kf[0][i]; },
-              [&](int, int i) { return vf[0][i]; });
-        }
-        continue;
-      }
-    }
     typename S::Word kr[S::U][S::NV];
     typename S::Word vr[S::U][S::NV];
     LoadRaw<S>(p.k, tok, r, vok, kr);
@@ -819,12 +736,8 @@ __global__ void __launch_bounds__(kThreads) TokenProbKernel(const AttnParams p) 
     ResolveSparse<S::U>(p, w, t0, cur.slot, cur.tok, /*report=*/false, &tok);
     cur.Advance(p.page_size);
     bool any = false;
-    bool any8 = false;
 #pragma unroll
-    for (int u = 0; u < S::U; ++u) {
-      any = any || tok.valid[u];
-      any8 = any8 || tok.int8[u];
-    }
+    for (int u = 0; u < S::U; ++u) any = any || tok.valid[u];
     float s[S::U][S::GM];
 #pragma unroll
     for (int u = 0; u < S::U; ++u) {
@@ -832,23 +745,11 @@ __global__ void __launch_bounds__(kThreads) TokenProbKernel(const AttnParams p) 
       for (int g = 0; g < S::GM; ++g) s[u][g] = 0.0f;
     }
     if (__any_sync(kFullMask, any)) {
-      if (__any_sync(kFullMask, any8)) {
-#pragma unroll
-        for (int u = 0; u < S::U; ++u) {
-          float kf[1][S::kPerLane];
-          float s1[1][S::GM];
-          LoadMixedRow<S>(p.k, p.k_int8, p.k_scale, tok, u, r, vok, kf);
-          RowScores<S, 1>(q, [&](int, int i) { return kf[0][i]; }, p.scale, s1);
-#pragma unroll
-          for (int g = 0; g < S::GM; ++g) s[u][g] = s1[0][g];
-        }
-      } else {
-        typename S::Word kr[S::U][S::NV];
-        LoadRaw<S>(p.k, tok, r, vok, kr);
-        RowScores<S, S::U>(
-            q, [&](int u, int i) { return ElementOf<typename S::T>(kr[u][i / S::W], i % S::W); },
-            p.scale, s);
-      }
+      typename S::Word kr[S::U][S::NV];
+      LoadRaw<S>(p.k, tok, r, vok, kr);
+      RowScores<S, S::U>(
+          q, [&](int u, int i) { return ElementOf<typename S::T>(kr[u][i / S::W], i % S::W); },
+          p.scale, s);
     }
     // Every lane of the row group holds every score: lane r writes the (u, g) pairs ≡ r.
 #pragma unroll
@@ -1128,11 +1029,6 @@ AttnParams SparseParams(const SparseAttentionArgs& a, const DeviceErrorSink& sin
   p.partial_len = a.kv.partial_len;
   p.query_position = a.query_position;
   p.token_prob = a.token_prob;
-  p.slot_int8 = a.kv.slot_int8;
-  p.k_int8 = a.kv.k_int8;
-  p.v_int8 = a.kv.v_int8;
-  p.k_scale = a.kv.k_scale;
-  p.v_scale = a.kv.v_scale;
   return p;
 }
 
@@ -1169,14 +1065,9 @@ cudaError_t LaunchSparseAttention(const SparseAttentionArgs& a, const DeviceErro
   const int32_t vec = AttentionVectorElements(a.shape.dtype);
   if (vec == 0) return cudaErrorInvalidValue;
   // The contract (header); the backend has refused anything else, so this is a backstop.
-  bool vector_ok = a.shape.head_dim % vec == 0 && Aligned(a.kv.k_cache, kAttentionVectorBytes) &&
-                   Aligned(a.kv.v_cache, kAttentionVectorBytes);
-  if (a.kv.slot_int8 != nullptr) {
-    vector_ok = vector_ok && Aligned(a.kv.k_int8, static_cast<size_t>(vec)) &&
-                Aligned(a.kv.v_int8, static_cast<size_t>(vec)) &&
-                Aligned(a.kv.k_scale, kAttentionVectorBytes) &&
-                Aligned(a.kv.v_scale, kAttentionVectorBytes);
-  }
+  const bool vector_ok = a.shape.head_dim % vec == 0 &&
+                         Aligned(a.kv.k_cache, kAttentionVectorBytes) &&
+                         Aligned(a.kv.v_cache, kAttentionVectorBytes);
   if (!vector_ok) return cudaErrorInvalidValue;
   return LaunchAttention<true>(SparseParams(a, sink), a.shape.dtype, a.batch, vector_ok,
                                a.workspace, a.workspace_bytes, stream);

@@ -2,8 +2,7 @@
 // pooling, top-k, query cosine and drift flags, page-cache replacement; selection_loss.cu:
 // the mass correction trigger), attention
 // (attention.cu: sparse paged decode attention over per-KV-head slot tables, dense decode
-// attention) and the policy ops (policy_ops.cu: INT8 quantisation of head-slots, head-slot
-// moves).
+// attention) and the policy op (policy_ops.cu: head-slot moves).
 //
 // Framework-free, as copy_kernels.h: the op arguments of kernels/ops.h, whose
 // pointers must already be device-accessible (device memory, or the device view of
@@ -40,8 +39,7 @@ cudaError_t LaunchSelectionLoss(const SelectionLossArgs& a, const DeviceErrorSin
 
 // attention.cu. The sparse kernel reads K and V rows as 16-byte vectors only (the contract
 // at the top of attention.cu): the caches must be kAttentionVectorBytes-aligned and the
-// head dim a multiple of AttentionVectorElements(dtype); the INT8 copies are read that many
-// bytes at a time and their scales 16 bytes at a time. Every other pointer needs its
+// head dim a multiple of AttentionVectorElements(dtype). Every other pointer needs its
 // element's alignment.
 inline constexpr size_t kAttentionVectorBytes = 16;
 // Elements of `t` per vector; 0 for an invalid dtype.
@@ -61,8 +59,6 @@ cudaError_t LaunchDenseAttention(const DenseAttentionArgs& a, const DeviceErrorS
                                  cudaStream_t stream);
 
 // policy_ops.cu. REQUIRES: ValidateArgs(a) is OK and a.num_items > 0.
-cudaError_t LaunchQuantizeSlots(const QuantizeSlotsArgs& a, const DeviceErrorSink& sink,
-                                cudaStream_t stream);
 cudaError_t LaunchMoveHeadSlots(const MoveHeadSlotsArgs& a, const DeviceErrorSink& sink,
                                 cudaStream_t stream);
 

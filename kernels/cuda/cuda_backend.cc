@@ -204,7 +204,6 @@ class CudaBackend final : public Backend {
   absl::Status DoSelectionLoss(Stream& s, const SelectionLossArgs& a) override;
   absl::Status DoSparseAttention(Stream& s, const SparseAttentionArgs& a) override;
   absl::Status DoDenseAttention(Stream& s, const DenseAttentionArgs& a) override;
-  absl::Status DoQuantizeSlots(Stream& s, const QuantizeSlotsArgs& a) override;
   absl::Status DoMoveHeadSlots(Stream& s, const MoveHeadSlotsArgs& a) override;
 
  private:
@@ -346,11 +345,6 @@ PagedKv CudaBackend::DeviceView(const PagedKv& kv) const {
   d.slot_table = DeviceView(kv.slot_table);
   d.partial_page = DeviceView(kv.partial_page);
   d.partial_len = DeviceView(kv.partial_len);
-  d.slot_int8 = DeviceView(kv.slot_int8);
-  d.k_int8 = DeviceView(kv.k_int8);
-  d.v_int8 = DeviceView(kv.v_int8);
-  d.k_scale = DeviceView(kv.k_scale);
-  d.v_scale = DeviceView(kv.v_scale);
   return d;
 }
 
@@ -455,7 +449,6 @@ absl::Status CheckSparseAttentionAlignment(const SparseAttentionArgs& a) {
         op, a.shape.head_dim, vec, cuda::kAttentionVectorBytes));
   }
   const size_t element = DTypeSize(a.shape.dtype);
-  const size_t vector = cuda::kAttentionVectorBytes;
   struct Field {
     const char* name;
     const void* ptr;
@@ -463,10 +456,6 @@ absl::Status CheckSparseAttentionAlignment(const SparseAttentionArgs& a) {
   };
   // kv.k_cache and kv.v_cache: ValidateArgs checks them for every backend (kAttentionAlignment).
   const Field fields[] = {
-      {"kv.k_int8", a.kv.k_int8, static_cast<size_t>(vec)},
-      {"kv.v_int8", a.kv.v_int8, static_cast<size_t>(vec)},
-      {"kv.k_scale", a.kv.k_scale, vector},
-      {"kv.v_scale", a.kv.v_scale, vector},
       {"q", a.q, element},
       {"out", a.out, element},
       {"lse", a.lse, sizeof(float)},
@@ -567,12 +556,6 @@ absl::Status CudaBackend::DoSparseAttention(Stream& s, const SparseAttentionArgs
 absl::Status CudaBackend::DoDenseAttention(Stream& s, const DenseAttentionArgs& a) {
   KVTIER_CUDA_LAUNCH_OP(DenseAttention, LaunchDenseAttention, false, KVTIER_VIEW(q), KVTIER_VIEW(k),
                         KVTIER_VIEW(v), KVTIER_VIEW(seq_len), KVTIER_VIEW(out), KVTIER_VIEW(lse));
-}
-
-absl::Status CudaBackend::DoQuantizeSlots(Stream& s, const QuantizeSlotsArgs& a) {
-  if (a.num_items == 0) return absl::OkStatus();
-  KVTIER_CUDA_LAUNCH_OP(QuantizeSlots, LaunchQuantizeSlots, false, KVTIER_VIEW(kv),
-                        KVTIER_VIEW(items));
 }
 
 absl::Status CudaBackend::DoMoveHeadSlots(Stream& s, const MoveHeadSlotsArgs& a) {

@@ -38,8 +38,6 @@ absl::string_view OpName(KernelOp op) {
       return "SparseAttention";
     case KernelOp::kDenseAttention:
       return "DenseAttention";
-    case KernelOp::kQuantizeSlots:
-      return "QuantizeSlots";
     case KernelOp::kMoveHeadSlots:
       return "MoveHeadSlots";
     case KernelOp::kSelectionLoss:

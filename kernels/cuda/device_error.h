@@ -28,7 +28,7 @@ enum class KernelOp : int32_t {
   kReplace = 8,
   kSparseAttention = 9,
   kDenseAttention = 10,
-  kQuantizeSlots = 11,
+  // 11 was QuantizeSlots (INT8 storage, removed).
   kMoveHeadSlots = 12,
   kSelectionLoss = 13,
 };

@@ -96,6 +96,11 @@ class ParamReader {
   absl::Status Finish(const PolicyConfig& c) const {
     for (const auto& [key, value] : params_) {
       if (taken_.contains(key)) continue;
+      if (key == "int8.window_pages") {
+        return absl::InvalidArgumentError(
+            "policy.params['int8.window_pages']: INT8 storage was removed (it kept the FP16 "
+            "slot beside the INT8 copy, so it saved no memory); docs/policies.md");
+      }
       return absl::InvalidArgumentError(absl::StrFormat(
           "policy.params['%s']: unknown, or for a policy this session does not run (budget = "
           "%s, residency = %s); docs/policies.md lists the parameters",
@@ -208,7 +213,6 @@ absl::StatusOr<Policies> Build(const PolicyConfig& c, const PolicyContext* ctx) 
         "policy.host_drop = '%s': unknown; one of refuse (the default), evict, demote", c.host_drop));
   }
   ParamReader r(c.params);
-  KVTIER_RETURN_IF_ERROR(r.Int32("int8.window_pages", 0, 1 << 20, &out.int8_window_pages));
   ConfidenceOptions conf;
   AttentionRankerOptions ranker;
   EpiphanyOptions epi;

@@ -9,8 +9,7 @@
 //   host_drop  refuse | evict | demote (demote needs a host tier with a cold tier behind it)
 //
 // Parameters are "<policy>.<name>" = value, e.g. "confidence.enter_tight" = "0.75"; the
-// Retriever-level ones are "int8.window_pages" (INT8 storage for pages older than that many
-// recent pages, drop mode; 0 = off) and "xkv.task_type".
+// Retriever-level one is "xkv.task_type".
 //
 // Value types; thread-compatible.
 #ifndef KVTIER_OFFLOAD_POLICY_CONFIG_H_
@@ -60,7 +59,6 @@ struct Policies {
   std::unique_ptr<BudgetPolicy> budget;
   std::unique_ptr<ResidencyPolicy> residency;
   HostDropMode host_drop = HostDropMode::kRefuse;
-  int32_t int8_window_pages = 0;  // 0: INT8 storage off
 };
 
 // INVALID_ARGUMENT naming the unknown policy, the unknown or malformed parameter, or the

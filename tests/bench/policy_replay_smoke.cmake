@@ -7,7 +7,7 @@ file(REMOVE_RECURSE "${WORK_DIR}")
 file(MAKE_DIRECTORY "${WORK_DIR}")
 set(png "${WORK_DIR}/sweep.png")
 set(budgets 128 256 512)
-set(policies window h2o conf-kv conf-kv-int8 epikv epikv-kv xkv kv-compress speculative+conf)
+set(policies window h2o conf-kv epikv epikv-kv xkv kv-compress speculative+conf)
 execute_process(
   COMMAND "${BENCH}" replay --policies --context 1024 --steps 12 --model-layers 2 --layers 2
     --q-heads 4 --kv-heads 2 --head-dim 32 --page-size 16 --budgets 128,256,512 --threads 2

@@ -177,7 +177,7 @@ TEST_F(ColdTierIntegrationTest, AnShmSessionDemotesPagesAndDecodesBitIdentical) 
   t.steps = 80;
   const SyntheticTrace trace(t);
   SessionOptions ref_options = IntegrationSessionOptions(Transport::kShm, backend_);
-  ref_options.sequence.recall = RecallStrategy::kSlabDma;
+  ref_options.sequence.recall = RecallStrategy::kBatchedDma;
   ref_options.sequence.policy.residency = "h2o";
   SessionOptions options = ref_options;
   options.sequence.policy.host_drop = "demote";

@@ -180,12 +180,6 @@ int32_t Uniform(std::mt19937& rng, int32_t lo, int32_t hi) {
 
 bool Chance(std::mt19937& rng, double p) { return std::bernoulli_distribution(p)(rng); }
 
-std::vector<int8_t> RandomInt8(std::mt19937& rng, int64_t n) {
-  std::vector<int8_t> v(static_cast<size_t>(n));
-  for (int8_t& x : v) x = static_cast<int8_t>(Uniform(rng, -127, 127));
-  return v;
-}
-
 std::vector<float> RandomFloats(std::mt19937& rng, int64_t n, float lo, float hi) {
   std::uniform_real_distribution<float> dist(lo, hi);
   std::vector<float> v(static_cast<size_t>(n));
@@ -228,40 +222,18 @@ WorkingSetBuffers::WorkingSetBuffers(OpBuffers& in, int32_t num_slots, const Typ
       k(in.Add(k_cache, Placement::kDevice, offset)),
       v(in.Add(v_cache, Placement::kDevice, offset)) {}
 
-void WorkingSetBuffers::AddInt8(OpBuffers& in, std::mt19937& rng, int64_t scales, float lo,
-                                float hi) {
-  k8 = in.Add(RandomInt8(rng, elements));
-  v8 = in.Add(RandomInt8(rng, elements));
-  ks = in.Add(RandomFloats(rng, scales, lo, hi));
-  vs = in.Add(RandomFloats(rng, scales, lo, hi));
-}
-
 PagedKv WorkingSetBuffers::At(const OpPtrs& p) const {
-  return PagedKv{.k_cache = p.get(k),
-                 .v_cache = p.get(v),
-                 .num_slots = slots,
-                 .k_int8 = p.get<int8_t>(k8),
-                 .v_int8 = p.get<int8_t>(v8),
-                 .k_scale = p.get<float>(ks),
-                 .v_scale = p.get<float>(vs)};
+  return PagedKv{.k_cache = p.get(k), .v_cache = p.get(v), .num_slots = slots};
 }
 
 void WorkingSetBuffers::ExpectSameCaches(const OpResult& want, const OpResult& got, DType t) const {
   ExpectSameBytes(want, got, k, DTypeSize(t), "k_cache");
   ExpectSameBytes(want, got, v, DTypeSize(t), "v_cache");
-  if (k8 >= 0) ExpectSameInt8(want, got);
-}
-
-void WorkingSetBuffers::ExpectSameInt8(const OpResult& want, const OpResult& got) const {
-  ExpectSameBytes(want, got, k8, 1, "k_int8");
-  ExpectSameBytes(want, got, v8, 1, "v_int8");
-  ExpectSameBytes(want, got, ks, sizeof(float), "k_scale");
-  ExpectSameBytes(want, got, vs, sizeof(float), "v_scale");
 }
 
 std::vector<int> WorkingSetBuffers::Indices() const {
   std::vector<int> out;
-  for (const int i : {k, v, k8, v8, ks, vs}) {
+  for (const int i : {k, v}) {
     if (i >= 0) out.push_back(i);
   }
   return out;

@@ -189,7 +189,6 @@ void ExpectAttentionOutNear(DType t, const OpResult& want, const OpResult& got, 
 
 int32_t Uniform(std::mt19937& rng, int32_t lo, int32_t hi);  // [lo, hi]
 bool Chance(std::mt19937& rng, double p);
-std::vector<int8_t> RandomInt8(std::mt19937& rng, int64_t n);  // in [-127, 127]
 std::vector<float> RandomFloats(std::mt19937& rng, int64_t n, float lo, float hi);
 
 }  // namespace kvtier::testing

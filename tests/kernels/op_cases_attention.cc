@@ -1,5 +1,5 @@
 // Decode attention against the CPU reference: sparse over per-head slot tables (partial
-// pages, causal limits, token probabilities, INT8 slots, unaligned caches) and dense.
+// pages, causal limits, token probabilities, unaligned caches) and dense.
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -19,14 +19,13 @@ namespace {
 
 struct SparseVariant {
   const char* name;
-  bool lse, causal, prob, int8;
+  bool lse, causal, prob;
 };
 
 // A working set of S = 6 slots over 10 logical pages: per (b, h) distinct pages in random
 // slots, a quarter of the slots empty; the partial page (the last) held by head 0 of every
 // sequence; KV head 1 of sequence 0 empty. Partial pages of some, no and zero tokens; causal
-// limits past everything, mid-page and at an early page; INT8 copies of 40% of the
-// head-slots.
+// limits past everything, mid-page and at an early page.
 OpRun SparseAttentionRun(const HeadShape& c, int32_t page_size, const SparseVariant& var,
                          uint32_t seed) {
   const int32_t B = c.batch, Hq = QueryHeads(c), d = c.head_dim, p = page_size;
@@ -61,8 +60,6 @@ OpRun SparseAttentionRun(const HeadShape& c, int32_t page_size, const SparseVari
     partial_len.push_back(b == 1 ? 0 : Uniform(rng, 1, p - 1));
     query_position.push_back(b == 0 ? int64_t{kPages} * p : b == 1 ? 5 * p + 3 : 2 * p - 1);
   }
-  std::vector<uint8_t> slot_int8(slot_table.size());
-  for (uint8_t& f : slot_int8) f = Chance(rng, 0.4) ? 1 : 0;
   const KvShape shape = ShapeOf(c, p);
 
   OpRun r;
@@ -75,8 +72,6 @@ OpRun SparseAttentionRun(const HeadShape& c, int32_t page_size, const SparseVari
   const int iqpos = var.causal ? r.in.Add(query_position) : -1;
   const int iprob =
       var.prob ? r.in.Add(std::vector<float>(static_cast<size_t>(B) * Hq * kS * p, 7.0f)) : -1;
-  const int iflags = var.int8 ? r.in.Add(slot_int8) : -1;
-  if (var.int8) ws.AddInt8(r.in, rng, ScaleCount(shape, B * kS), 0.005f, 0.02f);
   r.op = [=](Backend& be, Stream& s, const OpPtrs& ptr) {
     SparseAttentionArgs a;
     a.shape = shape;
@@ -85,7 +80,6 @@ OpRun SparseAttentionRun(const HeadShape& c, int32_t page_size, const SparseVari
     a.kv.slot_table = ptr.get<int32_t>(itab);
     a.kv.partial_page = ptr.get<int32_t>(ipp);
     a.kv.partial_len = ptr.get<int32_t>(ipl);
-    a.kv.slot_int8 = ptr.get<uint8_t>(iflags);
     a.batch = B;
     a.q = ptr.get(iq);
     a.softmax_scale = ScaleOf(d);
@@ -150,11 +144,10 @@ void AddAttentionCases(std::vector<OpCase>& cases) {
     const std::string shape = NameOf(c);
     // Both page sizes across the sweep: 32 for single sequences, 16 for batches.
     const int32_t p = c.batch == 1 ? 32 : 16;
-    for (const SparseVariant& v : {SparseVariant{"plain", true, false, false, false},
-                                   SparseVariant{"causal_no_lse", false, true, false, false},
-                                   SparseVariant{"token_prob", true, false, true, false},
-                                   SparseVariant{"int8", true, false, false, true},
-                                   SparseVariant{"causal_prob_int8", true, true, true, true}}) {
+    for (const SparseVariant& v : {SparseVariant{"plain", true, false, false},
+                                   SparseVariant{"causal_no_lse", false, true, false},
+                                   SparseVariant{"token_prob", true, false, true},
+                                   SparseVariant{"causal_prob", true, true, true}}) {
       Add(cases, absl::StrFormat("SparseAttention_%s_p%d_%s", shape, p, v.name),
           [c, p, v](uint32_t seed) { return SparseAttentionRun(c, p, v, seed); });
     }

@@ -187,30 +187,12 @@ OpRun DenseAttentionSeqLenBeyondMaxTokens(uint32_t seed) {
   return r;
 }
 
-// The error shape's working set of kErrS slots, in `dtype`, with INT8 copies.
+// The error shape's working set of kErrS slots, in `dtype`.
 WorkingSetBuffers ErrorWorkingSet(OpBuffers& in, DType dtype, uint32_t seed) {
   KvShape shape = kErrShape;
   shape.dtype = dtype;
-  std::mt19937 rng(seed);
-  WorkingSetBuffers ws(in, kErrS, RandomCache(shape, kErrS, seed + 1),
-                       RandomCache(shape, kErrS, seed + 2));
-  ws.AddInt8(in, rng, ScaleCount(shape, kErrS), 0.0f, 1.0f);
-  return ws;
-}
-
-OpRun QuantizeSlotsBadItem(HeadSlot bad, const char* message, uint32_t seed) {
-  OpRun r = OutOfRange(message);
-  const int iitems = r.in.Add(std::vector<HeadSlot>{{0, 0}, bad, {1, 2}});
-  const WorkingSetBuffers ws = ErrorWorkingSet(r.in, kErrShape.dtype, seed);
-  r.op = [=](Backend& be, Stream& s, const OpPtrs& p) {
-    QuantizeSlotsArgs a;
-    a.shape = kErrShape;
-    a.kv = ws.At(p);
-    a.items = p.get<HeadSlot>(iitems);
-    a.num_items = 3;
-    return be.QuantizeSlots(s, a);
-  };
-  return r;
+  return WorkingSetBuffers(in, kErrS, RandomCache(shape, kErrS, seed + 1),
+                           RandomCache(shape, kErrS, seed + 2));
 }
 
 // A bad item anywhere fails the whole call before anything moves.
@@ -334,12 +316,6 @@ void AddErrorCases(std::vector<OpCase>& cases) {
         });
   }
   Add(cases, "DenseAttention_error_seq_len", DenseAttentionSeqLenBeyondMaxTokens);
-  Add(cases, "QuantizeSlots_error_kv_head", [](uint32_t seed) {
-    return QuantizeSlotsBadItem({kHkv, 1}, "QuantizeSlots: items[1].kv_head = 2", seed);
-  });
-  Add(cases, "QuantizeSlots_error_slot", [](uint32_t seed) {
-    return QuantizeSlotsBadItem({0, kErrS}, "QuantizeSlots: items[1].slot = 4", seed);
-  });
   Add(cases, "MoveHeadSlots_error_kv_head", [](uint32_t seed) {
     return MoveHeadSlotsBadItem({kHkv, 0, 1}, "MoveHeadSlots: items[2].kv_head = 2", seed);
   });

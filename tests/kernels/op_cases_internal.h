@@ -27,35 +27,27 @@ float ScaleOf(int32_t head_dim);       // the softmax scale 1/√d
 // op must not write are compared too).
 TypedBuffer Filled(DType t, int64_t n, float value);
 
-// A cache of `slots` working-set slots of shape `s` with N(0, stddev²) contents from `seed`,
-// and the number of per-channel scales of its INT8 copy ([slots][Hkv][d]).
+// A cache of `slots` working-set slots of shape `s` with N(0, stddev²) contents from `seed`.
 TypedBuffer RandomCache(const KvShape& s, int32_t slots, uint32_t seed, float stddev = 1.0f);
-inline int64_t ScaleCount(const KvShape& s, int32_t slots) {
-  return int64_t{slots} * s.num_kv_heads * s.head_dim;
-}
 
 // A case is made by a maker from the case's seed; Add names the case and binds its seed (a
 // hash of the name).
 using Maker = std::function<OpRun(uint32_t seed)>;
 void Add(std::vector<OpCase>& cases, std::string name, Maker make);
 
-// A working set among an op's buffers: K and V caches of `slots` slots and, where given,
-// INT8 copies of them with their per-channel scales (index -1 where not).
+// A working set among an op's buffers: K and V caches of `slots` slots.
 struct WorkingSetBuffers {
   int32_t slots = 0;
   int64_t elements = 0;  // of each cache
-  int k = -1, v = -1, k8 = -1, v8 = -1, ks = -1, vs = -1;
+  int k = -1, v = -1;
 
   // Adds the caches, `offset` bytes off their alignment.
   WorkingSetBuffers(OpBuffers& in, int32_t num_slots, const TypedBuffer& k_cache,
                     const TypedBuffer& v_cache, size_t offset = 0);
-  // Adds random INT8 copies and `scales` per-channel scales uniform in [lo, hi).
-  void AddInt8(OpBuffers& in, std::mt19937& rng, int64_t scales, float lo, float hi);
-  // The caches, num_slots and the INT8 buffers at `p`.
+  // The caches and num_slots at `p`.
   PagedKv At(const OpPtrs& p) const;
-  // The caches bit for bit, elements of DTypeSize(t); the INT8 copies and scales too.
+  // The caches bit for bit, elements of DTypeSize(t).
   void ExpectSameCaches(const OpResult& want, const OpResult& got, DType t) const;
-  void ExpectSameInt8(const OpResult& want, const OpResult& got) const;
   std::vector<int> Indices() const;  // of every buffer given
 };
 

@@ -1,6 +1,5 @@
 // The page-shaped ops against the CPU reference, bit for bit: Recall, GatherSlabs and
-// ScatterSlabs, Offload (host pages in device or registered host memory), QuantizeSlots and
-// MoveHeadSlots.
+// ScatterSlabs, Offload (host pages in device or registered host memory) and MoveHeadSlots.
 #include <algorithm>
 #include <initializer_list>
 #include <random>
@@ -178,61 +177,9 @@ OpRun OffloadRun(const KvShape& c, Placement pages_at, SummaryMode mode, uint32_
   return r;
 }
 
-// Two thirds of the (slot, head) pairs in random order, with special channels in the first
-// item's K: all zero (zero scale); max 127 so the scale is exactly 1 and the other tokens
-// are ties (x.5, to even); a NaN (ignored by the max, quantised to 0); an inf (scale inf,
-// everything 0). The outputs start random, so what no item writes is compared too.
-OpRun QuantizeSlotsRun(const KvShape& c, uint32_t seed) {
-  constexpr int32_t kSlots = 6;
-  const WorkingSetLayout wl{kSlots, c.page_size, c.num_kv_heads, c.head_dim};
-  std::mt19937 rng(seed);
-  TypedBuffer k = RandomCache(c, kSlots, seed + 1);
-  std::vector<HeadSlot> items;
-  for (int32_t s = 0; s < kSlots; ++s) {
-    for (int32_t h = 0; h < c.num_kv_heads; ++h) {
-      if ((s + h) % 3 != 2) items.push_back({h, s});
-    }
-  }
-  std::shuffle(items.begin(), items.end(), rng);
-  const HeadSlot first = items[0];
-  const auto at = [wl, first](int32_t t, int32_t ch) {
-    return static_cast<size_t>(wl.Offset(int64_t{first.slot}, t, first.kv_head, ch));
-  };
-  const bool specials = c.head_dim >= 4 && c.page_size >= 4;
-  for (int32_t t = 0; specials && t < c.page_size; ++t) {
-    k.Set(at(t, 0), 0.0f);
-    k.Set(at(t, 1), t == 0 ? 127.0f : static_cast<float>(t - c.page_size / 2) + 0.5f);
-    if (t == 1) k.Set(at(t, 2), kNaN);
-    if (t == 2) k.Set(at(t, 3), kInf);
-  }
-  OpRun r;
-  const int iitems = r.in.Add(items);
-  WorkingSetBuffers ws(r.in, kSlots, k, RandomCache(c, kSlots, seed + 2, 4.0f));
-  ws.AddInt8(r.in, rng, ScaleCount(c, kSlots), 0.0f, 1.0f);
-  r.op = [=](Backend& be, Stream& s, const OpPtrs& p) {
-    QuantizeSlotsArgs a;
-    a.shape = c;
-    a.kv = ws.At(p);
-    a.items = p.get<HeadSlot>(iitems);
-    a.num_items = static_cast<int32_t>(items.size());
-    return be.QuantizeSlots(s, a);
-  };
-  const int32_t half = c.page_size / 2;
-  r.check = [=](const OpBuffers&, const OpResult& want, const OpResult& got) {
-    ws.ExpectSameInt8(want, got);
-    if (!specials) return;
-    // The tie channel rounded to even: 0.5 → 0, 1.5 → 2, -0.5 → 0.
-    const std::vector<int8_t> q = got.Get<int8_t>(ws.k8);
-    EXPECT_EQ(q[at(half, 1)], 0);
-    EXPECT_EQ(q[at(half + 1, 1)], 2);
-    EXPECT_EQ(q[at(half - 1, 1)], 0);
-  };
-  return r;
-}
-
 // Chained moves (each reads what the one before wrote, then its source is overwritten),
-// then random ones; with or without the INT8 copies.
-OpRun MoveHeadSlotsRun(const KvShape& c, bool with_int8, uint32_t seed) {
+// then random ones.
+OpRun MoveHeadSlotsRun(const KvShape& c, uint32_t seed) {
   constexpr int32_t kSlots = 8;
   std::mt19937 rng(seed);
   const int32_t h_last = c.num_kv_heads - 1;
@@ -248,7 +195,6 @@ OpRun MoveHeadSlotsRun(const KvShape& c, bool with_int8, uint32_t seed) {
   const int iitems = r.in.Add(items);
   WorkingSetBuffers ws(r.in, kSlots, RandomCache(c, kSlots, seed + 1),
                        RandomCache(c, kSlots, seed + 2));
-  if (with_int8) ws.AddInt8(r.in, rng, ScaleCount(c, kSlots), 0.0f, 1.0f);
   r.op = [=](Backend& be, Stream& s, const OpPtrs& p) {
     MoveHeadSlotsArgs a;
     a.shape = c;
@@ -306,11 +252,7 @@ void AddPageCases(std::vector<OpCase>& cases) {
   }
   for (const KvShape& c : PageShapes({1, 4})) {
     const std::string shape = NameOf(c);
-    Add(cases, "QuantizeSlots_" + shape, [c](uint32_t seed) { return QuantizeSlotsRun(c, seed); });
-    for (const bool with_int8 : {false, true}) {
-      Add(cases, "MoveHeadSlots_" + shape + (with_int8 ? "_int8" : "_fp"),
-          [c, with_int8](uint32_t seed) { return MoveHeadSlotsRun(c, with_int8, seed); });
-    }
+    Add(cases, "MoveHeadSlots_" + shape, [c](uint32_t seed) { return MoveHeadSlotsRun(c, seed); });
   }
 }
 

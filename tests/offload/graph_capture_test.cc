@@ -162,7 +162,7 @@ INSTANTIATE_TEST_SUITE_P(Triggers, GraphCaptureTest,
 TEST(GraphCaptureOffTest, OtherModesAndStrategiesLaunchDirectly) {
   KVTIER_SKIP_WITHOUT_TEST_DEVICE();
   SequenceOptions o = SmallOptions(RetrievalMode::kSpeculative);
-  o.recall = RecallStrategy::kSlabDma;  // its plan goes to the host: nothing to capture
+  o.recall = RecallStrategy::kBatchedDma;  // its plan goes to the host: nothing to capture
   o.capture_graphs = true;
   EXPECT_EQ(Decode(o, 1, 6, false).stats[0].graph_launches, 0);
   o = SmallOptions(RetrievalMode::kSync);

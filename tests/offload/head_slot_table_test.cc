@@ -43,7 +43,6 @@ TEST(HeadSlotTableTest, CompactionLinesFreePartsUpIntoWholeSlots) {
   // Head 0 keeps pages 0, 3, 5; head 1 keeps 1, 2, 4, 5.
   for (int32_t p : {1, 2, 4}) ASSERT_TRUE(t.Evict(0, p));
   for (int32_t p : {0, 3}) ASSERT_TRUE(t.Evict(1, p));
-  t.set_int8(0, 5);
   const std::vector<int32_t> before = t.table();
   EXPECT_EQ(t.used(), 6);
   const std::vector<HeadSlotMove> moves = t.Compact(/*fixed=*/-1);
@@ -52,9 +51,6 @@ TEST(HeadSlotTableTest, CompactionLinesFreePartsUpIntoWholeSlots) {
   EXPECT_EQ(t.Pages(0), (std::vector<int32_t>{0, 3, 5}));
   EXPECT_EQ(t.Pages(1), (std::vector<int32_t>{1, 2, 4, 5}));
   EXPECT_EQ(t.CountOf(0), 3);
-  // The INT8 flag moved with its page.
-  EXPECT_TRUE(t.is_int8(0, t.SlotOf(0, 5)));
-  EXPECT_EQ(t.int8_resident(), 1);
   EXPECT_EQ(t.PlaceInFreeSlot(6), 4);
   t.Resize(5);
   EXPECT_EQ(t.capacity(), 5);

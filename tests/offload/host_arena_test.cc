@@ -120,9 +120,6 @@ class RecordingBackend : public Backend {
   absl::Status DoDenseAttention(Stream&, const DenseAttentionArgs&) override {
     return Unimplemented();
   }
-  absl::Status DoQuantizeSlots(Stream&, const QuantizeSlotsArgs&) override {
-    return Unimplemented();
-  }
   absl::Status DoMoveHeadSlots(Stream&, const MoveHeadSlotsArgs&) override {
     return Unimplemented();
   }

@@ -108,7 +108,7 @@ TEST_F(HostWaitsTest, SpeculativeDecodeWithTheMassTriggerMakesNone) {
 TEST_F(HostWaitsTest, SyncModeWaitsOncePerLayerStepForItsDmaPlanAndNeverZeroCopy) {
   const int32_t layers = SmallGeometry().num_layers;
   SequenceOptions o = SmallOptions(RetrievalMode::kSync);
-  o.recall = RecallStrategy::kSlabDma;
+  o.recall = RecallStrategy::kBatchedDma;
   SequenceStats st;
   std::vector<int64_t> waits = Decode(o, 12, &st);
   // The copy engines are driven from the host: the plan made on the device must reach it.

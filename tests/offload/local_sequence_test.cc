@@ -78,8 +78,7 @@ TEST(LocalSequenceTest, ASequenceMadeAloneStepsThroughItsBatchOfOne) {
   ASSERT_TRUE(device.ok()) << device.status();
   for (RetrievalMode mode : {RetrievalMode::kSpeculative, RetrievalMode::kSync,
                              RetrievalMode::kFull, RetrievalMode::kDrop})
-    for (RecallStrategy recall : {RecallStrategy::kSlabDma, RecallStrategy::kBatchedDma,
-                                  RecallStrategy::kZeroCopy}) {
+    for (RecallStrategy recall : {RecallStrategy::kBatchedDma, RecallStrategy::kZeroCopy}) {
       SCOPED_TRACE(std::string(RetrievalModeName(mode)) + " " +
                    std::string(RecallStrategyName(recall)));
       SequenceOptions o = SmallOptions(mode);

@@ -119,19 +119,16 @@ TEST_F(RecallStrategyTest, BatchedDmaMergesAdjacentSlabs) {
       plan.push_back(RecallItem{p, h, static_cast<int32_t>(plan.size())});
     }
   }
-  int64_t batched = 0, per_slab = 0;
+  int64_t batched = 0;
   const auto a = Run(RecallStrategy::kBatchedDma, plan, 16, 8, &batched);
-  const auto b = Run(RecallStrategy::kSlabDma, plan, 16, 8, &per_slab);
   EXPECT_EQ(a, Run(RecallStrategy::kAuto, plan, 16, 8));
-  EXPECT_EQ(a, b);
-  EXPECT_EQ(batched, 2);    // two chunks of 8 slabs, one range each
-  EXPECT_EQ(per_slab, 16);  // one DMA per slab
+  EXPECT_EQ(batched, 2);  // two chunks of 8 slabs, one range each (16 slabs)
 }
 
 TEST_F(RecallStrategyTest, PlanErrorsNameTheItemAndTheLimit) {
   DeviceBuffer k = *backend_->Allocate(1 << 16), v = *backend_->Allocate(1 << 16);
   RecallTarget t{pages_.data.get(), pages_.num, k.data(), v.data(), 4};
-  for (RecallStrategy s : {RecallStrategy::kSlabDma, RecallStrategy::kBatchedDma}) {
+  for (RecallStrategy s : {RecallStrategy::kBatchedDma}) {
     auto r = *SlabRecaller::Create(*backend_, g_, s, 4, 2);
     r->plan()[0] = RecallItem{1, 0, 0};
     r->plan()[1] = RecallItem{pages_.num, 0, 1};  // one past the last host page
@@ -152,13 +149,13 @@ TEST_F(RecallStrategyTest, PlanErrorsNameTheItemAndTheLimit) {
   EXPECT_EQ(drive_->Synchronize().code(), absl::StatusCode::kOutOfRange);
   EXPECT_EQ(SlabRecaller::Create(*backend_, g_, RecallStrategy::kAuto, 4, 2).status().code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(SlabRecaller::Create(*backend_, g_, RecallStrategy::kSlabDma, 0, 2).status().code(),
+  EXPECT_EQ(SlabRecaller::Create(*backend_, g_, RecallStrategy::kBatchedDma, 0, 2).status().code(),
             absl::StatusCode::kInvalidArgument);
 }
 
 TEST(RecallStrategyNames, RoundTrip) {
-  for (RecallStrategy s : {RecallStrategy::kAuto, RecallStrategy::kSlabDma,
-                           RecallStrategy::kBatchedDma, RecallStrategy::kZeroCopy}) {
+  for (RecallStrategy s :
+       {RecallStrategy::kAuto, RecallStrategy::kBatchedDma, RecallStrategy::kZeroCopy}) {
     RecallStrategy parsed = RecallStrategy::kZeroCopy;
     ASSERT_TRUE(ParseRecallStrategy(RecallStrategyName(s), &parsed));
     EXPECT_EQ(parsed, s);

@@ -720,8 +720,8 @@ TEST_P(RetrieverBackendsTest, SpeculativeWorkingSetsAndOutputsMatchTheCpu) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Strategies, RetrieverBackendsTest,
-                         ::testing::Values(RecallStrategy::kSlabDma, RecallStrategy::kBatchedDma,
-                                           RecallStrategy::kZeroCopy, RecallStrategy::kAuto),
+                         ::testing::Values(RecallStrategy::kBatchedDma, RecallStrategy::kZeroCopy,
+                                           RecallStrategy::kAuto),
                          [](const ::testing::TestParamInfo<RecallStrategy>& param_info) {
                            return std::string(RecallStrategyName(param_info.param));
                          });

@@ -100,7 +100,7 @@ struct Pair {
 TEST(RetrieverColdTest, DemotedPagesComeBackWhenSelectedBitIdentical) {
   const Geometry g = SmallGeometry();
   for (RetrievalMode mode : {RetrievalMode::kSync, RetrievalMode::kSpeculative}) {
-    for (RecallStrategy recall : {RecallStrategy::kSlabDma, RecallStrategy::kBatchedDma}) {
+    for (RecallStrategy recall : {RecallStrategy::kBatchedDma}) {
       SCOPED_TRACE(std::string(RetrievalModeName(mode)) + " " +
                    std::string(RecallStrategyName(recall)));
       // 12 host pages per layer; the sequence grows to 28 pages per layer.
@@ -132,7 +132,7 @@ TEST(RetrieverColdTest, DemotedPagesComeBackWhenSelectedBitIdentical) {
 
 TEST(RetrieverColdTest, ColdTierFaultsFailTheCallNotTheData) {
   const Geometry g = SmallGeometry();
-  Pair p(g, DemoteOptions(RetrievalMode::kSync, RecallStrategy::kSlabDma), 24);
+  Pair p(g, DemoteOptions(RetrievalMode::kSync, RecallStrategy::kBatchedDma), 24);
   ASSERT_NE(p.cold, nullptr);
   int32_t step = 0;
   // Fill the host tier: 12 pages per layer.
@@ -155,7 +155,7 @@ TEST(RetrieverColdTest, ColdTierFaultsFailTheCallNotTheData) {
   // A page with no intact cold copy: the step that selects it fails with the tier's
   // DATA_LOSS, and the sequence with it (its working set would lack the page), never
   // attending over wrong bytes.
-  Pair q(g, DemoteOptions(RetrievalMode::kSync, RecallStrategy::kSlabDma), 24);
+  Pair q(g, DemoteOptions(RetrievalMode::kSync, RecallStrategy::kBatchedDma), 24);
   ASSERT_NE(q.cold, nullptr);
   q.store.get_error = absl::DataLossError("checksum mismatch on every replica");
   absl::Status failed;

@@ -1,7 +1,7 @@
 // The Retriever applying policies on the CPU backend: confidence budgets widening and
 // narrowing the selection, pinned pages surviving eviction, per-head eviction with
-// compaction in drop mode (against attention over exactly the resident tokens), INT8
-// storage, observation queries, host-tier drops, and configuration errors.
+// compaction in drop mode (against attention over exactly the resident tokens),
+// observation queries, host-tier drops, and configuration errors.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -246,36 +246,6 @@ TEST(RetrieverPolicyTest, DropModeEvictsPerHeadCompactsAndMatchesReference) {
   EXPECT_LE(st.resident_head_pages, fixed + 10 + int64_t{g.num_layers} * g.num_kv_heads);
 }
 
-// INT8 storage of pages older than the FP16 window: counted, and attention reads them
-// dequantised, within the quantisation error of the reference.
-TEST(RetrieverPolicyTest, Int8PagesAreDequantisedInsideAttention) {
-  const Geometry g = SmallGeometry();
-  const SequenceOptions o =
-      WithPolicy(SmallOptions(RetrievalMode::kDrop), "fixed", "h2o", {{"int8.window_pages", "1"}});
-  Harness h(g, o);
-  h.Append(100);
-  for (int32_t step = 0; step < 10; ++step) {
-    const TypedBuffer q = h.seq.Query(step);
-    auto r = h.Step(q);
-    for (int32_t l = 0; l < g.num_layers; ++l) {
-      const std::vector<float> want = AttentionOverTable(g, h.seq, l, q, h.snapshot_tables[l],
-                                                         r.views[l].num_slots, h.seq.tokens());
-      double err = 0, norm = 0;
-      for (size_t i = 0; i < want.size(); ++i) {
-        err += (r.out[l][i] - want[i]) * (r.out[l][i] - want[i]);
-        norm += want[i] * want[i];
-      }
-      EXPECT_LT(std::sqrt(err / norm), 0.05) << "step " << step;
-      EXPECT_GT(std::sqrt(err), 0.0) << "INT8 pages should differ from the FP32 reference";
-    }
-    h.Append(1);
-  }
-  const SequenceStats st = h.retriever->Stats();
-  EXPECT_GT(st.int8_head_pages, 0);
-  const int64_t slab_bytes = g.slab_elements() * static_cast<int64_t>(g.element_bytes());
-  EXPECT_LT(st.resident_bytes, st.resident_head_pages * slab_bytes);
-}
-
 // host_drop = evict: a full host tier drops the lowest-scoring old pages for good, counted;
 // selection never names them again; refuse (the default) refuses and counts.
 TEST(RetrieverPolicyTest, FullHostTierDropsPagesWhenAskedAndRefusesOtherwise) {
@@ -437,7 +407,7 @@ TEST(RetrieverPolicyTest, BadPolicyConfigurationsGetClearErrors) {
        "h2o",
        "refuse",
        {{"int8.window_pages", "2"}},
-       "drop mode only"},
+       "INT8 storage was removed"},
       {RetrievalMode::kDrop, "fixed", "h2o", "evict", {}, "no host tier"},
       {RetrievalMode::kDrop,
        "fixed",

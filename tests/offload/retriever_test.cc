@@ -329,7 +329,7 @@ TEST(RetrieverTest, RecallStrategiesAgree) {
   Harness ha(g, a);
   ha.Append(130);
   const auto expected = RunSteps(ha, 10, 900);
-  for (RecallStrategy strategy : {RecallStrategy::kSlabDma, RecallStrategy::kBatchedDma}) {
+  for (RecallStrategy strategy : {RecallStrategy::kBatchedDma}) {
     SequenceOptions b = a;
     b.recall = strategy;
     Harness hb(g, b);
@@ -749,7 +749,7 @@ void ExpectRestoreEquivalent(int32_t T, RecallStrategy strategy) {
 
 TEST(RetrieverTest, RestoredLayersStepLikeTheOriginal) {
   // 17 full pages: past the sinks and the recent ring, so the ring has wrapped.
-  ExpectRestoreEquivalent(17 * 8, RecallStrategy::kSlabDma);
+  ExpectRestoreEquivalent(17 * 8, RecallStrategy::kBatchedDma);
 }
 
 TEST(RetrieverTest, RestoredFullPagesPlusAppendedRemainderStepLikeTheOriginal) {

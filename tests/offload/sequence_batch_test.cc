@@ -249,7 +249,7 @@ TEST(SequenceBatchErrorsTest, RefusesWhatItCannotDo) {
   const Geometry g = SmallGeometry(DType::kF16);
   SequenceOptions o = SmallOptions(RetrievalMode::kSpeculative);
   std::unique_ptr<Device> device = MakeTestDevice();
-  o.recall = RecallStrategy::kSlabDma;
+  o.recall = RecallStrategy::kBatchedDma;
   EXPECT_TRUE(absl::IsInvalidArgument(NewSequenceBatch(g, o, 2, *device).status()));
   o.recall = RecallStrategy::kAuto;
   EXPECT_TRUE(absl::IsInvalidArgument(NewSequenceBatch(g, o, 0, *device).status()));

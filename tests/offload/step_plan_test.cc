@@ -37,20 +37,20 @@ using testing::TypedBuffer;
 
 constexpr RetrievalMode kModes[] = {RetrievalMode::kSpeculative, RetrievalMode::kSync,
                                     RetrievalMode::kFull, RetrievalMode::kDrop};
-constexpr RecallStrategy kRecalls[] = {RecallStrategy::kAuto, RecallStrategy::kSlabDma,
-                                       RecallStrategy::kBatchedDma, RecallStrategy::kZeroCopy};
+constexpr RecallStrategy kRecalls[] = {RecallStrategy::kAuto, RecallStrategy::kBatchedDma,
+                                       RecallStrategy::kZeroCopy};
 constexpr policy::HostDropMode kDrops[] = {policy::HostDropMode::kRefuse,
                                            policy::HostDropMode::kEvict,
                                            policy::HostDropMode::kDemote};
 
 std::string Name(const plan::SequenceConfig& c) {
-  return absl::StrFormat("%s%s recall=%s host_drop=%s%s%s%s%s%s%s", RetrievalModeName(c.mode),
+  return absl::StrFormat("%s%s recall=%s host_drop=%s%s%s%s%s%s", RetrievalModeName(c.mode),
                          c.mode == RetrievalMode::kSpeculative
                              ? "/" + std::string(CorrectionTriggerName(c.trigger))
                              : std::string(),
                          RecallStrategyName(c.recall), policy::HostDropModeName(c.host_drop),
                          c.cold_tier ? " cold" : "", c.policies ? " policies" : "",
-                         c.int8_window_pages > 0 ? " int8" : "", c.batch ? " batch" : "",
+                         c.batch ? " batch" : "",
                          c.capture_graphs ? " graphs" : "",
                          c.backend_captures ? "" : " (no capture)");
 }
@@ -65,34 +65,28 @@ std::vector<plan::SequenceConfig> AllConfigs(bool backend_captures_both) {
         for (policy::HostDropMode drop : kDrops)
           for (bool cold : {false, true})
             for (bool policies : {false, true})
-              for (int32_t int8 : {0, 1})
-                for (bool batch : {false, true})
-                  for (bool graphs : {false, true})
-                    for (bool captures : {true, false}) {
-                      if (!captures && !backend_captures_both) continue;
-                      // An INT8 window is a policy parameter: it comes with policies.
-                      if (int8 > 0 && !policies) continue;
-                      plan::SequenceConfig c;
-                      c.mode = mode;
-                      c.trigger = trigger;
-                      c.recall = recall;
-                      c.host_drop = drop;
-                      c.cold_tier = cold;
-                      c.policies = policies || drop != policy::HostDropMode::kRefuse;
-                      if (drop != policy::HostDropMode::kRefuse && !policies) continue;
-                      c.int8_window_pages = int8;
-                      c.batch = batch;
-                      c.capture_graphs = graphs;
-                      c.backend_captures = captures;
-                      all.push_back(c);
-                    }
+              for (bool batch : {false, true})
+                for (bool graphs : {false, true})
+                  for (bool captures : {true, false}) {
+                    if (!captures && !backend_captures_both) continue;
+                    plan::SequenceConfig c;
+                    c.mode = mode;
+                    c.trigger = trigger;
+                    c.recall = recall;
+                    c.host_drop = drop;
+                    c.cold_tier = cold;
+                    c.policies = policies || drop != policy::HostDropMode::kRefuse;
+                    if (drop != policy::HostDropMode::kRefuse && !policies) continue;
+                    c.batch = batch;
+                    c.capture_graphs = graphs;
+                    c.backend_captures = captures;
+                    all.push_back(c);
+                  }
     }
   return all;
 }
 
-bool IsDma(RecallStrategy s) {
-  return s == RecallStrategy::kSlabDma || s == RecallStrategy::kBatchedDma;
-}
+bool IsDma(RecallStrategy s) { return s == RecallStrategy::kBatchedDma; }
 
 // The properties every plan keeps: the exclusion rules seen from the accepted side.
 void ExpectPlanProperties(const plan::SequenceConfig& c, const plan::SequencePlan& resolved) {
@@ -119,9 +113,6 @@ void ExpectPlanProperties(const plan::SequenceConfig& c, const plan::SequencePla
   }
   if (c.host_drop != policy::HostDropMode::kRefuse) {
     EXPECT_TRUE(p.host_tier);
-  }
-  if (c.int8_window_pages > 0) {
-    EXPECT_EQ(c.mode, RetrievalMode::kDrop);
   }
   EXPECT_EQ(p.managed, c.mode == RetrievalMode::kDrop && c.policies);
   EXPECT_EQ(p.mass_trigger, speculative && c.trigger == CorrectionTrigger::kMass);
@@ -183,10 +174,6 @@ const Rule kRules[] = {
      [](const plan::SequenceConfig& c) {
        return c.host_drop == policy::HostDropMode::kDemote && c.recall == RecallStrategy::kZeroCopy;
      }},
-    {"drop mode only",
-     [](const plan::SequenceConfig& c) {
-       return c.int8_window_pages > 0 && c.mode != RetrievalMode::kDrop;
-     }},
     {"drives one sequence's DMAs",
      [](const plan::SequenceConfig& c) { return c.batch && IsDma(c.recall); }},
     {"changes size",
@@ -222,12 +209,25 @@ TEST(StepPlanTest, EveryConfigurationIsPlannedOrRefusedByItsRule) {
     }
     EXPECT_TRUE(named) << "refused by a rule it does not break: " << p.status().message();
   }
-  // Seven rules, each with one message (the host-drop and INT8 ones name their value).
-  EXPECT_EQ(sizeof(kRules) / sizeof(kRules[0]), 7u);
+  // Six rules, each with one message (the host-drop ones name their value).
+  EXPECT_EQ(sizeof(kRules) / sizeof(kRules[0]), 6u);
   EXPECT_GT(accepted, 0);
   EXPECT_GT(refused, 0);
   std::printf("step plan: %d configurations planned, %d refused, %zu distinct messages\n",
               accepted, refused, messages.size());
+}
+
+TEST(StepPlanTest, RemovedAndUnknownRecallStrategiesAreRefusedByName) {
+  plan::SequenceConfig c;
+  c.recall = static_cast<RecallStrategy>(1);  // slab_dma, removed
+  absl::StatusOr<plan::SequencePlan> p = plan::PlanSequence(c);
+  ASSERT_TRUE(absl::IsInvalidArgument(p.status())) << p.status();
+  EXPECT_NE(p.status().message().find("slab_dma was removed"), std::string::npos) << p.status();
+  c.recall = static_cast<RecallStrategy>(9);
+  p = plan::PlanSequence(c);
+  ASSERT_TRUE(absl::IsInvalidArgument(p.status())) << p.status();
+  EXPECT_NE(p.status().message().find("recall strategy 9: unknown"), std::string::npos)
+      << p.status();
 }
 
 TEST(StepPlanTest, AutoIsTheGatherUnlessTheHostMustSeeThePlan) {
@@ -264,9 +264,6 @@ SequenceOptions OptionsOf(const plan::SequenceConfig& c) {
     o.policy.residency = "h2o";
   }
   o.policy.host_drop = std::string(policy::HostDropModeName(c.host_drop));
-  if (c.int8_window_pages > 0) {
-    o.policy.params["int8.window_pages"] = absl::StrCat(c.int8_window_pages);
-  }
   return o;
 }
 
@@ -278,10 +275,10 @@ constexpr int32_t kSteps = 6;
 // Checks one step's view and output against `model`.
 void ExpectStepMatchesModel(const Geometry& g, const SequenceOptions& o, const HostModel& model,
                             const WorkingSetView& view, const TypedBuffer& q,
-                            const std::vector<float>& out, bool int8) {
+                            const std::vector<float>& out) {
   const std::vector<int32_t> table(view.slot_table,
                                    view.slot_table + g.num_kv_heads * view.num_slots);
-  if (!int8) ExpectWorkingSetConsistent(g, o, model, view);
+  ExpectWorkingSetConsistent(g, o, model, view);
   const std::vector<float> want =
       AttentionOverTable(g, model, view.layer, q, table, view.num_slots, model.tokens());
   double err = 0, norm = 0;
@@ -289,8 +286,7 @@ void ExpectStepMatchesModel(const Geometry& g, const SequenceOptions& o, const H
     err += (out[i] - want[i]) * (out[i] - want[i]);
     norm += want[i] * want[i];
   }
-  // INT8 pages are read dequantised (within the quantisation error); the rest exactly.
-  EXPECT_LT(std::sqrt(err / norm), int8 ? 0.05 : 1e-5) << "layer " << view.layer;
+  EXPECT_LT(std::sqrt(err / norm), 1e-5) << "layer " << view.layer;
 }
 
 // A lone sequence of configuration c, through Retriever::Create over a host tier.
@@ -331,7 +327,7 @@ void RunLone(const plan::SequenceConfig& c, Backend& backend) {
       ASSERT_TRUE(r.Attend(l, q.data(), out.data(), nullptr).ok());
       const absl::Status waited = r.Wait();
       ASSERT_TRUE(waited.ok()) << "step " << step << " layer " << l << ": " << waited;
-      ExpectStepMatchesModel(g, o, model, *view, q, out.ToFloats(), c.int8_window_pages > 0);
+      ExpectStepMatchesModel(g, o, model, *view, q, out.ToFloats());
       ASSERT_TRUE(r.EndStep(l, q.data()).ok());
     }
     append(1 + step % 3);
@@ -391,7 +387,7 @@ void RunBatch(const plan::SequenceConfig& c, Device& device) {
       for (int i = 0; i < 2; ++i) {
         SCOPED_TRACE(absl::StrCat("member ", i));
         const std::vector<float> mine(all.begin() + i * n, all.begin() + (i + 1) * n);
-        ExpectStepMatchesModel(g, o, models[i], (*views)[i], i == 0 ? q0 : q1, mine, false);
+        ExpectStepMatchesModel(g, o, models[i], (*views)[i], i == 0 ? q0 : q1, mine);
       }
       ASSERT_TRUE(batch.EndStep(l, both, q.data()).ok());
     }

@@ -170,9 +170,6 @@ class ChaosBackend final : public Backend {
   absl::Status DoDenseAttention(Stream& s, const DenseAttentionArgs& a) override {
     return Submit(s, [this, a] { return CpuDenseAttention(a, &pool_); });
   }
-  absl::Status DoQuantizeSlots(Stream& s, const QuantizeSlotsArgs& a) override {
-    return Submit(s, [this, a] { return CpuQuantizeSlots(a, &pool_); });
-  }
   absl::Status DoMoveHeadSlots(Stream& s, const MoveHeadSlotsArgs& a) override {
     return Submit(s, [this, a] { return CpuMoveHeadSlots(a, &pool_); });
   }

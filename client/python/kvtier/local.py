@@ -34,7 +34,7 @@ from kvtier import _native
 
 _MODES = {"speculative": 0, "sync": 1, "full": 2, "drop": 3}
 _TRIGGERS = {"cosine": 0, "mass": 1}
-_RECALLS = {"auto": 0, "slab_dma": 1, "batched_dma": 2, "zero_copy": 3}
+_RECALLS = {"auto": 0, "batched_dma": 2, "zero_copy": 3}
 _DEVICES = {"auto": 0, "cpu": 1, "cuda": 2}
 _DTYPES = {"float16": 0, "bfloat16": 1, "float32": 2}
 _CODES = {

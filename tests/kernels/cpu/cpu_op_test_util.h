@@ -1,5 +1,5 @@
 // What the CPU op tests (tests/kernels/cpu) share: the arguments of scoring and selection,
-// a working set with INT8 copies, and the sparse attention case (a random working set, the
+// and the sparse attention case (a random working set, the
 // arguments over it, and a naive double-precision reference).
 #ifndef KVTIER_TESTS_KERNELS_CPU_CPU_OP_TEST_UTIL_H_
 #define KVTIER_TESTS_KERNELS_CPU_CPU_OP_TEST_UTIL_H_
@@ -48,19 +48,6 @@ inline TopKArgs SelectArgs(int32_t num_kv_heads, int32_t batch, int32_t max_page
                   .selected = selected};
 }
 
-// The working set of `slots` slots over caches k and v with INT8 copies and scales.
-inline PagedKv Int8WorkingSet(void* k, void* v, int32_t slots, std::vector<int8_t>& k8,
-                              std::vector<int8_t>& v8, std::vector<float>& ks,
-                              std::vector<float>& vs) {
-  return PagedKv{.k_cache = k,
-                 .v_cache = v,
-                 .num_slots = slots,
-                 .k_int8 = k8.data(),
-                 .v_int8 = v8.data(),
-                 .k_scale = ks.data(),
-                 .v_scale = vs.data()};
-}
-
 // The output tolerance of attention against a naive double-precision loop: the kernels
 // accumulate in fp32 and round the output to the dtype (half an ulp: 2^-11 fp16, 2^-8 bf16,
 // relative to the output's magnitude).
@@ -77,16 +64,12 @@ inline double OutputTolerance(DType t) {
 }
 
 // A working set with full random content for sparse attention, whose tables say which
-// (slot, head) pages are live; optionally a causal limit and INT8 copies of some slots. The
-// naive reference reads what attention must read.
+// (slot, head) pages are live; optionally a causal limit. The naive reference reads what attention must read.
 struct AttentionCase {
   DType dtype;
   int32_t B, Hkv, G, d, p, S;
   std::vector<int32_t> table, partial_page, partial_len;
-  std::vector<int64_t> qpos;       // empty: no causal limit
-  std::vector<uint8_t> slot_int8;  // empty: no INT8 storage
-  std::vector<int8_t> k8, v8;
-  std::vector<float> ks, vs;
+  std::vector<int64_t> qpos;  // empty: no causal limit
   TypedBuffer q, k, v;
   float scale;
 
@@ -125,43 +108,6 @@ struct AttentionCase {
     partial_len[0] = p / 2 + 1;
   }
 
-  // Turns on INT8 storage for a random third of the (b, h, s) entries: quantises them with
-  // CpuQuantizeSlots, then overwrites their fp16/bf16/fp32 K and V with garbage, so reading
-  // the wrong copy cannot pass.
-  void QuantizeSome(uint32_t seed) {
-    std::mt19937 rng(seed);
-    slot_int8.assign(table.size(), 0);
-    const size_t n = static_cast<size_t>(k.size());
-    k8.assign(n, 0);
-    v8.assign(n, 0);
-    ks.assign(static_cast<size_t>(B * S * Hkv * d), 0.0f);
-    vs.assign(ks.size(), 0.0f);
-    std::vector<HeadSlot> items;
-    for (int32_t b = 0; b < B; ++b) {
-      for (int32_t h = 0; h < Hkv; ++h) {
-        for (int32_t s = 0; s < S; ++s) {
-          if (rng() % 3 != 0) continue;
-          slot_int8[static_cast<size_t>(tl().Offset(b, h, s))] = 1;
-          items.push_back({h, static_cast<int32_t>(wl().GlobalSlot(b, s))});
-        }
-      }
-    }
-    QuantizeSlotsArgs qa;
-    qa.shape = Shape();
-    qa.kv = Int8WorkingSet(k.data(), v.data(), B * S, k8, v8, ks, vs);
-    qa.items = items.data();
-    qa.num_items = static_cast<int32_t>(items.size());
-    ASSERT_TRUE(CpuQuantizeSlots(qa, nullptr).ok());
-    for (const HeadSlot& it : items) {
-      for (int32_t t = 0; t < p; ++t) {
-        for (int32_t i = 0; i < d; ++i) {
-          k.Set(wl().Offset(int64_t{it.slot}, t, it.kv_head, i), 50.0f);
-          v.Set(wl().Offset(int64_t{it.slot}, t, it.kv_head, i), -50.0f);
-        }
-      }
-    }
-  }
-
   KvShape Shape() const { return KvShape{dtype, Hq(), Hkv, d, p}; }
 
   SparseAttentionArgs Args(void* out, float* lse, float* prob) {
@@ -180,26 +126,12 @@ struct AttentionCase {
     a.lse = lse;
     a.token_prob = prob;
     a.query_position = qpos.empty() ? nullptr : qpos.data();
-    if (!slot_int8.empty()) {
-      a.kv.slot_int8 = slot_int8.data();
-      a.kv.k_int8 = k8.data();
-      a.kv.v_int8 = v8.data();
-      a.kv.k_scale = ks.data();
-      a.kv.v_scale = vs.data();
-    }
     return a;
   }
 
-  // K (kind 0) or V (kind 1) element as attention must read it: the dequantised INT8 value
-  // (the same fp32 product) where the slot is INT8, else the cache element.
+  // K (kind 0) or V (kind 1) element as attention must read it.
   double Element(int32_t kind, int32_t b, int32_t s, int32_t t, int32_t h, int32_t i) const {
     const int64_t off = wl().Offset(b, s, t, h, i);
-    if (!slot_int8.empty() && slot_int8[static_cast<size_t>(tl().Offset(b, h, s))] != 0) {
-      const auto so = static_cast<size_t>((wl().GlobalSlot(b, s) * Hkv + h) * d + i);
-      const auto e = static_cast<size_t>(off);
-      return kind == 0 ? static_cast<double>(static_cast<float>(k8[e]) * ks[so])
-                       : static_cast<double>(static_cast<float>(v8[e]) * vs[so]);
-    }
     return kind == 0 ? k.Get(off) : v.Get(off);
   }
 

@@ -131,7 +131,7 @@ TEST_F(OpsValidationTest, AttentionAndRecallShapes) {
   ExpectInvalid(backend_->Recall(*stream_, r), "Recall: host_pages must not be null");
 }
 
-TEST_F(OpsValidationTest, SparseAttentionInt8BuffersComeTogether) {
+TEST_F(OpsValidationTest, SparseAttentionOptionalFieldsNeedNothingMore) {
   SparseAttentionArgs a;
   a.shape = {
       .dtype = DType::kF32, .num_q_heads = 2, .num_kv_heads = 1, .head_dim = 8, .page_size = 4};
@@ -144,16 +144,6 @@ TEST_F(OpsValidationTest, SparseAttentionInt8BuffersComeTogether) {
   a.batch = 1;
   a.q = buf_.data();
   a.out = buf_.data() + 2048;
-  const std::vector<uint8_t> flags(2, 1);
-  a.kv.slot_int8 = flags.data();
-  a.kv.k_int8 = a.kv.v_int8 = bytes_.data();
-  a.kv.k_scale = buf_.data();
-  ExpectInvalid(backend_->SparseAttention(*stream_, a),
-                "SparseAttention: kv.slot_int8, kv.k_int8, kv.v_int8, kv.k_scale, kv.v_scale must "
-                "be given together or not at all (kv.v_scale is null)");
-  a.kv.slot_int8 = nullptr;
-  a.kv.k_int8 = a.kv.v_int8 = nullptr;
-  a.kv.k_scale = nullptr;
   a.token_prob = buf_.data() + 1024;  // optional outputs and limits need nothing more
   const int64_t qpos = 3;
   a.query_position = &qpos;
@@ -161,34 +151,19 @@ TEST_F(OpsValidationTest, SparseAttentionInt8BuffersComeTogether) {
   EXPECT_TRUE(stream_->Synchronize().ok());
 }
 
-TEST_F(OpsValidationTest, QuantizeAndMoveShapes) {
+TEST_F(OpsValidationTest, MoveHeadSlotsShapes) {
   const KvShape shape{.dtype = DType::kF32, .num_kv_heads = 2, .head_dim = 8, .page_size = 4};
-  QuantizeSlotsArgs q{.shape = shape};
-  EXPECT_TRUE(backend_->QuantizeSlots(*stream_, q).ok()) << "no items: nothing to check";
-  q.kv = {.k_cache = buf_.data(),
-          .v_cache = buf_.data(),
-          .num_slots = 1,
-          .k_int8 = bytes_.data(),
-          .v_int8 = bytes_.data(),
-          .k_scale = buf_.data()};
-  q.items = reinterpret_cast<const HeadSlot*>(ints_.data());
-  q.num_items = 1;
-  ExpectInvalid(backend_->QuantizeSlots(*stream_, q), "QuantizeSlots: kv.v_scale must not be null");
-  q.shape.page_size = 0;
-  ExpectInvalid(backend_->QuantizeSlots(*stream_, q), "QuantizeSlots: shape.page_size = 0");
-
   MoveHeadSlotsArgs m{.shape = shape};
+  EXPECT_TRUE(backend_->MoveHeadSlots(*stream_, m).ok()) << "no items: nothing to check";
   m.kv = {.k_cache = buf_.data(), .num_slots = 2};
   m.items = reinterpret_cast<const HeadSlotMove*>(ints_.data());
   m.num_items = 1;
   ExpectInvalid(backend_->MoveHeadSlots(*stream_, m), "MoveHeadSlots: kv.v_cache must not be null");
   m.kv.v_cache = buf_.data();
-  m.kv.k_int8 = bytes_.data();
-  ExpectInvalid(backend_->MoveHeadSlots(*stream_, m),
-                "MoveHeadSlots: kv.k_int8, kv.v_int8, kv.k_scale, kv.v_scale must be given "
-                "together or not at all (kv.v_int8 is null)");
+  m.shape.page_size = 0;
+  ExpectInvalid(backend_->MoveHeadSlots(*stream_, m), "MoveHeadSlots: shape.page_size = 0");
+  m.shape.page_size = 4;
   m.num_items = -1;
-  m.kv.k_int8 = nullptr;
   ExpectInvalid(backend_->MoveHeadSlots(*stream_, m), "MoveHeadSlots: num_items = -1");
 }
 

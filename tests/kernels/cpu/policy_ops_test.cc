@@ -1,7 +1,7 @@
 // The kernel features that cache policies (offload/policy) build on, on the CPU: per-head
-// top-k budgets and page flags, causal limits, token probabilities and INT8 slots in sparse
-// attention, QuantizeSlots and MoveHeadSlots; each against a naive loop or a hand-computed
-// case, plus the enqueue-time validation of the new fields.
+// top-k budgets and page flags, causal limits and token probabilities in sparse attention,
+// and MoveHeadSlots; each against a naive loop or a hand-computed case, plus the
+// enqueue-time validation of the new fields.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -27,7 +27,6 @@ namespace {
 
 using testing::AttentionCase;
 using ::testing::HasSubstr;
-using testing::Int8WorkingSet;
 using testing::TypedBuffer;
 
 std::string DTypeParamName(const ::testing::TestParamInfo<DType>& info) {
@@ -197,7 +196,7 @@ TEST(TopKPolicyTest, RandomFlagsAndBudgetsMatchBruteForce) {
 }
 
 // ---------------------------------------------------------------------------------------
-// SparseAttention: query_position, token_prob, INT8 slots.
+// SparseAttention: query_position, token_prob.
 
 class SparseAttentionPolicyTest : public ::testing::TestWithParam<DType> {};
 
@@ -227,15 +226,6 @@ TEST_P(SparseAttentionPolicyTest, TokenProbMatchesANaiveSoftmaxAndSumsToOne) {
   }
 }
 
-TEST_P(SparseAttentionPolicyTest, Int8SlotsReadTheDequantisedValues) {
-  AttentionCase c(GetParam(), 2, 2, 4, 64, 16, 9);
-  c.RandomTable(9, 20);
-  c.QuantizeSome(10);
-  c.RunAndCompare(1e-4, /*with_prob=*/true);
-  c.qpos = {16 * 10 + 3, 16 * 4};
-  c.RunAndCompare(1e-4, /*with_prob=*/true);
-}
-
 TEST_P(SparseAttentionPolicyTest, HeadWithNoTokensGetsZeroProbabilities) {
   AttentionCase c(GetParam(), 1, 2, 2, 32, 8, 5);
   c.table = {0,          1,          kEmptySlot, 2,          3,
@@ -257,122 +247,6 @@ INSTANTIATE_TEST_SUITE_P(DTypes, SparseAttentionPolicyTest,
                          ::testing::Values(DType::kF16, DType::kBF16, DType::kF32), DTypeParamName);
 
 // ---------------------------------------------------------------------------------------
-// QuantizeSlots.
-
-class QuantizeSlotsTest : public ::testing::TestWithParam<DType> {};
-
-TEST_P(QuantizeSlotsTest, RoundTripIsWithinHalfAScaleAndOnlyItemsAreWritten) {
-  const DType t = GetParam();
-  const int32_t slots = 6, p = 16, H = 3, d = 40;
-  const WorkingSetLayout wl{slots, p, H, d};
-  TypedBuffer k(t, slots * wl.slot_elements()), v(t, slots * wl.slot_elements());
-  k.FillNormal(41, 3.0f);
-  v.FillNormal(42, 0.01f);
-  // One channel of one item all zeros: scale 0, q 0.
-  for (int32_t tok = 0; tok < p; ++tok) k.Set(wl.Offset(int64_t{4}, tok, 2, 7), 0.0f);
-  const std::vector<HeadSlot> items = {{0, 0}, {2, 4}, {1, 4}, {2, 5}};
-  std::vector<int8_t> k8(static_cast<size_t>(k.size()), 99), v8(k8);
-  std::vector<float> ks(static_cast<size_t>(slots * H * d), -1.0f), vs(ks);
-  QuantizeSlotsArgs a;
-  a.shape = {.dtype = t, .num_kv_heads = H, .head_dim = d, .page_size = p};
-  a.items = items.data();
-  a.num_items = static_cast<int32_t>(items.size());
-  a.kv = Int8WorkingSet(k.data(), v.data(), slots, k8, v8, ks, vs);
-  ThreadPool pool(3);
-  ASSERT_TRUE(CpuQuantizeSlots(a, &pool).ok());
-  std::vector<bool> quantised(static_cast<size_t>(slots * H), false);
-  for (const HeadSlot& it : items) quantised[static_cast<size_t>(it.slot * H + it.kv_head)] = true;
-  for (int32_t kind = 0; kind < 2; ++kind) {
-    const TypedBuffer& x = kind == 0 ? k : v;
-    const std::vector<int8_t>& q8 = kind == 0 ? k8 : v8;
-    const std::vector<float>& sc = kind == 0 ? ks : vs;
-    for (int32_t s = 0; s < slots; ++s) {
-      for (int32_t h = 0; h < H; ++h) {
-        for (int32_t c = 0; c < d; ++c) {
-          const auto si = static_cast<size_t>((s * H + h) * d + c);
-          if (!quantised[static_cast<size_t>(s * H + h)]) {
-            ASSERT_EQ(sc[si], -1.0f);
-            for (int32_t tok = 0; tok < p; ++tok) {
-              ASSERT_EQ(q8[static_cast<size_t>(wl.Offset(int64_t{s}, tok, h, c))], 99);
-            }
-            continue;
-          }
-          float amax = 0;
-          for (int32_t tok = 0; tok < p; ++tok) {
-            amax = std::max(amax, std::fabs(x.Get(wl.Offset(int64_t{s}, tok, h, c))));
-          }
-          ASSERT_EQ(sc[si], amax / 127.0f) << "kind " << kind << " slot " << s << " head " << h;
-          for (int32_t tok = 0; tok < p; ++tok) {
-            const int64_t e = wl.Offset(int64_t{s}, tok, h, c);
-            const int8_t qv = q8[static_cast<size_t>(e)];
-            ASSERT_GE(qv, -127);
-            if (sc[si] == 0) {
-              ASSERT_EQ(qv, 0);
-              continue;
-            }
-            const double err = std::fabs(double{x.Get(e)} - static_cast<double>(qv) * sc[si]);
-            ASSERT_LE(err, sc[si] * (0.5 + 1e-4)) << "kind " << kind << " element " << e;
-          }
-        }
-      }
-    }
-  }
-  EXPECT_EQ(ks[static_cast<size_t>((4 * H + 2) * d + 7)], 0.0f);
-}
-
-INSTANTIATE_TEST_SUITE_P(DTypes, QuantizeSlotsTest,
-                         ::testing::Values(DType::kF16, DType::kBF16, DType::kF32), DTypeParamName);
-
-TEST(QuantizeSlotsExactTest, HandComputedPage) {
-  // One slot, one head, p = 3 tokens, d = 3 channels. Rows are tokens.
-  std::vector<float> k = {1.0f,  127.0f, 0.0f,    // token 0
-                          -2.0f, 0.5f,   0.0f,    // token 1
-                          0.5f,  2.5f,   0.0f};   // token 2
-  std::vector<float> v = {-254.0f, 1.0f,  3.0f,   //
-                          1.0f,    -1.0f, -3.0f,  //
-                          3.0f,    0.25f, 1.5f};
-  std::vector<int8_t> k8(9), v8(9);
-  std::vector<float> ks(3), vs(3);
-  const HeadSlot item{0, 0};
-  QuantizeSlotsArgs a;
-  a.shape = {.dtype = DType::kF32, .num_kv_heads = 1, .head_dim = 3, .page_size = 3};
-  a.items = &item;
-  a.num_items = 1;
-  a.kv = Int8WorkingSet(k.data(), v.data(), 1, k8, v8, ks, vs);
-  ASSERT_TRUE(CpuQuantizeSlots(a, nullptr).ok());
-  // K channel 0: {1, -2, 0.5}, scale 2/127; 1/scale = 63.5 exactly in fp32 → 64 (ties to
-  // even), -2 → -127, 0.5/scale = 31.75 → 32. Channel 1: scale 1, 0.5 → 0 and 2.5 → 2 (ties
-  // to even). Channel 2: all zero → scale 0, q 0.
-  EXPECT_EQ(ks, (std::vector<float>{2.0f / 127.0f, 1.0f, 0.0f}));
-  EXPECT_EQ(k8, (std::vector<int8_t>{64, 127, 0, -127, 0, 0, 32, 2, 0}));
-  // V channel 0: scale 2: -254 → -127, 0.5 → 0, 1.5 → 2. Channel 1: scale 1/127: 1 → 127,
-  // -1 → -127, 0.25 → 31.75 → 32. Channel 2: scale 3/127: 3 → 127, -3 → -127, 1.5 → 63.5.
-  EXPECT_EQ(vs, (std::vector<float>{2.0f, 1.0f / 127.0f, 3.0f / 127.0f}));
-  const float tie = 1.5f / (3.0f / 127.0f);
-  const auto v2 = static_cast<int8_t>(std::nearbyint(tie));  // 63.5 → 64 if exact
-  EXPECT_EQ(v8, (std::vector<int8_t>{-127, 127, 127, 0, -127, -127, 2, 32, v2}));
-}
-
-TEST(QuantizeSlotsExactTest, ItemsOutOfRangeFailWithOutOfRange) {
-  std::vector<float> buf(64);
-  std::vector<int8_t> q8(64);
-  const HeadSlot bad_head{2, 0}, bad_slot{0, 4};
-  QuantizeSlotsArgs a;
-  a.shape = {.dtype = DType::kF32, .num_kv_heads = 2, .head_dim = 4, .page_size = 2};
-  a.num_items = 1;
-  a.kv.k_cache = a.kv.v_cache = buf.data();
-  a.kv.k_int8 = a.kv.v_int8 = q8.data();
-  a.kv.k_scale = a.kv.v_scale = buf.data();
-  a.kv.num_slots = 4;
-  a.items = &bad_head;
-  EXPECT_EQ(CpuQuantizeSlots(a, nullptr).code(), absl::StatusCode::kOutOfRange);
-  a.items = &bad_slot;
-  const absl::Status st = CpuQuantizeSlots(a, nullptr);
-  EXPECT_EQ(st.code(), absl::StatusCode::kOutOfRange);
-  EXPECT_THAT(std::string(st.message()), HasSubstr("items[0].slot = 4 must be in [0, 4)"));
-}
-
-// ---------------------------------------------------------------------------------------
 // MoveHeadSlots.
 
 class MoveHeadSlotsTest : public ::testing::TestWithParam<DType> {};
@@ -385,13 +259,6 @@ TEST_P(MoveHeadSlotsTest, BitExactInOrderAndOtherHeadsUntouched) {
   TypedBuffer k(t, n), v(t, n);
   k.FillNormal(51);
   v.FillNormal(52);
-  std::vector<int8_t> k8(static_cast<size_t>(n)), v8(k8.size());
-  std::vector<float> ks(static_cast<size_t>(slots * H * d)), vs(ks.size());
-  std::mt19937 rng(53);
-  for (auto& x : k8) x = static_cast<int8_t>(rng());
-  for (auto& x : v8) x = static_cast<int8_t>(rng());
-  for (auto& x : ks) x = static_cast<float>(rng() % 1000) / 7.0f;
-  for (auto& x : vs) x = static_cast<float>(rng() % 1000) / 9.0f;
   // Item 2 moves what item 0 just wrote: items run in order.
   const std::vector<HeadSlotMove> items = {{0, 1, 3}, {1, 3, 0}, {0, 3, 5}, {2, 5, 2}};
 
@@ -400,8 +267,6 @@ TEST_P(MoveHeadSlotsTest, BitExactInOrderAndOtherHeadsUntouched) {
   std::vector<unsigned char> ek(k.bytes()), ev(v.bytes());
   std::memcpy(ek.data(), k.data(), ek.size());
   std::memcpy(ev.data(), v.data(), ev.size());
-  std::vector<int8_t> ek8(k8), ev8(v8);
-  std::vector<float> eks(ks), evs(vs);
   for (const HeadSlotMove& it : items) {
     for (int32_t tok = 0; tok < p; ++tok) {
       for (int32_t c = 0; c < d; ++c) {
@@ -409,15 +274,7 @@ TEST_P(MoveHeadSlotsTest, BitExactInOrderAndOtherHeadsUntouched) {
         const auto dst = static_cast<size_t>(wl.Offset(int64_t{it.dst_slot}, tok, it.kv_head, c));
         std::memcpy(ek.data() + dst * es, ek.data() + src * es, es);
         std::memcpy(ev.data() + dst * es, ev.data() + src * es, es);
-        ek8[dst] = ek8[src];
-        ev8[dst] = ev8[src];
       }
-    }
-    for (int32_t c = 0; c < d; ++c) {
-      eks[static_cast<size_t>((it.dst_slot * H + it.kv_head) * d + c)] =
-          eks[static_cast<size_t>((it.src_slot * H + it.kv_head) * d + c)];
-      evs[static_cast<size_t>((it.dst_slot * H + it.kv_head) * d + c)] =
-          evs[static_cast<size_t>((it.src_slot * H + it.kv_head) * d + c)];
     }
   }
 
@@ -425,35 +282,12 @@ TEST_P(MoveHeadSlotsTest, BitExactInOrderAndOtherHeadsUntouched) {
   a.shape = {.dtype = t, .num_kv_heads = H, .head_dim = d, .page_size = p};
   a.items = items.data();
   a.num_items = static_cast<int32_t>(items.size());
-  a.kv = Int8WorkingSet(k.data(), v.data(), slots, k8, v8, ks, vs);
+  a.kv = {.k_cache = k.data(), .v_cache = v.data(), .num_slots = slots};
   ThreadPool pool(2);
   ASSERT_TRUE(CpuMoveHeadSlots(a, &pool).ok());
   EXPECT_EQ(std::memcmp(k.data(), ek.data(), ek.size()), 0);
   EXPECT_EQ(std::memcmp(v.data(), ev.data(), ev.size()), 0);
-  EXPECT_EQ(k8, ek8);
-  EXPECT_EQ(v8, ev8);
-  EXPECT_EQ(std::memcmp(ks.data(), eks.data(), ks.size() * sizeof(float)), 0);
-  EXPECT_EQ(std::memcmp(vs.data(), evs.data(), vs.size() * sizeof(float)), 0);
 
-  // Without the INT8 buffers only the caches move (and the INT8 buffers stay as they are).
-  const std::vector<int8_t> k8_before(k8);
-  a.kv.k_int8 = a.kv.v_int8 = nullptr;
-  a.kv.k_scale = a.kv.v_scale = nullptr;
-  const HeadSlotMove one{1, 4, 1};
-  a.items = &one;
-  a.num_items = 1;
-  ASSERT_TRUE(CpuMoveHeadSlots(a, nullptr).ok());
-  for (int32_t tok = 0; tok < p; ++tok) {
-    for (int32_t c = 0; c < d; ++c) {
-      EXPECT_EQ(std::memcmp(static_cast<const unsigned char*>(k.data()) +
-                                wl.Offset(int64_t{1}, tok, 1, c) * static_cast<int64_t>(es),
-                            static_cast<const unsigned char*>(k.data()) +
-                                wl.Offset(int64_t{4}, tok, 1, c) * static_cast<int64_t>(es),
-                            es),
-                0);
-    }
-  }
-  EXPECT_EQ(k8, k8_before);
 }
 
 INSTANTIATE_TEST_SUITE_P(DTypes, MoveHeadSlotsTest,
@@ -498,8 +332,8 @@ TEST(MoveHeadSlotsErrorsTest, SameSlotOrOutOfRangeFailsAndMovesNothing) {
 // ---------------------------------------------------------------------------------------
 // Backend dispatch (enqueue-time validation: ops_validation_test.cc).
 
-// Both ops run through every CPU-based backend (the chaos backend forwards them too).
-TEST(PolicyOpsBackendTest, QuantizeThenMoveRunOnStreams) {
+// MoveHeadSlots runs through every CPU-based backend (the chaos backend forwards it too).
+TEST(PolicyOpsBackendTest, MoveRunsOnStreams) {
   std::vector<std::unique_ptr<Backend>> backends;
   backends.push_back(std::move(CreateBackend(DeviceKind::kCpu)).value());
   backends.push_back(testing::NewChaosBackend(testing::ChaosOptions{}));
@@ -507,20 +341,14 @@ TEST(PolicyOpsBackendTest, QuantizeThenMoveRunOnStreams) {
     auto stream = std::move(backend->CreateStream()).value();
     const int32_t slots = 2, p = 2, H = 1, d = 2;
     std::vector<float> k = {1, -4, 2, 8, 0, 0, 0, 0}, v = {0.5f, 1, 1, -1, 0, 0, 0, 0};
-    std::vector<int8_t> k8(8), v8(8);
-    std::vector<float> ks(4), vs(4);
     const KvShape shape{.dtype = DType::kF32, .num_kv_heads = H, .head_dim = d, .page_size = p};
-    const PagedKv kv = Int8WorkingSet(k.data(), v.data(), slots, k8, v8, ks, vs);
-    const HeadSlot item{0, 0};
-    const QuantizeSlotsArgs q{.shape = shape, .kv = kv, .items = &item, .num_items = 1};
-    ASSERT_TRUE(backend->QuantizeSlots(*stream, q).ok());
+    const PagedKv kv{.k_cache = k.data(), .v_cache = v.data(), .num_slots = slots};
     const HeadSlotMove move{0, 0, 1};
     const MoveHeadSlotsArgs m{.shape = shape, .kv = kv, .items = &move, .num_items = 1};
     ASSERT_TRUE(backend->MoveHeadSlots(*stream, m).ok());
     ASSERT_TRUE(stream->Synchronize().ok());
     EXPECT_EQ(k, (std::vector<float>{1, -4, 2, 8, 1, -4, 2, 8}));
-    EXPECT_EQ(ks, (std::vector<float>{2.0f / 127.0f, 8.0f / 127.0f, 2.0f / 127.0f, 8.0f / 127.0f}));
-    EXPECT_EQ(k8, (std::vector<int8_t>{64, -64, 127, 127, 64, -64, 127, 127}));
+    EXPECT_EQ(v, (std::vector<float>{0.5f, 1, 1, -1, 0.5f, 1, 1, -1}));
   }
 }
 
