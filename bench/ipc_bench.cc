@@ -5,8 +5,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <string>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -40,19 +42,27 @@ void AddSpread(JsonObject& j, const std::string& key, const Spread& s) {
   j.Add(key, s.median).Add(key + "_p10", s.p10).Add(key + "_p90", s.p90);
 }
 
-// The daemon's configuration: its sockets in `dir`, TCP on an ephemeral loopback port, one
-// tenant with room for two sessions of bytes_per_run at once (plus their directories), and
-// sessions long enough for bytes_per_run of the smallest page.
+// The daemon's configuration: its sockets in `dir`, TCP and (for the /metrics section)
+// metrics on ephemeral loopback ports, one tenant with room for two sessions of
+// bytes_per_run at once (plus their directories) or two of the /metrics section's replay,
+// whichever is more (the sections run one after the other), and sessions long enough for
+// bytes_per_run of the smallest page and for the replay.
 std::string DaemonConfigToml(const std::string& dir, const IpcBenchOptions& o) {
-  const int64_t max_tokens = std::max<int64_t>(o.bytes_per_run / 16384 * 32, 131072);
-  const int64_t host_bytes = 2 * o.bytes_per_run + (int64_t{64} << 20);
+  int64_t max_tokens = std::max<int64_t>(o.bytes_per_run / 16384 * 32, 131072);
+  int64_t host_bytes = 2 * o.bytes_per_run + (int64_t{64} << 20);
+  if (o.scrape) {
+    max_tokens = std::max(max_tokens, IpcScrapeSessionTokens(o.scraping));
+    host_bytes = std::max(host_bytes, IpcScrapeHostBytes(o.scraping));
+  }
   return absl::StrFormat(
       "[server]\nunix_socket = \"%s/kvtierd.sock\"\ntcp_address = \"127.0.0.1:0\"\n"
       "max_message_bytes = %d\nshutdown_grace_ms = 5000\n"
       "[limits]\nmax_tokens_per_session = %d\n"
+      "%s"
       "[log]\nlevel = \"info\"\n"
       "[[tenant]]\nname = \"%s\"\nhost_memory_bytes = %d\nhugepages = \"auto\"\nlock = false\n",
-      dir, kMaxMessageBytes, max_tokens, kTenant, host_bytes);
+      dir, kMaxMessageBytes, max_tokens, o.scrape ? "[metrics]\naddress = \"127.0.0.1:0\"\n" : "",
+      kTenant, host_bytes);
 }
 
 absl::Status FromGrpc(const grpc::Status& s, std::string_view what) {
@@ -384,13 +394,14 @@ absl::StatusOr<Latency> UnaryRoundTrip(const std::string& target, int32_t calls)
 
 }  // namespace
 
-absl::StatusOr<JsonObject> RunIpcBench(const IpcBenchOptions& o, std::ostream& log) {
+absl::StatusOr<IpcBenchResult> RunIpcBench(const IpcBenchOptions& o, std::ostream& log) {
   if (o.bytes_per_run < (int64_t{1} << 20) || o.repeats < 1 || o.unary_calls < 10 ||
       o.redis_pipeline < 1) {
     return absl::InvalidArgumentError(
         "ipc: --bytes must be >= 1 MiB, --repeats >= 1, --unary-calls >= 10, "
         "--redis-pipeline >= 1");
   }
+  if (o.scrape) KVTIER_RETURN_IF_ERROR(ValidateIpcScrapeOptions(o.scraping));
   KVTIER_ASSIGN_OR_RETURN(const std::string kvtierd, FindKvtierd(o.kvtierd));
   // The daemon first, before this process starts threads of its own (gRPC's, redis's): it is
   // forked, and the child only execs.
@@ -508,6 +519,10 @@ absl::StatusOr<JsonObject> RunIpcBench(const IpcBenchOptions& o, std::ostream& l
   const std::string server_version = client->capabilities().server_version;
   stub.reset();
   client.reset();
+  std::optional<IpcScrapeResult> scraped;
+  if (o.scrape) {
+    KVTIER_ASSIGN_OR_RETURN(scraped, RunIpcScrape(o.scraping, daemon->unix_socket(), kTenant, log));
+  }
   KVTIER_RETURN_IF_ERROR(daemon->Stop());
 
   JsonObject out;
@@ -540,7 +555,8 @@ absl::StatusOr<JsonObject> RunIpcBench(const IpcBenchOptions& o, std::ostream& l
       .Add("unary_p99_us_uds", lu.p99_us)
       .Add("unary_p50_us_tcp", lt.p50_us)
       .Add("unary_p99_us_tcp", lt.p99_us);
-  return out;
+  if (scraped.has_value()) out.AddObject("scrape", scraped->report);
+  return IpcBenchResult{std::move(out), scraped.has_value() ? scraped->scrape_failures : 0};
 }
 
 }  // namespace kvtier::bench

@@ -24,6 +24,9 @@
 // Every throughput is the median over --repeats runs, with p10 / p90 (<key>_p10, <key>_p90).
 // Page sizes 16 KiB (one head-page slab at p = 32, d = 128, fp16: Hkv = 1) and 128 KiB
 // (a Llama-3.1-8B host page: Hkv = 8).
+// Then, unless turned off, the /metrics section against the same daemon (bench/ipc_scrape.h):
+// what a scrape every 100 ms costs a replay's decode step through an SHM session, against
+// the same replay unscraped, interleaved ABBA.
 #ifndef KVTIER_BENCH_IPC_BENCH_H_
 #define KVTIER_BENCH_IPC_BENCH_H_
 
@@ -33,6 +36,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "bench/ipc_scrape.h"
 #include "bench/report.h"
 
 namespace kvtier::bench {
@@ -44,18 +48,27 @@ struct IpcBenchOptions {
   int32_t redis_pipeline = 16;                 // SET/GET commands in flight
   bool redis = true;                           // run the Redis baseline
   std::vector<int64_t> page_bytes = {16384, 131072};
+  bool scrape = true;         // run the /metrics section
+  IpcScrapeOptions scraping;  // its replay and scrape period
   // The kvtierd binary; empty: kvtierd next to this executable, else daemon/kvtierd in the
   // build tree beside its bench/ directory.
   std::string kvtierd;
 };
 
-// Runs everything; the human table goes to `log`. Top-level keys are the 128 KiB numbers
-// (shm_gbps, grpc_offload_gbps, grpc_fetch_gbps, redis_set_gbps, redis_get_gbps,
-// shm_open_ms, shm_close_ms, each with _p10 / _p90), with every page size under "pages" (the
-// offload op's and memcpy's there too), and the unary latencies. NOT_FOUND
-// when there is no kvtierd binary (saying where it looked); the daemon's start-up failure
-// with the tail of its log.
-absl::StatusOr<JsonObject> RunIpcBench(const IpcBenchOptions& o, std::ostream& log);
+struct IpcBenchResult {
+  JsonObject report;
+  int64_t scrape_failures = 0;  // the /metrics section's (IpcScrapeResult)
+};
+
+// Runs everything; the human table goes to `log`. The report's top-level keys are the
+// 128 KiB numbers (shm_gbps, grpc_offload_gbps, grpc_fetch_gbps, redis_set_gbps,
+// redis_get_gbps, shm_open_ms, shm_close_ms, each with _p10 / _p90), with every page size
+// under "pages" (the offload op's and memcpy's there too), the unary latencies, and the
+// /metrics section under "scrape" (absent when turned off). INVALID_ARGUMENT naming the flag
+// for options out of range; NOT_FOUND when there is no kvtierd binary (saying where it
+// looked); the daemon's start-up failure with the tail of its log. Failed scrapes are not
+// errors: they are counted in the result.
+absl::StatusOr<IpcBenchResult> RunIpcBench(const IpcBenchOptions& o, std::ostream& log);
 
 }  // namespace kvtier::bench
 

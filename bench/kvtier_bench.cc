@@ -8,8 +8,7 @@
 //                       --recent R] [--backend cuda]        # a trace file (docs/trace-format.md)
 //   kvtier-bench replay --connect unix:///path/kvtierd.sock   # through kvtierd sessions
 //   kvtier-bench replay --policies [--budgets 512,1024] [--policy-list window,h2o] [--plot F]
-//   kvtier-bench ipc [--bytes N] [--kvtierd PATH] [--json]
-//   kvtier-bench scrape [--context N] [--repeats N] [--scrape-ms 100] [--json]  # /metrics cost
+//   kvtier-bench ipc [--bytes N] [--kvtierd PATH] [--scrape-ms 100] [--no-scrape] [--json]
 //   kvtier-bench tier [--masters 3] [--page-bytes N] [--pages N] [--json]  # cold tier vs Redis
 //   kvtier-bench pcie [--backend cuda] [--json] [--plot F]   # host↔device transfers, recall
 //   kvtier-bench step [--backend cuda] [--context N] [--json]  # per-layer decode step times
@@ -32,7 +31,6 @@
 #include "bench/replay_bench.h"
 #include "bench/replay_session.h"
 #include "bench/roofline_bench.h"
-#include "bench/scrape_bench.h"
 #include "bench/step_bench.h"
 #include "bench/tier_bench.h"
 #include "kernels/registry.h"
@@ -97,14 +95,20 @@ int RunPolicies(const kvtier::bench::PolicyReplayOptions& o, bool json, const st
   return 0;
 }
 
+// Exit 2 for options refused, 1 for every other failure and for any failed scrape.
 int RunIpc(const kvtier::bench::IpcBenchOptions& o, bool json, const std::string& out) {
-  auto report = kvtier::bench::RunIpcBench(o, json ? std::cerr : std::cout);
-  if (!report.ok()) {
-    std::cerr << "kvtier-bench ipc: " << report.status() << "\n";
+  auto result = kvtier::bench::RunIpcBench(o, json ? std::cerr : std::cout);
+  if (!result.ok()) {
+    std::cerr << "kvtier-bench ipc: " << result.status() << "\n";
+    return absl::IsInvalidArgument(result.status()) ? 2 : 1;
+  }
+  const std::string report = result->report.ToString();
+  if (json) std::cout << report << "\n";
+  if (!out.empty()) std::ofstream(out) << report << "\n";
+  if (result->scrape_failures > 0) {
+    std::cerr << "kvtier-bench ipc: " << result->scrape_failures << " scrape(s) failed\n";
     return 1;
   }
-  if (json) std::cout << report->ToString() << "\n";
-  if (!out.empty()) std::ofstream(out) << report->ToString() << "\n";
   return 0;
 }
 
@@ -382,7 +386,8 @@ int main(int argc, char** argv) {
       "ipc",
       "page movement engine <-> kvtierd (its own process) on loopback (shared memory through "
       "the client library, gRPC streams, unary round trips) against Redis SET/GET as the peer "
-      "baseline");
+      "baseline; then what a /metrics scrape every --scrape-ms costs a replay's decode step (an "
+      "SHM session of the same daemon), against the same replay unscraped, ABBA");
   ipc->add_option("--bytes", io.bytes_per_run, "bytes moved per throughput measurement")
       ->capture_default_str();
   ipc->add_option("--repeats", io.repeats, "runs per measurement (median and p10/p90 reported)")
@@ -394,8 +399,31 @@ int main(int argc, char** argv) {
   ipc->add_option("--kvtierd", io.kvtierd,
                   "the kvtierd binary to start (default: next to kvtier-bench, or the build "
                   "tree's daemon/kvtierd)");
-  bool no_redis = false;
+  bool no_redis = false, no_scrape = false;
   ipc->add_flag("--no-redis", no_redis, "skip the Redis baseline");
+  kvtier::bench::IpcScrapeOptions& sc = io.scraping;
+  ipc->add_flag("--no-scrape", no_scrape, "skip the /metrics section");
+  ipc->add_option("--scrape-context", sc.synthetic.prefill_tokens,
+                  "/metrics section: the replay's prefill tokens")
+      ->capture_default_str();
+  ipc->add_option("--scrape-steps", sc.synthetic.num_steps, "/metrics section: decode steps")
+      ->capture_default_str();
+  ipc->add_option("--scrape-layers", sc.layers,
+                  "/metrics section: layers replayed (the first N of the model's)")
+      ->capture_default_str();
+  ipc->add_option("--scrape-budget", sc.budget_tokens,
+                  "/metrics section: working-set budget in tokens (a multiple of 4 x page size)")
+      ->capture_default_str();
+  ipc->add_option("--scrape-repeats", sc.repeats,
+                  "/metrics section: timed replays per mode (off and on)")
+      ->capture_default_str();
+  ipc->add_option("--scrape-warmup", sc.warmup, "/metrics section: untimed replays first (scraped)")
+      ->capture_default_str();
+  ipc->add_option("--scrape-ms", sc.scrape_ms, "/metrics section: scrape period of the on runs, ms")
+      ->capture_default_str();
+  ipc->add_option("--threads", sc.threads,
+                  "/metrics section: cpu backend threads of the replay (0 = all)")
+      ->capture_default_str();
   ipc->add_flag("--json", json, "print one JSON object on stdout");
   ipc->add_option("--out", out, "also write the JSON report to this file");
 
@@ -404,8 +432,6 @@ int main(int argc, char** argv) {
   auto* step = kvtier::bench::AddStepCommand(app, &step_rc);
   int roofline_rc = 0;
   auto* roofline = kvtier::bench::AddRooflineCommand(app, &roofline_rc);
-  int scrape_rc = 0;
-  auto* scrape = kvtier::bench::AddScrapeCommand(app, &scrape_rc);
   int tier_rc = 0;
   auto* tier = kvtier::bench::AddTierCommand(app, &tier_rc);
 
@@ -416,10 +442,10 @@ int main(int argc, char** argv) {
   if (*pcie) return pcie_rc;
   if (*step) return step_rc;
   if (*roofline) return roofline_rc;
-  if (*scrape) return scrape_rc;
   if (*tier) return tier_rc;
   if (*ipc) {
     io.redis = !no_redis;
+    io.scrape = !no_scrape;
     return RunIpc(io, json, out);
   }
   if (*replay) {

@@ -1,6 +1,6 @@
-// kvtierd as a child process of a benchmark (`kvtier-bench ipc`, `kvtier-bench scrape`): the
-// binary this build made, found beside kvtier-bench, started on a private directory and
-// configuration, stopped at the end.
+// kvtierd as a child process of a benchmark (`kvtier-bench ipc`, its /metrics section
+// included): the binary this build made, found beside kvtier-bench, started on a private
+// directory and configuration, stopped at the end.
 //
 // Not thread-safe; each object belongs to the thread that made it. Start the daemon before
 // the benchmark starts threads of its own (gRPC's, a scraper's): it is forked, and the child

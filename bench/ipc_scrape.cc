@@ -1,11 +1,9 @@
-#include "bench/scrape_bench.h"
+#include "bench/ipc_scrape.h"
 
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
 #include <chrono>
-#include <fstream>
-#include <iostream>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -23,7 +21,6 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "bench/kvtierd_child.h"
 #include "bench/replay_session.h"
 #include "core/mutex.h"
 #include "core/status.h"
@@ -38,7 +35,6 @@ namespace {
 
 namespace pb = ::kvtier::v1;
 
-constexpr char kTenant[] = "bench";
 constexpr double kTarget = 0.99;  // without_over_with: scraping costs at most 1%
 // Safety nets against a daemon that hangs, never measurements.
 constexpr absl::Duration kScrapeTimeout = absl::Seconds(5);
@@ -46,35 +42,18 @@ constexpr absl::Duration kHelloTimeout = absl::Seconds(10);
 constexpr char kStepsFamily[] = "kvtier_retrieval_steps_total";
 constexpr size_t kKeptErrors = 5;  // failure messages kept for the report
 
-// The daemon's configuration: its sockets in `dir`, TCP and metrics on ephemeral loopback
-// ports, one tenant with room for two regions of the replay's session at once (the sessions
-// are opened one at a time, closed after each run) plus a margin for their directories.
-std::string DaemonConfigToml(const std::string& dir, const ScrapeBenchOptions& o) {
-  const Geometry& g = o.synthetic.geometry;
-  const int64_t tokens = int64_t{o.synthetic.prefill_tokens} + o.synthetic.num_steps + g.page_size;
-  const int64_t token_bytes = int64_t{2} * g.num_kv_heads * g.head_dim * g.element_bytes();
-  const int64_t host_bytes = 2 * int64_t{o.layers} * tokens * token_bytes + (int64_t{64} << 20);
-  return absl::StrFormat(
-      "[server]\nunix_socket = \"%s/kvtierd.sock\"\ntcp_address = \"127.0.0.1:0\"\n"
-      "shutdown_grace_ms = 5000\n"
-      "[limits]\nmax_tokens_per_session = %d\n"
-      "[metrics]\naddress = \"127.0.0.1:0\"\n"
-      "[log]\nlevel = \"info\"\n"
-      "[[tenant]]\nname = \"%s\"\nhost_memory_bytes = %d\nhugepages = \"auto\"\nlock = false\n",
-      dir, std::max<int64_t>(tokens, 131072), kTenant, host_bytes);
-}
-
 // The daemon's Hello: where it serves /metrics (with the real port). FAILED_PRECONDITION
 // when metrics are off.
-absl::StatusOr<std::string> MetricsAddress(const std::string& unix_socket) {
+absl::StatusOr<std::string> MetricsAddress(const std::string& unix_socket,
+                                           const std::string& tenant) {
   auto stub = pb::KvTier::NewStub(
       grpc::CreateChannel("unix:" + unix_socket, grpc::InsecureChannelCredentials()));
   grpc::ClientContext ctx;
-  ctx.AddMetadata("x-kvtier-tenant", kTenant);
+  ctx.AddMetadata("x-kvtier-tenant", tenant);
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + kHelloTimeout));
   pb::HelloRequest req;
   req.set_protocol_version(kProtocolVersion);
-  req.set_client_name("kvtier-bench scrape");
+  req.set_client_name("kvtier-bench ipc");
   pb::HelloReply reply;
   const grpc::Status s = stub->Hello(&ctx, req, &reply);
   if (!s.ok()) {
@@ -285,21 +264,22 @@ Summary Summarize(const std::vector<RunResult>& runs, const ScrapeLog& warmup) {
 
 class ScrapeBench {
  public:
-  ScrapeBench(const ScrapeBenchOptions& o, std::ostream& log) : o_(o), log_(log) {}
-  absl::StatusOr<ScrapeBenchResult> Run();
+  ScrapeBench(const IpcScrapeOptions& o, std::string unix_socket, std::string tenant,
+              std::ostream& log)
+      : o_(o), unix_socket_(std::move(unix_socket)), tenant_(std::move(tenant)), log_(log) {}
+  absl::StatusOr<IpcScrapeResult> Run();
 
  private:
-  absl::Status Validate() const;
-  absl::Status StartDaemon();
+  absl::Status Connect();
   absl::StatusOr<RunResult> RunReplay(bool on);
   void LogRun(const std::string& what, const RunResult& r) const;
   void LogSummary(const Summary& s) const;
   JsonObject ReportJson(const Summary& s, const std::vector<RunResult>& runs) const;
 
-  const ScrapeBenchOptions o_;
+  const IpcScrapeOptions o_;
+  const std::string unix_socket_;
+  const std::string tenant_;
   std::ostream& log_;
-  std::optional<TempDir> dir_;
-  std::unique_ptr<KvtierdProcess> daemon_;
   std::string metrics_address_;
   std::string device_;
   std::ostringstream detail_;  // the replays' and sessions' own logs, not shown
@@ -307,35 +287,15 @@ class ScrapeBench {
   ReplayBenchOptions replay_;
 };
 
-absl::Status ScrapeBench::Validate() const {
-  if (o_.repeats < 1 || o_.warmup < 0 || o_.scrape_ms < 1) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "scrape: --repeats = %d must be >= 1, --warmup = %d >= 0, --scrape-ms = %d >= 1",
-        o_.repeats, o_.warmup, o_.scrape_ms));
-  }
-  if (o_.layers < 1 || o_.layers > o_.synthetic.geometry.num_layers) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("scrape: --layers = %d must be in [1, %d] (the model's layers)", o_.layers,
-                        o_.synthetic.geometry.num_layers));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status ScrapeBench::StartDaemon() {
-  KVTIER_ASSIGN_OR_RETURN(const std::string kvtierd, FindKvtierd(o_.kvtierd));
-  KVTIER_ASSIGN_OR_RETURN(TempDir dir, TempDir::Create("kvtier-scrape"));
-  dir_.emplace(std::move(dir));
-  // First, before this process starts threads of its own: the daemon is forked.
-  KVTIER_ASSIGN_OR_RETURN(
-      daemon_, KvtierdProcess::Start(kvtierd, dir_->path(), DaemonConfigToml(dir_->path(), o_)));
-  KVTIER_ASSIGN_OR_RETURN(metrics_address_, MetricsAddress(daemon_->unix_socket()));
+absl::Status ScrapeBench::Connect() {
+  KVTIER_ASSIGN_OR_RETURN(metrics_address_, MetricsAddress(unix_socket_, tenant_));
   ClientOptions co;
-  co.tenant = kTenant;
-  co.client_name = "kvtier-bench scrape";
-  KVTIER_ASSIGN_OR_RETURN(sessions_, ReplaySessions::Connect("unix://" + daemon_->unix_socket(), co,
-                                                             Transport::kShm, detail_));
+  co.tenant = tenant_;
+  co.client_name = "kvtier-bench ipc";
+  KVTIER_ASSIGN_OR_RETURN(
+      sessions_, ReplaySessions::Connect("unix://" + unix_socket_, co, Transport::kShm, detail_));
   if (!sessions_->capabilities().shm_available) {
-    return absl::FailedPreconditionError("scrape: kvtierd offers no shared-memory attach");
+    return absl::FailedPreconditionError("ipc /metrics: kvtierd offers no shared-memory attach");
   }
   return absl::OkStatus();
 }
@@ -370,7 +330,8 @@ absl::StatusOr<RunResult> ScrapeBench::RunReplay(bool on) {
                                  [](const ReplayModeTimes& t) { return t.name == "speculative"; });
   if (spec == times.end() || spec->wall_us.empty() || session.empty()) {
     (void)sessions_->CloseAll();
-    return absl::InternalError("scrape: the replay ran no timed speculative steps in a session");
+    return absl::InternalError(
+        "ipc /metrics: the replay ran no timed speculative steps in a session");
   }
   r.wall_us = Median(spec->wall_us);
   r.critical_us = Median(spec->critical_us);
@@ -397,9 +358,9 @@ void ScrapeBench::LogRun(const std::string& what, const RunResult& r) const {
       r.scrapes.failures, r.steps_total);
 }
 
-absl::StatusOr<ScrapeBenchResult> ScrapeBench::Run() {
-  KVTIER_RETURN_IF_ERROR(Validate());
-  KVTIER_RETURN_IF_ERROR(StartDaemon());
+absl::StatusOr<IpcScrapeResult> ScrapeBench::Run() {
+  KVTIER_RETURN_IF_ERROR(ValidateIpcScrapeOptions(o_));
+  KVTIER_RETURN_IF_ERROR(Connect());
   DeviceOptions bo;
   bo.cpu_threads = o_.threads;
   KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, CreateBackend(DeviceKind::kCpu, bo));
@@ -417,12 +378,12 @@ absl::StatusOr<ScrapeBenchResult> ScrapeBench::Run() {
   replay_.threads = o_.threads;
 
   log_ << absl::StreamFormat(
-      "kvtier-bench scrape: kvtierd %s as its own process (pid %d), metrics at %s, scraped every "
-      "%d ms in the \"on\" runs\n  replay: %s, %d layers, prefill %d tokens, %d steps, budget %d "
+      "/metrics scrape cost: kvtierd %s, metrics at %s, scraped every %d ms in the \"on\" "
+      "runs\n  replay: %s, %d layers, prefill %d tokens, %d steps, budget %d "
       "tokens, speculative mode as an SHM session (telemetry per layer-step); %s; commit %s\n"
       "  %d warm-up run(s), then %d runs in ABBA order (off on on off ...); per run the median "
       "over steps\n",
-      sessions_->capabilities().server_version, daemon_->pid(), metrics_address_, o_.scrape_ms,
+      sessions_->capabilities().server_version, metrics_address_, o_.scrape_ms,
       o_.synthetic.geometry.ToString(), o_.layers, o_.synthetic.prefill_tokens,
       o_.synthetic.num_steps, o_.budget_tokens, device_, Commit(), o_.warmup, 2 * o_.repeats);
   log_ << absl::StreamFormat("%-8s %-4s %14s %12s %10s %8s %10s %10s %9s %11s\n", "run", "mode",
@@ -442,9 +403,8 @@ absl::StatusOr<ScrapeBenchResult> ScrapeBench::Run() {
   }
   const Summary summary = Summarize(runs, warmup);
   LogSummary(summary);
-  ScrapeBenchResult result{ReportJson(summary, runs), summary.all.failures};
+  IpcScrapeResult result{ReportJson(summary, runs), summary.all.failures};
   sessions_.reset();
-  KVTIER_RETURN_IF_ERROR(daemon_->Stop());
   return result;
 }
 
@@ -490,13 +450,7 @@ JsonObject ScrapeBench::ReportJson(const Summary& s, const std::vector<RunResult
     return j;
   };
   JsonObject j;
-  j.Add("bench", "scrape")
-      .Add("device", device_)
-      .Add("host", HostCpu())
-      .Add("commit", Commit())
-      .Add("time", UtcNow())
-      .Add("daemon", "kvtierd in its own process")
-      .Add("kvtierd_version", sessions_->capabilities().server_version)
+  j.Add("device", device_)
       .Add("metrics_address", metrics_address_)
       .Add("replay",
            "speculative mode only, as an SHM session of the daemon (its Retriever publishes "
@@ -529,77 +483,39 @@ JsonObject ScrapeBench::ReportJson(const Summary& s, const std::vector<RunResult
   return j;
 }
 
-// The command line of `scrape` (AddScrapeCommand).
-struct ScrapeFlags {
-  ScrapeBenchOptions o;
-  std::string dtype = "fp16";
-  bool json = false;
-  std::string out;
-};
-
-int RunScrapeCommand(ScrapeFlags& f) {
-  if (!ParseDType(f.dtype, &f.o.synthetic.geometry.dtype)) {
-    std::cerr << "kvtier-bench scrape: --dtype must be fp16, bf16 or fp32\n";
-    return 2;
-  }
-  auto result = RunScrapeBench(f.o, f.json ? std::cerr : std::cout);
-  if (!result.ok()) {
-    std::cerr << "kvtier-bench scrape: " << result.status() << "\n";
-    return absl::IsInvalidArgument(result.status()) ? 2 : 1;
-  }
-  const std::string report = result->report.ToString();
-  if (f.json) std::cout << report << "\n";
-  if (!f.out.empty()) std::ofstream(f.out) << report << "\n";
-  if (result->scrape_failures > 0) {
-    std::cerr << "kvtier-bench scrape: " << result->scrape_failures << " scrape(s) failed\n";
-    return 1;
-  }
-  return 0;
-}
-
 }  // namespace
 
-absl::StatusOr<ScrapeBenchResult> RunScrapeBench(const ScrapeBenchOptions& o, std::ostream& log) {
-  ScrapeBench bench(o, log);
-  return bench.Run();
+absl::Status ValidateIpcScrapeOptions(const IpcScrapeOptions& o) {
+  if (o.repeats < 1 || o.warmup < 0 || o.scrape_ms < 1) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "ipc: --scrape-repeats = %d must be >= 1, --scrape-warmup = %d >= 0, --scrape-ms = %d "
+        ">= 1",
+        o.repeats, o.warmup, o.scrape_ms));
+  }
+  if (o.layers < 1 || o.layers > o.synthetic.geometry.num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("ipc: --scrape-layers = %d must be in [1, %d] (the model's layers)",
+                        o.layers, o.synthetic.geometry.num_layers));
+  }
+  return absl::OkStatus();
 }
 
-CLI::App* AddScrapeCommand(CLI::App& app, int* rc) {
-  auto flags = std::make_shared<ScrapeFlags>();
-  ScrapeFlags& f = *flags;
-  auto* cmd = app.add_subcommand(
-      "scrape",
-      "what scraping kvtierd's /metrics costs the engine: the replay (speculative, an SHM "
-      "session of a kvtierd child process) with and without a scrape every --scrape-ms, ABBA");
-  SyntheticTraceOptions& s = f.o.synthetic;
-  cmd->add_option("--context", s.prefill_tokens, "prefill tokens")->capture_default_str();
-  cmd->add_option("--steps", s.num_steps, "decode steps per replay")->capture_default_str();
-  cmd->add_option("--layers", f.o.layers, "layers replayed (the first N of the model's)")
-      ->capture_default_str();
-  cmd->add_option("--model-layers", s.geometry.num_layers, "layers of the model shape")
-      ->capture_default_str();
-  cmd->add_option("--q-heads", s.geometry.num_q_heads)->capture_default_str();
-  cmd->add_option("--kv-heads", s.geometry.num_kv_heads)->capture_default_str();
-  cmd->add_option("--head-dim", s.geometry.head_dim)->capture_default_str();
-  cmd->add_option("--page-size", s.geometry.page_size)->capture_default_str();
-  cmd->add_option("--dtype", f.dtype, "fp16, bf16 or fp32")->capture_default_str();
-  cmd->add_option("--budget", f.o.budget_tokens,
-                  "working-set budget in tokens (a multiple of 4 x page size)")
-      ->capture_default_str();
-  cmd->add_option("--seed", s.seed)->capture_default_str();
-  cmd->add_option("--repeats", f.o.repeats, "timed replays per mode (off and on)")
-      ->capture_default_str();
-  cmd->add_option("--warmup", f.o.warmup, "untimed replays first (scraped)")->capture_default_str();
-  cmd->add_option("--scrape-ms", f.o.scrape_ms, "scrape period of the on runs, ms")
-      ->capture_default_str();
-  cmd->add_option("--threads", f.o.threads, "cpu backend threads (0 = all)")->capture_default_str();
-  cmd->add_option("--kvtierd", f.o.kvtierd,
-                  "the kvtierd binary to start (default: next to kvtier-bench, or the build "
-                  "tree's daemon/kvtierd)");
-  cmd->add_flag("--json", f.json, "print one JSON object on stdout");
-  cmd->add_option("--out", f.out, "also write the JSON report to this file");
-  cmd->callback([flags, rc] { *rc = RunScrapeCommand(*flags); });
-  return cmd;
+int64_t IpcScrapeSessionTokens(const IpcScrapeOptions& o) {
+  return int64_t{o.synthetic.prefill_tokens} + o.synthetic.num_steps +
+         o.synthetic.geometry.page_size;
+}
+
+int64_t IpcScrapeHostBytes(const IpcScrapeOptions& o) {
+  const Geometry& g = o.synthetic.geometry;
+  const int64_t token_bytes = int64_t{2} * g.num_kv_heads * g.head_dim * g.element_bytes();
+  return 2 * int64_t{o.layers} * IpcScrapeSessionTokens(o) * token_bytes + (int64_t{64} << 20);
+}
+
+absl::StatusOr<IpcScrapeResult> RunIpcScrape(const IpcScrapeOptions& o,
+                                             const std::string& unix_socket,
+                                             const std::string& tenant, std::ostream& log) {
+  ScrapeBench bench(o, unix_socket, tenant, log);
+  return bench.Run();
 }
 
 }  // namespace kvtier::bench
