@@ -163,10 +163,6 @@ absl::Status ValidateArgs(const SelectionLossArgs& a) {
   KVTIER_RETURN_IF_ERROR(CheckRanges(op, {{"batch", a.batch, 1, kMaxBatch},
                                           {"max_pages", a.max_pages, 1, kMaxPages},
                                           {"k", a.k, 1, a.max_pages}}));
-  if (a.pool != PoolMode::kSoftmaxMean && a.pool != PoolMode::kRawMean) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("%s: unknown pool mode %d", op, static_cast<int>(a.pool)));
-  }
   if (!(a.threshold == a.threshold)) {
     return absl::InvalidArgumentError(absl::StrFormat("%s: threshold is NaN", op));
   }

@@ -53,7 +53,9 @@ struct PagedKv {
 };
 
 // Page scores (Quest): score[b][hq][page] = Σ_i max(q_i·hi_i, q_i·lo_i), then pooled per
-// KV head. Pages at or beyond num_pages[b] score -inf in `pooled` (and `scores`).
+// KV head: pooled[b][h][page] = the mean over the query group of softmax over the pages
+// [0, num_pages[b]) of softmax_scale · score. Pages at or beyond num_pages[b] score -inf in
+// `pooled` (and `scores`).
 // Reads shape.dtype, num_q_heads, num_kv_heads, head_dim.
 struct ScorePagesArgs {
   KvShape shape{};
@@ -63,7 +65,6 @@ struct ScorePagesArgs {
   const void* summaries = nullptr;  // [B][P][Hkv][2][d] (SummaryLayout per sequence)
   const int32_t* num_pages = nullptr;  // [B], each in [0, P]
   float softmax_scale = 1.0f;     // multiplies scores inside the softmax pooling
-  PoolMode pool = PoolMode::kSoftmaxMean;
   float* scores = nullptr;        // [B][Hq][P] raw scores out; optional (may be null)
   float* pooled = nullptr;        // [B][Hkv][P] out
   // [B][Hkv]: only KV heads with a nonzero entry (and their query groups) are scored; the
@@ -123,20 +124,16 @@ struct QueryCosineArgs {
 //   Σ_{fresh} w > 0, and 0 for a NaN ratio), drifted = loss > threshold.
 // The sums run over the pages of the two selections, kEmptySlot entries ignored; the numerator
 // is computed as Σ over pages only in `fresh` minus Σ over pages only in `current`, so two
-// selections of the same pages (in any order) lose exactly 0. Weights: kSoftmaxMean pooled
-// scores are probabilities over pages, w = pooled; kRawMean ones are not, w =
-// exp(softmax_scale · (pooled − m)) with m the largest pooled score of the two selections: the
-// softmax over any page set holding both selections, whose normaliser cancels in the ratio.
-// A NaN weight counts as 0. An entry outside [0, max_pages) other than kEmptySlot fails the
-// stream with OUT_OF_RANGE. Reads shape.num_kv_heads.
+// selections of the same pages (in any order) lose exactly 0. Weights: the pooled scores,
+// probabilities over pages (ScorePages' pooling), w = pooled; a NaN weight counts as 0. An
+// entry outside [0, max_pages) other than kEmptySlot fails the stream with OUT_OF_RANGE.
+// Reads shape.num_kv_heads.
 struct SelectionLossArgs {
   KvShape shape{};
   int32_t batch = 0;
   int32_t max_pages = 0;                   // P
   int32_t k = 0;                           // entries per (sequence, KV head) of both selections
   const float* pooled = nullptr;           // [B][Hkv][P], as ScorePages wrote them
-  PoolMode pool = PoolMode::kSoftmaxMean;  // how `pooled` was pooled
-  float softmax_scale = 1.0f;              // kRawMean: the scale of the softmax over pages
   const int32_t* current = nullptr;        // [B][Hkv][k] the selection attention would read
   const int32_t* fresh = nullptr;          // [B][Hkv][k] TopK's selection with q_t
   float threshold = 0.05f;                 // correction_max_loss

@@ -16,7 +16,6 @@ ScorePagesArgs RetrieverImpl::ScoreArgs(LayerState& l, const void* q, const int3
   sa.summaries = l.host.summaries.data();
   sa.num_pages = num_pages;
   sa.softmax_scale = scale_;
-  sa.pool = options_.pool;
   sa.pooled = l.select.pooled.as<float>();
   sa.head_mask = mask;
   return sa;
@@ -94,8 +93,6 @@ absl::Status RetrieverImpl::MassDrift(Stream& s, LayerState& l, const int32_t* n
   la.max_pages = max_pages_;
   la.k = selected_pages();
   la.pooled = l.select.pooled.as<float>();
-  la.pool = options_.pool;
-  la.softmax_scale = scale_;
   la.current = l.select.selected.as<int32_t>();
   la.fresh = l.select.fresh.as<int32_t>();
   la.threshold = options_.correction_max_loss;

@@ -58,12 +58,6 @@ enum class CorrectionTrigger : uint8_t { kCosine = 0, kMass = 1 };
 std::string_view CorrectionTriggerName(CorrectionTrigger trigger);
 bool ParseCorrectionTrigger(std::string_view name, CorrectionTrigger* out);
 
-// How per-query-head page scores are pooled into one score per KV head.
-enum class PoolMode : uint8_t {
-  kSoftmaxMean = 0,  // mean over the query group of softmax over pages (default)
-  kRawMean = 1,      // mean over the query group of the raw scores
-};
-
 // Which per-(page, KV head) key summary the host tier keeps.
 enum class SummaryMode : uint8_t {
   kMinMax = 0,     // hi/lo = per-dim max/min of the page's keys (Quest): a true bound
@@ -144,7 +138,6 @@ struct SequenceOptions {
   // (loss = (mass(new) − mass(stale)) / mass(new), from the key summaries). In [0, 1]:
   // 0 corrects every head whose selection q_t would improve, 1 never corrects.
   float correction_max_loss = kDefaultCorrectionMaxLoss;
-  PoolMode pool = PoolMode::kSoftmaxMean;
   SummaryMode summary = SummaryMode::kCenterMad;
   float softmax_scale = 0.0f;  // 0: 1/sqrt(head_dim)
   // How background recalls (and sync mode's) move pages; kAuto takes the zero-copy gather

@@ -71,11 +71,7 @@ KVTIER_CPU_INLINE void ScoreGroup(const ScorePagesArgs& a, int32_t b, int32_t h,
   const float weight = 1.0f / static_cast<float>(G);
   for (int32_t g = 0; g < G; ++g) {
     const float* r = raw + int64_t{g} * P;
-    if (a.pool == PoolMode::kSoftmaxMean) {
-      AddSoftmax(r, n, a.softmax_scale, weight, pooled);
-    } else {
-      for (int32_t p = 0; p < n; ++p) pooled[p] += r[p] * weight;
-    }
+    AddSoftmax(r, n, a.softmax_scale, weight, pooled);
     if (a.scores != nullptr) {
       float* out = a.scores + (int64_t{b} * a.shape.num_q_heads + h * G + g) * P;
       for (int32_t p = 0; p < P; ++p) out[p] = p < n ? r[p] : kNegInf;

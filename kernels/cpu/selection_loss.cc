@@ -2,7 +2,6 @@
 // loses against a fresh one (kernels/ops.h, SelectionLossArgs).
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <vector>
 
 #include "absl/strings/str_format.h"
@@ -27,15 +26,11 @@ absl::Status CheckSelection(const char* field, const int32_t* sel, int64_t n, in
   return absl::OkStatus();
 }
 
-// The head's page weights: probabilities as pooled, or a softmax of raw means shifted by the
-// largest score of the two selections (its normaliser cancels in the ratio).
+// The head's page weights: its pooled probabilities, NaN as 0.
 struct Weights {
   const float* pooled;
-  bool raw;
-  float scale;
-  float shift;
   float operator()(int32_t page) const {
-    const float w = raw ? std::exp(scale * (pooled[page] - shift)) : pooled[page];
+    const float w = pooled[page];
     return std::isnan(w) ? 0.0f : w;
   }
 };
@@ -50,13 +45,7 @@ float HeadLoss(const SelectionLossArgs& a, int64_t head, std::vector<int32_t>& c
   };
   pages(a.current, cur);
   pages(a.fresh, fr);
-  Weights w{a.pooled + head * a.max_pages, a.pool == PoolMode::kRawMean, a.softmax_scale,
-            -std::numeric_limits<float>::infinity()};
-  if (w.raw) {
-    for (const std::vector<int32_t>* v : {&cur, &fr}) {
-      for (int32_t page : *v) w.shift = std::max(w.shift, w.pooled[page]);  // NaN never wins
-    }
-  }
+  const Weights w{a.pooled + head * a.max_pages};
   // total: the fresh selection's mass; gain − lost: what it holds that the current does not,
   // minus the converse (exactly 0 for the same pages in any order).
   double total = 0, gain = 0, lost = 0;

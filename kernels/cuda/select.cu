@@ -6,9 +6,9 @@
 // ScorePages: a warp scores one page of one KV head for its whole query group (the lanes
 // split the d dimensions; the hi/lo rows are read once, the group's queries are staged as
 // fp32 in shared memory). Pages are cut into tiles of TP ≥ max(32, 2·G) pages (the last
-// tile takes the remainder), one block per (sequence, KV head, tile). Raw-mean pooling is
-// then one kernel. Softmax pooling needs, per query head, the max and the exp-sum over all
-// pages of the sequence, so it is three kernels that use the head's own `pooled` row as
+// tile takes the remainder), one block per (sequence, KV head, tile). The pooling (the mean
+// over the group of a softmax over pages) needs, per query head, the max and the exp-sum over
+// all pages of the sequence, so it is three kernels that use the head's own `pooled` row as
 // scratch (the op allocates nothing): (1) each tile writes its per-query-head online-softmax
 // statistics (m, Σ exp(x − m)) to pooled[t·2G, t·2G + 2G); (2) one block per KV head merges
 // the tiles' statistics and writes the final (m, weight / sum) at the start of every tile,
@@ -126,7 +126,6 @@ struct ScoreParams {
   int32_t group;      // G
   float scale;        // softmax_scale
   float weight;       // 1 / G
-  bool softmax;
   bool stage_q;        // the group's queries are staged as fp32 in dynamic shared memory
   int32_t tile_pages;  // TP ≥ 2·G
   int32_t num_tiles;   // T; tile t is [t·TP, t·TP + TP), the last one [t·TP, P)
@@ -202,9 +201,8 @@ __device__ __forceinline__ void PageScores(const ScoreParams& p, int32_t b, int3
 }
 
 // Scores pages [lo, hi) of KV head (b, h), whose sequence has n pages: raw scores to
-// p.scores (−inf from n on), and either the raw mean to p.pooled (−inf from n on) or, for
-// softmax pooling, the pages' per-query-head statistics to stat_m/stat_s[g]. Returns with
-// the block synchronised.
+// p.scores (−inf from n on), and the pages' per-query-head softmax statistics to
+// stat_m/stat_s[g]. Returns with the block synchronised.
 template <typename T, int kPerLane>
 __device__ void ScoreTile(const ScoreParams& p, int32_t b, int32_t h, int32_t lo, int32_t hi,
                           int32_t n, const float* qs, float* warp_m, float* warp_s,
@@ -213,8 +211,6 @@ __device__ void ScoreTile(const ScoreParams& p, int32_t b, int32_t h, int32_t lo
   const int warp = Warp();
   const int32_t G = p.group;
   const int32_t P = p.max_pages;
-  const int64_t bh = int64_t{b} * p.num_kv_heads + h;
-  float* pooled = p.pooled + bh * P;
   float* scores =
       p.scores != nullptr ? p.scores + (int64_t{b} * p.num_q_heads + h * G) * P : nullptr;
   // Lane l's statistics of query heads l and l + 32.
@@ -224,29 +220,20 @@ __device__ void ScoreTile(const ScoreParams& p, int32_t b, int32_t h, int32_t lo
   float s1 = 0.0f;
   const int32_t valid_end = min(hi, n);
   for (int32_t page = lo + warp; page < valid_end; page += NumWarps()) {
-    float raw_mean = 0.0f;
     PageScores<T, kPerLane>(p, b, h, page, qs, [&](int32_t g, float r) {
       const bool owner = lane == (g & (kWarpSize - 1));
       if (scores != nullptr && owner) scores[int64_t{g} * P + page] = r;
-      if (p.softmax) {
-        if (owner) {
-          const float x = __fmul_rn(p.scale, r);
-          if (g < kWarpSize) {
-            PushStat(m0, s0, x);
-          } else {
-            PushStat(m1, s1, x);
-          }
+      if (owner) {
+        const float x = __fmul_rn(p.scale, r);
+        if (g < kWarpSize) {
+          PushStat(m0, s0, x);
+        } else {
+          PushStat(m1, s1, x);
         }
-      } else {
-        raw_mean = __fadd_rn(raw_mean, __fmul_rn(r, p.weight));  // the CPU's g order
       }
     });
-    if (!p.softmax && lane == 0) pooled[page] = raw_mean;
   }
   const int32_t tail = max(lo, n);
-  if (!p.softmax) {
-    for (int32_t page = tail + threadIdx.x; page < hi; page += blockDim.x) pooled[page] = kNegInf;
-  }
   if (scores != nullptr && tail < hi) {
     const int32_t width = hi - tail;
     for (int64_t i = threadIdx.x; i < int64_t{G} * width; i += blockDim.x) {
@@ -254,25 +241,23 @@ __device__ void ScoreTile(const ScoreParams& p, int32_t b, int32_t h, int32_t lo
       scores[g * P + tail + (i - g * width)] = kNegInf;
     }
   }
-  if (p.softmax) {
-    if (lane < G) {
-      warp_m[warp * kMaxGroup + lane] = m0;
-      warp_s[warp * kMaxGroup + lane] = s0;
+  if (lane < G) {
+    warp_m[warp * kMaxGroup + lane] = m0;
+    warp_s[warp * kMaxGroup + lane] = s0;
+  }
+  if (lane + kWarpSize < G) {
+    warp_m[warp * kMaxGroup + lane + kWarpSize] = m1;
+    warp_s[warp * kMaxGroup + lane + kWarpSize] = s1;
+  }
+  __syncthreads();
+  for (int32_t g = threadIdx.x; g < G; g += blockDim.x) {
+    float m = kNegInf;
+    float s = 0.0f;
+    for (int w = 0; w < NumWarps(); ++w) {
+      MergeStat(m, s, warp_m[w * kMaxGroup + g], warp_s[w * kMaxGroup + g]);
     }
-    if (lane + kWarpSize < G) {
-      warp_m[warp * kMaxGroup + lane + kWarpSize] = m1;
-      warp_s[warp * kMaxGroup + lane + kWarpSize] = s1;
-    }
-    __syncthreads();
-    for (int32_t g = threadIdx.x; g < G; g += blockDim.x) {
-      float m = kNegInf;
-      float s = 0.0f;
-      for (int w = 0; w < NumWarps(); ++w) {
-        MergeStat(m, s, warp_m[w * kMaxGroup + g], warp_s[w * kMaxGroup + g]);
-      }
-      stat_m[g] = m;
-      stat_s[g] = s;
-    }
+    stat_m[g] = m;
+    stat_s[g] = s;
   }
   __syncthreads();
 }
@@ -342,7 +327,7 @@ __device__ __forceinline__ void TileBounds(const ScoreParams& p, int32_t t, int3
   *hi = t == p.num_tiles - 1 ? p.max_pages : *lo + p.tile_pages;
 }
 
-// Tiled step 1 (and the whole op for raw-mean pooling): one block per (head, tile).
+// Tiled step 1: one block per (head, tile).
 template <typename T, int kPerLane>
 __global__ void __launch_bounds__(kTileThreads) ScoreTilesKernel(const ScoreParams p) {
   extern __shared__ float tile_qs[];
@@ -366,13 +351,11 @@ __global__ void __launch_bounds__(kTileThreads) ScoreTilesKernel(const ScorePara
     StageQuery<T>(p, b, h, tile_qs);
     __syncthreads();
     ScoreTile<T, kPerLane>(p, b, h, lo, hi, n, tile_qs, warp_m, warp_s, stat_m, stat_s);
-    if (p.softmax) {
-      // Compact statistics: T·2G ≤ T·TP ≤ P floats of the head's row.
-      float* stats = p.pooled + bh * p.max_pages + int64_t{t} * 2 * p.group;
-      for (int32_t g = threadIdx.x; g < p.group; g += blockDim.x) {
-        stats[2 * g] = stat_m[g];
-        stats[2 * g + 1] = stat_s[g];
-      }
+    // Compact statistics: T·2G ≤ T·TP ≤ P floats of the head's row.
+    float* stats = p.pooled + bh * p.max_pages + int64_t{t} * 2 * p.group;
+    for (int32_t g = threadIdx.x; g < p.group; g += blockDim.x) {
+      stats[2 * g] = stat_m[g];
+      stats[2 * g + 1] = stat_s[g];
     }
     __syncthreads();
   }
@@ -1193,7 +1176,6 @@ cudaError_t LaunchScorePages(const ScorePagesArgs& a, const DeviceErrorSink& sin
   p.group = G;
   p.scale = a.softmax_scale;
   p.weight = 1.0f / static_cast<float>(G);
-  p.softmax = a.pool == PoolMode::kSoftmaxMean;
   p.tile_pages = kMinTilePages > 2 * G ? kMinTilePages : 2 * G;
   p.sink = sink;
   const size_t q_bytes = static_cast<size_t>(G) * a.shape.head_dim * sizeof(float);
@@ -1204,7 +1186,7 @@ cudaError_t LaunchScorePages(const ScorePagesArgs& a, const DeviceErrorSink& sin
     using T = typename decltype(element_tag)::type;
     return DispatchPerLane(a.shape.head_dim, [&](auto lanes) {
       constexpr int kPerLane = decltype(lanes)::value;
-      if (p.softmax && full_tiles < 2) {
+      if (full_tiles < 2) {
         ScoreHeadKernel<T, kPerLane><<<static_cast<unsigned>(heads), kHeadThreads, smem,
                                        stream>>>(p);
         return cudaGetLastError();
@@ -1213,7 +1195,7 @@ cudaError_t LaunchScorePages(const ScorePagesArgs& a, const DeviceErrorSink& sin
       p.num_items = heads * p.num_tiles;
       const unsigned blocks = GridBlocks(p.num_items);
       ScoreTilesKernel<T, kPerLane><<<blocks, kTileThreads, smem, stream>>>(p);
-      if (cudaError_t e = cudaGetLastError(); e != cudaSuccess || !p.softmax) return e;
+      if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
       ScoreMergeKernel<<<static_cast<unsigned>(heads), kMergeThreads, 0, stream>>>(p);
       if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
       ScorePoolKernel<T, kPerLane><<<blocks, kTileThreads, smem, stream>>>(p);

@@ -5,12 +5,11 @@
 // rounding and a loss within that of the threshold may be flagged either way.
 //
 // One block per (sequence, KV head): the threads split the k entries of both selections;
-// membership is a linear scan of the other selection (O(k²) per head, as Replace's), the
-// raw-mean shift a block max, then three block sums.
+// membership is a linear scan of the other selection (O(k²) per head, as Replace's), then
+// three block sums.
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <limits>
 
 #include "kernels/cuda/compute_kernels.h"
 #include "kernels/cuda/kernel_util.cuh"
@@ -23,13 +22,9 @@ constexpr int kWarpSize = 32;
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kLossThreads = 128;
 constexpr int kLossWarps = kLossThreads / kWarpSize;
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct SumOp {
   __device__ float operator()(float x, float y) const { return x + y; }
-};
-struct MaxOp {
-  __device__ float operator()(float x, float y) const { return fmaxf(x, y); }  // drops NaN
 };
 
 // `v` reduced over the block with `op`, returned to every thread. Every thread of the block
@@ -54,11 +49,9 @@ __device__ __forceinline__ bool Contains(const int32_t* v, int32_t n, int32_t x)
   return false;
 }
 
-// The weight of `page`, as the CPU's Weights.
-__device__ __forceinline__ float Weight(const SelectionLossArgs& a, const float* pooled,
-                                        int32_t page, float shift) {
-  const float w =
-      a.pool == PoolMode::kRawMean ? expf(a.softmax_scale * (pooled[page] - shift)) : pooled[page];
+// The weight of `page`, as the CPU's Weight: its pooled probability, NaN as 0.
+__device__ __forceinline__ float Weight(const float* pooled, int32_t page) {
+  const float w = pooled[page];
   return isnan(w) ? 0.0f : w;
 }
 
@@ -90,22 +83,14 @@ __global__ void __launch_bounds__(kLossThreads)
   __syncthreads();
   if (bad != 0) return;
 
-  float shift = kNegInf;
-  if (a.pool == PoolMode::kRawMean) {
-    for (int32_t i = threadIdx.x; i < k; i += blockDim.x) {
-      if (cur[i] != kEmptySlot) shift = fmaxf(shift, pooled[cur[i]]);
-      if (fr[i] != kEmptySlot) shift = fmaxf(shift, pooled[fr[i]]);
-    }
-    shift = BlockReduce(shift, scratch, MaxOp{});
-  }
   float total = 0.0f, gain = 0.0f, lost = 0.0f;
   for (int32_t i = threadIdx.x; i < k; i += blockDim.x) {
     if (fr[i] != kEmptySlot) {
-      const float w = Weight(a, pooled, fr[i], shift);
+      const float w = Weight(pooled, fr[i]);
       total += w;
       if (!Contains(cur, k, fr[i])) gain += w;
     }
-    if (cur[i] != kEmptySlot && !Contains(fr, k, cur[i])) lost += Weight(a, pooled, cur[i], shift);
+    if (cur[i] != kEmptySlot && !Contains(fr, k, cur[i])) lost += Weight(pooled, cur[i]);
   }
   total = BlockReduce(total, scratch, SumOp{});
   gain = BlockReduce(gain, scratch, SumOp{});

@@ -66,7 +66,6 @@ void ExpectSameSelection(const OpResult& want, const OpResult& got, int isel, in
 // scores when asked for) start as a sentinel, which masked-off heads must keep.
 struct ScoreVariant {
   const char* name;
-  PoolMode pool;
   bool mask;
   bool with_scores;
 };
@@ -94,7 +93,7 @@ struct ScoreInputs {
     ipooled = in.Add(std::vector<float>(static_cast<size_t>(B) * kHkv * P, 7.0f));
   }
 
-  ScorePagesArgs Args(const OpPtrs& p, PoolMode pool) const {
+  ScorePagesArgs Args(const OpPtrs& p) const {
     ScorePagesArgs a;
     a.shape = ShapeOf(c);
     a.batch = c.batch;
@@ -103,7 +102,6 @@ struct ScoreInputs {
     a.summaries = p.get(isum);
     a.num_pages = p.get<int32_t>(inp);
     a.softmax_scale = ScaleOf(c.head_dim);
-    a.pool = pool;
     a.scores = p.get<float>(iscores);
     a.pooled = p.get<float>(ipooled);
     a.head_mask = p.get<uint8_t>(imask);
@@ -114,9 +112,7 @@ struct ScoreInputs {
 OpRun ScorePagesRun(const HeadShape& c, const ScoreVariant& v, uint32_t seed) {
   OpRun r;
   const ScoreInputs s(c, seed, r.in, v.mask, v.with_scores);
-  r.op = [s, pool = v.pool](Backend& be, Stream& st, const OpPtrs& p) {
-    return be.ScorePages(st, s.Args(p, pool));
-  };
+  r.op = [s](Backend& be, Stream& st, const OpPtrs& p) { return be.ScorePages(st, s.Args(p)); };
   r.check = [s](const OpBuffers&, const OpResult& want, const OpResult& got) {
     ExpectFloatBufNear(want, got, s.ipooled, 1e-4, 1e-5, "pooled");
     if (s.iscores >= 0) ExpectFloatBufNear(want, got, s.iscores, 1e-4, 1e-5, "scores");
@@ -132,7 +128,7 @@ OpRun ScoreTopKRun(const HeadShape& c, uint32_t seed) {
   const ScoreInputs s(c, seed, r.in, /*mask=*/false, /*scores=*/false);
   const int isel = r.in.Add(std::vector<int32_t>(static_cast<size_t>(c.batch) * kHkv * kK, -7));
   r.op = [s, isel](Backend& be, Stream& st, const OpPtrs& p) {
-    KVTIER_RETURN_IF_ERROR(be.ScorePages(st, s.Args(p, PoolMode::kSoftmaxMean)));
+    KVTIER_RETURN_IF_ERROR(be.ScorePages(st, s.Args(p)));
     TopKArgs a;
     a.shape = ShapeOf(s.c);
     a.batch = s.c.batch;
@@ -332,9 +328,7 @@ void AddTopKCases(std::vector<OpCase>& cases) {
 
 constexpr float kMaxLoss = 0.05f;  // the default correction_max_loss
 
-// Hand-made heads (k = 2, P = 4), each with its expected loss at threshold 0.05. With kRawMean
-// the pooled scores are 2·ln(p) at softmax_scale 0.5, so the weights are p up to a factor
-// that cancels and the losses are the same.
+// Hand-made heads (k = 2, P = 4), each with its expected loss at threshold 0.05.
 struct LossHead {
   std::array<float, 4> p;
   std::array<int32_t, 2> current, fresh;
@@ -352,14 +346,14 @@ const std::vector<LossHead>& KnownLossHeads() {
   return heads;
 }
 
-OpRun SelectionLossKnownRun(PoolMode pool) {
+OpRun SelectionLossKnownRun() {
   constexpr int32_t kK = 2, kP = 4;
   const std::vector<LossHead>& heads = KnownLossHeads();
   const auto n = static_cast<int32_t>(heads.size());  // batch n / kHkv
   std::vector<float> pooled;
   std::vector<int32_t> current, fresh;
   for (const LossHead& h : heads) {
-    for (float p : h.p) pooled.push_back(pool == PoolMode::kRawMean ? 2.0f * std::log(p) : p);
+    pooled.insert(pooled.end(), h.p.begin(), h.p.end());
     current.insert(current.end(), h.current.begin(), h.current.end());
     fresh.insert(fresh.end(), h.fresh.begin(), h.fresh.end());
   }
@@ -374,8 +368,6 @@ OpRun SelectionLossKnownRun(PoolMode pool) {
     a.max_pages = kP;
     a.k = kK;
     a.pooled = p.get<float>(ipooled);
-    a.pool = pool;
-    a.softmax_scale = 0.5f;
     a.current = p.get<int32_t>(icur);
     a.fresh = p.get<int32_t>(ifr);
     a.threshold = kMaxLoss;
@@ -402,9 +394,9 @@ struct LossShape {
   int32_t batch, kv_heads, max_pages, k;
 };
 
-// Random pooled rows (probabilities; or raw scores with some NaN and -inf) and pairs of
-// selections of distinct pages that share about half their pages, padded with kEmptySlot.
-OpRun SelectionLossRun(const LossShape& c, PoolMode pool, bool flags, uint32_t seed) {
+// Random pooled rows (probabilities, a few of them NaN) and pairs of selections of distinct
+// pages that share about half their pages, padded with kEmptySlot.
+OpRun SelectionLossRun(const LossShape& c, bool flags, uint32_t seed) {
   const int32_t B = c.batch, H = c.kv_heads, P = c.max_pages, K = c.k;
   std::mt19937 rng(seed);
   std::vector<float> pooled(static_cast<size_t>(B) * H * P);
@@ -414,12 +406,11 @@ OpRun SelectionLossRun(const LossShape& c, PoolMode pool, bool flags, uint32_t s
     double sum = 0;
     for (int32_t p = 0; p < P; ++p) {
       const float x = std::uniform_real_distribution<float>(0.0f, 1.0f)(rng);
-      row[p] = pool == PoolMode::kSoftmaxMean ? x * x * x : 6.0f * x - 3.0f;
+      row[p] = x * x * x;
       sum += row[p];
-      if (pool == PoolMode::kRawMean && Chance(rng, 0.03)) row[p] = Chance(rng, 0.5) ? kNaN : -kInf;
     }
-    if (pool == PoolMode::kSoftmaxMean) {
-      for (int32_t p = 0; p < P; ++p) row[p] = static_cast<float>(row[p] / sum);
+    for (int32_t p = 0; p < P; ++p) {
+      row[p] = Chance(rng, 0.03) ? kNaN : static_cast<float>(row[p] / sum);
     }
     std::vector<int32_t> pages = Iota(P);
     std::shuffle(pages.begin(), pages.end(), rng);
@@ -451,8 +442,6 @@ OpRun SelectionLossRun(const LossShape& c, PoolMode pool, bool flags, uint32_t s
     a.max_pages = P;
     a.k = K;
     a.pooled = p.get<float>(ipooled);
-    a.pool = pool;
-    a.softmax_scale = 0.7f;
     a.current = p.get<int32_t>(icur);
     a.fresh = p.get<int32_t>(ifr);
     a.threshold = 0.2f;
@@ -474,19 +463,15 @@ OpRun SelectionLossRun(const LossShape& c, PoolMode pool, bool flags, uint32_t s
 }
 
 void AddSelectionLossCases(std::vector<OpCase>& cases) {
-  for (const PoolMode pool : {PoolMode::kSoftmaxMean, PoolMode::kRawMean}) {
-    const std::string mode = pool == PoolMode::kSoftmaxMean ? "softmax" : "raw";
-    Add(cases, "SelectionLoss_known_" + mode,
-        [pool](uint32_t) { return SelectionLossKnownRun(pool); });
-    for (const LossShape& c :
-         {LossShape{1, 1, 16, 4}, LossShape{3, 2, 64, 8}, LossShape{2, 4, 300, 32},
-          LossShape{2, 8, 1000, 200}, LossShape{1, 2, 40, 40}}) {
-      for (const bool flags : {true, false}) {
-        Add(cases,
-            absl::StrFormat("SelectionLoss_b%d_hkv%d_p%d_k%d_%s%s", c.batch, c.kv_heads,
-                            c.max_pages, c.k, mode, flags ? "" : "_loss_only"),
-            [c, pool, flags](uint32_t seed) { return SelectionLossRun(c, pool, flags, seed); });
-      }
+  Add(cases, "SelectionLoss_known", [](uint32_t) { return SelectionLossKnownRun(); });
+  for (const LossShape& c :
+       {LossShape{1, 1, 16, 4}, LossShape{3, 2, 64, 8}, LossShape{2, 4, 300, 32},
+        LossShape{2, 8, 1000, 200}, LossShape{1, 2, 40, 40}}) {
+    for (const bool flags : {true, false}) {
+      Add(cases,
+          absl::StrFormat("SelectionLoss_b%d_hkv%d_p%d_k%d%s", c.batch, c.kv_heads, c.max_pages,
+                          c.k, flags ? "" : "_loss_only"),
+          [c, flags](uint32_t seed) { return SelectionLossRun(c, flags, seed); });
     }
   }
 }
@@ -632,10 +617,8 @@ void AddSelectionCases(std::vector<OpCase>& cases) {
   for (const HeadShape& c : HeadShapes()) {
     const std::string shape = NameOf(c);
     for (const ScoreVariant& v :
-         {ScoreVariant{"softmax_scores", PoolMode::kSoftmaxMean, false, true},
-          ScoreVariant{"softmax_mask", PoolMode::kSoftmaxMean, true, false},
-          ScoreVariant{"raw_mask_scores", PoolMode::kRawMean, true, true},
-          ScoreVariant{"raw", PoolMode::kRawMean, false, false}}) {
+         {ScoreVariant{"scores", false, true}, ScoreVariant{"mask", true, false},
+          ScoreVariant{"mask_scores", true, true}, ScoreVariant{"plain", false, false}}) {
       Add(cases, "ScorePages_" + shape + "_" + v.name,
           [c, v](uint32_t seed) { return ScorePagesRun(c, v, seed); });
     }

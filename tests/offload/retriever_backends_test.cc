@@ -343,7 +343,6 @@ class SelectionOracle {
     sa.summaries = summaries.data();
     sa.num_pages = &sel.full_pages;
     sa.softmax_scale = scale();
-    sa.pool = o_.pool;
     sa.pooled = sel.pooled.data();
     TopKArgs ta;
     ta.shape = KvShapeOf(g_);

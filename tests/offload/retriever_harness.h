@@ -65,7 +65,6 @@ inline SequenceOptions SmallOptions(RetrievalMode mode) {
   o.selected_pages = 3;
   o.recent_pages = 2;
   o.max_tokens = 512;
-  o.pool = PoolMode::kRawMean;
   o.stream_chunk_items = 2;  // several chunks per recall: exercises the double buffer
   o.deadline = absl::Seconds(20);
   return o;
@@ -144,9 +143,10 @@ class HostModel {
   int32_t tokens() const { return tokens_; }
 
   // Quest scores over the page summaries `o.summary` names (per-dimension max/min, or mean ±
-  // mean absolute deviation, computed as the CPU kernel does), pooled by raw mean over the
-  // group (PoolMode::kRawMean), then the top k among full pages [sink, full − recent_full):
-  // the selection a host model expects.
+  // mean absolute deviation, computed as the CPU kernel does) of every full page, pooled as
+  // the Retriever pools them (per query head a softmax over the full pages of the scaled
+  // scores, then the mean over the group), then the top k among full pages
+  // [sink, full − recent_full): the selection a host model expects.
   std::vector<int32_t> Select(int32_t layer, const TypedBuffer& q, int32_t h, int32_t tokens,
                               const SequenceOptions& o) const {
     const int32_t p = g_.page_size;
@@ -155,11 +155,13 @@ class HostModel {
     const int32_t recent_lo = std::max(o.sink_pages, total - o.recent_pages);
     const int32_t recent_full = std::max(0, full - recent_lo);
     const int32_t G = g_.group_size();
-    std::vector<std::pair<float, int32_t>> scored;
-    for (int32_t page = o.sink_pages; page < full - recent_full; ++page) {
-      float pooled = 0;
-      for (int32_t qh = h * G; qh < (h + 1) * G; ++qh) {
-        float s = 0;
+    const double scale =
+        o.softmax_scale > 0 ? o.softmax_scale : 1.0 / std::sqrt(static_cast<double>(g_.head_dim));
+    std::vector<double> pooled(static_cast<size_t>(full), 0.0);
+    for (int32_t qh = h * G; qh < (h + 1) * G; ++qh) {
+      std::vector<double> raw(static_cast<size_t>(full));
+      for (int32_t page = 0; page < full; ++page) {
+        double s = 0;
         for (int32_t i = 0; i < g_.head_dim; ++i) {
           float hi = -INFINITY, lo = INFINITY;
           if (o.summary == SummaryMode::kMinMax) {
@@ -181,9 +183,18 @@ class HostModel {
           const float qi = q.Get(int64_t{qh} * g_.head_dim + i);
           s += std::max(qi * hi, qi * lo);
         }
-        pooled += s / G;
+        raw[static_cast<size_t>(page)] = scale * s;
       }
-      scored.push_back({-pooled, page});
+      double m = -INFINITY, sum = 0;
+      for (double r : raw) m = std::max(m, r);
+      for (double r : raw) sum += std::exp(r - m);
+      for (int32_t page = 0; page < full; ++page) {
+        pooled[static_cast<size_t>(page)] += std::exp(raw[static_cast<size_t>(page)] - m) / sum / G;
+      }
+    }
+    std::vector<std::pair<double, int32_t>> scored;
+    for (int32_t page = o.sink_pages; page < full - recent_full; ++page) {
+      scored.push_back({-pooled[static_cast<size_t>(page)], page});
     }
     std::sort(scored.begin(), scored.end());
     std::vector<int32_t> out;

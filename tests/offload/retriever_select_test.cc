@@ -176,7 +176,6 @@ TEST(CorrectionTriggerTest, MassCorrectsHeadsWhoseAttentionMovesAndThenEqualsSyn
 TEST(CorrectionTriggerTest, MassTriggerRunStaysConsistent) {
   const Geometry g = SmallGeometry(DType::kF16);
   SequenceOptions o = Speculative(CorrectionTrigger::kMass);
-  o.pool = PoolMode::kSoftmaxMean;
   Harness h(g, o);
   h.Append(150);
   TypedBuffer q = h.seq.Query(0);

@@ -27,7 +27,7 @@ using ScoreParam = std::tuple<DType, int32_t, int32_t>;
 
 class ScorePagesTest : public ::testing::TestWithParam<ScoreParam> {};
 
-TEST_P(ScorePagesTest, MatchesBruteForceForEveryHeadAndPoolMode) {
+TEST_P(ScorePagesTest, MatchesBruteForceForEveryHead) {
   const auto [dtype, d, G] = GetParam();
   const int32_t B = 2, Hkv = 2, Hq = Hkv * G, P = 20;
   const std::vector<int32_t> num_pages = {20, 13};
@@ -38,13 +38,12 @@ TEST_P(ScorePagesTest, MatchesBruteForceForEveryHeadAndPoolMode) {
   const SummaryLayout sl{Hkv, d};
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   ThreadPool pool(3);
-  for (PoolMode mode : {PoolMode::kSoftmaxMean, PoolMode::kRawMean}) {
+  {
     std::vector<float> scores(static_cast<size_t>(B * Hq * P)), pooled(static_cast<size_t>(B * Hkv * P));
     ScorePagesArgs a =
         ScoreArgs({.dtype = dtype, .num_q_heads = Hq, .num_kv_heads = Hkv, .head_dim = d}, B, P,
                   q.data(), sums.data(), num_pages.data(), pooled.data());
     a.softmax_scale = scale;
-    a.pool = mode;
     a.scores = scores.data();
     ASSERT_TRUE(CpuScorePages(a, &pool).ok());
     for (int32_t b = 0; b < B; ++b) {
@@ -66,15 +65,11 @@ TEST_P(ScorePagesTest, MatchesBruteForceForEveryHeadAndPoolMode) {
             EXPECT_NEAR(scores[static_cast<size_t>((b * Hq + hq) * P + p)], s, 1e-3 * (1 + std::fabs(s)));
           }
           for (int32_t p = n; p < P; ++p) EXPECT_EQ(scores[static_cast<size_t>((b * Hq + hq) * P + p)], kNegInf);
-          if (mode == PoolMode::kRawMean) {
-            for (int32_t p = 0; p < n; ++p) want[static_cast<size_t>(p)] += raw[static_cast<size_t>(p)] / G;
-          } else {
-            double m = -1e300, z = 0;
-            for (double r : raw) m = std::max(m, scale * r);
-            for (double r : raw) z += std::exp(scale * r - m);
-            for (int32_t p = 0; p < n; ++p)
-              want[static_cast<size_t>(p)] += std::exp(scale * raw[static_cast<size_t>(p)] - m) / z / G;
-          }
+          double m = -1e300, z = 0;
+          for (double r : raw) m = std::max(m, scale * r);
+          for (double r : raw) z += std::exp(scale * r - m);
+          for (int32_t p = 0; p < n; ++p)
+            want[static_cast<size_t>(p)] += std::exp(scale * raw[static_cast<size_t>(p)] - m) / z / G;
         }
         for (int32_t p = 0; p < P; ++p) {
           const float got = pooled[static_cast<size_t>((b * Hkv + h) * P + p)];

@@ -3,9 +3,9 @@
 // rounding, TopK exactly. Where the CPU has neither, the tests skip.
 //
 // ScorePages tolerance: with A = Σ_i |q_i|·max(|hi_i|, |lo_i|) (the magnitude of the sum of
-// |terms| of a raw score), raw scores agree to 1e-5·A, kRawMean pooled scores to 1e-5 times
-// the group mean of A, and kSoftmaxMean pooled scores to the error a raw-score error of
-// 1e-5·A can cause through the softmax: Σ_g prob_g/G · (2·|scale|·1e-5·max_page A + 1e-5).
+// |terms| of a raw score), raw scores agree to 1e-5·A, and pooled scores (the group mean of
+// a softmax over pages) to the error a raw-score error of 1e-5·A can cause through the
+// softmax: Σ_g prob_g/G · (2·|scale|·1e-5·max_page A + 1e-5).
 // -inf (pages beyond num_pages) must match exactly, and outputs of masked heads must be left
 // untouched. hi and lo are drawn independently, so either order occurs: the kernels assume
 // none.
@@ -98,12 +98,11 @@ struct ScoreCase {
   }
   int32_t Hq() const { return Hkv * G; }
 
-  ScorePagesArgs Args(PoolMode mode, float* pooled, float* scores, const uint8_t* mask) const {
+  ScorePagesArgs Args(float* pooled, float* scores, const uint8_t* mask) const {
     ScorePagesArgs a = testing::ScoreArgs(
         {.dtype = dtype, .num_q_heads = Hq(), .num_kv_heads = Hkv, .head_dim = d}, B, P,
         q.data(), sums.data(), num_pages.data(), pooled);
     a.softmax_scale = 1.0f / std::sqrt(static_cast<float>(d));
-    a.pool = mode;
     a.scores = scores;
     a.head_mask = mask;
     return a;
@@ -115,13 +114,13 @@ struct ScoreOut {
 };
 
 // Runs ScorePages with `isa` on sentinel-filled outputs.
-ScoreOut RunScore(const ScoreCase& c, PoolMode mode, bool with_scores, const uint8_t* mask,
-                  ThreadPool* pool, cpu::Isa isa) {
+ScoreOut RunScore(const ScoreCase& c, bool with_scores, const uint8_t* mask, ThreadPool* pool,
+                  cpu::Isa isa) {
   ScoreOut o;
   o.pooled.assign(static_cast<size_t>(c.B * c.Hkv * c.P), kSentinel);
   o.scores.assign(with_scores ? static_cast<size_t>(c.B * c.Hq() * c.P) : 0, kSentinel);
   const ScorePagesArgs a =
-      c.Args(mode, o.pooled.data(), with_scores ? o.scores.data() : nullptr, mask);
+      c.Args(o.pooled.data(), with_scores ? o.scores.data() : nullptr, mask);
   EXPECT_TRUE(CpuScorePages(a, pool, isa).ok());
   return o;
 }
@@ -129,7 +128,7 @@ ScoreOut RunScore(const ScoreCase& c, PoolMode mode, bool with_scores, const uin
 // The tolerance of pooled[b][h][p] for every page p (see the top of the file), from the
 // reference's raw scores `raw` ([B][Hq][P]).
 std::vector<double> PooledTolerance(const ScoreCase& c, const std::vector<float>& raw,
-                                    PoolMode mode, int32_t b, int32_t h) {
+                                    int32_t b, int32_t h) {
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.d));
   const int32_t n = c.num_pages[static_cast<size_t>(b)];
   std::vector<double> tol(static_cast<size_t>(c.P), 0.0);
@@ -144,9 +143,7 @@ std::vector<double> PooledTolerance(const ScoreCase& c, const std::vector<float>
     for (int32_t p = 0; p < n; ++p) {
       const size_t i = row + static_cast<size_t>(p);
       tol[static_cast<size_t>(p)] +=
-          mode == PoolMode::kRawMean
-              ? 1e-5 * c.mag[i] / c.G
-              : std::exp(scale * raw[i] - mx) / z / c.G * (2 * scale * 1e-5 * max_mag + 1e-5);
+          std::exp(scale * raw[i] - mx) / z / c.G * (2 * scale * 1e-5 * max_mag + 1e-5);
     }
   }
   return tol;
@@ -165,7 +162,7 @@ std::vector<double> PooledTolerance(const ScoreCase& c, const std::vector<float>
   return ::testing::AssertionFailure() << "got " << got << ", want " << want << " ± " << tol;
 }
 
-// Every (mask, scores, pool mode, thread pool) variant of `c` with each fast ISA against
+// Every (mask, scores, thread pool) variant of `c` with each fast ISA against
 // the reference.
 void CompareScores(const ScoreCase& c) {
   const std::vector<cpu::Isa> isas = FastIsas();
@@ -174,23 +171,22 @@ void CompareScores(const ScoreCase& c) {
   std::vector<uint8_t> mask(static_cast<size_t>(c.B * c.Hkv));
   for (size_t i = 0; i < mask.size(); ++i) mask[i] = i % 3 == 1 ? 0 : 1;
   // The reference's raw scores of every head, for the softmax tolerance.
-  const ScoreOut raw = RunScore(c, PoolMode::kRawMean, true, nullptr, nullptr, cpu::Isa::kScalar);
+  const ScoreOut raw = RunScore(c, true, nullptr, nullptr, cpu::Isa::kScalar);
   for (cpu::Isa isa : isas) {
-    for (PoolMode mode : {PoolMode::kSoftmaxMean, PoolMode::kRawMean}) {
+    {
       for (int v = 0; v < 8; ++v) {
         const bool masked = (v & 1) != 0, with_scores = (v & 2) != 0;
         ThreadPool* pool = (v & 4) != 0 ? &two : nullptr;
         const uint8_t* m = masked ? mask.data() : nullptr;
         SCOPED_TRACE(::testing::Message()
-                     << cpu::IsaName(isa) << " pool_mode=" << static_cast<int>(mode)
-                     << " masked=" << masked << " scores=" << with_scores
+ << cpu::IsaName(isa) << " masked=" << masked << " scores=" << with_scores
                      << " threads=" << (pool != nullptr ? 2 : 1));
-        const ScoreOut want = RunScore(c, mode, with_scores, m, pool, cpu::Isa::kScalar);
-        const ScoreOut got = RunScore(c, mode, with_scores, m, pool, isa);
+        const ScoreOut want = RunScore(c, with_scores, m, pool, cpu::Isa::kScalar);
+        const ScoreOut got = RunScore(c, with_scores, m, pool, isa);
         for (int32_t b = 0; b < c.B; ++b) {
           for (int32_t h = 0; h < c.Hkv; ++h) {
             const bool active = m == nullptr || m[b * c.Hkv + h] != 0;
-            const std::vector<double> tol = PooledTolerance(c, raw.scores, mode, b, h);
+            const std::vector<double> tol = PooledTolerance(c, raw.scores, b, h);
             for (int32_t p = 0; p < c.P; ++p) {
               const size_t i = static_cast<size_t>((b * c.Hkv + h) * c.P + p);
               if (active) {
@@ -262,12 +258,12 @@ TEST(ScorePagesSimdTest, LongSequencesSplitIntoManyTasks) {
 TEST(ScorePagesSimdTest, TwoArgumentOpRunsTheActiveIsa) {
   const ScoreCase c(DType::kF16, 2, 4, 64, 29, {29, 17}, 51);
   ThreadPool two(2);
-  for (PoolMode mode : {PoolMode::kSoftmaxMean, PoolMode::kRawMean}) {
+  {
     std::vector<float> p1(static_cast<size_t>(c.B * c.Hkv * c.P)), p2(p1.size());
     std::vector<float> s1(static_cast<size_t>(c.B * c.Hq() * c.P)), s2(s1.size());
-    ASSERT_TRUE(CpuScorePages(c.Args(mode, p1.data(), s1.data(), nullptr), &two).ok());
+    ASSERT_TRUE(CpuScorePages(c.Args(p1.data(), s1.data(), nullptr), &two).ok());
     ASSERT_TRUE(
-        CpuScorePages(c.Args(mode, p2.data(), s2.data(), nullptr), &two, cpu::ActiveIsa()).ok());
+        CpuScorePages(c.Args(p2.data(), s2.data(), nullptr), &two, cpu::ActiveIsa()).ok());
     for (size_t i = 0; i < p1.size(); ++i) ASSERT_TRUE(SameBits(p1[i], p2[i])) << i;
     for (size_t i = 0; i < s1.size(); ++i) ASSERT_TRUE(SameBits(s1[i], s2[i])) << i;
   }
@@ -276,7 +272,7 @@ TEST(ScorePagesSimdTest, TwoArgumentOpRunsTheActiveIsa) {
 TEST(ScorePagesSimdTest, RejectsPageCountsLikeTheReference) {
   const ScoreCase c(DType::kF16, 1, 2, 16, 4, {4, 5}, 61);
   std::vector<float> pooled(static_cast<size_t>(c.B * c.Hkv * c.P), kSentinel);
-  const ScorePagesArgs a = c.Args(PoolMode::kSoftmaxMean, pooled.data(), nullptr, nullptr);
+  const ScorePagesArgs a = c.Args(pooled.data(), nullptr, nullptr);
   const absl::Status want = CpuScorePages(a, nullptr, cpu::Isa::kScalar);
   ASSERT_EQ(want.code(), absl::StatusCode::kOutOfRange);
   for (cpu::Isa isa : FastIsas()) {
