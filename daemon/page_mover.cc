@@ -139,8 +139,10 @@ void PageMover::Adopt(std::span<const Held> pages) {
 }
 
 std::vector<PageMover::Held> PageMover::Release() {
-  std::vector<Held> out = HeldPages();
   MutexLock lock(&mu_);
+  std::vector<Held> out;
+  out.reserve(held_.size());
+  for (const auto& [key, generation] : held_) out.push_back({key.first, key.second, generation});
   held_.clear();
   return out;
 }
