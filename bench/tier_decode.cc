@@ -37,33 +37,6 @@ class BenchColdPages final : public ColdPages {
  public:
   BenchColdPages(daemon::ColdTier* cold, std::string session)
       : cold_(cold), session_(std::move(session)) {}
-  absl::Status Put(const StoredPage& page, std::span<const uint8_t> bytes) override {
-    const auto start = Clock::now();
-    const daemon::ColdPageRef ref{
-        page.layer, page.page, page.generation,
-        std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size())};
-    absl::Status st = cold_->Put(kTenant, session_, std::span<const daemon::ColdPageRef>(&ref, 1),
-                                 absl::Now() + absl::Seconds(60));
-    seconds += SecondsSince(start);
-    if (st.ok()) held_[{page.layer, page.page}] = page.generation;
-    return st;
-  }
-  absl::Status Get(int32_t layer, int64_t page, int64_t /*slot*/,
-                   std::span<uint8_t> out) override {
-    const auto start = Clock::now();
-    auto it = held_.find({layer, page});
-    if (it == held_.end()) return absl::NotFoundError("never demoted");
-    const int64_t pages[1] = {page};
-    const uint64_t generations[1] = {it->second};
-    std::vector<absl::StatusOr<daemon::ColdPage>> got = cold_->Get(
-        kTenant, session_, layer, pages, generations, absl::Now() + absl::Seconds(60));
-    seconds += SecondsSince(start);
-    if (got.size() != 1) return absl::InternalError("one page asked, another count read");
-    KVTIER_RETURN_IF_ERROR(got[0].status());
-    if (got[0]->data.size() != out.size()) return absl::DataLossError("page size");
-    std::memcpy(out.data(), got[0]->data.data(), out.size());
-    return absl::OkStatus();
-  }
   // One pipeline per layer, as kvtierd's cold pages do (without their WAIT and quota).
   absl::Status PutBatch(std::span<const StoredPage> pages,
                         std::span<const std::span<const uint8_t>> bytes) override {
@@ -123,7 +96,7 @@ class BenchColdPages final : public ColdPages {
     held_.clear();
     return absl::OkStatus();
   }
-  double seconds = 0;  // in Put and Get
+  double seconds = 0;  // in PutBatch and GetBatch
 
  private:
   daemon::ColdTier* const cold_;

@@ -10,7 +10,7 @@
 // bit for bit (a difference is a mismatch).
 //
 // The cold tier here is ColdTier alone: no cold quota, no WAIT (kvtierd adds both;
-// daemon/session_cold_pages.h).
+// daemon/page_mover.h).
 #ifndef KVTIER_BENCH_TIER_DECODE_H_
 #define KVTIER_BENCH_TIER_DECODE_H_
 

@@ -33,14 +33,6 @@ class DaemonColdPages final : public ColdPages {
  public:
   DaemonColdPages(std::shared_ptr<Connection> conn, std::string id, uint64_t epoch)
       : conn_(std::move(conn)), id_(std::move(id)), epoch_(epoch) {}
-  absl::Status Put(const StoredPage& page, std::span<const uint8_t> bytes) override {
-    const std::span<const uint8_t> one[1] = {bytes};
-    return PutBatch(std::span<const StoredPage>(&page, 1), one);
-  }
-  absl::Status Get(int32_t layer, int64_t page, int64_t slot, std::span<uint8_t> out) override {
-    const Read one[1] = {{layer, page, slot, out}};
-    return GetBatch(one);
-  }
   // One RPC per kMaxPagesPerCall pages (the daemon reads the slots itself).
   absl::Status PutBatch(std::span<const StoredPage> pages,
                         std::span<const std::span<const uint8_t>> /*bytes*/) override {

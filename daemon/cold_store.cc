@@ -1,5 +1,6 @@
 #include "daemon/cold_store.h"
 
+#include <algorithm>
 #include <map>
 #include <utility>
 
@@ -91,87 +92,50 @@ absl::Status ColdStore::WaitForReplicas(const std::vector<std::string>& keys,
   return absl::OkStatus();
 }
 
-absl::Status ColdStore::Write(v1::ColdSessionRecord& record,
-                              const std::vector<std::vector<ColdPageRef>>& layers,
-                              absl::Time deadline) {
+absl::Status ColdStore::WriteRecord(v1::ColdSessionRecord& record, absl::Time deadline) {
   const std::string& session = record.session_id();
   record.set_version(kRecordVersion);
-  record.clear_layers();
   uint64_t pages = 0;
-  std::vector<std::string> written;  // one key per layer, for WAIT
-  uint64_t bytes = 0;
-  for (size_t l = 0; l < layers.size(); ++l) {
-    v1::ColdLayer* cl = record.add_layers();
-    for (const ColdPageRef& p : layers[l]) {
-      cl->add_generations(p.generation);
-      ++pages;
-      bytes += p.data.size();
-    }
-    if (!layers[l].empty()) {
-      written.push_back(tier_->Key(options_.tenant, session, static_cast<int32_t>(l), 0));
-    }
+  for (const v1::ColdLayer& l : record.layers()) {
+    pages += static_cast<uint64_t>(l.generations_size());
   }
-  // A layer at a time: its values are built in memory for the pipeline.
-  absl::Status st;
-  for (size_t l = 0; st.ok() && l < layers.size(); ++l) {
-    if (!layers[l].empty()) st = tier_->Put(options_.tenant, session, layers[l], deadline);
-  }
-  if (st.ok()) st = WaitForReplicas(written, deadline);
   std::string value;
-  if (st.ok() && !record.SerializeToString(&value)) {
+  absl::Status st;
+  if (!record.SerializeToString(&value)) {
     st = absl::InternalError("serializing the cold session record");
   }
+  const std::string key = RecordKey(session);
   if (st.ok()) {
-    const std::string key = RecordKey(session);
     std::vector<std::vector<std::string>> cmds = {{"SET", key, value},
                                                   {"SADD", IndexKey(), session}};
     for (absl::StatusOr<RedisReply>& r : cluster_->Pipeline(cmds, deadline)) {
       if (st.ok() && !r.ok()) st = r.status();
     }
-    if (st.ok()) st = WaitForReplicas({key, IndexKey()}, deadline);
   }
+  if (st.ok()) st = WaitForReplicas({key, IndexKey()}, deadline);
   if (!st.ok()) {
     failures_.fetch_add(1, std::memory_order_relaxed);
+    // Not demoted: no index entry or record may name its pages, which its mover removes.
+    // Reverse order, with a round trip's time even when the deadline is spent.
+    const absl::Time undo = std::max(deadline, absl::Now() + options_.command_timeout);
+    std::vector<std::vector<std::string>> undo_cmds = {{"SREM", IndexKey(), session},
+                                                       {"DEL", key}};
+    for (absl::StatusOr<RedisReply>& r : cluster_->Pipeline(undo_cmds, undo)) {
+      if (!r.ok()) {
+        spdlog::warn("tenant '{}': session {} was not demoted, and removing its record from "
+                     "the cold tier failed: {} (remove {} by hand)",
+                     options_.tenant, session, r.status().ToString(), key);
+        break;
+      }
+    }
     return absl::Status(st.code(), absl::StrFormat("demoting session %s to the cold tier: %s",
                                                     session, st.message()));
   }
   sessions_.fetch_add(1, std::memory_order_relaxed);
   demoted_sessions_.fetch_add(1, std::memory_order_relaxed);
   demoted_pages_.fetch_add(pages, std::memory_order_relaxed);
-  demoted_bytes_.fetch_add(bytes, std::memory_order_relaxed);
+  demoted_bytes_.fetch_add(pages * record.page_bytes(), std::memory_order_relaxed);
   return absl::OkStatus();
-}
-
-absl::StatusOr<std::vector<ColdPage>> ColdStore::ReadLayer(const v1::ColdSessionRecord& record,
-                                                           int32_t layer, absl::Time deadline) {
-  if (layer < 0 || layer >= record.layers_size()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "session %s: layer %d is not in its record (%d layers)", record.session_id(), layer,
-        record.layers_size()));
-  }
-  const v1::ColdLayer& cl = record.layers(layer);
-  std::vector<int64_t> pages(static_cast<size_t>(cl.generations_size()));
-  std::vector<uint64_t> generations(cl.generations().begin(), cl.generations().end());
-  for (size_t i = 0; i < pages.size(); ++i) pages[i] = static_cast<int64_t>(i);
-  std::vector<absl::StatusOr<ColdPage>> got =
-      tier_->Get(options_.tenant, record.session_id(), layer, pages, generations, deadline);
-  std::vector<ColdPage> out;
-  out.reserve(got.size());
-  for (size_t i = 0; i < got.size(); ++i) {
-    if (!got[i].ok()) {
-      const absl::Status& e = got[i].status();
-      failures_.fetch_add(1, std::memory_order_relaxed);
-      // A page the record names but the cluster does not hold intact is lost data, whatever
-      // the cluster said about it; a failure to reach the cluster is not.
-      const bool lost = absl::IsDataLoss(e) || absl::IsNotFound(e) || absl::IsFailedPrecondition(e);
-      if (lost) data_loss_.fetch_add(1, std::memory_order_relaxed);
-      return absl::Status(lost ? absl::StatusCode::kDataLoss : e.code(),
-                          absl::StrFormat("session %s layer %d page %d in the cold tier: %s",
-                                          record.session_id(), layer, i, e.message()));
-    }
-    out.push_back(*std::move(got[i]));
-  }
-  return out;
 }
 
 void ColdStore::CountPromoted(const v1::ColdSessionRecord& record) {
@@ -234,7 +198,7 @@ absl::StatusOr<std::vector<v1::ColdSessionRecord>> ColdStore::LoadAll(absl::Time
 }
 
 absl::Status ColdStore::PutPages(std::string_view session, std::span<const ColdPageRef> pages,
-                                 absl::Time deadline) {
+                                 absl::Time deadline, bool live) {
   if (pages.empty()) return absl::OkStatus();
   uint64_t data_bytes = 0;
   for (const ColdPageRef& p : pages) data_bytes += p.data.size();
@@ -256,21 +220,25 @@ absl::Status ColdStore::PutPages(std::string_view session, std::span<const ColdP
                         absl::StrFormat("session %s: %d pages to the cold tier: %s", session,
                                         pages.size(), st.message()));
   }
-  live_demoted_pages_.fetch_add(pages.size(), std::memory_order_relaxed);
-  demoted_bytes_.fetch_add(data_bytes, std::memory_order_relaxed);
+  if (live) {
+    live_demoted_pages_.fetch_add(pages.size(), std::memory_order_relaxed);
+    demoted_bytes_.fetch_add(data_bytes, std::memory_order_relaxed);
+  }
   return absl::OkStatus();
 }
 
 std::vector<absl::StatusOr<ColdPage>> ColdStore::GetPages(std::string_view session, int32_t layer,
                                                           std::span<const int64_t> pages,
                                                           std::span<const uint64_t> generations,
-                                                          absl::Time deadline) {
+                                                          absl::Time deadline, bool live) {
   std::vector<absl::StatusOr<ColdPage>> got =
       tier_->Get(options_.tenant, session, layer, pages, generations, deadline);
   for (size_t i = 0; i < got.size(); ++i) {
     if (got[i].ok()) {
-      live_promoted_pages_.fetch_add(1, std::memory_order_relaxed);
-      promoted_bytes_.fetch_add(got[i]->data.size(), std::memory_order_relaxed);
+      if (live) {
+        live_promoted_pages_.fetch_add(1, std::memory_order_relaxed);
+        promoted_bytes_.fetch_add(got[i]->data.size(), std::memory_order_relaxed);
+      }
       continue;
     }
     const absl::Status e = got[i].status();

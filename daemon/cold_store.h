@@ -1,15 +1,19 @@
 // ColdStore: one tenant's share of the cold tier (docs/service.md#the-cold-tier): the
 // sessions it demoted, as records and pages in the Redis Cluster, and its cold quota. The
-// SessionManager decides when a session moves; this class moves it.
+// SessionManager decides when a session moves. Its pages move only through a PageMover
+// (daemon/page_mover.h), which writes and reads them here (PutPages, GetPages); this class
+// stores them, the session's record and the quota's charges. A cold session is its pages
+// under its own keys plus its record.
 //
 // Keys, all under the tenant's prefix so a Redis ACL user per tenant ("~<prefix>:<tenant>:*")
 // reaches exactly its own:
 //   <prefix>:<tenant>:{<session>:<layer>}:<page>   a page (daemon/cold_tier.h)
 //   <prefix>:<tenant>:{<session>}:meta             the session's ColdSessionRecord
 //   <prefix>:<tenant>:sessions                     a set of the tenant's demoted session ids
-// A session is written pages first, then its record, then its index entry; it is removed in
-// the reverse order. So a record names only pages that were stored, and a daemon that died
-// half-way leaves at worst pages without a record (written again by the next demotion).
+// A session is written pages first (its mover), then its record, then its index entry; it is
+// removed in the reverse order. So a record names only pages that were stored, and a daemon
+// that died half-way leaves at worst pages without a record (written again by the next
+// demotion).
 //
 // With min_replicas > 0 a write counts only after WAIT saw that many replicas acknowledge it
 // on every node it went to: a demotion acknowledged survives the loss of a master.
@@ -79,19 +83,13 @@ class ColdStore {
   absl::Status Reserve(std::string_view session, uint64_t bytes);
   void Unreserve(uint64_t bytes);
 
-  // Writes the pages of `layers` (each layer's committed prefix, in page order) and then
-  // `record` (its layers' generations filled in here), then the index entry. OK once all of
-  // it is on its masters (and, with min_replicas, acknowledged by that many replicas).
-  // REQUIRES: the quota was reserved for ValueBytes of the pages.
-  absl::Status Write(v1::ColdSessionRecord& record,
-                     const std::vector<std::vector<ColdPageRef>>& layers, absl::Time deadline);
-
-  // The pages of `layer` as `record` lists them, checked against their generations:
-  // DATA_LOSS naming the page when one has no intact copy (after the replica re-read);
-  // NOT_FOUND / FAILED_PRECONDITION when one is missing or of another generation (a record
-  // that does not match its pages: also data loss to the caller); the cluster's errors.
-  absl::StatusOr<std::vector<ColdPage>> ReadLayer(const v1::ColdSessionRecord& record,
-                                                  int32_t layer, absl::Time deadline);
+  // Writes `record` (its layers' generations filled in: each layer's committed prefix, whose
+  // pages a PageMover over the session's keys has stored) and then the index entry. OK once
+  // both are on their masters (and, with min_replicas, acknowledged by that many replicas);
+  // on error the record and the entry are removed again as far as the cluster lets them
+  // (the session stays in the host tier). REQUIRES: the quota was reserved for the record
+  // (kSessionOverheadBytes; the mover charged the pages).
+  absl::Status WriteRecord(v1::ColdSessionRecord& record, absl::Time deadline);
 
   // Removes the index entry, the record and the pages (absent ones are fine).
   absl::Status Remove(const v1::ColdSessionRecord& record, absl::Time deadline);
@@ -101,26 +99,27 @@ class ColdStore {
   // with a warning (and left for an operator).
   absl::StatusOr<std::vector<v1::ColdSessionRecord>> LoadAll(absl::Time deadline);
 
-  // Pages of a live session (policy.host_drop = demote; daemon/session_cold_pages.h): writes
-  // them and, with min_replicas, WAITs as Write does. Several pages at once: one pipeline per
-  // layer, one WAIT per node. REQUIRES: the caller reserved their values (page and header;
+  // Pages under the keys of `session` (a PageMover's: daemon/page_mover.h): writes them and,
+  // with min_replicas, WAITs as Write does. Several pages at once: one pipeline per layer,
+  // one WAIT per node. REQUIRES: the caller reserved their values (page and header;
   // Reserve). On error the pages must stay in the host tier, but some may be stored all the
   // same (written, then WAIT failed or the deadline came): their charge stays, and the caller
-  // removes them with RemovePages, which returns it.
+  // removes them with RemovePages, which returns it. `live`: counted as a live session's
+  // pages (else a whole session's, counted by its record).
   absl::Status PutPages(std::string_view session, std::span<const ColdPageRef> pages,
-                        absl::Time deadline);
+                        absl::Time deadline, bool live = true);
   // Reads such pages of one layer back (one pipeline), each of its generation: per page,
   // DATA_LOSS when there is no intact copy, when it is missing or of another generation (it
   // was acknowledged); the cluster's errors.
   std::vector<absl::StatusOr<ColdPage>> GetPages(std::string_view session, int32_t layer,
                                                  std::span<const int64_t> pages,
                                                  std::span<const uint64_t> generations,
-                                                 absl::Time deadline);
+                                                 absl::Time deadline, bool live = true);
   // Removes such pages of one layer (absent ones are fine) and returns their charge to the
   // quota whatever happens (keys that could not be removed are logged).
   absl::Status RemovePages(std::string_view session, int32_t layer, std::span<const int64_t> pages,
                            uint64_t page_bytes, absl::Time deadline);
-  // Counts a promotion (the record's pages were read back) / a session taken out of use.
+  // Counts a promotion (the record's pages were read back).
   void CountPromoted(const v1::ColdSessionRecord& record);
   void CountDataLoss() { data_loss_.fetch_add(1, std::memory_order_relaxed); }
   // Stops counting a record LoadAll counted (its session is taken from elsewhere); its keys

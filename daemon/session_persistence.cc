@@ -107,8 +107,10 @@ absl::Status SessionManager::AdoptPersistentSessions() {
                                 tenant->AdoptRegion(hs.region_offset(), hs.region_bytes()));
         KVTIER_ASSIGN_OR_RETURN(
             std::shared_ptr<TenantSession> session,
-            TenantSession::Adopt(r.session_id(), std::move(spec), std::move(lease), backend_.get(),
-                                 tenant, r.created_unix_ms(), r.epoch(), r.suspended()));
+            TenantSession::Restore(r.session_id(), std::move(spec), std::move(lease),
+                                   backend_.get(), tenant,
+                                   {r.created_unix_ms(), r.epoch(), r.suspended()},
+                                   /*from=*/nullptr));
         Entry e;
         e.tenant = tc.name;
         e.session = session;

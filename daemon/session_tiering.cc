@@ -12,6 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "core/status.h"
 #include "daemon/logging.h"
+#include "daemon/page_mover.h"
 #include "daemon/session_manager.h"
 #include "daemon/session_manager_internal.h"
 #include "daemon/session_params.h"
@@ -221,24 +222,30 @@ absl::Status SessionManager::Demote(const std::string& id, bool force, absl::Tim
   record.set_suspended(e.session->suspended());
   record.set_page_bytes(spec.geometry.host_page_bytes());
   record.set_demoted_unix_ms(absl::ToUnixMillis(absl::Now()));
-  uint64_t reserved = 0;
+  // The record's own charge first; the mover charges each page as it stores it.
+  KVTIER_RETURN_IF_ERROR(store->Reserve(id, ColdStore::kSessionOverheadBytes));
+  // Every page through the one mover, under the session's own keys (those its record names).
+  PageMover mover(store, PageMoverOptions{id, record.page_bytes(),
+                                          config_.cold_tier.operation_timeout, /*live=*/false});
   absl::StatusOr<CloseResult> closed = e.session->Demote(
-      [&](const TenantSession::Image& image) -> absl::Status {
-        uint64_t pages = 0;
-        for (const auto& l : image.layers) pages += l.size();
-        const uint64_t bytes = ColdStore::ValueBytes(pages, record.page_bytes());
-        KVTIER_RETURN_IF_ERROR(store->Reserve(id, bytes));
-        reserved = bytes;
-        record.set_epoch(image.epoch);
-        absl::Status st = store->Write(record, image.layers, deadline);
-        if (!st.ok()) {
-          store->Unreserve(bytes);
-          reserved = 0;
+      mover, deadline, force, [&](const TenantSession::Demoted& d) -> absl::Status {
+        record.set_epoch(d.epoch);
+        for (const std::vector<uint64_t>& layer : d.generations) {
+          v1::ColdLayer* cl = record.add_layers();
+          for (uint64_t generation : layer) cl->add_generations(generation);
         }
-        return st;
-      },
-      force);
-  if (!closed.ok()) return closed.status();
+        return store->WriteRecord(record, deadline);
+      });
+  if (!closed.ok()) {
+    // Not demoted: what the mover stored goes, by the demotion's deadline (keys it cannot
+    // reach stay, logged, and are written over by the session's next demotion); the charges
+    // are returned.
+    store->Unreserve(ColdStore::kSessionOverheadBytes);
+    (void)mover.RemoveAll(deadline);
+    return closed.status();
+  }
+  (void)mover.Release();  // the record's now, with their charge
+  const uint64_t reserved = ColdStore::RecordBytes(record);
   const std::string transport(TransportName(spec.transport));
   {
     MutexLock lock(&mu_);
@@ -280,11 +287,24 @@ absl::StatusOr<std::shared_ptr<TenantSession>> SessionManager::Promote(const std
   KVTIER_ASSIGN_OR_RETURN(RegionLayout layout,
                           ComputeRegionLayout(g, cold.spec.max_pages(), cold.spec.host_slots()));
   KVTIER_ASSIGN_OR_RETURN(RegionLease lease, AllocateRegion(*tenant, layout.total_bytes, deadline));
-  absl::StatusOr<std::shared_ptr<TenantSession>> s = TenantSession::Restore(
-      id, cold.spec, std::move(lease), backend_.get(), tenant, cold.record.created_unix_ms(),
-      cold.record.epoch(), cold.record.suspended(),
-      [&](int32_t layer) { return store->ReadLayer(cold.record, layer, deadline); },
-      cold.spec.demotes_pages() ? store : nullptr, config_.cold_tier.operation_timeout);
+  // The record's pages, promoted back through the one mover over the session's keys; they
+  // stay the record's (Release) whatever happens, removed with it below once promoted.
+  PageMover mover(store, PageMoverOptions{id, g.host_page_bytes(),
+                                          config_.cold_tier.operation_timeout, /*live=*/false});
+  std::vector<PageMover::Held> pages;
+  for (int32_t l = 0; l < cold.record.layers_size(); ++l) {
+    const v1::ColdLayer& cl = cold.record.layers(l);
+    for (int i = 0; i < cl.generations_size(); ++i) pages.push_back({l, i, cl.generations(i)});
+  }
+  mover.Adopt(pages);
+  absl::StatusOr<std::shared_ptr<TenantSession>> s = [&] {
+    PageMover::CallScope call(&mover, deadline);
+    return TenantSession::Restore(
+        id, cold.spec, std::move(lease), backend_.get(), tenant,
+        {cold.record.created_unix_ms(), cold.record.epoch(), cold.record.suspended()}, &mover,
+        cold.spec.demotes_pages() ? store : nullptr, config_.cold_tier.operation_timeout);
+  }();
+  (void)mover.Release();
   if (!s.ok()) {
     spdlog::log(absl::IsDataLoss(s.status()) ? spdlog::level::err : spdlog::level::warn,
                 "session {}: promotion from the cold tier failed, it stays there: {}", id,

@@ -1,6 +1,7 @@
 #include "daemon/tenant_session.h"
 
 #include <cstring>
+#include <deque>
 #include <set>
 #include <tuple>
 #include <utility>
@@ -17,26 +18,40 @@ namespace kvtier::daemon {
 
 namespace {
 
-// `load(layer)`, checked: at most `pages` pages, page i of the layer at index i, each of
-// `page_bytes`. OUT_OF_RANGE / INVALID_ARGUMENT naming the session otherwise.
-absl::StatusOr<std::vector<ColdPage>> LoadLayerChecked(const TenantSession::LoadLayer& load,
-                                                       const std::string& id, int32_t layer,
-                                                       int32_t pages, size_t page_bytes) {
-  KVTIER_ASSIGN_OR_RETURN(std::vector<ColdPage> loaded, load(layer));
-  if (loaded.size() > static_cast<size_t>(pages)) {
-    return absl::OutOfRangeError(absl::StrFormat(
-        "session %s: layer %d has %d pages in the cold tier; the session holds %d", id, layer,
-        loaded.size(), pages));
-  }
-  for (size_t i = 0; i < loaded.size(); ++i) {
-    const ColdPage& p = loaded[i];
-    if (p.data.size() != page_bytes || p.page != static_cast<int64_t>(i) || p.layer != layer) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "session %s: layer %d page %d came back as layer %d page %d of %d bytes (expected %d)",
-          id, layer, i, p.layer, p.page, p.data.size(), page_bytes));
+// The pages `from` holds, by layer: each layer's committed prefix, pages 0..n-1 in order.
+// OUT_OF_RANGE for more than `pages` pages in a layer, DATA_LOSS for a layer that is not a
+// prefix (a record that does not match the session), naming the session.
+absl::StatusOr<std::vector<std::vector<PageMover::Held>>> PrefixOf(const PageMover& from,
+                                                                   const std::string& id,
+                                                                   int32_t layers, int32_t pages) {
+  std::vector<std::vector<PageMover::Held>> out(static_cast<size_t>(layers));
+  for (const PageMover::Held& h : from.HeldPages()) {  // in (layer, page) order
+    if (h.layer < 0 || h.layer >= layers) {
+      return absl::DataLossError(absl::StrFormat(
+          "session %s: the cold tier holds a page of layer %d; the session has %d layers", id,
+          h.layer, layers));
     }
+    std::vector<PageMover::Held>& l = out[static_cast<size_t>(h.layer)];
+    if (h.page != static_cast<int64_t>(l.size())) {
+      return absl::DataLossError(absl::StrFormat(
+          "session %s: layer %d's pages in the cold tier skip from %d to page %d", id, h.layer,
+          l.size(), h.page));
+    }
+    if (h.page >= pages) {
+      return absl::OutOfRangeError(absl::StrFormat(
+          "session %s: layer %d has more than %d pages in the cold tier; the session holds %d",
+          id, h.layer, pages, pages));
+    }
+    l.push_back(h);
   }
-  return loaded;
+  return out;
+}
+
+// The mover of a live session's demoted pages (policy.host_drop = demote).
+std::unique_ptr<PageMover> LiveMover(ColdStore* store, const std::string& id, size_t page_bytes,
+                                     absl::Duration timeout) {
+  return std::make_unique<PageMover>(
+      store, PageMoverOptions{PageMover::LiveKeys(id), page_bytes, timeout, /*live=*/true});
 }
 
 }  // namespace
@@ -54,8 +69,7 @@ absl::StatusOr<std::shared_ptr<TenantSession>> TenantSession::Create(
       new TenantSession(std::move(id), std::move(spec), std::move(lease), region,
                         grpc ? NewBudgetedBackend(*backend, *budget) : nullptr, now_ms));
   if (demote_to != nullptr) {
-    s->cold_pages_ =
-        std::make_unique<SessionColdPages>(demote_to, s->id_, g.host_page_bytes(), cold_timeout);
+    s->cold_pages_ = LiveMover(demote_to, s->id_, g.host_page_bytes(), cold_timeout);
   }
   if (grpc) {
     MutexLock lock(&s->mu_);
@@ -69,146 +83,114 @@ absl::StatusOr<std::shared_ptr<TenantSession>> TenantSession::Create(
 
 absl::StatusOr<std::shared_ptr<TenantSession>> TenantSession::Restore(
     std::string id, SessionSpec spec, RegionLease lease, Backend* backend, MemoryBudget* budget,
-    int64_t created_unix_ms, uint64_t epoch, bool suspended, const LoadLayer& load,
-    ColdStore* demote_to, absl::Duration cold_timeout) {
-  const Geometry& g = spec.geometry;
-  const int32_t pages = spec.max_pages();
-  KVTIER_ASSIGN_OR_RETURN(SessionRegion region,
-                          SessionRegion::Format(lease.data(), lease.bytes(), g, pages,
-                                                spec.host_slots()));
-  const size_t page_bytes = g.host_page_bytes();
-  if (spec.demotes_pages()) {
-    if (demote_to == nullptr) {
-      return absl::FailedPreconditionError(absl::StrFormat(
-          "session %s demotes pages: its tenant has no cold tier to rebuild it from", id));
-    }
-    if (spec.transport == Transport::kShm) {
-      return RestoreDemotedShm(std::move(id), std::move(spec), std::move(lease), region,
-                               backend, budget, created_unix_ms, epoch, suspended, load,
-                               demote_to, cold_timeout);
-    }
-    return RebuildDemoting(std::move(id), std::move(spec), std::move(lease), region, backend,
-                           budget, created_unix_ms, epoch, suspended, load, demote_to,
-                           cold_timeout);
-  }
-  int64_t slot = 0;
-  for (int32_t layer = 0; layer < g.num_layers; ++layer) {
-    KVTIER_ASSIGN_OR_RETURN(std::vector<ColdPage> loaded,
-                            LoadLayerChecked(load, id, layer, pages, page_bytes));
-    for (const ColdPage& p : loaded) {
-      std::memcpy(static_cast<char*>(region.slots()) + slot * region.slot_stride(), p.data.data(),
-                  page_bytes);
-      // Epoch 1 is the fresh region's: the writer below is the daemon.
-      KVTIER_RETURN_IF_ERROR(region.Commit(layer, p.page, slot, p.generation, /*epoch=*/1));
-      ++slot;
-    }
-  }
-  return FromCommitted(std::move(id), std::move(spec), std::move(lease), region, backend, budget,
-                       created_unix_ms, epoch, suspended);
-}
-
-absl::StatusOr<std::shared_ptr<TenantSession>> TenantSession::RebuildDemoting(
-    std::string id, SessionSpec spec, RegionLease lease, SessionRegion region, Backend* backend,
-    MemoryBudget* budget, int64_t created_unix_ms, uint64_t epoch, bool suspended,
-    const LoadLayer& load, ColdStore* demote_to, absl::Duration cold_timeout) {
+    const Resume& resume, PageMover* from, ColdStore* demote_to, absl::Duration cold_timeout) {
   const Geometry g = spec.geometry;
   const int32_t pages = spec.max_pages();
-  KVTIER_ASSIGN_OR_RETURN(const uint64_t now_epoch, region.BumpEpoch(epoch));
-  std::shared_ptr<TenantSession> s(new TenantSession(std::move(id), std::move(spec),
-                                                     std::move(lease), region,
-                                                     NewBudgetedBackend(*backend, *budget),
-                                                     created_unix_ms));
-  MutexLock lock(&s->mu_);
-  s->epoch_ = now_epoch;
-  s->suspended_.store(suspended, std::memory_order_release);
-  s->cold_pages_ =
-      std::make_unique<SessionColdPages>(demote_to, s->id_, g.host_page_bytes(), cold_timeout);
-  KVTIER_ASSIGN_OR_RETURN(
-      s->retriever_, OpenRegionRetriever(region, std::nullopt, s->spec_.sequence, *s->backend_,
-                                         /*restore=*/false, s->cold_pages_.get()));
-  // Page by page, as the engine first appended them (HostPageToRows): the Retriever
-  // offloads, summarises and demotes exactly as it did then.
-  const size_t page_bytes = g.host_page_bytes();
-  const int32_t p = g.page_size;
-  std::vector<uint8_t> k(page_bytes / 2);
-  std::vector<uint8_t> v(k.size());
-  for (int32_t layer = 0; layer < g.num_layers; ++layer) {
-    KVTIER_ASSIGN_OR_RETURN(std::vector<ColdPage> loaded,
-                            LoadLayerChecked(load, s->id_, layer, pages, page_bytes));
-    for (const ColdPage& cp : loaded) {
-      HostPageToRows(g, cp.data.data(), k.data(), v.data());
-      KVTIER_RETURN_IF_ERROR(s->retriever_->Append(layer, k.data(), v.data(), p));
-    }
+  const bool demoting = spec.demotes_pages();
+  if (demoting && (from == nullptr || demote_to == nullptr)) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "session %s demotes pages: %s", id,
+        from == nullptr ? "no arena keeps such a session"
+                        : "its tenant has no cold tier to rebuild it from"));
   }
-  KVTIER_RETURN_IF_ERROR(s->retriever_->Flush());
-  s->PublishTokens();
-  return s;
-}
-
-absl::StatusOr<std::shared_ptr<TenantSession>> TenantSession::RestoreDemotedShm(
-    std::string id, SessionSpec spec, RegionLease lease, SessionRegion region, Backend* /*backend*/,
-    MemoryBudget* /*budget*/, int64_t created_unix_ms, uint64_t epoch, bool suspended,
-    const LoadLayer& load, ColdStore* demote_to, absl::Duration cold_timeout) {
-  const size_t page_bytes = spec.geometry.host_page_bytes();
-  const int32_t layers = spec.geometry.num_layers;
-  const int32_t pages = spec.max_pages();
-  KVTIER_ASSIGN_OR_RETURN(const uint64_t now_epoch, region.BumpEpoch(epoch));
-  std::shared_ptr<TenantSession> s(new TenantSession(
-      std::move(id), std::move(spec), std::move(lease), region, nullptr, created_unix_ms));
-  MutexLock lock(&s->mu_);
-  s->epoch_ = now_epoch;
-  s->suspended_.store(suspended, std::memory_order_release);
-  s->cold_pages_ = std::make_unique<SessionColdPages>(demote_to, s->id_, page_bytes, cold_timeout);
-  // Every page goes back under the session's demoted keys and the region stays empty: the
-  // engine's Reattach rebuilds its sequence from them (client.md#decisions).
-  for (int32_t layer = 0; layer < layers; ++layer) {
-    KVTIER_ASSIGN_OR_RETURN(std::vector<ColdPage> loaded,
-                            LoadLayerChecked(load, s->id_, layer, pages, page_bytes));
-    for (const ColdPage& cp : loaded) {
-      KVTIER_RETURN_IF_ERROR(s->cold_pages_->Put(
-          StoredPage{layer, cp.page, -1, cp.generation},
-          std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(cp.data.data()),
-                                   cp.data.size())));
-    }
-  }
-  return s;
-}
-
-absl::StatusOr<std::shared_ptr<TenantSession>> TenantSession::Adopt(
-    std::string id, SessionSpec spec, RegionLease lease, Backend* backend, MemoryBudget* budget,
-    int64_t created_unix_ms, uint64_t epoch, bool suspended) {
-  const Geometry& g = spec.geometry;
-  const int32_t pages = spec.max_pages();
-  KVTIER_ASSIGN_OR_RETURN(SessionRegion region,
-                          SessionRegion::Open(lease.data(), lease.bytes(), g));
-  if (region.layout().max_pages_per_layer != pages || region.num_slots() != spec.host_slots()) {
+  absl::StatusOr<SessionRegion> region =
+      from == nullptr
+          ? SessionRegion::Open(lease.data(), lease.bytes(), g)
+          : SessionRegion::Format(lease.data(), lease.bytes(), g, pages, spec.host_slots());
+  KVTIER_RETURN_IF_ERROR(region.status());
+  if (region->layout().max_pages_per_layer != pages || region->num_slots() != spec.host_slots()) {
     return absl::FailedPreconditionError(absl::StrFormat(
         "session %s: its region holds %d pages per layer and %d slots; its parameters say %d "
         "and %d",
-        id, region.layout().max_pages_per_layer, region.num_slots(), pages, spec.host_slots()));
+        id, region->layout().max_pages_per_layer, region->num_slots(), pages, spec.host_slots()));
   }
-  return FromCommitted(std::move(id), std::move(spec), std::move(lease), region, backend, budget,
-                       created_unix_ms, epoch, suspended);
-}
-
-absl::StatusOr<std::shared_ptr<TenantSession>> TenantSession::FromCommitted(
-    std::string id, SessionSpec spec, RegionLease lease, SessionRegion region, Backend* backend,
-    MemoryBudget* budget, int64_t created_unix_ms, uint64_t epoch, bool suspended) {
-  KVTIER_ASSIGN_OR_RETURN(const uint64_t now_epoch, region.BumpEpoch(epoch));
+  if (from != nullptr && !demoting) {
+    // Every layer's pages into the region's slots, one batch a layer, then committed with
+    // their generations (epoch 1 is the fresh region's: the writer is the daemon).
+    KVTIER_ASSIGN_OR_RETURN(auto held, PrefixOf(*from, id, g.num_layers, pages));
+    const size_t page_bytes = g.host_page_bytes();
+    int64_t slot = 0;
+    for (int32_t layer = 0; layer < g.num_layers; ++layer) {
+      std::vector<PageMover::In> in;
+      for (const PageMover::Held& h : held[static_cast<size_t>(layer)]) {
+        auto* data = static_cast<uint8_t*>(region->slots()) +
+                     (slot + static_cast<int64_t>(in.size())) * region->slot_stride();
+        in.push_back({layer, h.page, std::span<uint8_t>(data, page_bytes)});
+      }
+      KVTIER_RETURN_IF_ERROR(from->Promote(in, absl::InfiniteFuture()));
+      for (const PageMover::Held& h : held[static_cast<size_t>(layer)]) {
+        KVTIER_RETURN_IF_ERROR(region->Commit(layer, h.page, slot++, h.generation, /*epoch=*/1));
+      }
+    }
+  }
+  KVTIER_ASSIGN_OR_RETURN(const uint64_t now_epoch, region->BumpEpoch(resume.epoch));
   const bool grpc = spec.transport == Transport::kGrpc;
-  std::shared_ptr<TenantSession> s(
-      new TenantSession(std::move(id), std::move(spec), std::move(lease), region,
-                        grpc ? NewBudgetedBackend(*backend, *budget) : nullptr, created_unix_ms));
+  std::shared_ptr<TenantSession> s(new TenantSession(
+      std::move(id), std::move(spec), std::move(lease), *region,
+      grpc ? NewBudgetedBackend(*backend, *budget) : nullptr, resume.created_unix_ms));
   MutexLock lock(&s->mu_);
   s->epoch_ = now_epoch;
-  s->suspended_.store(suspended, std::memory_order_release);
+  s->suspended_.store(resume.suspended, std::memory_order_release);
+  if (demoting) {
+    s->cold_pages_ = LiveMover(demote_to, s->id_, g.host_page_bytes(), cold_timeout);
+    if (grpc) {
+      KVTIER_ASSIGN_OR_RETURN(
+          s->retriever_, OpenRegionRetriever(*region, std::nullopt, s->spec_.sequence,
+                                             *s->backend_, /*restore=*/false,
+                                             s->cold_pages_.get()));
+    }
+    KVTIER_RETURN_IF_ERROR(s->TakeDemotingPages(*from));
+    return s;
+  }
   if (grpc) {
+    // The daemon owns the region: its commits are never fenced (nullopt epoch).
     KVTIER_ASSIGN_OR_RETURN(
-        s->retriever_, OpenRegionRetriever(region, std::nullopt, s->spec_.sequence, *s->backend_,
-                                           /*restore=*/true));
+        s->retriever_, OpenRegionRetriever(*region, std::nullopt, s->spec_.sequence,
+                                           *s->backend_, /*restore=*/true));
     s->PublishTokens();
   }
   return s;
+}
+
+absl::Status TenantSession::TakeDemotingPages(PageMover& from) {
+  const Geometry& g = spec_.geometry;
+  const size_t page_bytes = g.host_page_bytes();
+  KVTIER_ASSIGN_OR_RETURN(auto held, PrefixOf(from, id_, g.num_layers, spec_.max_pages()));
+  std::vector<uint8_t> k(page_bytes / 2);
+  std::vector<uint8_t> v(k.size());
+  for (int32_t layer = 0; layer < g.num_layers; ++layer) {
+    const std::vector<PageMover::Held>& pages = held[static_cast<size_t>(layer)];
+    std::vector<std::string> data(pages.size(), std::string(page_bytes, '\0'));
+    std::vector<PageMover::In> in;
+    for (size_t i = 0; i < pages.size(); ++i) {
+      in.push_back({layer, pages[i].page,
+                    std::span<uint8_t>(reinterpret_cast<uint8_t*>(data[i].data()), page_bytes)});
+    }
+    KVTIER_RETURN_IF_ERROR(from.Promote(in, absl::InfiniteFuture()));
+    if (retriever_ == nullptr) {
+      // SHM: every page under the session's live keys, the region empty: the engine's
+      // Reattach rebuilds its sequence from them (client.md#decisions).
+      std::vector<PageMover::Out> out;
+      for (size_t i = 0; i < pages.size(); ++i) {
+        out.push_back({layer, pages[i].page, pages[i].generation,
+                       std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(data[i].data()),
+                                                page_bytes)});
+      }
+      KVTIER_RETURN_IF_ERROR(cold_pages_->Demote(out, absl::InfiniteFuture()));
+      continue;
+    }
+    // GRPC: page by page, as the engine first appended them (HostPageToRows): the Retriever
+    // offloads, summarises and demotes exactly as it did then.
+    for (const std::string& d : data) {
+      HostPageToRows(g, d.data(), k.data(), v.data());
+      KVTIER_RETURN_IF_ERROR(retriever_->Append(layer, k.data(), v.data(), g.page_size));
+    }
+  }
+  if (retriever_ != nullptr) {
+    KVTIER_RETURN_IF_ERROR(retriever_->Flush());
+    PublishTokens();
+  }
+  return absl::OkStatus();
 }
 
 TenantSession::TenantSession(std::string id, SessionSpec spec, RegionLease lease,
@@ -300,7 +282,7 @@ absl::StatusOr<std::vector<uint64_t>> TenantSession::Apply(const std::vector<Off
   // Checked with the session held: waiting for it may have used up the deadline.
   KVTIER_RETURN_IF_ERROR(caller.CheckLive(what));
   // The demotions the appends need end by the call's deadline, not operation_timeout_ms.
-  SessionColdPages::CallScope cold_call(cold_pages_.get(), caller.deadline);
+  PageMover::CallScope cold_call(cold_pages_.get(), caller.deadline);
   absl::Status st;
   for (const OffloadChunk& c : chunks) {
     st = retriever_->Append(static_cast<int32_t>(c.layer), c.k.data(), c.v.data(),
@@ -357,22 +339,23 @@ absl::StatusOr<std::vector<PageData>> TenantSession::ReadPages(int32_t layer, co
                                                                size_t count, absl::Time deadline) {
   MutexLock lock(&mu_);
   KVTIER_RETURN_IF_ERROR(CheckOpen());
-  SessionColdPages::CallScope cold_call(cold_pages_.get(), deadline);
+  PageMover::CallScope cold_call(cold_pages_.get(), deadline);
   const size_t page_bytes = spec_.geometry.host_page_bytes();
   std::vector<PageData> out(count);
+  std::vector<PageMover::In> demoted;  // read in one batch after the region's pages
   for (size_t i = 0; i < count; ++i) {
     PageData& d = out[i];
     d.layer = layer;
     d.page = pages[i];
+    d.data.resize(page_bytes);
     absl::StatusOr<CommittedPage> c = region_.Lookup(layer, d.page);
     if (absl::IsNotFound(c.status()) && cold_pages_ != nullptr) {
       // Demoted: the cold tier holds it (a page the Retriever promoted again is committed).
       if (std::optional<uint64_t> gen = cold_pages_->Generation(layer, d.page); gen.has_value()) {
         d.generation = *gen;
-        d.data.resize(page_bytes);
-        KVTIER_RETURN_IF_ERROR(cold_pages_->Get(
-            layer, d.page, /*slot=*/-1,
-            std::span<uint8_t>(reinterpret_cast<uint8_t*>(d.data.data()), page_bytes)));
+        demoted.push_back(
+            {layer, d.page, std::span<uint8_t>(reinterpret_cast<uint8_t*>(d.data.data()),
+                                               page_bytes)});
         continue;
       }
     }
@@ -382,7 +365,6 @@ absl::StatusOr<std::vector<PageData>> TenantSession::ReadPages(int32_t layer, co
     }
     KVTIER_RETURN_IF_ERROR(c.status());
     d.generation = c->generation;
-    d.data.resize(page_bytes);
     std::memcpy(d.data.data(), region_.SlotData(c->slot), page_bytes);
     // An SHM engine may re-commit the entry while it is copied: the copy is good only when
     // the entry is unchanged afterwards.
@@ -393,6 +375,7 @@ absl::StatusOr<std::vector<PageData>> TenantSession::ReadPages(int32_t layer, co
           layer, d.page));
     }
   }
+  if (!demoted.empty()) KVTIER_RETURN_IF_ERROR(cold_pages_->Promote(demoted, deadline));
   return out;
 }
 
@@ -430,7 +413,7 @@ absl::StatusOr<StepResult> TenantSession::Step(int32_t layer, std::string_view q
   bool advanced = false;
   absl::StatusOr<StepResult> r = [&] {
     // The promotions (and demotions) the step needs end by the call's deadline.
-    SessionColdPages::CallScope cold_call(cold_pages_.get(), caller.deadline);
+    PageMover::CallScope cold_call(cold_pages_.get(), caller.deadline);
     return RunStep(layer, q, want_output, &advanced);
   }();
   if (!advanced) return r;  // BeginStep refused: the layer did not move
@@ -531,7 +514,8 @@ absl::StatusOr<SessionRecord> TenantSession::Suspend() {
 }
 
 absl::StatusOr<CloseResult> TenantSession::Demote(
-    const std::function<absl::Status(const Image&)>& write, bool force) {
+    PageMover& to, absl::Time deadline, bool force,
+    const std::function<absl::Status(const Demoted&)>& record) {
   MutexLock lock(&mu_);
   KVTIER_RETURN_IF_ERROR(CheckOpen());
   if (!force && !suspended()) {
@@ -550,33 +534,41 @@ absl::StatusOr<CloseResult> TenantSession::Demote(
   }
   const Geometry& g = spec_.geometry;
   const size_t page_bytes = g.host_page_bytes();
-  Image image;
-  image.epoch = epoch_;
-  image.layers.resize(g.num_layers);
-  std::vector<ColdPages::Read> demoted;  // into image.owned, read in one batch below
+  Demoted demoted;
+  demoted.epoch = epoch_;
+  demoted.generations.resize(g.num_layers);
+  // Every page of each layer's committed prefix: read in place from the region, or (pages
+  // the session demoted itself) promoted from its live keys into `owned` first.
+  std::vector<PageMover::Out> out;
+  std::deque<std::string> owned;
+  std::vector<PageMover::In> back;
   for (int32_t layer = 0; layer < g.num_layers; ++layer) {
-    std::vector<ColdPageRef>& refs = image.layers[layer];
     for (int64_t page = 0; page < spec_.max_pages(); ++page) {
       absl::StatusOr<CommittedPage> c = region_.Lookup(layer, page);
+      uint64_t generation = 0;
+      const uint8_t* data = nullptr;
       if (c.ok()) {
-        refs.push_back(ColdPageRef{
-            layer, page, c->generation,
-            std::string_view(static_cast<const char*>(region_.SlotData(c->slot)), page_bytes)});
-        continue;
+        generation = c->generation;
+        data = static_cast<const uint8_t*>(region_.SlotData(c->slot));
+      } else if (!absl::IsNotFound(c.status())) {
+        return c.status();
+      } else {
+        const std::optional<uint64_t> gen =
+            cold_pages_ != nullptr ? cold_pages_->Generation(layer, page) : std::nullopt;
+        if (!gen.has_value()) break;  // the committed prefix ends here
+        generation = *gen;
+        std::string& bytes = owned.emplace_back(page_bytes, '\0');
+        back.push_back({layer, page,
+                        std::span<uint8_t>(reinterpret_cast<uint8_t*>(bytes.data()), page_bytes)});
+        data = reinterpret_cast<const uint8_t*>(bytes.data());
       }
-      if (!absl::IsNotFound(c.status())) return c.status();
-      // Demoted (host_drop = demote): its bytes come back from the cold tier.
-      const std::optional<uint64_t> gen =
-          cold_pages_ != nullptr ? cold_pages_->Generation(layer, page) : std::nullopt;
-      if (!gen.has_value()) break;  // the committed prefix ends here
-      std::string& data = image.owned.emplace_back(page_bytes, '\0');
-      demoted.push_back(
-          {layer, page, -1, std::span<uint8_t>(reinterpret_cast<uint8_t*>(data.data()), page_bytes)});
-      refs.push_back(ColdPageRef{layer, page, *gen, std::string_view(data)});
+      out.push_back({layer, page, generation, std::span<const uint8_t>(data, page_bytes)});
+      demoted.generations[static_cast<size_t>(layer)].push_back(generation);
     }
   }
-  if (!demoted.empty()) KVTIER_RETURN_IF_ERROR(cold_pages_->GetBatch(demoted));
-  KVTIER_RETURN_IF_ERROR(write(image));
+  if (!back.empty()) KVTIER_RETURN_IF_ERROR(cold_pages_->Promote(back, deadline));
+  KVTIER_RETURN_IF_ERROR(to.Demote(out, deadline));
+  KVTIER_RETURN_IF_ERROR(record(demoted));
   demoted_.store(true, std::memory_order_release);
   closing_.store(true, std::memory_order_release);
   return CloseLocked();
@@ -617,9 +609,8 @@ absl::Status TenantSession::MovePages(bool demote, uint64_t epoch,
         what, id_, now, epoch));
   }
   const size_t page_bytes = spec_.geometry.host_page_bytes();
-  std::vector<StoredPage> put;
-  std::vector<std::span<const uint8_t>> bytes;
-  std::vector<ColdPages::Read> reads;
+  std::vector<PageMover::Out> put;
+  std::vector<PageMover::In> get;
   std::set<std::tuple<int32_t, int64_t, int64_t>> named;  // (layer, page, slot)
   for (const PageMove& m : pages) {
     if (m.layer < 0 || m.layer >= spec_.geometry.num_layers || m.page < 0 ||
@@ -638,28 +629,23 @@ absl::Status TenantSession::MovePages(bool demote, uint64_t epoch,
             "generation %d",
             id_, m.layer, m.page, m.slot, m.generation));
       }
-      put.push_back(StoredPage{m.layer, m.page, m.slot, m.generation});
-      bytes.emplace_back(slot, page_bytes);
+      put.push_back({m.layer, m.page, m.generation, std::span<const uint8_t>(slot, page_bytes)});
     } else {
-      reads.push_back({m.layer, m.page, m.slot, std::span<uint8_t>(slot, page_bytes)});
+      get.push_back({m.layer, m.page, std::span<uint8_t>(slot, page_bytes)});
     }
   }
-  if (demote) return cold_pages_->PutBatchUntil(put, bytes, caller.deadline);
-  // Into buffers of our own first: the slots are written only while the call is live (the
-  // copies take far less than the deadline's margin).
-  KVTIER_ASSIGN_OR_RETURN(std::vector<std::string> got,
-                          cold_pages_->ReadPages(reads, caller.deadline));
-  KVTIER_RETURN_IF_ERROR(caller.CheckLive(what));
-  for (size_t i = 0; i < reads.size(); ++i) {
-    std::memcpy(reads[i].out.data(), got[i].data(), reads[i].out.size());
-  }
-  return absl::OkStatus();
+  if (demote) return cold_pages_->Demote(put, caller.deadline);
+  // The mover reads into buffers of its own first and writes the slots only while the call is
+  // live (the copies take far less than the deadline's margin).
+  return cold_pages_->Promote(get, caller.deadline, [&] { return caller.CheckLive(what); });
 }
 
 uint64_t TenantSession::DemotedPageCount() const {
   if (cold_pages_ == nullptr) return 0;
   uint64_t n = 0;
-  for (const auto& [layer, page] : cold_pages_->Held()) n += !region_.Lookup(layer, page).ok();
+  for (const PageMover::Held& h : cold_pages_->HeldPages()) {
+    n += !region_.Lookup(h.layer, h.page).ok();
+  }
   return n;
 }
 

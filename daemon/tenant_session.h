@@ -15,7 +15,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <deque>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -31,7 +30,7 @@
 #include "daemon/caller.h"
 #include "daemon/cold_store.h"
 #include "daemon/cold_tier.h"
-#include "daemon/session_cold_pages.h"
+#include "daemon/page_mover.h"
 #include "daemon/tenant.h"
 #include "kernels/backend.h"
 #include "kvtier/geometry.h"
@@ -134,35 +133,39 @@ class TenantSession {
   // validated; lease holds the ComputeRegionLayout of spec.
   // `demote_to`: the tenant's cold store, for a GRPC session whose host tier holds fewer pages
   // than the session (SessionSpec::demotes_pages; null otherwise): its Retriever demotes
-  // pages there (daemon/session_cold_pages.h), each operation within `cold_timeout` and,
+  // pages there through a PageMover (daemon/page_mover.h), each batch within `cold_timeout` and,
   // during Apply and Step, by their caller's deadline.
   static absl::StatusOr<std::shared_ptr<TenantSession>> Create(
       std::string id, SessionSpec spec, RegionLease lease, Backend* backend, MemoryBudget* budget,
       ColdStore* demote_to = nullptr, absl::Duration cold_timeout = absl::Seconds(10));
-  // A session brought back from the cold tier (SessionManager's promotion): formats `lease`
-  // like Create, then `load(layer)` gives each layer's committed prefix (pages 0..n-1 in
-  // order, each with its commit generation), which is copied into the region's slots and
-  // committed with those generations; the region's epoch moves past `epoch` and, for GRPC,
-  // the Retriever is rebuilt from the pages (Retriever::Restore). `load`'s errors, returned
-  // as they are (the lease is then freed); INVALID_ARGUMENT for a page of the wrong size,
-  // OUT_OF_RANGE for more pages than a layer holds.
-  using LoadLayer = std::function<absl::StatusOr<std::vector<ColdPage>>(int32_t layer)>;
-  // A GRPC session that demotes pages (SessionSpec::demotes_pages) is rebuilt by appending
-  // its pages, layer by layer, to a fresh Retriever whose host tier demotes to `demote_to`
-  // as it fills (each operation within `cold_timeout`); an SHM one gets an empty region and
-  // all its pages under its demoted keys in `demote_to`, for its engine's Reattach.
+  // Where a session that existed before comes back from.
+  struct Resume {
+    int64_t created_unix_ms = 0;
+    uint64_t epoch = 0;  // the last epoch given out: the session moves past it
+    bool suspended = false;
+  };
+  // A session that existed before, its pages where `from` says (one way for both):
+  //  - null: its region survived in a persistent arena (tenant.arena_path), taken up after a
+  //    daemon restart: `lease` is opened (SessionRegion::Open's checks; its shape must be the
+  //    spec's: FAILED_PRECONDITION otherwise) and its committed pages are the session's;
+  //  - a cold session's mover (daemon/page_mover.h), holding the pages its record names
+  //    (each layer's committed prefix): `lease` is formatted like Create and each layer's
+  //    pages are promoted back in one batch, by the mover's deadline (its CallScope), into
+  //    the region's slots, committed with their generations. A session that demotes pages
+  //    (SessionSpec::demotes_pages) takes them instead into its host tier as it takes new
+  //    pages: a GRPC one appends them, layer by layer, to a fresh Retriever whose host tier
+  //    demotes to `demote_to` as it fills; an SHM one demotes them under its live keys in
+  //    `demote_to` and keeps an empty region, for its engine's Reattach.
+  // Then the region's epoch moves past `resume.epoch` (and the header's, fencing a holder that
+  // outlived the old daemon) and a GRPC session's Retriever is rebuilt from the committed
+  // pages (Retriever::Restore). The mover's errors as they are (DATA_LOSS naming a page with
+  // no intact copy; the lease is then freed); OUT_OF_RANGE for more pages than a layer holds,
+  // DATA_LOSS for a layer whose pages are not a prefix; FAILED_PRECONDITION for a session that
+  // demotes pages with no `demote_to`, or from a region.
   static absl::StatusOr<std::shared_ptr<TenantSession>> Restore(
       std::string id, SessionSpec spec, RegionLease lease, Backend* backend, MemoryBudget* budget,
-      int64_t created_unix_ms, uint64_t epoch, bool suspended, const LoadLayer& load,
-      ColdStore* demote_to = nullptr, absl::Duration cold_timeout = absl::Seconds(10));
-  // A session whose region survived in a persistent arena (tenant.arena_path), taken up
-  // after a daemon restart: opens the region (SessionRegion::Open's checks, and its shape
-  // must be the spec's: FAILED_PRECONDITION otherwise), moves its epoch past `epoch` (and
-  // past the header's, fencing a holder that outlived the old daemon) and, for GRPC, rebuilds
-  // the Retriever from the committed prefix.
-  static absl::StatusOr<std::shared_ptr<TenantSession>> Adopt(
-      std::string id, SessionSpec spec, RegionLease lease, Backend* backend, MemoryBudget* budget,
-      int64_t created_unix_ms, uint64_t epoch, bool suspended);
+      const Resume& resume, PageMover* from, ColdStore* demote_to = nullptr,
+      absl::Duration cold_timeout = absl::Seconds(10));
   TenantSession(const TenantSession&) = delete;
   TenantSession& operator=(const TenantSession&) = delete;
   ~TenantSession();
@@ -241,23 +244,23 @@ class TenantSession {
   // FAILED_PRECONDITION until the next Reattach. Idempotent.
   absl::StatusOr<SessionRecord> Suspend() ABSL_LOCKS_EXCLUDED(mu_);
 
-  // What Demote hands its writer: the committed prefix of every layer, read in place.
-  struct Image {
-    uint64_t epoch = 0;                             // the last epoch given out
-    // [num_layers]; data points into the region, or into `owned` (pages the session had
-    // demoted, read back from the cold tier).
-    std::vector<std::vector<ColdPageRef>> layers;
-    std::deque<std::string> owned;
+  // What a whole-session demotion hands its record.
+  struct Demoted {
+    uint64_t epoch = 0;  // the last epoch given out
+    // [num_layers]: the generations of each layer's committed prefix, pages 0..n-1.
+    std::vector<std::vector<uint64_t>> generations;
   };
   // Moves the session out of the host tier: with the session held (no call runs on it),
-  // `write` gets the image of its committed pages and stores them elsewhere; when it
-  // succeeds the session is closed as demoted (Close's work; the region returns to the tenant
-  // when the last reference goes), else it stays as it was and `write`'s error comes back.
-  // FAILED_PRECONDITION unless the session is suspended (or `force`: shutdown); NOT_FOUND
-  // when closed. A session that demotes pages hands over every full page, from the region or
-  // the cold tier.
-  absl::StatusOr<CloseResult> Demote(const std::function<absl::Status(const Image&)>& write,
-                                     bool force) ABSL_LOCKS_EXCLUDED(mu_);
+  // every page of each layer's committed prefix is demoted through `to` in one batch by
+  // `deadline` (pages the session had demoted itself are promoted from its live keys
+  // first), then `record` gets what was demoted. When both succeed the session is closed as
+  // demoted (Close's work; the region returns to the tenant when the last reference goes):
+  // its host tier holds no pages. Else it stays as it was and the error comes back (what
+  // `to` stored is `to`'s to remove). FAILED_PRECONDITION unless the session is suspended (or
+  // `force`: shutdown); NOT_FOUND when closed.
+  absl::StatusOr<CloseResult> Demote(PageMover& to, absl::Time deadline, bool force,
+                                     const std::function<absl::Status(const Demoted&)>& record)
+      ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<SessionStatsRecord> Stats() ABSL_LOCKS_EXCLUDED(mu_);
   // The region's telemetry block as its writer last published it (nullopt when it does
   // not read back: overwritten by the engine). Does not wait for a call in progress.
@@ -275,22 +278,10 @@ class TenantSession {
  private:
   TenantSession(std::string id, SessionSpec spec, RegionLease lease, SessionRegion region,
                 std::unique_ptr<Backend> backend, int64_t created_unix_ms);
-  // Restore of a session that demotes pages: a fresh Retriever fed the pages (Restore).
-  static absl::StatusOr<std::shared_ptr<TenantSession>> RebuildDemoting(
-      std::string id, SessionSpec spec, RegionLease lease, SessionRegion region, Backend* backend,
-      MemoryBudget* budget, int64_t created_unix_ms, uint64_t epoch, bool suspended,
-      const LoadLayer& load, ColdStore* demote_to, absl::Duration cold_timeout);
-  // Restore of an SHM session that demotes pages: an empty region, every page under the
-  // session's demoted keys, for the engine's Reattach to rebuild its sequence from.
-  static absl::StatusOr<std::shared_ptr<TenantSession>> RestoreDemotedShm(
-      std::string id, SessionSpec spec, RegionLease lease, SessionRegion region, Backend* backend,
-      MemoryBudget* budget, int64_t created_unix_ms, uint64_t epoch, bool suspended,
-      const LoadLayer& load, ColdStore* demote_to, absl::Duration cold_timeout);
-  // Restore's and Adopt's end: the session over `region` whose pages are committed, its
-  // epoch moved past `epoch`, the Retriever of a GRPC session rebuilt from them.
-  static absl::StatusOr<std::shared_ptr<TenantSession>> FromCommitted(
-      std::string id, SessionSpec spec, RegionLease lease, SessionRegion region, Backend* backend,
-      MemoryBudget* budget, int64_t created_unix_ms, uint64_t epoch, bool suspended);
+  // Restore's second half, for a session that demotes pages: each layer's pages, promoted
+  // through `from`, taken into the session's host tier as new pages are (REQUIRES: mu_ held,
+  // the live mover set; GRPC: the fresh Retriever open).
+  absl::Status TakeDemotingPages(PageMover& from) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckOpen() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // CheckOpen, and FAILED_PRECONDITION while suspended (`what` names the call).
   absl::Status CheckWritable(std::string_view what) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -328,9 +319,10 @@ class TenantSession {
   mutable Mutex mu_;  // serializes the calls that drive the session
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 1;              // the last epoch Reattach gave out
-  // host_drop = demote: the pages the Retriever demoted (set by Create, then only used: it is
-  // thread-safe). Declared before the Retriever, so it is destroyed after it.
-  std::unique_ptr<SessionColdPages> cold_pages_;
+  // host_drop = demote: the mover of the pages the Retriever (or the engine) demoted, under
+  // the session's live keys (set by the factories, then only used: it is thread-safe).
+  // Declared before the Retriever, so it is destroyed after it.
+  std::unique_ptr<PageMover> cold_pages_;
   // GRPC only: over the region's slots (offload/region_host_tier.h).
   std::unique_ptr<Retriever> retriever_ ABSL_GUARDED_BY(mu_);
   std::vector<LayerSteps> steps_ ABSL_GUARDED_BY(mu_);

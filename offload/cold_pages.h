@@ -1,10 +1,11 @@
-// ColdPages: the cold tier behind a sequence's host tier, page by page (host_drop = demote;
+// ColdPages: the cold tier behind a sequence's host tier, batched (host_drop = demote;
 // docs/architecture.md#policies, docs/service.md#the-cold-tier). When the host tier is full,
-// the Retriever demotes its lowest-scoring pages: their bytes go to Put, their host slots are
-// freed, and their key summaries stay on the backend, so selection still sees them. A
+// the Retriever demotes its lowest-scoring pages: their bytes go to PutBatch, their host slots
+// are freed, and their key summaries stay on the backend, so selection still sees them. A
 // selection that names a demoted page recalls it through the host tier: the Retriever reads
 // the recall plan on the host (the DMA strategies), takes a host slot (demoting another page
-// when it must), Gets the bytes into it, and then issues the plan's copies.
+// when it must), reads the bytes into it (GetBatch, every such page of the plan at once), and
+// then issues the plan's copies.
 //
 // A full page never changes, so a page's cold copy stays valid after it was promoted: a page
 // demoted a second time is not written again. The implementation removes what it holds when
@@ -36,39 +37,28 @@ inline int64_t DemoteFloorPages(const Geometry& g, const SequenceOptions& o) {
 class ColdPages {
  public:
   virtual ~ColdPages() = default;
-  // Stores the HND bytes of host page `page` (its layer, logical page and generation; the
-  // slot is the one it leaves) so that Get returns them. OK means the copy is durable by
-  // the implementation's standard: only then is the host slot freed. Errors leave the page
-  // in the host tier.
-  virtual absl::Status Put(const StoredPage& page, std::span<const uint8_t> bytes) = 0;
-  // Reads (layer, page) into `out` (host_page_bytes), which is host slot `slot` of the
-  // pool: NOT_FOUND when it was never Put, DATA_LOSS when no intact copy is left,
-  // UNAVAILABLE / DEADLINE_EXCEEDED when the tier cannot be reached in time.
-  virtual absl::Status Get(int32_t layer, int64_t page, int64_t slot, std::span<uint8_t> out) = 0;
-
-  // Several pages at once, in as few round trips as the tier can (`bytes[i]` is page i's).
-  // On error some may be stored, none may be relied on. The default calls Put for each.
+  // Pages move between the tiers in batches only (one mover, batched put and get:
+  // docs/architecture.md#processes).
+  //
+  // Stores the HND bytes of each host page (its layer, logical page and generation; the slot
+  // is the one it leaves; `bytes[i]` is page i's) so that GetBatch returns them, in as few
+  // round trips as the tier can. OK means every copy is durable by the implementation's
+  // standard: only then are the host slots freed. Errors leave every page in the host tier:
+  // some may be stored, none may be relied on.
   virtual absl::Status PutBatch(std::span<const StoredPage> pages,
-                                std::span<const std::span<const uint8_t>> bytes) {
-    for (size_t i = 0; i < pages.size(); ++i) {
-      if (absl::Status st = Put(pages[i], bytes[i]); !st.ok()) return st;
-    }
-    return absl::OkStatus();
-  }
-  // A page to read: (layer, page) into `out`, host slot `slot`.
+                                std::span<const std::span<const uint8_t>> bytes) = 0;
+  // A page to read: (layer, page) into `out` (host_page_bytes), which is host slot `slot` of
+  // the pool.
   struct Read {
     int32_t layer = 0;
     int64_t page = 0;
     int64_t slot = -1;
     std::span<uint8_t> out;
   };
-  // Several pages at once; the first error (each of Get's). The default calls Get for each.
-  virtual absl::Status GetBatch(std::span<const Read> reads) {
-    for (const Read& r : reads) {
-      if (absl::Status st = Get(r.layer, r.page, r.slot, r.out); !st.ok()) return st;
-    }
-    return absl::OkStatus();
-  }
+  // Reads every page of `reads` into its `out`. The first error: NOT_FOUND for a page never
+  // put, DATA_LOSS when no intact copy is left, UNAVAILABLE / DEADLINE_EXCEEDED when the tier
+  // cannot be reached in time.
+  virtual absl::Status GetBatch(std::span<const Read> reads) = 0;
 };
 
 }  // namespace kvtier

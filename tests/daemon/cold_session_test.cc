@@ -31,6 +31,7 @@
 #include "daemon/cold_tier.h"
 #include "daemon/redis_cluster.h"
 #include "daemon/work_queue.h"
+#include "kvtier/v1/cold_record.pb.h"
 #include "offload/session_region.h"
 #include "spdlog/sinks/ostream_sink.h"
 #include "spdlog/spdlog.h"
@@ -554,6 +555,71 @@ TEST_F(ColdSessionTest, ARestartedDaemonFindsItsSessionsAndReattachBringsThemBac
   ASSERT_NE(manager_, nullptr);
   EXPECT_TRUE(manager_->ListSessions(Caller{"a"}).empty());
   EXPECT_TRUE(manager_->ListSessions(Caller{"b"}).empty());
+}
+
+// The cold tier's format is the one earlier daemons wrote and read
+// (docs/service.md#the-cold-tier): after a shutdown, the session's record is a version 1
+// ColdSessionRecord at "<prefix>:<tenant>:{<session>}:meta", listed in the tenant's index,
+// and each layer's committed prefix is under "<prefix>:<tenant>:{<session>:<layer>}:<page>"
+// with the generations the record names, read here with ColdTier alone; a new daemon
+// promotes it byte-exact, and its promotion removes every one of those keys.
+TEST_F(ColdSessionTest, AColdSessionIsStoredInThePreviousFormatAndPromotedFromIt) {
+  DaemonConfig config = ColdConfig();
+  manager_ = Make(config);
+  ASSERT_NE(manager_, nullptr);
+  std::vector<Rows> rows;
+  const std::string id = OpenFilled(GrpcParams("a"), 23, &rows);
+  EXPECT_EQ(manager_->PersistAllSessions(absl::Now() + absl::Seconds(20)), 1u);
+  EXPECT_EQ(manager_->CloseAllSessions(), 0u);
+  manager_.reset();
+
+  const Geometry g = SmallGeometry();
+  RedisClusterOptions o;
+  o.seeds = cluster_->seeds();
+  absl::StatusOr<std::unique_ptr<RedisCluster>> rc = RedisCluster::Connect(o);
+  ASSERT_TRUE(rc.ok()) << rc.status();
+  std::unique_ptr<ColdTier> tier = ColdTier::Create(rc->get(), prefix_).value();
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  const std::string meta = absl::StrCat(prefix_, ":a:{", id, "}:meta");
+  absl::StatusOr<RedisReply> value = (*rc)->Run({"GET", meta}, deadline);
+  ASSERT_TRUE(value.ok()) << value.status();
+  v1::ColdSessionRecord record;
+  ASSERT_TRUE(record.ParseFromString(value->str));
+  EXPECT_EQ(record.version(), 1u);
+  EXPECT_EQ(record.session_id(), id);
+  EXPECT_EQ(record.page_bytes(), g.host_page_bytes());
+  absl::StatusOr<RedisReply> listed =
+      (*rc)->Run({"SISMEMBER", absl::StrCat(prefix_, ":a:sessions"), id}, deadline);
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  EXPECT_EQ(listed->integer, 1);
+  ASSERT_EQ(record.layers_size(), g.num_layers);
+  std::vector<int64_t> all(static_cast<size_t>(kTokens / g.page_size));
+  for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<int64_t>(i);
+  for (int32_t l = 0; l < g.num_layers; ++l) {
+    const v1::ColdLayer& cl = record.layers(l);
+    ASSERT_EQ(static_cast<size_t>(cl.generations_size()), all.size()) << "layer " << l;
+    const std::vector<uint64_t> gens(cl.generations().begin(), cl.generations().end());
+    std::vector<absl::StatusOr<ColdPage>> got = tier->Get("a", id, l, all, gens, deadline);
+    ASSERT_EQ(got.size(), all.size());
+    for (size_t p = 0; p < got.size(); ++p) {
+      ASSERT_TRUE(got[p].ok()) << "layer " << l << " page " << p << ": " << got[p].status();
+      EXPECT_EQ(got[p]->data, ExpectedPage(g, rows[l], static_cast<int64_t>(p)))
+          << "layer " << l << " page " << p;
+    }
+  }
+
+  manager_ = Make(config);
+  ASSERT_NE(manager_, nullptr);
+  ASSERT_TRUE(manager_->Reattach(Caller{"a"}, id).ok());
+  ExpectPages("a", id, rows);
+  for (int32_t l = 0; l < g.num_layers; ++l) {
+    for (const auto& got : tier->Get("a", id, l, all, {}, deadline)) {
+      EXPECT_TRUE(absl::IsNotFound(got.status())) << got.status();
+    }
+  }
+  absl::StatusOr<RedisReply> gone = (*rc)->Run({"EXISTS", meta}, deadline);
+  ASSERT_TRUE(gone.ok()) << gone.status();
+  EXPECT_EQ(gone->integer, 0);
 }
 
 // Shutdown with one master paused (SIGSTOP): sessions are persisted independently, so every

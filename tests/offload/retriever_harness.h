@@ -254,19 +254,24 @@ inline std::vector<float> AttentionOverTable(const Geometry& g, const HostModel&
 // A cold tier in memory, with injectable faults.
 class MemoryColdPages final : public ColdPages {
  public:
-  absl::Status Put(const StoredPage& page, std::span<const uint8_t> bytes) override {
+  absl::Status PutBatch(std::span<const StoredPage> batch,
+                        std::span<const std::span<const uint8_t>> bytes) override {
     if (!put_error.ok()) return put_error;
-    pages[{page.layer, page.page}].assign(bytes.begin(), bytes.end());
-    ++puts;
+    for (size_t i = 0; i < batch.size(); ++i) {
+      pages[{batch[i].layer, batch[i].page}].assign(bytes[i].begin(), bytes[i].end());
+      ++puts;
+    }
     return absl::OkStatus();
   }
-  absl::Status Get(int32_t layer, int64_t page, int64_t /*slot*/, std::span<uint8_t> out) override {
+  absl::Status GetBatch(std::span<const Read> reads) override {
     if (!get_error.ok()) return get_error;
-    auto it = pages.find({layer, page});
-    if (it == pages.end()) return absl::NotFoundError("never demoted");
-    if (it->second.size() != out.size()) return absl::InternalError("size");
-    std::memcpy(out.data(), it->second.data(), out.size());
-    ++gets;
+    for (const Read& r : reads) {
+      auto it = pages.find({r.layer, r.page});
+      if (it == pages.end()) return absl::NotFoundError("never demoted");
+      if (it->second.size() != r.out.size()) return absl::InternalError("size");
+      std::memcpy(r.out.data(), it->second.data(), r.out.size());
+      ++gets;
+    }
     return absl::OkStatus();
   }
   std::map<std::pair<int32_t, int64_t>, std::vector<uint8_t>> pages;
