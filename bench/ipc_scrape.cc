@@ -21,7 +21,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "bench/replay_session.h"
+#include "bench/decode_sessions.h"
 #include "core/mutex.h"
 #include "core/status.h"
 #include "daemon/http.h"

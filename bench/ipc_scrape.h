@@ -3,8 +3,8 @@
 //
 // It runs against the daemon `kvtier-bench ipc` started (bench/kvtierd_child.h), which serves
 // metrics on an ephemeral loopback TCP port (its address learnt from Hello). This process is
-// the engine: the replay (bench/replay_bench.h) runs with speculative mode only, its sequence
-// an SHM session of that daemon (bench/replay_session.h), so its Retriever publishes telemetry
+// the engine: the replay (bench/decode_replay.h) runs with speculative mode only, its sequence
+// an SHM session of that daemon (bench/decode_sessions.h), so its Retriever publishes telemetry
 // into the daemon-owned region after every layer-step exactly as an engine's does, and the
 // daemon reads that block on every scrape. The replay runs `warmup` untimed times, then
 // 2 × `repeats` times in ABBA order (off on on off off on ...) so that a linear drift cancels:
@@ -33,7 +33,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "bench/replay_bench.h"
+#include "bench/decode_replay.h"
 #include "bench/report.h"
 #include "bench/trace.h"
 

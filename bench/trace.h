@@ -1,7 +1,7 @@
-// Decode traces: the input of the trace-driven evaluator (`kvtier-bench replay`). A trace is
-// one sequence's prefill followed by decode steps, per layer: the prefill's K and V, and for
-// every step the query and the new token's K and V. The query of step t attends over the
-// prefill and the tokens of steps 0..t (its own included).
+// Decode traces: the input of the trace-driven evaluator (`kvtier-bench decode`'s replay
+// workload). A trace is one sequence's prefill followed by decode steps, per layer: the
+// prefill's K and V, and for every step the query and the new token's K and V. The query of
+// step t attends over the prefill and the tokens of steps 0..t (its own included).
 //
 // Traces are large (Llama-3.1-8B at 32K tokens: 4 GiB of prefill), so a TraceSource is
 // lazy: it produces one layer's prefill or one (step, layer) record on request, and never

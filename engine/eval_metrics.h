@@ -1,4 +1,4 @@
-// What `kvtier-run eval` and `kvtier-bench replay` measure of one decode step: the exact
+// What `kvtier-run eval` and `kvtier-bench decode` (replay) measure of one decode step: the exact
 // attention of a query head over every token (the oracle), how much of the oracle's
 // top-budget mass a working set holds (over tokens and over pages), and how far one
 // next-token distribution is from another. docs/eval.md defines each metric.

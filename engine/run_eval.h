@@ -2,7 +2,7 @@
 //   eval   quality of every mode and policy against full KV on held-out text (eval.h):
 //          a table on stderr, JSON and PNG plots;
 //   trace  a real decode trace of the model in the documented trace format
-//          (docs/trace-format.md), for kvtier-bench replay and outside tools.
+//          (docs/trace-format.md), for kvtier-bench decode and outside tools.
 #ifndef KVTIER_ENGINE_RUN_EVAL_H_
 #define KVTIER_ENGINE_RUN_EVAL_H_
 

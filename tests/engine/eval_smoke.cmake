@@ -151,11 +151,14 @@ if(NOT rc EQUAL 2 OR NOT err MATCHES "--dtype")
 endif()
 if(BENCH)
   execute_process(
-    COMMAND "${BENCH}" replay --trace "${WORK}/t.kvtrace" --budget 32 --profile-steps 2 --json
+    COMMAND "${BENCH}" decode --workloads replay --trace "${WORK}/t.kvtrace" --budget 32
+      --profile-steps 2 --json
     RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
   if(NOT rc EQUAL 0)
-    message(FATAL_ERROR "kvtier-bench replay of the model's trace failed (${rc}):\n${out}\n${err}")
+    message(FATAL_ERROR "kvtier-bench decode's replay of the model's trace failed (${rc}):\n"
+      "${out}\n${err}")
   endif()
+  string(JSON out GET "${out}" replay)
   # Every layer of the trace file replayed; full mode holds everything.
   string(JSON layers GET "${out}" layers)
   string(JSON full_recall GET "${out}" modes full attn_mass_recall_tokens)

@@ -1,5 +1,5 @@
-// `kvtier-bench step`: the per-layer decode step time of the Retriever at long context, side
-// by side in one run and on one backend, per decode batch size:
+// `kvtier-bench decode`'s step workload: the per-layer decode step time of the Retriever at long
+// context, side by side in one run and on one backend, per decode batch size:
 //
 //   dense        DenseAttention over the full KV, resident on the backend (the full-KV
 //                baseline): one batched launch per layer;
@@ -23,14 +23,13 @@
 // q_t = |q|·normalize(q̂_{t−1} + noise) with cos(q_t, q_{t−1}) ≈ step_cosine per query head,
 // and now and then (jump_probability per step, layer, sequence and KV head) a KV head's
 // query group jumps to fresh directions, so speculative correction happens sometimes.
-#ifndef KVTIER_BENCH_STEP_BENCH_H_
-#define KVTIER_BENCH_STEP_BENCH_H_
+#ifndef KVTIER_BENCH_DECODE_STEP_H_
+#define KVTIER_BENCH_DECODE_STEP_H_
 
 #include <cstdint>
 #include <ostream>
 #include <vector>
 
-#include "CLI/CLI.hpp"
 #include "absl/status/statusor.h"
 #include "bench/report.h"
 #include "kernels/registry.h"
@@ -69,10 +68,6 @@ struct StepBenchOptions {
 // RESOURCE_EXHAUSTED when the run would need more host memory than is available.
 absl::StatusOr<JsonObject> RunStepBench(const StepBenchOptions& o, std::ostream& log);
 
-// Registers the `step` subcommand on `app`. When it is the one given on the command line,
-// its callback runs the benchmark during parsing and stores the exit status in *rc.
-CLI::App* AddStepCommand(CLI::App& app, int* rc);
-
 }  // namespace kvtier::bench
 
-#endif  // KVTIER_BENCH_STEP_BENCH_H_
+#endif  // KVTIER_BENCH_DECODE_STEP_H_

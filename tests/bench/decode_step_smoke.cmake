@@ -1,18 +1,24 @@
-# kvtier-bench step end to end at a tiny size on the cpu backend (cmake -P script, so the check
-# needs nothing but CMake): every mode is timed for every batch size, and the JSON has the keys
-# the report promises: per-step medians with p10/p90 next to the means, and the GPU targets
-# null and not judged (no *_target_met for them) on the cpu backend, which the log says.
+# kvtier-bench decode's step workload end to end at a tiny size on the cpu backend (cmake -P
+# script, so the check needs nothing but CMake): every mode is timed for every batch size, and the
+# JSON's step section has the keys the report promises: per-step medians with p10/p90 next to
+# the means, and the GPU targets null and not judged (no *_target_met for them) on the cpu
+# backend, which the log says.
 #   -DBENCH=<kvtier-bench>
 cmake_minimum_required(VERSION 3.19)  # string(JSON)
 execute_process(
-  COMMAND "${BENCH}" step --backend cpu --threads 2 --context 512 --budget 256 --batch 1,2
-    --layers 2 --steps 4 --warmup 1 --q-heads 4 --kv-heads 2 --head-dim 32 --page-size 16
-    --json
+  COMMAND "${BENCH}" decode --workloads step --backend cpu --threads 2 --context 512
+    --budget 256 --batch 1,2 --layers 2 --steps 4 --warmup 1 --q-heads 4 --kv-heads 2
+    --head-dim 32 --page-size 16 --json
   RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
 if(NOT rc EQUAL 0)
-  message(FATAL_ERROR "kvtier-bench step failed (${rc}):\n${err}")
+  message(FATAL_ERROR "kvtier-bench decode --workloads step failed (${rc}):\n${err}")
 endif()
 message("${err}")
+string(JSON workloads GET "${out}" workloads)
+if(NOT workloads STREQUAL "step")
+  message(FATAL_ERROR "workloads = ${workloads}, want step:\n${out}")
+endif()
+string(JSON out GET "${out}" step)
 
 foreach(key device commit recall_strategy)
   string(JSON value ERROR_VARIABLE json_error GET "${out}" ${key})

@@ -1,4 +1,4 @@
-#include "bench/replay_session.h"
+#include "bench/decode_sessions.h"
 
 #include "absl/strings/str_cat.h"
 #include "core/status.h"

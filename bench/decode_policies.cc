@@ -1,4 +1,4 @@
-#include "bench/policy_replay.h"
+#include "bench/decode_policies.h"
 
 #include <algorithm>
 #include <cmath>
@@ -12,9 +12,9 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "core/plot.h"
-#include "bench/replay_bench.h"
+#include "bench/decode_replay.h"
 #include "bench/synthetic_kv.h"
+#include "core/plot.h"
 #include "core/status.h"
 #include "kernels/registry.h"
 #include "offload/host_arena.h"
@@ -78,9 +78,8 @@ struct RunResult {
   double seconds = 0;
 };
 
-// The policy configuration of a run name at a working set of `ro`'s shape.
-absl::StatusOr<RunSpec> MakeSpec(const std::string& name, int32_t budget_tokens,
-                                 const SequenceOptions& ro) {
+// The policy configuration of a run name at a working set of `budget_tokens`.
+absl::StatusOr<RunSpec> MakeSpec(const std::string& name, int32_t budget_tokens) {
   RunSpec s;
   s.policy = name;
   s.budget_tokens = budget_tokens;
@@ -186,7 +185,7 @@ absl::Status PolicyReplay::Setup() {
   }
   if (o_.vocab < 2) return absl::InvalidArgumentError("vocab: must be >= 2");
   for (const std::string& p : o_.policies) {
-    KVTIER_RETURN_IF_ERROR(MakeSpec(p, 0, SequenceOptions{}).status());
+    KVTIER_RETURN_IF_ERROR(MakeSpec(p, 0).status());
   }
   if (o_.policies.empty()) return absl::InvalidArgumentError("--policy-list: give at least one");
   const int32_t quantum = 4 * g_.page_size;
@@ -480,7 +479,7 @@ JsonObject PolicyReplay::Report(double wall_seconds) const {
     drift_max = std::max(drift_max, drift_[s]);
   }
   JsonObject j;
-  j.Add("bench", "replay_policies")
+  j.Add("bench", "policies")
       .Add("device", backend_->Describe())
       .Add("host", HostCpu())
       .Add("commit", Commit())
@@ -506,7 +505,7 @@ absl::StatusOr<JsonObject> PolicyReplay::Run() {
   std::vector<std::string> budget_names;
   for (int32_t b : budgets_) budget_names.push_back(absl::StrCat(b));
   log_ << absl::StrFormat(
-      "kvtier-bench replay --policies: %s, commit %s\n"
+      "kvtier-bench decode: policies: %s, commit %s\n"
       "  geometry %s (%d layers replayed), prompt %d + %d tokens (the last %d observed), %d "
       "measured steps\n"
       "  budgets %s tokens; drop mode unless named; memory = resident K+V (working set)\n"
@@ -534,9 +533,9 @@ absl::StatusOr<JsonObject> PolicyReplay::Run() {
   results_.push_back(std::move(ref));
   for (const std::string& p : o_.policies) {
     for (int32_t b : budgets_) {
-      SequenceOptions ro;
+      SequenceOptions ro;  // refuses a budget the working set's split cannot express
       KVTIER_RETURN_IF_ERROR(ro.SetBudgetTokens(b, g_.page_size));
-      KVTIER_ASSIGN_OR_RETURN(RunSpec spec, MakeSpec(p, b, ro));
+      KVTIER_ASSIGN_OR_RETURN(RunSpec spec, MakeSpec(p, b));
       absl::StatusOr<RunResult> r = RunOne(spec);
       if (!r.ok()) {
         return absl::Status(r.status().code(), absl::StrFormat("%s at %d tokens: %s", p, b,
@@ -558,9 +557,8 @@ absl::StatusOr<JsonObject> PolicyReplay::Run() {
 }  // namespace
 
 const std::vector<std::string>& PolicyReplayNames() {
-  static const auto* names =
-      new std::vector<std::string>{"window", "h2o",         "conf-kv",       "epikv", "epikv-kv",
-                                   "xkv",    "kv-compress", kSpeculativeConf};
+  static const auto* names = new std::vector<std::string>{
+      "window", "h2o", "conf-kv", "epikv", "epikv-kv", "xkv", "kv-compress", kSpeculativeConf};
   return *names;
 }
 

@@ -1,5 +1,6 @@
-# kvtier-bench replay --policies end to end at a tiny size (cmake -P script, so the check needs
-# nothing but CMake): every policy × budget run is in the JSON with a finite rel_error, full
+# kvtier-bench decode's policies workload end to end at a tiny size (cmake -P script, so the
+# check needs nothing but CMake): every policy × budget run is in the JSON's policies section with
+# a finite rel_error, full
 # mode's error is 0, the sliding window holds less memory than full KV, and --plot wrote a PNG.
 #   -DBENCH=<kvtier-bench> -DWORK_DIR=<scratch directory>
 cmake_minimum_required(VERSION 3.19)  # string(JSON), IN_LIST
@@ -9,14 +10,15 @@ set(png "${WORK_DIR}/sweep.png")
 set(budgets 128 256 512)
 set(policies window h2o conf-kv epikv epikv-kv xkv kv-compress speculative+conf)
 execute_process(
-  COMMAND "${BENCH}" replay --policies --context 1024 --steps 12 --model-layers 2 --layers 2
-    --q-heads 4 --kv-heads 2 --head-dim 32 --page-size 16 --budgets 128,256,512 --threads 2
+  COMMAND "${BENCH}" decode --workloads policies --context 1024 --steps 12 --model-layers 2
+    --layers 2 --q-heads 4 --kv-heads 2 --head-dim 32 --page-size 16 --budgets 128,256,512 --threads 2
     --json --plot "${png}"
   RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
 if(NOT rc EQUAL 0)
-  message(FATAL_ERROR "kvtier-bench replay --policies failed (${rc}):\n${err}")
+  message(FATAL_ERROR "kvtier-bench decode --workloads policies failed (${rc}):\n${err}")
 endif()
 message("${err}")
+string(JSON out GET "${out}" policies)
 
 string(JSON runs_type ERROR_VARIABLE json_error TYPE "${out}" runs)
 if(json_error OR NOT runs_type STREQUAL "ARRAY")

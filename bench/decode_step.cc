@@ -1,12 +1,10 @@
-#include "bench/step_bench.h"
+#include "bench/decode_step.h"
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
-#include <fstream>
 #include <functional>
-#include <iostream>
 #include <map>
 #include <memory>
 #include <random>
@@ -507,7 +505,7 @@ JsonObject StepBench::Report(const std::vector<BatchResult>& results, std::ostre
   const std::string gpu_only =
       absl::StrFormat("a GPU target, n/a on the %s backend", DeviceKindName(be_->kind()));
   log << absl::StrFormat(
-      "kvtier-bench step  device=%s  commit=%s\n"
+      "kvtier-bench decode: step  device=%s  commit=%s\n"
       "  shape %s, context %d, budget %d tokens (%d sink + %d selected + %d recent pages),\n"
       "  %d layers per decode step, %d timed steps after %d warm-up, recall %s (asked %s),\n"
       "  queries: step cosine %.3f, jump probability %.3f; tau %.2f\n"
@@ -755,100 +753,11 @@ absl::StatusOr<JsonObject> StepBench::Run(std::ostream& log) {
   return Report(results, log);
 }
 
-// The flags of the subcommand, alive as long as the CLI::App (the callback owns them).
-struct StepFlags {
-  StepBenchOptions o;
-  std::string batches = "1,8", backend = "auto", dtype = "fp16", recall = "auto", out;
-  bool json = false, no_sync = false, graphs = false;
-};
-
-int RunStepCommand(StepFlags& f) {
-  StepBenchOptions o = f.o;
-  o.batches.clear();
-  for (absl::string_view b : absl::StrSplit(f.batches, ',', absl::SkipEmpty())) {
-    int32_t v = 0;
-    if (!absl::SimpleAtoi(b, &v)) {
-      std::cerr << "kvtier-bench step: --batch: '" << b << "' is not an integer\n";
-      return 2;
-    }
-    o.batches.push_back(v);
-  }
-  if (!ParseDType(f.dtype, &o.geometry.dtype)) {
-    std::cerr << "kvtier-bench step: --dtype must be fp16, bf16 or fp32\n";
-    return 2;
-  }
-  if (!ParseDeviceKind(f.backend, &o.backend)) {
-    std::cerr << "kvtier-bench step: --backend must be cpu, cuda or auto\n";
-    return 2;
-  }
-  if (!ParseRecallStrategy(f.recall, &o.recall)) {
-    std::cerr << "kvtier-bench step: --recall must be auto, batched_dma or zero_copy\n";
-    return 2;
-  }
-  o.sync = !f.no_sync;
-  o.graphs = f.graphs;
-  auto report = RunStepBench(o, f.json ? std::cerr : std::cout);
-  if (!report.ok()) {
-    std::cerr << "kvtier-bench step: " << report.status() << "\n";
-    return 1;
-  }
-  if (f.json) std::cout << report->ToString() << "\n";
-  if (!f.out.empty()) std::ofstream(f.out) << report->ToString() << "\n";
-  return 0;
-}
-
 }  // namespace
 
 absl::StatusOr<JsonObject> RunStepBench(const StepBenchOptions& o, std::ostream& log) {
   StepBench bench(o);
   return bench.Run(log);
-}
-
-CLI::App* AddStepCommand(CLI::App& app, int* rc) {
-  auto flags = std::make_shared<StepFlags>();
-  StepFlags& f = *flags;
-  auto* cmd = app.add_subcommand(
-      "step",
-      "per-layer decode step time at long context: dense (full KV), resident working "
-      "set (no recall), speculative and sync Retrievers, per batch size");
-  cmd->add_option("--backend", f.backend, "cpu, cuda or auto")->capture_default_str();
-  cmd->add_option("--context", f.o.context, "prefill tokens per sequence and layer")
-      ->capture_default_str();
-  cmd->add_option("--budget", f.o.budget_tokens,
-                  "working-set budget in tokens (a multiple of "
-                  "4 x page size)")
-      ->capture_default_str();
-  cmd->add_option("--batch", f.batches, "comma-separated decode batch sizes")
-      ->capture_default_str();
-  cmd->add_option("--layers", f.o.geometry.num_layers, "layers per decode step")
-      ->capture_default_str();
-  cmd->add_option("--steps", f.o.steps, "timed decode steps")->capture_default_str();
-  cmd->add_option("--warmup", f.o.warmup, "untimed decode steps before them")
-      ->capture_default_str();
-  cmd->add_option("--q-heads", f.o.geometry.num_q_heads)->capture_default_str();
-  cmd->add_option("--kv-heads", f.o.geometry.num_kv_heads)->capture_default_str();
-  cmd->add_option("--head-dim", f.o.geometry.head_dim)->capture_default_str();
-  cmd->add_option("--page-size", f.o.geometry.page_size)->capture_default_str();
-  cmd->add_option("--dtype", f.dtype, "fp16, bf16 or fp32")->capture_default_str();
-  cmd->add_option("--step-cosine", f.o.step_cosine, "queries: cos(q_t, q_t-1) per query head")
-      ->capture_default_str();
-  cmd->add_option("--jump-probability", f.o.jump_probability,
-                  "queries: jumps per step, layer, sequence and KV head")
-      ->capture_default_str();
-  cmd->add_option("--tau", f.o.tau, "speculative correction threshold")->capture_default_str();
-  cmd->add_option("--recall", f.recall,
-                  "recall strategy: auto, batched_dma or zero_copy")
-      ->capture_default_str();
-  cmd->add_flag("--no-sync", f.no_sync, "skip sync mode");
-  cmd->add_flag("--graphs", f.graphs,
-                "capture speculative layer-steps as graphs (SequenceOptions::capture_graphs; "
-                "zero-copy recall only)");
-  cmd->add_option("--threads", f.o.threads, "cpu backend threads (0 = all)")->capture_default_str();
-  cmd->add_option("--seed", f.o.seed)->capture_default_str();
-  cmd->add_flag("--json", f.json, "print one JSON object on stdout");
-  cmd->add_option("--out", f.out, "also write the JSON report to this file");
-  cmd->callback([flags, rc] { *rc = RunStepCommand(*flags); });
-  return cmd;
 }
 
 }  // namespace kvtier::bench

@@ -1,8 +1,8 @@
-// `kvtier-bench replay`: the trace-driven evaluator of retrieval modes (full, speculative per
-// τ, sync, drop). One decode trace (a synthetic one, or a trace file: docs/trace-format.md)
-// is fed through one Retriever per mode, in lockstep, on one backend. Steps before the step
-// range are decoded too (the KV cache and the modes' state must grow) but neither timed nor
-// scored. Per mode, over the steps in range, it reports:
+// `kvtier-bench decode`'s replay workload: the trace-driven evaluator of retrieval modes (full,
+// speculative per τ, sync, drop). One decode trace (a synthetic one, or a trace file:
+// docs/trace-format.md) is fed through one Retriever per mode, in lockstep, on one backend. Steps
+// before the step range are decoded too (the KV cache and the modes' state must grow) but neither
+// timed nor scored. Per mode, over the steps in range, it reports:
 //   - attn_mass_recall_pages / attn_mass_recall_tokens: how much of the exact attention's
 //     top-budget mass the working set held, over the heaviest budget/page_size pages and
 //     over the heaviest budget tokens (engine/eval_metrics.h AttentionMassRecall), mean over
@@ -27,8 +27,8 @@
 //   - select_us / recall_us / attention_us per step: the split, measured on separate
 //     profiled steps (every phase synchronised), so it shows cost, not overlap.
 // Not thread-safe; one replay per call.
-#ifndef KVTIER_BENCH_REPLAY_BENCH_H_
-#define KVTIER_BENCH_REPLAY_BENCH_H_
+#ifndef KVTIER_BENCH_DECODE_REPLAY_H_
+#define KVTIER_BENCH_DECODE_REPLAY_H_
 
 #include <functional>
 #include <memory>
@@ -121,4 +121,4 @@ absl::StatusOr<JsonObject> RunReplayBench(const ReplayBenchOptions& o, std::ostr
 
 }  // namespace kvtier::bench
 
-#endif  // KVTIER_BENCH_REPLAY_BENCH_H_
+#endif  // KVTIER_BENCH_DECODE_REPLAY_H_

@@ -1,6 +1,6 @@
-# kvtier-bench replay on a tiny trace file (cmake -P script, so the checks need nothing but
-# CMake): every flag that shapes a replay of a real trace is accepted and shows in the JSON,
-# or is refused (exit 2) with a message naming the flag and the limit.
+# kvtier-bench decode's replay workload on a tiny trace file (cmake -P script, so the checks need
+# nothing but CMake): every flag that shapes a replay of a real trace is accepted and shows in the
+# JSON's replay section, or is refused (exit 2) with a message naming the flag and the limit.
 #   -DBENCH=<kvtier-bench> -DWORK_DIR=<scratch directory>
 cmake_minimum_required(VERSION 3.19)  # string(JSON)
 file(REMOVE_RECURSE "${WORK_DIR}")
@@ -11,13 +11,17 @@ set(geometry --q-heads 4 --kv-heads 2 --head-dim 32 --page-size 16)
 set(trace_layers 3)
 set(trace_steps 6)
 
-# Runs `kvtier-bench replay ARGN`; fails unless it exits with `want_rc`. Sets out and err.
+# Runs `kvtier-bench decode --workloads replay ARGN`; fails unless it exits with `want_rc`. Sets
+# out (the JSON's replay section, with --json and exit 0) and err.
 function(replay want_rc)
-  execute_process(COMMAND "${BENCH}" replay ${ARGN}
+  execute_process(COMMAND "${BENCH}" decode --workloads replay ${ARGN}
     RESULT_VARIABLE rc OUTPUT_VARIABLE stdout ERROR_VARIABLE stderr)
   if(NOT rc STREQUAL want_rc)
-    message(FATAL_ERROR "kvtier-bench replay ${ARGN}: exit ${rc}, want ${want_rc}\n"
-      "stderr:\n${stderr}\nstdout:\n${stdout}")
+    message(FATAL_ERROR "kvtier-bench decode --workloads replay ${ARGN}: exit ${rc}, want "
+      "${want_rc}\nstderr:\n${stderr}\nstdout:\n${stdout}")
+  endif()
+  if(rc EQUAL 0 AND NOT stdout STREQUAL "")
+    string(JSON stdout GET "${stdout}" replay)
   endif()
   set(out "${stdout}" PARENT_SCOPE)
   set(err "${stderr}" PARENT_SCOPE)
@@ -81,7 +85,7 @@ endfunction()
 
 # The trace file, written by the synthetic trace's writer.
 execute_process(
-  COMMAND "${BENCH}" replay --write-trace "${trace}" --context 256 --steps ${trace_steps}
+  COMMAND "${BENCH}" decode --write-trace "${trace}" --context 256 --steps ${trace_steps}
     --model-layers ${trace_layers} ${geometry}
   RESULT_VARIABLE rc ERROR_VARIABLE err)
 if(NOT rc EQUAL 0 OR NOT EXISTS "${trace}")

@@ -1,13 +1,13 @@
-// `kvtier-bench replay --policies`: the policy sweep (docs/architecture.md#policies). One decode
-// trace (the synthetic one by default, or a trace file) is replayed through one Retriever per
-// (policy, budget), each on its own, and every run is scored against full mode (all KV
+// `kvtier-bench decode`'s policies workload: the policy sweep (docs/architecture.md#policies). One
+// decode trace (the synthetic one by default, or a trace file) is replayed through one Retriever
+// per (policy, budget), each on its own, and every run is scored against full mode (all KV
 // resident, the reference) on
 //   - memory: the working set's resident K+V bytes (SequenceStats::resident_bytes) after
 //     each measured step, mean over the steps, also as a fraction of full mode's at that
 //     step (all KV of the sequence);
 //   - rel_error: ‖out − out_full‖ / ‖out_full‖ of the attention output per (step, layer):
 //     mean, p95 and max over the replayed layers and measured steps;
-//   - budget changes, evicted head-pages and INT8 head-pages (the policies' decisions).
+//   - budget changes and evicted head-pages (the policies' decisions).
 //
 // The prompt: the trace's prefill plus its first `observation_tokens` (w) decode steps,
 // whose K/V are appended as prompt and whose queries every Retriever observes
@@ -19,7 +19,6 @@
 //   window        the default policy config: sinks + sliding window (StreamingLLM), baseline
 //   h2o           residency h2o (accumulated attention), baseline
 //   conf-kv       budget confidence + residency attention (Conf-KV)
-//   conf-kv-int8  the same + INT8 storage beyond the recent pages (int8.window_pages)
 //   epikv         residency epiphany, signal hidden_delta (EpiKV)
 //   epikv-kv      residency epiphany, signal key_variance (from the appended keys)
 //   xkv           budget xkv (per layer) + residency attention
@@ -37,8 +36,8 @@
 //   - hidden_delta[l] = ‖q_l(t) − q_l(t−1)‖ over all query heads of replayed layer l, the
 //     query change standing in for the hidden-state change (EpiKV's input); prefill tokens
 //     report nothing (the scorer starts at the first observation token).
-#ifndef KVTIER_BENCH_POLICY_REPLAY_H_
-#define KVTIER_BENCH_POLICY_REPLAY_H_
+#ifndef KVTIER_BENCH_DECODE_POLICIES_H_
+#define KVTIER_BENCH_DECODE_POLICIES_H_
 
 #include <cstdint>
 #include <ostream>
@@ -76,7 +75,7 @@ struct PolicyReplayOptions {
   std::string plot_path;  // non-empty: write the memory / error plot (PNG) here
 };
 
-// Runs the sweep, writing the table to `log`; returns {"bench": "replay_policies", ...,
+// Runs the sweep, writing the table to `log`; returns {"bench": "policies", ...,
 // "runs": [{"policy", "budget_tokens", "memory_bytes", "memory_fraction", "rel_error",
 // "rel_error_p95", "rel_error_max", ...}, ...]}. INVALID_ARGUMENT for inconsistent options
 // (naming the option and the limit); the Retrievers' and the plot writer's errors.
@@ -84,4 +83,4 @@ absl::StatusOr<JsonObject> RunPolicyReplay(const PolicyReplayOptions& o, std::os
 
 }  // namespace kvtier::bench
 
-#endif  // KVTIER_BENCH_POLICY_REPLAY_H_
+#endif  // KVTIER_BENCH_DECODE_POLICIES_H_

@@ -1,12 +1,12 @@
-// The demo engine's link to kvtierd: makes `kvtier-bench replay --connect TARGET` open its
+// The demo engine's link to kvtierd: makes `kvtier-bench decode --connect TARGET` open its
 // host-tier modes (speculative, sync) as Sessions of a running daemon instead of private
 // arenas, so the replay trace runs through the service exactly as an engine would drive it
 // (SHM: the tenant arena mapped through the attach socket, the sequence in this process;
 // GRPC: pages and steps over gRPC).
 //
 // Thread-compatible.
-#ifndef KVTIER_BENCH_REPLAY_SESSION_H_
-#define KVTIER_BENCH_REPLAY_SESSION_H_
+#ifndef KVTIER_BENCH_DECODE_SESSIONS_H_
+#define KVTIER_BENCH_DECODE_SESSIONS_H_
 
 #include <memory>
 #include <ostream>
@@ -14,7 +14,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "bench/replay_bench.h"
+#include "bench/decode_replay.h"
 #include "kvtier/client.h"
 
 namespace kvtier::bench {
@@ -43,4 +43,4 @@ class ReplaySessions {
 
 }  // namespace kvtier::bench
 
-#endif  // KVTIER_BENCH_REPLAY_SESSION_H_
+#endif  // KVTIER_BENCH_DECODE_SESSIONS_H_

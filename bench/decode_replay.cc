@@ -1,4 +1,4 @@
-#include "bench/replay_bench.h"
+#include "bench/decode_replay.h"
 
 #include <algorithm>
 #include <cmath>
@@ -652,7 +652,7 @@ std::vector<ReplayModeTimes> Replay::Times() const {
 absl::StatusOr<JsonObject> Replay::Run() {
   KVTIER_RETURN_IF_ERROR(Setup());
   log_ << absl::StrFormat(
-      "kvtier-bench replay: %s, commit %s\n  geometry %s (%d layers replayed), prefill %d "
+      "kvtier-bench decode: replay: %s, commit %s\n  geometry %s (%d layers replayed), prefill %d "
       "tokens, steps %d..%d of %d scored, budget %d tokens (sink %d + selected %d + recent %d "
       "pages), %d profiled steps\n",
       backend_->Describe(), Commit(), trace_->geometry().ToString(), g_.num_layers, T_, begin_,
