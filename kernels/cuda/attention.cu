@@ -116,10 +116,6 @@ struct WordOf<4> {
   using type = uint32_t;
 };
 template <>
-struct WordOf<8> {
-  using type = uint2;
-};
-template <>
 struct WordOf<16> {
   using type = uint4;
 };
@@ -127,7 +123,6 @@ struct WordOf<16> {
 // 32-bit word i of a loaded word (i is a compile-time constant after unrolling).
 __device__ __forceinline__ uint32_t WordAt(uint16_t u, int) { return u; }
 __device__ __forceinline__ uint32_t WordAt(uint32_t u, int) { return u; }
-__device__ __forceinline__ uint32_t WordAt(const uint2& u, int i) { return i == 0 ? u.x : u.y; }
 __device__ __forceinline__ uint32_t WordAt(const uint4& u, int i) {
   return i == 0 ? u.x : (i == 1 ? u.y : (i == 2 ? u.z : u.w));
 }
