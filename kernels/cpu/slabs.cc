@@ -1,6 +1,8 @@
-// Recall in two halves on the CPU, bit-exact: GatherSlabs copies whole K+V head-page slabs
-// from HND host pages into a staging buffer; ScatterSlabs writes staged slabs into NHD
-// working-set rows. Together they do what recall.cc does in one pass.
+// Slab copies on the CPU, bit-exact. Recall in two halves: GatherSlabs copies whole K+V
+// head-page slabs from HND host pages into a staging buffer; ScatterSlabs writes staged slabs
+// into NHD working-set rows (together they do what recall.cc does in one pass). And
+// MoveHeadSlots, which moves one KV head's part of a working-set slot to another slot when
+// drop mode compacts its per-head slot tables.
 #include <cstring>
 
 #include "absl/strings/str_format.h"
@@ -92,6 +94,43 @@ absl::Status CpuScatterSlabs(const ScatterSlabsArgs& a, ThreadPool* pool) {
       }
     }
   });
+  return absl::OkStatus();
+}
+
+// Every item is checked before anything moves, so a failing call writes nothing. Items run
+// in order on the calling thread: a later item may read what an earlier one wrote.
+absl::Status CpuMoveHeadSlots(const MoveHeadSlotsArgs& a, ThreadPool* /*pool*/) {
+  if (a.num_items == 0) return absl::OkStatus();
+  for (int32_t i = 0; i < a.num_items; ++i) {
+    const HeadSlotMove& it = a.items[i];
+    KVTIER_RETURN_IF_ERROR(
+        CheckItemField("MoveHeadSlots", i, "kv_head", it.kv_head, a.shape.num_kv_heads));
+    KVTIER_RETURN_IF_ERROR(
+        CheckItemField("MoveHeadSlots", i, "src_slot", it.src_slot, a.kv.num_slots));
+    KVTIER_RETURN_IF_ERROR(
+        CheckItemField("MoveHeadSlots", i, "dst_slot", it.dst_slot, a.kv.num_slots));
+    if (it.src_slot == it.dst_slot) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("MoveHeadSlots: items[%d] moves slot %d onto itself", i, it.src_slot));
+    }
+  }
+  const WorkingSetLayout wl{a.kv.num_slots, a.shape.page_size, a.shape.num_kv_heads,
+                            a.shape.head_dim};
+  const size_t elem = DTypeSize(a.shape.dtype);
+  const size_t row_bytes = static_cast<size_t>(a.shape.head_dim) * elem;
+  unsigned char* const fp[2] = {static_cast<unsigned char*>(a.kv.k_cache),
+                                static_cast<unsigned char*>(a.kv.v_cache)};
+  for (int32_t i = 0; i < a.num_items; ++i) {
+    const HeadSlotMove& it = a.items[i];
+    for (int kind = 0; kind < 2; ++kind) {
+      for (int32_t t = 0; t < a.shape.page_size; ++t) {
+        const int64_t src = wl.Offset(it.src_slot, t, it.kv_head, 0);
+        const int64_t dst = wl.Offset(it.dst_slot, t, it.kv_head, 0);
+        std::memcpy(fp[kind] + static_cast<size_t>(dst) * elem,
+                    fp[kind] + static_cast<size_t>(src) * elem, row_bytes);
+      }
+    }
+  }
   return absl::OkStatus();
 }
 

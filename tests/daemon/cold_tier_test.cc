@@ -18,6 +18,7 @@
 #include "absl/strings/match.h"
 #include "absl/time/clock.h"
 #include "tests/testutil/redis_cluster_process.h"
+#include "tests/testutil/redis_cluster_suite.h"
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -148,29 +149,13 @@ TEST(ColdTierTest, KeysPutTheTenantFirstAndHashTagSessionAndLayer) {
 using testing::RedisClusterProcess;
 using testing::RedisClusterProcessOptions;
 
-class ColdTierClusterTest : public ::testing::Test {
+class ColdTierClusterTest : public ::kvtier::testing::RedisClusterSuite<ColdTierClusterTest> {
  protected:
-  static void SetUpTestSuite() {
-    auto started = RedisClusterProcess::Start({});
-    if (!started.ok()) {
-      skip_reason_ = new std::string(started.status().ToString());
-      return;
-    }
-    process_ = started->release();
-  }
-  static void TearDownTestSuite() {
-    delete process_;
-    process_ = nullptr;
-    delete skip_reason_;
-    skip_reason_ = nullptr;
-  }
   void SetUp() override {
-    if (process_ == nullptr) {
-      if (absl::StartsWith(*skip_reason_, "NOT_FOUND")) GTEST_SKIP() << *skip_reason_;
-      FAIL() << "cluster did not start: " << *skip_reason_;
-    }
+    RedisClusterSuite::SetUp();
+    if (IsSkipped() || HasFatalFailure()) return;
     RedisClusterOptions options;
-    options.seeds = process_->seeds();
+    options.seeds = process()->seeds();
     options.command_timeout = absl::Milliseconds(500);
     auto cluster = RedisCluster::Connect(options);
     ASSERT_TRUE(cluster.ok()) << cluster.status();
@@ -205,13 +190,9 @@ class ColdTierClusterTest : public ::testing::Test {
     return tier_->Put("acme", session, refs, Deadline());
   }
 
-  static RedisClusterProcess* process_;
-  static std::string* skip_reason_;
   std::unique_ptr<RedisCluster> cluster_;
   std::unique_ptr<ColdTier> tier_;
 };
-RedisClusterProcess* ColdTierClusterTest::process_ = nullptr;
-std::string* ColdTierClusterTest::skip_reason_ = nullptr;
 
 TEST_F(ColdTierClusterTest, PagesOfManySessionsAndLayersReadBackByteExact) {
   const std::vector<std::string> sessions = {"s-one", "s-two", "s-three"};
@@ -264,7 +245,7 @@ TEST_F(ColdTierClusterTest, ACorruptedValueIsDataLossNeverWrongBytes) {
   std::string flipped(1, static_cast<char>(data[1][100] ^ 0x01));
   absl::StatusOr<RedisReply> set = cluster_->Run({"SETRANGE", key, offset, flipped}, Deadline());
   ASSERT_TRUE(set.ok()) << set.status();
-  ASSERT_TRUE(process_->WaitForReplicas(absl::Seconds(10)).ok());
+  ASSERT_TRUE(process()->WaitForReplicas(absl::Seconds(10)).ok());
   const int64_t pages[] = {0, 1};
   std::vector<absl::StatusOr<ColdPage>> got = tier_->Get("acme", "s-corrupt", 0, pages, {}, Deadline());
   ASSERT_TRUE(got[0].ok()) << got[0].status();
@@ -278,15 +259,15 @@ TEST_F(ColdTierClusterTest, ACorruptedValueIsDataLossNeverWrongBytes) {
 TEST_F(ColdTierClusterTest, AValueCorruptedOnTheMasterAloneComesBackFromItsReplica) {
   const std::vector<std::string> data = Pages("s-replica", 2, 1, 4096);
   ASSERT_TRUE(PutAll("s-replica", 2, data, 3).ok());
-  ASSERT_TRUE(process_->WaitForReplicas(absl::Seconds(10)).ok());
+  ASSERT_TRUE(process()->WaitForReplicas(absl::Seconds(10)).ok());
   const std::string key = tier_->Key("acme", "s-replica", 2, 0);
   // Corrupt the master's copy alone: a script whose effects are not replicated
   // (redis.set_repl(redis.REPL_NONE)) flips one payload bit on the master.
   const std::string flipped(1, static_cast<char>(data[0][7] ^ 0x40));
   // (On the slot's master directly: the cluster client routes by args[1], EVAL's script.)
-  absl::StatusOr<int> master = process_->MasterOf(RedisCluster::SlotOf(key));
+  absl::StatusOr<int> master = process()->MasterOf(RedisCluster::SlotOf(key));
   ASSERT_TRUE(master.ok()) << master.status();
-  absl::StatusOr<std::string> r = process_->Command(
+  absl::StatusOr<std::string> r = process()->Command(
       *master,
       {"EVAL",
        "redis.set_repl(redis.REPL_NONE); return redis.call('SETRANGE', KEYS[1], ARGV[1], ARGV[2])",
@@ -394,7 +375,7 @@ TEST_F(ColdTierClusterTest, AnIntactValueUnderAnotherPagesKeyIsRefused) {
     absl::StatusOr<RedisReply> value = cluster_->Run({"GET", from}, Deadline());
     ASSERT_TRUE(value.ok()) << value.status();
     ASSERT_TRUE(cluster_->Run({"SET", key, value->str}, Deadline()).ok());
-    ASSERT_TRUE(process_->WaitForReplicas(absl::Seconds(10)).ok());
+    ASSERT_TRUE(process()->WaitForReplicas(absl::Seconds(10)).ok());
     std::vector<absl::StatusOr<ColdPage>> got =
         tier_->Get("acme", "s-bind", 1, five, generation, Deadline());
     ASSERT_EQ(got.size(), 1u);
@@ -404,13 +385,13 @@ TEST_F(ColdTierClusterTest, AnIntactValueUnderAnotherPagesKeyIsRefused) {
   }
   // Page 5 written again; then page 6's value over the master's copy alone (not replicated).
   ASSERT_TRUE(PutAll("s-bind", 1, data, 4).ok());
-  ASSERT_TRUE(process_->WaitForReplicas(absl::Seconds(10)).ok());
+  ASSERT_TRUE(process()->WaitForReplicas(absl::Seconds(10)).ok());
   absl::StatusOr<RedisReply> six =
       cluster_->Run({"GET", tier_->Key("acme", "s-bind", 1, 6)}, Deadline());
   ASSERT_TRUE(six.ok()) << six.status();
-  absl::StatusOr<int> master = process_->MasterOf(RedisCluster::SlotOf(key));
+  absl::StatusOr<int> master = process()->MasterOf(RedisCluster::SlotOf(key));
   ASSERT_TRUE(master.ok()) << master.status();
-  ASSERT_TRUE(process_
+  ASSERT_TRUE(process()
                   ->Command(*master, {"EVAL",
                                       "redis.set_repl(redis.REPL_NONE); "
                                       "return redis.call('SET', KEYS[1], ARGV[1])",
@@ -431,12 +412,12 @@ TEST_F(ColdTierClusterTest, KillingAMasterLosesNothingAcknowledged) {
     layers.push_back(Pages("s-failover", layer, 16, 2048));
     ASSERT_TRUE(PutAll("s-failover", layer, layers.back(), 2).ok());
   }
-  ASSERT_TRUE(process_->WaitForReplicas(absl::Seconds(10)).ok());
+  ASSERT_TRUE(process()->WaitForReplicas(absl::Seconds(10)).ok());
   const uint16_t slot = RedisCluster::SlotOf(tier_->Key("acme", "s-failover", 0, 0));
-  absl::StatusOr<int> master = process_->MasterOf(slot);
+  absl::StatusOr<int> master = process()->MasterOf(slot);
   ASSERT_TRUE(master.ok()) << master.status();
-  ASSERT_TRUE(process_->Kill(*master).ok());
-  ASSERT_TRUE(process_->WaitForPromotion(*master, slot, absl::Seconds(30)).ok());
+  ASSERT_TRUE(process()->Kill(*master).ok());
+  ASSERT_TRUE(process()->WaitForPromotion(*master, slot, absl::Seconds(30)).ok());
   std::vector<int64_t> all(16);
   for (int p = 0; p < 16; ++p) all[p] = p;
   for (int layer = 0; layer < 6; ++layer) {

@@ -18,6 +18,7 @@
 #include "daemon/cold_tier.h"
 #include "daemon/redis_cluster.h"
 #include "tests/testutil/redis_cluster_process.h"
+#include "tests/testutil/redis_cluster_suite.h"
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -31,29 +32,13 @@ using ::testing::HasSubstr;
 constexpr size_t kPageBytes = 4096;
 constexpr uint64_t kCharge = kPageBytes + kColdHeaderBytes;  // one key's
 
-class PageMoverTest : public ::testing::Test {
+class PageMoverTest : public ::kvtier::testing::RedisClusterSuite<PageMoverTest> {
  protected:
-  static void SetUpTestSuite() {
-    auto started = RedisClusterProcess::Start({});
-    if (!started.ok()) {
-      skip_reason_ = new std::string(started.status().ToString());
-      return;
-    }
-    process_ = started->release();
-  }
-  static void TearDownTestSuite() {
-    delete process_;
-    process_ = nullptr;
-    delete skip_reason_;
-    skip_reason_ = nullptr;
-  }
   void SetUp() override {
-    if (process_ == nullptr) {
-      if (absl::StartsWith(*skip_reason_, "NOT_FOUND")) GTEST_SKIP() << *skip_reason_;
-      FAIL() << "cluster did not start: " << *skip_reason_;
-    }
+    RedisClusterSuite::SetUp();
+    if (IsSkipped() || HasFatalFailure()) return;
     RedisClusterOptions options;
-    options.seeds = process_->seeds();
+    options.seeds = process()->seeds();
     options.command_timeout = absl::Milliseconds(500);
     auto cluster = RedisCluster::Connect(options);
     ASSERT_TRUE(cluster.ok()) << cluster.status();
@@ -137,15 +122,11 @@ class PageMoverTest : public ::testing::Test {
   }
   static absl::Time Deadline() { return absl::Now() + absl::Seconds(10); }
 
-  static RedisClusterProcess* process_;
-  static std::string* skip_reason_;
   static int counter_;
   std::unique_ptr<RedisCluster> cluster_;
   std::unique_ptr<ColdTier> tier_;
   std::string keys_;
 };
-RedisClusterProcess* PageMoverTest::process_ = nullptr;
-std::string* PageMoverTest::skip_reason_ = nullptr;
 int PageMoverTest::counter_ = 0;
 
 TEST_F(PageMoverTest, ABatchOfManyLayersDemotesAndPromotesByteExactChargedOncePerKey) {
@@ -277,14 +258,14 @@ TEST_F(PageMoverTest, APausedMasterEndsTheBatchAtItsDeadline) {
   Batch b = Pages(1, 4);
   ASSERT_TRUE(mover->Demote(b.out, Deadline()).ok());
   absl::StatusOr<int> master =
-      process_->MasterOf(RedisCluster::SlotOf(tier_->Key("acme", keys_, 0, 0)));
+      process()->MasterOf(RedisCluster::SlotOf(tier_->Key("acme", keys_, 0, 0)));
   ASSERT_TRUE(master.ok()) << master.status();
-  ASSERT_TRUE(process_->Pause(*master).ok());
+  ASSERT_TRUE(process()->Pause(*master).ok());
   Dest d = Destinations(1, 4);
   const absl::Time start = absl::Now();
   absl::Status st = mover->Promote(d.in, start + absl::Milliseconds(300));
   const absl::Duration took = absl::Now() - start;
-  ASSERT_TRUE(process_->Resume(*master).ok());
+  ASSERT_TRUE(process()->Resume(*master).ok());
   EXPECT_TRUE(absl::IsDeadlineExceeded(st) || absl::IsUnavailable(st)) << st;
   // Bounded by the deadline, with room for a loaded machine; never the 10 s timeout.
   EXPECT_LT(took, absl::Seconds(5));
@@ -298,7 +279,7 @@ TEST_F(PageMoverTest, ADamagedPageFailsTheWholePromotionAndWritesNoDestination) 
   ASSERT_TRUE(mover->Demote(b.out, Deadline()).ok());
   // Layer 1 page 2 overwritten (on its master and, by replication, its replica).
   ASSERT_TRUE(cluster_->Run({"SET", tier_->Key("acme", keys_, 1, 2), "garbage"}, Deadline()).ok());
-  ASSERT_TRUE(process_->WaitForReplicas(absl::Seconds(10)).ok());
+  ASSERT_TRUE(process()->WaitForReplicas(absl::Seconds(10)).ok());
   Dest d = Destinations(2, 4);
   absl::Status st = mover->Promote(d.in, Deadline());
   EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st;

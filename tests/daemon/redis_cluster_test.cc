@@ -11,6 +11,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testutil/redis_cluster_process.h"
+#include "tests/testutil/redis_cluster_suite.h"
 
 namespace kvtier::daemon {
 namespace {
@@ -50,45 +51,24 @@ TEST(RedisConnectTest, BadSeedsAreUnavailableAndNamed) {
   EXPECT_TRUE(absl::IsInvalidArgument(RedisCluster::Connect(options).status()));
 }
 
-class RedisClusterTest : public ::testing::Test {
+class RedisClusterTest : public ::kvtier::testing::RedisClusterSuite<RedisClusterTest> {
  protected:
-  static void SetUpTestSuite() {
-    auto started = RedisClusterProcess::Start({});
-    if (!started.ok()) {
-      skip_reason_ = new std::string(started.status().ToString());
-      return;
-    }
-    process_ = started->release();
-  }
-  static void TearDownTestSuite() {
-    delete process_;
-    process_ = nullptr;
-    delete skip_reason_;
-    skip_reason_ = nullptr;
-  }
-
   void SetUp() override {
-    if (process_ == nullptr) {
-      if (absl::StartsWith(*skip_reason_, "NOT_FOUND")) GTEST_SKIP() << *skip_reason_;
-      FAIL() << "cluster did not start: " << *skip_reason_;
-    }
+    RedisClusterSuite::SetUp();
+    if (IsSkipped() || HasFatalFailure()) return;
     RedisClusterOptions options;
-    options.seeds = {process_->address(0)};
+    options.seeds = {process()->address(0)};
     options.command_timeout = absl::Milliseconds(500);
     auto client = RedisCluster::Connect(options);
     ASSERT_TRUE(client.ok()) << client.status();
     client_ = *std::move(client);
   }
 
-  RedisClusterProcess& cluster() { return *process_; }
+  RedisClusterProcess& cluster() { return *process(); }
 
-  static RedisClusterProcess* process_;
-  static std::string* skip_reason_;
   std::unique_ptr<RedisCluster> client_;
 };
 
-RedisClusterProcess* RedisClusterTest::process_ = nullptr;
-std::string* RedisClusterTest::skip_reason_ = nullptr;
 
 TEST_F(RedisClusterTest, LoadsTheWholeCluster) {
   EXPECT_EQ(client_->node_count(), 6u);
