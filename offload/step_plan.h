@@ -43,9 +43,9 @@ struct SequenceConfig {
 };
 
 // The configuration of a sequence made with `o`: mode, trigger, strategy and the policies
-// as named there (a host-drop name or INT8 window the policy registry will refuse counts as
-// the default here; the registry's message is the one the caller gets). The rest is the
-// caller's: whether it joins a batch, has a cold tier, and what the backend can do.
+// as named there (a host-drop name the policy registry will refuse counts as the default
+// here; the registry's message is the one the caller gets). The rest is the caller's:
+// whether it joins a batch, has a cold tier, and what the backend can do.
 SequenceConfig ConfigOf(const SequenceOptions& o, bool batch, bool cold_tier,
                         bool backend_captures);
 
@@ -57,10 +57,10 @@ struct SequencePlan {
   bool demote = false;        // a full host tier demotes pages to the cold tier
   bool mass_trigger = false;  // speculative with the mass trigger
   // The recall strategy: the one given, or for kAuto the zero-copy gather, unless pages may
-  // be demoted (then batched_dma: the host must see the plan). Measured on an H100-class
-  // GPU, the gather moves scattered slabs 4–9 times faster than the DMA strategies at every
-  // budget and churn (bench/results/gpu-2026-11-27-h200, kvtier-bench pcie [3]); on the CPU
-  // backend both are memcpys.
+  // be demoted (then batched_dma: the host must see the plan). Measured on an H200, the
+  // gather moves scattered slabs 3.6–9.3 times faster than batched DMA at every budget and
+  // churn (bench/results/gpu-2026-11-27-h200, kvtier-bench pcie [3]); on the CPU backend
+  // both are memcpys.
   RecallStrategy strategy = RecallStrategy::kZeroCopy;
   bool dma = false;  // the strategy copies slabs with DMAs driven from the host
   // Steps are captured as graphs (before profiling switches them off): speculative mode,

@@ -141,7 +141,7 @@ struct SequenceOptions {
   SummaryMode summary = SummaryMode::kCenterMad;
   float softmax_scale = 0.0f;  // 0: 1/sqrt(head_dim)
   // How background recalls (and sync mode's) move pages; kAuto takes the zero-copy gather
-  // (measured 4–9 times faster than the DMA strategies on an H200 at every budget and churn,
+  // (measured 3.6–9.3 times faster than batched DMA on an H200 at every budget and churn,
   // docs/retriever.md#recall-strategies), or batched_dma when policy.host_drop = demote
   // (the host must see the plan to promote pages first). SequenceStats::recall_strategy says
   // which. The speculative correction recall (a few pages on the critical path) is always
