@@ -156,17 +156,6 @@ bool ParseStepRange(const std::string& s, int32_t* begin, int32_t* end) {
   return true;
 }
 
-// A comma-separated list of integers into *out; false naming nothing (the caller does).
-bool ParseInts(const std::string& s, std::vector<int32_t>* out) {
-  out->clear();
-  for (absl::string_view part : absl::StrSplit(s, ',', absl::SkipEmpty())) {
-    int32_t v = 0;
-    if (!absl::SimpleAtoi(part, &v)) return false;
-    out->push_back(v);
-  }
-  return true;
-}
-
 // Resolves the command line into a plan: 0, or the exit status (2) after saying why.
 class Resolver {
  public:
@@ -347,7 +336,7 @@ class Resolver {
     o->backend = Given("--backend") ? backend_ : DeviceKind::kAuto;
     if (Given("--threads")) o->threads = f_.threads;
     if (Given("--warmup")) o->warmup = f_.warmup;
-    if (!ParseInts(f_.batches, &o->batches)) {
+    if (!ParseIntList(f_.batches, &o->batches)) {
       return Refuse("--batch must be comma-separated integers, got " + f_.batches);
     }
     return 0;
@@ -365,7 +354,7 @@ class Resolver {
     for (absl::string_view p : absl::StrSplit(f_.policy_list, ',', absl::SkipEmpty())) {
       o->policies.push_back(std::string(p));
     }
-    if (!ParseInts(f_.budgets, &o->budgets)) {
+    if (!ParseIntList(f_.budgets, &o->budgets)) {
       return Refuse("--budgets must be comma-separated integers, got " + f_.budgets);
     }
     o->plot_path = f_.plot;

@@ -829,18 +829,11 @@ absl::StatusOr<JsonObject> PcieBench::Run() {
 }
 
 // "a,b,c" → ints; INVALID_ARGUMENT naming the flag.
-template <typename T>
-absl::Status ParseList(const std::string& flag, const std::string& text, std::vector<T>* out) {
-  out->clear();
-  for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipEmpty())) {
-    T v;
-    if (!absl::SimpleAtoi(part, &v)) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("%s: '%s' is not an integer", flag, std::string(part)));
-    }
-    out->push_back(v);
-  }
-  return absl::OkStatus();
+absl::Status ParseList(const std::string& flag, const std::string& text,
+                       std::vector<int32_t>* out) {
+  std::string bad;
+  if (ParseIntList(text, out, &bad)) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrFormat("%s: '%s' is not an integer", flag, bad));
 }
 
 struct PcieFlags {

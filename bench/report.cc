@@ -9,6 +9,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -146,6 +147,19 @@ JsonObject SpreadJson(const Spread& s) {
       .Add("max", s.max)
       .Add("n", s.n);
   return j;
+}
+
+bool ParseIntList(const std::string& text, std::vector<int32_t>* out, std::string* bad) {
+  out->clear();
+  for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipEmpty())) {
+    int32_t v = 0;
+    if (!absl::SimpleAtoi(part, &v)) {
+      if (bad != nullptr) *bad = std::string(part);
+      return false;
+    }
+    out->push_back(v);
+  }
+  return true;
 }
 
 }  // namespace kvtier::bench

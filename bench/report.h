@@ -36,6 +36,10 @@ class JsonObject {
   std::vector<std::pair<std::string, std::string>> fields_;  // key → encoded value
 };
 
+// "a,b,c" (empty parts skipped) into *out; false at the first part that is not an int32,
+// named in *bad when given. The benchmarks' list flags (--budgets, --batch, --contexts, ...).
+bool ParseIntList(const std::string& text, std::vector<int32_t>* out, std::string* bad = nullptr);
+
 // Median of `samples` (copied, not modified).
 double Median(std::vector<double> samples);
 // The q-quantile of `samples` (copied), interpolated between the two nearest ranks (rank

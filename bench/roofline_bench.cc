@@ -892,23 +892,13 @@ bool ParseIsa(const std::string& s, cpu::Isa* out) {
   return false;
 }
 
-bool ParseContexts(const std::string& s, std::vector<int32_t>* out) {
-  out->clear();
-  for (absl::string_view part : absl::StrSplit(s, ',', absl::SkipEmpty())) {
-    int32_t v = 0;
-    if (!absl::SimpleAtoi(part, &v)) return false;
-    out->push_back(v);
-  }
-  return true;
-}
-
 int RunRooflineCommand(RooflineFlags& f) {
   RooflineBenchOptions o = f.o;
-  if (!ParseContexts(f.contexts, &o.contexts)) {
+  if (!ParseIntList(f.contexts, &o.contexts)) {
     std::cerr << "kvtier-bench roofline: --contexts must be comma-separated integers\n";
     return 2;
   }
-  if (!ParseContexts(f.selection_contexts, &o.selection_contexts)) {
+  if (!ParseIntList(f.selection_contexts, &o.selection_contexts)) {
     std::cerr << "kvtier-bench roofline: --selection-contexts must be comma-separated integers\n";
     return 2;
   }
