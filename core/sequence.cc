@@ -1,6 +1,8 @@
 // The parts of the public sequence contract (kvtier/sequence.h) every local sequence shares.
 #include "kvtier/sequence.h"
 
+#include <vector>
+
 #include "core/status.h"
 
 namespace kvtier {
@@ -20,6 +22,24 @@ std::optional<int64_t> GetCounter(const SequenceStats& stats, std::string_view n
     if (c.name == name) return stats.*c.field;
   }
   return std::nullopt;
+}
+
+// The step protocol is the batch's; alone, a sequence is a run of one member of it.
+absl::StatusOr<WorkingSetView> LocalSequence::BeginStep(int32_t layer, const void* q) {
+  LocalSequence* const member = stepped();
+  KVTIER_ASSIGN_OR_RETURN(std::vector<WorkingSetView> views,
+                          batch()->BeginStep(layer, {&member, 1}, q));
+  return views.front();
+}
+
+absl::Status LocalSequence::Attend(int32_t layer, const void* q, void* out, float* lse) {
+  LocalSequence* const member = stepped();
+  return batch()->Attend(layer, {&member, 1}, q, out, lse);
+}
+
+absl::Status LocalSequence::EndStep(int32_t layer, const void* q) {
+  LocalSequence* const member = stepped();
+  return batch()->EndStep(layer, {&member, 1}, q);
 }
 
 absl::Status LocalSequence::Decode(int32_t layer, const void* q, void* out, float* lse) {

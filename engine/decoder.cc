@@ -451,12 +451,10 @@ absl::Status Decoder::Step(const std::vector<Sequence*>& seqs, const std::vector
   const size_t e = DTypeSize(dt);
   const bool host_memory = math_.device().kind() == DeviceKind::kCpu;
   std::vector<uint8_t> staging;  // remote sequences on a GPU engine: host copies
-  // Local sequences step through their batch (every sequence kvtier makes is a member of one:
-  // a sequence made alone is its own batch of one), one batch step per run of consecutive
-  // sequences of the same batch, so members of one batch launch each op once; a local
-  // sequence outside any batch (an engine's wrapper) takes the same steps through its own
-  // calls. Remote sequences read host memory: on a device whose memory the host cannot read,
-  // q, k and v are staged out and the output back in.
+  // Local sequences step through their batch (a sequence made alone is its own batch of
+  // one), one batch step per run of consecutive sequences of the same batch, so members of
+  // one batch launch each op once. Remote sequences read host memory: on a device whose
+  // memory the host cannot read, q, k and v are staged out and the output back in.
   auto attention = [&](int32_t l, int64_t rows) -> absl::Status {
     KVTIER_RETURN_IF_ERROR(math_.ToDType(q_.as<float>(), q_kv_.data(), dt, rows * qd));
     KVTIER_RETURN_IF_ERROR(math_.ToDType(k_.as<float>(), k_kv_.data(), dt, rows * kvd));
@@ -466,14 +464,14 @@ absl::Status Decoder::Step(const std::vector<Sequence*>& seqs, const std::vector
     };
     for (int64_t i = 0; i < rows;) {
       Sequence& s = *seqs[i];
-      if (LocalSequence* local = s.local(); local != nullptr && local->batch() != nullptr) {
+      if (LocalSequence* local = s.local(); local != nullptr) {
         SequenceBatch* batch = local->batch();
         std::vector<LocalSequence*> run;
         for (int64_t j = i; j < rows; ++j) {
           LocalSequence* m = seqs[j]->local();
           if (m == nullptr || m->batch() != batch) break;
-          run.push_back(m);
           KVTIER_RETURN_IF_ERROR(m->Append(l, row(k_kv_, j, kvd), row(v_kv_, j, kvd), 1));
+          run.push_back(m->stepped());
         }
         KVTIER_RETURN_IF_ERROR(batch->BeginStep(l, run, row(q_kv_, i, qd)).status());
         KVTIER_RETURN_IF_ERROR(
@@ -486,31 +484,24 @@ absl::Status Decoder::Step(const std::vector<Sequence*>& seqs, const std::vector
       uint8_t* k = row(k_kv_, i, kvd);
       uint8_t* v = row(v_kv_, i, kvd);
       uint8_t* out = row(out_kv_, i, qd);
-      if (LocalSequence* local = s.local(); local != nullptr) {
-        // A local sequence outside any batch (one an engine wraps, or whose batch object is
-        // gone): the same protocol through its own calls.
-        KVTIER_RETURN_IF_ERROR(local->Append(l, k, v, 1));
-        KVTIER_RETURN_IF_ERROR(local->BeginStep(l, q).status());
-        KVTIER_RETURN_IF_ERROR(local->Attend(l, q, out, nullptr));
-        KVTIER_RETURN_IF_ERROR(local->EndStep(l, q));
-      } else if (host_memory) {
-        // The CPU Math wrote q, k and v before returning; a remote call reads them now.
-        KVTIER_RETURN_IF_ERROR(s.Append(l, k, v, 1));
-        KVTIER_RETURN_IF_ERROR(s.Decode(l, q, out, nullptr));
-      } else {
-        const size_t qb = qd * e, kb = kvd * e;
+      // The CPU Math wrote q, k and v before returning; a remote call reads them now.
+      uint8_t *hq = q, *hk = k, *hv = v, *ho = out;
+      const size_t qb = qd * e, kb = kvd * e;
+      Device& dev = math_.device();
+      if (!host_memory) {
         staging.resize(2 * qb + 2 * kb);
-        uint8_t* hq = staging.data();
-        uint8_t* hk = hq + qb;
-        uint8_t* hv = hk + kb;
-        uint8_t* ho = hv + kb;
-        Device& dev = math_.device();
+        hq = staging.data();
+        hk = hq + qb;
+        hv = hk + kb;
+        ho = hv + kb;
         KVTIER_RETURN_IF_ERROR(dev.Copy(stream_, hq, q, qb));
         KVTIER_RETURN_IF_ERROR(dev.Copy(stream_, hk, k, kb));
         KVTIER_RETURN_IF_ERROR(dev.Copy(stream_, hv, v, kb));
         KVTIER_RETURN_IF_ERROR(stream_.Synchronize());
-        KVTIER_RETURN_IF_ERROR(s.Append(l, hk, hv, 1));
-        KVTIER_RETURN_IF_ERROR(s.Decode(l, hq, ho, nullptr));
+      }
+      KVTIER_RETURN_IF_ERROR(s.Append(l, hk, hv, 1));
+      KVTIER_RETURN_IF_ERROR(s.Decode(l, hq, ho, nullptr));
+      if (!host_memory) {
         KVTIER_RETURN_IF_ERROR(dev.Copy(stream_, out, ho, qb));
         KVTIER_RETURN_IF_ERROR(stream_.Synchronize());
       }

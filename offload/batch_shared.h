@@ -135,11 +135,13 @@ class BatchShared {
   std::unique_ptr<Stream> recall_, xform_fg_, xform_bg_, dma_;
 };
 
-// The batch object of a sequence made alone (Retriever::Create, NewLocalSequence): a batch of
-// one over its own storage, so that every local sequence is a member of a batch and steps
-// through SequenceBatch as well as alone (offload/sequence_batch.cc).
-std::unique_ptr<SequenceBatch> NewBatchOfOne(const Geometry& g, const SequenceOptions& o,
-                                             Backend& backend, std::shared_ptr<BatchShared> shared);
+// A batch object over `shared` (offload/sequence_batch.cc), through which a member steps:
+// `owner` (the batch of one of a sequence made alone: Retriever::Create, NewLocalSequence)
+// registers it as the members' batch; otherwise it is a member's own, for when the batch
+// object that made it is gone. Every local sequence steps through SequenceBatch alone.
+std::unique_ptr<SequenceBatch> NewBatchObject(const Geometry& g, const SequenceOptions& o,
+                                              Backend& backend, std::shared_ptr<BatchShared> shared,
+                                              bool owner);
 
 }  // namespace kvtier::retriever_internal
 

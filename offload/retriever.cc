@@ -198,7 +198,9 @@ absl::Status RetrieverImpl::Init() {
     KVTIER_ASSIGN_OR_RETURN(shared_, BatchShared::Create(geometry_, options_, backend_,
                                                          /*max_batch=*/1,
                                                          RingBytes(geometry_, options_)));
-    own_batch_ = NewBatchOfOne(geometry_, options_, backend_, shared_);
+    own_batch_ = NewBatchObject(geometry_, options_, backend_, shared_, /*owner=*/true);
+  } else {
+    own_batch_ = NewBatchObject(geometry_, options_, backend_, shared_, /*owner=*/false);
   }
   KVTIER_ASSIGN_OR_RETURN(slot_, shared_->TakeSlot());
   compute_ = &shared_->compute();
@@ -858,20 +860,9 @@ absl::Status RetrieverImpl::Collect(bool block) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<RetrieverImpl::BeginPath> RetrieverImpl::BeginHost(int32_t layer, const void* q,
-                                                                   bool copy_q) {
-  KVTIER_RETURN_IF_ERROR(CheckCall(layer, "BeginStep"));
-  if (q == nullptr) return absl::InvalidArgumentError("BeginStep: q must be non-null");
+absl::StatusOr<RetrieverImpl::BeginPath> RetrieverImpl::BeginHost(int32_t layer) {
   LayerState& l = layers_[layer];
   l.step_begun = absl::Now();
-  if (l.tokens == 0) {
-    return absl::FailedPreconditionError(
-        absl::StrFormat("BeginStep: layer %d has no tokens: Append first", layer));
-  }
-  if (l.in_step) {
-    return absl::FailedPreconditionError(
-        absl::StrFormat("BeginStep: layer %d: the previous step was not ended", layer));
-  }
   if (absl::Status ps = Pump(layer); !ps.ok()) return Fail(ps);
   if (l.recall.in_flight && !l.recall.done->Query()) {
     const absl::Duration age = absl::Now() - l.recall.launched;
@@ -892,7 +883,6 @@ absl::StatusOr<RetrieverImpl::BeginPath> RetrieverImpl::BeginHost(int32_t layer,
   bool reselect = false;
   if (st.ok()) st = ApplyPolicies(layer, &reselect);
   if (st.ok()) st = UploadCountsIfDirty(layer);
-  if (st.ok() && copy_q) st = backend_.Copy(c, l.select.q_cur.data(), q, q_bytes());
   if (!st.ok()) return Fail(st);
   return plan::PlanBegin(plan_, {.step = l.step, .reselect = reselect, .profiling = profiling_});
 }
@@ -941,17 +931,6 @@ absl::StatusOr<WorkingSetView> RetrieverImpl::BeginFinish(int32_t layer, BeginPa
   return view;
 }
 
-absl::StatusOr<WorkingSetView> RetrieverImpl::BeginStep(int32_t layer, const void* q) {
-  const HostCalls start = ThreadHostCalls();
-  absl::StatusOr<WorkingSetView> view = [&]() -> absl::StatusOr<WorkingSetView> {
-    KVTIER_ASSIGN_OR_RETURN(BeginPath path, BeginHost(layer, q, /*copy_q=*/true));
-    KVTIER_RETURN_IF_ERROR(BeginDevice(layer, path, 1));
-    return BeginFinish(layer, path);
-  }();
-  Meter(layer, start);
-  return view;
-}
-
 SparseAttentionArgs RetrieverImpl::AttentionArgs(LayerState& l, const void* q, void* out,
                                                  float* lse, int32_t n) {
   SparseAttentionArgs a;
@@ -973,35 +952,8 @@ SparseAttentionArgs RetrieverImpl::AttentionArgs(LayerState& l, const void* q, v
   return a;
 }
 
-absl::Status RetrieverImpl::Attend(int32_t layer, const void* q, void* out, float* lse) {
-  const HostCalls start = ThreadHostCalls();
-  absl::Status st = [&]() -> absl::Status {
-    KVTIER_RETURN_IF_ERROR(CheckCall(layer, "Attend"));
-    const LayerState& l = layers_[layer];
-    if (!l.in_step) {
-      return absl::FailedPreconditionError(
-          absl::StrFormat("Attend: layer %d: call BeginStep first", layer));
-    }
-    SparseAttentionArgs a = AttentionArgs(layers_[layer], q, out, lse);
-    absl::Time mark;
-    KVTIER_RETURN_IF_ERROR(Lap(*compute_, &mark, nullptr));
-    KVTIER_RETURN_IF_ERROR(AttendCaptured(layers_[layer], a));
-    KVTIER_RETURN_IF_ERROR(Lap(*compute_, &mark, &stats_.attention_us));
-    if (!reads_attention()) return absl::OkStatus();
-    return TakeProbe(layer, l.step, l.tokens - 1);
-  }();
-  Meter(layer, start);
-  return st;
-}
-
-absl::StatusOr<plan::EndPlan> RetrieverImpl::EndHost(int32_t layer, const void* q) {
-  KVTIER_RETURN_IF_ERROR(CheckCall(layer, "EndStep"));
-  if (q == nullptr) return absl::InvalidArgumentError("EndStep: q must be non-null");
+absl::StatusOr<plan::EndPlan> RetrieverImpl::EndHost(int32_t layer) {
   LayerState& l = layers_[layer];
-  if (!l.in_step) {
-    return absl::FailedPreconditionError(
-        absl::StrFormat("EndStep: layer %d: call BeginStep first", layer));
-  }
   l.in_step = false;
   ++l.step;
   const plan::EndPlan end = plan::PlanEnd(plan_, profiling_);
@@ -1120,21 +1072,6 @@ void RetrieverImpl::PublishTelemetry(bool gauges) {
   v.SetCounters(stats_);
   v.recall_strategy = has_host_tier() ? static_cast<uint64_t>(strategy_) + 1 : 0;
   telemetry_block_->Publish(v.ContinuedFrom(telemetry_base_));
-}
-
-absl::Status RetrieverImpl::EndStep(int32_t layer, const void* q) {
-  const HostCalls start = ThreadHostCalls();
-  absl::Status st = [&]() -> absl::Status {
-    KVTIER_ASSIGN_OR_RETURN(const plan::EndPlan end, EndHost(layer, q));
-    if (end.background_select) {
-      KVTIER_RETURN_IF_ERROR(EndDevice(layer, end, q, 1));
-      KVTIER_RETURN_IF_ERROR(EndFinish(layer));
-    }
-    return CommitStored(/*wait=*/false);
-  }();
-  Meter(layer, start);
-  if (layer >= 0 && layer < geometry_.num_layers && st.ok()) CloseStepCalls(layer);
-  return st;
 }
 
 absl::Status RetrieverImpl::Wait() {

@@ -242,9 +242,6 @@ class RetrieverImpl final : public Retriever {
   absl::Status Flush() override;
   HostTier* host_tier() override { return host_.get(); }
   absl::Status Restore(int32_t layer, std::vector<PageHandle> pages) override;
-  absl::StatusOr<WorkingSetView> BeginStep(int32_t layer, const void* q) override;
-  absl::Status Attend(int32_t layer, const void* q, void* out, float* lse) override;
-  absl::Status EndStep(int32_t layer, const void* q) override;
   absl::Status Wait() override;
   absl::Status Close() override;
   absl::Status ReportSignals(const StepSignals& signals) override;
@@ -271,7 +268,12 @@ class RetrieverImpl final : public Retriever {
   }
   void SetProfiling(bool on) override { profiling_ = on; }
   Stream& compute_stream() override { return *compute_; }
-  SequenceBatch* batch() override { return shared_ != nullptr ? shared_->owner() : nullptr; }
+  // The batch object of the members (NewSequenceBatch's, while it exists), else this
+  // sequence's own: never null once Init succeeded.
+  SequenceBatch* batch() override {
+    SequenceBatch* owner = shared_ != nullptr ? shared_->owner() : nullptr;
+    return owner != nullptr ? owner : own_batch_.get();
+  }
   const Geometry& geometry() const override { return geometry_; }
   const SequenceOptions& options() const override { return options_; }
   int32_t num_tokens(int32_t layer) const override {
@@ -425,20 +427,21 @@ class RetrieverImpl final : public Retriever {
   RecallTarget Target(const LayerState& l, int32_t n = 1) const;
   absl::Status RecordStats(Stream& s, int32_t layer, int64_t step, bool background, bool checked);
 
-  // The phases of BeginStep and EndStep, so that a batch (sequence_batch.cc) runs each
-  // phase for every member and the device work once per run of consecutive slots.
+  // The phases of a step, which the batch protocol (sequence_batch.cc; the only step path)
+  // runs for every member, the device work once per run of consecutive slots.
   // What BeginStep runs: the plan's (offload/step_plan.h), from the layer's step and the
   // policies' verdict.
   using BeginPath = plan::BeginPlan;
-  // Checks, the wait for the background recall (on the stream), policies, the counts and
-  // (copy_q) the query into q_cur.
-  absl::StatusOr<BeginPath> BeginHost(int32_t layer, const void* q, bool copy_q);
+  // The wait for the background recall (on the stream), policies and the counts (the batch
+  // checked the call and copies the run's queries into q_cur).
+  absl::StatusOr<BeginPath> BeginHost(int32_t layer);
   // The device work of `path` for the run of n sequences starting at this one.
   absl::Status BeginDevice(int32_t layer, BeginPath path, int32_t n);
   // The statistics record, the ready event and the view.
   absl::StatusOr<WorkingSetView> BeginFinish(int32_t layer, BeginPath path);
-  // Ends the step on the host; the plan of what follows attention.
-  absl::StatusOr<plan::EndPlan> EndHost(int32_t layer, const void* q);
+  // Ends the step on the host (the batch checked the call); the plan of what follows
+  // attention.
+  absl::StatusOr<plan::EndPlan> EndHost(int32_t layer);
   // q_prev (n rows of q), the count snapshot and the background selection of the run.
   absl::Status EndDevice(int32_t layer, const plan::EndPlan& end, const void* q, int32_t n);
   absl::Status EndFinish(int32_t layer);
@@ -486,8 +489,9 @@ class RetrieverImpl final : public Retriever {
   RecallStrategy strategy_ = RecallStrategy::kZeroCopy;  // resolved (never kAuto)
   // What every step runs (Init).
   plan::SequencePlan plan_;
-  // The batch of one of a sequence made alone (Init); null for a member of a batch made
-  // with NewSequenceBatch, which owns the batch object itself.
+  // This sequence's batch object over shared_ (Init): for a sequence made alone, the batch of
+  // one (its owner); for a member of a NewSequenceBatch batch, the object it steps through
+  // once that batch object is gone.
   std::unique_ptr<SequenceBatch> own_batch_;
 
   std::vector<LayerState> layers_;

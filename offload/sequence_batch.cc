@@ -1,12 +1,13 @@
-// SequenceBatch (kvtier/sequence.h, docs/retriever.md#batches): every member's host phases
-// in order, and the device work of BeginStep, Attend and EndStep once per run of members in
-// consecutive batch slots (RetrieverImpl's phases with n > 1 over the batch storage of
-// offload/batch_shared.h). What a member does alone and in a batch is the same work: the
-// ops compute each sequence of a batch independently.
+// SequenceBatch (kvtier/sequence.h, docs/retriever.md#batches): the one step path of every
+// local sequence. Every member's host phases in order, and the device work of BeginStep,
+// Attend and EndStep once per run of members in consecutive batch slots (RetrieverImpl's
+// phases with n ≥ 1 over the batch storage of offload/batch_shared.h). A member stepped alone
+// is a run of one: the ops compute each sequence of a batch independently.
 #include <algorithm>
 #include <functional>
 #include <memory>
 #include <span>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -24,13 +25,17 @@ namespace retriever_internal {
 
 class SequenceBatchImpl final : public SequenceBatch {
  public:
+  // `owner`: the members' batch object (they name it as their batch while it exists).
   SequenceBatchImpl(const Geometry& g, const SequenceOptions& o, Backend& backend,
-                    std::shared_ptr<BatchShared> shared)
-      : g_(g), o_(o), backend_(backend), shared_(std::move(shared)) {
-    shared_->set_owner(this);
+                    std::shared_ptr<BatchShared> shared, bool owner)
+      : g_(g), o_(o), backend_(backend), shared_(std::move(shared)), owner_(owner) {
+    if (owner_) shared_->set_owner(this);
   }
-  // Members may outlive the batch object (they keep its storage): they stop naming it.
-  ~SequenceBatchImpl() override { shared_->set_owner(nullptr); }
+  // Members may outlive the batch object (they keep its storage): they step through their
+  // own from then on.
+  ~SequenceBatchImpl() override {
+    if (owner_) shared_->set_owner(nullptr);
+  }
 
   absl::StatusOr<std::unique_ptr<LocalSequence>> NewSequence() override {
     std::unique_ptr<HostTier> host;
@@ -51,7 +56,7 @@ class SequenceBatchImpl final : public SequenceBatch {
       const LayerState& l = r->layers_[layer];
       if (l.tokens == 0 || l.in_step) {
         return absl::FailedPreconditionError(absl::StrFormat(
-            "BeginStep: layer %d of the member in slot %d %s", layer, r->slot(),
+            "BeginStep: layer %d%s %s", layer, Who(m, r),
             l.tokens == 0 ? "has no tokens: Append first" : "is in a step not yet ended"));
       }
     }
@@ -61,8 +66,7 @@ class SequenceBatchImpl final : public SequenceBatch {
     std::vector<RetrieverImpl::BeginPath> paths(m.size());
     absl::Status st;
     for (size_t i = 0; i < m.size() && st.ok(); ++i) {
-      absl::StatusOr<RetrieverImpl::BeginPath> p =
-          m[i]->BeginHost(layer, qs + i * qb, /*copy_q=*/false);
+      absl::StatusOr<RetrieverImpl::BeginPath> p = m[i]->BeginHost(layer);
       if (p.ok()) paths[i] = *p;
       st = p.status();
     }
@@ -91,8 +95,8 @@ class SequenceBatchImpl final : public SequenceBatch {
     for (RetrieverImpl* r : m) {
       KVTIER_RETURN_IF_ERROR(r->CheckCall(layer, "Attend"));
       if (!r->layers_[layer].in_step) {
-        return absl::FailedPreconditionError(absl::StrFormat(
-            "Attend: layer %d of the member in slot %d: call BeginStep first", layer, r->slot()));
+        return absl::FailedPreconditionError(
+            absl::StrFormat("Attend: layer %d%s: call BeginStep first", layer, Who(m, r)));
       }
     }
     const HostCalls start = ThreadHostCalls();
@@ -127,8 +131,8 @@ class SequenceBatchImpl final : public SequenceBatch {
     for (RetrieverImpl* r : m) {
       KVTIER_RETURN_IF_ERROR(r->CheckCall(layer, "EndStep"));
       if (!r->layers_[layer].in_step) {
-        return absl::FailedPreconditionError(absl::StrFormat(
-            "EndStep: layer %d of the member in slot %d: call BeginStep first", layer, r->slot()));
+        return absl::FailedPreconditionError(
+            absl::StrFormat("EndStep: layer %d%s: call BeginStep first", layer, Who(m, r)));
       }
     }
     const HostCalls start = ThreadHostCalls();
@@ -137,7 +141,7 @@ class SequenceBatchImpl final : public SequenceBatch {
     // Every member has the batch's options, so one plan: the last member's.
     plan::EndPlan end;
     for (size_t i = 0; i < m.size() && st.ok(); ++i) {
-      absl::StatusOr<plan::EndPlan> e = m[i]->EndHost(layer, qs(q) + i * qb);
+      absl::StatusOr<plan::EndPlan> e = m[i]->EndHost(layer);
       if (e.ok()) end = *e;
       st = e.status();
     }
@@ -160,6 +164,10 @@ class SequenceBatchImpl final : public SequenceBatch {
 
  private:
   static const uint8_t* qs(const void* q) { return static_cast<const uint8_t*>(q); }
+  // Names the member in a message when the step has more than one.
+  static std::string Who(const std::vector<RetrieverImpl*>& m, const RetrieverImpl* r) {
+    return m.size() > 1 ? absl::StrFormat(" of the member in slot %d", r->slot()) : "";
+  }
 
   absl::StatusOr<std::vector<RetrieverImpl*>> Members(std::span<LocalSequence* const> members,
                                                       const char* what) const {
@@ -171,12 +179,18 @@ class SequenceBatchImpl final : public SequenceBatch {
     std::vector<RetrieverImpl*> m;
     absl::flat_hash_set<RetrieverImpl*> seen;
     for (size_t i = 0; i < members.size(); ++i) {
-      auto* r = dynamic_cast<RetrieverImpl*>(members[i]);
-      if (r == nullptr || r->shared_.get() != shared_.get() || r->slot() < 0) {
+      auto* r = members[i] == nullptr ? nullptr
+                                      : dynamic_cast<RetrieverImpl*>(members[i]->stepped());
+      if (r == nullptr || r->shared_.get() != shared_.get()) {
         return absl::InvalidArgumentError(
-            absl::StrFormat("%s: members[%d] is not an open sequence of this batch", what, i));
+            absl::StrFormat("%s: members[%d] is not a sequence of this batch", what, i));
       }
-      if (!seen.insert(r).second) {
+      if (r->closed_ || r->slot() < 0) {
+        return absl::FailedPreconditionError(absl::StrFormat(
+            "%s: %s is closed", what, members.size() > 1 ? absl::StrFormat("members[%d]", i)
+                                                         : std::string("the sequence")));
+      }
+      if (members.size() > 1 && !seen.insert(r).second) {
         return absl::InvalidArgumentError(
             absl::StrFormat("%s: members[%d] is given twice", what, i));
       }
@@ -213,11 +227,13 @@ class SequenceBatchImpl final : public SequenceBatch {
   const SequenceOptions o_;
   Backend& backend_;
   std::shared_ptr<BatchShared> shared_;
+  const bool owner_;
 };
 
-std::unique_ptr<SequenceBatch> NewBatchOfOne(const Geometry& g, const SequenceOptions& o,
-                                             Backend& backend, std::shared_ptr<BatchShared> shared) {
-  return std::make_unique<SequenceBatchImpl>(g, o, backend, std::move(shared));
+std::unique_ptr<SequenceBatch> NewBatchObject(const Geometry& g, const SequenceOptions& o,
+                                              Backend& backend, std::shared_ptr<BatchShared> shared,
+                                              bool owner) {
+  return std::make_unique<SequenceBatchImpl>(g, o, backend, std::move(shared), owner);
 }
 
 }  // namespace retriever_internal
@@ -253,8 +269,8 @@ absl::StatusOr<std::unique_ptr<SequenceBatch>> MakeBatch(
     KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<HostTier> h, host(o));
     shared->set_host(std::move(h));
   }
-  return std::unique_ptr<SequenceBatch>(std::make_unique<retriever_internal::SequenceBatchImpl>(
-      geometry, o, backend, std::move(shared)));
+  return retriever_internal::NewBatchObject(geometry, o, backend, std::move(shared),
+                                            /*owner=*/true);
 }
 
 }  // namespace

@@ -16,9 +16,12 @@
 // One decode step of layer l, as an engine drives any sequence:
 //   Append(l, k, v, 1)         the new token's K/V (prefill appends many tokens at once)
 //   Decode(l, q, out, lse)     attention of q over the working set; launches the next step
-// or, on a LocalSequence, split so the engine's own paged decode kernel can run in between:
-//   view = BeginStep(l, q); [Attend(l, q, out, lse) or the engine's kernel over view]; EndStep(l,
-//   q)
+// A local sequence is always a member of a batch (SequenceBatch, below; one made alone is
+// the one member of its own batch of one), and the step is the batch's protocol, split so
+// the engine's own paged decode kernel can run in between:
+//   views = batch.BeginStep(l, members, q); [batch.Attend(l, members, q, out, lse) or the
+//   engine's kernel over views]; batch.EndStep(l, members, q)
+// LocalSequence::BeginStep / Attend / EndStep are that protocol for a batch of this one member.
 //
 // Thread-compatible: one thread drives a sequence at a time.
 #ifndef KVTIER_SEQUENCE_H_
@@ -152,14 +155,16 @@ class LocalSequence : public Sequence {
   // Decode = BeginStep; Attend (when out is non-null); EndStep.
   absl::Status Decode(int32_t layer, const void* q, void* out, float* lse) override;
 
-  // Readies the working set for attention with q [Hq][d]. Errors as Decode.
-  virtual absl::StatusOr<WorkingSetView> BeginStep(int32_t layer, const void* q) = 0;
+  // The batch protocol (SequenceBatch::BeginStep, Attend, EndStep) with this sequence as the
+  // one member: the same work, results, errors and statistics.
+  // BeginStep readies the working set for attention with q [Hq][d]. Errors as Decode.
+  absl::StatusOr<WorkingSetView> BeginStep(int32_t layer, const void* q);
   // Sparse decode attention of q over the layer's working set into out [Hq][d] (and lse
   // [Hq], optional), on the compute stream. REQUIRES: BeginStep for this step.
-  virtual absl::Status Attend(int32_t layer, const void* q, void* out, float* lse) = 0;
+  absl::Status Attend(int32_t layer, const void* q, void* out, float* lse);
   // Ends the layer's step: launches selection with q for the next step and the background
   // recall (speculative mode). REQUIRES: q is the query given to BeginStep.
-  virtual absl::Status EndStep(int32_t layer, const void* q) = 0;
+  absl::Status EndStep(int32_t layer, const void* q);
 
   // What the engine reports for the policies after a forward pass. Applied from the next
   // BeginStep on. INVALID_ARGUMENT for inconsistent sizes; OK and ignored when no policy
@@ -181,12 +186,14 @@ class LocalSequence : public Sequence {
 
   virtual Stream& compute_stream() = 0;
   LocalSequence* local() override { return this; }
-  // The batch this sequence is a member of: the one SequenceBatch::NewSequence made it in,
-  // or, for a sequence made alone (NewLocalSequence, an SHM session), its own batch of one,
-  // so every local sequence steps through the one batch protocol (SequenceBatch::BeginStep,
-  // Attend, EndStep with itself as the member) as well as through the calls above, with the
-  // same results. Null once a NewSequenceBatch batch object is gone.
-  virtual SequenceBatch* batch() { return nullptr; }
+  // The batch whose protocol steps this sequence: the one SequenceBatch::NewSequence made it
+  // in or, for a sequence made alone (NewLocalSequence, an SHM session), its own batch of
+  // one. Never null: a member keeps the batch's storage, and steps through an object of it
+  // even once the SequenceBatch object it was made by is gone.
+  virtual SequenceBatch* batch() = 0;
+  // The sequence batch() steps: this one. A decorator (a LocalSequence that forwards every
+  // call to another, e.g. to observe what an engine appends) returns the one it wraps.
+  virtual LocalSequence* stepped() { return this; }
 };
 
 // A local sequence with a private host tier of pinned host memory sized for max_tokens per
@@ -203,8 +210,8 @@ absl::StatusOr<std::unique_ptr<LocalSequence>> NewLocalSequence(const Geometry& 
 // run when the members are passed in the order their sequences were made), instead of once
 // per sequence. Members keep their own lengths (ragged), budgets and policy state; each step
 // call names the members taking part, so sequences join (NewSequence) and leave (Close, or
-// destruction) between steps, and a member may still be stepped alone through its own
-// LocalSequence calls. The batch's storage for max_batch sequences is allocated when it is
+// destruction) between steps, and a member may be stepped alone (a run of one member, as
+// LocalSequence::BeginStep / Attend / EndStep do). The batch's storage for max_batch sequences is allocated when it is
 // made (and each member's host tier with it): nothing on the decode path allocates.
 // A batch of more than one recalls zero-copy (recall strategy zero_copy; the DMA strategies
 // drive one sequence), and a drop-mode working set managed by policies, which changes size,
@@ -219,10 +226,13 @@ class SequenceBatch {
   virtual absl::StatusOr<std::unique_ptr<LocalSequence>> NewSequence() = 0;
 
   // One layer step of `members` (sequences of this batch, each at most once), their queries
-  // q [n][Hq][d] in the order given: each member's BeginStep, Attend and EndStep, with the
-  // same results, errors and statistics as calling them member by member. out [n][Hq][d],
-  // lse [n][Hq] (optional). INVALID_ARGUMENT when a member is not of this batch or repeated,
-  // or n is not in [1, max_batch]; a member's own precondition errors before any work.
+  // q [n][Hq][d] in the order given, with the same results, errors and statistics as
+  // stepping the members one at a time. BeginStep readies each member's working set,
+  // Attend writes out [n][Hq][d] and lse [n][Hq] (optional), EndStep launches the next
+  // step's selection and recall (LocalSequence's calls say more). INVALID_ARGUMENT when a
+  // member is not of this batch or repeated, or n is not in [1, max_batch]; a member's own
+  // precondition errors (FAILED_PRECONDITION when it is closed, has no tokens in the layer,
+  // or is not in the step the call needs) before any work.
   virtual absl::StatusOr<std::vector<WorkingSetView>> BeginStep(
       int32_t layer, std::span<LocalSequence* const> members, const void* q) = 0;
   virtual absl::Status Attend(int32_t layer, std::span<LocalSequence* const> members,

@@ -17,7 +17,8 @@
 namespace kvtier::engine {
 namespace {
 
-// A LocalSequence that forwards everything and records what the engine hands it.
+// A LocalSequence that forwards everything and records what the engine hands it: a
+// decorator, so its batch steps the sequence it wraps.
 class RecordingSequence final : public LocalSequence {
  public:
   explicit RecordingSequence(std::unique_ptr<LocalSequence> inner) : inner_(std::move(inner)) {}
@@ -37,13 +38,9 @@ class RecordingSequence final : public LocalSequence {
   const Geometry& geometry() const override { return inner_->geometry(); }
   const SequenceOptions& options() const override { return inner_->options(); }
   int32_t num_tokens(int32_t layer) const override { return inner_->num_tokens(layer); }
-  absl::StatusOr<WorkingSetView> BeginStep(int32_t layer, const void* q) override {
-    return inner_->BeginStep(layer, q);
-  }
-  absl::Status Attend(int32_t layer, const void* q, void* out, float* lse) override {
-    return inner_->Attend(layer, q, out, lse);
-  }
-  absl::Status EndStep(int32_t layer, const void* q) override { return inner_->EndStep(layer, q); }
+  // The step is the wrapped sequence's, through its batch.
+  SequenceBatch* batch() override { return inner_->batch(); }
+  LocalSequence* stepped() override { return inner_->stepped(); }
   absl::Status ReportSignals(const StepSignals& s) override {
     if (!s.hidden_delta.empty()) {
       EXPECT_EQ(s.first_position, static_cast<int64_t>(delta.size()) / s.num_layers)

@@ -285,10 +285,57 @@ TEST(SequenceBatchErrorsTest, RefusesWhatItCannotDo) {
   EXPECT_TRUE(absl::IsFailedPrecondition(batch->EndStep(0, both, q2.data())));
   ASSERT_TRUE(batch->BeginStep(0, both, q2.data()).ok());
   ASSERT_TRUE(batch->EndStep(0, both, q2.data()).ok());
-  // A closed member has left: its slot is free for a new one.
+  // A closed member has left (its own precondition, as for any closed sequence): its slot is
+  // free for a new one.
   ASSERT_TRUE(b->Close().ok());
-  EXPECT_TRUE(absl::IsInvalidArgument(batch->BeginStep(0, both, q2.data()).status()));
+  EXPECT_TRUE(absl::IsFailedPrecondition(batch->BeginStep(0, both, q2.data()).status()));
+  EXPECT_TRUE(absl::IsFailedPrecondition(b->BeginStep(0, q.data()).status()));
   EXPECT_TRUE(batch->NewSequence().ok());
+}
+
+// Members keep the batch's storage: once the batch object is gone, each still names a batch
+// and steps through it as before, bit for bit with a sequence made alone on the same inputs
+// (tests/engine/eval_test.cc steps a decorator through the batch of the one it wraps).
+TEST(SequenceBatchErrorsTest, AMemberOutlivesItsBatchObject) {
+  KVTIER_SKIP_WITHOUT_TEST_DEVICE();
+  const Geometry g = SmallGeometry(DType::kF16);
+  const SequenceOptions o = SmallOptions(RetrievalMode::kSpeculative);
+  std::unique_ptr<Device> device = MakeTestDevice();
+  std::unique_ptr<SequenceBatch> batch = NewSequenceBatch(g, o, 2, *device).value();
+  std::unique_ptr<LocalSequence> member = batch->NewSequence().value();
+  std::unique_ptr<LocalSequence> alone = NewLocalSequence(g, o, *device).value();
+  ASSERT_EQ(member->batch(), batch.get());
+  HostModel model(g, 3);
+  auto rows = model.Grow(70);
+  for (LocalSequence* s : {member.get(), alone.get()}) {
+    for (int32_t l = 0; l < g.num_layers; ++l) {
+      ASSERT_TRUE(s->Append(l, rows[l].first.data(), rows[l].second.data(), 70).ok());
+    }
+  }
+  Stream& cs = member->compute_stream();
+  DeviceBuffer out_m = device->Allocate(size_t{2} * g.num_q_heads * g.head_dim).value();
+  DeviceBuffer out_a = device->Allocate(out_m.size()).value();
+  for (int32_t step = 0; step < 4; ++step) {
+    if (step == 2) {
+      batch.reset();
+      ASSERT_NE(member->batch(), nullptr);
+      EXPECT_EQ(member->batch()->max_batch(), 2);
+    }
+    const TypedBuffer qh = model.Query(50 + step);
+    DeviceBuffer q = OnDevice(*device, cs, qh.data(), qh.bytes());
+    for (int32_t l = 0; l < g.num_layers; ++l) {
+      ASSERT_TRUE(member->Decode(l, q.data(), out_m.data(), nullptr).ok()) << step;
+      ASSERT_TRUE(alone->Decode(l, q.data(), out_a.data(), nullptr).ok()) << step;
+      Trace a, b;
+      Record(g, *member, *device, out_m.data(), &a);
+      Record(g, *alone, *device, out_a.data(), &b);
+      ASSERT_TRUE(member->Wait().ok());
+      ASSERT_TRUE(alone->Wait().ok());
+      EXPECT_EQ(a.out, b.out) << "step " << step << " layer " << l;
+    }
+  }
+  EXPECT_EQ(member->Stats().recalled_pages, alone->Stats().recalled_pages);
+  EXPECT_GT(member->Stats().checked_heads, 0);
 }
 
 }  // namespace
