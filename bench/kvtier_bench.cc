@@ -14,6 +14,8 @@
 //   kvtier-bench tier [--masters 3] [--page-bytes N] [--pages N] [--json]  # cold tier vs Redis
 //   kvtier-bench pcie [--backend cuda] [--json] [--plot F]   # host↔device transfers, recall
 //   kvtier-bench roofline [--contexts 32768,131072] [--json]  # cpu ops vs read bandwidth
+//   kvtier-bench ops [--ops REGEX] [--backends cpu-scalar,cpu,cuda] [--cold] [--json]  # the
+//                    op table's cases timed per backend
 //   kvtier-bench devices
 #include <fstream>
 #include <iostream>
@@ -23,6 +25,7 @@
 #include "bench/attention_bench.h"
 #include "bench/decode_bench.h"
 #include "bench/ipc_bench.h"
+#include "bench/ops_bench.h"
 #include "bench/pcie_bench.h"
 #include "bench/roofline_bench.h"
 #include "bench/tier_bench.h"
@@ -162,6 +165,8 @@ int main(int argc, char** argv) {
   auto* decode = kvtier::bench::AddDecodeCommand(app, &decode_rc);
   int roofline_rc = 0;
   auto* roofline = kvtier::bench::AddRooflineCommand(app, &roofline_rc);
+  int ops_rc = 0;
+  auto* ops = kvtier::bench::AddOpsCommand(app, &ops_rc);
   int tier_rc = 0;
   auto* tier = kvtier::bench::AddTierCommand(app, &tier_rc);
 
@@ -172,6 +177,7 @@ int main(int argc, char** argv) {
   if (*pcie) return pcie_rc;
   if (*decode) return decode_rc;
   if (*roofline) return roofline_rc;
+  if (*ops) return ops_rc;
   if (*tier) return tier_rc;
   if (*ipc) {
     io.redis = !no_redis;

@@ -9,11 +9,9 @@ add_library(kvtier_numa INTERFACE)
 target_include_directories(kvtier_numa INTERFACE ${NUMA_INCLUDE_DIR})
 target_link_libraries(kvtier_numa INTERFACE ${NUMA_LIBRARY})
 
-if(KVTIER_BUILD_TESTS)
+# GoogleTest: the tests, and the op table `kvtier-bench ops` times (its checks are gtest's).
+if(KVTIER_BUILD_TESTS OR KVTIER_BUILD_BENCHMARKS)
   find_package(GTest CONFIG REQUIRED)
-endif()
-if(KVTIER_BUILD_BENCHMARKS)
-  find_package(benchmark CONFIG REQUIRED)
 endif()
 find_package(CLI11 CONFIG QUIET)
 if(NOT CLI11_FOUND)

@@ -30,3 +30,24 @@ function(kvtier_redis_testutil_library)
     absl::time PRIVATE PkgConfig::HIREDIS absl::strings)
   kvtier_set_warnings(kvtier_redis_testutil)
 endfunction()
+
+# kvtier_testutil (tests/testutil: random inputs, the chaos backend) and kvtier_op_cases (the op
+# table, tests/kernels/op_cases.h), for the tests and for `kvtier-bench ops`, which times the
+# table's cases on every backend; defined by whichever of tests/ and bench/ asks first.
+function(kvtier_op_cases_library)
+  if(TARGET kvtier_op_cases)
+    return()
+  endif()
+  set(t ${PROJECT_SOURCE_DIR}/tests)
+  add_library(kvtier_testutil STATIC ${t}/testutil/random_fill.cc ${t}/testutil/chaos_backend.cc)
+  target_include_directories(kvtier_testutil PUBLIC ${PROJECT_SOURCE_DIR})
+  target_link_libraries(kvtier_testutil PUBLIC kvtier_core kvtier_kernels_cpu)
+  kvtier_set_warnings(kvtier_testutil)
+  add_library(kvtier_op_cases STATIC
+    ${t}/kernels/op_cases.cc ${t}/kernels/op_cases_select.cc ${t}/kernels/op_cases_attention.cc
+    ${t}/kernels/op_cases_page.cc ${t}/kernels/op_cases_errors.cc
+    ${t}/kernels/op_cases_decode.cc)
+  target_link_libraries(kvtier_op_cases PUBLIC kvtier_kernels kvtier_testutil GTest::gtest)
+  target_include_directories(kvtier_op_cases PUBLIC ${PROJECT_SOURCE_DIR})
+  kvtier_set_warnings(kvtier_op_cases)
+endfunction()

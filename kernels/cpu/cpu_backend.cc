@@ -7,6 +7,7 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -46,11 +47,15 @@ class CpuGraph final : public Graph {
 
 class CpuBackend final : public Backend {
  public:
-  explicit CpuBackend(int num_threads)
-      : pool_(num_threads), low_pool_(pool_.num_threads(), /*low_priority=*/true) {}
+  CpuBackend(int num_threads, std::optional<cpu::Isa> isa)
+      : isa_(isa), pool_(num_threads), low_pool_(pool_.num_threads(), /*low_priority=*/true) {}
 
   DeviceKind kind() const override { return DeviceKind::kCpu; }
   std::string Describe() const override {
+    if (isa_.has_value()) {
+      return absl::StrFormat("cpu: %d threads, %s kernels", pool_.num_threads(),
+                             cpu::IsaName(cpu::RunnableIsa(*isa_)));
+    }
     return absl::StrFormat("cpu: %d threads", pool_.num_threads());
   }
 
@@ -184,10 +189,10 @@ class CpuBackend final : public Backend {
   }
 
   absl::Status DoScorePages(Stream& s, const ScorePagesArgs& a) override {
-    return Submit(s, [a, pool = PoolFor(s)] { return CpuScorePages(a, pool); });
+    return Submit(s, [a, pool = PoolFor(s), isa = Isa()] { return CpuScorePages(a, pool, isa); });
   }
   absl::Status DoTopK(Stream& s, const TopKArgs& a) override {
-    return Submit(s, [a, pool = PoolFor(s)] { return CpuTopK(a, pool); });
+    return Submit(s, [a, pool = PoolFor(s), isa = Isa()] { return CpuTopK(a, pool, isa); });
   }
   absl::Status DoQueryCosine(Stream& s, const QueryCosineArgs& a) override {
     return Submit(s, [a, pool = PoolFor(s)] { return CpuQueryCosine(a, pool); });
@@ -211,10 +216,14 @@ class CpuBackend final : public Backend {
     return Submit(s, [a, pool = PoolFor(s)] { return CpuOffload(a, pool); });
   }
   absl::Status DoSparseAttention(Stream& s, const SparseAttentionArgs& a) override {
-    return Submit(s, [a, pool = PoolFor(s)] { return CpuSparseAttention(a, pool); });
+    return Submit(s, [a, pool = PoolFor(s), isa = Isa()] {
+      return CpuSparseAttention(a, pool, isa);
+    });
   }
   absl::Status DoDenseAttention(Stream& s, const DenseAttentionArgs& a) override {
-    return Submit(s, [a, pool = PoolFor(s)] { return CpuDenseAttention(a, pool); });
+    return Submit(s, [a, pool = PoolFor(s), isa = Isa()] {
+      return CpuDenseAttention(a, pool, isa);
+    });
   }
   absl::Status DoMoveHeadSlots(Stream& s, const MoveHeadSlotsArgs& a) override {
     return Submit(s, [a, pool = PoolFor(s)] { return CpuMoveHeadSlots(a, pool); });
@@ -254,6 +263,10 @@ class CpuBackend final : public Backend {
     return absl::OkStatus();
   }
 
+  // The instruction set of the per-ISA ops: the one asked for, else the process's.
+  cpu::Isa Isa() const { return isa_.has_value() ? *isa_ : cpu::ActiveIsa(); }
+
+  const std::optional<cpu::Isa> isa_;
   ThreadPool pool_;
   ThreadPool low_pool_;  // nice 19 workers for the ops of low-priority streams
   mutable Mutex mu_;
@@ -263,7 +276,11 @@ class CpuBackend final : public Backend {
 }  // namespace
 
 std::unique_ptr<Backend> NewCpuBackend(int num_threads) {
-  return std::make_unique<CpuBackend>(num_threads);
+  return std::make_unique<CpuBackend>(num_threads, std::nullopt);
+}
+
+std::unique_ptr<Backend> NewCpuBackend(int num_threads, cpu::Isa isa) {
+  return std::make_unique<CpuBackend>(num_threads, isa);
 }
 
 }  // namespace kvtier

@@ -8,11 +8,17 @@
 #include <memory>
 
 #include "kernels/backend.h"
+#include "kernels/cpu/isa.h"
 
 namespace kvtier {
 
 // `num_threads` ≤ 0 means std::thread::hardware_concurrency().
 std::unique_ptr<Backend> NewCpuBackend(int num_threads = 0);
+// As above, with the ops that have kernels per instruction set (ScorePages, TopK,
+// SparseAttention, DenseAttention; kernels/cpu/cpu_ops.h) running `isa` (or the widest
+// narrower one that runs here) instead of cpu::ActiveIsa(): so that one process can time
+// the scalar reference and the vectorised kernels side by side (`kvtier-bench ops`).
+std::unique_ptr<Backend> NewCpuBackend(int num_threads, cpu::Isa isa);
 
 }  // namespace kvtier
 

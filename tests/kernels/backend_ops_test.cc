@@ -1,7 +1,9 @@
 // Every case of the op table (tests/kernels/op_cases.h) on every backend this build has,
 // against the CPU reference backend. The cpu parameter runs another CPU backend (with a
-// different thread count, so work is split differently); the cuda parameter skips itself
-// when no CUDA device is usable.
+// different thread count, so work is split differently); cpuscalar one whose per-ISA ops run
+// the scalar reference loops (NewCpuBackend with cpu::Isa::kScalar, what `kvtier-bench ops`
+// times as its baseline) where the reference runs the vectorised kernels; the cuda parameter
+// skips itself when no CUDA device is usable.
 #include <cstring>
 #include <memory>
 #include <string>
@@ -10,27 +12,31 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "kernels/cpu/cpu_backend.h"
 #include "kernels/registry.h"
 #include "tests/kernels/op_cases.h"
 
 namespace kvtier::testing {
 namespace {
 
+enum class Under { kCpu, kCpuScalar, kCuda };
+
 struct Param {
-  DeviceKind kind;
+  Under under;
   size_t index;  // into OpCases()
 };
 
 std::vector<Param> AllParams() {
   std::vector<Param> out;
-  for (const DeviceKind kind : {DeviceKind::kCpu, DeviceKind::kCuda}) {
-    for (size_t i = 0; i < OpCases().size(); ++i) out.push_back({kind, i});
+  for (const Under under : {Under::kCpu, Under::kCpuScalar, Under::kCuda}) {
+    for (size_t i = 0; i < OpCases().size(); ++i) out.push_back({under, i});
   }
   return out;
 }
 
 std::string ParamName(const ::testing::TestParamInfo<Param>& info) {
-  return absl::StrCat(info.param.kind == DeviceKind::kCpu ? "cpu_" : "cuda_",
+  const Under u = info.param.under;
+  return absl::StrCat(u == Under::kCpu ? "cpu_" : u == Under::kCpuScalar ? "cpuscalar_" : "cuda_",
                       OpCases()[info.param.index].name);
 }
 
@@ -39,10 +45,12 @@ Backend& Reference() {
   static Backend* const backend = CreateBackend(DeviceKind::kCpu).value().release();
   return *backend;
 }
-Backend& UnderTest(DeviceKind kind) {
+Backend& UnderTest(Under under) {
   static Backend* const cpu =
       CreateBackend(DeviceKind::kCpu, DeviceOptions{.cpu_threads = 3}).value().release();
-  if (kind == DeviceKind::kCpu) return *cpu;
+  static Backend* const scalar = NewCpuBackend(3, cpu::Isa::kScalar).release();
+  if (under == Under::kCpu) return *cpu;
+  if (under == Under::kCpuScalar) return *scalar;
   static Backend* const cuda = CreateBackend(DeviceKind::kCuda).value().release();
   return *cuda;
 }
@@ -50,7 +58,7 @@ Backend& UnderTest(DeviceKind kind) {
 class BackendOpsTest : public ::testing::TestWithParam<Param> {
  protected:
   void SetUp() override {
-    if (GetParam().kind == DeviceKind::kCuda && CudaDeviceCount() == 0) {
+    if (GetParam().under == Under::kCuda && CudaDeviceCount() == 0) {
       GTEST_SKIP() << (CudaBackendBuilt() ? "no usable CUDA device"
                                           : "built without the CUDA backend");
     }
@@ -69,7 +77,7 @@ TEST_P(BackendOpsTest, MatchesTheCpuReference) {
   const OpRun run = OpCases()[GetParam().index].make();
   const absl::StatusOr<OpResult> want = RunOn(Reference(), run.in, run.op);
   ASSERT_TRUE(want.ok()) << "reference: " << want.status();
-  const absl::StatusOr<OpResult> got = RunOn(UnderTest(GetParam().kind), run.in, run.op);
+  const absl::StatusOr<OpResult> got = RunOn(UnderTest(GetParam().under), run.in, run.op);
   ASSERT_TRUE(got.ok()) << got.status();
   ExpectStatuses(run, *want, "reference");
   ExpectStatuses(run, *got, "backend");

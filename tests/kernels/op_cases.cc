@@ -22,11 +22,10 @@ int OpBuffers::AddBytes(const void* data, size_t bytes, Placement where, size_t 
   return static_cast<int>(bufs_.size()) - 1;
 }
 
-absl::StatusOr<OpResult> RunOn(Backend& backend, const OpBuffers& in, const OpFn& fn) {
+absl::StatusOr<std::unique_ptr<PlacedBuffers>> PlacedBuffers::Place(Backend& backend,
+                                                                     const OpBuffers& in) {
+  std::unique_ptr<PlacedBuffers> placed(new PlacedBuffers(backend));
   KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<Stream> io, backend.CreateStream());
-  std::vector<DeviceBuffer> device;
-  std::vector<std::unique_ptr<AlignedHostBuffer>> host;
-  std::vector<std::unique_ptr<ScopedRegistration>> registrations;
   std::vector<void*> ptrs;
   for (size_t i = 0; i < in.size(); ++i) {
     const size_t bytes = in[i].size(), total = std::max<size_t>(bytes + in.offset(i), 16);
@@ -34,29 +33,42 @@ absl::StatusOr<OpResult> RunOn(Backend& backend, const OpBuffers& in, const OpFn
     if (in.placement(i) == Placement::kDevice) {
       KVTIER_ASSIGN_OR_RETURN(DeviceBuffer d, backend.Allocate(total));
       base = d.as<unsigned char>();
-      device.push_back(std::move(d));
+      placed->device_.push_back(std::move(d));
     } else {
-      host.push_back(std::make_unique<AlignedHostBuffer>(total));
-      base = static_cast<unsigned char*>(host.back()->data());
-      registrations.push_back(std::make_unique<ScopedRegistration>(backend, base, total));
-      KVTIER_RETURN_IF_ERROR(registrations.back()->status());
+      placed->host_.push_back(std::make_unique<AlignedHostBuffer>(total));
+      base = static_cast<unsigned char*>(placed->host_.back()->data());
+      placed->registrations_.push_back(std::make_unique<ScopedRegistration>(backend, base, total));
+      KVTIER_RETURN_IF_ERROR(placed->registrations_.back()->status());
     }
     ptrs.push_back(base + in.offset(i));
     if (bytes > 0) KVTIER_RETURN_IF_ERROR(backend.Copy(*io, ptrs.back(), in[i].data(), bytes));
   }
   KVTIER_RETURN_IF_ERROR(io->Synchronize());
-  KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<Stream> op_stream, backend.CreateStream());
-  OpResult result;
-  result.enqueue = fn(backend, *op_stream, OpPtrs(ptrs));
-  result.run = op_stream->Synchronize();
-  result.bufs.resize(in.size());
+  placed->ptrs_ = OpPtrs(std::move(ptrs));
+  return placed;
+}
+
+absl::Status PlacedBuffers::ReadBack(const OpBuffers& in, Stream& io,
+                                     std::vector<std::vector<unsigned char>>* out) const {
+  out->resize(in.size());
   for (size_t i = 0; i < in.size(); ++i) {
-    result.bufs[i].resize(in[i].size());
+    (*out)[i].resize(in[i].size());
     if (!in[i].empty()) {
-      KVTIER_RETURN_IF_ERROR(backend.Copy(*io, result.bufs[i].data(), ptrs[i], in[i].size()));
+      KVTIER_RETURN_IF_ERROR(backend_.Copy(io, (*out)[i].data(),
+                                           ptrs_.get(static_cast<int>(i)), in[i].size()));
     }
   }
-  KVTIER_RETURN_IF_ERROR(io->Synchronize());
+  return io.Synchronize();
+}
+
+absl::StatusOr<OpResult> RunOn(Backend& backend, const OpBuffers& in, const OpFn& fn) {
+  KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<PlacedBuffers> placed, PlacedBuffers::Place(backend, in));
+  KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<Stream> io, backend.CreateStream());
+  KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<Stream> op_stream, backend.CreateStream());
+  OpResult result;
+  result.enqueue = fn(backend, *op_stream, placed->ptrs());
+  result.run = op_stream->Synchronize();
+  KVTIER_RETURN_IF_ERROR(placed->ReadBack(in, *io, &result.bufs));
   return result;
 }
 
@@ -268,6 +280,7 @@ const std::vector<OpCase>& OpCases() {
     op_cases_internal::AddAttentionCases(*all);
     op_cases_internal::AddPageCases(*all);
     op_cases_internal::AddErrorCases(*all);
+    op_cases_internal::AddDecodeCases(*all);
     return all;
   }();
   return *cases;

@@ -8,6 +8,8 @@
 //
 // The runner is tests/kernels/backend_ops_test.cc; the helpers below (buffers placed on a
 // backend, comparisons, random inputs) also serve the tests that check what a table cannot.
+// The cases named `<Op>_decode_<size>` run the hot ops at the size of one decode step of a
+// Llama-3.1-8B layer; `kvtier-bench ops` times them (and any other case) on every backend.
 #ifndef KVTIER_TESTS_KERNELS_OP_CASES_H_
 #define KVTIER_TESTS_KERNELS_OP_CASES_H_
 
@@ -135,6 +137,27 @@ struct OpResult {
 // Enqueues the op(s) of a case on `s` over the buffers at `p`.
 using OpFn = std::function<absl::Status(Backend& be, Stream& s, const OpPtrs& p)>;
 
+// A copy of every buffer of `in` placed on `backend` (backend memory, or page-aligned host
+// memory registered with it), held until the object is gone: what RunOn runs an op over,
+// and what `kvtier-bench ops` times it over.
+class PlacedBuffers {
+ public:
+  static absl::StatusOr<std::unique_ptr<PlacedBuffers>> Place(Backend& backend,
+                                                              const OpBuffers& in);
+  const OpPtrs& ptrs() const { return ptrs_; }
+  // Every buffer's bytes as they are now, on `io` (synchronised).
+  absl::Status ReadBack(const OpBuffers& in, Stream& io,
+                        std::vector<std::vector<unsigned char>>* out) const;
+
+ private:
+  explicit PlacedBuffers(Backend& backend) : backend_(backend), ptrs_({}) {}
+  Backend& backend_;
+  std::vector<DeviceBuffer> device_;
+  std::vector<std::unique_ptr<AlignedHostBuffer>> host_;
+  std::vector<std::unique_ptr<ScopedRegistration>> registrations_;
+  OpPtrs ptrs_;
+};
+
 // Places a copy of every buffer on `backend`, runs `fn` on a fresh stream, synchronises
 // it and reads every buffer back (over another stream: a failed stream skips later work
 // on the cpu backend). An error here is the harness's, not the op's: the op's statuses are
@@ -154,6 +177,10 @@ struct OpRun {
   // Judges `got` against `want`, the CPU backend's result on the same inputs `in`, with
   // gtest expectations. Runs only when both stream statuses were as expected.
   std::function<void(const OpBuffers& in, const OpResult& want, const OpResult& got)> check;
+  // What the op must move (bytes read and written) and compute (floating-point operations),
+  // stated by the decode-size cases for `kvtier-bench ops`; 0 where not stated.
+  int64_t bytes = 0;
+  double flops = 0;
 };
 
 struct OpCase {

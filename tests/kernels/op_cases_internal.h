@@ -71,6 +71,7 @@ void AddSelectionCases(std::vector<OpCase>& cases);
 void AddAttentionCases(std::vector<OpCase>& cases);  // SparseAttention, DenseAttention
 void AddPageCases(std::vector<OpCase>& cases);       // Recall, the slab halves, Offload, slot ops
 void AddErrorCases(std::vector<OpCase>& cases);      // data-dependent errors of every op
+void AddDecodeCases(std::vector<OpCase>& cases);     // the hot ops at decode size
 
 }  // namespace kvtier::testing::op_cases_internal
 

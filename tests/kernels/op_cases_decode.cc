@@ -1,0 +1,305 @@
+// The hot ops at decode size: one layer of Llama-3.1-8B (32 query heads, 8 KV heads of 128,
+// pages of 32 tokens, fp16) as a decode step runs them, so that every backend is checked
+// against the CPU reference at the sizes it is used at, and `kvtier-bench ops` times the
+// same cases (each states the bytes it must move and, for attention and scoring, its
+// floating-point operations). Names end in `_decode_<size>`.
+#include <algorithm>
+#include <cstdint>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "gtest/gtest.h"
+#include "kvtier/layout.h"
+#include "tests/kernels/op_cases.h"
+#include "tests/kernels/op_cases_internal.h"
+
+namespace kvtier::testing::op_cases_internal {
+namespace {
+
+constexpr KvShape kLayer{DType::kF16, 32, 8, 128, 32};
+constexpr int64_t kElem = 2;  // fp16
+
+int64_t Bytes(int64_t elements) { return elements * kElem; }
+std::string Tokens(int64_t n) { return n % 1024 == 0 ? absl::StrFormat("%dk", n / 1024) : absl::StrCat(n); }
+
+TypedBuffer Normal(int64_t n, uint32_t seed) {
+  TypedBuffer b(kLayer.dtype, n);
+  b.FillNormal(seed);
+  return b;
+}
+
+// Page scoring of one sequence at `context` tokens: every page's summary against the
+// query of every head, pooled per KV head.
+OpRun ScoreRun(int32_t context, uint32_t seed) {
+  const int32_t P = context / kLayer.page_size;
+  const SummaryLayout sl{kLayer.num_kv_heads, kLayer.head_dim};
+  const int64_t q_elems = int64_t{kLayer.num_q_heads} * kLayer.head_dim;
+  OpRun r;
+  const int iq = r.in.Add(Normal(q_elems, seed + 1));
+  const int isum = r.in.Add(Normal(P * sl.page_elements(), seed + 2));
+  const int inp = r.in.Add(std::vector<int32_t>{P});
+  const int ipooled =
+      r.in.Add(std::vector<float>(static_cast<size_t>(kLayer.num_kv_heads) * P, 7.0f));
+  r.op = [=](Backend& be, Stream& s, const OpPtrs& p) {
+    ScorePagesArgs a;
+    a.shape = kLayer;
+    a.batch = 1;
+    a.max_pages = P;
+    a.q = p.get(iq);
+    a.summaries = p.get(isum);
+    a.num_pages = p.get<int32_t>(inp);
+    a.softmax_scale = ScaleOf(kLayer.head_dim);
+    a.pooled = p.get<float>(ipooled);
+    return be.ScorePages(s, a);
+  };
+  r.check = [=](const OpBuffers&, const OpResult& want, const OpResult& got) {
+    // Probabilities over P pages (about 1/P each): a relative tolerance.
+    ExpectFloatBufNear(want, got, ipooled, 2e-4, 1e-7, "pooled");
+  };
+  r.bytes = Bytes(P * sl.page_elements() + q_elems) + int64_t{4} * kLayer.num_kv_heads * P;
+  // Per query head, page and dimension: two products, a max and an add.
+  r.flops = 4.0 * kLayer.num_q_heads * P * kLayer.head_dim;
+  return r;
+}
+
+// Top-k of one sequence's pooled scores at `context` tokens (distinct random scores, so
+// every backend selects the same pages).
+OpRun TopKDecodeRun(int32_t context, int32_t k, uint32_t seed) {
+  const int32_t P = context / kLayer.page_size, Hkv = kLayer.num_kv_heads;
+  std::mt19937 rng(seed);
+  std::vector<float> pooled(static_cast<size_t>(Hkv) * P);
+  std::iota(pooled.begin(), pooled.end(), 0.0f);
+  std::shuffle(pooled.begin(), pooled.end(), rng);
+  OpRun r;
+  const int ipooled = r.in.Add(pooled), inp = r.in.Add(std::vector<int32_t>{P});
+  const int isel = r.in.Add(std::vector<int32_t>(static_cast<size_t>(Hkv) * k, -7));
+  r.op = [=](Backend& be, Stream& s, const OpPtrs& p) {
+    TopKArgs a;
+    a.shape = kLayer;
+    a.batch = 1;
+    a.max_pages = P;
+    a.k = k;
+    a.pooled = p.get<float>(ipooled);
+    a.num_pages = p.get<int32_t>(inp);
+    a.sink_pages = 16;
+    a.recent_pages = 16;
+    a.selected = p.get<int32_t>(isel);
+    return be.TopK(s, a);
+  };
+  r.check = [=](const OpBuffers&, const OpResult& want, const OpResult& got) {
+    ExpectSameBytes(want, got, isel, sizeof(int32_t), "selected");
+  };
+  r.bytes = int64_t{4} * Hkv * (P + k);
+  return r;
+}
+
+// The drift check of one sequence: cosines of the current and previous query per head.
+OpRun CosineDecodeRun(uint32_t seed) {
+  const int64_t n = int64_t{kLayer.num_q_heads} * kLayer.head_dim;
+  OpRun r;
+  const int iq = r.in.Add(Normal(n, seed + 1)), iprev = r.in.Add(Normal(n, seed + 2));
+  const int imean = r.in.Add(std::vector<float>(kLayer.num_kv_heads, 7.0f));
+  const int idrift = r.in.Add(std::vector<uint8_t>(kLayer.num_kv_heads, 7));
+  r.op = [=](Backend& be, Stream& s, const OpPtrs& p) {
+    QueryCosineArgs a;
+    a.shape = kLayer;
+    a.batch = 1;
+    a.q = p.get(iq);
+    a.q_prev = p.get(iprev);
+    a.threshold = 0.0f;
+    a.group_mean = p.get<float>(imean);
+    a.drifted = p.get<uint8_t>(idrift);
+    return be.QueryCosine(s, a);
+  };
+  r.check = [=](const OpBuffers&, const OpResult& want, const OpResult& got) {
+    ExpectFloatBufNear(want, got, imean, 1e-5, 1e-6, "group_mean");
+  };
+  r.bytes = Bytes(2 * n);
+  return r;
+}
+
+// A zero-copy recall of `items` head-pages (each a distinct (slot, KV head)) from a pool of
+// registered host pages into a working set of 64 slots.
+OpRun RecallDecodeRun(int32_t items, uint32_t seed) {
+  constexpr int32_t kSlots = 64, kHostPages = 128;
+  const HostPageLayout hl{kLayer.num_kv_heads, kLayer.page_size, kLayer.head_dim};
+  std::mt19937 rng(seed);
+  std::vector<int32_t> targets(static_cast<size_t>(kSlots) * kLayer.num_kv_heads);
+  std::iota(targets.begin(), targets.end(), 0);
+  std::shuffle(targets.begin(), targets.end(), rng);
+  std::vector<RecallItem> list;
+  for (int32_t i = 0; i < items; ++i) {
+    const int32_t t = targets[static_cast<size_t>(i)];
+    list.push_back({Uniform(rng, 0, kHostPages - 1), t % kLayer.num_kv_heads,
+                    t / kLayer.num_kv_heads});
+  }
+  OpRun r;
+  const int ipages =
+      r.in.Add(Normal(kHostPages * hl.page_elements(), seed + 1), Placement::kRegisteredHost);
+  const int iitems = r.in.Add(list);
+  const WorkingSetBuffers ws(r.in, kSlots, RandomCache(kLayer, kSlots, seed + 2),
+                             RandomCache(kLayer, kSlots, seed + 3));
+  r.op = [=](Backend& be, Stream& s, const OpPtrs& p) {
+    RecallArgs a;
+    a.shape = kLayer;
+    a.kv = ws.At(p);
+    a.host_pages = p.get(ipages);
+    a.num_host_pages = kHostPages;
+    a.items = p.get<RecallItem>(iitems);
+    a.num_items = items;
+    return be.Recall(s, a);
+  };
+  r.check = [=](const OpBuffers&, const OpResult& want, const OpResult& got) {
+    ws.ExpectSameCaches(want, got, kLayer.dtype);
+  };
+  // Each item reads its K and V slabs from host memory and writes them into the slot.
+  r.bytes = int64_t{items} * 2 * Bytes(2 * hl.slab_elements());
+  return r;
+}
+
+// The offload of `pages` full pages of the working set into registered host pages, with
+// their summaries (center ± mean absolute deviation, the default).
+OpRun OffloadDecodeRun(int32_t pages, uint32_t seed) {
+  constexpr int32_t kSrcSlots = 64, kHostPages = 96;
+  const HostPageLayout hl{kLayer.num_kv_heads, kLayer.page_size, kLayer.head_dim};
+  const SummaryLayout sl{kLayer.num_kv_heads, kLayer.head_dim};
+  std::vector<OffloadItem> items;
+  for (int32_t i = 0; i < pages; ++i) items.push_back({i, 3 * i + 1, i});
+  OpRun r;
+  const int ik = r.in.Add(RandomCache(kLayer, kSrcSlots, seed + 1));
+  const int iv = r.in.Add(RandomCache(kLayer, kSrcSlots, seed + 2));
+  const int iitems = r.in.Add(items);
+  const int ipages = r.in.Add(Filled(kLayer.dtype, kHostPages * hl.page_elements(), 0.0f),
+                              Placement::kRegisteredHost);
+  const int isums = r.in.Add(Filled(kLayer.dtype, pages * sl.page_elements(), 0.0f));
+  r.op = [=](Backend& be, Stream& s, const OpPtrs& p) {
+    OffloadArgs a;
+    a.shape = kLayer;
+    a.summary = SummaryMode::kCenterMad;
+    a.k_src = p.get(ik);
+    a.v_src = p.get(iv);
+    a.num_src_slots = kSrcSlots;
+    a.host_pages = p.get(ipages);
+    a.num_host_pages = kHostPages;
+    a.summaries = p.get(isums);
+    a.num_summary_pages = pages;
+    a.items = p.get<OffloadItem>(iitems);
+    a.num_items = pages;
+    return be.Offload(s, a);
+  };
+  r.check = [=](const OpBuffers&, const OpResult& want, const OpResult& got) {
+    ExpectSameBytes(want, got, ipages, kElem, "host pages");
+    ExpectSameBytes(want, got, isums, kElem, "summaries");
+  };
+  // Each page is read from the working set and written to the host; its summary written.
+  r.bytes = int64_t{pages} * (2 * Bytes(hl.page_elements()) + Bytes(sl.page_elements()));
+  return r;
+}
+
+// Sparse attention of one sequence over a full working set of `slots` slots, each KV head's
+// table its own permutation of the pages.
+OpRun SparseDecodeRun(int32_t slots, uint32_t seed) {
+  const SlotTableLayout tl{kLayer.num_kv_heads, slots};
+  std::mt19937 rng(seed);
+  std::vector<int32_t> table(static_cast<size_t>(kLayer.num_kv_heads) * slots);
+  for (int32_t h = 0; h < kLayer.num_kv_heads; ++h) {
+    std::vector<int32_t> pages = Iota(slots);
+    std::shuffle(pages.begin(), pages.end(), rng);
+    for (int32_t s = 0; s < slots; ++s) table[tl.Offset(0, h, s)] = pages[s];
+  }
+  const int64_t q_elems = int64_t{kLayer.num_q_heads} * kLayer.head_dim;
+  OpRun r;
+  const int iq = r.in.Add(Normal(q_elems, seed + 1)), itab = r.in.Add(table);
+  const WorkingSetBuffers ws(r.in, slots, RandomCache(kLayer, slots, seed + 2),
+                             RandomCache(kLayer, slots, seed + 3));
+  const int ipp = r.in.Add(std::vector<int32_t>{-1}), ipl = r.in.Add(std::vector<int32_t>{0});
+  const int iout = r.in.Add(Filled(kLayer.dtype, q_elems, 7.0f));
+  const int ilse = r.in.Add(std::vector<float>(kLayer.num_q_heads, 7.0f));
+  r.op = [=](Backend& be, Stream& s, const OpPtrs& p) {
+    SparseAttentionArgs a;
+    a.shape = kLayer;
+    a.kv = ws.At(p);
+    a.kv.num_slots = slots;
+    a.kv.slot_table = p.get<int32_t>(itab);
+    a.kv.partial_page = p.get<int32_t>(ipp);
+    a.kv.partial_len = p.get<int32_t>(ipl);
+    a.batch = 1;
+    a.q = p.get(iq);
+    a.softmax_scale = ScaleOf(kLayer.head_dim);
+    a.out = p.get(iout);
+    a.lse = p.get<float>(ilse);
+    return be.SparseAttention(s, a);
+  };
+  r.check = [=](const OpBuffers&, const OpResult& want, const OpResult& got) {
+    ExpectAttentionOutNear(kLayer.dtype, want, got, iout, "out");
+    ExpectFloatBufNear(want, got, ilse, 1e-4, 1e-4, "lse");
+  };
+  const int64_t tokens = int64_t{slots} * kLayer.page_size;
+  r.bytes = 2 * Bytes(tokens * kLayer.num_kv_heads * kLayer.head_dim);
+  // q·k and p·v for every query head and token: a multiply and an add each.
+  r.flops = 4.0 * kLayer.num_q_heads * static_cast<double>(tokens) * kLayer.head_dim;
+  return r;
+}
+
+// Dense attention of one sequence over `context` tokens of contiguous K and V.
+OpRun DenseDecodeRun(int32_t context, uint32_t seed) {
+  const DenseKvLayout kl{context, kLayer.num_kv_heads, kLayer.head_dim};
+  const int64_t q_elems = int64_t{kLayer.num_q_heads} * kLayer.head_dim;
+  OpRun r;
+  const int iq = r.in.Add(Normal(q_elems, seed + 1));
+  const int ik = r.in.Add(Normal(kl.Offset(1, 0, 0, 0), seed + 2));
+  const int iv = r.in.Add(Normal(kl.Offset(1, 0, 0, 0), seed + 3));
+  const int ilen = r.in.Add(std::vector<int32_t>{context});
+  const int iout = r.in.Add(Filled(kLayer.dtype, q_elems, 7.0f));
+  r.op = [=](Backend& be, Stream& s, const OpPtrs& p) {
+    DenseAttentionArgs a;
+    a.shape = kLayer;
+    a.batch = 1;
+    a.max_tokens = context;
+    a.q = p.get(iq);
+    a.k = p.get(ik);
+    a.v = p.get(iv);
+    a.seq_len = p.get<int32_t>(ilen);
+    a.softmax_scale = ScaleOf(kLayer.head_dim);
+    a.out = p.get(iout);
+    return be.DenseAttention(s, a);
+  };
+  r.check = [=](const OpBuffers&, const OpResult& want, const OpResult& got) {
+    ExpectAttentionOutNear(kLayer.dtype, want, got, iout, "out");
+  };
+  r.bytes = 2 * Bytes(kl.Offset(1, 0, 0, 0));
+  r.flops = 4.0 * kLayer.num_q_heads * static_cast<double>(context) * kLayer.head_dim;
+  return r;
+}
+
+}  // namespace
+
+void AddDecodeCases(std::vector<OpCase>& cases) {
+  for (const int32_t context : {8192, 32768, 131072}) {
+    Add(cases, "ScorePages_decode_ctx" + Tokens(context),
+        [context](uint32_t seed) { return ScoreRun(context, seed); });
+  }
+  Add(cases, "TopK_decode_ctx32k_k32",
+      [](uint32_t seed) { return TopKDecodeRun(32768, 32, seed); });
+  Add(cases, "QueryCosine_decode", [](uint32_t seed) { return CosineDecodeRun(seed); });
+  for (const int32_t items : {64, 256}) {
+    Add(cases, absl::StrFormat("Recall_decode_%ditems", items),
+        [items](uint32_t seed) { return RecallDecodeRun(items, seed); });
+  }
+  Add(cases, "Offload_decode_32pages", [](uint32_t seed) { return OffloadDecodeRun(32, seed); });
+  // FreeKV's working set (2,048 tokens) and twice it.
+  for (const int32_t slots : {64, 128}) {
+    Add(cases, "SparseAttention_decode_ws" + Tokens(int64_t{slots} * kLayer.page_size),
+        [slots](uint32_t seed) { return SparseDecodeRun(slots, seed); });
+  }
+  for (const int32_t context : {8192, 32768}) {
+    Add(cases, "DenseAttention_decode_ctx" + Tokens(context),
+        [context](uint32_t seed) { return DenseDecodeRun(context, seed); });
+  }
+}
+
+}  // namespace kvtier::testing::op_cases_internal
