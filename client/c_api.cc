@@ -47,7 +47,8 @@ static_assert(KVTIER_CORRECTION_TRIGGER_COSINE ==
               KVTIER_CORRECTION_TRIGGER_MASS == static_cast<int>(kvtier::CorrectionTrigger::kMass));
 
 // The C options as the C++ ones: only what C adds is checked here (the dtype, the transport,
-// the demotion flag; an int that is no enum value of the C++ type at all). The sequence
+// the demotion flag, the policies' C form; an int that is no enum value of the C++ type at
+// all). The sequence
 // options are the resolver's (kvtier::ResolveSequenceOptions), which the client runs before
 // it sends, so the C API answers exactly as the C++ client and kvtierd do.
 absl::StatusOr<kvtier::SessionOptions> ToSessionOptions(const kvtier_session_options& o) {
@@ -72,8 +73,18 @@ absl::StatusOr<kvtier::SessionOptions> ToSessionOptions(const kvtier_session_opt
     return absl::InvalidArgumentError(
         absl::StrFormat("host_drop_demote = %d: must be 0 or 1", o.host_drop_demote));
   }
-  // Without a residency policy (the C API sets none) the oldest pages are demoted first.
-  if (o.host_drop_demote == 1) s.sequence.policy.host_drop = "demote";
+  absl::StatusOr<kvtier::PolicyConfig> policy = kvtier::c_api::PolicyFromC(o.policy);
+  if (!policy.ok()) return policy.status();
+  s.sequence.policy = *std::move(policy);
+  if (o.host_drop_demote == 1) {
+    if (o.policy.host_drop != nullptr && s.sequence.policy.host_drop != "demote") {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "host_drop_demote = 1 and policy.host_drop = '%s' disagree: give one",
+          s.sequence.policy.host_drop));
+    }
+    // Without a residency policy the oldest pages are demoted first.
+    s.sequence.policy.host_drop = "demote";
+  }
   s.sequence.correction_threshold = o.correction_threshold;
   if (o.correction_trigger < 0 || o.correction_trigger > 255) {
     return absl::InvalidArgumentError(absl::StrFormat(

@@ -14,6 +14,7 @@
 #include "absl/strings/str_format.h"
 #include "kvtier/c_api.h"
 #include "kvtier/geometry.h"
+#include "kvtier/options.h"
 #include "kvtier/sequence.h"
 
 namespace kvtier::c_api {
@@ -70,6 +71,36 @@ inline absl::StatusOr<Geometry> GeometryFromC(const kvtier_geometry& c) {
           absl::StrFormat("geometry.dtype = %d: must be a KVTIER_DTYPE_*", c.dtype));
   }
   return g;
+}
+
+// The C policies as the C++ ones: only their C form is checked here (params as "key=value",
+// each key once); the names and values are the policy registry's to judge where the sequence
+// is made, with the message every entry point gives.
+inline absl::StatusOr<PolicyConfig> PolicyFromC(const kvtier_policy_options& c) {
+  PolicyConfig p;
+  if (c.budget != nullptr) p.budget = c.budget;
+  if (c.residency != nullptr) p.residency = c.residency;
+  if (c.host_drop != nullptr) p.host_drop = c.host_drop;
+  if (c.num_params < 0 || (c.num_params > 0 && c.params == nullptr)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "policy.num_params = %d: must be >= 0, with policy.params holding that many strings",
+        c.num_params));
+  }
+  for (int32_t i = 0; i < c.num_params; ++i) {
+    const char* kv = c.params[i];
+    const char* eq = kv == nullptr ? nullptr : std::strchr(kv, '=');
+    if (eq == nullptr || eq == kv) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "policy.params[%d] = '%s': must be \"<policy>.<name>=<value>\"", i,
+          kv == nullptr ? "(null)" : kv));
+    }
+    std::string key(kv, eq);
+    if (!p.params.emplace(key, std::string(eq + 1)).second) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("policy.params[%d]: '%s' is given twice", i, key));
+    }
+  }
+  return p;
 }
 
 // A step's slot table [Hkv][S] into the caller's `table` of `capacity` entries (*num_slots

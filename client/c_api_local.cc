@@ -95,6 +95,9 @@ absl::StatusOr<kvtier::SequenceOptions> ToSequenceOptions(const kvtier_sequence_
         absl::StrFormat("capture_graphs = %d: must be 0 or 1", c.capture_graphs));
   }
   o.capture_graphs = c.capture_graphs == 1;
+  absl::StatusOr<kvtier::PolicyConfig> policy = kvtier::c_api::PolicyFromC(c.policy);
+  if (!policy.ok()) return policy.status();
+  o.policy = *std::move(policy);
   if (c.compute_stream != nullptr) {
     if (device.kind() != kvtier::DeviceKind::kCuda) {
       return absl::InvalidArgumentError(
@@ -341,6 +344,44 @@ int kvtier_sequence_decode(kvtier_sequence* sequence, int32_t layer, const void*
                            float* lse) {
   if (sequence == nullptr) return InvalidArgument("kvtier_sequence_decode: sequence is null");
   return Guard([&] { return sequence->seq->Decode(layer, q, out, lse); });
+}
+
+int kvtier_sequence_report_signals(kvtier_sequence* sequence, const kvtier_step_signals* signals) {
+  if (sequence == nullptr || signals == nullptr) {
+    return InvalidArgument("kvtier_sequence_report_signals: sequence and signals must be non-null");
+  }
+  return Guard([&]() -> absl::Status {
+    const kvtier_step_signals& c = *signals;
+    if (c.vocab < 0 || (c.vocab > 0) != (c.logits != nullptr)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "kvtier_sequence_report_signals: vocab = %d with %s logits: give both or neither",
+          c.vocab, c.logits == nullptr ? "no" : "non-null"));
+    }
+    if (c.num_tokens < 1 || c.num_layers < 0 ||
+        (c.num_layers > 0) != (c.hidden_delta != nullptr)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "kvtier_sequence_report_signals: num_tokens = %d must be >= 1, and num_layers = %d "
+          "> 0 exactly when hidden_delta is given",
+          c.num_tokens, c.num_layers));
+    }
+    kvtier::StepSignals s;
+    s.first_position = c.first_position;
+    s.num_tokens = c.num_tokens;
+    if (c.logits != nullptr) s.logits = {c.logits, static_cast<size_t>(c.vocab)};
+    if (c.hidden_delta != nullptr) {
+      s.hidden_delta = {c.hidden_delta, static_cast<size_t>(c.num_tokens) * c.num_layers};
+      s.num_layers = c.num_layers;
+    }
+    return sequence->seq->ReportSignals(s);
+  });
+}
+
+int kvtier_sequence_observe_queries(kvtier_sequence* sequence, int32_t layer, const void* q,
+                                    int32_t n, int64_t first_position) {
+  if (sequence == nullptr) {
+    return InvalidArgument("kvtier_sequence_observe_queries: sequence is null");
+  }
+  return Guard([&] { return sequence->seq->ObserveQueries(layer, q, n, first_position); });
 }
 
 int kvtier_sequence_wait(kvtier_sequence* sequence) {

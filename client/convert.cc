@@ -57,9 +57,14 @@ absl::StatusOr<v1::OpenSessionRequest> BuildOpenSessionRequest(std::string_view 
         "host_tokens = %d: must be >= 0 (0: max_tokens)", options.host_tokens));
   }
   ro->set_host_tokens(static_cast<uint32_t>(options.host_tokens));
-  // What a full host tier does is the daemon's business too: it sizes the region and moves
-  // demoted pages (the other policies run in the engine's sequence alone).
-  req.mutable_policy()->set_host_drop(r.policy.host_drop);
+  // The policies, whole: a GRPC session's run in kvtierd, and the daemon judges them for every
+  // session (an SHM session's also run in the engine's sequence; what a full host tier does
+  // is the daemon's business either way: it sizes the region and moves demoted pages).
+  v1::PolicyOptions* po = req.mutable_policy();
+  if (r.policy.budget != "fixed") po->set_budget_policy(r.policy.budget);
+  if (r.policy.residency != "none") po->set_residency_policy(r.policy.residency);
+  po->set_host_drop(r.policy.host_drop);
+  for (const auto& [key, value] : r.policy.params) (*po->mutable_params())[key] = value;
   req.set_transport(TransportToProto(options.transport));
   req.set_label(options.label);
   req.set_request_id(options.request_id.empty() ? RandomRequestId() : options.request_id);

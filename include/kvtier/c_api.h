@@ -88,6 +88,19 @@ typedef struct kvtier_client_options {
   uint64_t max_message_bytes; /* 0: the daemon's limit */
 } kvtier_client_options;
 
+/* The drop-style policies a sequence runs (kvtier::PolicyConfig, docs/policies.md). NULL
+ * names keep the defaults; params are num_params strings "<policy>.<name>=<value>" (e.g.
+ * "h2o.recent_pages=4"). Names and params are judged by the policy registry when the
+ * sequence or session is made: INVALID_ARGUMENT naming the policy or parameter and its rule,
+ * the same message the C++ API and kvtierd give. */
+typedef struct kvtier_policy_options {
+  const char* budget;         /* fixed | confidence | xkv | kv_compress; NULL: fixed */
+  const char* residency;      /* none | attention | h2o | epiphany | kv_compress; NULL: none */
+  const char* host_drop;      /* refuse | evict | demote; NULL: refuse */
+  const char* const* params;  /* num_params "key=value" strings, or NULL */
+  int32_t num_params;
+} kvtier_policy_options;
+
 typedef struct kvtier_session_options {
   kvtier_geometry geometry;
   int32_t mode;               /* KVTIER_MODE_* */
@@ -101,6 +114,9 @@ typedef struct kvtier_session_options {
   int32_t host_tokens;        /* tokens per layer in the host tier; 0: max_tokens */
   int32_t host_drop_demote;   /* 1: a full host tier demotes pages to the daemon's cold tier
                                  (policy.host_drop = "demote"; needed below max_tokens) */
+  /* The policies (an SHM session runs them in this process, a GRPC one in kvtierd);
+   * policy.host_drop and host_drop_demote = 1 must not disagree. */
+  kvtier_policy_options policy;
 } kvtier_session_options;
 
 /* Fills the defaults: tenant "default", 30 s timeout; fp16 geometry with page size 32,
@@ -209,6 +225,7 @@ typedef struct kvtier_sequence_options {
    * member, so kvtier's work is ordered with the engine's on it; NULL: kvtier makes one
    * (kvtier_batch_native_stream hands it out). Must outlive the batch. */
   void* compute_stream;
+  kvtier_policy_options policy; /* the drop-style policies; zeroed: none */
 } kvtier_sequence_options;
 
 /* One member's working set of one layer for this step (kvtier::WorkingSetView): what a
@@ -285,6 +302,30 @@ int kvtier_sequence_counter(kvtier_sequence* sequence, const char* name, int64_t
  * (KVTIER_OUT_OF_RANGE otherwise; *num_slots is set either way). */
 int kvtier_sequence_last_step(kvtier_sequence* sequence, int32_t layer, int32_t* corrected_heads,
                               int32_t* num_slots, int32_t* table, size_t table_capacity);
+/* What the engine observed after a forward pass, for the policies that read it
+ * (kvtier::StepSignals): the tokens at first_position .. + num_tokens − 1 were processed;
+ * logits: the next-token logits after the last one ([vocab] floats, host memory; NULL:
+ * none, Conf-KV's signal); hidden_delta: [num_tokens][num_layers] floats, host memory, the
+ * change of each token's hidden state per layer (NULL: none, EpiKV's signal). */
+typedef struct kvtier_step_signals {
+  int64_t first_position;
+  int32_t num_tokens;
+  int32_t vocab;
+  const float* logits;
+  const float* hidden_delta;
+  int32_t num_layers;
+} kvtier_step_signals;
+/* Hands the signals to the sequence's policies (kvtier::LocalSequence::ReportSignals); applied
+ * from the next step on. KVTIER_OK and ignored when no policy reads them;
+ * KVTIER_INVALID_ARGUMENT for inconsistent sizes. */
+int kvtier_sequence_report_signals(kvtier_sequence* sequence, const kvtier_step_signals* signals);
+/* The prompt's last n queries q [n][num_q_heads][head_dim] of `layer` (device memory, the
+ * geometry dtype), at positions first_position .. + n − 1, after the prompt was appended: the
+ * observation window of XKV, KV-Compress and Conf-KV's ranker
+ * (kvtier::LocalSequence::ObserveQueries). Blocks until done; KVTIER_OK and nothing done when
+ * no policy reads attention. */
+int kvtier_sequence_observe_queries(kvtier_sequence* sequence, int32_t layer, const void* q,
+                                    int32_t n, int64_t first_position);
 /* Stops the sequence (drains its work); later calls fail KVTIER_FAILED_PRECONDITION. */
 int kvtier_sequence_close(kvtier_sequence* sequence);
 void kvtier_sequence_free(kvtier_sequence* sequence); /* NULL: no-op */

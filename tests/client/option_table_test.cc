@@ -1,7 +1,7 @@
 // The one-option table (tests/include/option_table.toml) against every C++ entry point that
-// takes sequence options: the resolver itself, NewLocalSequence (in-process), the C++ client,
-// the C API, and the real kvtierd (a subprocess) over gRPC with a raw stub, so that the
-// daemon, not a client, judges. Each must accept the same cases and refuse the others with
+// takes sequence options: the resolver itself (but for the policies, which are their
+// registry's), NewLocalSequence (in-process), the C++ client, the C API, and the real kvtierd
+// (a subprocess) over gRPC with a raw stub, so that the daemon, not a client, judges. Each must accept the same cases and refuse the others with
 // INVALID_ARGUMENT and the table's message, word for word. The Python client runs the same
 // table (client/python/tests/test_client.py).
 #include <cstdint>
@@ -44,8 +44,10 @@ struct OptionCase {
   float correction_threshold = 0;
   std::string correction_trigger;
   float correction_max_loss = 0;
+  PolicyConfig policy;
   bool wire = true;
-  std::string error;  // empty: accepted
+  bool resolver = true;  // the resolver judges the case (false: the policy registry does)
+  std::string error;     // empty: accepted
 };
 
 void Read(const toml::table& t, OptionCase* c) {
@@ -61,7 +63,16 @@ void Read(const toml::table& t, OptionCase* c) {
   if (auto v = t["correction_max_loss"].value<double>()) {
     c->correction_max_loss = static_cast<float>(*v);
   }
+  if (auto v = t["budget_policy"].value<std::string>()) c->policy.budget = *v;
+  if (auto v = t["residency_policy"].value<std::string>()) c->policy.residency = *v;
+  if (auto v = t["host_drop"].value<std::string>()) c->policy.host_drop = *v;
+  if (const toml::table* params = t["policy_params"].as_table()) {
+    for (const auto& [key, value] : *params) {
+      if (auto s = value.value<std::string>()) c->policy.params[std::string(key.str())] = *s;
+    }
+  }
   if (auto v = t["wire"].value<bool>()) c->wire = *v;
+  if (auto v = t["resolver"].value<bool>()) c->resolver = *v;
   if (auto v = t["error"].value<std::string>()) c->error = *v;
 }
 
@@ -117,6 +128,7 @@ absl::StatusOr<SequenceOptions> SequenceOptionsOf(const OptionCase& c) {
   o.correction_threshold = c.correction_threshold;
   EXPECT_TRUE(ParseCorrectionTrigger(c.correction_trigger, &o.correction_trigger));
   o.correction_max_loss = c.correction_max_loss;
+  o.policy = c.policy;
   return o;
 }
 
@@ -172,6 +184,16 @@ absl::Status ViaCApi(const OptionCase& c, kvtier_client* client) {
   so.correction_max_loss = c.correction_max_loss;
   so.transport = KVTIER_TRANSPORT_GRPC;
   so.label = "option-table-c";
+  const PolicyConfig& p = c.policy;
+  std::vector<std::string> kv;
+  for (const auto& [key, value] : p.params) kv.push_back(key + "=" + value);
+  std::vector<const char*> params;
+  for (const std::string& s : kv) params.push_back(s.c_str());
+  so.policy.budget = p.budget.c_str();
+  so.policy.residency = p.residency.c_str();
+  so.policy.host_drop = p.host_drop.c_str();
+  so.policy.params = params.data();
+  so.policy.num_params = static_cast<int32_t>(params.size());
   kvtier_session* s = nullptr;
   const int rc = kvtier_open_session(client, &so, &s);
   const absl::Status st(static_cast<absl::StatusCode>(rc), kvtier_last_error());
@@ -200,6 +222,11 @@ absl::Status ViaDaemon(const OptionCase& c, v1::KvTier::Stub& stub) {
   r->set_correction_threshold(c.correction_threshold);
   r->set_correction_trigger(c.correction_trigger);
   r->set_correction_max_loss(c.correction_max_loss);
+  v1::PolicyOptions* po = req.mutable_policy();
+  po->set_budget_policy(c.policy.budget);
+  po->set_residency_policy(c.policy.residency);
+  po->set_host_drop(c.policy.host_drop);
+  for (const auto& [key, value] : c.policy.params) (*po->mutable_params())[key] = value;
   req.set_transport(v1::TRANSPORT_GRPC);
   req.set_label("option-table-raw");
   v1::OpenSessionReply reply;
@@ -218,8 +245,9 @@ absl::Status ViaDaemon(const OptionCase& c, v1::KvTier::Stub& stub) {
 
 // ---- the test ------------------------------------------------------------------------------
 
-void ExpectAnswer(const OptionCase& c, const std::string& entry, const absl::Status& st) {
-  if (c.error.empty()) {
+void ExpectAnswer(const OptionCase& c, const std::string& entry, const absl::Status& st,
+                  bool judges = true) {
+  if (c.error.empty() || !judges) {
     EXPECT_TRUE(st.ok()) << c.name << " via " << entry << ": " << st;
   } else {
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument)
@@ -259,14 +287,19 @@ absl::Status* OptionTableTest::start_error_ = nullptr;
 
 TEST_F(OptionTableTest, TheTableCoversBothAnswers) {
   const std::vector<OptionCase> cases = LoadTable();
-  int accepted = 0, refused = 0, off_wire = 0;
+  int accepted = 0, refused = 0, off_wire = 0, with_policy = 0, by_registry = 0;
   for (const OptionCase& c : cases) {
     (c.error.empty() ? accepted : refused) += 1;
     off_wire += c.wire ? 0 : 1;
+    with_policy += c.policy.is_default() ? 0 : 1;
+    by_registry += c.resolver ? 0 : 1;
+    EXPECT_TRUE(c.resolver || !c.error.empty()) << c.name << ": resolver = false on an accepted case";
   }
   EXPECT_GE(accepted, 5);
   EXPECT_GE(refused, 10);
   EXPECT_LT(off_wire, refused);
+  EXPECT_GE(with_policy, 6);
+  EXPECT_GE(by_registry, 4);
 }
 
 TEST_F(OptionTableTest, EveryEntryPointAnswersEveryCaseAlike) {
@@ -291,7 +324,8 @@ TEST_F(OptionTableTest, EveryEntryPointAnswersEveryCaseAlike) {
   const std::vector<OptionCase> cases = LoadTable();
   ASSERT_FALSE(cases.empty());
   for (const OptionCase& c : cases) {
-    ExpectAnswer(c, "ResolveSequenceOptions", ViaResolver(c));
+    // The resolver knows no policy: it accepts what only the policy registry refuses.
+    ExpectAnswer(c, "ResolveSequenceOptions", ViaResolver(c), /*judges=*/c.resolver);
     ExpectAnswer(c, "NewLocalSequence", InProcess(c, **device));
     ExpectAnswer(c, "the C++ client", ViaCppClient(c, **client));
     ExpectAnswer(c, "the C API", ViaCApi(c, c_client));

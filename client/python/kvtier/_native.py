@@ -29,12 +29,44 @@ class Geometry(ctypes.Structure):
                 ("page_size", ctypes.c_int32), ("dtype", ctypes.c_int32)]
 
 
+class PolicyOptions(ctypes.Structure):
+    _fields_ = [("budget", ctypes.c_char_p), ("residency", ctypes.c_char_p),
+                ("host_drop", ctypes.c_char_p), ("params", ctypes.POINTER(ctypes.c_char_p)),
+                ("num_params", ctypes.c_int32)]
+
+
+def policy_options(budget: Optional[str], residency: Optional[str], host_drop: Optional[str],
+                   params) -> PolicyOptions:
+    """A PolicyOptions that keeps its strings alive as long as it lives (None: the default);
+    params: a mapping of "<policy>.<name>" to values."""
+    p = PolicyOptions()
+    if budget is not None:
+        p.budget = str(budget).encode()
+    if residency is not None:
+        p.residency = str(residency).encode()
+    if host_drop is not None:
+        p.host_drop = str(host_drop).encode()
+    items = ["%s=%s" % (k, v) for k, v in dict(params or {}).items()]
+    if items:
+        array = (ctypes.c_char_p * len(items))(*[i.encode() for i in items])
+        p.params = ctypes.cast(array, ctypes.POINTER(ctypes.c_char_p))
+        p._array = array  # the strings live as long as the struct
+        p.num_params = len(items)
+    return p
+
+
 class SequenceOptions(ctypes.Structure):
     _fields_ = [("mode", ctypes.c_int32), ("budget_tokens", ctypes.c_int32),
                 ("max_tokens", ctypes.c_int32), ("correction_threshold", ctypes.c_float),
                 ("correction_trigger", ctypes.c_int32), ("correction_max_loss", ctypes.c_float),
                 ("recall", ctypes.c_int32), ("capture_graphs", ctypes.c_int32),
-                ("compute_stream", ctypes.c_void_p)]
+                ("compute_stream", ctypes.c_void_p), ("policy", PolicyOptions)]
+
+
+class StepSignals(ctypes.Structure):
+    _fields_ = [("first_position", ctypes.c_int64), ("num_tokens", ctypes.c_int32),
+                ("vocab", ctypes.c_int32), ("logits", ctypes.POINTER(ctypes.c_float)),
+                ("hidden_delta", ctypes.POINTER(ctypes.c_float)), ("num_layers", ctypes.c_int32)]
 
 
 class WorkingSet(ctypes.Structure):
@@ -57,7 +89,7 @@ class SessionOptions(ctypes.Structure):
                 ("correction_threshold", ctypes.c_float), ("transport", ctypes.c_int32),
                 ("label", ctypes.c_char_p), ("correction_trigger", ctypes.c_int32),
                 ("correction_max_loss", ctypes.c_float), ("host_tokens", ctypes.c_int32),
-                ("host_drop_demote", ctypes.c_int32)]
+                ("host_drop_demote", ctypes.c_int32), ("policy", PolicyOptions)]
 
 
 _PROTOTYPES = {
@@ -118,6 +150,11 @@ _PROTOTYPES = {
     "kvtier_sequence_decode": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p,
                                               ctypes.c_void_p, ctypes.c_void_p]),
     "kvtier_sequence_wait": (ctypes.c_int, [ctypes.c_void_p]),
+    "kvtier_sequence_report_signals": (ctypes.c_int, [ctypes.c_void_p,
+                                                      ctypes.POINTER(StepSignals)]),
+    "kvtier_sequence_observe_queries": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int32,
+                                                       ctypes.c_void_p, ctypes.c_int32,
+                                                       ctypes.c_int64]),
     "kvtier_sequence_counter": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_char_p,
                                                ctypes.POINTER(ctypes.c_int64)]),
     "kvtier_sequence_last_step": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int32, c_int32_p,

@@ -23,7 +23,7 @@ rules (DLPack or typed buffers, exact dtype and shape, contiguous; kvtier.Error 
 from __future__ import annotations
 
 import ctypes
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from kvtier import _native
 from kvtier.local import (Device, LocalGeometry, _MODES, _TRIGGERS, _check, _choice,
@@ -63,7 +63,7 @@ class Client:
 
     def _options(self, g: LocalGeometry, mode: str, budget_tokens: int, max_tokens: int,
                  tau: Optional[float], trigger: str, max_loss: Optional[float],
-                 label: Optional[str]) -> Tuple[_native.SessionOptions, Any]:
+                 label: Optional[str], policy: Dict[str, Any]) -> Tuple[_native.SessionOptions, Any]:
         o = _native.SessionOptions()
         _native.lib().kvtier_session_options_init(ctypes.byref(o))
         o.geometry = g._c()
@@ -76,17 +76,22 @@ class Client:
         if max_loss is not None:
             o.correction_max_loss = float(max_loss)
         o.transport = 0  # SHM
-        keep = label.encode() if label is not None else None
-        o.label = keep
+        p = _native.policy_options(policy.get("budget_policy"), policy.get("residency_policy"),
+                                   policy.get("host_drop"), policy.get("policy_params"))
+        o.policy = p
+        keep = (label.encode() if label is not None else None, p)
+        o.label = keep[0]
         return o, keep
 
     def open_session(self, geometry: LocalGeometry, mode: str = "speculative",
                      budget_tokens: int = 2048, max_tokens: int = 0, tau: Optional[float] = None,
                      trigger: str = "cosine", max_loss: Optional[float] = None,
-                     label: Optional[str] = None) -> "Session":
-        """A new SHM session (max_tokens 0: the daemon's default capacity per layer)."""
+                     label: Optional[str] = None, **policy: Any) -> "Session":
+        """A new SHM session (max_tokens 0: the daemon's default capacity per layer).
+        `policy`: budget_policy, residency_policy, host_drop and policy_params, as
+        kvtier.SequenceOptions takes them (they run in this process's sequence)."""
         o, keep = self._options(geometry, mode, budget_tokens, max_tokens, tau, trigger,
-                                max_loss, label)
+                                max_loss, label, _policy_kwargs(policy))
         handle = ctypes.c_void_p()
         _check(_native.lib().kvtier_open_session(self._h, ctypes.byref(o), ctypes.byref(handle)))
         del keep
@@ -94,16 +99,25 @@ class Client:
 
     def reattach(self, session_id: str, geometry: LocalGeometry, mode: str = "speculative",
                  budget_tokens: int = 2048, max_tokens: int = 0, tau: Optional[float] = None,
-                 trigger: str = "cosine", max_loss: Optional[float] = None) -> "Session":
+                 trigger: str = "cosine", max_loss: Optional[float] = None,
+                 **policy: Any) -> "Session":
         """Takes over session `session_id` (suspended, or left by a process that died): it
         comes back with its committed pages; num_tokens(layer) says where to re-append from."""
         o, keep = self._options(geometry, mode, budget_tokens, max_tokens, tau, trigger,
-                                max_loss, None)
+                                max_loss, None, _policy_kwargs(policy))
         handle = ctypes.c_void_p()
         _check(_native.lib().kvtier_reattach(self._h, session_id.encode(), ctypes.byref(o),
                                              ctypes.byref(handle)))
         del keep
         return Session(self, handle, geometry)
+
+
+def _policy_kwargs(policy: Dict[str, Any]) -> Dict[str, Any]:
+    unknown = sorted(set(policy) - {"budget_policy", "residency_policy", "host_drop",
+                                    "policy_params"})
+    if unknown:
+        raise TypeError("unexpected keyword argument(s): %s" % ", ".join(unknown))
+    return policy
 
 
 def connect(target: str, **kwargs: Any) -> Client:

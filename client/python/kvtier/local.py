@@ -98,7 +98,11 @@ class SequenceOptions:
     library's (kvtier_sequence_options_init). `stream`: on CUDA, the engine's stream to adopt
     (a torch.cuda.Stream, or its integer cudaStream_t; not a default stream, which is refused),
     so kvtier's work is ordered with the engine's; None: kvtier makes its own
-    (Batch.native_stream hands it out)."""
+    (Batch.native_stream hands it out). The drop-style policies (docs/policies.md):
+    `budget_policy` (fixed, confidence, xkv, kv_compress), `residency_policy` (none,
+    attention, h2o, epiphany, kv_compress), `host_drop` (refuse, evict, demote) and
+    `policy_params` {"<policy>.<name>": value}; the policies that read the engine's signals
+    get them through Sequence.report_signals and Sequence.observe_queries."""
     mode: str = "speculative"
     budget_tokens: int = 2048
     max_tokens: int = 131072
@@ -108,6 +112,10 @@ class SequenceOptions:
     recall: str = "auto"
     capture_graphs: bool = False
     stream: Any = None
+    budget_policy: str = "fixed"
+    residency_policy: str = "none"
+    host_drop: str = "refuse"
+    policy_params: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def _c(self) -> _native.SequenceOptions:
         o = _native.SequenceOptions()
@@ -120,6 +128,10 @@ class SequenceOptions:
         o.correction_max_loss = float(self.max_loss)
         o.recall = _choice("recall", self.recall, _RECALLS)
         o.capture_graphs = 1 if self.capture_graphs else 0
+        policy = _native.policy_options(self.budget_policy, self.residency_policy,
+                                        self.host_drop, self.policy_params)
+        o.policy = policy
+        o._keep = policy  # its strings, for as long as the options live
         if self.stream is not None:
             handle = int(getattr(self.stream, "cuda_stream", self.stream))
             if handle in _DEFAULT_STREAMS:
@@ -343,6 +355,46 @@ class Sequence:
                                                     ot.ptr, None if lt is None else lt.ptr))
         self.batch._settle()
 
+    def report_signals(self, first_position: int, num_tokens: int = 1, logits: Any = None,
+                       hidden_delta: Any = None) -> None:
+        """What the engine observed after a forward pass over the tokens at first_position ..
+        + num_tokens - 1, for the policies that read it (applied from the next step): logits,
+        the next-token logits after the last token ([vocab] float32, host memory; Conf-KV);
+        hidden_delta, ||h_l(t) - h_l(t-1)|| per token and layer ([num_tokens][num_layers]
+        float32, host memory; EpiKV). Ignored when no policy reads them."""
+        s = _native.StepSignals()
+        s.first_position = int(first_position)
+        s.num_tokens = int(num_tokens)
+        keep = []
+        if logits is not None:
+            lt = _host_floats("logits", logits, "[vocab]", 1)
+            keep.append(lt)
+            s.vocab = int(lt.shape[0])
+            s.logits = ctypes.cast(lt.ptr, ctypes.POINTER(ctypes.c_float))
+        if hidden_delta is not None:
+            ht = _host_floats("hidden_delta", hidden_delta, "[num_tokens, num_layers]", 2)
+            keep.append(ht)
+            if ht.shape[0] != int(num_tokens):
+                raise _invalid("hidden_delta: %d rows, want num_tokens = %d"
+                               % (ht.shape[0], int(num_tokens)))
+            s.num_layers = int(ht.shape[1])
+            s.hidden_delta = ctypes.cast(ht.ptr, ctypes.POINTER(ctypes.c_float))
+        _check(_native.lib().kvtier_sequence_report_signals(self._live("report_signals"),
+                                                            ctypes.byref(s)))
+        del keep
+
+    def observe_queries(self, layer: int, q: Any, first_position: int) -> None:
+        """The prompt's last n queries q [n][Hq][d] of `layer` (the geometry's dtype, in the
+        device's memory), at positions first_position .. + n - 1, after the prompt was
+        appended: the observation window of XKV, KV-Compress and Conf-KV's ranker. Blocks until
+        done; nothing happens when no policy reads attention."""
+        g = self.geometry
+        qt = _tensor("q", q, None, g.dtype, self.device, tail=(g.num_q_heads, g.head_dim))
+        _check(_native.lib().kvtier_sequence_observe_queries(
+            self._live("observe_queries"), int(layer), qt.ptr, int(qt.shape[0]),
+            int(first_position)))
+        self.batch._settle()
+
     def num_tokens(self, layer: int = 0) -> int:
         return _native.lib().kvtier_sequence_num_tokens(self._live("num_tokens"), int(layer))
 
@@ -392,6 +444,23 @@ def _qshape(g: LocalGeometry, n: int, q: Any) -> Tuple[int, ...]:
     if n == 1 and ndim == 2:
         return (g.num_q_heads, g.head_dim)
     return (n, g.num_q_heads, g.head_dim)
+
+
+def _host_floats(name: str, obj: Any, shape: str, ndim: int) -> _dlpack.Borrowed:
+    """Reads `obj` as a C-contiguous float32 tensor of `ndim` dimensions in host memory, or
+    raises Error naming `name` and what was expected."""
+    try:
+        t = _dlpack.borrow(obj)
+    except TypeError as e:
+        raise _invalid("%s: %s" % (name, e)) from None
+    if (t.dtype != "float32" or len(t.shape) != ndim or min(t.shape, default=0) < 1
+            or not t.contiguous or t.device_type not in (_dlpack.CPU, _dlpack.CUDA_HOST)):
+        raise _invalid("%s: expected a contiguous float32 tensor %s in host memory; got %s %s"
+                       "%s%s" % (name, shape, t.dtype, list(t.shape),
+                                 "" if t.contiguous else ", not contiguous",
+                                 "" if t.device_type in (_dlpack.CPU, _dlpack.CUDA_HOST)
+                                 else " on a device"))
+    return t
 
 
 def _tensor(name: str, obj: Any, shape: Optional[Tuple[int, ...]], dtype: str, device: Device,

@@ -346,6 +346,10 @@ class ClientTest(unittest.TestCase):
                     correction_threshold=c["correction_threshold"],
                     correction_trigger=c["correction_trigger"],
                     correction_max_loss=c["correction_max_loss"],
+                    budget_policy=c["budget_policy"],
+                    residency_policy=c["residency_policy"],
+                    host_drop=c["host_drop"],
+                    policy_params=c.get("policy_params", {}),
                 )
                 if "error" not in c:
                     session = self.client.open_session(geometry, **kwargs)

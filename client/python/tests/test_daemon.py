@@ -89,6 +89,33 @@ class DaemonTest(unittest.TestCase):
         self.assertIn("k: expected a contiguous float16", e.exception.message)
         s.close()
 
+    def test_policies_are_carried_and_judged(self):
+        # An SHM session's policies run in this process's sequence, and the daemon judges them
+        # as it does a GRPC session's: the registry's message for a name it does not know.
+        with self.assertRaises(kvtier.Error) as e:
+            self.client.open_session(self.g, mode="drop", budget_tokens=128, max_tokens=512,
+                                     residency_policy="h3o")
+        self.assertEqual(e.exception.code, "INVALID_ARGUMENT")
+        self.assertEqual(e.exception.message, "policy.residency = 'h3o': unknown; one of none, "
+                         "attention, h2o, epiphany, kv_compress")
+        with self.assertRaises(TypeError):
+            self.client.open_session(self.g, residency="h2o")
+        s = self.client.open_session(self.g, mode="drop", budget_tokens=128, max_tokens=512,
+                                     residency_policy="attention",
+                                     policy_params={"attention.beta": "0.5"})
+        k, v = self.kv(300)
+        for layer in range(2):
+            s.append(layer, k, v)
+        q = self.rng.standard_normal((4, 32)).astype(np.float16)
+        out = np.zeros_like(q)
+        for _ in range(3):
+            for layer in range(2):
+                s.append(layer, *self.kv(1))
+                table = s.decode(layer, q, out, slot_table=True)
+        # Conf-KV's ranker manages the working set: at most the budget's 4 pages per KV head.
+        self.assertTrue(all(sum(p >= 0 for p in row) <= 4 for row in table), table)
+        s.close()
+
     def test_a_session_left_by_a_process_that_died_is_reattached(self):
         # A child process opens a session, appends 100 tokens (3 full pages and a partial
         # one), flushes and dies without closing; this process takes the session over.

@@ -229,6 +229,80 @@ class LocalTest(unittest.TestCase):
             seq.append(0, k[:1], v[:1])
         self.assertEqual(e.exception.code, "FAILED_PRECONDITION")
 
+    def test_drop_policies_keep_the_heavy_hitter_the_window_loses(self):
+        # Drop mode with a budget of 8 pages: page 3 holds the keys every query attends to.
+        # The sliding window keeps the sinks and the newest pages and loses it; H2O and Conf-KV's
+        # attention ranker, fed the prompt's last queries (observe_queries) and the decode
+        # steps' attention, keep it for every KV head, evicting others instead.
+        g = self.geometry()
+        u = self.rng.standard_normal(SMALL["head_dim"]).astype(np.float32)
+        u /= np.linalg.norm(u)
+        n, hkv, d = 200, SMALL["num_kv_heads"], SMALL["head_dim"]
+        k = 0.3 * self.rng.standard_normal((n, hkv, d)).astype(np.float32)
+        v = self.rng.standard_normal((n, hkv, d)).astype(np.float32)
+        k[24:32] += 6 * u
+        observed = np.tile(4 * u, (8, SMALL["num_q_heads"], 1)).astype(np.float32)
+        q = np.tile(4 * u, (SMALL["num_q_heads"], 1)).astype(np.float32)
+        out = np.zeros((SMALL["num_q_heads"], d), np.float32)
+        kept = {}
+        for residency in ("none", "h2o", "attention"):
+            seq = kvtier.Sequence(self.dev, g, kvtier.SequenceOptions(
+                mode="drop", budget_tokens=64, max_tokens=512, residency_policy=residency))
+            for layer in range(g.num_layers):
+                seq.append(layer, k, v)
+                seq.observe_queries(layer, observed, n - 8)
+            for _ in range(4):
+                for layer in range(g.num_layers):
+                    seq.append(layer, *self.kv(1))
+                    seq.decode(layer, q, out)
+            seq.wait()
+            _, table = seq.last_step(0)
+            kept[residency] = [3 in row for row in table]
+            stats = seq.stats()
+            if residency == "none":
+                self.assertEqual(stats["evicted_head_pages"], 0)
+            else:
+                self.assertGreater(stats["evicted_head_pages"], 0, residency)
+            self.assertLessEqual(stats["resident_head_pages"], 8 * hkv * g.num_layers)
+            seq.close()
+        self.assertEqual(kept, {"none": [False] * hkv, "h2o": [True] * hkv,
+                                "attention": [True] * hkv})
+
+    def test_signals_reach_the_policies_and_bad_ones_are_refused(self):
+        g = self.geometry()
+        seq = kvtier.Sequence(self.dev, g, kvtier.SequenceOptions(
+            mode="drop", budget_tokens=64, max_tokens=512, residency_policy="epiphany",
+            budget_policy="confidence"))
+        n = 100
+        for layer in range(g.num_layers):
+            seq.append(layer, *self.kv(n))
+        delta = np.abs(self.rng.standard_normal((n, g.num_layers))).astype(np.float32)
+        logits = self.rng.standard_normal(50).astype(np.float32)
+        seq.report_signals(0, n, logits=logits, hidden_delta=delta)
+        out = np.zeros((SMALL["num_q_heads"], SMALL["head_dim"]), np.float32)
+        for t in range(3):
+            for layer in range(g.num_layers):
+                seq.append(layer, *self.kv(1))
+                seq.decode(layer, self.q(), out)
+            seq.report_signals(n + t, 1, logits=logits, hidden_delta=delta[:1])
+        seq.wait()
+        self.assertGreater(seq.stats()["evicted_head_pages"], 0)
+        for call, name in (
+                (lambda: seq.report_signals(0, 2, hidden_delta=delta[:3]), "hidden_delta"),
+                (lambda: seq.report_signals(0, 1, logits=logits.astype(np.float64)), "logits"),
+                (lambda: seq.report_signals(0, 1, hidden_delta=delta[0]), "hidden_delta")):
+            with self.subTest(name=name):
+                with self.assertRaises(kvtier.Error) as e:
+                    call()
+                self.assertEqual(e.exception.code, "INVALID_ARGUMENT")
+                self.assertIn(name, e.exception.message)
+        # What the library itself checks comes back with its message.
+        with self.assertRaises(kvtier.Error) as e:
+            seq.report_signals(-1, 1, logits=logits)
+        self.assertEqual(e.exception.code, "INVALID_ARGUMENT")
+        self.assertIn("first_position = -1", e.exception.message)
+        seq.close()
+
     def test_a_default_cuda_stream_is_refused_not_replaced(self):
         # torch's default stream hands out cuda_stream 0; kvtier cannot adopt it, and making
         # its own stream instead would leave its work unordered with the caller's.
@@ -241,8 +315,9 @@ class LocalTest(unittest.TestCase):
 
     def test_every_case_of_the_option_table_is_answered_as_the_table_says(self):
         # The one-option table (tests/include/option_table.toml) in-process from Python: the
-        # C API hands the options to the library's resolver, so every case is accepted or
-        # refused with exactly the message every other entry point gives.
+        # C API hands the options to the library's resolver (and the policies to their
+        # registry), so every case is accepted or refused with exactly the message every
+        # other entry point gives.
         import tomllib
 
         path = os.environ.get("KVTIER_OPTION_TABLE") or os.path.join(
@@ -260,7 +335,11 @@ class LocalTest(unittest.TestCase):
                                            max_tokens=c["max_tokens"],
                                            tau=c["correction_threshold"],
                                            trigger=c["correction_trigger"],
-                                           max_loss=c["correction_max_loss"])
+                                           max_loss=c["correction_max_loss"],
+                                           budget_policy=c["budget_policy"],
+                                           residency_policy=c["residency_policy"],
+                                           host_drop=c["host_drop"],
+                                           policy_params=c.get("policy_params", {}))
                 if "error" not in c:
                     kvtier.Sequence(self.dev, g, o).close()
                     continue
