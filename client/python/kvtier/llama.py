@@ -46,6 +46,7 @@ import dataclasses
 import json
 import sys
 import time
+import weakref
 from typing import Any, Dict, List, Optional, Sequence as Seq
 
 import numpy as np
@@ -135,11 +136,13 @@ class LlamaConfig:
 
 def run_options(mode: str, budget: int, prompt_tokens: int, new_tokens: int,
                 page_size: int = 32, tau: float = 0.7, trigger: str = "cosine",
-                max_loss: float = 0.1) -> kv.SequenceOptions:
+                max_loss: float = 0.1, **policy: Any) -> kv.SequenceOptions:
     """The sequence options kvtier-run generate gives a prompt of `prompt_tokens` and `n`
     new tokens (engine/run_main.cc RunMode, engine/generate.cc OptionsOf): max_tokens the
     tokens it will hold and a page, rounded up to pages; `budget` in the selecting modes; in
-    full mode (every page resident) the default budget, cut to fit max_tokens."""
+    full mode (every page resident) the default budget, cut to fit max_tokens. `policy`:
+    budget_policy, residency_policy, host_drop and policy_params, as kvtier-run's
+    --budget-policy, --residency-policy and --policy-param give them."""
     need = prompt_tokens + new_tokens + page_size
     max_tokens = -(-need // page_size) * page_size
     if mode == "full":
@@ -148,7 +151,7 @@ def run_options(mode: str, budget: int, prompt_tokens: int, new_tokens: int,
         if budget > max_tokens and max_tokens >= unit:
             budget = max_tokens // unit * unit
     return kv.SequenceOptions(mode=mode, budget_tokens=budget, max_tokens=max_tokens, tau=tau,
-                              trigger=trigger, max_loss=max_loss)
+                              trigger=trigger, max_loss=max_loss, **policy)
 
 
 class LlamaModel:
@@ -156,9 +159,18 @@ class LlamaModel:
     tied or separate output embeddings) in float32 torch, its KV cache in kvtier sequences."""
 
     def __init__(self, config: LlamaConfig, weights: Dict[str, torch.Tensor],
-                 inv_freq: torch.Tensor, prefill_chunk: int = 256):
+                 inv_freq: torch.Tensor, prefill_chunk: int = 256, observe_window: int = 32):
         if prefill_chunk < 1:
             raise ValueError("prefill_chunk = %d: must be >= 1" % prefill_chunk)
+        if not 0 <= observe_window <= 1024:
+            raise ValueError("observe_window = %d: must be in [0, 1024]" % observe_window)
+        # What a sequence's policies read, fed as kvtier-run's decoder feeds them
+        # (engine/decoder.cc): the prompt's last `observe_window` queries per layer
+        # (observe_queries), and after every forward pass the next-token logits and each
+        # token's hidden-state change per layer (report_signals; EpiKV's signal).
+        self.observe_window = observe_window
+        self._last_hidden: "weakref.WeakKeyDictionary[kv.Sequence, torch.Tensor]" = \
+            weakref.WeakKeyDictionary()
         self.config = config
         self.w = weights
         self.device = weights["token_embd.weight"].device
@@ -250,6 +262,20 @@ class LlamaModel:
         u = F.linear(h, self.w[p + "ffn_up.weight"])
         return x + F.linear(g / (1.0 + torch.exp(-g)) * u, self.w[p + "ffn_down.weight"])
 
+    @staticmethod
+    def _runs_policies(seq: kv.Sequence) -> bool:
+        o = seq.options
+        return o.budget_policy != "fixed" or o.residency_policy != "none"
+
+    def _hidden_delta(self, seq: kv.Sequence, layer: int, x: torch.Tensor, first: bool,
+                      out: torch.Tensor) -> None:
+        """out[:, layer] = ||x_t - x_(t-1)|| for the rows of x, the hidden states after
+        `layer` (0 for the sequence's first token); keeps the last row for the next call."""
+        last = self._last_hidden[seq]
+        prev = x[:1] if first else last[layer][None]
+        out[:, layer] = torch.linalg.vector_norm(x - torch.cat([prev, x[:-1]]), dim=1)
+        last[layer] = x[-1]
+
     def _logits(self, x_last: torch.Tensor) -> torch.Tensor:
         h = self._rms_norm(x_last, self.w["output_norm.weight"])
         return F.linear(h, self.output)[0]
@@ -307,10 +333,18 @@ class LlamaModel:
         values = [torch.empty_like(keys[0]) for _ in range(c.layers)]
         ids_t = torch.as_tensor(list(ids), dtype=torch.long, device=self.device)
         logits = None
+        policies = self._runs_policies(seq)
+        window = min(self.observe_window, n) if policies else 0
+        observed = [torch.empty(window, c.q_heads, c.head_dim, dtype=dt, device=self.device)
+                    for _ in range(c.layers)]
+        if policies:
+            self._last_hidden[seq] = torch.zeros(c.layers, c.dim, device=self.device)
         for pos0 in range(0, n, self.prefill_chunk):
             m = min(self.prefill_chunk, n - pos0)
             positions = torch.arange(pos0, pos0 + m, device=self.device)
             x = self.w["token_embd.weight"][ids_t[pos0:pos0 + m]]
+            delta = torch.empty(m, c.layers, device=self.device) if policies else None
+            lo = max(pos0, n - window)  # the prompt's last `window` queries
             for layer in range(c.layers):
                 q, k, v = self._qkv(layer, x, positions)
                 keys[layer][pos0:pos0 + m] = k
@@ -318,8 +352,20 @@ class LlamaModel:
                 attn = self._causal_attention(q, keys[layer][:pos0 + m],
                                               values[layer][:pos0 + m], pos0)
                 seq.append(layer, k.to(dt).contiguous(), v.to(dt).contiguous())
+                if lo < pos0 + m:
+                    first = n - window
+                    observed[layer][lo - first:pos0 + m - first] = q[lo - pos0:].to(dt)
                 x = self._finish_layer(layer, x, attn)
+                if policies:
+                    self._hidden_delta(seq, layer, x, pos0 == 0, delta)
+            if policies:
+                seq.report_signals(pos0, m, hidden_delta=delta.cpu().contiguous().numpy())
             logits = self._logits(x[-1:])
+        if policies:
+            for layer in range(c.layers):
+                if window > 0:
+                    seq.observe_queries(layer, observed[layer].contiguous(), n - window)
+            seq.report_signals(0, n, logits=logits.cpu().contiguous().numpy())
         return logits
 
     @torch.no_grad()
@@ -336,6 +382,8 @@ class LlamaModel:
         positions = torch.tensor([pos], device=self.device)
         x = self.w["token_embd.weight"][int(token)][None]
         out = torch.empty(c.q_heads, c.head_dim, dtype=dt, device=self.device)
+        policies = self._runs_policies(seq) and seq in self._last_hidden
+        delta = torch.empty(1, c.layers, device=self.device) if policies else None
         for layer in range(c.layers):
             q, k, v = self._qkv(layer, x, positions)
             q_kv = q[0].to(dt).contiguous()
@@ -343,7 +391,13 @@ class LlamaModel:
             seq.decode(layer, q_kv, out)
             attn = out.float().view(1, c.q_heads * c.head_dim)
             x = self._finish_layer(layer, x, attn)
-        return self._logits(x)
+            if policies:
+                self._hidden_delta(seq, layer, x, False, delta)
+        logits = self._logits(x)
+        if policies:
+            seq.report_signals(pos, 1, logits=logits.cpu().contiguous().numpy(),
+                               hidden_delta=delta.cpu().contiguous().numpy())
+        return logits
 
     def generate(self, seq: kv.Sequence, ids: Seq[int], n: int,
                  stop_at_eos: bool = True) -> List[int]:
@@ -407,6 +461,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--tau", type=float, default=0.7, help="speculative correction threshold")
     ap.add_argument("--trigger", default="cosine", help="cosine or mass")
     ap.add_argument("--max-loss", type=float, default=0.1, help="the mass trigger's loss")
+    ap.add_argument("--budget-policy", default="fixed",
+                    help="fixed, confidence, xkv, kv_compress (docs/policies.md)")
+    ap.add_argument("--residency-policy", default="none",
+                    help="none, h2o, attention, epiphany, kv_compress")
+    ap.add_argument("--policy-param", action="append", default=[], metavar="KEY=VALUE",
+                    help="a policy parameter (repeatable)")
     ap.add_argument("--kv-dtype", default="float16", choices=sorted(_TORCH_DTYPES))
     ap.add_argument("--prefill-chunk", type=int, default=256)
     ap.add_argument("--device", default="cpu", help="cpu or cuda (torch and kvtier)")
@@ -429,11 +489,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (OSError, ValueError, KeyError) as e:
         print("kvtier.llama: %s" % e, file=sys.stderr)
         return 2
+    params = {}
+    for kv_arg in a.policy_param:
+        key, eq, value = kv_arg.partition("=")
+        if not eq or not key:
+            print("kvtier.llama: --policy-param %r: must be KEY=VALUE" % kv_arg, file=sys.stderr)
+            return 2
+        params[key] = value
     dev = kv.Device(a.device)
     runs = []
     for mode in [m.strip() for m in a.mode.split(",") if m.strip()]:
         opts = run_options(mode, a.budget, len(ids), a.new_tokens, a.page_size, a.tau,
-                           a.trigger, a.max_loss)
+                           a.trigger, a.max_loss, budget_policy=a.budget_policy,
+                           residency_policy=a.residency_policy, policy_params=params)
         if a.device != "cpu" and torch.cuda.is_available():
             opts.stream = torch.cuda.current_stream()
         seq = kv.Sequence(dev, model.geometry(a.kv_dtype, a.page_size), opts)

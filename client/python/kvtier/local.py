@@ -318,9 +318,15 @@ class Sequence:
     def _member(cls, batch: Batch, handle: ctypes.c_void_p) -> "Sequence":
         s = cls.__new__(cls)
         s.device, s.geometry, s._h = batch.device, batch.geometry, handle
+        s._options = batch._options
         s._parent = batch
         s.batch = batch
         return s
+
+    @property
+    def options(self) -> SequenceOptions:
+        """The options the sequence was made with (its batch's, for a member)."""
+        return self._options
 
     def __del__(self):
         h = getattr(self, "_h", None)

@@ -241,5 +241,47 @@ class DecoderTest(unittest.TestCase):
                          "difference decided a correction or a page (see the printout)")
 
 
+    @unittest.skipUnless(KVTIER_RUN and os.path.isfile(KVTIER_RUN), "KVTIER_RUN not set")
+    def test_policies_see_what_kvtier_run_shows_them(self):
+        # The drop-style policies read what the engine hands them: the prompt's last queries
+        # (XKV, KV-Compress, the attention rankers), every step's attention (H2O), the
+        # hidden-state changes (EpiKV) and the logits (Conf-KV). Fed by this decoder, each
+        # makes the choices kvtier-run's C++ decoder makes: the same tokens.
+        ids = self.golden["prompt_ids"]
+        plain, _, _ = self.generate("drop", NEW_TOKENS)
+        for mode, budget_policy, residency in (("drop", "fixed", "h2o"),
+                                               ("drop", "fixed", "epiphany"),
+                                               ("drop", "kv_compress", "none"),
+                                               ("speculative", "xkv", "none")):
+            with self.subTest(mode=mode, budget=budget_policy, residency=residency):
+                with tempfile.TemporaryDirectory() as tmp:
+                    out = os.path.join(tmp, "run.json")
+                    subprocess.run(
+                        [KVTIER_RUN, "generate", "--model",
+                         os.path.join(MODEL_DIR, "kvtier-tiny.gguf"), "--prompt-file",
+                         os.path.join(MODEL_DIR, "golden", "prompt.txt"), "-n", str(NEW_TOKENS),
+                         "--modes", mode, "--budget", str(BUDGET), "--budget-policy",
+                         budget_policy, "--residency-policy", residency, "--json", out,
+                         "--no-stream", "--quiet"],
+                        check=True, timeout=120, stdout=subprocess.DEVNULL)
+                    with open(out, encoding="utf-8") as f:
+                        want = json.load(f)["runs"][0]["tokens"]
+                seq = kvtier.Sequence(self.dev, self.model.geometry(), llama.run_options(
+                    mode, BUDGET, len(ids), NEW_TOKENS, budget_policy=budget_policy,
+                    residency_policy=residency))
+                try:
+                    tokens = self.model.generate(seq, ids, NEW_TOKENS)
+                    stats = seq.stats()
+                finally:
+                    seq.close()
+                    del seq
+                self.assertEqual(tokens, want)
+                if mode == "drop":
+                    self.assertGreater(stats["evicted_head_pages"], 0)
+                if budget_policy != "fixed":
+                    self.assertGreater(stats["budget_changes"], 0)
+                if residency == "epiphany":  # what EpiKV keeps changes what the model says
+                    self.assertNotEqual(tokens, plain)
+
 if __name__ == "__main__":
     unittest.main()
