@@ -372,6 +372,27 @@ class ClientTest(unittest.TestCase):
         self.assertEqual(ctx.exception.code, grpc.StatusCode.FAILED_PRECONDITION)
         self.assertIn("no cold tier", ctx.exception.message)
 
+    def test_policies_run_in_the_daemon_and_those_needing_engine_signals_are_refused(self) -> None:
+        # A GRPC session's policies run in kvtierd, whose protocol carries no logits or
+        # hidden-state changes: Conf-KV's budget and EpiKV on hidden_delta are refused with the
+        # way out; EpiKV on the keys alone, and H2O, run.
+        for kwargs, says in (
+                (dict(budget_policy="confidence"), "policy.budget = 'confidence' reads the "
+                 "engine's next-token logits, which a GRPC session does not carry"),
+                (dict(mode="drop", residency_policy="epiphany"), "policy.residency = "
+                 "'epiphany' with epiphany.signal = hidden_delta reads the engine's "
+                 "hidden-state changes")):
+            with self.subTest(**kwargs):
+                with self.assertRaises(KvtierError) as ctx:
+                    self.open(**kwargs)
+                self.assertEqual(ctx.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+                self.assertIn(says, ctx.exception.message)
+        for kwargs in (dict(mode="drop", residency_policy="epiphany",
+                            policy_params={"epiphany.signal": "key_variance"}),
+                       dict(mode="drop", residency_policy="h2o")):
+            with self.subTest(**kwargs):
+                self._close_quietly(self.open(**kwargs))
+
     def test_steps_are_numbered_and_a_retry_replays(self) -> None:
         session = self.open()
         g = session.geometry
