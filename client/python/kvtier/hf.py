@@ -321,7 +321,9 @@ class KvtierCacheCore:
     update, one per batch row, with the dtype and device of its K (or `dtype` / `device` when
     given, which the model's tensors must then match).
 
-    mode, budget_tokens, max_tokens, tau, trigger, max_loss, recall, capture_graphs: kvtier's
+    mode, budget_tokens, max_tokens, tau, trigger, max_loss, recall, capture_graphs and the
+    drop-style policies (budget_policy, residency_policy, host_drop, policy_params; those that
+    read attention see kvtier's, which the "kvtier" attention computes): kvtier's
     SequenceOptions; page_size: the geometry's; device: a kvtier.Device, "cpu", "cuda", or None
     (the first K's); stream: on CUDA the stream to adopt (default: torch's current stream when
     the sequences are made, so kvtier's work is ordered with the model's)."""
@@ -332,7 +334,9 @@ class KvtierCacheCore:
                  device: Any = None, tau: float = 0.7, trigger: str = "cosine",
                  max_loss: float = 0.1, recall: str = "auto", capture_graphs: bool = False,
                  stream: Any = None, config: Any = None,
-                 attn_implementation: str = ATTN_IMPLEMENTATION):
+                 attn_implementation: str = ATTN_IMPLEMENTATION, budget_policy: str = "fixed",
+                 residency_policy: str = "none", host_drop: str = "refuse",
+                 policy_params: Optional[Dict[str, Any]] = None):
         if num_q_heads % num_kv_heads:
             raise ValueError("kvtier.hf: num_q_heads %d is not a multiple of num_kv_heads %d"
                              % (num_q_heads, num_kv_heads))
@@ -347,7 +351,8 @@ class KvtierCacheCore:
         self.options = kvtier.SequenceOptions(
             mode=mode, budget_tokens=budget_tokens, max_tokens=max_tokens, tau=tau,
             trigger=trigger, max_loss=max_loss, recall=recall, capture_graphs=capture_graphs,
-            stream=stream)
+            stream=stream, budget_policy=budget_policy, residency_policy=residency_policy,
+            host_drop=host_drop, policy_params=dict(policy_params or {}))
         self._device_arg = device
         self.device: Optional[kvtier.Device] = device if isinstance(device, kvtier.Device) \
             else None

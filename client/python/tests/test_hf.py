@@ -435,6 +435,28 @@ class CoreTest(unittest.TestCase):
         self.assertGreaterEqual(c.correction_rate(), 0.0)
         self.assertLessEqual(c.correction_rate(), 1.0)
 
+    def test_a_drop_policy_keeps_the_working_set_at_its_budget(self):
+        # H2O reads the attention kvtier's attention function computes: it evicts down to the
+        # budget of 4 pages per KV head; a name the registry does not know is its error.
+        c = core(mode="drop", budget_tokens=4 * PAGE, residency_policy="h2o")
+        block = Attention(layer_idx=0, seed=1)
+        x = torch.randn(1, 120, 32, generator=self.g)
+        block.forward(x, torch.arange(120), lambda k, v, i: c.layers[i].update(k, v),
+                      hf.attention_forward)
+        for step in range(6):
+            out, _ = block.forward(torch.randn(1, 1, 32, generator=self.g),
+                                   torch.tensor([120 + step]),
+                                   lambda k, v, i: c.layers[i].update(k, v),
+                                   hf.attention_forward)
+            self.assertTrue(torch.isfinite(out).all())
+        st = c.stats()
+        self.assertGreater(st["evicted_head_pages"], 0)
+        self.assertLessEqual(st["resident_head_pages"], 4 * HKV * L)
+        bad = core(mode="drop", budget_tokens=4 * PAGE, residency_policy="h3o")
+        with self.assertRaises(kvtier.Error) as e:
+            bad.layers[0].update(torch.randn(1, HKV, 8, D), torch.randn(1, HKV, 8, D))
+        self.assertIn("policy.residency = 'h3o'", e.exception.message)
+
 
 def stand_in_transformers():
     """Modules standing in for transformers 5's Cache, CacheLayerMixin, AttentionInterface,
