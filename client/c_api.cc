@@ -219,6 +219,27 @@ int kvtier_decode(kvtier_session* session, int32_t layer, const void* q, void* o
   });
 }
 
+int kvtier_report_signals(kvtier_session* session, const kvtier_step_signals* signals) {
+  if (session == nullptr || signals == nullptr) {
+    return InvalidArgument("kvtier_report_signals: session and signals must be non-null");
+  }
+  return Guard([&]() -> absl::Status {
+    absl::StatusOr<kvtier::StepSignals> s =
+        kvtier::c_api::SignalsFromC(*signals, "kvtier_report_signals");
+    if (!s.ok()) return s.status();
+    return session->session->sequence().ReportSignals(*s);
+  });
+}
+
+int kvtier_observe_queries(kvtier_session* session, int32_t layer, const void* q, int32_t n,
+                           int64_t first_position) {
+  if (session == nullptr) return InvalidArgument("kvtier_observe_queries: session is null");
+  return Guard([&]() -> absl::Status {
+    kvtier::Session& s = *session->session;
+    return Synced(s, s.sequence().ObserveQueries(layer, q, n, first_position));
+  });
+}
+
 int kvtier_flush(kvtier_session* session) {
   if (session == nullptr) return InvalidArgument("kvtier_flush: session is null");
   return Guard([&] { return session->session->Flush(); });

@@ -103,6 +103,31 @@ inline absl::StatusOr<PolicyConfig> PolicyFromC(const kvtier_policy_options& c) 
   return p;
 }
 
+// The C signals as the C++ ones (spans over the caller's arrays): only their C form is
+// checked here (sizes given with their pointers); the rest is the sequence's to judge.
+inline absl::StatusOr<StepSignals> SignalsFromC(const kvtier_step_signals& c, const char* what) {
+  if (c.vocab < 0 || (c.vocab > 0) != (c.logits != nullptr)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: vocab = %d with %s logits: give both or neither", what, c.vocab,
+        c.logits == nullptr ? "no" : "non-null"));
+  }
+  if (c.num_tokens < 1 || c.num_layers < 0 || (c.num_layers > 0) != (c.hidden_delta != nullptr)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: num_tokens = %d must be >= 1, and num_layers = %d > 0 exactly when hidden_delta "
+        "is given",
+        what, c.num_tokens, c.num_layers));
+  }
+  StepSignals s;
+  s.first_position = c.first_position;
+  s.num_tokens = c.num_tokens;
+  if (c.logits != nullptr) s.logits = {c.logits, static_cast<size_t>(c.vocab)};
+  if (c.hidden_delta != nullptr) {
+    s.hidden_delta = {c.hidden_delta, static_cast<size_t>(c.num_tokens) * c.num_layers};
+    s.num_layers = c.num_layers;
+  }
+  return s;
+}
+
 // A step's slot table [Hkv][S] into the caller's `table` of `capacity` entries (*num_slots
 // set first when given; nothing copied for a null table): OUT_OF_RANGE naming `capacity_name`
 // when it does not fit.

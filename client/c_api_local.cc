@@ -351,28 +351,10 @@ int kvtier_sequence_report_signals(kvtier_sequence* sequence, const kvtier_step_
     return InvalidArgument("kvtier_sequence_report_signals: sequence and signals must be non-null");
   }
   return Guard([&]() -> absl::Status {
-    const kvtier_step_signals& c = *signals;
-    if (c.vocab < 0 || (c.vocab > 0) != (c.logits != nullptr)) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "kvtier_sequence_report_signals: vocab = %d with %s logits: give both or neither",
-          c.vocab, c.logits == nullptr ? "no" : "non-null"));
-    }
-    if (c.num_tokens < 1 || c.num_layers < 0 ||
-        (c.num_layers > 0) != (c.hidden_delta != nullptr)) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "kvtier_sequence_report_signals: num_tokens = %d must be >= 1, and num_layers = %d "
-          "> 0 exactly when hidden_delta is given",
-          c.num_tokens, c.num_layers));
-    }
-    kvtier::StepSignals s;
-    s.first_position = c.first_position;
-    s.num_tokens = c.num_tokens;
-    if (c.logits != nullptr) s.logits = {c.logits, static_cast<size_t>(c.vocab)};
-    if (c.hidden_delta != nullptr) {
-      s.hidden_delta = {c.hidden_delta, static_cast<size_t>(c.num_tokens) * c.num_layers};
-      s.num_layers = c.num_layers;
-    }
-    return sequence->seq->ReportSignals(s);
+    absl::StatusOr<kvtier::StepSignals> s =
+        kvtier::c_api::SignalsFromC(*signals, "kvtier_sequence_report_signals");
+    if (!s.ok()) return s.status();
+    return sequence->seq->ReportSignals(*s);
   });
 }
 

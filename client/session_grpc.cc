@@ -43,6 +43,9 @@ class RemoteSequence final : public Sequence {
 
   absl::Status Append(int32_t layer, const void* k, const void* v, int32_t n_tokens) override;
   absl::Status Decode(int32_t layer, const void* q, void* out, float* lse) override;
+  absl::Status ReportSignals(const StepSignals& signals) override;
+  absl::Status ObserveQueries(int32_t layer, const void* q, int32_t n,
+                              int64_t first_position) override;
   absl::Status Wait() override { return CheckOpen("Wait"); }  // every call has finished
   // The daemon's session stays open: Session::Close closes it.
   absl::Status Close() override {
@@ -282,6 +285,55 @@ absl::Status RemoteSequence::Decode(int32_t layer, const void* q, void* out, flo
     if (lse != nullptr) std::copy(reply.lse().begin(), reply.lse().end(), lse);
   }
   return absl::OkStatus();
+}
+
+// The daemon judges the sizes (with the limits it names) and drops a retry's repeat. A
+// session without policies reads no signal: nothing is sent.
+absl::Status RemoteSequence::ReportSignals(const StepSignals& s) {
+  KVTIER_RETURN_IF_ERROR(CheckOpen("ReportSignals"));
+  if (s.num_tokens < 1 || s.first_position < 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "ReportSignals: num_tokens = %d must be >= 1 and first_position = %d >= 0",
+        s.num_tokens, s.first_position));
+  }
+  if (resolved_.policy.is_default()) return absl::OkStatus();
+  v1::ReportSignalsRequest req;
+  req.set_session_id(info_.id);
+  req.set_first_position(static_cast<uint64_t>(s.first_position));
+  req.set_num_tokens(static_cast<uint32_t>(s.num_tokens));
+  req.mutable_logits()->Add(s.logits.begin(), s.logits.end());
+  if (s.logit_summary.has_value()) {
+    v1::LogitSummary* ls = req.mutable_logit_summary();
+    ls->set_normalized_entropy(s.logit_summary->normalized_entropy);
+    ls->set_margin(s.logit_summary->margin);
+    ls->set_top_mass(s.logit_summary->top_mass);
+  }
+  if (!s.hidden_delta.empty()) {
+    req.mutable_hidden_delta()->Add(s.hidden_delta.begin(), s.hidden_delta.end());
+    req.set_num_layers(static_cast<uint32_t>(std::max(s.num_layers, 0)));
+  }
+  v1::ReportSignalsReply reply;
+  auto ctx = conn_->Context();
+  return FromGrpcStatus(conn_->stub().ReportSignals(ctx.get(), req, &reply));
+}
+
+absl::Status RemoteSequence::ObserveQueries(int32_t layer, const void* q, int32_t n,
+                                            int64_t first_position) {
+  KVTIER_RETURN_IF_ERROR(CheckCall(layer, "ObserveQueries"));
+  if (q == nullptr || n < 1 || first_position < 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "ObserveQueries: q must be non-null, n = %d >= 1 and first_position = %d >= 0", n,
+        first_position));
+  }
+  if (resolved_.policy.is_default()) return absl::OkStatus();
+  v1::ReportSignalsRequest req;
+  req.set_session_id(info_.id);
+  req.set_observe_layer(static_cast<uint32_t>(layer));
+  req.set_observe_q(q, q_bytes() * static_cast<size_t>(n));
+  req.set_observe_first_position(static_cast<uint64_t>(first_position));
+  v1::ReportSignalsReply reply;
+  auto ctx = conn_->Context();
+  return FromGrpcStatus(conn_->stub().ReportSignals(ctx.get(), req, &reply));
 }
 
 SequenceStats RemoteSequence::Stats() {

@@ -4,7 +4,9 @@
 // finishes it, whether it runs or not.
 #include "daemon/kvtier_service.h"
 
+#include <algorithm>
 #include <chrono>
+#include <limits>
 #include <memory>
 #include <string>
 #include <utility>
@@ -279,6 +281,10 @@ grpc::ServerUnaryReactor* KvTierService::Step(grpc::CallbackServerContext* ctx, 
                                               Raw* out) {
   return Serve(ctx, in, out, Where::kWorkQueue, true, &KvTierService::DoStep);
 }
+grpc::ServerUnaryReactor* KvTierService::ReportSignals(grpc::CallbackServerContext* ctx,
+                                                       const Raw* in, Raw* out) {
+  return Serve(ctx, in, out, Where::kWorkQueue, true, &KvTierService::DoReportSignals);
+}
 grpc::ServerUnaryReactor* KvTierService::GetStats(grpc::CallbackServerContext* ctx, const Raw* in,
                                                   Raw* out) {
   return Serve(ctx, in, out, Where::kInline, true, &KvTierService::DoGetStats);
@@ -406,6 +412,33 @@ absl::Status KvTierService::DoPromotePages(const Caller& caller,
                                            const v1::PromotePagesRequest& request,
                                            v1::PromotePagesReply* /*reply*/) {
   return MovePagesOf(manager_, caller, request, /*demote=*/false);
+}
+
+absl::Status KvTierService::DoReportSignals(const Caller& caller,
+                                            const v1::ReportSignalsRequest& request,
+                                            v1::ReportSignalsReply* reply) {
+  EngineSignals e;
+  e.first_position = static_cast<int64_t>(
+      std::min<uint64_t>(request.first_position(), std::numeric_limits<int64_t>::max()));
+  e.num_tokens = static_cast<int32_t>(
+      std::min<uint64_t>(request.num_tokens(), std::numeric_limits<int32_t>::max()));
+  e.logits.assign(request.logits().begin(), request.logits().end());
+  if (request.has_logit_summary()) {
+    const v1::LogitSummary& ls = request.logit_summary();
+    e.logit_summary = LogitSummary{ls.normalized_entropy(), ls.margin(), ls.top_mass()};
+  }
+  e.hidden_delta.assign(request.hidden_delta().begin(), request.hidden_delta().end());
+  e.num_layers = static_cast<int32_t>(
+      std::min<uint64_t>(request.num_layers(), std::numeric_limits<int32_t>::max()));
+  e.observe_layer = static_cast<int32_t>(
+      std::min<uint64_t>(request.observe_layer(), std::numeric_limits<int32_t>::max()));
+  e.observe_q = request.observe_q();
+  e.observe_first_position = static_cast<int64_t>(
+      std::min<uint64_t>(request.observe_first_position(), std::numeric_limits<int64_t>::max()));
+  KVTIER_ASSIGN_OR_RETURN(const bool replayed,
+                          manager_.ReportSignals(caller, request.session_id(), e));
+  reply->set_replayed(replayed);
+  return absl::OkStatus();
 }
 
 absl::Status KvTierService::DoStep(const Caller& caller, const v1::StepRequest& request,

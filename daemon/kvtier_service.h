@@ -66,7 +66,8 @@ using RawKvTierService = v1::KvTier::WithRawCallbackMethod_Hello<
                         v1::KvTier::WithRawCallbackMethod_SuspendSession<
                             v1::KvTier::WithRawCallbackMethod_DemotePages<
                                 v1::KvTier::WithRawCallbackMethod_PromotePages<
-                                    v1::KvTier::Service>>>>>>>>>>>>>;
+                                    v1::KvTier::WithRawCallbackMethod_ReportSignals<
+                                        v1::KvTier::Service>>>>>>>>>>>>>>;
 
 class KvTierService final : public RawKvTierService {
  public:
@@ -102,6 +103,7 @@ class KvTierService final : public RawKvTierService {
   using RawKvTierService::SuspendSession;
   using RawKvTierService::DemotePages;
   using RawKvTierService::PromotePages;
+  using RawKvTierService::ReportSignals;
 
   using Raw = grpc::ByteBuffer;
   grpc::ServerUnaryReactor* Hello(grpc::CallbackServerContext* ctx, const Raw* in,
@@ -128,6 +130,8 @@ class KvTierService final : public RawKvTierService {
                                         Raw* out) override;
   grpc::ServerUnaryReactor* PromotePages(grpc::CallbackServerContext* ctx, const Raw* in,
                                          Raw* out) override;
+  grpc::ServerUnaryReactor* ReportSignals(grpc::CallbackServerContext* ctx, const Raw* in,
+                                          Raw* out) override;
 
  private:
   class OffloadReactor;
@@ -167,6 +171,8 @@ class KvTierService final : public RawKvTierService {
                              v1::DemotePagesReply* reply);
   absl::Status DoPromotePages(const Caller& caller, const v1::PromotePagesRequest& request,
                               v1::PromotePagesReply* reply);
+  absl::Status DoReportSignals(const Caller& caller, const v1::ReportSignalsRequest& request,
+                               v1::ReportSignalsReply* reply);
 
   // Counts the call in flight until End(); End counts its outcome.
   void Begin();

@@ -301,6 +301,11 @@ class SessionManager {
   // size; TenantSession::Step's numbering and liveness errors; the Retriever's errors.
   absl::StatusOr<StepResult> Step(const Caller& caller, std::string_view session_id, int64_t layer,
                                   std::string_view q, bool want_output, uint64_t step = 0);
+  // GRPC sessions: the engine's signals for the session's policies (TenantSession::
+  // ReportSignals; true: a retry, nothing applied again). FAILED_PRECONDITION for SHM ones;
+  // INVALID_ARGUMENT for inconsistent sizes, naming the field and the limit.
+  absl::StatusOr<bool> ReportSignals(const Caller& caller, std::string_view session_id,
+                                     const EngineSignals& signals);
   // The caller's tenant, plus the session when session_id is not empty.
   absl::StatusOr<StatsReport> GetStats(const Caller& caller, std::string_view session_id);
   // Admin: PERMISSION_DENIED unless `token` is the configured admin_token (an empty one
@@ -414,6 +419,8 @@ class SessionManager {
   absl::StatusOr<std::optional<SessionRecord>> ClaimRequestId(const std::string& key,
                                                               const std::string& fingerprint)
       ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<bool> DoReportSignals(const Caller& caller, std::string_view session_id,
+                                       const EngineSignals& signals);
   absl::StatusOr<StepResult> DoStep(const Caller& caller, std::string_view session_id,
                                     int64_t layer, std::string_view q, bool want_output,
                                     uint64_t step);

@@ -122,24 +122,6 @@ absl::StatusOr<SessionSpec> SessionManager::ResolveSpec(const Caller& caller,
     }
     return bad(std::move(msg));
   }
-  if (p.transport == Transport::kGrpc) {
-    // A GRPC session's policies run here, and the protocol carries no signal of the engine's
-    // (next-token logits, hidden-state changes): a policy that decides by them would run blind.
-    if (pc.budget == "confidence") {
-      return bad(
-          "policy.budget = 'confidence' reads the engine's next-token logits, which a GRPC "
-          "session does not carry: open an SHM session (its policies run in the engine) or "
-          "choose the fixed, xkv or kv_compress budget");
-    }
-    const auto signal = pc.params.find("epiphany.signal");
-    if (pc.residency == "epiphany" &&
-        (signal == pc.params.end() || signal->second == "hidden_delta")) {
-      return bad(
-          "policy.residency = 'epiphany' with epiphany.signal = hidden_delta reads the "
-          "engine's hidden-state changes, which a GRPC session does not carry: open an SHM "
-          "session, or set epiphany.signal to key_variance or lag_kv (the keys alone)");
-    }
-  }
   spec.host_pages = spec.max_pages();
   if (pc.host_drop == "demote") {
     // The session's Retriever moves pages to the cold tier and back: the daemon's own (GRPC),

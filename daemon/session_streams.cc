@@ -1,6 +1,8 @@
-// SessionManager's data path: Step (a GRPC session's layer-step), Fetch (StartFetch and
-// its FetchCursor) and Offload (NewOffloadStream and its OffloadStream).
+// SessionManager's data path: Step (a GRPC session's layer-step), ReportSignals (its engine's
+// signals for the policies), Fetch (StartFetch and its FetchCursor) and Offload
+// (NewOffloadStream and its OffloadStream).
 #include <algorithm>
+#include <cmath>
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
@@ -42,6 +44,88 @@ absl::StatusOr<StepResult> SessionManager::DoStep(const Caller& caller, std::str
         g.num_q_heads, g.head_dim, g.element_bytes(), DTypeName(g.dtype)));
   }
   return s->Step(static_cast<int32_t>(layer), q, want_output, step, caller);
+}
+
+// ---- ReportSignals --------------------------------------------------------------------------
+
+absl::StatusOr<bool> SessionManager::ReportSignals(const Caller& caller,
+                                                   std::string_view session_id,
+                                                   const EngineSignals& signals) {
+  InflightCall call(this);
+  return Tally(caller, DoReportSignals(caller, session_id, signals));
+}
+
+absl::StatusOr<bool> SessionManager::DoReportSignals(const Caller& caller,
+                                                     std::string_view session_id,
+                                                     const EngineSignals& e) {
+  KVTIER_ASSIGN_OR_RETURN(std::shared_ptr<TenantSession> s, Find(caller, session_id));
+  const Geometry& g = s->spec().geometry;
+  if (s->spec().transport != Transport::kGrpc) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "session %s uses SHM: its policies run in the engine, which reports to its own "
+        "sequence (ReportSignals is for GRPC sessions)",
+        s->id()));
+  }
+  constexpr int64_t kMaxVocab = int64_t{1} << 22;
+  constexpr int32_t kMaxLayers = 1024, kMaxObserved = 1024;
+  const int64_t max_tokens = s->spec().sequence.max_tokens;
+  if (e.logit_summary.has_value()) {
+    const LogitSummary& ls = *e.logit_summary;
+    if (!(ls.normalized_entropy >= 0 && ls.normalized_entropy <= 1) || !(ls.margin >= 0) ||
+        !std::isfinite(ls.margin) || !(ls.top_mass >= 0 && ls.top_mass <= 1)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "logit_summary = {normalized_entropy %g, margin %g, top_mass %g}: the entropy and top "
+          "mass must be in [0, 1] and the margin finite and >= 0",
+          ls.normalized_entropy, ls.margin, ls.top_mass));
+    }
+  }
+  if (e.num_tokens == 0) {
+    if (!e.logits.empty() || !e.hidden_delta.empty() || e.logit_summary.has_value()) {
+      return absl::InvalidArgumentError(
+          "num_tokens = 0 with logits or hidden_delta: the signals need their tokens");
+    }
+    if (e.observe_q.empty()) {
+      return absl::InvalidArgumentError(
+          "nothing to report: num_tokens = 0 and observe_q is empty");
+    }
+  } else {
+    if (e.num_tokens < 0 || e.num_tokens > max_tokens || e.first_position < 0 ||
+        e.first_position > max_tokens - e.num_tokens) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "first_position = %d, num_tokens = %d: the tokens must lie in [0, max_tokens = %d)",
+          e.first_position, e.num_tokens, max_tokens));
+    }
+    if (static_cast<int64_t>(e.logits.size()) > kMaxVocab) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "logits: %d values; at most %d", e.logits.size(), kMaxVocab));
+    }
+    if (!e.hidden_delta.empty() &&
+        (e.num_layers < 1 || e.num_layers > kMaxLayers ||
+         e.hidden_delta.size() != static_cast<size_t>(e.num_tokens) * e.num_layers)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "hidden_delta: %d values; it must hold num_tokens × num_layers = %d × %d, with "
+          "num_layers in [1, %d]",
+          e.hidden_delta.size(), e.num_tokens, e.num_layers, kMaxLayers));
+    }
+  }
+  if (!e.observe_q.empty()) {
+    if (e.observe_layer < 0 || e.observe_layer >= g.num_layers) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "observe_layer = %d: must be < num_layers = %d", e.observe_layer, g.num_layers));
+    }
+    const size_t row = static_cast<size_t>(g.num_q_heads) * g.head_dim * g.element_bytes();
+    const size_t n = e.observe_q.size() / row;
+    if (e.observe_q.size() % row != 0 || n > static_cast<size_t>(kMaxObserved) ||
+        e.observe_first_position < 0 ||
+        e.observe_first_position > max_tokens - static_cast<int64_t>(n)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "observe_q: %d bytes at observe_first_position = %d; it must be n rows of %d bytes "
+          "(num_q_heads %d × head_dim %d × %d-byte %s), n in [1, %d], within max_tokens = %d",
+          e.observe_q.size(), e.observe_first_position, row, g.num_q_heads, g.head_dim,
+          g.element_bytes(), DTypeName(g.dtype), kMaxObserved, max_tokens));
+    }
+  }
+  return s->ReportSignals(e, caller);
 }
 
 // ---- Fetch --------------------------------------------------------------------------------

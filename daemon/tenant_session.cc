@@ -434,6 +434,37 @@ absl::StatusOr<StepResult> TenantSession::Step(int32_t layer, std::string_view q
   return r;
 }
 
+absl::StatusOr<bool> TenantSession::ReportSignals(const EngineSignals& e, const Caller& caller) {
+  MutexLock lock(&mu_);
+  KVTIER_RETURN_IF_ERROR(CheckWritable("ReportSignals"));
+  KVTIER_RETURN_IF_ERROR(caller.CheckLive("ReportSignals"));
+  const bool signals_again = e.num_tokens > 0 && e.first_position + e.num_tokens <= signals_end_;
+  const bool observed_again =
+      !e.observe_q.empty() && observed_.contains({e.observe_layer, e.observe_first_position});
+  if (e.num_tokens > 0 && !signals_again) {
+    StepSignals s;
+    s.first_position = e.first_position;
+    s.num_tokens = e.num_tokens;
+    s.logits = e.logits;
+    s.logit_summary = e.logit_summary;
+    if (!e.hidden_delta.empty()) {
+      s.hidden_delta = e.hidden_delta;
+      s.num_layers = e.num_layers;
+    }
+    KVTIER_RETURN_IF_ERROR(retriever_->ReportSignals(s));
+    signals_end_ = e.first_position + e.num_tokens;
+  }
+  if (!e.observe_q.empty() && !observed_again) {
+    const size_t row = static_cast<size_t>(spec_.geometry.num_q_heads) *
+                       spec_.geometry.head_dim * spec_.geometry.element_bytes();
+    KVTIER_RETURN_IF_ERROR(retriever_->ObserveQueries(
+        e.observe_layer, e.observe_q.data(), static_cast<int32_t>(e.observe_q.size() / row),
+        e.observe_first_position));
+    observed_.insert({e.observe_layer, e.observe_first_position});
+  }
+  return (e.num_tokens == 0 || signals_again) && (e.observe_q.empty() || observed_again);
+}
+
 absl::StatusOr<StepResult> TenantSession::RunStep(int32_t layer, std::string_view q,
                                                   bool want_output, bool* advanced) {
   const Geometry& g = spec_.geometry;

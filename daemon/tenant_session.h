@@ -18,6 +18,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -108,6 +109,21 @@ struct StepResult {
   int32_t corrected_heads = 0;
   uint64_t step = 0;      // the layer's count of steps run, this one included
   bool replayed = false;  // an earlier run's reply, sent again (nothing ran)
+};
+
+// What a GRPC session's engine reports for its policies (ReportSignalsRequest): the signals of
+// tokens first_position .. + num_tokens − 1 (none when num_tokens is 0), and the prompt's last
+// queries of one layer (none when observe_q is empty).
+struct EngineSignals {
+  int64_t first_position = 0;
+  int32_t num_tokens = 0;
+  std::vector<float> logits;
+  std::optional<LogitSummary> logit_summary;
+  std::vector<float> hidden_delta;  // [num_tokens][num_layers]
+  int32_t num_layers = 0;
+  int32_t observe_layer = 0;
+  std::string observe_q;  // [n][Hq][d], session dtype
+  int64_t observe_first_position = 0;
 };
 
 // Trailing metadata of a refused numbered Step: the layer's count of steps run.
@@ -235,6 +251,12 @@ class TenantSession {
   // fails the step and the session's Retriever, as any promotion that fails does.
   absl::StatusOr<StepResult> Step(int32_t layer, std::string_view q, bool want_output,
                                   uint64_t step, const Caller& caller) ABSL_LOCKS_EXCLUDED(mu_);
+  // GRPC: hands the engine's signals to the Retriever's policies (REQUIRES: sizes validated).
+  // Signals whose tokens end at or before those already reported, and an observation window
+  // of a layer and first position already applied, are a retry: true (replayed) and nothing
+  // applied again. Runs only while `caller` is live.
+  absl::StatusOr<bool> ReportSignals(const EngineSignals& signals, const Caller& caller)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // Bumps the region's epoch past every epoch it had and returns the session's record;
   // FAILED_PRECONDITION when the epoch cannot advance (the shared header was overwritten
@@ -326,6 +348,9 @@ class TenantSession {
   // GRPC only: over the region's slots (offload/region_host_tier.h).
   std::unique_ptr<Retriever> retriever_ ABSL_GUARDED_BY(mu_);
   std::vector<LayerSteps> steps_ ABSL_GUARDED_BY(mu_);
+  int64_t signals_end_ ABSL_GUARDED_BY(mu_) = 0;  // GRPC: tokens whose signals were applied
+  // GRPC: the observation windows applied, by (layer, first position): a retry applies none.
+  std::set<std::pair<int32_t, int64_t>> observed_ ABSL_GUARDED_BY(mu_);
 
   mutable Mutex info_mu_;
   std::vector<uint64_t> grpc_tokens_ ABSL_GUARDED_BY(info_mu_);  // GRPC: per layer

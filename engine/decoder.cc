@@ -223,10 +223,12 @@ absl::Status Decoder::PrefillInto(Sequence* seq, DenseKv& kv, const std::vector<
   const DType dt = options_.kv_dtype;
   const size_t e = DTypeSize(dt);
   const int64_t window = std::min<int64_t>(options_.observe_window, n);
-  LocalSequence* local = seq != nullptr ? seq->local() : nullptr;
+  // Every sequence's policies get the signals (a remote one's in kvtierd); the dense
+  // baseline has none.
+  Sequence* const signaled = seq;
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
   float* prev = nullptr;  // the sequence's last hidden states
-  if (local != nullptr && options_.report_hidden_delta) {
+  if (signaled != nullptr && options_.report_hidden_delta) {
     KVTIER_ASSIGN_OR_RETURN(prev, LastHidden(seq));
   }
   for (int64_t done = 0; done < n;) {
@@ -257,7 +259,7 @@ absl::Status Decoder::PrefillInto(Sequence* seq, DenseKv& kv, const std::vector<
       // The prompt's last `window` queries, for ObserveQueries.
       const int64_t first_obs = n - window;  // relative to the prompt
       const int64_t lo = std::max(done, first_obs), hi = done + rows;
-      if (local != nullptr && lo < hi) {
+      if (signaled != nullptr && lo < hi) {
         auto* dst = static_cast<uint8_t*>(observe_.data()) +
                     ((l * options_.observe_window) + (lo - first_obs)) * qd * e;
         KVTIER_RETURN_IF_ERROR(
@@ -267,7 +269,7 @@ absl::Status Decoder::PrefillInto(Sequence* seq, DenseKv& kv, const std::vector<
       return math_.Fence();
     };
     AfterLayerFn after_layer;
-    if (local != nullptr && options_.report_hidden_delta) {
+    if (signaled != nullptr && options_.report_hidden_delta) {
       after_layer = [&](int32_t l, const float* x) {
         return HiddenDelta(l, x, m, prev, 0, /*first_token=*/pos0 == 0);
       };
@@ -276,7 +278,7 @@ absl::Status Decoder::PrefillInto(Sequence* seq, DenseKv& kv, const std::vector<
         m, [&](int32_t l) { return kv.k(l, pos0); }, [&](int32_t l) { return kv.v(l, pos0); },
         attention, after_layer, 1, logits));
     if (after_layer) {
-      KVTIER_RETURN_IF_ERROR(ReportHiddenDelta(*local, pos0, m));
+      KVTIER_RETURN_IF_ERROR(ReportHiddenDelta(*signaled, pos0, m));
       if (record != nullptr) {
         record->delta_.insert(record->delta_.end(), host_delta_.begin(),
                               host_delta_.begin() + m * c.layers);
@@ -303,20 +305,19 @@ absl::Status Decoder::PrefillInto(Sequence* seq, DenseKv& kv, const std::vector<
     record->logits_ = *logits;
     KVTIER_RETURN_IF_ERROR(math_.Fence());
   }
-  if (local != nullptr && window > 0) {
+  if (signaled != nullptr && window > 0) {
     for (int32_t l = 0; l < c.layers; ++l) {
       const auto* q =
           static_cast<const uint8_t*>(observe_.data()) + l * options_.observe_window * qd * e;
-      KVTIER_RETURN_IF_ERROR(
-          local->ObserveQueries(l, q, static_cast<int32_t>(window), start + n - window));
+      KVTIER_RETURN_IF_ERROR(Observe(*signaled, l, q, window, start + n - window));
     }
   }
-  if (local != nullptr && options_.report_logits) {
+  if (signaled != nullptr && options_.report_logits) {
     StepSignals s;
     s.first_position = start;
     s.num_tokens = static_cast<int32_t>(n);
     s.logits = std::span<const float>(*logits);
-    KVTIER_RETURN_IF_ERROR(local->ReportSignals(s));
+    KVTIER_RETURN_IF_ERROR(signaled->ReportSignals(s));
   }
   return absl::OkStatus();
 }
@@ -372,7 +373,6 @@ absl::Status Decoder::Replay(Sequence& seq, const PrefillRecord& r, std::vector<
   const int64_t kvd = int64_t{c.kv_heads} * c.head_dim;
   const DType dt = options_.kv_dtype;
   const size_t e = DTypeSize(dt);
-  LocalSequence* local = seq.local();
   DenseKv& kv = *r.kv_;
   // The same chunks as the recorded prefill: each layer's Append, then the chunk's hidden
   // deltas.
@@ -384,35 +384,34 @@ absl::Status Decoder::Replay(Sequence& seq, const PrefillRecord& r, std::vector<
       KVTIER_RETURN_IF_ERROR(seq.Append(l, k_kv_.data(), v_kv_.data(), static_cast<int32_t>(m)));
       KVTIER_RETURN_IF_ERROR(math_.Fence());
     }
-    if (local != nullptr && options_.report_hidden_delta && !r.delta_.empty()) {
+    if (options_.report_hidden_delta && !r.delta_.empty()) {
       StepSignals s;
       s.first_position = done;
       s.num_tokens = static_cast<int32_t>(m);
       s.hidden_delta = std::span<const float>(r.delta_.data() + done * c.layers, m * c.layers);
       s.num_layers = c.layers;
-      KVTIER_RETURN_IF_ERROR(local->ReportSignals(s));
+      KVTIER_RETURN_IF_ERROR(seq.ReportSignals(s));
     }
     done += m;
   }
-  if (local != nullptr && options_.report_hidden_delta && r.last_hidden_.size() > 0) {
+  if (options_.report_hidden_delta && r.last_hidden_.size() > 0) {
     KVTIER_ASSIGN_OR_RETURN(float* prev, LastHidden(&seq));
     KVTIER_RETURN_IF_ERROR(math_.Copy(prev, r.last_hidden_.as<float>(), int64_t{c.layers} * c.dim));
   }
-  if (local != nullptr && r.window_ > 0) {
+  if (r.window_ > 0) {
     for (int32_t l = 0; l < c.layers; ++l) {
       const auto* q =
           static_cast<const uint8_t*>(r.observe_.data()) + l * options_.observe_window * qd * e;
-      KVTIER_RETURN_IF_ERROR(
-          local->ObserveQueries(l, q, static_cast<int32_t>(r.window_), n - r.window_));
+      KVTIER_RETURN_IF_ERROR(Observe(seq, l, q, r.window_, n - r.window_));
     }
   }
   *logits = r.logits_;
-  if (local != nullptr && options_.report_logits) {
+  if (options_.report_logits) {
     StepSignals s;
     s.first_position = 0;
     s.num_tokens = static_cast<int32_t>(n);
     s.logits = std::span<const float>(*logits);
-    KVTIER_RETURN_IF_ERROR(local->ReportSignals(s));
+    KVTIER_RETURN_IF_ERROR(seq.ReportSignals(s));
   }
   return stream_.Synchronize();
 }
@@ -511,12 +510,11 @@ absl::Status Decoder::Step(const std::vector<Sequence*>& seqs, const std::vector
     KVTIER_RETURN_IF_ERROR(math_.Fence());
     return math_.FromDType(out_kv_.data(), dt, attn_.as<float>(), rows * qd);
   };
-  // The local sequences' last hidden states, for their hidden-state changes.
+  // The sequences' last hidden states, for their hidden-state changes.
   std::vector<float*> prev(b, nullptr);
   AfterLayerFn after_layer;
   if (options_.report_hidden_delta) {
     for (int64_t i = 0; i < b; ++i) {
-      if (seqs[i]->local() == nullptr) continue;
       KVTIER_ASSIGN_OR_RETURN(prev[i], LastHidden(seqs[i]));
     }
     after_layer = [&](int32_t l, const float* x) -> absl::Status {
@@ -530,8 +528,7 @@ absl::Status Decoder::Step(const std::vector<Sequence*>& seqs, const std::vector
   }
   KVTIER_RETURN_IF_ERROR(Forward(b, nullptr, nullptr, attention, after_layer, b, logits));
   for (int64_t i = 0; i < b; ++i) {
-    LocalSequence* local = seqs[i]->local();
-    if (local == nullptr || (!options_.report_logits && !after_layer)) continue;
+    if (!options_.report_logits && !after_layer) continue;
     StepSignals s;
     s.first_position = host_positions_[i];
     s.num_tokens = 1;
@@ -542,7 +539,7 @@ absl::Status Decoder::Step(const std::vector<Sequence*>& seqs, const std::vector
       s.hidden_delta = std::span<const float>(host_delta_.data() + i * c.layers, c.layers);
       s.num_layers = c.layers;
     }
-    KVTIER_RETURN_IF_ERROR(local->ReportSignals(s));
+    KVTIER_RETURN_IF_ERROR(seqs[i]->ReportSignals(s));
   }
   return absl::OkStatus();
 }
@@ -556,7 +553,21 @@ absl::Status Decoder::StepDense(DenseKv& kv, int32_t token, std::vector<float>* 
   return PrefillInto(nullptr, kv, {token}, logits, {});
 }
 
-absl::Status Decoder::ReportHiddenDelta(LocalSequence& seq, int64_t first_position, int64_t m) {
+absl::Status Decoder::Observe(Sequence& seq, int32_t layer, const void* q, int64_t n,
+                             int64_t first_position) {
+  if (seq.local() != nullptr || math_.device().kind() == DeviceKind::kCpu) {
+    return seq.ObserveQueries(layer, q, static_cast<int32_t>(n), first_position);
+  }
+  // A remote sequence reads host memory: the rows come out of the device first.
+  const size_t bytes = static_cast<size_t>(n) * config_.q_heads * config_.head_dim *
+                       DTypeSize(options_.kv_dtype);
+  std::vector<uint8_t> host(bytes);
+  KVTIER_RETURN_IF_ERROR(math_.device().Copy(stream_, host.data(), q, bytes));
+  KVTIER_RETURN_IF_ERROR(stream_.Synchronize());
+  return seq.ObserveQueries(layer, host.data(), static_cast<int32_t>(n), first_position);
+}
+
+absl::Status Decoder::ReportHiddenDelta(Sequence& seq, int64_t first_position, int64_t m) {
   const int32_t n_layers = config_.layers;
   StepSignals s;
   s.first_position = first_position;

@@ -169,7 +169,11 @@ class Decoder {
   absl::Status HiddenDelta(int32_t layer, const float* x, int64_t m, float* prev, int64_t row0,
                            bool first_token);
   // Reports the m rows of host_delta_ (Forward brought them back) to `seq`.
-  absl::Status ReportHiddenDelta(LocalSequence& seq, int64_t first_position, int64_t m);
+  absl::Status ReportHiddenDelta(Sequence& seq, int64_t first_position, int64_t m);
+  // The observation window of `layer` (n query rows in the KV dtype, engine memory) to `seq`,
+  // staged through host memory for a remote sequence on a device the host cannot read.
+  absl::Status Observe(Sequence& seq, int32_t layer, const void* q, int64_t n,
+                       int64_t first_position);
   // The sequence's last-hidden buffer [L][dim] (created on first use).
   absl::StatusOr<float*> LastHidden(const Sequence* seq);
   absl::Status PrefillInto(Sequence* seq, DenseKv& kv, const std::vector<int32_t>& ids,

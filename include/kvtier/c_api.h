@@ -319,6 +319,9 @@ typedef struct kvtier_step_signals {
  * from the next step on. KVTIER_OK and ignored when no policy reads them;
  * KVTIER_INVALID_ARGUMENT for inconsistent sizes. */
 int kvtier_sequence_report_signals(kvtier_sequence* sequence, const kvtier_step_signals* signals);
+/* The same for a session of kvtierd: an SHM session's sequence runs here; a GRPC session's
+ * signals go to the daemon, where its policies run (nothing is sent when it has none). */
+int kvtier_report_signals(kvtier_session* session, const kvtier_step_signals* signals);
 /* The prompt's last n queries q [n][num_q_heads][head_dim] of `layer` (device memory, the
  * geometry dtype), at positions first_position .. + n − 1, after the prompt was appended: the
  * observation window of XKV, KV-Compress and Conf-KV's ranker
@@ -326,6 +329,9 @@ int kvtier_sequence_report_signals(kvtier_sequence* sequence, const kvtier_step_
  * no policy reads attention. */
 int kvtier_sequence_observe_queries(kvtier_sequence* sequence, int32_t layer, const void* q,
                                     int32_t n, int64_t first_position);
+/* The same for a session of kvtierd (q: host memory, the session's device being the CPU). */
+int kvtier_observe_queries(kvtier_session* session, int32_t layer, const void* q, int32_t n,
+                           int64_t first_position);
 /* Stops the sequence (drains its work); later calls fail KVTIER_FAILED_PRECONDITION. */
 int kvtier_sequence_close(kvtier_sequence* sequence);
 void kvtier_sequence_free(kvtier_sequence* sequence); /* NULL: no-op */

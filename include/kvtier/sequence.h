@@ -10,8 +10,8 @@
 //     kvtierd; every call has finished its work when it returns, and pointers passed in are
 //     host memory.
 // What only a local sequence can do (hand the working set to the engine's own attention
-// kernel, take policy signals and observation queries, profile) is on LocalSequence, so a
-// remote sequence never pretends to it.
+// kernel, profile) is on LocalSequence, so a remote sequence never pretends to it; both take
+// the policies' signals and observation queries (a remote one sends them to kvtierd).
 //
 // One decode step of layer l, as an engine drives any sequence:
 //   Append(l, k, v, 1)         the new token's K/V (prefill appends many tokens at once)
@@ -121,6 +121,22 @@ class Sequence {
   // past the deadline.
   virtual absl::Status Decode(int32_t layer, const void* q, void* out, float* lse) = 0;
 
+  // What the engine reports for the policies after a forward pass. Applied from the next
+  // step on. INVALID_ARGUMENT for inconsistent sizes; OK and ignored when no policy uses
+  // them. A remote sequence sends them to kvtierd (its logits and hidden-state changes are
+  // host memory there too), and a retry of signals already applied applies nothing.
+  virtual absl::Status ReportSignals(const StepSignals& signals) = 0;
+
+  // The observation window of the prompt (XKV, KV-Compress, Conf-KV's ranker): the last n
+  // prompt queries q [n][Hq][d] of `layer`, at positions first_position .. + n − 1, after
+  // the prompt was appended. Each attends causally over the layer's working set and the
+  // policies see its token probabilities. Blocks until done (bounded by the deadline). OK
+  // and nothing done when no policy reads attention. FAILED_PRECONDITION inside a step or
+  // before any token; INVALID_ARGUMENT for a bad layer, n or null q. On a remote sequence q
+  // is host memory and n at most 1024.
+  virtual absl::Status ObserveQueries(int32_t layer, const void* q, int32_t n,
+                                      int64_t first_position) = 0;
+
   // Blocks until all work enqueued so far has run, at most the deadline: OK, the first
   // error that work hit, or DEADLINE_EXCEEDED.
   virtual absl::Status Wait() = 0;
@@ -165,20 +181,6 @@ class LocalSequence : public Sequence {
   // Ends the layer's step: launches selection with q for the next step and the background
   // recall (speculative mode). REQUIRES: q is the query given to BeginStep.
   absl::Status EndStep(int32_t layer, const void* q);
-
-  // What the engine reports for the policies after a forward pass. Applied from the next
-  // BeginStep on. INVALID_ARGUMENT for inconsistent sizes; OK and ignored when no policy
-  // uses them.
-  virtual absl::Status ReportSignals(const StepSignals& signals) = 0;
-
-  // The observation window of the prompt (XKV, KV-Compress, Conf-KV's ranker): the last n
-  // prompt queries q [n][Hq][d] of `layer`, at positions first_position .. + n − 1, after
-  // the prompt was appended. Each attends causally over the layer's working set and the
-  // policies see its token probabilities. Blocks until done (bounded by the deadline). OK
-  // and nothing done when no policy reads attention. FAILED_PRECONDITION inside a step or
-  // before any token; INVALID_ARGUMENT for a bad layer, n or null q.
-  virtual absl::Status ObserveQueries(int32_t layer, const void* q, int32_t n,
-                                      int64_t first_position) = 0;
 
   // Benchmarks only: while on, every phase synchronises its stream and adds its wall time
   // to the stats (select_us, recall_us, attention_us), so speculation no longer overlaps.

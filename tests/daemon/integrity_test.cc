@@ -373,7 +373,7 @@ TEST_F(IntegrityTest, UnparseableRequestsAreInvalidArgumentNamingTheMessage) {
   const std::string garbage("\xff\xff\xff\xff\x0f", 5);
   for (const char* method : {"Hello", "OpenSession", "CloseSession", "ListSessions", "Reattach",
                              "Step", "GetStats", "Drain", "Fetch", "SuspendSession",
-                             "DemotePages", "PromotePages"}) {
+                             "DemotePages", "PromotePages", "ReportSignals"}) {
     const RawCallResult r = Raw(method, {garbage});
     EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << method;
     EXPECT_THAT(r.status.error_message(),
@@ -593,6 +593,14 @@ TEST_F(IntegrityTest, AnotherTenantsSessionIsAnsweredLikeAnUnknownOne) {
               move(v1::DemotePagesRequest(), unknown));
   expect_same("PromotePages", move(v1::PromotePagesRequest(), id),
               move(v1::PromotePagesRequest(), unknown));
+  auto signals = [](const std::string& session) {
+    v1::ReportSignalsRequest message;
+    message.set_session_id(session);
+    message.set_num_tokens(1);
+    message.add_logits(1.0f);
+    return message.SerializeAsString();
+  };
+  expect_same("ReportSignals", signals(id), signals(unknown));
   expect_same("Offload", Chunk(id, 0, 0, 1, true).SerializeAsString(),
               Chunk(unknown, 0, 0, 1, true).SerializeAsString());
   EXPECT_EQ(List("a").size(), 1u);

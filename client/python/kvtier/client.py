@@ -521,6 +521,47 @@ class Session:
             replayed=r.replayed,
         )
 
+    def report_signals(
+        self,
+        first_position: int,
+        num_tokens: int = 1,
+        logits: Optional[Sequence[float]] = None,
+        hidden_delta: Optional[Sequence[float]] = None,
+        num_layers: int = 0,
+    ) -> bool:
+        """What the engine observed after a forward pass over the tokens at first_position ..
+        + num_tokens - 1, for the session's policies in the daemon (applied from the next
+        step): the next-token logits after the last token (Conf-KV), and the hidden-state
+        changes [num_tokens][num_layers] flattened (EpiKV). Reporting tokens already reported
+        is a retry: nothing is applied again and True (replayed) comes back."""
+        r = self._client._call(
+            self._client._stub.ReportSignals,
+            pb.ReportSignalsRequest(
+                session_id=self.id,
+                first_position=first_position,
+                num_tokens=num_tokens,
+                logits=list(logits or []),
+                hidden_delta=list(hidden_delta or []),
+                num_layers=num_layers,
+            ),
+        )
+        return r.replayed
+
+    def observe_queries(self, layer: int, q: bytes, first_position: int) -> bool:
+        """The prompt's last n queries of `layer`, q [n][Hq][d] in the session dtype, at
+        positions first_position .. + n - 1, after the prompt was appended (XKV, KV-Compress,
+        the attention rankers). True (replayed) when that window was applied already."""
+        r = self._client._call(
+            self._client._stub.ReportSignals,
+            pb.ReportSignalsRequest(
+                session_id=self.id,
+                observe_layer=layer,
+                observe_q=bytes(q),
+                observe_first_position=first_position,
+            ),
+        )
+        return r.replayed
+
     def fetch(self, layer: int, pages: Optional[Sequence[int]] = None) -> List[FetchedPage]:
         """Committed pages of `layer`, HND; None or empty: all of them."""
         request = pb.FetchRequest(session_id=self.id, layer=layer, pages=list(pages or []))

@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from kvtier import _native
 from kvtier.local import (Device, LocalGeometry, _MODES, _TRIGGERS, _check, _choice,
-                          _tensor)
+                          _step_signals, _tensor)
 
 _CPU = None  # tensors of an SHM session are host memory
 
@@ -172,6 +172,22 @@ class Session:
                                            table, capacity))
         n = slots.value
         return [list(table[h * n:(h + 1) * n]) for h in range(g.num_kv_heads)]
+
+    def report_signals(self, first_position: int, num_tokens: int = 1, logits: Any = None,
+                       hidden_delta: Any = None) -> None:
+        """The engine's signals for the session's policies, as kvtier.Sequence.report_signals
+        takes them (they run in this process's sequence)."""
+        s, keep = _step_signals(first_position, num_tokens, logits, hidden_delta)
+        _check(_native.lib().kvtier_report_signals(self._h, ctypes.byref(s)))
+        del keep
+
+    def observe_queries(self, layer: int, q: Any, first_position: int) -> None:
+        """The prompt's last queries q [n][Hq][d] of `layer`, as
+        kvtier.Sequence.observe_queries takes them."""
+        g = self.geometry
+        qt = _tensor("q", q, None, g.dtype, _cpu(), tail=(g.num_q_heads, g.head_dim))
+        _check(_native.lib().kvtier_observe_queries(self._h, int(layer), qt.ptr,
+                                                    int(qt.shape[0]), int(first_position)))
 
     def flush(self) -> None:
         """Waits for every offload so far and commits it: it survives this process."""

@@ -368,23 +368,7 @@ class Sequence:
         the next-token logits after the last token ([vocab] float32, host memory; Conf-KV);
         hidden_delta, ||h_l(t) - h_l(t-1)|| per token and layer ([num_tokens][num_layers]
         float32, host memory; EpiKV). Ignored when no policy reads them."""
-        s = _native.StepSignals()
-        s.first_position = int(first_position)
-        s.num_tokens = int(num_tokens)
-        keep = []
-        if logits is not None:
-            lt = _host_floats("logits", logits, "[vocab]", 1)
-            keep.append(lt)
-            s.vocab = int(lt.shape[0])
-            s.logits = ctypes.cast(lt.ptr, ctypes.POINTER(ctypes.c_float))
-        if hidden_delta is not None:
-            ht = _host_floats("hidden_delta", hidden_delta, "[num_tokens, num_layers]", 2)
-            keep.append(ht)
-            if ht.shape[0] != int(num_tokens):
-                raise _invalid("hidden_delta: %d rows, want num_tokens = %d"
-                               % (ht.shape[0], int(num_tokens)))
-            s.num_layers = int(ht.shape[1])
-            s.hidden_delta = ctypes.cast(ht.ptr, ctypes.POINTER(ctypes.c_float))
+        s, keep = _step_signals(first_position, num_tokens, logits, hidden_delta)
         _check(_native.lib().kvtier_sequence_report_signals(self._live("report_signals"),
                                                             ctypes.byref(s)))
         del keep
@@ -450,6 +434,29 @@ def _qshape(g: LocalGeometry, n: int, q: Any) -> Tuple[int, ...]:
     if n == 1 and ndim == 2:
         return (g.num_q_heads, g.head_dim)
     return (n, g.num_q_heads, g.head_dim)
+
+
+def _step_signals(first_position: int, num_tokens: int, logits: Any,
+                  hidden_delta: Any) -> Tuple[_native.StepSignals, List[Any]]:
+    """The C API's kvtier_step_signals over the caller's arrays, and what keeps them alive."""
+    s = _native.StepSignals()
+    s.first_position = int(first_position)
+    s.num_tokens = int(num_tokens)
+    keep = []
+    if logits is not None:
+        lt = _host_floats("logits", logits, "[vocab]", 1)
+        keep.append(lt)
+        s.vocab = int(lt.shape[0])
+        s.logits = ctypes.cast(lt.ptr, ctypes.POINTER(ctypes.c_float))
+    if hidden_delta is not None:
+        ht = _host_floats("hidden_delta", hidden_delta, "[num_tokens, num_layers]", 2)
+        keep.append(ht)
+        if ht.shape[0] != int(num_tokens):
+            raise _invalid("hidden_delta: %d rows, want num_tokens = %d"
+                           % (ht.shape[0], int(num_tokens)))
+        s.num_layers = int(ht.shape[1])
+        s.hidden_delta = ctypes.cast(ht.ptr, ctypes.POINTER(ctypes.c_float))
+    return s, keep
 
 
 def _host_floats(name: str, obj: Any, shape: str, ndim: int) -> _dlpack.Borrowed:

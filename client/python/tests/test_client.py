@@ -372,26 +372,50 @@ class ClientTest(unittest.TestCase):
         self.assertEqual(ctx.exception.code, grpc.StatusCode.FAILED_PRECONDITION)
         self.assertIn("no cold tier", ctx.exception.message)
 
-    def test_policies_run_in_the_daemon_and_those_needing_engine_signals_are_refused(self) -> None:
-        # A GRPC session's policies run in kvtierd, whose protocol carries no logits or
-        # hidden-state changes: Conf-KV's budget and EpiKV on hidden_delta are refused with the
-        # way out; EpiKV on the keys alone, and H2O, run.
-        for kwargs, says in (
-                (dict(budget_policy="confidence"), "policy.budget = 'confidence' reads the "
-                 "engine's next-token logits, which a GRPC session does not carry"),
-                (dict(mode="drop", residency_policy="epiphany"), "policy.residency = "
-                 "'epiphany' with epiphany.signal = hidden_delta reads the engine's "
-                 "hidden-state changes")):
-            with self.subTest(**kwargs):
+    def test_the_engine_s_signals_reach_a_grpc_session_s_policies(self) -> None:
+        # Conf-KV's budget in the daemon turns tight after four confident steps: with the
+        # engine's logits reported (ReportSignals) the budget changes; without them, never.
+        # A retry applies nothing twice; bad sizes are refused naming the field.
+        g = None
+        changes = {}
+        for report in (False, True):
+            session = self.open(budget_policy="confidence")
+            g = session.geometry
+            rng = random.Random(21)
+            k, _ = random_fp16(rng, NUM_TOKENS * g.num_kv_heads * g.head_dim)
+            v, _ = random_fp16(rng, NUM_TOKENS * g.num_kv_heads * g.head_dim)
+            for layer in range(g.num_layers):
+                session.offload(layer, k, v, NUM_TOKENS)
+            confident = [0.0] * 100
+            confident[7] = 40.0  # all the mass on one token
+            for t in range(8):
+                for layer in range(g.num_layers):
+                    one_k, _ = random_fp16(rng, g.num_kv_heads * g.head_dim)
+                    session.offload(layer, one_k, one_k, 1)
+                    q, _ = random_fp16(rng, g.num_q_heads * g.head_dim)
+                    session.step(layer, q, want_output=False)
+                if report:
+                    self.assertFalse(session.report_signals(NUM_TOKENS + t, 1, logits=confident))
+            changes[report] = session.stats().counters["budget_changes"]
+            if report:
+                self.assertTrue(session.report_signals(NUM_TOKENS + 7, 1, logits=confident))
+                q, _ = random_fp16(rng, 3 * g.num_q_heads * g.head_dim)
+                self.assertFalse(session.observe_queries(0, q, NUM_TOKENS - 3))
+                self.assertTrue(session.observe_queries(0, q, NUM_TOKENS - 3))
+                for kwargs, field in (
+                        (dict(first_position=0, num_tokens=2, hidden_delta=[1.0] * 3,
+                              num_layers=2), "hidden_delta"),
+                        (dict(first_position=0, num_tokens=0, logits=confident), "num_tokens")):
+                    with self.assertRaises(KvtierError) as ctx:
+                        session.report_signals(**kwargs)
+                    self.assertEqual(ctx.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+                    self.assertIn(field, ctx.exception.message)
                 with self.assertRaises(KvtierError) as ctx:
-                    self.open(**kwargs)
+                    session.observe_queries(0, q[:-2], NUM_TOKENS - 3)
                 self.assertEqual(ctx.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
-                self.assertIn(says, ctx.exception.message)
-        for kwargs in (dict(mode="drop", residency_policy="epiphany",
-                            policy_params={"epiphany.signal": "key_variance"}),
-                       dict(mode="drop", residency_policy="h2o")):
-            with self.subTest(**kwargs):
-                self._close_quietly(self.open(**kwargs))
+                self.assertIn("observe_q", ctx.exception.message)
+        self.assertEqual(changes[False], 0)
+        self.assertGreater(changes[True], 0)
 
     def test_steps_are_numbered_and_a_retry_replays(self) -> None:
         session = self.open()

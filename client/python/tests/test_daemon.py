@@ -114,6 +114,14 @@ class DaemonTest(unittest.TestCase):
                 table = s.decode(layer, q, out, slot_table=True)
         # Conf-KV's ranker manages the working set: at most the budget's 4 pages per KV head.
         self.assertTrue(all(sum(p >= 0 for p in row) <= 4 for row in table), table)
+        # The engine's signals reach the session's sequence; bad ones get its answer.
+        s.observe_queries(0, self.rng.standard_normal((4, 4, 32)).astype(np.float16), 296)
+        s.report_signals(303, 1, logits=np.zeros(50, np.float32),
+                         hidden_delta=np.ones((1, 2), np.float32))
+        with self.assertRaises(kvtier.Error) as e:
+            s.report_signals(-1, 1, logits=np.zeros(50, np.float32))
+        self.assertEqual(e.exception.code, "INVALID_ARGUMENT")
+        self.assertIn("first_position = -1", e.exception.message)
         s.close()
 
     def test_a_session_left_by_a_process_that_died_is_reattached(self):

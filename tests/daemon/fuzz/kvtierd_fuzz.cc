@@ -45,7 +45,7 @@ constexpr absl::Duration kLongDeadline = absl::Seconds(60);
 const char* const kMethods[kNumTargets] = {
     "Hello",    "OpenSession", "CloseSession",   "ListSessions", "Reattach",
     "Offload",  "Fetch",       "Step",           "GetStats",     "Drain",
-    "SuspendSession", "DemotePages", "PromotePages", "attach"};
+    "SuspendSession", "DemotePages", "PromotePages", "attach", "ReportSignals"};
 
 // ---- the caller a case speaks as ---------------------------------------------------------
 

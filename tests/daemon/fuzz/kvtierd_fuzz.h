@@ -45,6 +45,7 @@ enum FuzzTarget : uint8_t {
   kDemotePages,
   kPromotePages,
   kAttach,
+  kReportSignals,
   kNumTargets
 };
 const char* TargetName(uint8_t target);

@@ -229,6 +229,8 @@ std::unique_ptr<pb::Message> RequestOf(uint8_t target) {
       return std::make_unique<v1::DemotePagesRequest>();
     case kPromotePages:
       return std::make_unique<v1::PromotePagesRequest>();
+    case kReportSignals:
+      return std::make_unique<v1::ReportSignalsRequest>();
     default:
       return std::make_unique<v1::AttachRequest>();
   }
@@ -410,6 +412,30 @@ std::vector<std::string> SeedCorpus() {
     r.set_want_output(step != 2);
     r.set_step(step);
     c.push_back(Case(kStep, r.SerializeAsString(), step == 2 ? 0x18 : 0));
+  }
+  {
+    // Signals (logits, hidden-state changes), an observation window, both, and their retry.
+    v1::ReportSignalsRequest r;
+    r.set_session_id(SessionPlaceholder(0));
+    r.set_first_position(0);
+    r.set_num_tokens(2);
+    for (int i = 0; i < 16; ++i) r.add_logits(static_cast<float>(i % 5));
+    for (int i = 0; i < 4; ++i) r.add_hidden_delta(0.5f * static_cast<float>(i));
+    r.set_num_layers(2);
+    c.push_back(Case(kReportSignals, r.SerializeAsString()));
+    c.push_back(Case(kReportSignals, r.SerializeAsString()));
+    v1::ReportSignalsRequest o;
+    o.set_session_id(SessionPlaceholder(0));
+    o.set_observe_layer(1);
+    std::string q(2 * kQHeads * kHeadDim * 2, '\0');
+    for (size_t i = 0; i < q.size(); i += 2) q[i + 1] = static_cast<char>(0x38 + (i % 5));
+    o.set_observe_q(q);
+    o.set_observe_first_position(4);
+    c.push_back(Case(kReportSignals, o.SerializeAsString()));
+    o.MergeFrom(r);
+    o.mutable_logit_summary()->set_normalized_entropy(0.2f);
+    o.mutable_logit_summary()->set_top_mass(0.9f);
+    c.push_back(Case(kReportSignals, o.SerializeAsString()));
   }
   {
     v1::ReattachRequest r;
