@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "client/session_grpc.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
 namespace kvtier {
@@ -53,6 +54,26 @@ TEST(BuildOpenSessionRequestTest, CarriesEveryOption) {
   EXPECT_FLOAT_EQ(req->retrieval().correction_max_loss(), 0.125f);
   EXPECT_EQ(req->transport(), v1::TRANSPORT_GRPC);
   EXPECT_EQ(req->label(), "unit");
+}
+
+TEST(BuildOpenSessionRequestTest, CarriesThePoliciesWholeAndRefusesWhatItCannotCarry) {
+  SessionOptions o = SmallOptions();
+  o.sequence.policy.budget = "xkv";
+  o.sequence.policy.residency = "h2o";
+  o.sequence.policy.params["xkv.window"] = "4";
+  absl::StatusOr<v1::OpenSessionRequest> req = BuildOpenSessionRequest("a", o);
+  ASSERT_TRUE(req.ok()) << req.status();
+  EXPECT_EQ(req->policy().budget_policy(), "xkv");
+  EXPECT_EQ(req->policy().residency_policy(), "h2o");
+  EXPECT_EQ(req->policy().host_drop(), "refuse");
+  EXPECT_EQ(req->policy().params().at("xkv.window"), "4");
+  // Summaries per page, or Quest's bounds: a GRPC session's Retriever cannot be told them.
+  o.sequence.summary_blocks = 4;
+  req = BuildOpenSessionRequest("a", o);
+  EXPECT_TRUE(absl::IsInvalidArgument(req.status())) << req.status();
+  EXPECT_THAT(std::string(req.status().message()), ::testing::HasSubstr("summary_blocks = 4"));
+  o.transport = Transport::kShm;  // an SHM session's sequence runs in the engine: it takes them
+  EXPECT_TRUE(BuildOpenSessionRequest("a", o).ok());
 }
 
 TEST(BuildOpenSessionRequestTest, DefaultSequenceOptionsAreFreeKvsBudget) {

@@ -124,8 +124,12 @@ TEST_F(EngineServiceTest, PoliciesChooseAlikeInProcessAndThroughTheDaemon) {
     EXPECT_EQ(Run(Placement::kGrpc, c.mode, 16, nullptr, p, &grpc_stats), local);
     EXPECT_EQ(grpc_stats.evicted_head_pages, local_stats.evicted_head_pages);
     EXPECT_EQ(grpc_stats.budget_changes, local_stats.budget_changes);
-    if (c.mode == RetrievalMode::kDrop) EXPECT_GT(local_stats.evicted_head_pages, 0);
-    if (std::string(c.residency) == "epiphany") EXPECT_NE(local, window);
+    if (c.mode == RetrievalMode::kDrop) {
+      EXPECT_GT(local_stats.evicted_head_pages, 0);
+    }
+    if (std::string(c.residency) == "epiphany") {
+      EXPECT_NE(local, window);
+    }
   }
 }
 
