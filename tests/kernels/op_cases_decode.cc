@@ -124,6 +124,30 @@ OpRun CosineDecodeRun(uint32_t seed) {
   return r;
 }
 
+// An Offload of `n` items from the op's buffers (indices of r.in): center-mad summaries,
+// `blocks` a page, every item's summary page below `summary_pages`.
+struct OffloadBuffers {
+  int k, v, items, pages, sums;
+  int64_t src_slots, host_pages, summary_pages;
+  int32_t n, blocks = 1;
+  OffloadArgs At(const KvShape& shape, const OpPtrs& p) const {
+    OffloadArgs a;
+    a.shape = shape;
+    a.summary = SummaryMode::kCenterMad;
+    a.k_src = p.get(k);
+    a.v_src = p.get(v);
+    a.num_src_slots = src_slots;
+    a.host_pages = p.get(pages);
+    a.num_host_pages = host_pages;
+    a.summaries = p.get(sums);
+    a.num_summary_pages = summary_pages;
+    a.items = p.get<OffloadItem>(items);
+    a.num_items = n;
+    a.summary_blocks = blocks;
+    return a;
+  }
+};
+
 // A zero-copy recall of `items` head-pages (each a distinct (slot, KV head)) from a pool of
 // registered host pages into a working set of 64 slots.
 OpRun RecallDecodeRun(int32_t items, uint32_t seed) {
@@ -178,20 +202,9 @@ OpRun OffloadDecodeRun(int32_t pages, uint32_t seed) {
   const int ipages = r.in.Add(Filled(kLayer.dtype, kHostPages * hl.page_elements(), 0.0f),
                               Placement::kRegisteredHost);
   const int isums = r.in.Add(Filled(kLayer.dtype, pages * sl.page_elements(), 0.0f));
+  const OffloadBuffers off{ik, iv, iitems, ipages, isums, kSrcSlots, kHostPages, pages, pages};
   r.op = [=](Backend& be, Stream& s, const OpPtrs& p) {
-    OffloadArgs a;
-    a.shape = kLayer;
-    a.summary = SummaryMode::kCenterMad;
-    a.k_src = p.get(ik);
-    a.v_src = p.get(iv);
-    a.num_src_slots = kSrcSlots;
-    a.host_pages = p.get(ipages);
-    a.num_host_pages = kHostPages;
-    a.summaries = p.get(isums);
-    a.num_summary_pages = pages;
-    a.items = p.get<OffloadItem>(iitems);
-    a.num_items = pages;
-    return be.Offload(s, a);
+    return be.Offload(s, off.At(kLayer, p));
   };
   r.check = [=](const OpBuffers&, const OpResult& want, const OpResult& got) {
     ExpectSameBytes(want, got, ipages, kElem, "host pages");
@@ -297,21 +310,9 @@ OpRun BlocksRun(int32_t blocks, uint32_t seed) {
   const int inp = r.in.Add(std::vector<int32_t>{kPages - 2});
   const int iscores = r.in.Add(std::vector<float>(size_t{8} * kPages, 7.0f));
   const int ipooled = r.in.Add(std::vector<float>(size_t{2} * kPages, 7.0f));
+  const OffloadBuffers off{ik, iv, iitems, ipages, isums, kPages, kPages, kPages, kPages, blocks};
   r.op = [=](Backend& be, Stream& s, const OpPtrs& p) {
-    OffloadArgs o;
-    o.shape = shape;
-    o.summary = SummaryMode::kCenterMad;
-    o.k_src = p.get(ik);
-    o.v_src = p.get(iv);
-    o.num_src_slots = kPages;
-    o.host_pages = p.get(ipages);
-    o.num_host_pages = kPages;
-    o.summaries = p.get(isums);
-    o.num_summary_pages = kPages;
-    o.items = p.get<OffloadItem>(iitems);
-    o.num_items = kPages;
-    o.summary_blocks = blocks;
-    KVTIER_RETURN_IF_ERROR(be.Offload(s, o));
+    KVTIER_RETURN_IF_ERROR(be.Offload(s, off.At(shape, p)));
     ScorePagesArgs a;
     a.shape = shape;
     a.batch = 1;

@@ -94,17 +94,16 @@ INSTANTIATE_TEST_SUITE_P(Sweep, ScorePagesTest,
                                   std::to_string(std::get<2>(tpi.param));
                          });
 
-TEST(ScorePagesTest, MinMaxSummariesGiveAnUpperBoundOnEveryKeyScore) {
-  // Summaries produced by offload bound q·k of every key of the page (the Quest property).
-  const int32_t p = 16, d = 64, Hkv = 2, P = 6;
-  TypedBuffer k(DType::kF16, int64_t{P} * p * Hkv * d), v(DType::kF16, int64_t{P} * p * Hkv * d);
-  k.FillNormal(3);
-  v.FillNormal(4);
-  TypedBuffer host(DType::kF16, int64_t{P} * Hkv * 2 * p * d), sums(DType::kF16, int64_t{P} * Hkv * 2 * d);
+// Offloads pages 0..P−1 of the NHD caches k, v (of k's dtype) and returns their min-max
+// summaries, `blocks` a page.
+TypedBuffer OffloadEveryPage(const TypedBuffer& k, const TypedBuffer& v, int32_t Hkv, int32_t p,
+                             int32_t d, int32_t P, int32_t blocks) {
+  const DType t = k.dtype();
+  TypedBuffer host(t, int64_t{P} * Hkv * 2 * p * d), sums(t, int64_t{P} * blocks * Hkv * 2 * d);
   std::vector<OffloadItem> items;
   for (int32_t i = 0; i < P; ++i) items.push_back({i, i, i});
   OffloadArgs o;
-  o.shape = {.dtype = DType::kF16, .num_kv_heads = Hkv, .head_dim = d, .page_size = p};
+  o.shape = {.dtype = t, .num_kv_heads = Hkv, .head_dim = d, .page_size = p};
   o.k_src = k.data();
   o.v_src = v.data();
   o.num_src_slots = P;
@@ -114,7 +113,18 @@ TEST(ScorePagesTest, MinMaxSummariesGiveAnUpperBoundOnEveryKeyScore) {
   o.num_summary_pages = P;
   o.items = items.data();
   o.num_items = P;
-  ASSERT_TRUE(CpuOffload(o, nullptr).ok());
+  o.summary_blocks = blocks;
+  EXPECT_TRUE(CpuOffload(o, nullptr).ok());
+  return sums;
+}
+
+TEST(ScorePagesTest, MinMaxSummariesGiveAnUpperBoundOnEveryKeyScore) {
+  // Summaries produced by offload bound q·k of every key of the page (the Quest property).
+  const int32_t p = 16, d = 64, Hkv = 2, P = 6;
+  TypedBuffer k(DType::kF16, int64_t{P} * p * Hkv * d), v(DType::kF16, int64_t{P} * p * Hkv * d);
+  k.FillNormal(3);
+  v.FillNormal(4);
+  TypedBuffer sums = OffloadEveryPage(k, v, Hkv, p, d, P, 1);
   TypedBuffer q(DType::kF16, int64_t{Hkv} * d);
   q.FillNormal(5);
   std::vector<float> scores(static_cast<size_t>(Hkv * P)), pooled(static_cast<size_t>(Hkv * P));
@@ -147,24 +157,8 @@ TEST(ScorePagesTest, SummaryBlocksScoreAPageByItsBestBlock) {
   TypedBuffer q(DType::kF32, int64_t{Hkv} * d);
   q.FillNormal(9);
   const WorkingSetLayout wl{P, p, Hkv, d};
-  std::vector<OffloadItem> items;
-  for (int32_t i = 0; i < P; ++i) items.push_back({i, i, i});
   auto scores_with = [&](int32_t blocks) {
-    TypedBuffer host(DType::kF32, int64_t{P} * Hkv * 2 * p * d);
-    TypedBuffer sums(DType::kF32, int64_t{P} * blocks * Hkv * 2 * d);
-    OffloadArgs o;
-    o.shape = {.dtype = DType::kF32, .num_kv_heads = Hkv, .head_dim = d, .page_size = p};
-    o.k_src = k.data();
-    o.v_src = v.data();
-    o.num_src_slots = P;
-    o.host_pages = host.data();
-    o.num_host_pages = P;
-    o.summaries = sums.data();
-    o.num_summary_pages = P;
-    o.items = items.data();
-    o.num_items = P;
-    o.summary_blocks = blocks;
-    EXPECT_TRUE(CpuOffload(o, nullptr).ok());
+    const TypedBuffer sums = OffloadEveryPage(k, v, Hkv, p, d, P, blocks);
     std::vector<float> scores(static_cast<size_t>(Hkv * P)), pooled(scores.size());
     const int32_t n = P;
     ScorePagesArgs a = ScoreArgs(
