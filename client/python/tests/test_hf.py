@@ -417,18 +417,23 @@ class CoreTest(unittest.TestCase):
         self.assertEqual(c.get_seq_length(1), 52)
         self.assertEqual(c.layers[1].steps, 12)
 
-    def test_speculative_mode_runs_within_its_budget(self):
-        c = core(mode="speculative", budget_tokens=4 * PAGE, dtype="float16")
+    def prefill_and_decode(self, c, steps):
+        """A one-layer attention block over the cache `c`: a 120-token prompt, then `steps`
+        decode steps, each output finite."""
         block = Attention(layer_idx=0, seed=1)
         x = torch.randn(1, 120, 32, generator=self.g)
         block.forward(x, torch.arange(120), lambda k, v, i: c.layers[i].update(k, v),
                       hf.attention_forward)
-        for step in range(10):
+        for step in range(steps):
             out, _ = block.forward(torch.randn(1, 1, 32, generator=self.g),
                                    torch.tensor([120 + step]),
                                    lambda k, v, i: c.layers[i].update(k, v),
                                    hf.attention_forward)
             self.assertTrue(torch.isfinite(out).all())
+
+    def test_speculative_mode_runs_within_its_budget(self):
+        c = core(mode="speculative", budget_tokens=4 * PAGE, dtype="float16")
+        self.prefill_and_decode(c, 10)
         st = c.stats()
         self.assertEqual(st["steps"], 10)
         self.assertGreater(st["checked_heads"], 0)
@@ -439,16 +444,7 @@ class CoreTest(unittest.TestCase):
         # H2O reads the attention kvtier's attention function computes: it evicts down to the
         # budget of 4 pages per KV head; a name the registry does not know is its error.
         c = core(mode="drop", budget_tokens=4 * PAGE, residency_policy="h2o")
-        block = Attention(layer_idx=0, seed=1)
-        x = torch.randn(1, 120, 32, generator=self.g)
-        block.forward(x, torch.arange(120), lambda k, v, i: c.layers[i].update(k, v),
-                      hf.attention_forward)
-        for step in range(6):
-            out, _ = block.forward(torch.randn(1, 1, 32, generator=self.g),
-                                   torch.tensor([120 + step]),
-                                   lambda k, v, i: c.layers[i].update(k, v),
-                                   hf.attention_forward)
-            self.assertTrue(torch.isfinite(out).all())
+        self.prefill_and_decode(c, 6)
         st = c.stats()
         self.assertGreater(st["evicted_head_pages"], 0)
         self.assertLessEqual(st["resident_head_pages"], 4 * HKV * L)
