@@ -106,12 +106,6 @@ absl::Status CheckShape(const SequenceOptions& o, int32_t page_size) {
         o.selected_pages, max_pages, o.max_tokens, page_size, budget * page_size,
         int64_t{o.selected_pages} * page_size));
   }
-  if (o.summary_blocks < 1 || o.summary_blocks > page_size || page_size % o.summary_blocks != 0) {
-    return Bad(absl::StrFormat(
-        "summary_blocks = %d: must divide page_size = %d (each summary covers page_size / "
-        "summary_blocks tokens)",
-        o.summary_blocks, page_size));
-  }
   return absl::OkStatus();
 }
 

@@ -107,7 +107,6 @@ absl::StatusOr<EvalVariant> MakeVariant(const std::string& spec, const EvalFlags
     return absl::InvalidArgumentError(
         absl::StrFormat("--summary: '%s': minmax (Quest's bounds) or center-mad (ArkVale's)", f.summary));
   }
-  o.summary_blocks = f.summary_blocks;
   if (name == "sync") {
     o.mode = RetrievalMode::kSync;
   } else if (name == "speculative") {
@@ -335,9 +334,6 @@ CLI::App* AddEvalCommand(CLI::App& app, EvalFlags* f) {
                 "selected, a quarter recent)");
   c->add_option("--summary", f->summary,
                 "page summaries: center-mad (ArkVale's, the default) or minmax (Quest's per-dimension bounds)");
-  c->add_option("--summary-blocks", f->summary_blocks,
-                "summaries per page, each over page_size / n tokens; a page scores its best "
-                "(1: whole pages, the default; the cpu backend only)");
   c->add_option("--kv-dtype", f->m.kv_dtype, "fp16, bf16 or fp32");
   c->add_option("--device", f->m.device, "cpu, cuda or auto");
   c->add_option("--threads", f->m.threads, "CPU threads (0: all cores)");
@@ -692,7 +688,6 @@ int RunTaskCommand(const EvalFlags& f, const std::vector<EvalVariant>& variants)
        << (f.summary.empty() ? "default" : f.summary) << "\", \"split\": \"" << f.split
        << "\", \"text_tokens\": " << in.ids.size() << ", \"seed\": " << f.seed
        << ", \"tau\": " << f.tau;
-  if (f.summary_blocks != 1) head << ", \"summary_blocks\": " << f.summary_blocks;
   std::string body;
   absl::Status failed;
   std::vector<NiahCell> niah;
@@ -883,9 +878,7 @@ int RunEvalCommand(const EvalFlags& f) {
        << "\", \"text_tokens\": " << text_tokens
       << ", \"context\": " << context << ", \"prefill_tokens\": " << o.prefill_tokens
       << ", \"steps\": " << o.steps << ", \"recall_every\": " << o.recall_every
-      << ", \"tau\": " << f.tau;
-    if (f.summary_blocks != 1) j << ", \"summary_blocks\": " << f.summary_blocks;
-    j << ", \"results\": [";
+      << ", \"tau\": " << f.tau << ", \"results\": [";
     for (size_t i = 0; i < rs->size(); ++i)
       j << (i ? ",\n  " : "\n  ") << ResultJson((*rs)[i], rs->front());
     j << "]}\n";

@@ -41,7 +41,6 @@ struct EvalFlags {
   float tau = kDefaultCorrectionThreshold;  // the library's
   float max_loss = -1;  // < 0: the library default
   std::string summary;  // page summaries of every variant: minmax, center-mad, empty: the default
-  int32_t summary_blocks = 1;  // summaries per page of every variant (SequenceOptions)
   std::string split = "1:2:1";  // the budget's sink : selected : recent parts
   int32_t recall_every = 4;
   std::string json;

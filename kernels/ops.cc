@@ -123,16 +123,6 @@ absl::Status ValidateWorkingSet(const char* op, const PagedKv& kv, int64_t max_s
   return absl::OkStatus();
 }
 
-// Summaries per page: 1, or a divisor of the page size (each covers page_size / n tokens).
-absl::Status CheckSummaryBlocks(const char* op, int32_t blocks, int32_t page_size) {
-  if (blocks == 1) return absl::OkStatus();
-  if (blocks < 1 || page_size < 1 || blocks > page_size || page_size % blocks != 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: summary_blocks = %d must divide shape.page_size = %d", op, blocks, page_size));
-  }
-  return absl::OkStatus();
-}
-
 }  // namespace
 
 // Each op checks its shape, then (ops of items) the item count, for zero items nothing else,
@@ -143,7 +133,6 @@ absl::Status ValidateArgs(const ScorePagesArgs& a) {
   KVTIER_RETURN_IF_ERROR(ValidateShape(op, a.shape, kHeadShape));
   KVTIER_RETURN_IF_ERROR(CheckRanges(
       op, {{"batch", a.batch, 1, kMaxBatch}, {"max_pages", a.max_pages, 1, kMaxPages}}));
-  KVTIER_RETURN_IF_ERROR(CheckSummaryBlocks(op, a.summary_blocks, a.shape.page_size));
   return CheckPtrs(
       op,
       {{"q", a.q}, {"summaries", a.summaries}, {"num_pages", a.num_pages}, {"pooled", a.pooled}});
@@ -227,7 +216,6 @@ absl::Status ValidateArgs(const OffloadArgs& a) {
   if (a.summary != SummaryMode::kMinMax && a.summary != SummaryMode::kCenterMad) {
     return absl::InvalidArgumentError("Offload: unknown summary mode");
   }
-  KVTIER_RETURN_IF_ERROR(CheckSummaryBlocks(op, a.summary_blocks, a.shape.page_size));
   KVTIER_RETURN_IF_ERROR(CheckRange(op, "num_items", a.num_items, 0, INT32_MAX));
   if (a.num_items == 0) return absl::OkStatus();
   KVTIER_RETURN_IF_ERROR(

@@ -55,17 +55,14 @@ struct PagedKv {
 // Page scores (Quest): score[b][hq][page] = Σ_i max(q_i·hi_i, q_i·lo_i), then pooled per
 // KV head: pooled[b][h][page] = the mean over the query group of softmax over the pages
 // [0, num_pages[b]) of softmax_scale · score. Pages at or beyond num_pages[b] score -inf in
-// `pooled` (and `scores`). With summary_blocks = n > 1 each page has n summaries, one per
-// run of page_size / n tokens (rows page·n .. page·n + n − 1 of the summaries), and a page
-// scores the largest of its blocks' scores (the cpu backend only, for now: cuda refuses it
-// UNIMPLEMENTED).
+// `pooled` (and `scores`).
 // Reads shape.dtype, num_q_heads, num_kv_heads, head_dim.
 struct ScorePagesArgs {
   KvShape shape{};
   int32_t batch = 0;
   int32_t max_pages = 0;          // P: per-sequence stride of summaries and scores
   const void* q = nullptr;        // [B][Hq][d]
-  const void* summaries = nullptr;  // [B][P·blocks][Hkv][2][d] (SummaryLayout per sequence)
+  const void* summaries = nullptr;  // [B][P][Hkv][2][d] (SummaryLayout per sequence)
   const int32_t* num_pages = nullptr;  // [B], each in [0, P]
   float softmax_scale = 1.0f;     // multiplies scores inside the softmax pooling
   float* scores = nullptr;        // [B][Hq][P] raw scores out; optional (may be null)
@@ -74,8 +71,6 @@ struct ScorePagesArgs {
   // outputs of the others are left untouched. Null scores every head. This is how
   // correction re-selects just the drifted heads with no host round trip.
   const uint8_t* head_mask = nullptr;
-  // Summaries per page: in [1, page_size], dividing it (then shape.page_size is read).
-  int32_t summary_blocks = 1;
 };
 
 // Top-k pages per (sequence, KV head) among candidates: pages in
@@ -244,13 +239,10 @@ struct OffloadArgs {
   int64_t num_src_slots = 0;
   void* host_pages = nullptr;   // HND pages
   int64_t num_host_pages = 0;
-  void* summaries = nullptr;    // [num_summary_pages · summary_blocks][Hkv][2][d]
+  void* summaries = nullptr;    // [num_summary_pages][Hkv][2][d]
   int64_t num_summary_pages = 0;
   const OffloadItem* items = nullptr;
   int32_t num_items = 0;
-  // Summaries per page, each over page_size / summary_blocks consecutive tokens (rows
-  // summary_page · n + j): as ScorePagesArgs::summary_blocks (cpu only, for now).
-  int32_t summary_blocks = 1;
 };
 
 // Sparse paged decode attention over a working set with per-KV-head slot tables (GQA).

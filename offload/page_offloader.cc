@@ -166,7 +166,6 @@ OffloadArgs PageOffloader::MakeArgs(const OffloadRequest& request, const Batch& 
   OffloadArgs a;
   a.shape = KvShapeOf(geometry_);
   a.summary = request.summary_mode;
-  a.summary_blocks = request.summary_blocks;
   a.k_src = request.k_src;
   a.v_src = request.v_src;
   a.num_src_slots = request.num_src_slots;

@@ -47,7 +47,6 @@ struct OffloadRequest {
   void* summaries = nullptr;  // [num_summary_pages][Hkv][2][d]; page index = logical page
   int64_t num_summary_pages = 0;
   SummaryMode summary_mode = SummaryMode::kMinMax;
-  int32_t summary_blocks = 1;  // summaries per page (rows logical page · n + j)
   std::span<const int64_t> logical_pages;  // distinct, each in [0, num_summary_pages)
   std::span<const int64_t> src_slots;      // NHD slot of each, in [0, num_src_slots)
 };

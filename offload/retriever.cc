@@ -258,8 +258,7 @@ absl::Status RetrieverImpl::Init() {
     KVTIER_RETURN_IF_ERROR(field(&l.select.q_prev, q_bytes(), Field::kQPrev));
     if (select) {
       KVTIER_RETURN_IF_ERROR(field(
-          &l.host.summaries,
-          static_cast<size_t>(max_pages_) * options_.summary_blocks * geometry_.summary_bytes(),
+          &l.host.summaries, static_cast<size_t>(max_pages_) * geometry_.summary_bytes(),
           Field::kSummaries));
       KVTIER_RETURN_IF_ERROR(
           field(&l.host.page_of, static_cast<size_t>(max_pages_) * sizeof(int64_t), Field::kPageOf));
@@ -431,7 +430,6 @@ absl::Status RetrieverImpl::FlushOffloads(int32_t layer, std::vector<PageHandle>
   req.summaries = l.host.summaries.data();
   req.num_summary_pages = max_pages_;
   req.summary_mode = options_.summary;
-  req.summary_blocks = options_.summary_blocks;
   req.logical_pages = logical;
   req.src_slots = slots;
   if (restoring == nullptr) {

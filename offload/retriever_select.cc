@@ -18,7 +18,6 @@ ScorePagesArgs RetrieverImpl::ScoreArgs(LayerState& l, const void* q, const int3
   sa.softmax_scale = scale_;
   sa.pooled = l.select.pooled.as<float>();
   sa.head_mask = mask;
-  sa.summary_blocks = options_.summary_blocks;
   return sa;
 }
 

@@ -139,12 +139,6 @@ struct SequenceOptions {
   // 0 corrects every head whose selection q_t would improve, 1 never corrects.
   float correction_max_loss = kDefaultCorrectionMaxLoss;
   SummaryMode summary = SummaryMode::kCenterMad;
-  // Key summaries per page, each over page_size / summary_blocks consecutive tokens; a page
-  // scores its best block. 1 (whole pages, the default) or a divisor of the page size: finer
-  // selection at the same recall granularity, for summary_blocks times the summary memory
-  // and scoring. The cpu backend only, for now (cuda: UNIMPLEMENTED); not carried by kvtierd's
-  // protocol.
-  int32_t summary_blocks = 1;
   float softmax_scale = 0.0f;  // 0: 1/sqrt(head_dim)
   // How background recalls (and sync mode's) move pages; kAuto takes the zero-copy gather
   // (measured 3.6–9.3 times faster than batched DMA on an H200 at every budget and churn,
@@ -200,7 +194,6 @@ struct SequenceOptions {
 //   correction_max_loss   in [0, 1]
 //   softmax_scale         finite and >= 0
 //   stream_chunk_items    in [1, kMaxStreamChunkItems]
-//   summary_blocks        a divisor of page_size
 //   deadline              positive
 // The policies are checked by their own registry when the sequence is built
 // (docs/policies.md). Today the options that run are those given: nothing is clamped or

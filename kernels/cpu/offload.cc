@@ -85,13 +85,8 @@ void OffloadOne(const OffloadArgs& a, const OffloadItem& it, std::vector<float>&
       }
     }
     cpu::LoadRow(page + hl.Offset(h, kKey, 0, 0), p * d, keys.data());
-    // One summary per block of p / n tokens: rows summary_page · n + j.
-    const int32_t n = a.summary_blocks, tokens = p / n;
-    for (int32_t j = 0; j < n; ++j) {
-      const int64_t row = it.summary_page * n + j;
-      Summarise(keys.data() + int64_t{j} * tokens * d, tokens, d, a.summary,
-                sum + sl.Offset(row, h, kHi, 0), sum + sl.Offset(row, h, kLo, 0), acc);
-    }
+    Summarise(keys.data(), p, d, a.summary, sum + sl.Offset(it.summary_page, h, kHi, 0),
+              sum + sl.Offset(it.summary_page, h, kLo, 0), acc);
   }
 }
 

@@ -2,7 +2,6 @@
 // reference below (per (sequence, KV head), a strided walk over the summaries; kept as
 // cpu::Isa::kScalar, the loops the vectorised kernel is tested against) and the vectorised
 // one of score_simd.cc (AVX2, AVX-512), chosen at run time.
-#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -54,9 +53,7 @@ KVTIER_CPU_INLINE void ScoreGroup(const ScorePagesArgs& a, int32_t b, int32_t h,
   const HeadsLayout ql{a.shape.num_q_heads, d};
   const SummaryLayout sl{a.shape.num_kv_heads, d};
   const T* q = static_cast<const T*>(a.q);
-  const int32_t blocks = a.summary_blocks;
-  const T* summaries =
-      static_cast<const T*>(a.summaries) + int64_t{b} * P * blocks * sl.page_elements();
+  const T* summaries = static_cast<const T*>(a.summaries) + int64_t{b} * P * sl.page_elements();
   // scratch: qf[G][d] | hi[d] | lo[d] | raw[G][P]
   scratch.resize(static_cast<size_t>(G) * d + 2 * d + static_cast<size_t>(G) * P);
   float* qf = scratch.data();
@@ -65,17 +62,9 @@ KVTIER_CPU_INLINE void ScoreGroup(const ScorePagesArgs& a, int32_t b, int32_t h,
   float* raw = lo + d;
   for (int32_t g = 0; g < G; ++g) cpu::LoadRow(q + ql.Offset(b, h * G + g, 0), d, qf + g * d);
   for (int32_t p = 0; p < n; ++p) {
-    // A page scores its best block (one block: its whole-page summary).
-    for (int32_t j = 0; j < blocks; ++j) {
-      const int64_t row = int64_t{p} * blocks + j;
-      cpu::LoadRow(summaries + sl.Offset(row, h, kHi, 0), d, hi);
-      cpu::LoadRow(summaries + sl.Offset(row, h, kLo, 0), d, lo);
-      for (int32_t g = 0; g < G; ++g) {
-        const float s = BoundScore(qf + g * d, hi, lo, d);
-        float& r = raw[int64_t{g} * P + p];
-        r = j == 0 ? s : std::max(r, s);
-      }
-    }
+    cpu::LoadRow(summaries + sl.Offset(p, h, kHi, 0), d, hi);
+    cpu::LoadRow(summaries + sl.Offset(p, h, kLo, 0), d, lo);
+    for (int32_t g = 0; g < G; ++g) raw[int64_t{g} * P + p] = BoundScore(qf + g * d, hi, lo, d);
   }
   float* pooled = a.pooled + (int64_t{b} * a.shape.num_kv_heads + h) * P;
   for (int32_t p = 0; p < P; ++p) pooled[p] = p < n ? 0.0f : kNegInf;
@@ -134,8 +123,7 @@ absl::Status CpuScorePages(const ScorePagesArgs& a, ThreadPool* pool, cpu::Isa i
     }
   }
   isa = cpu::RunnableIsa(isa, a.shape.head_dim);
-  // Several summaries per page: the scalar loops (the vectorised kernel reads one a page).
-  if (isa == cpu::Isa::kScalar || a.summary_blocks != 1) {
+  if (isa == cpu::Isa::kScalar) {
     ScorePagesScalar(a, pool);
   } else {
     cpu::ScorePagesSimd(a, pool, isa);

@@ -505,20 +505,12 @@ absl::Status CudaBackend::DoScatterSlabs(Stream& s, const ScatterSlabsArgs& a) {
 }
 
 absl::Status CudaBackend::DoOffload(Stream& s, const OffloadArgs& a) {
-  if (a.summary_blocks != 1) {
-    return absl::UnimplementedError(
-        "Offload: summary_blocks > 1 runs on the cpu backend only (no CUDA kernel yet)");
-  }
   KVTIER_CUDA_LAUNCH_OP(Offload, LaunchOffload, a.num_items == 0, KVTIER_VIEW(k_src),
                         KVTIER_VIEW(v_src), KVTIER_VIEW(host_pages), KVTIER_VIEW(summaries),
                         KVTIER_VIEW(items));
 }
 
 absl::Status CudaBackend::DoScorePages(Stream& s, const ScorePagesArgs& a) {
-  if (a.summary_blocks != 1) {
-    return absl::UnimplementedError(
-        "ScorePages: summary_blocks > 1 runs on the cpu backend only (no CUDA kernel yet)");
-  }
   KVTIER_CUDA_LAUNCH_OP(ScorePages, LaunchScorePages, false, KVTIER_VIEW(q), KVTIER_VIEW(summaries),
                         KVTIER_VIEW(num_pages), KVTIER_VIEW(scores), KVTIER_VIEW(pooled),
                         KVTIER_VIEW(head_mask));

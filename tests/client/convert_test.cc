@@ -67,11 +67,11 @@ TEST(BuildOpenSessionRequestTest, CarriesThePoliciesWholeAndRefusesWhatItCannotC
   EXPECT_EQ(req->policy().residency_policy(), "h2o");
   EXPECT_EQ(req->policy().host_drop(), "refuse");
   EXPECT_EQ(req->policy().params().at("xkv.window"), "4");
-  // Summaries per page, or Quest's bounds: a GRPC session's Retriever cannot be told them.
-  o.sequence.summary_blocks = 4;
+  // Quest's bounds: a GRPC session's Retriever cannot be told them.
+  o.sequence.summary = SummaryMode::kMinMax;
   req = BuildOpenSessionRequest("a", o);
   EXPECT_TRUE(absl::IsInvalidArgument(req.status())) << req.status();
-  EXPECT_THAT(std::string(req.status().message()), ::testing::HasSubstr("summary_blocks = 4"));
+  EXPECT_THAT(std::string(req.status().message()), ::testing::HasSubstr("summary = minmax"));
   o.transport = Transport::kShm;  // an SHM session's sequence runs in the engine: it takes them
   EXPECT_TRUE(BuildOpenSessionRequest("a", o).ok());
 }

@@ -181,9 +181,6 @@ struct OpRun {
   // stated by the decode-size cases for `kvtier-bench ops`; 0 where not stated.
   int64_t bytes = 0;
   double flops = 0;
-  // The cpu backend only: the CUDA backend refuses the op UNIMPLEMENTED (a variant without a
-  // kernel there yet); its cuda run is skipped, saying so.
-  bool cpu_only = false;
 };
 
 struct OpCase {

@@ -2,8 +2,7 @@
 // pages of 32 tokens, fp16) as a decode step runs them, so that every backend is checked
 // against the CPU reference at the sizes it is used at, and `kvtier-bench ops` times the
 // same cases (each states the bytes it must move and, for attention and scoring, its
-// floating-point operations). Names end in `_decode_<size>`. Also the summary-block variant
-// of Offload and ScorePages (several summaries a page; cpu only for now).
+// floating-point operations). Names end in `_decode_<size>`.
 #include <algorithm>
 #include <cstdint>
 #include <numeric>
@@ -13,7 +12,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "core/status.h"
 #include "gtest/gtest.h"
 #include "kvtier/layout.h"
 #include "tests/kernels/op_cases.h"
@@ -125,11 +123,11 @@ OpRun CosineDecodeRun(uint32_t seed) {
 }
 
 // An Offload of `n` items from the op's buffers (indices of r.in): center-mad summaries,
-// `blocks` a page, every item's summary page below `summary_pages`.
+// every item's summary page below `summary_pages`.
 struct OffloadBuffers {
   int k, v, items, pages, sums;
   int64_t src_slots, host_pages, summary_pages;
-  int32_t n, blocks = 1;
+  int32_t n;
   OffloadArgs At(const KvShape& shape, const OpPtrs& p) const {
     OffloadArgs a;
     a.shape = shape;
@@ -143,7 +141,6 @@ struct OffloadBuffers {
     a.num_summary_pages = summary_pages;
     a.items = p.get<OffloadItem>(items);
     a.num_items = n;
-    a.summary_blocks = blocks;
     return a;
   }
 };
@@ -291,57 +288,9 @@ OpRun DenseDecodeRun(int32_t context, uint32_t seed) {
   return r;
 }
 
-// Several summaries per page (summary_blocks, cpu only): an offload writes one per block of
-// page_size / n tokens, and ScorePages scores each page by its best block.
-OpRun BlocksRun(int32_t blocks, uint32_t seed) {
-  const KvShape shape{DType::kF16, 8, 2, 64, 16};
-  constexpr int32_t kPages = 12;
-  const SummaryLayout sl{shape.num_kv_heads, shape.head_dim};
-  const HostPageLayout hl{shape.num_kv_heads, shape.page_size, shape.head_dim};
-  std::vector<OffloadItem> items;
-  for (int32_t i = 0; i < kPages; ++i) items.push_back({i, (5 * i) % kPages, i});
-  OpRun r;
-  const int ik = r.in.Add(RandomCache(shape, kPages, seed + 1));
-  const int iv = r.in.Add(RandomCache(shape, kPages, seed + 2));
-  const int iitems = r.in.Add(items);
-  const int ipages = r.in.Add(Filled(shape.dtype, kPages * hl.page_elements(), 0.0f));
-  const int isums = r.in.Add(Filled(shape.dtype, kPages * blocks * sl.page_elements(), 7.0f));
-  const int iq = r.in.Add(Normal(int64_t{shape.num_q_heads} * shape.head_dim, seed + 3));
-  const int inp = r.in.Add(std::vector<int32_t>{kPages - 2});
-  const int iscores = r.in.Add(std::vector<float>(size_t{8} * kPages, 7.0f));
-  const int ipooled = r.in.Add(std::vector<float>(size_t{2} * kPages, 7.0f));
-  const OffloadBuffers off{ik, iv, iitems, ipages, isums, kPages, kPages, kPages, kPages, blocks};
-  r.op = [=](Backend& be, Stream& s, const OpPtrs& p) {
-    KVTIER_RETURN_IF_ERROR(be.Offload(s, off.At(shape, p)));
-    ScorePagesArgs a;
-    a.shape = shape;
-    a.batch = 1;
-    a.max_pages = kPages;
-    a.q = p.get(iq);
-    a.summaries = p.get(isums);
-    a.num_pages = p.get<int32_t>(inp);
-    a.softmax_scale = ScaleOf(shape.head_dim);
-    a.scores = p.get<float>(iscores);
-    a.pooled = p.get<float>(ipooled);
-    a.summary_blocks = blocks;
-    return be.ScorePages(s, a);
-  };
-  r.check = [=](const OpBuffers&, const OpResult& want, const OpResult& got) {
-    ExpectSameBytes(want, got, isums, 2, "summaries");
-    ExpectFloatBufNear(want, got, iscores, 1e-4, 1e-5, "scores");
-    ExpectFloatBufNear(want, got, ipooled, 1e-4, 1e-5, "pooled");
-  };
-  r.cpu_only = true;
-  return r;
-}
-
 }  // namespace
 
 void AddDecodeCases(std::vector<OpCase>& cases) {
-  for (const int32_t blocks : {2, 4, 16}) {
-    Add(cases, absl::StrFormat("OffloadScorePages_f16_p16_blocks%d", blocks),
-        [blocks](uint32_t seed) { return BlocksRun(blocks, seed); });
-  }
   for (const int32_t context : {8192, 32768, 131072}) {
     Add(cases, "ScorePages_decode_ctx" + Tokens(context),
         [context](uint32_t seed) { return ScoreRun(context, seed); });

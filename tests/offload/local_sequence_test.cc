@@ -1,7 +1,6 @@
 // NewLocalSequence, the public in-process sequence (kvtier/sequence.h): the same results as
 // a Retriever over a pool of the same shape, its own host tier only in the modes that have
 // one, and devices kvtier did not create refused.
-#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -179,59 +178,6 @@ TEST(LocalSequenceTest, InvalidOptionsNameTheField) {
       NewLocalSequence(SmallGeometry(), o, *device);
   ASSERT_TRUE(absl::IsInvalidArgument(seq.status())) << seq.status();
   EXPECT_THAT(std::string(seq.status().message()), ::testing::HasSubstr("max_tokens"));
-}
-
-// A needle page holds one key along q among keys against it; every other page holds keys
-// mildly along q. Summarised whole (center ± mean absolute deviation) the needle page ranks
-// below the decoys; with several summaries a page (summary_blocks) its block holding the
-// needle outranks them, and sync mode selects it. A summary_blocks that does not divide the
-// page is refused, naming the rule.
-TEST(LocalSequenceTest, SummaryBlocksFindTheNeedleWholePageSummariesMiss) {
-  std::unique_ptr<Device> device = CreateDevice(DeviceKind::kCpu).value();
-  Geometry g;
-  g.num_layers = 1;
-  g.num_q_heads = 2;
-  g.num_kv_heads = 1;
-  g.head_dim = 16;
-  g.page_size = 8;
-  g.dtype = DType::kF32;
-  constexpr int32_t kPages = 12, kNeedlePage = 5;
-  std::vector<float> u(16, 0.0f);
-  u[3] = 1.0f;
-  std::vector<float> k(size_t{kPages} * 8 * 16), v(k.size(), 0.5f);
-  for (int32_t t = 0; t < kPages * 8; ++t) {
-    const float along = t / 8 == kNeedlePage ? (t % 8 == 2 ? 5.0f : -2.0f) : 1.0f;
-    for (int32_t i = 0; i < 16; ++i) k[size_t{16} * t + i] = along * u[i];
-  }
-  std::vector<float> q(32);
-  for (int32_t h = 0; h < 2; ++h) {
-    for (int32_t i = 0; i < 16; ++i) q[size_t{16} * h + i] = 4.0f * u[i];
-  }
-  auto selects_needle = [&](int32_t blocks) {
-    SequenceOptions o;
-    o.mode = RetrievalMode::kSync;
-    o.max_tokens = 256;
-    EXPECT_TRUE(o.SetBudgetTokens(32, g.page_size).ok());  // sink 1, selected 2, recent 1
-    o.summary_blocks = blocks;
-    std::unique_ptr<LocalSequence> seq = NewLocalSequence(g, o, *device).value();
-    EXPECT_TRUE(seq->Append(0, k.data(), v.data(), kPages * 8).ok());
-    std::vector<float> out(32);
-    EXPECT_TRUE(seq->Decode(0, q.data(), out.data(), nullptr).ok());
-    EXPECT_TRUE(seq->Wait().ok());
-    const std::vector<int32_t> table = seq->LastStep(0).slot_table;
-    return std::find(table.begin(), table.end(), kNeedlePage) != table.end();
-  };
-  EXPECT_FALSE(selects_needle(1));
-  EXPECT_TRUE(selects_needle(2));
-  EXPECT_TRUE(selects_needle(8));
-  SequenceOptions bad;
-  bad.max_tokens = 256;
-  ASSERT_TRUE(bad.SetBudgetTokens(32, g.page_size).ok());
-  bad.summary_blocks = 3;
-  absl::StatusOr<std::unique_ptr<LocalSequence>> refused = NewLocalSequence(g, bad, *device);
-  ASSERT_TRUE(absl::IsInvalidArgument(refused.status())) << refused.status();
-  EXPECT_THAT(std::string(refused.status().message()),
-              ::testing::HasSubstr("summary_blocks = 3: must divide page_size = 8"));
 }
 
 }  // namespace

@@ -47,30 +47,6 @@ TEST_F(OpsValidationTest, ScorePagesNamesTheBadField) {
   ExpectInvalid(backend_->ScorePages(*stream_, a), "ScorePages: pooled must not be null");
 }
 
-TEST_F(OpsValidationTest, SummaryBlocksMustDivideThePage) {
-  ScorePagesArgs a;
-  a.shape = {.dtype = DType::kF32, .num_q_heads = 4, .num_kv_heads = 2, .head_dim = 8,
-             .page_size = 16};
-  a.batch = 1;
-  a.max_pages = 4;
-  a.q = a.summaries = buf_.data();
-  a.num_pages = ints_.data();
-  a.pooled = buf_.data();
-  a.summary_blocks = 3;
-  ExpectInvalid(backend_->ScorePages(*stream_, a),
-                "ScorePages: summary_blocks = 3 must divide shape.page_size = 16");
-  a.summary_blocks = 0;
-  ExpectInvalid(backend_->ScorePages(*stream_, a), "summary_blocks = 0");
-  a.summary_blocks = 4;
-  EXPECT_TRUE(backend_->ScorePages(*stream_, a).ok());
-  OffloadArgs o;
-  o.shape = a.shape;
-  o.summary_blocks = 32;
-  ExpectInvalid(backend_->Offload(*stream_, o),
-                "Offload: summary_blocks = 32 must divide shape.page_size = 16");
-  EXPECT_TRUE(stream_->Synchronize().ok());
-}
-
 TEST_F(OpsValidationTest, TopKRejectsKLargerThanPages) {
   TopKArgs a;
   a.shape.num_kv_heads = 1;

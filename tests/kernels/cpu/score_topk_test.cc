@@ -95,11 +95,11 @@ INSTANTIATE_TEST_SUITE_P(Sweep, ScorePagesTest,
                          });
 
 // Offloads pages 0..P−1 of the NHD caches k, v (of k's dtype) and returns their min-max
-// summaries, `blocks` a page.
+// summaries.
 TypedBuffer OffloadEveryPage(const TypedBuffer& k, const TypedBuffer& v, int32_t Hkv, int32_t p,
-                             int32_t d, int32_t P, int32_t blocks) {
+                             int32_t d, int32_t P) {
   const DType t = k.dtype();
-  TypedBuffer host(t, int64_t{P} * Hkv * 2 * p * d), sums(t, int64_t{P} * blocks * Hkv * 2 * d);
+  TypedBuffer host(t, int64_t{P} * Hkv * 2 * p * d), sums(t, int64_t{P} * Hkv * 2 * d);
   std::vector<OffloadItem> items;
   for (int32_t i = 0; i < P; ++i) items.push_back({i, i, i});
   OffloadArgs o;
@@ -113,7 +113,6 @@ TypedBuffer OffloadEveryPage(const TypedBuffer& k, const TypedBuffer& v, int32_t
   o.num_summary_pages = P;
   o.items = items.data();
   o.num_items = P;
-  o.summary_blocks = blocks;
   EXPECT_TRUE(CpuOffload(o, nullptr).ok());
   return sums;
 }
@@ -124,7 +123,7 @@ TEST(ScorePagesTest, MinMaxSummariesGiveAnUpperBoundOnEveryKeyScore) {
   TypedBuffer k(DType::kF16, int64_t{P} * p * Hkv * d), v(DType::kF16, int64_t{P} * p * Hkv * d);
   k.FillNormal(3);
   v.FillNormal(4);
-  TypedBuffer sums = OffloadEveryPage(k, v, Hkv, p, d, P, 1);
+  TypedBuffer sums = OffloadEveryPage(k, v, Hkv, p, d, P);
   TypedBuffer q(DType::kF16, int64_t{Hkv} * d);
   q.FillNormal(5);
   std::vector<float> scores(static_cast<size_t>(Hkv * P)), pooled(static_cast<size_t>(Hkv * P));
@@ -142,51 +141,6 @@ TEST(ScorePagesTest, MinMaxSummariesGiveAnUpperBoundOnEveryKeyScore) {
         for (int32_t i = 0; i < d; ++i) dot += q.Get(int64_t{h} * d + i) * k.Get(wl.Offset(int64_t{pg}, t, h, i));
         EXPECT_GE(scores[static_cast<size_t>(h * P + pg)] + 1e-3, dot);
       }
-    }
-  }
-}
-
-TEST(ScorePagesTest, SummaryBlocksScoreAPageByItsBestBlock) {
-  // One Quest bound per token (summary_blocks = page size, min-max: hi = lo = the key) makes
-  // a page's score exactly its best key's q·k; a few blocks a page bound every key of their
-  // block, so the page's score lies between its best key's and its whole-page bound.
-  const int32_t p = 16, d = 32, Hkv = 2, P = 5;
-  TypedBuffer k(DType::kF32, int64_t{P} * p * Hkv * d), v(DType::kF32, int64_t{P} * p * Hkv * d);
-  k.FillNormal(7);
-  v.FillNormal(8);
-  TypedBuffer q(DType::kF32, int64_t{Hkv} * d);
-  q.FillNormal(9);
-  const WorkingSetLayout wl{P, p, Hkv, d};
-  auto scores_with = [&](int32_t blocks) {
-    const TypedBuffer sums = OffloadEveryPage(k, v, Hkv, p, d, P, blocks);
-    std::vector<float> scores(static_cast<size_t>(Hkv * P)), pooled(scores.size());
-    const int32_t n = P;
-    ScorePagesArgs a = ScoreArgs(
-        {.dtype = DType::kF32, .num_q_heads = Hkv, .num_kv_heads = Hkv, .head_dim = d,
-         .page_size = p},
-        1, P, q.data(), sums.data(), &n, pooled.data());
-    a.scores = scores.data();
-    a.summary_blocks = blocks;
-    EXPECT_TRUE(CpuScorePages(a, nullptr, cpu::ActiveIsa()).ok());
-    return scores;
-  };
-  const std::vector<float> whole = scores_with(1), quarter = scores_with(4),
-                           exact = scores_with(p);
-  for (int32_t h = 0; h < Hkv; ++h) {
-    for (int32_t pg = 0; pg < P; ++pg) {
-      double best = -1e30;
-      for (int32_t t = 0; t < p; ++t) {
-        double dot = 0;
-        for (int32_t i = 0; i < d; ++i) {
-          dot += double{q.Get(int64_t{h} * d + i)} * k.Get(wl.Offset(int64_t{pg}, t, h, i));
-        }
-        best = std::max(best, dot);
-      }
-      const size_t at = static_cast<size_t>(h * P + pg);
-      EXPECT_NEAR(exact[at], best, 1e-4 * (1 + std::fabs(best))) << "head " << h << " page " << pg;
-      EXPECT_GE(quarter[at] + 1e-4, best);
-      EXPECT_LE(quarter[at], whole[at] + 1e-4);
-      EXPECT_LT(quarter[at], whole[at]) << "finer blocks bound tighter";
     }
   }
 }
