@@ -17,8 +17,8 @@
 
 #include "absl/strings/match.h"
 #include "absl/time/clock.h"
+#include "tests/daemon/cold_tier_suite.h"
 #include "tests/testutil/redis_cluster_process.h"
-#include "tests/testutil/redis_cluster_suite.h"
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -149,21 +149,10 @@ TEST(ColdTierTest, KeysPutTheTenantFirstAndHashTagSessionAndLayer) {
 using testing::RedisClusterProcess;
 using testing::RedisClusterProcessOptions;
 
-class ColdTierClusterTest : public ::kvtier::testing::RedisClusterSuite<ColdTierClusterTest> {
+constexpr char kPrefix[] = "kvt";
+
+class ColdTierClusterTest : public ::kvtier::testing::ColdTierSuite<ColdTierClusterTest, kPrefix> {
  protected:
-  void SetUp() override {
-    RedisClusterSuite::SetUp();
-    if (IsSkipped() || HasFatalFailure()) return;
-    RedisClusterOptions options;
-    options.seeds = process()->seeds();
-    options.command_timeout = absl::Milliseconds(500);
-    auto cluster = RedisCluster::Connect(options);
-    ASSERT_TRUE(cluster.ok()) << cluster.status();
-    cluster_ = *std::move(cluster);
-    auto tier = ColdTier::Create(cluster_.get(), "kvt");
-    ASSERT_TRUE(tier.ok()) << tier.status();
-    tier_ = *std::move(tier);
-  }
   static absl::Time Deadline() { return absl::Now() + absl::Seconds(10); }
 
   // `n` pages of `bytes` each, distinct per (session, layer, page).
@@ -189,9 +178,6 @@ class ColdTierClusterTest : public ::kvtier::testing::RedisClusterSuite<ColdTier
     }
     return tier_->Put("acme", session, refs, Deadline());
   }
-
-  std::unique_ptr<RedisCluster> cluster_;
-  std::unique_ptr<ColdTier> tier_;
 };
 
 TEST_F(ColdTierClusterTest, PagesOfManySessionsAndLayersReadBackByteExact) {

@@ -17,8 +17,8 @@
 #include "daemon/cold_store.h"
 #include "daemon/cold_tier.h"
 #include "daemon/redis_cluster.h"
+#include "tests/daemon/cold_tier_suite.h"
 #include "tests/testutil/redis_cluster_process.h"
-#include "tests/testutil/redis_cluster_suite.h"
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -32,20 +32,13 @@ using ::testing::HasSubstr;
 constexpr size_t kPageBytes = 4096;
 constexpr uint64_t kCharge = kPageBytes + kColdHeaderBytes;  // one key's
 
-class PageMoverTest : public ::kvtier::testing::RedisClusterSuite<PageMoverTest> {
+constexpr char kPrefix[] = "pm";
+
+class PageMoverTest : public ::kvtier::testing::ColdTierSuite<PageMoverTest, kPrefix> {
  protected:
   void SetUp() override {
-    RedisClusterSuite::SetUp();
+    ColdTierSuite::SetUp();
     if (IsSkipped() || HasFatalFailure()) return;
-    RedisClusterOptions options;
-    options.seeds = process()->seeds();
-    options.command_timeout = absl::Milliseconds(500);
-    auto cluster = RedisCluster::Connect(options);
-    ASSERT_TRUE(cluster.ok()) << cluster.status();
-    cluster_ = *std::move(cluster);
-    auto tier = ColdTier::Create(cluster_.get(), "pm");
-    ASSERT_TRUE(tier.ok()) << tier.status();
-    tier_ = *std::move(tier);
     keys_ = absl::StrCat("s", counter_++);
   }
 
@@ -123,8 +116,6 @@ class PageMoverTest : public ::kvtier::testing::RedisClusterSuite<PageMoverTest>
   static absl::Time Deadline() { return absl::Now() + absl::Seconds(10); }
 
   static int counter_;
-  std::unique_ptr<RedisCluster> cluster_;
-  std::unique_ptr<ColdTier> tier_;
   std::string keys_;
 };
 int PageMoverTest::counter_ = 0;
