@@ -41,15 +41,21 @@ uint64_t ColdStore::RecordBytes(const v1::ColdSessionRecord& record) {
   return ValueBytes(pages, record.page_bytes());
 }
 
-absl::Status ColdStore::Reserve(std::string_view session, uint64_t bytes) {
+absl::Status ColdStore::Reserve(std::string_view session, uint64_t bytes, uint64_t overdraft) {
+  const uint64_t limit = options_.quota_bytes > UINT64_MAX - overdraft
+                             ? UINT64_MAX
+                             : options_.quota_bytes + overdraft;
   uint64_t used = used_.load(std::memory_order_relaxed);
   do {
-    if (bytes > options_.quota_bytes || used > options_.quota_bytes - bytes) {
+    if (bytes > limit || used > limit - bytes) {
       return absl::ResourceExhaustedError(absl::StrFormat(
           "tenant '%s': demoting session %s needs %d bytes of the cold tier, %d of %d bytes "
-          "free (tenant.cold_quota_bytes)",
+          "free (tenant.cold_quota_bytes)%s",
           options_.tenant, session, bytes,
-          options_.quota_bytes > used ? options_.quota_bytes - used : 0, options_.quota_bytes));
+          options_.quota_bytes > used ? options_.quota_bytes - used : 0, options_.quota_bytes,
+          overdraft == 0 ? ""
+                         : absl::StrFormat(", %d more while the copy this move replaces is kept",
+                                           overdraft)));
     }
   } while (!used_.compare_exchange_weak(used, used + bytes, std::memory_order_relaxed));
   return absl::OkStatus();

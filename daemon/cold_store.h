@@ -79,8 +79,11 @@ class ColdStore {
   }
 
   // Reserves `bytes` of the quota: RESOURCE_EXHAUSTED "tenant 'a': demoting session s needs
-  // N bytes of the cold tier, M of Q bytes free (tenant.cold_quota_bytes)".
-  absl::Status Reserve(std::string_view session, uint64_t bytes);
+  // N bytes of the cold tier, M of Q bytes free (tenant.cold_quota_bytes)". `overdraft`: how
+  // far past the quota this reservation may take the tenant's charges — the charge of a copy
+  // that the move it is made for replaces (a session that demotes pages has its pages under
+  // two sets of keys while it moves whole: PageMover::SetOverdraft). Charges stay exact.
+  absl::Status Reserve(std::string_view session, uint64_t bytes, uint64_t overdraft = 0);
   void Unreserve(uint64_t bytes);
 
   // Writes `record` (its layers' generations filled in: each layer's committed prefix, whose

@@ -57,7 +57,7 @@ absl::Status PageMover::Demote(std::span<const Out> pages, absl::Time deadline) 
   }
   if (refs.empty()) return absl::OkStatus();
   KVTIER_RETURN_IF_ERROR(
-      store_->Reserve(keys, fresh * (options_.page_bytes + kColdHeaderBytes)));
+      store_->Reserve(keys, fresh * (options_.page_bytes + kColdHeaderBytes), overdraft_));
   // Charged from here on, and not to be read until acknowledged: a failure may leave any of
   // them stored (RemoveAll removes them).
   for (const ColdPageRef& r : refs) {
@@ -145,6 +145,16 @@ std::vector<PageMover::Held> PageMover::Release() {
   for (const auto& [key, generation] : held_) out.push_back({key.first, key.second, generation});
   held_.clear();
   return out;
+}
+
+void PageMover::SetOverdraft(uint64_t bytes) {
+  MutexLock lock(&mu_);
+  overdraft_ = bytes;
+}
+
+uint64_t PageMover::ChargedBytes() const {
+  MutexLock lock(&mu_);
+  return (held_.size() + unacknowledged_.size()) * (options_.page_bytes + kColdHeaderBytes);
 }
 
 std::optional<uint64_t> PageMover::Generation(int32_t layer, int64_t page) const {

@@ -24,6 +24,12 @@
 // page demoted again with the generation held is not written again (pages never change);
 // with another generation its key is written over and keeps its one charge.
 //
+// A session that demotes pages is moved whole by copying its pages from one set of keys to the
+// other (demoted: its live keys' pages go under its record's; promoted: the record's pages are
+// appended again and demoted anew under its live keys). Until the move ends both copies exist
+// and are charged; SetOverdraft lets the new copy pass the quota by the old one's charge, so a
+// session that fits the quota once is never refused for not fitting it twice.
+//
 // Deadlines: every batch ends by the earliest of the deadline it is given, `timeout` from
 // its start (cold_tier.operation_timeout_ms) and, while a CallScope lives, the deadline of
 // the RPC it runs for (the Retriever's ColdPages calls name none).
@@ -123,6 +129,12 @@ class PageMover final : public ColdPages {
   // stored are not handed over (RemoveAll still removes them).
   std::vector<Held> Release() ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Lets this mover's charges pass the tenant's cold quota by `bytes` (0: not at all, the
+  // default): the charge of the copy that the move it makes replaces (above).
+  void SetOverdraft(uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  // The bytes its keys are charged (every page held or stored by a failed batch).
+  uint64_t ChargedBytes() const ABSL_LOCKS_EXCLUDED(mu_);
+
   // The generation held for (layer, page); nullopt when none.
   std::optional<uint64_t> Generation(int32_t layer, int64_t page) const ABSL_LOCKS_EXCLUDED(mu_);
   // Pages held (a page promoted again keeps its copy: pages never change), in (layer, page)
@@ -173,6 +185,7 @@ class PageMover final : public ColdPages {
   // Each key of both is charged once (its value's size).
   std::map<Key, uint64_t> held_ ABSL_GUARDED_BY(mu_);
   std::set<Key> unacknowledged_ ABSL_GUARDED_BY(mu_);
+  uint64_t overdraft_ ABSL_GUARDED_BY(mu_) = 0;
   // Apart from mu_, which a batch holds through its I/O.
   mutable Mutex call_mu_;
   absl::Time call_deadline_ ABSL_GUARDED_BY(call_mu_) = absl::InfiniteFuture();

@@ -222,11 +222,15 @@ absl::Status SessionManager::Demote(const std::string& id, bool force, absl::Tim
   record.set_suspended(e.session->suspended());
   record.set_page_bytes(spec.geometry.host_page_bytes());
   record.set_demoted_unix_ms(absl::ToUnixMillis(absl::Now()));
+  // Pages the session demoted itself stay under its live keys, charged, until it is closed as
+  // demoted: this move may pass the quota by their charge (PageMover::SetOverdraft).
+  const uint64_t live = e.session->LiveColdBytes();
   // The record's own charge first; the mover charges each page as it stores it.
-  KVTIER_RETURN_IF_ERROR(store->Reserve(id, ColdStore::kSessionOverheadBytes));
+  KVTIER_RETURN_IF_ERROR(store->Reserve(id, ColdStore::kSessionOverheadBytes, live));
   // Every page through the one mover, under the session's own keys (those its record names).
   PageMover mover(store, PageMoverOptions{id, record.page_bytes(),
                                           config_.cold_tier.operation_timeout, /*live=*/false});
+  mover.SetOverdraft(live);
   absl::StatusOr<CloseResult> closed = e.session->Demote(
       mover, deadline, force, [&](const TenantSession::Demoted& d) -> absl::Status {
         record.set_epoch(d.epoch);

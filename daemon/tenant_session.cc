@@ -139,7 +139,12 @@ absl::StatusOr<std::shared_ptr<TenantSession>> TenantSession::Restore(
                                              *s->backend_, /*restore=*/false,
                                              s->cold_pages_.get()));
     }
-    KVTIER_RETURN_IF_ERROR(s->TakeDemotingPages(*from));
+    // The record's pages stay charged until the promotion ends: the rebuilt session's own
+    // demotions may pass the quota by their charge while both copies exist.
+    s->cold_pages_->SetOverdraft(from->ChargedBytes());
+    const absl::Status taken = s->TakeDemotingPages(*from);
+    s->cold_pages_->SetOverdraft(0);
+    KVTIER_RETURN_IF_ERROR(taken);
     return s;
   }
   if (grpc) {

@@ -283,6 +283,11 @@ class TenantSession {
   absl::StatusOr<CloseResult> Demote(PageMover& to, absl::Time deadline, bool force,
                                      const std::function<absl::Status(const Demoted&)>& record)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Bytes of the cold quota its own demoted pages (policy.host_drop = demote; its live keys)
+  // are charged; 0 for a session that demotes nothing.
+  uint64_t LiveColdBytes() const {
+    return cold_pages_ != nullptr ? cold_pages_->ChargedBytes() : 0;
+  }
   absl::StatusOr<SessionStatsRecord> Stats() ABSL_LOCKS_EXCLUDED(mu_);
   // The region's telemetry block as its writer last published it (nullopt when it does
   // not read back: overwritten by the engine). Does not wait for a call in progress.

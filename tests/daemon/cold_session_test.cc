@@ -28,6 +28,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "daemon/cold_store.h"
 #include "daemon/cold_tier.h"
 #include "daemon/redis_cluster.h"
 #include "daemon/work_queue.h"
@@ -881,6 +882,63 @@ TEST_F(ColdSessionTest, ASessionThatDemotesPagesSurvivesARestart) {
   Exposition out;
   manager_->WriteMetrics(out);
   EXPECT_NE(out.text().find(R"(kvtier_cold_used_bytes{tenant="a"} 0)"), std::string::npos);
+}
+
+// A session that demotes pages moves whole by copying its pages between its live keys and its
+// record's; both copies exist until the move ends. A quota that holds the session once (its
+// record and a margin of 8 pages, well short of the ~48 pages it demoted itself) is enough both
+// ways, and the charges stay exact.
+TEST_F(ColdSessionTest, ASessionThatDemotesPagesMovesWholeWithinAQuotaThatHoldsItOnce) {
+  const Geometry g = SmallGeometry();
+  const uint64_t value_bytes = g.host_page_bytes() + kColdHeaderBytes;
+  constexpr int64_t kSessionTokens = 320;  // 40 pages per layer
+  const uint64_t record_pages = static_cast<uint64_t>(kSessionTokens / g.page_size) * g.num_layers;
+  const uint64_t quota = ColdStore::ValueBytes(record_pages, g.host_page_bytes()) + 8 * value_bytes;
+  DaemonConfig config = ColdConfig(quota);
+  manager_ = Make(config);
+  ASSERT_NE(manager_, nullptr);
+  OpenSessionParams p = GrpcParams("a");
+  p.max_tokens = 1024;
+  p.host_drop = "demote";
+  p.host_tokens = 128;
+  const std::string id = Open(p).id;
+  ASSERT_FALSE(id.empty());
+  std::vector<Rows> rows;
+  for (int32_t l = 0; l < g.num_layers; ++l) rows.emplace_back(g, kSessionTokens, 70 + l);
+  OffloadAll("a", id, rows, 0, kSessionTokens, 160);
+  const int live_before = LiveKeys("a", id);
+  ASSERT_GT(live_before, 8 + 1);  // the two copies do not fit together
+  EXPECT_EQ(ColdUsed("a"), static_cast<double>(live_before * value_bytes));
+
+  // Demoted whole (shutdown): the record's copy is written while the live one still stands.
+  EXPECT_EQ(manager_->PersistAllSessions(absl::Now() + absl::Seconds(20)), 1u);
+  EXPECT_EQ(manager_->CloseAllSessions(), 0u);
+  manager_.reset();
+  EXPECT_EQ(LiveKeys("a", id), 0);
+  manager_ = Make(config);
+  ASSERT_NE(manager_, nullptr);
+  ASSERT_TRUE(Listed("a", id).cold);
+  EXPECT_EQ(ColdUsed("a"), static_cast<double>(ColdStore::ValueBytes(record_pages,
+                                                                      g.host_page_bytes())));
+
+  // Promoted: the rebuilt session demotes anew under its live keys before the record goes.
+  absl::StatusOr<SessionRecord> r = manager_->Reattach(Caller{"a"}, id);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->committed_tokens, std::vector<uint64_t>(2, kSessionTokens));
+  const int live_after = LiveKeys("a", id);
+  EXPECT_GT(live_after, 8 + 1);
+  EXPECT_EQ(ColdUsed("a"), static_cast<double>(live_after * value_bytes));
+  for (int32_t l = 0; l < g.num_layers; ++l) {
+    std::vector<PageData> pages = FetchAll(Caller{"a"}, id, l);
+    ASSERT_EQ(pages.size(), 40u);
+    for (const PageData& page : pages) {
+      ASSERT_EQ(page.data, ExpectedPage(g, rows[l], page.page)) << "layer " << l << " page "
+                                                                 << page.page;
+    }
+  }
+  ASSERT_TRUE(manager_->CloseSession(Caller{"a"}, id).ok());
+  EXPECT_EQ(ColdUsed("a"), 0.0);
+  EXPECT_EQ(LiveKeys("a", id), 0);
 }
 
 TEST_F(ColdSessionTest, ATenantsAclUserReachesOnlyItsOwnKeys) {
