@@ -2,7 +2,6 @@
 // baseline from the same run and prints a human report, or with --json one JSON object
 // (the human report then goes to stderr).
 //
-//   kvtier-bench attention [--context N] [--batch B] [--json] ...
 //   kvtier-bench decode [--workloads replay,step,policies] [--context N] [--steps N]
 //                       [--budget B] [--tau 0.9,0.8] [--backend cuda] [--json] ...
 //   kvtier-bench decode --workloads replay --trace F [--layers all] [--step-range A:B]
@@ -13,38 +12,25 @@
 //   kvtier-bench ipc [--bytes N] [--kvtierd PATH] [--scrape-ms 100] [--no-scrape] [--json]
 //   kvtier-bench tier [--masters 3] [--page-bytes N] [--pages N] [--json]  # cold tier vs Redis
 //   kvtier-bench pcie [--backend cuda] [--json] [--plot F]   # host↔device transfers, recall
-//   kvtier-bench roofline [--contexts 32768,131072] [--json]  # cpu ops vs read bandwidth
 //   kvtier-bench ops [--ops REGEX] [--backends cpu-scalar,cpu,cuda] [--cold] [--json]  # the
-//                    op table's cases timed per backend
+//                    op table's cases timed per backend: decode-size ops (`_decode_`, the
+//                    default), the roofline set (`_roofline_`: CPU ops vs read bandwidth)
 //   kvtier-bench devices
 #include <fstream>
 #include <iostream>
 #include <string>
 
 #include "CLI/CLI.hpp"
-#include "bench/attention_bench.h"
 #include "bench/decode_bench.h"
 #include "bench/ipc_bench.h"
 #include "bench/ops_bench.h"
 #include "bench/pcie_bench.h"
-#include "bench/roofline_bench.h"
 #include "bench/tier_bench.h"
 #include "kernels/registry.h"
 
 namespace {
 
 using kvtier::DeviceKind;
-
-int RunAttention(const kvtier::bench::AttentionBenchOptions& o, bool json, const std::string& out) {
-  auto report = kvtier::bench::RunAttentionBench(o, json ? std::cerr : std::cout);
-  if (!report.ok()) {
-    std::cerr << "kvtier-bench attention: " << report.status() << "\n";
-    return 1;
-  }
-  if (json) std::cout << report->ToString() << "\n";
-  if (!out.empty()) std::ofstream(out) << report->ToString() << "\n";
-  return 0;
-}
 
 // Exit 2 for options refused, 1 for every other failure and for any failed scrape.
 int RunIpc(const kvtier::bench::IpcBenchOptions& o, bool json, const std::string& out) {
@@ -80,39 +66,8 @@ int main(int argc, char** argv) {
   CLI::App app{"kvtier-bench: kvtier benchmarks, each against a same-run baseline"};
   app.require_subcommand(1);
 
-  kvtier::bench::AttentionBenchOptions ao;
   bool json = false;
-  std::string out, backend = "cpu", dtype = "fp16";
-  auto* attn = app.add_subcommand(
-      "attention", "CPU dense vs sparse decode attention at long context (one layer)");
-  attn->add_option("--context", ao.context, "tokens per sequence")->capture_default_str();
-  attn->add_option("--batch", ao.batch, "sequences in the decode batch")->capture_default_str();
-  attn->add_option("--sink-pages", ao.sink_pages)->capture_default_str();
-  attn->add_option("--selected-pages", ao.selected_pages)->capture_default_str();
-  attn->add_option("--recent-pages", ao.recent_pages)->capture_default_str();
-  attn->add_option("--page-size", ao.geometry.page_size)->capture_default_str();
-  attn->add_option("--q-heads", ao.geometry.num_q_heads)->capture_default_str();
-  attn->add_option("--kv-heads", ao.geometry.num_kv_heads)->capture_default_str();
-  attn->add_option("--head-dim", ao.geometry.head_dim)->capture_default_str();
-  attn->add_option("--dtype", dtype, "fp16, bf16 or fp32")->capture_default_str();
-  attn->add_option("--iters", ao.iters, "timed repetitions (median reported)")
-      ->capture_default_str();
-  attn->add_option("--threads", ao.threads, "cpu backend threads (0 = all)")->capture_default_str();
-  bool no_cold = false;
-  int64_t evict_mib = 0;
-  attn->add_flag("--no-cold", no_cold, "skip the cold-cache variants");
-  attn->add_option("--evict-mib", evict_mib,
-                   "cold: bytes streamed through the cache before each iteration (0 = "
-                   "max(2 x last-level cache, 256 MiB))")
-      ->capture_default_str();
-  attn->add_option("--backend", backend, "cpu, cuda or auto")->capture_default_str();
-  attn->add_option("--heavy-logit", ao.heavy_logit, "synthetic KV: logit boost of heavy pages")
-      ->capture_default_str();
-  attn->add_option("--heavy-pages", ao.heavy_pages, "synthetic KV: heavy pages per KV head")
-      ->capture_default_str();
-  attn->add_option("--seed", ao.seed)->capture_default_str();
-  attn->add_flag("--json", json, "print one JSON object on stdout");
-  attn->add_option("--out", out, "also write the JSON report to this file");
+  std::string out;
 
   kvtier::bench::IpcBenchOptions io;
   auto* ipc = app.add_subcommand(
@@ -163,8 +118,6 @@ int main(int argc, char** argv) {
   int pcie_rc = 0, decode_rc = 0;
   auto* pcie = kvtier::bench::AddPcieCommand(app, &pcie_rc);
   auto* decode = kvtier::bench::AddDecodeCommand(app, &decode_rc);
-  int roofline_rc = 0;
-  auto* roofline = kvtier::bench::AddRooflineCommand(app, &roofline_rc);
   int ops_rc = 0;
   auto* ops = kvtier::bench::AddOpsCommand(app, &ops_rc);
   int tier_rc = 0;
@@ -176,23 +129,9 @@ int main(int argc, char** argv) {
   if (*devices) return ListDevices();
   if (*pcie) return pcie_rc;
   if (*decode) return decode_rc;
-  if (*roofline) return roofline_rc;
   if (*ops) return ops_rc;
   if (*tier) return tier_rc;
-  if (*ipc) {
-    io.redis = !no_redis;
-    io.scrape = !no_scrape;
-    return RunIpc(io, json, out);
-  }
-  if (!kvtier::ParseDType(dtype, &ao.geometry.dtype)) {
-    std::cerr << "kvtier-bench: --dtype must be fp16, bf16 or fp32 (got " << dtype << ")\n";
-    return 2;
-  }
-  if (!kvtier::ParseDeviceKind(backend, &ao.backend)) {
-    std::cerr << "kvtier-bench: --backend must be cpu, cuda or auto (got " << backend << ")\n";
-    return 2;
-  }
-  ao.cold = !no_cold;
-  ao.evict_bytes = evict_mib * (int64_t{1} << 20);
-  return RunAttention(ao, json, out);
+  io.redis = !no_redis;
+  io.scrape = !no_scrape;
+  return RunIpc(io, json, out);
 }

@@ -1,7 +1,8 @@
 // `kvtier-bench ops`: the op table's speed mode (ggml's test-backend-ops `perf`). The cases of
-// tests/kernels/op_cases.h whose names match --ops (by default the decode-size ones,
-// `<Op>_decode_<size>`: one decode step of a Llama-3.1-8B layer) are each made once and timed
-// on every backend asked for, over the same inputs:
+// tests/kernels/op_cases.h — the op table and its perf cases, too big for a unit test —
+// whose names match --ops (by default the decode-size ones, `<Op>_decode_<size>`: one decode
+// step of a Llama-3.1-8B layer) are each made once and timed on every backend asked for, over
+// the same inputs:
 //
 //   cpu-scalar  the CPU backend with the scalar reference kernels (the same-run baseline of
 //               every ratio: the ops with kernels per instruction set run the reference loops)
@@ -10,13 +11,25 @@
 //   cuda        the CUDA backend, when a device is usable (skipped, and said so, otherwise)
 //
 // A rep is: (with --cold, a flush of the caches outside the timer: a read of --flush-mib on
-// the host for the cpu backends, a device-to-device copy of as much for cuda) → enqueue the
-// case's op(s) → synchronise the stream; the host wall time of the last two is the sample, so
-// a GPU row includes one launch and one synchronisation. After --warmup untimed reps, --reps
-// timed ones give the median and the 10th–90th percentiles. Each row reports GB/s from the
-// bytes the case states it must move, GFLOP/s where it states its arithmetic, the fraction
-// of the backend's own device-to-device copy bandwidth measured in the same run (the ceiling
-// of an op that streams its bytes once), and the speed-up over cpu-scalar.
+// the host, on the cpu backends' threads, for the cpu backends; a device memset of as much
+// for cuda) → enqueue the case's op(s) → synchronise the stream; the host wall time of the
+// last two is the sample, so a GPU row includes one launch and one synchronisation. After
+// --warmup untimed reps, --reps timed ones give the median and the 10th–90th percentiles.
+// Each row reports GB/s from the bytes the case states it must move, GFLOP/s where it states
+// its arithmetic, the fraction of the backend's own device-to-device copy bandwidth, for the
+// cpu backends the fraction of the host's read bandwidth (a read of --flush-mib on their
+// threads, measured at the start and the end of the run: the ceiling of an op that reads its
+// bytes once), and the speed-up over the first backend.
+//
+// Figures over several rows follow the table (and are in the JSON's "derived"), each with
+// its target where the project states one — printed met or missed, judged only cold:
+//   - a decode step at 32K and 128K tokens: dense attention over the context against sparse
+//     attention over a working set of 2,048 tokens (16 sink + 32 selected + 16 recent pages)
+//     and against the whole sparse step (ScorePages + TopK + Recall of 256 head-pages + the
+//     sparse attention); target: sparse attention ≥ 10 × faster than dense on the cpu backend;
+//   - the roofline set (pages of 16, a working set and top-k of 1/8 of the context): dense
+//     attention ≥ 0.6 and sparse ≥ 0.5 of the read bandwidth, dense at 32K ≥ 3 × the scalar
+//     kernels, selection (ScorePages + TopK) time per doubling of the context ≤ 2.2.
 #ifndef KVTIER_BENCH_OPS_BENCH_H_
 #define KVTIER_BENCH_OPS_BENCH_H_
 

@@ -98,9 +98,4 @@ SyntheticKv MakeSyntheticKv(const Geometry& g, const SyntheticKvOptions& o) {
   return kv;
 }
 
-SyntheticKvOptions HarderSyntheticKv(SyntheticKvOptions o, int32_t selected_pages) {
-  o.heavy_pages = std::max(2 * selected_pages, selected_pages + 1);
-  return o;
-}
-
 }  // namespace kvtier::bench

@@ -42,10 +42,6 @@ struct SyntheticKv {
 
 SyntheticKv MakeSyntheticKv(const Geometry& g, const SyntheticKvOptions& o);
 
-// `o` with twice as many heavy pages per head as `selected_pages` (at least one more): the
-// variant where the planted structure does not fit in the working set.
-SyntheticKvOptions HarderSyntheticKv(SyntheticKvOptions o, int32_t selected_pages);
-
 // Element i of a `t` array as float.
 float LoadAsFloat(const std::vector<uint8_t>& data, DType t, int64_t i);
 

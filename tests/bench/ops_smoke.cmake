@@ -3,10 +3,13 @@
 # the JSON's keys: per case the bytes it moves and, per backend, the time's spread, GB/s, the
 # fraction of the same run's copy bandwidth and the speed-up over the baseline (1 for the
 # baseline itself); an --ops that matches nothing and an unknown backend refused (exit 2).
+# Then two perf cases of the roofline set (selection at 8K and 32K tokens, pages of 16): the
+# host's read bandwidth, each cpu row's fraction of it, and the selection's time per doubling
+# of the context per backend, judged against its target on the production kernels (cold).
 #   -DBENCH=<kvtier-bench>
 cmake_minimum_required(VERSION 3.19)  # string(JSON)
 execute_process(
-  COMMAND "${BENCH}" ops --ops "TopK_decode|QueryCosine_decode|Recall_decode_64items"
+  COMMAND "${BENCH}" ops --ops "TopK_decode_ctx32k|QueryCosine_decode|Recall_decode_64items"
     --backends cpu-scalar,cpu --threads 2 --reps 3 --warmup 1 --cold --flush-mib 16 --json
   RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
 if(NOT rc EQUAL 0)
@@ -73,5 +76,55 @@ foreach(bad "--ops;no_such_case" "--backends;cpu,gpu" "--reps;0")
     ERROR_VARIABLE err)
   if(NOT rc EQUAL 2)
     message(FATAL_ERROR "kvtier-bench ops ${bad}: exit ${rc}, want 2:\n${err}")
+  endif()
+endforeach()
+
+execute_process(COMMAND "${BENCH}" ops --list --ops _roofline_ RESULT_VARIABLE rc
+  OUTPUT_VARIABLE listed ERROR_VARIABLE err)
+string(REGEX MATCHALL "[A-Za-z]+_roofline_[a-z0-9_]+" names "${listed}")
+list(LENGTH names n)
+if(NOT rc EQUAL 0 OR NOT n EQUAL 13)
+  message(FATAL_ERROR "ops --list --ops _roofline_: exit ${rc}, ${n} cases, want 13:\n${listed}")
+endif()
+
+execute_process(
+  COMMAND "${BENCH}" ops --ops "^Selection_roofline_ctx(8k|32k)$" --backends cpu-scalar,cpu
+    --threads 2 --reps 3 --warmup 1 --cold --flush-mib 16 --json
+  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "kvtier-bench ops (roofline) failed (${rc}):\n${err}")
+endif()
+message("${err}")
+foreach(key read_gbps read_gbps_end)
+  string(JSON v GET "${out}" ${key})
+  if(NOT v GREATER 0)
+    message(FATAL_ERROR "${key} = ${v}, want > 0:\n${out}")
+  endif()
+endforeach()
+foreach(c 0 1)
+  foreach(r 0 1)
+    string(JSON v GET "${out}" cases ${c} runs ${r} of_read)
+    if(NOT v GREATER 0)
+      message(FATAL_ERROR "case ${c} run ${r}: of_read = ${v}, want > 0:\n${out}")
+    endif()
+  endforeach()
+endforeach()
+string(JSON n LENGTH "${out}" derived)
+if(NOT n EQUAL 2)
+  message(FATAL_ERROR "${n} derived figures, want 2 (per doubling, per backend):\n${out}")
+endif()
+foreach(d 0 1)
+  string(JSON name GET "${out}" derived ${d} name)
+  string(JSON backend GET "${out}" derived ${d} backend)
+  string(JSON value GET "${out}" derived ${d} value)
+  if(NOT name MATCHES "per doubling" OR NOT value GREATER 0)
+    message(FATAL_ERROR "derived ${d}: ${name} = ${value}:\n${out}")
+  endif()
+  string(JSON met ERROR_VARIABLE no_met GET "${out}" derived ${d} met)
+  if(backend STREQUAL "cpu" AND no_met)
+    message(FATAL_ERROR "the cpu backend's figure is not judged in a cold run:\n${out}")
+  endif()
+  if(backend STREQUAL "cpu-scalar" AND NOT no_met)
+    message(FATAL_ERROR "the scalar kernels' figure is judged (${met}); only cpu has targets")
   endif()
 endforeach()

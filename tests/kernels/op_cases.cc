@@ -286,4 +286,13 @@ const std::vector<OpCase>& OpCases() {
   return *cases;
 }
 
+const std::vector<OpCase>& PerfOpCases() {
+  static const std::vector<OpCase>* const cases = [] {
+    auto* all = new std::vector<OpCase>;
+    op_cases_internal::AddPerfCases(*all);
+    return all;
+  }();
+  return *cases;
+}
+
 }  // namespace kvtier::testing

@@ -190,6 +190,10 @@ struct OpCase {
 
 // Every case of every op, in a fixed order.
 const std::vector<OpCase>& OpCases();
+// Cases only `kvtier-bench ops` times, at sizes a unit test cannot hold (ggml's perf cases):
+// decode-size ops at 128K tokens and the roofline set (op_cases_decode.cc). Their `check`
+// may be empty.
+const std::vector<OpCase>& PerfOpCases();
 
 // ---- Comparisons (gtest expectations naming `what` and the first mismatches) ----
 

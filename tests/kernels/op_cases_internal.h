@@ -72,6 +72,7 @@ void AddAttentionCases(std::vector<OpCase>& cases);  // SparseAttention, DenseAt
 void AddPageCases(std::vector<OpCase>& cases);       // Recall, the slab halves, Offload, slot ops
 void AddErrorCases(std::vector<OpCase>& cases);      // data-dependent errors of every op
 void AddDecodeCases(std::vector<OpCase>& cases);     // the hot ops at decode size
+void AddPerfCases(std::vector<OpCase>& cases);       // PerfOpCases
 
 }  // namespace kvtier::testing::op_cases_internal
 
