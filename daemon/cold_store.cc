@@ -98,7 +98,9 @@ absl::Status ColdStore::WaitForReplicas(const std::vector<std::string>& keys,
   return absl::OkStatus();
 }
 
-absl::Status ColdStore::WriteRecord(v1::ColdSessionRecord& record, absl::Time deadline) {
+absl::Status ColdStore::WriteRecord(v1::ColdSessionRecord& record, absl::Time deadline,
+                                    bool* left_listed) {
+  if (left_listed != nullptr) *left_listed = false;
   const std::string& session = record.session_id();
   record.set_version(kRecordVersion);
   uint64_t pages = 0;
@@ -126,14 +128,18 @@ absl::Status ColdStore::WriteRecord(v1::ColdSessionRecord& record, absl::Time de
     const absl::Time undo = std::max(deadline, absl::Now() + options_.command_timeout);
     std::vector<std::vector<std::string>> undo_cmds = {{"SREM", IndexKey(), session},
                                                        {"DEL", key}};
+    // Listed at a restart only while both stay: an index entry without its record is skipped.
+    bool undone = false;
     for (absl::StatusOr<RedisReply>& r : cluster_->Pipeline(undo_cmds, undo)) {
-      if (!r.ok()) {
-        spdlog::warn("tenant '{}': session {} was not demoted, and removing its record from "
-                     "the cold tier failed: {} (remove {} by hand)",
-                     options_.tenant, session, r.status().ToString(), key);
-        break;
+      if (r.ok()) {
+        undone = true;
+        continue;
       }
+      spdlog::warn("tenant '{}': session {} was not demoted, and removing its record from "
+                   "the cold tier failed: {} (index {}, record {})",
+                   options_.tenant, session, r.status().ToString(), IndexKey(), key);
     }
+    if (left_listed != nullptr) *left_listed = !undone;
     return absl::Status(st.code(), absl::StrFormat("demoting session %s to the cold tier: %s",
                                                     session, st.message()));
   }
@@ -152,16 +158,21 @@ void ColdStore::CountPromoted(const v1::ColdSessionRecord& record) {
   promoted_bytes_.fetch_add(pages * record.page_bytes(), std::memory_order_relaxed);
 }
 
-absl::Status ColdStore::Remove(const v1::ColdSessionRecord& record, absl::Time deadline) {
+absl::Status ColdStore::Remove(const v1::ColdSessionRecord& record, absl::Time deadline,
+                               bool keep_if_listed) {
   const std::string& session = record.session_id();
-  Unreserve(RecordBytes(record));
-  sessions_.fetch_sub(1, std::memory_order_relaxed);
   absl::Status st;
   std::vector<std::vector<std::string>> cmds = {{"SREM", IndexKey(), session},
                                                 {"DEL", RecordKey(session)}};
   for (absl::StatusOr<RedisReply>& r : cluster_->Pipeline(cmds, deadline)) {
     if (st.ok() && !r.ok()) st = r.status();
   }
+  if (!st.ok() && keep_if_listed) {
+    failures_.fetch_add(1, std::memory_order_relaxed);
+    return st;
+  }
+  Unreserve(RecordBytes(record));
+  sessions_.fetch_sub(1, std::memory_order_relaxed);
   for (int32_t l = 0; st.ok() && l < record.layers_size(); ++l) {
     const int n = record.layers(l).generations_size();
     if (n == 0) continue;

@@ -92,10 +92,21 @@ class ColdStore {
   // on error the record and the entry are removed again as far as the cluster lets them
   // (the session stays in the host tier). REQUIRES: the quota was reserved for the record
   // (kSessionOverheadBytes; the mover charged the pages).
-  absl::Status WriteRecord(v1::ColdSessionRecord& record, absl::Time deadline);
+  // `*left_listed` (when given) says, on error, whether the record may still be listed: the
+  // removal of neither the index entry nor the record is known to have succeeded, so a
+  // restart may take the session up from it — its pages must then stay (KeepListed).
+  absl::Status WriteRecord(v1::ColdSessionRecord& record, absl::Time deadline,
+                           bool* left_listed = nullptr);
+  // Counts a record WriteRecord left listed as a cold session's (its charges, taken for its
+  // writing, stay): Remove takes it away like any other.
+  void KeepListed() { sessions_.fetch_add(1, std::memory_order_relaxed); }
 
-  // Removes the index entry, the record and the pages (absent ones are fine).
-  absl::Status Remove(const v1::ColdSessionRecord& record, absl::Time deadline);
+  // Removes the index entry, the record and then the pages (absent ones are fine); the
+  // pages stay when the first two fail. The record's charge is returned whatever happens
+  // (the keys left are logged) — unless `keep_if_listed`: then, when the index entry or the
+  // record could not be removed, nothing changes and the error comes back.
+  absl::Status Remove(const v1::ColdSessionRecord& record, absl::Time deadline,
+                      bool keep_if_listed = false);
 
   // Every record the tenant's index lists (a start-up after a restart); the records are
   // counted in used_bytes. A listed id whose record is missing or does not parse is skipped

@@ -431,13 +431,30 @@ absl::Status RedisCluster::RefreshSlotMap(absl::Time deadline) {
   return last;
 }
 
+void RedisCluster::SetFaultForTesting(Fault fault) {
+  absl::MutexLock lock(&fault_mu_);
+  fault_ = fault == nullptr ? nullptr : std::make_shared<const Fault>(std::move(fault));
+}
+
 std::vector<absl::StatusOr<RedisReply>> RedisCluster::Pipeline(
     std::span<const std::vector<std::string>> commands, absl::Time deadline,
     std::span<const std::string> route_keys) {
   std::vector<Op> ops(commands.size());
   const bool routed = !route_keys.empty();
+  std::shared_ptr<const Fault> fault;
+  {
+    absl::MutexLock lock(&fault_mu_);
+    fault = fault_;
+  }
   for (size_t i = 0; i < commands.size(); ++i) {
     ops[i].argv = &commands[i];
+    if (fault != nullptr) {
+      if (std::optional<absl::Status> st = (*fault)(commands[i]); st.has_value()) {
+        ops[i].done = true;
+        ops[i].result = *st;
+        continue;
+      }
+    }
     if (routed && route_keys.size() != commands.size()) {
       ops[i].done = true;
       ops[i].result = absl::InvalidArgumentError("route_keys must name one key per command");

@@ -45,7 +45,9 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -118,6 +120,12 @@ class RedisCluster {
   // specification defines.
   static uint16_t SlotOf(std::string_view key);
 
+  // Tests only (leveldb's fault-injection environments are the model): while set, every
+  // command for which `fault` returns an error fails with it and is not sent — to the caller,
+  // a command a node never answered. Null: none (the default).
+  using Fault = std::function<std::optional<absl::Status>(const std::vector<std::string>& argv)>;
+  void SetFaultForTesting(Fault fault) ABSL_LOCKS_EXCLUDED(fault_mu_);
+
   // For tests and metrics.
   size_t node_count() const;  // nodes (masters and replicas) in the current slot map
   int64_t redirects() const { return redirects_.load(std::memory_order_relaxed); }
@@ -161,6 +169,8 @@ class RedisCluster {
   size_t refresh_cursor_ ABSL_GUARDED_BY(map_mu_) = 0;  // where the next refresh starts
   std::atomic<int64_t> redirects_{0};
   std::atomic<int64_t> refreshes_{0};
+  mutable absl::Mutex fault_mu_;
+  std::shared_ptr<const Fault> fault_ ABSL_GUARDED_BY(fault_mu_);
 };
 
 }  // namespace kvtier::daemon

@@ -97,6 +97,12 @@ absl::StatusOr<CloseResult> SessionManager::CloseSession(const Caller& caller,
                              "session %s was closed meanwhile by another call", (*s)->id())));
   }
   absl::StatusOr<CloseResult> r = (*s)->Close();
+  if (e->stale_record != nullptr) {
+    // A failed demotion's record, still listed: it must not bring the session back.
+    if (ColdStore* store = ColdStoreOf(e->tenant); store != nullptr) {
+      (void)store->Remove(*e->stale_record, ColdDeadline(caller));
+    }
+  }
   SaveSessionTable((*s)->tenant());
   session_events_.Add(
       {"closed", (*s)->tenant(), std::string(TransportName((*s)->spec().transport))});

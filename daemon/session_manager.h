@@ -351,6 +351,8 @@ class SessionManager {
   absl::Time start_time() const { return start_time_; }
   // REQUIRES: the name of a configured tenant, for the daemon's own use (logs, tests).
   const Tenant& tenant(const std::string& name) const { return *tenants_.at(name); }
+  // Tests only: the cluster connection `tenant`'s cold tier talks through (null when none).
+  RedisCluster* ColdClusterForTesting(std::string_view tenant) const;
 
  private:
   friend class CallSlot;
@@ -376,6 +378,9 @@ class SessionManager {
   // Moves the hot session `id` to the cold tier (Entry::session → Entry::cold). `force`:
   // a session not suspended too (shutdown).
   absl::Status Demote(const std::string& id, bool force, absl::Time deadline)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Sets (or, with null, clears) the stale record of the session `id`.
+  void SetStaleRecord(const std::string& id, std::shared_ptr<const v1::ColdSessionRecord> record)
       ABSL_LOCKS_EXCLUDED(mu_);
   // Brings the cold session `id` back into its tenant's arena; the session.
   absl::StatusOr<std::shared_ptr<TenantSession>> Promote(const std::string& id,
@@ -478,6 +483,11 @@ class SessionManager {
     std::string tenant;
     std::shared_ptr<TenantSession> session;  // null while cold
     std::shared_ptr<const ColdEntry> cold;   // set while cold
+    // While hot: the record of a demotion that failed after writing it and could not remove
+    // it (ColdStore::WriteRecord's left_listed), its pages kept under it so that a restart
+    // that takes the session up from it loses nothing; removed by the next demotion or the
+    // close.
+    std::shared_ptr<const v1::ColdSessionRecord> stale_record;
     std::string request_key;  // key of requests_, or empty
     OpenSessionParams params;  // as opened (what a cold record keeps)
     absl::Time suspended_at = absl::InfiniteFuture();  // the last SuspendSession

@@ -214,6 +214,19 @@ absl::Status SessionManager::Demote(const std::string& id, bool force, absl::Tim
     return absl::FailedPreconditionError(absl::StrFormat(
         "tenant '%s' has no cold tier (cold_tier.nodes, tenant.cold_quota_bytes)", e.tenant));
   }
+  if (e.stale_record != nullptr) {
+    // What an earlier failed demotion left listed goes first (its pages with it, once the
+    // index and the record are gone): this demotion writes the same keys anew, and one that
+    // failed would remove pages the record names. So while it cannot go, nothing is demoted.
+    if (absl::Status st = store->Remove(*e.stale_record, deadline, /*keep_if_listed=*/true);
+        !st.ok()) {
+      return absl::Status(st.code(),
+                          absl::StrFormat("session %s: the record an earlier demotion left in the "
+                                          "cold tier could not be removed: %s",
+                                          id, st.message()));
+    }
+    SetStaleRecord(id, nullptr);
+  }
   const SessionSpec& spec = e.session->spec();
   v1::ColdSessionRecord record;
   record.set_session_id(id);
@@ -231,6 +244,7 @@ absl::Status SessionManager::Demote(const std::string& id, bool force, absl::Tim
   PageMover mover(store, PageMoverOptions{id, record.page_bytes(),
                                           config_.cold_tier.operation_timeout, /*live=*/false});
   mover.SetOverdraft(live);
+  bool left_listed = false;
   absl::StatusOr<CloseResult> closed = e.session->Demote(
       mover, deadline, force, [&](const TenantSession::Demoted& d) -> absl::Status {
         record.set_epoch(d.epoch);
@@ -238,8 +252,21 @@ absl::Status SessionManager::Demote(const std::string& id, bool force, absl::Tim
           v1::ColdLayer* cl = record.add_layers();
           for (uint64_t generation : layer) cl->add_generations(generation);
         }
-        return store->WriteRecord(record, deadline);
+        return store->WriteRecord(record, deadline, &left_listed);
       });
+  if (!closed.ok() && left_listed) {
+    // The record may still be listed, and a restart would take the session up from it: its
+    // pages stay under it, with their charges, until the next demotion or the close removes
+    // it. The session stays in the host tier.
+    (void)mover.Release();
+    store->KeepListed();
+    SetStaleRecord(id, std::make_shared<const v1::ColdSessionRecord>(record));
+    spdlog::error("session {}: demotion failed after its record was written, and the record "
+                  "could not be removed: its {} bytes of pages stay in the cold tier until the "
+                  "session is demoted again or closed: {}",
+                  id, ColdStore::RecordBytes(record), closed.status().ToString());
+    return closed.status();
+  }
   if (!closed.ok()) {
     // Not demoted: what the mover stored goes, by the demotion's deadline (keys it cannot
     // reach stay, logged, and are written over by the session's next demotion); the charges
@@ -266,6 +293,19 @@ absl::Status SessionManager::Demote(const std::string& id, bool force, absl::Tim
              "freed",
              id, closed->committed_pages, reserved, closed->freed_bytes);
   return absl::OkStatus();
+}
+
+void SessionManager::SetStaleRecord(const std::string& id,
+                                    std::shared_ptr<const v1::ColdSessionRecord> record) {
+  MutexLock lock(&mu_);
+  auto it = sessions_.find(id);
+  if (it != sessions_.end()) it->second.stale_record = std::move(record);
+}
+
+RedisCluster* SessionManager::ColdClusterForTesting(std::string_view tenant) const {
+  auto it = cold_.find(Sv(tenant));
+  if (it == cold_.end()) return nullptr;
+  return it->second.own_cluster != nullptr ? it->second.own_cluster.get() : cluster_.get();
 }
 
 absl::StatusOr<std::shared_ptr<TenantSession>> SessionManager::Promote(const std::string& id,

@@ -207,7 +207,17 @@ class ColdSessionTest : public session_manager_testing::SessionManagerTest {
 
   // Keys of session `id`'s demoted pages ("<session>.live") on the cluster's masters.
   int LiveKeys(const std::string& tenant, const std::string& id) {
-    const std::string pattern = absl::StrCat(prefix_, ":", tenant, ":{", id, ".live:*");
+    return Keys(absl::StrCat(prefix_, ":", tenant, ":{", id, ".live:*"));
+  }
+  // Keys of session `id`'s pages as a cold session's, and its record.
+  int RecordPageKeys(const std::string& tenant, const std::string& id) {
+    return Keys(absl::StrCat(prefix_, ":", tenant, ":{", id, ":*"));
+  }
+  int RecordKeys(const std::string& tenant, const std::string& id) {
+    return Keys(absl::StrCat(prefix_, ":", tenant, ":{", id, "}:meta"));
+  }
+  // Keys matching `pattern` (SCAN MATCH) on the cluster's masters.
+  int Keys(const std::string& pattern) {
     int n = 0;
     for (int node = 0; node < cluster_->size(); ++node) {
       absl::StatusOr<std::string> role = cluster_->Command(node, {"ROLE"});
@@ -939,6 +949,105 @@ TEST_F(ColdSessionTest, ASessionThatDemotesPagesMovesWholeWithinAQuotaThatHoldsI
   ASSERT_TRUE(manager_->CloseSession(Caller{"a"}, id).ok());
   EXPECT_EQ(ColdUsed("a"), 0.0);
   EXPECT_EQ(LiveKeys("a", id), 0);
+}
+
+// A demotion whose record was written but neither acknowledged nor removable (the WAIT after it
+// and the removal of its index entry and record refused: a node that took the writes and then
+// stopped answering) leaves a record a restart may take the session up from. Its pages stay
+// under it, so that restart loses nothing; the close removes record and pages, and the next
+// demotion replaces them. Charges stay exact throughout.
+TEST_F(ColdSessionTest, ARecordADemotionCouldNotTakeBackKeepsItsPages) {
+  DaemonConfig config = ColdConfig();
+  const Geometry g = SmallGeometry();
+  constexpr int64_t kSessionTokens = 320;  // 40 pages per layer
+  const uint64_t record_pages = static_cast<uint64_t>(kSessionTokens / g.page_size) * g.num_layers;
+  const double record_bytes =
+      static_cast<double>(ColdStore::ValueBytes(record_pages, g.host_page_bytes()));
+  // From the first record written on: its WAIT, and any removal of an index entry or record,
+  // are refused.
+  std::atomic<bool> record_written{false};
+  const auto fault = [&](const std::vector<std::string>& argv) -> std::optional<absl::Status> {
+    const std::string& cmd = argv[0];
+    if (cmd == "SET" && argv.size() > 1 && absl::EndsWith(argv[1], "}:meta")) {
+      record_written = true;
+      return std::nullopt;
+    }
+    if (record_written && (cmd == "WAIT" || cmd == "SREM" ||
+                           (cmd == "DEL" && argv.size() > 1 && absl::EndsWith(argv[1], "}:meta")))) {
+      return absl::UnavailableError("injected: no answer");
+    }
+    return std::nullopt;
+  };
+  const auto open_filled = [&](uint64_t seed, std::vector<Rows>* rows) {
+    OpenSessionParams p = GrpcParams("a");
+    p.max_tokens = 1024;
+    const std::string id = Open(p).id;
+    rows->clear();
+    for (int32_t l = 0; l < g.num_layers; ++l) rows->emplace_back(g, kSessionTokens, seed + l);
+    OffloadAll("a", id, *rows, 0, kSessionTokens, 160);
+    return id;
+  };
+  const auto fail_demotion = [&](const std::string& id) {
+    record_written = false;
+    manager_->ColdClusterForTesting("a")->SetFaultForTesting(fault);
+    EXPECT_EQ(manager_->PersistAllSessions(absl::Now() + absl::Seconds(20)), 0u);
+    manager_->ColdClusterForTesting("a")->SetFaultForTesting(nullptr);
+    EXPECT_FALSE(Listed("a", id).cold);
+    EXPECT_EQ(RecordKeys("a", id), 1);
+    EXPECT_EQ(RecordPageKeys("a", id), static_cast<int>(record_pages));
+    EXPECT_EQ(ColdUsed("a"), record_bytes);
+  };
+  const auto expect_pages = [&](const std::string& id, const std::vector<Rows>& rows) {
+    for (int32_t l = 0; l < g.num_layers; ++l) {
+      std::vector<PageData> pages = FetchAll(Caller{"a"}, id, l);
+      ASSERT_EQ(pages.size(), static_cast<size_t>(kSessionTokens / g.page_size));
+      for (const PageData& p : pages) {
+        ASSERT_EQ(p.data, ExpectedPage(g, rows[l], p.page)) << "layer " << l << " page " << p.page;
+      }
+    }
+  };
+  manager_ = Make(config);
+  ASSERT_NE(manager_, nullptr);
+  ASSERT_NE(manager_->ColdClusterForTesting("a"), nullptr);
+
+  // Closed: the record and its pages go.
+  std::vector<Rows> rows;
+  const std::string a = open_filled(10, &rows);
+  fail_demotion(a);
+  ASSERT_TRUE(manager_->CloseSession(Caller{"a"}, a).ok());
+  EXPECT_EQ(RecordKeys("a", a), 0);
+  EXPECT_EQ(RecordPageKeys("a", a), 0);
+  EXPECT_EQ(ColdUsed("a"), 0.0);
+
+  // Demoted again: the new record replaces it, charged once.
+  const std::string b = open_filled(20, &rows);
+  fail_demotion(b);
+  EXPECT_EQ(manager_->PersistAllSessions(absl::Now() + absl::Seconds(20)), 1u);
+  EXPECT_TRUE(Listed("a", b).cold);
+  EXPECT_EQ(ColdUsed("a"), record_bytes);
+  ASSERT_TRUE(manager_->Reattach(Caller{"a"}, b).ok());
+  expect_pages(b, rows);
+  ASSERT_TRUE(manager_->CloseSession(Caller{"a"}, b).ok());
+  EXPECT_EQ(ColdUsed("a"), 0.0);
+
+  // The daemon stops without demoting it: the next one takes the session up from that
+  // record, every page intact.
+  const std::string c = open_filled(30, &rows);
+  fail_demotion(c);
+  manager_.reset();
+  EXPECT_EQ(RecordPageKeys("a", c), static_cast<int>(record_pages)) << "after reset";
+  manager_ = Make(config);
+  EXPECT_EQ(RecordPageKeys("a", c), static_cast<int>(record_pages)) << "after make";
+  ASSERT_NE(manager_, nullptr);
+  ASSERT_TRUE(Listed("a", c).cold);
+  EXPECT_EQ(ColdUsed("a"), record_bytes);
+  absl::StatusOr<SessionRecord> r = manager_->Reattach(Caller{"a"}, c);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->committed_tokens, std::vector<uint64_t>(2, kSessionTokens));
+  expect_pages(c, rows);
+  ASSERT_TRUE(manager_->CloseSession(Caller{"a"}, c).ok());
+  EXPECT_EQ(ColdUsed("a"), 0.0);
+  EXPECT_EQ(RecordPageKeys("a", c), 0);
 }
 
 TEST_F(ColdSessionTest, ATenantsAclUserReachesOnlyItsOwnKeys) {
