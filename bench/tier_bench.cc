@@ -450,7 +450,8 @@ absl::StatusOr<TierBenchResult> TierBench::Run() {
   TierBenchResult result{ReportJson(), cold_mismatches_ + plain_mismatches_};
   if (o_.decode) {
     KVTIER_ASSIGN_OR_RETURN(TierDecodeResult decode,
-                            RunTierDecode(cold_.get(), Session(9999), o_.decode_options, log_));
+                            RunTierDecode(cluster_.get(), cold_.get(), kColdPrefix,
+                                          Session(9999), o_.decode_options, log_));
     result.report.AddObject("decode", decode.report);
     result.mismatches += decode.mismatches;
   }

@@ -4,7 +4,6 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
-#include <map>
 #include <memory>
 #include <random>
 #include <span>
@@ -15,6 +14,8 @@
 #include "absl/time/clock.h"
 #include "bench/synthetic_kv.h"
 #include "core/status.h"
+#include "daemon/cold_store.h"
+#include "daemon/page_mover.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "offload/cold_pages.h"
 #include "offload/host_tier.h"
@@ -32,76 +33,28 @@ double SecondsSince(Clock::time_point start) {
 
 constexpr char kTenant[] = "bench";
 
-// The cold tier of the demoting sequence: ColdTier pages of one session, timed.
-class BenchColdPages final : public ColdPages {
+// The demoting sequence's cold pages: kvtierd's PageMover (daemon/page_mover.h) over a
+// ColdStore of the bench's tenant, timed.
+class TimedColdPages final : public ColdPages {
  public:
-  BenchColdPages(daemon::ColdTier* cold, std::string session)
-      : cold_(cold), session_(std::move(session)) {}
-  // One pipeline per layer, as kvtierd's cold pages do (without their WAIT and quota).
+  explicit TimedColdPages(ColdPages& inner) : inner_(inner) {}
   absl::Status PutBatch(std::span<const StoredPage> pages,
                         std::span<const std::span<const uint8_t>> bytes) override {
     const auto start = Clock::now();
-    std::map<int32_t, std::vector<daemon::ColdPageRef>> by_layer;
-    for (size_t i = 0; i < pages.size(); ++i) {
-      by_layer[pages[i].layer].push_back(
-          {pages[i].layer, pages[i].page, pages[i].generation,
-           std::string_view(reinterpret_cast<const char*>(bytes[i].data()), bytes[i].size())});
-    }
-    absl::Status st;
-    for (const auto& [layer, refs] : by_layer) {
-      if (st.ok()) st = cold_->Put(kTenant, session_, refs, absl::Now() + absl::Seconds(60));
-    }
+    absl::Status st = inner_.PutBatch(pages, bytes);
     seconds += SecondsSince(start);
-    if (st.ok()) {
-      for (const StoredPage& p : pages) held_[{p.layer, p.page}] = p.generation;
-    }
     return st;
   }
   absl::Status GetBatch(std::span<const Read> reads) override {
     const auto start = Clock::now();
-    std::map<int32_t, std::vector<const Read*>> by_layer;
-    for (const Read& r : reads) by_layer[r.layer].push_back(&r);
-    absl::Status st;
-    for (const auto& [layer, rs] : by_layer) {
-      std::vector<int64_t> pages;
-      std::vector<uint64_t> generations;
-      for (const Read* r : rs) {
-        auto it = held_.find({layer, r->page});
-        if (it == held_.end()) return absl::NotFoundError("never demoted");
-        pages.push_back(r->page);
-        generations.push_back(it->second);
-      }
-      std::vector<absl::StatusOr<daemon::ColdPage>> got = cold_->Get(
-          kTenant, session_, layer, pages, generations, absl::Now() + absl::Seconds(60));
-      for (size_t i = 0; i < rs.size() && st.ok(); ++i) {
-        if (i >= got.size() || !got[i].ok()) {
-          st = i < got.size() ? got[i].status() : absl::InternalError("fewer pages read");
-        } else if (got[i]->data.size() != rs[i]->out.size()) {
-          st = absl::DataLossError("page size");
-        } else {
-          std::memcpy(rs[i]->out.data(), got[i]->data.data(), rs[i]->out.size());
-        }
-      }
-    }
+    absl::Status st = inner_.GetBatch(reads);
     seconds += SecondsSince(start);
     return st;
-  }
-  absl::Status RemoveAll() {
-    std::map<int32_t, std::vector<int64_t>> by_layer;
-    for (const auto& [key, gen] : held_) by_layer[key.first].push_back(key.second);
-    for (const auto& [layer, pages] : by_layer) {
-      KVTIER_RETURN_IF_ERROR(
-          cold_->Delete(kTenant, session_, layer, pages, absl::Now() + absl::Seconds(60)));
-    }
-    held_.clear();
-    return absl::OkStatus();
   }
   double seconds = 0;  // in PutBatch and GetBatch
 
  private:
-  daemon::ColdTier* const cold_;
-  const std::string session_;
-  std::map<std::pair<int32_t, int64_t>, uint64_t> held_;
+  ColdPages& inner_;
 };
 
 class ColdHostTier final : public HostTier {
@@ -180,7 +133,9 @@ absl::Status CheckTierDecode(const TierDecodeOptions& o) {
   return DecodeSequenceOptions(o).status();
 }
 
-absl::StatusOr<TierDecodeResult> RunTierDecode(daemon::ColdTier* cold, const std::string& session,
+absl::StatusOr<TierDecodeResult> RunTierDecode(daemon::RedisCluster* cluster,
+                                               daemon::ColdTier* cold, const std::string& prefix,
+                                               const std::string& session,
                                                const TierDecodeOptions& o, std::ostream& log) {
   const Geometry g = DecodeGeometry(o.layers);
   const int32_t p = g.page_size;
@@ -199,7 +154,13 @@ absl::StatusOr<TierDecodeResult> RunTierDecode(daemon::ColdTier* cold, const std
                           PagePool::Create(small.mem, page_bytes, int64_t{o.host_pages} * o.layers));
   KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<Retriever> ref,
                           Retriever::Create(g, so, *backend, all.pool.get()));
-  BenchColdPages cold_pages(cold, session);
+  // A quota that never binds and no WAIT: what the section measures is the step's cost.
+  daemon::ColdStore store(cluster, cold, prefix,
+                          daemon::ColdStoreOptions{kTenant, uint64_t{1} << 50, 0,
+                                                   absl::Seconds(2)});
+  daemon::PageMover mover(&store, daemon::PageMoverOptions{daemon::PageMover::LiveKeys(session),
+                                                           page_bytes, absl::Seconds(60), true});
+  TimedColdPages cold_pages(mover);
   KVTIER_ASSIGN_OR_RETURN(
       std::unique_ptr<Retriever> dem,
       Retriever::Create(g, demote, *backend,
@@ -267,7 +228,7 @@ absl::StatusOr<TierDecodeResult> RunTierDecode(daemon::ColdTier* cold, const std
   const SequenceStats st = dem->Stats();
   const double cold_s = cold_pages.seconds;
   dem.reset();
-  KVTIER_RETURN_IF_ERROR(cold_pages.RemoveAll());
+  KVTIER_RETURN_IF_ERROR(mover.RemoveAll());
 
   const double p50[2] = {Quantile(step_s[0], 0.5) * 1e3, Quantile(step_s[1], 0.5) * 1e3};
   const double p99[2] = {Quantile(step_s[0], 0.99) * 1e3, Quantile(step_s[1], 0.99) * 1e3};

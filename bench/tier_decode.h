@@ -9,8 +9,9 @@
 // step, and the cold tier's share of the time; every step's attention output is compared
 // bit for bit (a difference is a mismatch).
 //
-// The cold tier here is ColdTier alone: no cold quota, no WAIT (kvtierd adds both;
-// daemon/page_mover.h).
+// The cold tier here is kvtierd's own page mover (daemon/page_mover.h) over a ColdStore of the
+// bench's tenant, with a quota that never binds and no WAIT (the run's cluster has no
+// replicas to wait for).
 #ifndef KVTIER_BENCH_TIER_DECODE_H_
 #define KVTIER_BENCH_TIER_DECODE_H_
 
@@ -21,6 +22,7 @@
 #include "absl/status/statusor.h"
 #include "bench/report.h"
 #include "daemon/cold_tier.h"
+#include "daemon/redis_cluster.h"
 
 namespace kvtier::bench {
 
@@ -42,7 +44,9 @@ struct TierDecodeResult {
 // demote floor): CheckTierDecode says so without running anything.
 absl::Status CheckTierDecode(const TierDecodeOptions& o);
 // Runs the section: CheckTierDecode's errors, the Retrievers' and the cold tier's.
-absl::StatusOr<TierDecodeResult> RunTierDecode(daemon::ColdTier* cold, const std::string& session,
+absl::StatusOr<TierDecodeResult> RunTierDecode(daemon::RedisCluster* cluster,
+                                               daemon::ColdTier* cold, const std::string& prefix,
+                                               const std::string& session,
                                                const TierDecodeOptions& o, std::ostream& log);
 
 }  // namespace kvtier::bench
