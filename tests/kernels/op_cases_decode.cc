@@ -79,10 +79,26 @@ OpRun ScoreRun(const KvShape& shape, int32_t context, uint32_t seed, int* num_pa
   return r;
 }
 
+// TopK of one sequence over `max_pages` pooled scores (`ends`: 16 sink and 16 recent pages kept
+// out of the candidates, as a decode step's selection; else every page a candidate).
+TopKArgs DecodeTopK(const KvShape& shape, int32_t max_pages, int32_t k, bool ends,
+                    const float* pooled, const int32_t* num_pages, int32_t* selected) {
+  TopKArgs a;
+  a.shape = shape;
+  a.batch = 1;
+  a.max_pages = max_pages;
+  a.k = k;
+  a.pooled = pooled;
+  a.num_pages = num_pages;
+  a.sink_pages = ends ? 16 : 0;
+  a.recent_pages = ends ? 16 : 0;
+  a.selected = selected;
+  return a;
+}
+
 // Top-k of one sequence's pooled scores at `context` tokens (distinct random scores, so
 // every backend selects the same pages).
-// `ends`: 16 sink and 16 recent pages kept out of the candidates (as a decode step's
-// selection), else every page a candidate.
+// `ends`: as DecodeTopK.
 OpRun TopKDecodeRun(const KvShape& shape, int32_t context, int32_t k, bool ends, uint32_t seed) {
   const int32_t P = context / shape.page_size, Hkv = shape.num_kv_heads;
   std::mt19937 rng(seed);
@@ -93,17 +109,8 @@ OpRun TopKDecodeRun(const KvShape& shape, int32_t context, int32_t k, bool ends,
   const int ipooled = r.in.Add(pooled), inp = r.in.Add(std::vector<int32_t>{P});
   const int isel = r.in.Add(std::vector<int32_t>(static_cast<size_t>(Hkv) * k, -7));
   r.op = [=](Backend& be, Stream& s, const OpPtrs& p) {
-    TopKArgs a;
-    a.shape = shape;
-    a.batch = 1;
-    a.max_pages = P;
-    a.k = k;
-    a.pooled = p.get<float>(ipooled);
-    a.num_pages = p.get<int32_t>(inp);
-    a.sink_pages = ends ? 16 : 0;
-    a.recent_pages = ends ? 16 : 0;
-    a.selected = p.get<int32_t>(isel);
-    return be.TopK(s, a);
+    return be.TopK(s, DecodeTopK(shape, P, k, ends, p.get<float>(ipooled), p.get<int32_t>(inp),
+                                 p.get<int32_t>(isel)));
   };
   r.check = [=](const OpBuffers&, const OpResult& want, const OpResult& got) {
     ExpectSameBytes(want, got, isel, sizeof(int32_t), "selected");
@@ -339,17 +346,9 @@ OpRun SelectionRun(const KvShape& shape, int32_t context, int32_t k, bool ends, 
   const OpFn score_op = r.op;
   r.op = [=](Backend& be, Stream& s, const OpPtrs& p) -> absl::Status {
     if (absl::Status st = score_op(be, s, p); !st.ok()) return st;
-    TopKArgs a;
-    a.shape = shape;
-    a.batch = 1;
-    a.max_pages = context / shape.page_size;
-    a.k = k;
-    a.pooled = p.get<float>(ipooled);
-    a.num_pages = p.get<int32_t>(inp);
-    a.sink_pages = ends ? 16 : 0;
-    a.recent_pages = ends ? 16 : 0;
-    a.selected = p.get<int32_t>(isel);
-    return be.TopK(s, a);
+    return be.TopK(s, DecodeTopK(shape, context / shape.page_size, k, ends,
+                                 p.get<float>(ipooled), p.get<int32_t>(inp),
+                                 p.get<int32_t>(isel)));
   };
   r.check = nullptr;
   // ScorePages' bytes; TopK reads the scores ScorePages wrote and writes its selection.
