@@ -202,6 +202,37 @@ TEST_F(PageMoverTest, AQuotaThatDoesNotFitTheBatchWritesNoneOfIt) {
   for (int64_t p = 0; p < 6; ++p) EXPECT_FALSE(Exists(0, p));
 }
 
+// The copy a move replaces stays charged until the move ends: an overdraft of its charge lets
+// the new copy pass the quota by that much and no more, and the charges stay exact.
+TEST_F(PageMoverTest, AnOverdraftPassesTheQuotaByItsBytesAndNoMore) {
+  auto store = Store(/*quota=*/10 * kCharge);
+  auto old_copy = Mover(store.get());
+  Batch b = Pages(2, 4);  // 8 keys
+  ASSERT_TRUE(old_copy->Demote(b.out, Deadline()).ok());
+  EXPECT_EQ(old_copy->ChargedBytes(), 8 * kCharge);
+  keys_ += "new";  // the other set of keys
+  auto new_copy = Mover(store.get());
+  // Without an overdraft 2 of the 8 fit: nothing is written.
+  absl::Status st = new_copy->Demote(b.out, Deadline());
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
+  EXPECT_EQ(new_copy->size(), 0u);
+  // An overdraft a byte short of what the 8 keys pass the quota by (6 keys): still refused,
+  // naming it.
+  new_copy->SetOverdraft(6 * kCharge - 1);
+  st = new_copy->Demote(b.out, Deadline());
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
+  EXPECT_THAT(st.message(), HasSubstr("while the copy this move replaces is kept"));
+  // The old copy's charge: both copies held, 16 keys charged against a quota of 10.
+  new_copy->SetOverdraft(old_copy->ChargedBytes());
+  ASSERT_TRUE(new_copy->Demote(b.out, Deadline()).ok());
+  EXPECT_EQ(store->stats().used_bytes, 16 * kCharge);
+  new_copy->SetOverdraft(0);
+  ASSERT_TRUE(old_copy->RemoveAll().ok());
+  EXPECT_EQ(store->stats().used_bytes, 8 * kCharge);
+  ASSERT_TRUE(new_copy->RemoveAll().ok());
+  EXPECT_EQ(store->stats().used_bytes, 0u);
+}
+
 TEST_F(PageMoverTest, ADemotionWaitRefusesHoldsNoneAndRemoveAllTakesWhatItStored) {
   // Two replicas asked of a cluster that has one per master: every WAIT falls short.
   auto store = Store(1 << 24, /*min_replicas=*/2);
