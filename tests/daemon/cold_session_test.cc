@@ -951,6 +951,65 @@ TEST_F(ColdSessionTest, ASessionThatDemotesPagesMovesWholeWithinAQuotaThatHoldsI
   EXPECT_EQ(LiveKeys("a", id), 0);
 }
 
+// The same for an SHM session that demotes pages: its engine demoted 12 of layer 0's 28 pages
+// (DemotePages) and holds the other 16 in its region. Demoted whole at shutdown (record: 28
+// pages, while the 12 live keys stand) and promoted by its Reattach (every page under its live
+// keys again, while the record stands), each within a quota of the record and 4 pages.
+TEST_F(ColdSessionTest, AnShmSessionThatDemotesPagesMovesWholeWithinAQuotaThatHoldsItOnce) {
+  const Geometry g = SmallGeometry();
+  const uint64_t value_bytes = g.host_page_bytes() + kColdHeaderBytes;
+  constexpr int64_t kPages = 28, kDemoted = 12, kSlots = 16;
+  DaemonConfig config =
+      ColdConfig(ColdStore::ValueBytes(kPages, g.host_page_bytes()) + 4 * value_bytes);
+  manager_ = Make(config);
+  ASSERT_NE(manager_, nullptr);
+  const SessionRecord s = OpenShmDemoting();
+  ASSERT_FALSE(s.id.empty());
+  std::optional<SessionRegion> region = EngineRegion("a", s);
+  ASSERT_TRUE(region.has_value());
+  const auto bytes = [&](int64_t page) {
+    return std::string(g.host_page_bytes(), static_cast<char>('A' + page));
+  };
+  std::vector<TenantSession::PageMove> demote;
+  for (int64_t page = 0; page < kSlots; ++page) {
+    EngineCommit(*region, 0, page, page, 1, bytes(page));
+    ASSERT_FALSE(HasFatalFailure());
+    if (page < kDemoted) demote.push_back({0, page, page, 1});
+  }
+  ASSERT_TRUE(manager_->MovePages(Caller{"a"}, s.id, true, s.epoch, demote).ok());
+  for (int64_t page = 0; page < kDemoted; ++page) ASSERT_TRUE(region->Withdraw(0, page).ok());
+  for (int64_t page = kSlots; page < kPages; ++page) {  // into the demoted pages' slots
+    EngineCommit(*region, 0, page, page - kSlots, 1, bytes(page));
+    ASSERT_FALSE(HasFatalFailure());
+  }
+  EXPECT_EQ(LiveKeys("a", s.id), kDemoted);
+
+  EXPECT_EQ(manager_->PersistAllSessions(absl::Now() + absl::Seconds(20)), 1u);
+  EXPECT_EQ(manager_->CloseAllSessions(), 0u);
+  manager_.reset();
+  EXPECT_EQ(LiveKeys("a", s.id), 0);
+  EXPECT_EQ(RecordPageKeys("a", s.id), kPages);
+  manager_ = Make(config);
+  ASSERT_NE(manager_, nullptr);
+  ASSERT_TRUE(Listed("a", s.id).cold);
+
+  absl::StatusOr<SessionRecord> r = manager_->Reattach(Caller{"a"}, s.id);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(LiveKeys("a", s.id), kPages);
+  EXPECT_EQ(RecordPageKeys("a", s.id), 0);
+  EXPECT_EQ(ColdUsed("a"), static_cast<double>(kPages * value_bytes));
+  std::optional<SessionRegion> back = EngineRegion("a", *r);
+  ASSERT_TRUE(back.has_value());
+  for (int64_t page : {int64_t{0}, kDemoted - 1, kDemoted, kPages - 1}) {
+    ASSERT_TRUE(manager_->MovePages(Caller{"a"}, s.id, false, r->epoch, {{0, page, 0, 1}}).ok())
+        << "page " << page;
+    EXPECT_TRUE(SlotBytes(*back, 0) == bytes(page)) << "page " << page;
+  }
+  ASSERT_TRUE(manager_->CloseSession(Caller{"a"}, s.id).ok());
+  EXPECT_EQ(ColdUsed("a"), 0.0);
+  EXPECT_EQ(LiveKeys("a", s.id), 0);
+}
+
 // A demotion whose record was written but neither acknowledged nor removable (the WAIT after it
 // and the removal of its index entry and record refused: a node that took the writes and then
 // stopped answering) leaves a record a restart may take the session up from. Its pages stay
