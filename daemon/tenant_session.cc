@@ -6,6 +6,7 @@
 #include <tuple>
 #include <utility>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
@@ -578,12 +579,22 @@ absl::StatusOr<CloseResult> TenantSession::Demote(
   std::vector<PageMover::Out> out;
   std::deque<std::string> owned;
   std::vector<PageMover::In> back;
+  // Slot → the (layer, page) committed in it: a slot holds one page's bytes, so two entries
+  // naming it mean its writer reused it without withdrawing the first (SessionRegion::
+  // Withdraw), and one of them would be stored with the other's bytes.
+  absl::flat_hash_map<int64_t, std::pair<int32_t, int64_t>> slot_of;
   for (int32_t layer = 0; layer < g.num_layers; ++layer) {
     for (int64_t page = 0; page < spec_.max_pages(); ++page) {
       absl::StatusOr<CommittedPage> c = region_.Lookup(layer, page);
       uint64_t generation = 0;
       const uint8_t* data = nullptr;
       if (c.ok()) {
+        if (auto [it, added] = slot_of.try_emplace(c->slot, layer, page); !added) {
+          return absl::DataLossError(absl::StrFormat(
+              "session %s: slot %d holds layer %d page %d and layer %d page %d: its writer "
+              "reused the slot without withdrawing the first; not demoted",
+              id_, c->slot, it->second.first, it->second.second, layer, page));
+        }
         generation = c->generation;
         data = static_cast<const uint8_t*>(region_.SlotData(c->slot));
       } else if (!absl::IsNotFound(c.status())) {

@@ -1010,6 +1010,39 @@ TEST_F(ColdSessionTest, AnShmSessionThatDemotesPagesMovesWholeWithinAQuotaThatHo
   EXPECT_EQ(LiveKeys("a", s.id), 0);
 }
 
+// An engine that reuses a demoted page's slot without withdrawing the page leaves two entries
+// naming one slot; a whole-session demotion would store the slot's new bytes under the old page.
+// It is refused instead (DATA_LOSS, naming both), and nothing of it stays in the cold tier.
+TEST_F(ColdSessionTest, ASlotTwoPagesNameIsNeverDemoted) {
+  manager_ = Make(ColdConfig());
+  ASSERT_NE(manager_, nullptr);
+  const Geometry g = SmallGeometry();
+  const double value_bytes = static_cast<double>(g.host_page_bytes() + kColdHeaderBytes);
+  const SessionRecord s = OpenShmDemoting();
+  ASSERT_FALSE(s.id.empty());
+  std::optional<SessionRegion> region = EngineRegion("a", s);
+  ASSERT_TRUE(region.has_value());
+  for (int64_t page = 0; page < 4; ++page) {
+    EngineCommit(*region, 0, page, page, 1, std::string(g.host_page_bytes(), 'a' + page));
+    ASSERT_FALSE(HasFatalFailure());
+  }
+  ASSERT_TRUE(manager_->MovePages(Caller{"a"}, s.id, true, s.epoch, {{0, 0, 0, 1}}).ok());
+  // Page 4 into page 0's slot, page 0 not withdrawn.
+  EngineCommit(*region, 0, 4, 0, 1, std::string(g.host_page_bytes(), 'e'));
+  ASSERT_FALSE(HasFatalFailure());
+  EXPECT_EQ(manager_->PersistAllSessions(absl::Now() + absl::Seconds(20)), 0u);
+  EXPECT_FALSE(Listed("a", s.id).cold);
+  EXPECT_EQ(RecordKeys("a", s.id), 0);
+  EXPECT_EQ(RecordPageKeys("a", s.id), 0);
+  EXPECT_EQ(ColdUsed("a"), value_bytes);  // page 0's live key alone
+  // Withdrawn, it demotes.
+  ASSERT_TRUE(region->Withdraw(0, 0).ok());
+  EXPECT_EQ(manager_->PersistAllSessions(absl::Now() + absl::Seconds(20)), 1u);
+  EXPECT_TRUE(Listed("a", s.id).cold);
+  ASSERT_TRUE(manager_->CloseSession(Caller{"a"}, s.id).ok());
+  EXPECT_EQ(ColdUsed("a"), 0.0);
+}
+
 // A demotion whose record was written but neither acknowledged nor removable (the WAIT after it
 // and the removal of its index entry and record refused: a node that took the writes and then
 // stopped answering) leaves a record a restart may take the session up from. Its pages stay
