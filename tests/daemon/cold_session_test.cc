@@ -163,13 +163,17 @@ class ColdSessionTest : public session_manager_testing::SessionManagerTest {
     return {};
   }
 
-  // An SHM session of tenant "a" that demotes pages (16 host pages per layer of 128).
-  SessionRecord OpenShmDemoting() {
+  // An SHM session of tenant "a" that demotes pages (16 host pages per layer of 128), and in
+  // *region its region as the engine maps it (left empty when the open failed).
+  SessionRecord OpenShmDemoting(std::optional<SessionRegion>* region) {
     OpenSessionParams p = ShmParams("a");
     p.max_tokens = 1024;
     p.host_drop = "demote";
     p.host_tokens = 128;
-    return Open(p);
+    SessionRecord r = Open(p);
+    EXPECT_FALSE(r.id.empty());
+    if (!r.id.empty()) *region = EngineRegion("a", r);
+    return r;
   }
 
   // The engine's side of an SHM session: its region in the engine's mapping of the arena.
@@ -963,9 +967,8 @@ TEST_F(ColdSessionTest, AnShmSessionThatDemotesPagesMovesWholeWithinAQuotaThatHo
       ColdConfig(ColdStore::ValueBytes(kPages, g.host_page_bytes()) + 4 * value_bytes);
   manager_ = Make(config);
   ASSERT_NE(manager_, nullptr);
-  const SessionRecord s = OpenShmDemoting();
-  ASSERT_FALSE(s.id.empty());
-  std::optional<SessionRegion> region = EngineRegion("a", s);
+  std::optional<SessionRegion> region;
+  const SessionRecord s = OpenShmDemoting(&region);
   ASSERT_TRUE(region.has_value());
   const auto bytes = [&](int64_t page) {
     return std::string(g.host_page_bytes(), static_cast<char>('A' + page));
@@ -1018,9 +1021,8 @@ TEST_F(ColdSessionTest, ASlotTwoPagesNameIsNeverDemoted) {
   ASSERT_NE(manager_, nullptr);
   const Geometry g = SmallGeometry();
   const double value_bytes = static_cast<double>(g.host_page_bytes() + kColdHeaderBytes);
-  const SessionRecord s = OpenShmDemoting();
-  ASSERT_FALSE(s.id.empty());
-  std::optional<SessionRegion> region = EngineRegion("a", s);
+  std::optional<SessionRegion> region;
+  const SessionRecord s = OpenShmDemoting(&region);
   ASSERT_TRUE(region.has_value());
   for (int64_t page = 0; page < 4; ++page) {
     EngineCommit(*region, 0, page, page, 1, std::string(g.host_page_bytes(), 'a' + page));
@@ -1382,9 +1384,8 @@ TEST_F(ColdSessionTest, PromotePagesNeverWritesItsSlotAfterItsDeadline) {
   manager_ = Make(ColdConfig());
   ASSERT_NE(manager_, nullptr);
   const Geometry g = SmallGeometry();
-  const SessionRecord s = OpenShmDemoting();
-  ASSERT_FALSE(s.id.empty());
-  std::optional<SessionRegion> region = EngineRegion("a", s);
+  std::optional<SessionRegion> region;
+  const SessionRecord s = OpenShmDemoting(&region);
   ASSERT_TRUE(region.has_value());
   const std::string page(g.host_page_bytes(), 'p');
   EngineCommit(*region, 0, 0, 0, 1, page);
@@ -1425,9 +1426,8 @@ TEST_F(ColdSessionTest, PromotePagesCancelledDuringItsReadLeavesItsSlot) {
   manager_ = Make(ColdConfig());
   ASSERT_NE(manager_, nullptr);
   const Geometry g = SmallGeometry();
-  const SessionRecord s = OpenShmDemoting();
-  ASSERT_FALSE(s.id.empty());
-  std::optional<SessionRegion> region = EngineRegion("a", s);
+  std::optional<SessionRegion> region;
+  const SessionRecord s = OpenShmDemoting(&region);
   ASSERT_TRUE(region.has_value());
   EngineCommit(*region, 1, 0, 0, 1, std::string(g.host_page_bytes(), 'p'));
   ASSERT_FALSE(HasFatalFailure());
@@ -1463,9 +1463,8 @@ TEST_F(ColdSessionTest, DemotePagesChargesEachPageOnceAndCloseReturnsIt) {
   ASSERT_NE(manager_, nullptr);
   const Geometry g = SmallGeometry();
   const double value_bytes = static_cast<double>(g.host_page_bytes() + kColdHeaderBytes);
-  const SessionRecord s = OpenShmDemoting();
-  ASSERT_FALSE(s.id.empty());
-  std::optional<SessionRegion> region = EngineRegion("a", s);
+  std::optional<SessionRegion> region;
+  const SessionRecord s = OpenShmDemoting(&region);
   ASSERT_TRUE(region.has_value());
   for (int64_t page = 0; page < 3; ++page) {
     EngineCommit(*region, 0, page, page, 1, std::string(g.host_page_bytes(), 'a' + page));
