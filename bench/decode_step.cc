@@ -208,10 +208,12 @@ absl::Status StepBench::Setup(std::ostream& log) {
                         PagePool::kSlotAlignment * PagePool::kSlotAlignment;
   pool_bytes_ = static_cast<size_t>(slots) * stride;
   // Backend memory: dense K/V, resident working sets, outputs, per-step inputs, and the
-  // Retrievers' own working sets and summaries (estimated).
+  // Retrievers' own working sets, summaries and key codes (estimated).
   device_bytes_ = size_t{1} * L * Bmax_ * (2 * kv_seq_bytes_ + 4 * ws_seq_bytes_ + q_bytes_) +
                   size_t{1} * N_ * L * Bmax_ * (q_bytes_ + 2 * row_bytes_) +
-                  size_t{1} * L * Bmax_ * pages_per_layer * g_.summary_bytes();
+                  size_t{1} * L * Bmax_ * pages_per_layer *
+                      (g_.summary_bytes() +
+                       (SequenceOptions().summary == SummaryMode::kKeyCodes ? g_.key_code_bytes() : 0));
   const size_t staging =
       3 * kv_seq_bytes_ + size_t{1} * N_ * L * Bmax_ * (q_bytes_ + 2 * row_bytes_);
 

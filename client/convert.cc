@@ -27,13 +27,14 @@ absl::StatusOr<v1::OpenSessionRequest> BuildOpenSessionRequest(std::string_view 
   SequenceOptions given = r;
   if (given.max_tokens == 0) given.max_tokens = kMaxSequenceTokens;
   KVTIER_RETURN_IF_ERROR(ResolveSequenceOptions(given, g.page_size).status());
-  // What the protocol can carry: center-mad summaries (kvtierd's Retrievers keep the
+  // What the protocol can carry: the default summaries (kvtierd's Retrievers keep the
   // default), and a budget in tokens, split as SetBudgetTokens splits it.
   if (options.transport == Transport::kGrpc && r.summary != SequenceOptions().summary) {
-    return absl::InvalidArgumentError(
-        "sequence summary = minmax: the protocol does not carry it; GRPC sessions summarise "
-        "pages by center and mean absolute deviation (an SHM session's sequence, which runs "
-        "in the engine, takes it)");
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "sequence summary = %s: the protocol does not carry it; GRPC sessions summarise pages "
+        "as kvtierd's sequences do, with %s (an SHM session's sequence, which runs in the "
+        "engine, takes it)",
+        SummaryModeName(r.summary), SummaryModeName(SequenceOptions().summary)));
   }
   // What the protocol can carry: a budget in tokens, split as SetBudgetTokens splits it.
   const int64_t budget_tokens = int64_t{r.budget_pages()} * g.page_size;

@@ -51,6 +51,28 @@ bool ParseCorrectionTrigger(std::string_view name, CorrectionTrigger* out) {
   return false;
 }
 
+std::string_view SummaryModeName(SummaryMode mode) {
+  switch (mode) {
+    case SummaryMode::kMinMax:
+      return "minmax";
+    case SummaryMode::kCenterMad:
+      return "center-mad";
+    case SummaryMode::kKeyCodes:
+      return "key-codes";
+  }
+  return "unknown";
+}
+
+bool ParseSummaryMode(std::string_view name, SummaryMode* out) {
+  for (const SummaryMode m : {SummaryMode::kMinMax, SummaryMode::kCenterMad, SummaryMode::kKeyCodes}) {
+    if (name == SummaryModeName(m)) {
+      *out = m;
+      return true;
+    }
+  }
+  return false;
+}
+
 absl::Status SequenceOptions::SetBudgetTokens(int32_t budget_tokens, int32_t page_size) {
   if (page_size <= 0 || budget_tokens <= 0 || budget_tokens % (4 * page_size) != 0) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -121,6 +143,11 @@ absl::Status CheckCorrectionAndSteps(const SequenceOptions& o) {
       o.correction_trigger != CorrectionTrigger::kMass) {
     return Bad(absl::StrFormat("correction_trigger = %d: must be cosine (0) or mass (1)",
                                static_cast<int>(o.correction_trigger)));
+  }
+  if (o.summary != SummaryMode::kMinMax && o.summary != SummaryMode::kCenterMad &&
+      o.summary != SummaryMode::kKeyCodes) {
+    return Bad(absl::StrFormat("summary = %d: must be minmax (0), center-mad (1) or key-codes (2)",
+                               static_cast<int>(o.summary)));
   }
   if (!(o.correction_max_loss >= 0.0f && o.correction_max_loss <= 1.0f)) {
     return Bad(absl::StrFormat(

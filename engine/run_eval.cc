@@ -99,13 +99,11 @@ absl::StatusOr<EvalVariant> MakeVariant(const std::string& spec, const EvalFlags
   SequenceOptions& o = v.options;
   PolicyConfig& p = o.policy;
   o.correction_threshold = tau;
-  if (f.summary == "center-mad") {
-    o.summary = SummaryMode::kCenterMad;
-  } else if (f.summary == "minmax") {
-    o.summary = SummaryMode::kMinMax;
-  } else if (!f.summary.empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("--summary: '%s': minmax (Quest's bounds) or center-mad (ArkVale's)", f.summary));
+  if (!f.summary.empty() && !ParseSummaryMode(f.summary, &o.summary)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--summary: '%s': minmax (Quest's bounds), center-mad (ArkVale's) or key-codes (the "
+        "bounds and 4-bit keys)",
+        f.summary));
   }
   if (name == "sync") {
     o.mode = RetrievalMode::kSync;
@@ -333,7 +331,9 @@ CLI::App* AddEvalCommand(CLI::App& app, EvalFlags* f) {
                 "the budget's sink:selected:recent parts (default 1:2:1: a quarter sinks, half "
                 "selected, a quarter recent)");
   c->add_option("--summary", f->summary,
-                "page summaries: center-mad (ArkVale's, the default) or minmax (Quest's per-dimension bounds)");
+                "page summaries: center-mad (ArkVale's, the default), minmax (Quest's per-dimension "
+                "bounds) or key-codes (the bounds and a 4-bit code per key and dimension: a page "
+                "scores by its best key)");
   c->add_option("--kv-dtype", f->m.kv_dtype, "fp16, bf16 or fp32");
   c->add_option("--device", f->m.device, "cpu, cuda or auto");
   c->add_option("--threads", f->m.threads, "CPU threads (0: all cores)");

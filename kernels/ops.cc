@@ -1,5 +1,6 @@
 #include "kernels/ops.h"
 
+#include <cmath>
 #include <initializer_list>
 #include <string>
 
@@ -99,6 +100,14 @@ absl::Status ValidateShape(const char* op, const KvShape& s, unsigned needs) {
   return absl::OkStatus();
 }
 
+// Key codes pack two dimensions a byte (KeyCodeLayout).
+absl::Status CheckEvenHeadDim(const char* op, int32_t head_dim) {
+  if (head_dim % 2 == 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrFormat(
+      "%s: shape.head_dim = %d must be even with key codes (two 4-bit codes a byte)", op,
+      head_dim));
+}
+
 // The PagedKv fields an op reads besides num_slots, which every op that takes one reads.
 enum WorkingSetField : unsigned {
   kCaches = 1u << 0,  // k_cache, v_cache
@@ -130,9 +139,18 @@ absl::Status ValidateWorkingSet(const char* op, const PagedKv& kv, int64_t max_s
 
 absl::Status ValidateArgs(const ScorePagesArgs& a) {
   constexpr const char* op = "ScorePages";
-  KVTIER_RETURN_IF_ERROR(ValidateShape(op, a.shape, kHeadShape));
+  KVTIER_RETURN_IF_ERROR(ValidateShape(op, a.shape, a.codes != nullptr ? kHeadShape | kPageSize : kHeadShape));
   KVTIER_RETURN_IF_ERROR(CheckRanges(
       op, {{"batch", a.batch, 1, kMaxBatch}, {"max_pages", a.max_pages, 1, kMaxPages}}));
+  if (a.codes != nullptr) {
+    KVTIER_RETURN_IF_ERROR(CheckEvenHeadDim(op, a.shape.head_dim));
+    if (!(a.softmax_scale > 0.0f) || !std::isfinite(a.softmax_scale)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "ScorePages: softmax_scale = %g must be positive and finite with key codes (a "
+          "page's score is its keys' log-sum-exp)",
+          a.softmax_scale));
+    }
+  }
   return CheckPtrs(
       op,
       {{"q", a.q}, {"summaries", a.summaries}, {"num_pages", a.num_pages}, {"pooled", a.pooled}});
@@ -213,8 +231,14 @@ absl::Status ValidateArgs(const ReplaceArgs& a) {
 absl::Status ValidateArgs(const OffloadArgs& a) {
   constexpr const char* op = "Offload";
   KVTIER_RETURN_IF_ERROR(ValidateShape(op, a.shape, kPageShape));
-  if (a.summary != SummaryMode::kMinMax && a.summary != SummaryMode::kCenterMad) {
-    return absl::InvalidArgumentError("Offload: unknown summary mode");
+  if (a.summary != SummaryMode::kMinMax && a.summary != SummaryMode::kCenterMad &&
+      a.summary != SummaryMode::kKeyCodes) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "Offload: summary = %d: must be minmax (0), center-mad (1) or key-codes (2)",
+        static_cast<int>(a.summary)));
+  }
+  if (a.summary == SummaryMode::kKeyCodes) {
+    KVTIER_RETURN_IF_ERROR(CheckEvenHeadDim(op, a.shape.head_dim));
   }
   KVTIER_RETURN_IF_ERROR(CheckRange(op, "num_items", a.num_items, 0, INT32_MAX));
   if (a.num_items == 0) return absl::OkStatus();
@@ -222,11 +246,13 @@ absl::Status ValidateArgs(const OffloadArgs& a) {
       CheckRanges(op, {{"num_src_slots", a.num_src_slots, 1, INT64_MAX},
                        {"num_host_pages", a.num_host_pages, 1, INT64_MAX},
                        {"num_summary_pages", a.num_summary_pages, 1, INT64_MAX}}));
-  return CheckPtrs(op, {{"k_src", a.k_src},
+  KVTIER_RETURN_IF_ERROR(CheckPtrs(op, {{"k_src", a.k_src},
                         {"v_src", a.v_src},
                         {"host_pages", a.host_pages},
                         {"summaries", a.summaries},
-                        {"items", a.items}});
+                        {"items", a.items}}));
+  if (a.summary == SummaryMode::kKeyCodes) return CheckPtrs(op, {{"codes", a.codes}});
+  return absl::OkStatus();
 }
 
 // query_position, token_prob and lse may be null.

@@ -56,7 +56,12 @@ struct PagedKv {
 // KV head: pooled[b][h][page] = the mean over the query group of softmax over the pages
 // [0, num_pages[b]) of softmax_scale · score. Pages at or beyond num_pages[b] score -inf in
 // `pooled` (and `scores`).
-// Reads shape.dtype, num_q_heads, num_kv_heads, head_dim.
+// With key codes (SummaryMode::kKeyCodes; `codes` non-null) a page scores by its decoded
+// keys k̂_t = lo + (code[t] + 0.5)·(hi − lo)/16 instead (hi/lo: its bounds): score =
+// log Σ_t exp(softmax_scale·q·k̂_t) / softmax_scale over its page_size keys, so that the
+// softmax over pages gives each page its decoded keys' share of the attention (a page with
+// one key the query matches ranks high; its mean does not hide it). softmax_scale > 0.
+// Reads shape.dtype, num_q_heads, num_kv_heads, head_dim, and page_size with codes.
 struct ScorePagesArgs {
   KvShape shape{};
   int32_t batch = 0;
@@ -71,6 +76,9 @@ struct ScorePagesArgs {
   // outputs of the others are left untouched. Null scores every head. This is how
   // correction re-selects just the drifted heads with no host round trip.
   const uint8_t* head_mask = nullptr;
+  // [B][P] pages of KeyCodeLayout bytes (per-sequence stride P pages), as Offload wrote them
+  // with SummaryMode::kKeyCodes; null: the bound score above. REQUIRES head_dim even.
+  const uint8_t* codes = nullptr;
 };
 
 // Top-k pages per (sequence, KV head) among candidates: pages in
@@ -241,6 +249,11 @@ struct OffloadArgs {
   int64_t num_host_pages = 0;
   void* summaries = nullptr;    // [num_summary_pages][Hkv][2][d]
   int64_t num_summary_pages = 0;
+  // kKeyCodes: the keys' 4-bit codes, [num_summary_pages] pages of KeyCodeLayout bytes
+  // (summary_page indexes them too), each code floor((k − lo)/step) clamped to [0, 15] with
+  // hi/lo as stored (rounded to the dtype) and step = (hi − lo)/16; a dimension whose keys
+  // are all equal codes 0. Required with kKeyCodes (head_dim even), ignored otherwise.
+  uint8_t* codes = nullptr;
   const OffloadItem* items = nullptr;
   int32_t num_items = 0;
 };

@@ -46,7 +46,7 @@ enum CountRow : int32_t {
 // The buffers stored per sequence in batch storage.
 enum class Field : uint8_t {
   kK, kV, kTable, kQCur, kQPrev, kSummaries, kPageOf, kPooled, kSelected, kItems, kNumMisses,
-  kDrifted, kGroupMean, kFresh, kLostMass, kHeadK, kPageFlags, kTokenProb,
+  kDrifted, kGroupMean, kFresh, kLostMass, kHeadK, kPageFlags, kTokenProb, kCodes,
 };
 
 class BatchShared {

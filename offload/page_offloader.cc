@@ -61,6 +61,9 @@ absl::Status PageOffloader::Validate(const PageTable& table, const OffloadReques
       (request.k_src == nullptr || request.v_src == nullptr || request.summaries == nullptr)) {
     return absl::InvalidArgumentError("offload: k_src, v_src and summaries must be non-null");
   }
+  if (n > 0 && request.summary_mode == SummaryMode::kKeyCodes && request.codes == nullptr) {
+    return absl::InvalidArgumentError("offload: summary_mode key-codes needs codes");
+  }
   absl::flat_hash_set<int64_t> seen;
   seen.reserve(n);
   for (size_t i = 0; i < n; ++i) {
@@ -173,6 +176,7 @@ OffloadArgs PageOffloader::MakeArgs(const OffloadRequest& request, const Batch& 
   a.num_host_pages = pool_.num_slots();
   a.summaries = request.summaries;
   a.num_summary_pages = request.num_summary_pages;
+  a.codes = request.codes;
   a.items = batch.staged != nullptr ? batch.staged : batch.device_items.as<const OffloadItem>();
   a.num_items = static_cast<int32_t>(batch.items.size());
   return a;

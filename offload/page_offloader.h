@@ -47,6 +47,7 @@ struct OffloadRequest {
   void* summaries = nullptr;  // [num_summary_pages][Hkv][2][d]; page index = logical page
   int64_t num_summary_pages = 0;
   SummaryMode summary_mode = SummaryMode::kMinMax;
+  uint8_t* codes = nullptr;  // kKeyCodes: [num_summary_pages] KeyCodeLayout pages
   std::span<const int64_t> logical_pages;  // distinct, each in [0, num_summary_pages)
   std::span<const int64_t> src_slots;      // NHD slot of each, in [0, num_src_slots)
 };

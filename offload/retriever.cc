@@ -260,6 +260,11 @@ absl::Status RetrieverImpl::Init() {
       KVTIER_RETURN_IF_ERROR(field(
           &l.host.summaries, static_cast<size_t>(max_pages_) * geometry_.summary_bytes(),
           Field::kSummaries));
+      if (options_.summary == SummaryMode::kKeyCodes) {
+        KVTIER_RETURN_IF_ERROR(field(&l.host.codes,
+                                     static_cast<size_t>(max_pages_) * geometry_.key_code_bytes(),
+                                     Field::kCodes));
+      }
       KVTIER_RETURN_IF_ERROR(
           field(&l.host.page_of, static_cast<size_t>(max_pages_) * sizeof(int64_t), Field::kPageOf));
       KVTIER_RETURN_IF_ERROR(
@@ -296,6 +301,10 @@ absl::Status RetrieverImpl::Init() {
           backend_.Memset(*compute_, l.host.page_of.data(), 0xFF, l.host.page_of.size()));
       KVTIER_RETURN_IF_ERROR(
           backend_.Memset(*compute_, l.host.summaries.data(), 0, l.host.summaries.size()));
+      if (l.host.codes.data() != nullptr) {
+        KVTIER_RETURN_IF_ERROR(
+            backend_.Memset(*compute_, l.host.codes.data(), 0, l.host.codes.size()));
+      }
     }
     l.ws.table_mirror.assign(hkv * slots_per_layer_, kEmptySlot);
     KVTIER_RETURN_IF_ERROR(InitLayerPolicies(li));
@@ -430,6 +439,7 @@ absl::Status RetrieverImpl::FlushOffloads(int32_t layer, std::vector<PageHandle>
   req.summaries = l.host.summaries.data();
   req.num_summary_pages = max_pages_;
   req.summary_mode = options_.summary;
+  req.codes = l.host.codes.as<uint8_t>();
   req.logical_pages = logical;
   req.src_slots = slots;
   if (restoring == nullptr) {

@@ -99,6 +99,7 @@ struct LayerState {
   struct HostPages {
     std::unique_ptr<PageTable> pages;
     DeviceBuffer summaries;               // [P][Hkv][2][d]
+    DeviceBuffer codes;                   // [P] KeyCodeLayout pages (SummaryMode::kKeyCodes)
     DeviceBuffer page_of;                 // int64 [P]: host page of each logical page
     std::vector<int64_t> page_of_mirror;  // [P]
     struct Pending {

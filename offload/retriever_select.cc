@@ -14,6 +14,7 @@ ScorePagesArgs RetrieverImpl::ScoreArgs(LayerState& l, const void* q, const int3
   sa.max_pages = max_pages_;
   sa.q = q;
   sa.summaries = l.host.summaries.data();
+  sa.codes = l.host.codes.as<uint8_t>();  // null unless SummaryMode::kKeyCodes
   sa.num_pages = num_pages;
   sa.softmax_scale = scale_;
   sa.pooled = l.select.pooled.as<float>();

@@ -48,6 +48,10 @@ struct Geometry {
   size_t summary_bytes() const {
     return static_cast<size_t>(num_kv_heads) * 2 * head_dim * element_bytes();
   }
+  // Bytes of one page's key codes (SummaryMode::kKeyCodes, KeyCodeLayout): Hkv·p·d/2.
+  size_t key_code_bytes() const {
+    return static_cast<size_t>(num_kv_heads) * page_size * (head_dim / 2);
+  }
 
   // "L=32 Hq=32 Hkv=8 d=128 p=32 fp16".
   std::string ToString() const;

@@ -8,6 +8,8 @@
 // fp16): the unit of recall.
 //
 // Summaries, per (sequence, layer): [page][kv_head][hi=0 | lo=1][dim].
+// Key codes (SummaryMode::kKeyCodes), per (sequence, layer), bytes: [page][kv_head][token]
+// [dim / 2], dimension 2m in the low nibble of byte m and 2m + 1 in the high one.
 //
 // GPU working set, NHD, per layer for a batch of B sequences with S slots each; K and V are
 // separate buffers of the same shape:
@@ -67,6 +69,25 @@ struct SummaryLayout {
   KVTIER_HOST_DEVICE int64_t Offset(int64_t page, int32_t kv_head, int32_t which,
                                     int32_t dim) const {
     return ((page * num_kv_heads + kv_head) * 2 + which) * head_dim + dim;
+  }
+};
+
+// Key codes of one (sequence, layer): [page][Hkv][p][d / 2] bytes, two 4-bit codes a byte.
+// Code c of (token, dim) stands for lo + (c + 0.5)·(hi − lo)/16 with hi/lo the page's
+// per-dimension max/min (SummaryMode::kKeyCodes).
+inline constexpr int32_t kKeyCodeLevels = 16;
+struct KeyCodeLayout {
+  int32_t num_kv_heads;
+  int32_t page_size;
+  int32_t head_dim;  // even
+
+  KVTIER_HOST_DEVICE int64_t row_bytes() const { return head_dim / 2; }
+  KVTIER_HOST_DEVICE int64_t page_bytes() const {
+    return static_cast<int64_t>(num_kv_heads) * page_size * row_bytes();
+  }
+  // Byte offset of (page, kv_head, token)'s row of codes.
+  KVTIER_HOST_DEVICE int64_t RowOffset(int64_t page, int32_t kv_head, int32_t token) const {
+    return ((page * num_kv_heads + kv_head) * page_size + token) * row_bytes();
   }
 };
 

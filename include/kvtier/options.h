@@ -62,9 +62,18 @@ bool ParseCorrectionTrigger(std::string_view name, CorrectionTrigger* out);
 enum class SummaryMode : uint8_t {
   kMinMax = 0,     // hi/lo = per-dim max/min of the page's keys (Quest): a true bound
   kCenterMad = 1,  // hi/lo = mean ± mean absolute deviation (ArkVale): tighter, no bound;
-                   // the default: on the project's model it finds a needle 2,000+ tokens
-                   // back where the bounds do not (docs/eval.md, "Page summaries")
+                   // the default; ranks pages by their typical key, so a page whose one key
+                   // the query matches (a copy's next token) does not stand out
+  kKeyCodes = 2,   // hi/lo = the bounds and a 4-bit code per key and
+                   // dimension within them (KeyCodeLayout); a page scores by its decoded
+                   // keys' share of the attention, so a small working set follows a copy
+                   // and finds a needle where the summaries above do not (docs/eval.md,
+                   // "Page summaries"). Costs Geometry::key_code_bytes() per page on the
+                   // backend besides the summaries: a quarter of the keys at fp16
 };
+// "minmax", "center-mad", "key-codes".
+std::string_view SummaryModeName(SummaryMode mode);
+bool ParseSummaryMode(std::string_view name, SummaryMode* out);
 
 // How recalls move pages from the host tier into the working set.
 // (1 was slab_dma, one DMA per head-page slab: removed, batched_dma does its work in fewer
@@ -192,6 +201,7 @@ struct SequenceOptions {
 //   correction_threshold  finite (see the field)
 //   correction_trigger    one of CorrectionTrigger
 //   correction_max_loss   in [0, 1]
+//   summary               one of SummaryMode
 //   softmax_scale         finite and >= 0
 //   stream_chunk_items    in [1, kMaxStreamChunkItems]
 //   deadline              positive

@@ -34,14 +34,15 @@ absl::Status CheckItems(const OffloadArgs& a) {
   return absl::OkStatus();
 }
 
-// Writes hi/lo of one (page, head) from the keys k[p][d] (already float).
+// Writes hi/lo of one (page, head) from the keys k[p][d] (already float): the bounds for
+// kMinMax and kKeyCodes.
 template <typename T>
 void Summarise(const float* k, int32_t p, int32_t d, SummaryMode mode, T* hi, T* lo,
                std::vector<float>& acc) {
   acc.assign(static_cast<size_t>(2 * d), 0.0f);
   float* a0 = acc.data();
   float* a1 = a0 + d;
-  if (mode == SummaryMode::kMinMax) {
+  if (mode != SummaryMode::kCenterMad) {
     for (int32_t i = 0; i < d; ++i) a0[i] = a1[i] = k[i];
     for (int32_t t = 1; t < p; ++t) {
       for (int32_t i = 0; i < d; ++i) {
@@ -66,6 +67,29 @@ void Summarise(const float* k, int32_t p, int32_t d, SummaryMode mode, T* hi, T*
   cpu::StoreRow(a1, d, lo);
 }
 
+// The 4-bit codes of one (page, head)'s keys k[p][d] within its stored bounds hi/lo
+// (OffloadArgs::codes): rows of d/2 bytes, dimension 2m in the low nibble of byte m.
+template <typename T>
+void Encode(const float* k, int32_t p, int32_t d, const T* hi, const T* lo, uint8_t* rows) {
+  for (int32_t t = 0; t < p; ++t) {
+    uint8_t* row = rows + int64_t{t} * (d / 2);
+    for (int32_t i = 0; i < d; ++i) {
+      const float l = ToFloat(lo[i]);
+      const float step = (ToFloat(hi[i]) - l) / static_cast<float>(kKeyCodeLevels);
+      int32_t c = 0;
+      if (step > 0.0f) {
+        const float x = std::floor((k[int64_t{t} * d + i] - l) / step);
+        c = !(x > 0.0f) ? 0 : (x >= kKeyCodeLevels - 1 ? kKeyCodeLevels - 1 : static_cast<int32_t>(x));  // NaN: 0
+      }
+      if (i % 2 == 0) {
+        row[i / 2] = static_cast<uint8_t>(c);
+      } else {
+        row[i / 2] = static_cast<uint8_t>(row[i / 2] | (c << 4));
+      }
+    }
+  }
+}
+
 template <typename T>
 void OffloadOne(const OffloadArgs& a, const OffloadItem& it, std::vector<float>& keys,
                 std::vector<float>& acc) {
@@ -85,8 +109,13 @@ void OffloadOne(const OffloadArgs& a, const OffloadItem& it, std::vector<float>&
       }
     }
     cpu::LoadRow(page + hl.Offset(h, kKey, 0, 0), p * d, keys.data());
-    Summarise(keys.data(), p, d, a.summary, sum + sl.Offset(it.summary_page, h, kHi, 0),
-              sum + sl.Offset(it.summary_page, h, kLo, 0), acc);
+    T* hi = sum + sl.Offset(it.summary_page, h, kHi, 0);
+    T* lo = sum + sl.Offset(it.summary_page, h, kLo, 0);
+    Summarise(keys.data(), p, d, a.summary, hi, lo, acc);
+    if (a.summary == SummaryMode::kKeyCodes) {
+      const KeyCodeLayout cl{H, p, d};
+      Encode(keys.data(), p, d, hi, lo, a.codes + cl.RowOffset(it.summary_page, h, 0));
+    }
   }
 }
 

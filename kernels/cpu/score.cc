@@ -2,6 +2,7 @@
 // reference below (per (sequence, KV head), a strided walk over the summaries; kept as
 // cpu::Isa::kScalar, the loops the vectorised kernel is tested against) and the vectorised
 // one of score_simd.cc (AVX2, AVX-512), chosen at run time.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -45,6 +46,24 @@ KVTIER_CPU_INLINE void AddSoftmax(const float* raw, int32_t n, float scale, floa
   for (int32_t p = 0; p < n; ++p) pooled[p] += std::exp(scale * raw[p] - m) * inv;
 }
 
+// Pools raw[G][P] (the group's raw scores of pages [0, num_pages[b])) into pooled and
+// writes them to scores when given.
+KVTIER_CPU_INLINE void PoolGroup(const ScorePagesArgs& a, int32_t b, int32_t h, const float* raw) {
+  const int32_t P = a.max_pages, G = a.shape.num_q_heads / a.shape.num_kv_heads;
+  const int32_t n = a.num_pages[b];
+  float* pooled = a.pooled + (int64_t{b} * a.shape.num_kv_heads + h) * P;
+  for (int32_t p = 0; p < P; ++p) pooled[p] = p < n ? 0.0f : kNegInf;
+  const float weight = 1.0f / static_cast<float>(G);
+  for (int32_t g = 0; g < G; ++g) {
+    const float* r = raw + int64_t{g} * P;
+    AddSoftmax(r, n, a.softmax_scale, weight, pooled);
+    if (a.scores != nullptr) {
+      float* out = a.scores + (int64_t{b} * a.shape.num_q_heads + h * G + g) * P;
+      for (int32_t p = 0; p < P; ++p) out[p] = p < n ? r[p] : kNegInf;
+    }
+  }
+}
+
 template <typename T>
 KVTIER_CPU_INLINE void ScoreGroup(const ScorePagesArgs& a, int32_t b, int32_t h, std::vector<float>& scratch) {
   const int32_t d = a.shape.head_dim, P = a.max_pages,
@@ -66,17 +85,74 @@ KVTIER_CPU_INLINE void ScoreGroup(const ScorePagesArgs& a, int32_t b, int32_t h,
     cpu::LoadRow(summaries + sl.Offset(p, h, kLo, 0), d, lo);
     for (int32_t g = 0; g < G; ++g) raw[int64_t{g} * P + p] = BoundScore(qf + g * d, hi, lo, d);
   }
-  float* pooled = a.pooled + (int64_t{b} * a.shape.num_kv_heads + h) * P;
-  for (int32_t p = 0; p < P; ++p) pooled[p] = p < n ? 0.0f : kNegInf;
-  const float weight = 1.0f / static_cast<float>(G);
-  for (int32_t g = 0; g < G; ++g) {
-    const float* r = raw + int64_t{g} * P;
-    AddSoftmax(r, n, a.softmax_scale, weight, pooled);
-    if (a.scores != nullptr) {
-      float* out = a.scores + (int64_t{b} * a.shape.num_q_heads + h * G + g) * P;
-      for (int32_t p = 0; p < P; ++p) out[p] = p < n ? r[p] : kNegInf;
+  PoolGroup(a, b, h, raw);
+}
+
+// Key codes (ScorePagesArgs::codes): each query head's raw score of a page is
+// Σ_i q_i·lo_i + LSE_t(scale·x_t)/scale with x_t = Σ_i w_i·(code[t][i] + 0.5) and
+// w_i = q_i·(hi_i − lo_i)/16 (summed in dimension order), so that the pooling's softmax over
+// pages gives each page its decoded keys' share of the attention. Scalar on every ISA.
+template <typename T>
+void ScoreGroupCodes(const ScorePagesArgs& a, int32_t b, int32_t h, std::vector<float>& scratch) {
+  const int32_t d = a.shape.head_dim, P = a.max_pages, ps = a.shape.page_size,
+                G = a.shape.num_q_heads / a.shape.num_kv_heads;
+  const int32_t n = a.num_pages[b];
+  const HeadsLayout ql{a.shape.num_q_heads, d};
+  const SummaryLayout sl{a.shape.num_kv_heads, d};
+  const KeyCodeLayout cl{a.shape.num_kv_heads, ps, d};
+  const T* q = static_cast<const T*>(a.q);
+  const T* summaries = static_cast<const T*>(a.summaries) + int64_t{b} * P * sl.page_elements();
+  const uint8_t* codes = a.codes + int64_t{b} * P * cl.page_bytes();
+  // scratch: qf[G][d] | hi[d] | lo[d] | w[d] | raw[G][P] | dots[ps]
+  scratch.resize(static_cast<size_t>(G) * d + 3 * d + static_cast<size_t>(G) * P + ps);
+  float* qf = scratch.data();
+  float* hi = qf + G * d;
+  float* lo = hi + d;
+  float* w = lo + d;
+  float* raw = w + d;
+  float* dots = raw + static_cast<size_t>(G) * P;
+  for (int32_t g = 0; g < G; ++g) cpu::LoadRow(q + ql.Offset(b, h * G + g, 0), d, qf + g * d);
+  for (int32_t p = 0; p < n; ++p) {
+    cpu::LoadRow(summaries + sl.Offset(p, h, kHi, 0), d, hi);
+    cpu::LoadRow(summaries + sl.Offset(p, h, kLo, 0), d, lo);
+    const uint8_t* rows = codes + cl.RowOffset(p, h, 0);
+    for (int32_t g = 0; g < G; ++g) {
+      const float* qg = qf + g * d;
+      float base = 0.0f;
+      for (int32_t i = 0; i < d; ++i) {
+        base += qg[i] * lo[i];
+        w[i] = qg[i] * ((hi[i] - lo[i]) / static_cast<float>(kKeyCodeLevels));
+      }
+      float best = kNegInf;
+      for (int32_t t = 0; t < ps; ++t) {
+        const uint8_t* row = rows + t * cl.row_bytes();
+        float acc = 0.0f;
+        for (int32_t i = 0; i < d; i += 2) {
+          acc += w[i] * (static_cast<float>(row[i / 2] & 15) + 0.5f);
+          acc += w[i + 1] * (static_cast<float>(row[i / 2] >> 4) + 0.5f);
+        }
+        dots[t] = a.softmax_scale * acc;
+        best = std::max(best, dots[t]);
+      }
+      double sum = 0;
+      for (int32_t t = 0; t < ps; ++t) sum += std::exp(dots[t] - best);
+      raw[int64_t{g} * P + p] = base + (best + static_cast<float>(std::log(sum))) / a.softmax_scale;
     }
   }
+  PoolGroup(a, b, h, raw);
+}
+
+void ScoreCodes(const ScorePagesArgs& a, ThreadPool* pool) {
+  cpu::DispatchDType(a.shape.dtype, [&]<typename T>() {
+    ParallelFor(pool, int64_t{a.batch} * a.shape.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch;
+      for (int64_t i = begin; i < end; ++i) {
+        if (a.head_mask != nullptr && a.head_mask[i] == 0) continue;
+        ScoreGroupCodes<T>(a, static_cast<int32_t>(i / a.shape.num_kv_heads),
+                           static_cast<int32_t>(i % a.shape.num_kv_heads), scratch);
+      }
+    });
+  });
 }
 
 // Multi-versioned entries (x86-64-v3 and baseline), one per dtype.
@@ -121,6 +197,10 @@ absl::Status CpuScorePages(const ScorePagesArgs& a, ThreadPool* pool, cpu::Isa i
           "ScorePages: num_pages[%d] = %d must be in [0, max_pages = %d]", b, a.num_pages[b],
           a.max_pages));
     }
+  }
+  if (a.codes != nullptr) {
+    ScoreCodes(a, pool);
+    return absl::OkStatus();
   }
   isa = cpu::RunnableIsa(isa, a.shape.head_dim);
   if (isa == cpu::Isa::kScalar) {

@@ -22,6 +22,7 @@ struct OffloadParams {
   int64_t num_host_pages;
   char* summaries;
   int64_t num_summary_pages;
+  uint8_t* codes;  // kKeyCodes: KeyCodeLayout pages
   const OffloadItem* items;
   SummaryMode summary;
   int32_t elem_bytes;
@@ -64,7 +65,7 @@ __device__ void Transpose(const OffloadParams& p, const OffloadItem& it, int32_t
 template <typename T>
 __device__ void SummariseDim(const T* k, int64_t stride, int32_t page_size, SummaryMode mode,
                              float* hi, float* lo) {
-  if (mode == SummaryMode::kMinMax) {
+  if (mode != SummaryMode::kCenterMad) {  // the bounds (kMinMax, kKeyCodes)
     float mx = ToFloat(k[0]);
     float mn = mx;
     for (int32_t t = 1; t < page_size; ++t) {
@@ -104,6 +105,32 @@ __global__ void __launch_bounds__(kOffloadThreads) OffloadKernel(const OffloadPa
     summaries[sl.Offset(it.summary_page, h, kHi, i)] = FromFloat<T>(hi);
     summaries[sl.Offset(it.summary_page, h, kLo, i)] = FromFloat<T>(lo);
   }
+  if (p.summary != SummaryMode::kKeyCodes) return;
+  // The codes within the stored (rounded) bounds, as the CPU reference computes them: byte m
+  // of a token's row holds dimensions 2m (low nibble) and 2m + 1.
+  __syncthreads();  // this block's summaries are written
+  const KeyCodeLayout cl{p.host.num_kv_heads, p.host.page_size, p.host.head_dim};
+  uint8_t* rows = p.codes + cl.RowOffset(it.summary_page, h, 0);
+  const int64_t bytes = int64_t{p.host.page_size} * cl.row_bytes();
+  for (int64_t u = threadIdx.x; u < bytes; u += blockDim.x) {
+    const auto t = static_cast<int32_t>(u / cl.row_bytes());
+    const auto m = static_cast<int32_t>(u - t * cl.row_bytes());
+    uint32_t byte = 0;
+    for (int32_t half = 0; half < 2; ++half) {
+      const int32_t i = 2 * m + half;
+      const float l = ToFloat(summaries[sl.Offset(it.summary_page, h, kLo, i)]);
+      const float hv = ToFloat(summaries[sl.Offset(it.summary_page, h, kHi, i)]);
+      const float step = __fdiv_rn(__fsub_rn(hv, l), static_cast<float>(kKeyCodeLevels));
+      uint32_t c = 0;
+      if (step > 0.0f) {
+        const float k = ToFloat(keys[p.working_set.Offset(it.src_slot, t, h, i)]);
+        const float x = floorf(__fdiv_rn(__fsub_rn(k, l), step));
+        c = !(x > 0.0f) ? 0u : (x >= kKeyCodeLevels - 1 ? kKeyCodeLevels - 1u : static_cast<uint32_t>(x));  // NaN: 0
+      }
+      byte |= c << (4 * half);
+    }
+    rows[u] = static_cast<uint8_t>(byte);
+  }
 }
 
 }  // namespace
@@ -119,6 +146,7 @@ cudaError_t LaunchOffload(const OffloadArgs& a, const DeviceErrorSink& sink, cud
   p.num_host_pages = a.num_host_pages;
   p.summaries = static_cast<char*>(a.summaries);
   p.num_summary_pages = a.num_summary_pages;
+  p.codes = a.codes;
   p.items = a.items;
   p.summary = a.summary;
   p.elem_bytes = elem_bytes;

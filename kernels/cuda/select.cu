@@ -115,6 +115,8 @@ constexpr size_t kMaxStagedQueryBytes = 32 * 1024;
 struct ScoreParams {
   const void* q;          // [B][Hq][d]
   const void* summaries;  // [B][P][Hkv][2][d]
+  const uint8_t* codes;   // [B][P] KeyCodeLayout pages, or null (bound scores)
+  int32_t page_size;      // with codes
   const int32_t* num_pages;
   const uint8_t* head_mask;
   float* scores;  // optional
@@ -184,6 +186,51 @@ __device__ __forceinline__ void PageScores(const ScoreParams& p, int32_t b, int3
   }
   const T* qg = static_cast<const T*>(p.q) +
                 HeadsLayout{p.num_q_heads, d}.Offset(b, h * p.group, 0);
+  if (p.codes != nullptr) {
+    // Key codes: lane l scores tokens l, l + 32, … of the page (the dimension weights
+    // w_i = q_i·step_i broadcast from the lane that holds them); the warp merges the
+    // tokens' log-sum-exp.
+    const KeyCodeLayout cl{p.num_kv_heads, p.page_size, d};
+    const uint8_t* rows = p.codes + cl.RowOffset(int64_t{b} * p.max_pages + page, h, 0);
+    for (int32_t g = 0; g < p.group; ++g) {
+      float base = 0.0f;
+      float w[kPerLane];
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) {
+        const int32_t i = lane + j * kWarpSize;
+        const float x = i < d ? (p.stage_q ? qs[g * d + i] : ToFloat(qg[int64_t{g} * d + i])) : 0.0f;
+        base += x * lo[j];
+        w[j] = x * __fdiv_rn(hi[j] - lo[j], static_cast<float>(kKeyCodeLevels));
+      }
+      base = WarpSum(base);
+      // Online log-sum-exp statistics of scale·x_t over the lane's tokens, then the warp's.
+      float m = kNegInf;
+      float sum = 0.0f;
+      for (int32_t t0 = 0; t0 < p.page_size; t0 += kWarpSize) {
+        const int32_t t = t0 + lane;
+        const uint8_t* row = rows + (t < p.page_size ? t : 0) * cl.row_bytes();
+        float acc = 0.0f;
+#pragma unroll
+        for (int j = 0; j < kPerLane; ++j) {
+          for (int32_t l = 0; l < kWarpSize && j * kWarpSize + l < d; l += 2) {
+            const float w0 = __shfl_sync(kFullMask, w[j], l);
+            const float w1 = __shfl_sync(kFullMask, w[j], l + 1);
+            const uint8_t c = row[(j * kWarpSize + l) / 2];
+            acc += w0 * (static_cast<float>(c & 15) + 0.5f);
+            acc += w1 * (static_cast<float>(c >> 4) + 0.5f);
+          }
+        }
+        if (t < p.page_size) PushStat(m, sum, __fmul_rn(p.scale, acc));
+      }
+      for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+        const float m2 = __shfl_xor_sync(kFullMask, m, offset);
+        const float s2 = __shfl_xor_sync(kFullMask, sum, offset);
+        MergeStat(m, sum, m2, s2);
+      }
+      emit(g, base + __fdiv_rn(m + logf(sum), p.scale));
+    }
+    return;
+  }
   for (int32_t g = 0; g < p.group; ++g) {
     float acc = 0.0f;
 #pragma unroll
@@ -1165,6 +1212,8 @@ cudaError_t LaunchScorePages(const ScorePagesArgs& a, const DeviceErrorSink& sin
   ScoreParams p{};
   p.q = a.q;
   p.summaries = a.summaries;
+  p.codes = a.codes;
+  p.page_size = a.shape.page_size;
   p.num_pages = a.num_pages;
   p.head_mask = a.head_mask;
   p.scores = a.scores;

@@ -155,6 +155,12 @@ OpRun OffloadRun(const KvShape& c, Placement pages_at, SummaryMode mode, uint32_
   OpRun r;
   const int ik = r.in.Add(k), iv = r.in.Add(v), iitems = r.in.Add(items);
   const int ipages = r.in.Add(pages, pages_at), isums = r.in.Add(sums, pages_at);
+  // Key codes start as noise too: bytes no item writes must survive.
+  const KeyCodeLayout cl{c.num_kv_heads, c.page_size, c.head_dim};
+  std::vector<uint8_t> codes(static_cast<size_t>(kSummaryPages * cl.page_bytes()));
+  std::mt19937 rng(seed + 5);
+  for (uint8_t& b : codes) b = static_cast<uint8_t>(rng());
+  const int icodes = mode == SummaryMode::kKeyCodes ? r.in.Add(codes) : -1;
   r.op = [=](Backend& be, Stream& s, const OpPtrs& p) {
     OffloadArgs a;
     a.shape = c;
@@ -166,6 +172,7 @@ OpRun OffloadRun(const KvShape& c, Placement pages_at, SummaryMode mode, uint32_
     a.num_host_pages = kHostPages;
     a.summaries = p.get(isums);
     a.num_summary_pages = kSummaryPages;
+    if (icodes >= 0) a.codes = p.get<uint8_t>(icodes);
     a.items = p.get<OffloadItem>(iitems);
     a.num_items = static_cast<int32_t>(items.size());
     return be.Offload(s, a);
@@ -173,6 +180,7 @@ OpRun OffloadRun(const KvShape& c, Placement pages_at, SummaryMode mode, uint32_
   r.check = [=](const OpBuffers&, const OpResult& want, const OpResult& got) {
     ExpectSameBytes(want, got, ipages, DTypeSize(c.dtype), "host pages");
     ExpectSameBytes(want, got, isums, DTypeSize(c.dtype), "summaries");
+    if (icodes >= 0) ExpectSameBytes(want, got, icodes, 1, "key codes");
   };
   return r;
 }
@@ -220,9 +228,13 @@ void AddPageCases(std::vector<OpCase>& cases) {
           [c, where](uint32_t seed) { return RecallRun(c, where, 0, seed); });
       Add(cases, "GatherSlabs_" + shape + suffix,
           [c, where](uint32_t seed) { return GatherSlabsRun(c, where, seed); });
-      for (const SummaryMode mode : {SummaryMode::kMinMax, SummaryMode::kCenterMad}) {
-        Add(cases,
-            "Offload_" + shape + suffix + (mode == SummaryMode::kMinMax ? "_minmax" : "_centermad"),
+      for (const SummaryMode mode :
+           {SummaryMode::kMinMax, SummaryMode::kCenterMad, SummaryMode::kKeyCodes}) {
+        if (mode == SummaryMode::kKeyCodes && c.head_dim % 2 != 0) continue;  // two codes a byte
+        const char* name = mode == SummaryMode::kMinMax      ? "_minmax"
+                           : mode == SummaryMode::kCenterMad ? "_centermad"
+                                                             : "_keycodes";
+        Add(cases, "Offload_" + shape + suffix + name,
             [c, where, mode](uint32_t seed) { return OffloadRun(c, where, mode, seed); });
       }
     }

@@ -68,15 +68,18 @@ struct ScoreVariant {
   const char* name;
   bool mask;
   bool with_scores;
+  bool codes = false;  // key codes (pages of kCodePageSize tokens)
 };
+constexpr int32_t kCodePageSize = 40;  // more tokens than a warp's lanes
 constexpr int32_t kScorePages = 24;
 
 // The inputs of a ScorePages call; `Op` returns its arguments over the placed buffers.
 struct ScoreInputs {
   HeadShape c;
-  int iq, isum, inp, imask, iscores, ipooled;
+  int iq, isum, inp, imask, iscores, ipooled, icodes = -1;
 
-  ScoreInputs(const HeadShape& shape, uint32_t seed, OpBuffers& in, bool mask, bool scores)
+  ScoreInputs(const HeadShape& shape, uint32_t seed, OpBuffers& in, bool mask, bool scores,
+              bool codes = false)
       : c(shape) {
     const int32_t B = c.batch, Hq = QueryHeads(c), d = c.head_dim, P = kScorePages;
     TypedBuffer q(c.dtype, int64_t{B} * Hq * d);
@@ -91,14 +94,22 @@ struct ScoreInputs {
     imask = mask ? in.Add(head_mask) : -1;
     iscores = scores ? in.Add(std::vector<float>(static_cast<size_t>(B) * Hq * P, 7.0f)) : -1;
     ipooled = in.Add(std::vector<float>(static_cast<size_t>(B) * kHkv * P, 7.0f));
+    if (codes) {
+      const KeyCodeLayout cl{kHkv, kCodePageSize, d};
+      std::vector<uint8_t> bytes(static_cast<size_t>(int64_t{B} * P * cl.page_bytes()));
+      std::mt19937 rng(seed + 3);
+      for (uint8_t& b : bytes) b = static_cast<uint8_t>(rng());
+      icodes = in.Add(bytes);
+    }
   }
 
   ScorePagesArgs Args(const OpPtrs& p) const {
     ScorePagesArgs a;
-    a.shape = ShapeOf(c);
+    a.shape = ShapeOf(c, icodes >= 0 ? kCodePageSize : 0);
     a.batch = c.batch;
     a.max_pages = kScorePages;
     a.q = p.get(iq);
+    if (icodes >= 0) a.codes = p.get<uint8_t>(icodes);
     a.summaries = p.get(isum);
     a.num_pages = p.get<int32_t>(inp);
     a.softmax_scale = ScaleOf(c.head_dim);
@@ -111,7 +122,7 @@ struct ScoreInputs {
 
 OpRun ScorePagesRun(const HeadShape& c, const ScoreVariant& v, uint32_t seed) {
   OpRun r;
-  const ScoreInputs s(c, seed, r.in, v.mask, v.with_scores);
+  const ScoreInputs s(c, seed, r.in, v.mask, v.with_scores, v.codes);
   r.op = [s](Backend& be, Stream& st, const OpPtrs& p) { return be.ScorePages(st, s.Args(p)); };
   r.check = [s](const OpBuffers&, const OpResult& want, const OpResult& got) {
     ExpectFloatBufNear(want, got, s.ipooled, 1e-4, 1e-5, "pooled");
@@ -618,7 +629,9 @@ void AddSelectionCases(std::vector<OpCase>& cases) {
     const std::string shape = NameOf(c);
     for (const ScoreVariant& v :
          {ScoreVariant{"scores", false, true}, ScoreVariant{"mask", true, false},
-          ScoreVariant{"mask_scores", true, true}, ScoreVariant{"plain", false, false}}) {
+          ScoreVariant{"mask_scores", true, true}, ScoreVariant{"plain", false, false},
+          ScoreVariant{"keycodes", false, true, true},
+          ScoreVariant{"keycodes_mask", true, false, true}}) {
       Add(cases, "ScorePages_" + shape + "_" + v.name,
           [c, v](uint32_t seed) { return ScorePagesRun(c, v, seed); });
     }

@@ -142,6 +142,37 @@ class HostModel {
   }
   int32_t tokens() const { return tokens_; }
 
+  // SummaryMode::kKeyCodes: query head qh's scaled score of `page` from the bounds and the
+  // 4-bit codes of its keys (kernels/ops.h: the log-sum-exp of the decoded keys' scaled
+  // logits), in double.
+  double KeyCodeScore(int32_t layer, const TypedBuffer& q, int32_t qh, int32_t h,
+                      int32_t page, double scale) const {
+    const int32_t p = g_.page_size, d = g_.head_dim;
+    std::vector<float> hi(static_cast<size_t>(d), -INFINITY), lo(static_cast<size_t>(d), INFINITY);
+    for (int32_t t = page * p; t < (page + 1) * p; ++t) {
+      for (int32_t i = 0; i < d; ++i) {
+        hi[static_cast<size_t>(i)] = std::max(hi[static_cast<size_t>(i)], K(layer, t, h, i));
+        lo[static_cast<size_t>(i)] = std::min(lo[static_cast<size_t>(i)], K(layer, t, h, i));
+      }
+    }
+    std::vector<double> logits;
+    for (int32_t t = page * p; t < (page + 1) * p; ++t) {
+      double s = 0;
+      for (int32_t i = 0; i < d; ++i) {
+        const float l = lo[static_cast<size_t>(i)];
+        const float step = (hi[static_cast<size_t>(i)] - l) / 16.0f;
+        const float x = step > 0 ? std::floor((K(layer, t, h, i) - l) / step) : 0.0f;
+        const double c = std::clamp(x, 0.0f, 15.0f);
+        s += double{q.Get(int64_t{qh} * d + i)} * (l + (c + 0.5) * step);
+      }
+      logits.push_back(scale * s);
+    }
+    const double m = *std::max_element(logits.begin(), logits.end());
+    double sum = 0;
+    for (double x : logits) sum += std::exp(x - m);
+    return m + std::log(sum);
+  }
+
   // Quest scores over the page summaries `o.summary` names (per-dimension max/min, or mean ±
   // mean absolute deviation, computed as the CPU kernel does) of every full page, pooled as
   // the Retriever pools them (per query head a softmax over the full pages of the scaled
@@ -161,6 +192,10 @@ class HostModel {
     for (int32_t qh = h * G; qh < (h + 1) * G; ++qh) {
       std::vector<double> raw(static_cast<size_t>(full));
       for (int32_t page = 0; page < full; ++page) {
+        if (o.summary == SummaryMode::kKeyCodes) {
+          raw[static_cast<size_t>(page)] = KeyCodeScore(layer, q, qh, h, page, scale);
+          continue;
+        }
         double s = 0;
         for (int32_t i = 0; i < g_.head_dim; ++i) {
           float hi = -INFINITY, lo = INFINITY;

@@ -259,5 +259,24 @@ TEST(CorrectionTriggerTest, OptionsAreValidatedAndNamed) {
   EXPECT_FLOAT_EQ(SequenceOptions{}.correction_max_loss, 0.1f);
 }
 
+TEST(SummaryModeTest, NamesParseAndAnUnknownModeIsRefused) {
+  const Geometry g = SmallGeometry();
+  Harness h(g, Speculative(CorrectionTrigger::kCosine));
+  SequenceOptions o = Speculative(CorrectionTrigger::kCosine);
+  o.summary = static_cast<SummaryMode>(3);
+  const auto r = Retriever::Create(g, o, *h.backend, h.tier->pool.get());
+  EXPECT_TRUE(absl::IsInvalidArgument(r.status())) << r.status();
+  EXPECT_THAT(std::string(r.status().message()),
+              HasSubstr("summary = 3: must be minmax (0), center-mad (1) or key-codes (2)"));
+  for (const SummaryMode m : {SummaryMode::kMinMax, SummaryMode::kCenterMad, SummaryMode::kKeyCodes}) {
+    SummaryMode parsed = static_cast<SummaryMode>(9);
+    ASSERT_TRUE(ParseSummaryMode(SummaryModeName(m), &parsed));
+    EXPECT_EQ(parsed, m);
+  }
+  EXPECT_EQ(SummaryModeName(SummaryMode::kKeyCodes), "key-codes");
+  SummaryMode out;
+  EXPECT_FALSE(ParseSummaryMode("centre-mad", &out));
+}
+
 }  // namespace
 }  // namespace kvtier

@@ -31,9 +31,10 @@ using namespace retriever_test;  // NOLINT: the harness is this test's vocabular
 using testing::TypedBuffer;
 
 TEST(RetrieverTest, SyncWorkingSetEqualsSelection) {
-  for (const SummaryMode summary : {SummaryMode::kCenterMad, SummaryMode::kMinMax})
+  for (const SummaryMode summary :
+       {SummaryMode::kCenterMad, SummaryMode::kMinMax, SummaryMode::kKeyCodes})
   for (RecallStrategy strategy : kRecallStrategies) {
-    SCOPED_TRACE(summary == SummaryMode::kMinMax ? "minmax summaries" : "center-mad summaries");
+    SCOPED_TRACE(std::string(SummaryModeName(summary)) + " summaries");
     const Geometry g = SmallGeometry();
     SequenceOptions o = SmallOptions(RetrievalMode::kSync);
     o.recall = strategy;

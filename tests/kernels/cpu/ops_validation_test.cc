@@ -47,6 +47,39 @@ TEST_F(OpsValidationTest, ScorePagesNamesTheBadField) {
   ExpectInvalid(backend_->ScorePages(*stream_, a), "ScorePages: pooled must not be null");
 }
 
+TEST_F(OpsValidationTest, KeyCodesNeedAnEvenHeadDimTheirBufferAndAPositiveScale) {
+  ScorePagesArgs a;
+  a.shape = {.dtype = DType::kF32, .num_q_heads = 2, .num_kv_heads = 1, .head_dim = 9, .page_size = 4};
+  a.batch = 1;
+  a.max_pages = 4;
+  a.q = a.summaries = buf_.data();
+  a.num_pages = ints_.data();
+  a.pooled = buf_.data();
+  a.codes = reinterpret_cast<const uint8_t*>(bytes_.data());
+  ExpectInvalid(backend_->ScorePages(*stream_, a),
+                "ScorePages: shape.head_dim = 9 must be even with key codes");
+  a.shape.head_dim = 8;
+  a.softmax_scale = 0.0f;
+  ExpectInvalid(backend_->ScorePages(*stream_, a),
+                "ScorePages: softmax_scale = 0 must be positive and finite with key codes");
+  a.shape.page_size = 0;
+  a.softmax_scale = 1.0f;
+  ExpectInvalid(backend_->ScorePages(*stream_, a), "ScorePages: shape.page_size = 0");
+
+  OffloadItem item{0, 0, 0};
+  OffloadArgs o;
+  o.shape = {.dtype = DType::kF32, .num_q_heads = 2, .num_kv_heads = 1, .head_dim = 8, .page_size = 4};
+  o.summary = SummaryMode::kKeyCodes;
+  o.k_src = o.v_src = o.host_pages = o.summaries = buf_.data();
+  o.num_src_slots = o.num_host_pages = o.num_summary_pages = 1;
+  o.items = &item;
+  o.num_items = 1;
+  ExpectInvalid(backend_->Offload(*stream_, o), "Offload: codes must not be null");
+  o.summary = static_cast<SummaryMode>(7);
+  ExpectInvalid(backend_->Offload(*stream_, o),
+                "Offload: summary = 7: must be minmax (0), center-mad (1) or key-codes (2)");
+}
+
 TEST_F(OpsValidationTest, TopKRejectsKLargerThanPages) {
   TopKArgs a;
   a.shape.num_kv_heads = 1;

@@ -94,10 +94,11 @@ INSTANTIATE_TEST_SUITE_P(Sweep, ScorePagesTest,
                                   std::to_string(std::get<2>(tpi.param));
                          });
 
-// Offloads pages 0..P−1 of the NHD caches k, v (of k's dtype) and returns their min-max
-// summaries.
+// Offloads pages 0..P−1 of the NHD caches k, v (of k's dtype) and returns their summaries
+// (min-max unless `mode` says otherwise; key codes into *codes).
 TypedBuffer OffloadEveryPage(const TypedBuffer& k, const TypedBuffer& v, int32_t Hkv, int32_t p,
-                             int32_t d, int32_t P) {
+                             int32_t d, int32_t P, SummaryMode mode = SummaryMode::kMinMax,
+                             std::vector<uint8_t>* codes = nullptr) {
   const DType t = k.dtype();
   TypedBuffer host(t, int64_t{P} * Hkv * 2 * p * d), sums(t, int64_t{P} * Hkv * 2 * d);
   std::vector<OffloadItem> items;
@@ -111,10 +112,132 @@ TypedBuffer OffloadEveryPage(const TypedBuffer& k, const TypedBuffer& v, int32_t
   o.num_host_pages = P;
   o.summaries = sums.data();
   o.num_summary_pages = P;
+  o.summary = mode;
+  if (codes != nullptr) {
+    codes->assign(static_cast<size_t>(P * KeyCodeLayout{Hkv, p, d}.page_bytes()), 0xEE);
+    o.codes = codes->data();
+  }
   o.items = items.data();
   o.num_items = P;
   EXPECT_TRUE(CpuOffload(o, nullptr).ok());
   return sums;
+}
+
+// Code (token, dim) of one (page, head) as KeyCodeLayout packs it.
+int32_t CodeAt(const std::vector<uint8_t>& codes, const KeyCodeLayout& cl, int32_t page,
+               int32_t h, int32_t t, int32_t i) {
+  const uint8_t byte = codes[static_cast<size_t>(cl.RowOffset(page, h, t) + i / 2)];
+  return i % 2 == 0 ? byte & 15 : byte >> 4;
+}
+
+TEST(ScorePagesTest, KeyCodesPlaceEveryKeyWithinHalfAStepAndScoreTheDecodedKeys) {
+  // Offload writes the bounds and, per key and dimension, the level whose centre is within
+  // half a step of it; ScorePages scores a page by the log-sum-exp of its decoded keys'
+  // logits (checked against the decoded keys in double, and against the true keys'
+  // log-sum-exp within Σ|q_i|·step_i/2, the most a decoded logit can be off).
+  const int32_t p = 24, d = 16, Hkv = 2, G = 2, Hq = Hkv * G, P = 5;
+  TypedBuffer k(DType::kF32, int64_t{P} * p * Hkv * d), v(DType::kF32, int64_t{P} * p * Hkv * d);
+  k.FillNormal(11);
+  v.FillNormal(12);
+  std::vector<uint8_t> codes;
+  TypedBuffer sums = OffloadEveryPage(k, v, Hkv, p, d, P, SummaryMode::kKeyCodes, &codes);
+  const SummaryLayout sl{Hkv, d};
+  const KeyCodeLayout cl{Hkv, p, d};
+  const WorkingSetLayout wl{P, p, Hkv, d};
+  for (int32_t pg = 0; pg < P; ++pg) {
+    for (int32_t h = 0; h < Hkv; ++h) {
+      for (int32_t i = 0; i < d; ++i) {
+        const double hi = sums.Get(sl.Offset(pg, h, kHi, i)), lo = sums.Get(sl.Offset(pg, h, kLo, i));
+        double mx = -1e300, mn = 1e300;
+        for (int32_t t = 0; t < p; ++t) {
+          mx = std::max<double>(mx, k.Get(wl.Offset(pg, t, h, i)));
+          mn = std::min<double>(mn, k.Get(wl.Offset(pg, t, h, i)));
+        }
+        EXPECT_EQ(hi, mx);
+        EXPECT_EQ(lo, mn);
+        const double step = (hi - lo) / 16;
+        for (int32_t t = 0; t < p; ++t) {
+          const double x = k.Get(wl.Offset(pg, t, h, i));
+          const double decoded = lo + (CodeAt(codes, cl, pg, h, t, i) + 0.5) * step;
+          EXPECT_LE(std::fabs(decoded - x), step / 2 + 1e-6) << "page " << pg << " t " << t;
+        }
+      }
+    }
+  }
+  TypedBuffer q(DType::kF32, int64_t{Hq} * d);
+  q.FillNormal(13);
+  std::vector<float> scores(static_cast<size_t>(Hq * P)), pooled(static_cast<size_t>(Hkv * P));
+  const int32_t n = P;
+  ScorePagesArgs a = ScoreArgs(
+      {.dtype = DType::kF32, .num_q_heads = Hq, .num_kv_heads = Hkv, .head_dim = d, .page_size = p},
+      1, P, q.data(), sums.data(), &n, pooled.data());
+  a.scores = scores.data();
+  a.codes = codes.data();
+  ASSERT_TRUE(CpuScorePages(a, nullptr).ok());
+  for (int32_t hq = 0; hq < Hq; ++hq) {
+    const int32_t h = hq / G;
+    for (int32_t pg = 0; pg < P; ++pg) {
+      std::vector<double> decoded, exact;
+      double slack = 0;
+      for (int32_t i = 0; i < d; ++i) {
+        slack += std::fabs(q.Get(int64_t{hq} * d + i)) *
+                 (sums.Get(sl.Offset(pg, h, kHi, i)) - sums.Get(sl.Offset(pg, h, kLo, i))) / 32;
+      }
+      for (int32_t t = 0; t < p; ++t) {
+        double dec = 0, tru = 0;
+        for (int32_t i = 0; i < d; ++i) {
+          const double lo = sums.Get(sl.Offset(pg, h, kLo, i));
+          const double step = (sums.Get(sl.Offset(pg, h, kHi, i)) - lo) / 16;
+          dec += q.Get(int64_t{hq} * d + i) * (lo + (CodeAt(codes, cl, pg, h, t, i) + 0.5) * step);
+          tru += q.Get(int64_t{hq} * d + i) * k.Get(wl.Offset(pg, t, h, i));
+        }
+        decoded.push_back(dec);
+        exact.push_back(tru);
+      }
+      const auto lse = [](const std::vector<double>& x) {  // softmax_scale 1
+        const double m = *std::max_element(x.begin(), x.end());
+        double sum = 0;
+        for (double e : x) sum += std::exp(e - m);
+        return m + std::log(sum);
+      };
+      const float got = scores[static_cast<size_t>(hq * P + pg)];
+      EXPECT_NEAR(got, lse(decoded), 1e-4 * (1 + std::fabs(lse(decoded)))) << "hq " << hq << " page " << pg;
+      EXPECT_LE(std::fabs(got - lse(exact)), slack + 1e-4) << "hq " << hq << " page " << pg;
+    }
+  }
+}
+
+TEST(ScorePagesTest, KeyCodesRankFirstThePageOfTheOneKeyAQueryMatches) {
+  // Why the codes exist (docs/eval.md): a copying head's query matches one key of a page,
+  // which a summary of the page's typical keys (center-mad) averages away. Twelve pages of
+  // random keys, one key of page 7 aligned with the query: the codes rank page 7 first,
+  // center-mad does not.
+  const int32_t p = 32, d = 32, Hkv = 1, P = 12, kPlanted = 7;
+  TypedBuffer k(DType::kF32, int64_t{P} * p * Hkv * d), v(DType::kF32, int64_t{P} * p * Hkv * d);
+  k.FillNormal(21);
+  v.FillNormal(22);
+  TypedBuffer q(DType::kF32, d);
+  q.FillNormal(23);
+  const WorkingSetLayout wl{P, p, Hkv, d};
+  double norm = 0;
+  for (int32_t i = 0; i < d; ++i) norm += q.Get(i) * q.Get(i);
+  for (int32_t i = 0; i < d; ++i) k.Set(wl.Offset(kPlanted, 13, 0, i), static_cast<float>(5.0 * q.Get(i) / std::sqrt(norm)));
+  const int32_t n = P;
+  const auto best_page = [&](SummaryMode mode) {
+    std::vector<uint8_t> codes;
+    TypedBuffer sums = OffloadEveryPage(k, v, Hkv, p, d, P, mode,
+                                        mode == SummaryMode::kKeyCodes ? &codes : nullptr);
+    std::vector<float> pooled(static_cast<size_t>(P));
+    ScorePagesArgs a = ScoreArgs(
+        {.dtype = DType::kF32, .num_q_heads = 1, .num_kv_heads = 1, .head_dim = d, .page_size = p}, 1,
+        P, q.data(), sums.data(), &n, pooled.data());
+    a.softmax_scale = 1.0f / std::sqrt(static_cast<float>(d));
+    if (!codes.empty()) a.codes = codes.data();
+    EXPECT_TRUE(CpuScorePages(a, nullptr).ok());
+    return static_cast<int32_t>(std::max_element(pooled.begin(), pooled.end()) - pooled.begin());
+  };
+  EXPECT_EQ(best_page(SummaryMode::kKeyCodes), kPlanted);
+  EXPECT_NE(best_page(SummaryMode::kCenterMad), kPlanted);
 }
 
 TEST(ScorePagesTest, MinMaxSummariesGiveAnUpperBoundOnEveryKeyScore) {
