@@ -19,6 +19,7 @@ kvtier's default), selected with the step's own query (kvtier's sync mode). Page
              range (Quest's bounds plus B bits per token and dimension), best token
   rN         4-bit codes on the page's N widest dimensions, the page's mean elsewhere
   mix        the mean of center-mad's and q4's pooled distributions
+  nearest    no score: the candidates nearest the end (the recent window made longer)
 
 Also the perplexity task (--task text: the text's first 4,096 tokens, the last 512 stepped
 and scored; perplexity and KL from the first score listed) and the single pass key
@@ -54,6 +55,9 @@ def page_pooled(kind, q, kp, scale):
         lg = torch.einsum("hgd,hpjd->hgpj", q, kh) * scale
         return torch.softmax(lg.amax(-1), -1).mean(1)
 
+    if kind == "nearest":  # no score: the candidate pages nearest the end (a longer window)
+        n = kp.shape[1]
+        return torch.arange(n, dtype=torch.float32).expand(Hkv, n) / n
     if kind.startswith("mix"):  # the mean of center-mad's and 4-bit codes' distributions
         return 0.5 * page_pooled("center-mad", q, kp, scale) + 0.5 * page_pooled("q4", q, kp, scale)
     if kind in ("center-mad", "minmax"):
