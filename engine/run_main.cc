@@ -309,6 +309,7 @@ absl::StatusOr<ModeRun> RunMode(Engine& engine, const Flags& f, const std::strin
       run.stats.corrected_heads += st.corrected_heads;
       run.stats.resident_bytes += st.resident_bytes;
       run.stats.resident_head_pages += st.resident_head_pages;
+      run.stats.selection_bytes += st.selection_bytes;
     }
     run.full_kv_bytes = FullKvBytes(engine.config(), dt, total_tokens);
     // A GRPC session's working set is in kvtierd, whose step replies do not carry it: −1.
@@ -483,6 +484,10 @@ int RunGenerate(const Flags& f) {
       } else {
         std::fprintf(stderr, "KV on device %9.2f MiB of %9.2f MiB (%.3f)",
                      r.device_kv_bytes / 1048576.0, r.full_kv_bytes / 1048576.0, held);
+        if (r.stats.selection_bytes > 0) {
+          std::fprintf(stderr, " + summaries and key codes %.2f MiB",
+                       r.stats.selection_bytes / 1048576.0);
+        }
       }
       if (r.stats.checked_heads > 0) {
         std::fprintf(stderr, "  corrections %.3f", r.stats.correction_rate());
@@ -500,6 +505,7 @@ int RunGenerate(const Flags& f) {
          << ", \"decode_seconds\": " << g0.decode_seconds << ", \"decoded_tokens\": " << decoded
          << ", \"device_kv_bytes\": " << r.device_kv_bytes
          << ", \"full_kv_bytes\": " << r.full_kv_bytes
+         << ", \"selection_bytes\": " << r.stats.selection_bytes
          << ", \"correction_rate\": " << r.stats.correction_rate()
          << ", \"recalled_bytes\": " << r.stats.recalled_bytes << ", \"agreement\": " << agree.first
          << ", \"first_difference\": " << agree.second << ", \"tokens\": ["

@@ -439,6 +439,11 @@ void RetrieverImpl::FillPolicyStats(SequenceStats* st) const {
   for (const LayerState& l : layers_) resident += ResidentHeadPages(l);
   st->resident_head_pages = resident;
   st->resident_bytes = resident * geometry_.slab_elements() * static_cast<int64_t>(elem());
+  int64_t selection = 0;
+  for (const LayerState& l : layers_) {
+    selection += static_cast<int64_t>(l.host.summaries.size() + l.host.codes.size());
+  }
+  st->selection_bytes = selection;
   if (host_drop_ != nullptr) {
     st->host_dropped_pages = host_drop_->dropped();
     st->host_refusals = host_drop_->refused();

@@ -51,7 +51,10 @@ enum class CounterKind : uint8_t { kCounter = 0, kGauge = 1 };
   X(host_allocations, kCounter, "Of those, device allocations and host registrations.")       \
   X(host_frees, kCounter, "Of those, device frees.")                                          \
   X(graph_launches, kCounter,                                                                  \
-    "Launches of captured graphs (correction, attention, background selection).")
+    "Launches of captured graphs (correction, attention, background selection).")            \
+  X(selection_bytes, kGauge,                                                                   \
+    "Bytes of the page summaries and key codes on the backend, all layers (sized for "        \
+    "max_tokens): what selection reads besides the working sets.")
 
 struct SequenceStats;  // kvtier/sequence.h
 

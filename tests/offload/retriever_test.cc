@@ -61,6 +61,12 @@ TEST(RetrieverTest, SyncWorkingSetEqualsSelection) {
     // Churn, not budget: over 6 steps far fewer than 6 · layers · heads · k head-pages.
     EXPECT_LT(st.recalled_pages, 6 * g.num_layers * g.num_kv_heads * o.selected_pages);
     EXPECT_EQ(st.recalled_bytes, st.recalled_pages * g.slab_elements() * 4);
+    // Summaries of every page the sequence can hold, and with key codes their codes.
+    const int64_t pages = (o.max_tokens + g.page_size - 1) / g.page_size;
+    EXPECT_EQ(st.selection_bytes,
+              g.num_layers * pages *
+                  static_cast<int64_t>(g.summary_bytes() +
+                                       (summary == SummaryMode::kKeyCodes ? g.key_code_bytes() : 0)));
   }
 }
 
