@@ -62,9 +62,9 @@ bool ParseCorrectionTrigger(std::string_view name, CorrectionTrigger* out);
 enum class SummaryMode : uint8_t {
   kMinMax = 0,     // hi/lo = per-dim max/min of the page's keys (Quest): a true bound
   kCenterMad = 1,  // hi/lo = mean ± mean absolute deviation (ArkVale): tighter, no bound;
-                   // the default; ranks pages by their typical key, so a page whose one key
-                   // the query matches (a copy's next token) does not stand out
-  kKeyCodes = 2,   // hi/lo = the bounds and a 4-bit code per key and
+                   // ranks pages by their typical key, so a page whose one key the query
+                   // matches (a copy's next token) does not stand out
+  kKeyCodes = 2,   // the default: hi/lo = the bounds and a 4-bit code per key and
                    // dimension within them (KeyCodeLayout); a page scores by its decoded
                    // keys' share of the attention, so a small working set follows a copy
                    // and finds a needle where the summaries above do not (docs/eval.md,
@@ -147,7 +147,7 @@ struct SequenceOptions {
   // (loss = (mass(new) − mass(stale)) / mass(new), from the key summaries). In [0, 1]:
   // 0 corrects every head whose selection q_t would improve, 1 never corrects.
   float correction_max_loss = kDefaultCorrectionMaxLoss;
-  SummaryMode summary = SummaryMode::kCenterMad;
+  SummaryMode summary = SummaryMode::kKeyCodes;
   float softmax_scale = 0.0f;  // 0: 1/sqrt(head_dim)
   // How background recalls (and sync mode's) move pages; kAuto takes the zero-copy gather
   // (measured 3.6–9.3 times faster than batched DMA on an H200 at every budget and churn,

@@ -39,8 +39,9 @@ constexpr int32_t kPage = 32;
 constexpr int32_t kPrefill = 600;                        // 18 full pages and 24 tokens
 constexpr int32_t kFull = kPrefill / kPage * kPage;      // 576
 // An SHM session of IntegrationSessionOptions (2048 tokens, 2 layers, 16 KiB pages) takes
-// a region of a little over 2 MiB: this arena holds two.
-constexpr uint64_t kArenaBytes = uint64_t{5} << 20;
+// a region of a little over 2 MiB: this arena holds two, and beside them the daemon memory
+// of one GRPC session of 600 tokens (its pages, working set, summaries and key codes).
+constexpr uint64_t kArenaBytes = uint64_t{11} << 19;  // 5.5 MiB
 
 std::unique_ptr<Client> Connect(const DaemonProcess& d) {
   ClientOptions o;
