@@ -111,8 +111,9 @@ def split_pages(budget, page):
     return sink, pages - sink - recent, recent
 
 
-def forward(model, cfg, ids, sparse_from, kind, budget, page):
-    """Logits for ids; positions >= sparse_from attend through selected working sets."""
+def forward(model, cfg, ids, sparse_from, kind, budget, page, cache=None):
+    """Logits for ids; positions >= sparse_from attend through selected working sets. Each
+    layer's K and V ([Hkv][T][d]) are appended to `cache` when given."""
     T = len(ids)
     G, d = cfg.q_heads // cfg.kv_heads, cfg.head_dim
     scale = 1 / math.sqrt(d)
@@ -126,6 +127,8 @@ def forward(model, cfg, ids, sparse_from, kind, budget, page):
         k = blk.wk(h).view(1, T, cfg.kv_heads, d).transpose(1, 2)
         v = blk.wv(h).view(1, T, cfg.kv_heads, d).transpose(1, 2)
         q, k = train.apply_rope(q, cos, sin), train.apply_rope(k, cos, sin)
+        if cache is not None:
+            cache.append([k[0], v[0]])
         mask = causal[None].repeat(cfg.kv_heads, 1, 1)
         if kind != "dense":
             qg = q[0].view(cfg.kv_heads, G, T, d)
@@ -157,27 +160,9 @@ def forward(model, cfg, ids, sparse_from, kind, budget, page):
 def prefill(model, cfg, ids):
     """Dense forward over ids: the logits of the last position and every layer's K/V
     ([Hkv][T][d] each), as kvtier's prefill leaves them."""
-    T = len(ids)
-    G, d = cfg.q_heads // cfg.kv_heads, cfg.head_dim
-    cos, sin = train.rope_tables(cfg, T)
-    mask = torch.full((T, T), float("-inf")).triu(1)
-    x = model.embed(torch.tensor(ids)[None])
     cache = []
-    for blk in model.blocks:
-        h = blk.attn_norm(x)
-        q = blk.wq(h).view(1, T, cfg.q_heads, d).transpose(1, 2)
-        k = blk.wk(h).view(1, T, cfg.kv_heads, d).transpose(1, 2)
-        v = blk.wv(h).view(1, T, cfg.kv_heads, d).transpose(1, 2)
-        q, k = train.apply_rope(q, cos, sin), train.apply_rope(k, cos, sin)
-        cache.append([k[0], v[0]])
-        s = (q.reshape(1, cfg.kv_heads, G * T, d) @ k.transpose(-1, -2)).view(
-            1, cfg.kv_heads, G, T, T) / math.sqrt(d)
-        pr = torch.softmax(s + mask, -1).view(1, cfg.kv_heads, G * T, T)
-        o = (pr @ v).view(1, cfg.q_heads, T, d).transpose(1, 2).reshape(1, T, -1)
-        x = x + blk.wo(o)
-        h = blk.ffn_norm(x)
-        x = x + blk.w_down(F.silu(blk.w_gate(h)) * blk.w_up(h))
-    return (model.norm(x[:, -1]) @ model.embed.weight.t())[0], cache
+    logits = forward(model, cfg, ids, len(ids), "dense", 0, 1, cache)
+    return logits[-1], cache
 
 
 def step(model, cfg, cache, token, kind, budget, page):

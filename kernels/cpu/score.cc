@@ -142,15 +142,23 @@ void ScoreGroupCodes(const ScorePagesArgs& a, int32_t b, int32_t h, std::vector<
   PoolGroup(a, b, h, raw);
 }
 
+// Calls fn(b, h, scratch) for every (sequence, KV head) head_mask leaves on, over the pool.
+template <typename Fn>
+void ForEachHead(const ScorePagesArgs& a, ThreadPool* pool, Fn&& fn) {
+  ParallelFor(pool, int64_t{a.batch} * a.shape.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
+    for (int64_t i = begin; i < end; ++i) {
+      if (a.head_mask != nullptr && a.head_mask[i] == 0) continue;
+      fn(static_cast<int32_t>(i / a.shape.num_kv_heads),
+         static_cast<int32_t>(i % a.shape.num_kv_heads), scratch);
+    }
+  });
+}
+
 void ScoreCodes(const ScorePagesArgs& a, ThreadPool* pool) {
   cpu::DispatchDType(a.shape.dtype, [&]<typename T>() {
-    ParallelFor(pool, int64_t{a.batch} * a.shape.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scratch;
-      for (int64_t i = begin; i < end; ++i) {
-        if (a.head_mask != nullptr && a.head_mask[i] == 0) continue;
-        ScoreGroupCodes<T>(a, static_cast<int32_t>(i / a.shape.num_kv_heads),
-                           static_cast<int32_t>(i % a.shape.num_kv_heads), scratch);
-      }
+    ForEachHead(a, pool, [&](int32_t b, int32_t h, std::vector<float>& scratch) {
+      ScoreGroupCodes<T>(a, b, h, scratch);
     });
   });
 }
@@ -172,14 +180,8 @@ KVTIER_CPU_CLONES void ScoreGroupOf(const ScorePagesArgs& a, int32_t b, int32_t 
 // The scalar reference (num_pages already checked).
 void ScorePagesScalar(const ScorePagesArgs& a, ThreadPool* pool) {
   cpu::DispatchDType(a.shape.dtype, [&]<typename T>() {
-    ParallelFor(pool, int64_t{a.batch} * a.shape.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scratch;
-      for (int64_t i = begin; i < end; ++i) {
-        if (a.head_mask != nullptr && a.head_mask[i] == 0) continue;
-        ScoreGroupOf(a, static_cast<int32_t>(i / a.shape.num_kv_heads),
-                     static_cast<int32_t>(i % a.shape.num_kv_heads), scratch,
-                     static_cast<const T*>(nullptr));
-      }
+    ForEachHead(a, pool, [&](int32_t b, int32_t h, std::vector<float>& scratch) {
+      ScoreGroupOf(a, b, h, scratch, static_cast<const T*>(nullptr));
     });
   });
 }
