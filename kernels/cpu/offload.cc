@@ -70,15 +70,21 @@ void Summarise(const float* k, int32_t p, int32_t d, SummaryMode mode, T* hi, T*
 // The 4-bit codes of one (page, head)'s keys k[p][d] within its stored bounds hi/lo
 // (OffloadArgs::codes): rows of d/2 bytes, dimension 2m in the low nibble of byte m.
 template <typename T>
-void Encode(const float* k, int32_t p, int32_t d, const T* hi, const T* lo, uint8_t* rows) {
+void Encode(const float* k, int32_t p, int32_t d, const T* hi, const T* lo, uint8_t* rows,
+            std::vector<float>& acc) {
+  acc.resize(static_cast<size_t>(2 * d));
+  float* l = acc.data();  // the stored bounds' lo and step of each dimension, once
+  float* step = l + d;
+  for (int32_t i = 0; i < d; ++i) {
+    l[i] = ToFloat(lo[i]);
+    step[i] = (ToFloat(hi[i]) - l[i]) / static_cast<float>(kKeyCodeLevels);
+  }
   for (int32_t t = 0; t < p; ++t) {
     uint8_t* row = rows + int64_t{t} * (d / 2);
     for (int32_t i = 0; i < d; ++i) {
-      const float l = ToFloat(lo[i]);
-      const float step = (ToFloat(hi[i]) - l) / static_cast<float>(kKeyCodeLevels);
       int32_t c = 0;
-      if (step > 0.0f) {
-        const float x = std::floor((k[int64_t{t} * d + i] - l) / step);
+      if (step[i] > 0.0f) {
+        const float x = std::floor((k[int64_t{t} * d + i] - l[i]) / step[i]);
         c = !(x > 0.0f) ? 0 : (x >= kKeyCodeLevels - 1 ? kKeyCodeLevels - 1 : static_cast<int32_t>(x));  // NaN: 0
       }
       if (i % 2 == 0) {
@@ -114,7 +120,7 @@ void OffloadOne(const OffloadArgs& a, const OffloadItem& it, std::vector<float>&
     Summarise(keys.data(), p, d, a.summary, hi, lo, acc);
     if (a.summary == SummaryMode::kKeyCodes) {
       const KeyCodeLayout cl{H, p, d};
-      Encode(keys.data(), p, d, hi, lo, a.codes + cl.RowOffset(it.summary_page, h, 0));
+      Encode(keys.data(), p, d, hi, lo, a.codes + cl.RowOffset(it.summary_page, h, 0), acc);
     }
   }
 }
