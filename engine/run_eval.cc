@@ -101,8 +101,7 @@ absl::StatusOr<EvalVariant> MakeVariant(const std::string& spec, const EvalFlags
   o.correction_threshold = tau;
   if (!f.summary.empty() && !ParseSummaryMode(f.summary, &o.summary)) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "--summary: '%s': minmax (Quest's bounds), center-mad (ArkVale's) or key-codes (the "
-        "bounds and 4-bit keys)",
+        "--summary: '%s': must be key-codes (the default), center-mad or minmax",
         f.summary));
   }
   if (name == "sync") {
@@ -331,9 +330,9 @@ CLI::App* AddEvalCommand(CLI::App& app, EvalFlags* f) {
                 "the budget's sink:selected:recent parts (default 1:2:1: a quarter sinks, half "
                 "selected, a quarter recent)");
   c->add_option("--summary", f->summary,
-                "page summaries: center-mad (ArkVale's, the default), minmax (Quest's per-dimension "
-                "bounds) or key-codes (the bounds and a 4-bit code per key and dimension: a page "
-                "scores by its best key)");
+                "page summaries: key-codes (the default: the bounds and a 4-bit code per key and "
+                "dimension; a page scores by its decoded keys' share of the attention), center-mad "
+                "(ArkVale's) or minmax (Quest's per-dimension bounds)");
   c->add_option("--kv-dtype", f->m.kv_dtype, "fp16, bf16 or fp32");
   c->add_option("--device", f->m.device, "cpu, cuda or auto");
   c->add_option("--threads", f->m.threads, "CPU threads (0: all cores)");
