@@ -218,6 +218,16 @@ std::vector<Derived> DeriveFigures(const Timed& timed, const std::vector<NamedBa
       add("decode_ctx" + c + ": dense / sparse step", b, dense->seconds.median / step, "x", 0,
           true);
     }
+    // What the default summary's scoring costs over the bounds' (key codes read a quarter of
+    // the keys where the bounds read two rows a page).
+    for (const char* ctx : {"32k", "128k"}) {
+      const std::string c = ctx;
+      const Row* bounds = Find(timed, "ScorePages_decode_ctx" + c, b);
+      const Row* codes = Find(timed, "ScorePages_keycodes_decode_ctx" + c, b);
+      if (bounds == nullptr || codes == nullptr) continue;
+      add("decode_ctx" + c + ": ScorePages with key codes / with bounds", b,
+          codes->seconds.median / bounds->seconds.median, "x", 0, true);
+    }
     // The roofline set.
     for (const char* ctx : {"32k", "128k"}) {
       const std::string c = ctx;

@@ -41,11 +41,12 @@ TypedBuffer Normal(int64_t n, uint32_t seed) {
   return b;
 }
 
-// Page scoring of one sequence at `context` tokens: every page's summary against the
+// Page scoring of one sequence at `context` tokens: every page's summary (with `codes`, every
+// key's 4-bit codes in its page's bounds: SummaryMode::kKeyCodes, the default) against the
 // query of every head, pooled per KV head.
 // `*num_pages_at`, `*pooled_at` (when given): the indices of its page count and scores.
-OpRun ScoreRun(const KvShape& shape, int32_t context, uint32_t seed, int* num_pages_at = nullptr,
-               int* pooled_at = nullptr) {
+OpRun ScoreRun(const KvShape& shape, int32_t context, bool codes, uint32_t seed,
+               int* num_pages_at = nullptr, int* pooled_at = nullptr) {
   const int32_t P = context / shape.page_size;
   const SummaryLayout sl{shape.num_kv_heads, shape.head_dim};
   const int64_t q_elems = int64_t{shape.num_q_heads} * shape.head_dim;
@@ -55,6 +56,14 @@ OpRun ScoreRun(const KvShape& shape, int32_t context, uint32_t seed, int* num_pa
   const int inp = r.in.Add(std::vector<int32_t>{P});
   const int ipooled =
       r.in.Add(std::vector<float>(static_cast<size_t>(shape.num_kv_heads) * P, 7.0f));
+  const KeyCodeLayout cl{shape.num_kv_heads, shape.page_size, shape.head_dim};
+  int icodes = -1;
+  if (codes) {
+    std::vector<uint8_t> bytes(static_cast<size_t>(P * cl.page_bytes()));
+    std::mt19937 rng(seed + 3);
+    for (uint8_t& b : bytes) b = static_cast<uint8_t>(rng());
+    icodes = r.in.Add(bytes);
+  }
   if (num_pages_at != nullptr) *num_pages_at = inp;
   if (pooled_at != nullptr) *pooled_at = ipooled;
   r.op = [=](Backend& be, Stream& s, const OpPtrs& p) {
@@ -67,6 +76,7 @@ OpRun ScoreRun(const KvShape& shape, int32_t context, uint32_t seed, int* num_pa
     a.num_pages = p.get<int32_t>(inp);
     a.softmax_scale = ScaleOf(shape.head_dim);
     a.pooled = p.get<float>(ipooled);
+    if (icodes >= 0) a.codes = p.get<uint8_t>(icodes);
     return be.ScorePages(s, a);
   };
   r.check = [=](const OpBuffers&, const OpResult& want, const OpResult& got) {
@@ -76,6 +86,12 @@ OpRun ScoreRun(const KvShape& shape, int32_t context, uint32_t seed, int* num_pa
   r.bytes = Bytes(P * sl.page_elements() + q_elems) + int64_t{4} * shape.num_kv_heads * P;
   // Per query head, page and dimension: two products, a max and an add.
   r.flops = 4.0 * shape.num_q_heads * P * shape.head_dim;
+  if (codes) {
+    r.bytes += P * cl.page_bytes();
+    // Per query head, key and dimension: the key decoded (a multiply-add) and its product
+    // with the query (a multiply-add).
+    r.flops = 4.0 * shape.num_q_heads * P * shape.page_size * shape.head_dim;
+  }
   return r;
 }
 
@@ -313,7 +329,12 @@ OpRun DenseDecodeRun(const KvShape& shape, int32_t context, uint32_t seed) {
 void AddDecodeCases(std::vector<OpCase>& cases) {
   for (const int32_t context : {8192, 32768, 131072}) {
     Add(cases, "ScorePages_decode_ctx" + Tokens(context),
-        [context](uint32_t seed) { return ScoreRun(kDecode, context, seed); });
+        [context](uint32_t seed) { return ScoreRun(kDecode, context, false, seed); });
+  }
+  // Key codes read a quarter of the keys: 4 MiB at 8K, 16 MiB at 32K (128K: PerfOpCases).
+  for (const int32_t context : {8192, 32768}) {
+    Add(cases, "ScorePages_keycodes_decode_ctx" + Tokens(context),
+        [context](uint32_t seed) { return ScoreRun(kDecode, context, true, seed); });
   }
   Add(cases, "TopK_decode_ctx32k_k32",
       [](uint32_t seed) { return TopKDecodeRun(kDecode, 32768, 32, true, seed); });
@@ -337,9 +358,10 @@ void AddDecodeCases(std::vector<OpCase>& cases) {
 namespace {
 
 // ScorePages and then TopK over its scores (`ends`: as TopKDecodeRun): a step's selection.
-OpRun SelectionRun(const KvShape& shape, int32_t context, int32_t k, bool ends, uint32_t seed) {
+OpRun SelectionRun(const KvShape& shape, int32_t context, int32_t k, bool ends, bool codes,
+                   uint32_t seed) {
   int inp = 0, ipooled = 0;
-  OpRun r = ScoreRun(shape, context, seed, &inp, &ipooled);
+  OpRun r = ScoreRun(shape, context, codes, seed, &inp, &ipooled);
   const OpRun topk = TopKDecodeRun(shape, context, k, ends, seed);
   // TopK reads ScorePages' page count and the scores it wrote; only its selection is new.
   const int isel = r.in.Add(std::vector<int32_t>(static_cast<size_t>(shape.num_kv_heads) * k, -7));
@@ -367,6 +389,14 @@ void AddPerfCases(std::vector<OpCase>& cases) {
       [](uint32_t seed) { return TopKDecodeRun(kDecode, 8192, 32, true, seed); });
   Add(cases, "TopK_decode_ctx128k_k32",
       [](uint32_t seed) { return TopKDecodeRun(kDecode, 131072, 32, true, seed); });
+  // A step's selection with key codes (the default summary) at 32K and 128K: scoring every
+  // page's keys (64 MiB of codes at 128K) and the top 32 pages per KV head.
+  Add(cases, "ScorePages_keycodes_decode_ctx128k",
+      [](uint32_t seed) { return ScoreRun(kDecode, 131072, true, seed); });
+  for (const int32_t context : {32768, 131072}) {
+    Add(cases, "Selection_keycodes_decode_ctx" + Tokens(context) + "_k32",
+        [context](uint32_t seed) { return SelectionRun(kDecode, context, 32, true, true, seed); });
+  }
   // The roofline set: a working set and a top-k of 1/8 of the context.
   for (const int32_t context : {32768, 131072}) {
     Add(cases, "DenseAttention_roofline_ctx" + Tokens(context),
@@ -378,9 +408,10 @@ void AddPerfCases(std::vector<OpCase>& cases) {
   for (const int32_t context : {8192, 32768, 131072}) {
     const int32_t k = context / 8 / kRoofline.page_size;
     Add(cases, "ScorePages_roofline_ctx" + Tokens(context),
-        [context](uint32_t seed) { return ScoreRun(kRoofline, context, seed); });
-    Add(cases, "Selection_roofline_ctx" + Tokens(context),
-        [context, k](uint32_t seed) { return SelectionRun(kRoofline, context, k, false, seed); });
+        [context](uint32_t seed) { return ScoreRun(kRoofline, context, false, seed); });
+    Add(cases, "Selection_roofline_ctx" + Tokens(context), [context, k](uint32_t seed) {
+      return SelectionRun(kRoofline, context, k, false, false, seed);
+    });
     Add(cases, "TopK_roofline_ctx" + Tokens(context),
         [context, k](uint32_t seed) { return TopKDecodeRun(kRoofline, context, k, false, seed); });
   }
