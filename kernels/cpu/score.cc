@@ -88,12 +88,43 @@ KVTIER_CPU_INLINE void ScoreGroup(const ScorePagesArgs& a, int32_t b, int32_t h,
   PoolGroup(a, b, h, raw);
 }
 
+// x, rounded on its own: the compiler may not fuse the product that made it into the sum it
+// joins (an FMA rounds once, the vectorised kernel twice).
+KVTIER_CPU_INLINE float Rounded(float x) {
+#if defined(__x86_64__)
+  asm("" : "+x"(x));
+#endif
+  return x;
+}
+
+// The token dots of one (page, KV head) against G query heads' weights w[G][d]:
+// dots[g·ps + t] = Σ_i w[g·d + i]·(code(t, i) + 0.5), summed in dimension order, each product
+// rounded before it is added. KeyCodeDotsSimd (score_simd.cc) gives the same bits.
+void KeyCodeDotsScalar(const uint8_t* rows, int32_t G, int32_t d, int32_t ps, const float* w,
+                       float* dots) {
+  for (int32_t g = 0; g < G; ++g) {
+    const float* wg = w + int64_t{g} * d;
+    for (int32_t t = 0; t < ps; ++t) {
+      const uint8_t* row = rows + int64_t{t} * (d / 2);
+      float acc = 0.0f;
+      for (int32_t i = 0; i < d; i += 2) {
+        acc += Rounded(wg[i] * (static_cast<float>(row[i / 2] & 15) + 0.5f));
+        acc += Rounded(wg[i + 1] * (static_cast<float>(row[i / 2] >> 4) + 0.5f));
+      }
+      dots[int64_t{g} * ps + t] = acc;
+    }
+  }
+}
+
 // Key codes (ScorePagesArgs::codes): each query head's raw score of a page is
 // Σ_i q_i·lo_i + LSE_t(scale·x_t)/scale with x_t = Σ_i w_i·(code[t][i] + 0.5) and
 // w_i = q_i·(hi_i − lo_i)/16 (summed in dimension order), so that the pooling's softmax over
-// pages gives each page its decoded keys' share of the attention. Scalar on every ISA.
+// pages gives each page its decoded keys' share of the attention. The dots x_t, most of the
+// work, are vectorised over a page's tokens for `isa` above scalar (same bits); the rest is
+// this scalar loop on every ISA.
 template <typename T>
-void ScoreGroupCodes(const ScorePagesArgs& a, int32_t b, int32_t h, std::vector<float>& scratch) {
+void ScoreGroupCodes(const ScorePagesArgs& a, int32_t b, int32_t h, cpu::Isa isa,
+                     std::vector<float>& scratch) {
   const int32_t d = a.shape.head_dim, P = a.max_pages, ps = a.shape.page_size,
                 G = a.shape.num_q_heads / a.shape.num_kv_heads;
   const int32_t n = a.num_pages[b];
@@ -103,40 +134,50 @@ void ScoreGroupCodes(const ScorePagesArgs& a, int32_t b, int32_t h, std::vector<
   const T* q = static_cast<const T*>(a.q);
   const T* summaries = static_cast<const T*>(a.summaries) + int64_t{b} * P * sl.page_elements();
   const uint8_t* codes = a.codes + int64_t{b} * P * cl.page_bytes();
-  // scratch: qf[G][d] | hi[d] | lo[d] | w[d] | raw[G][P] | dots[ps]
-  scratch.resize(static_cast<size_t>(G) * d + 3 * d + static_cast<size_t>(G) * P + ps);
+  // scratch: qf[G][d] | hi[d] | lo[d] | w[G][d] | base[G] | raw[G][P] | dots[G][ps]
+  const size_t gd = static_cast<size_t>(G) * d;
+  scratch.resize(2 * gd + 2 * d + G + static_cast<size_t>(G) * P + static_cast<size_t>(G) * ps);
   float* qf = scratch.data();
-  float* hi = qf + G * d;
+  float* hi = qf + gd;
   float* lo = hi + d;
   float* w = lo + d;
-  float* raw = w + d;
+  float* base = w + gd;
+  float* raw = base + G;
   float* dots = raw + static_cast<size_t>(G) * P;
+  const bool simd = isa != cpu::Isa::kScalar && d % 8 == 0;
   for (int32_t g = 0; g < G; ++g) cpu::LoadRow(q + ql.Offset(b, h * G + g, 0), d, qf + g * d);
   for (int32_t p = 0; p < n; ++p) {
     cpu::LoadRow(summaries + sl.Offset(p, h, kHi, 0), d, hi);
     cpu::LoadRow(summaries + sl.Offset(p, h, kLo, 0), d, lo);
-    const uint8_t* rows = codes + cl.RowOffset(p, h, 0);
+    // hi becomes the step (hi − lo)/16; w = q·step. base[g] = Σ_i q_i·lo_i, each in dimension
+    // order (the G sums side by side).
+    for (int32_t i = 0; i < d; ++i) hi[i] = (hi[i] - lo[i]) / static_cast<float>(kKeyCodeLevels);
     for (int32_t g = 0; g < G; ++g) {
       const float* qg = qf + g * d;
-      float base = 0.0f;
-      for (int32_t i = 0; i < d; ++i) {
-        base += qg[i] * lo[i];
-        w[i] = qg[i] * ((hi[i] - lo[i]) / static_cast<float>(kKeyCodeLevels));
-      }
+      float* wg = w + int64_t{g} * d;
+      for (int32_t i = 0; i < d; ++i) wg[i] = qg[i] * hi[i];
+      base[g] = 0.0f;
+    }
+    for (int32_t i = 0; i < d; ++i) {
+      for (int32_t g = 0; g < G; ++g) base[g] += Rounded(qf[g * d + i] * lo[i]);
+    }
+    const uint8_t* rows = codes + cl.RowOffset(p, h, 0);
+    if (simd) {
+      cpu::KeyCodeDotsSimd(rows, G, d, ps, w, dots, isa);
+    } else {
+      KeyCodeDotsScalar(rows, G, d, ps, w, dots);
+    }
+    for (int32_t g = 0; g < G; ++g) {
+      float* x = dots + int64_t{g} * ps;
       float best = kNegInf;
       for (int32_t t = 0; t < ps; ++t) {
-        const uint8_t* row = rows + t * cl.row_bytes();
-        float acc = 0.0f;
-        for (int32_t i = 0; i < d; i += 2) {
-          acc += w[i] * (static_cast<float>(row[i / 2] & 15) + 0.5f);
-          acc += w[i + 1] * (static_cast<float>(row[i / 2] >> 4) + 0.5f);
-        }
-        dots[t] = a.softmax_scale * acc;
-        best = std::max(best, dots[t]);
+        x[t] = a.softmax_scale * x[t];
+        best = std::max(best, x[t]);
       }
       double sum = 0;
-      for (int32_t t = 0; t < ps; ++t) sum += std::exp(dots[t] - best);
-      raw[int64_t{g} * P + p] = base + (best + static_cast<float>(std::log(sum))) / a.softmax_scale;
+      for (int32_t t = 0; t < ps; ++t) sum += std::exp(x[t] - best);
+      raw[int64_t{g} * P + p] =
+          base[g] + (best + static_cast<float>(std::log(sum))) / a.softmax_scale;
     }
   }
   PoolGroup(a, b, h, raw);
@@ -155,10 +196,10 @@ void ForEachHead(const ScorePagesArgs& a, ThreadPool* pool, Fn&& fn) {
   });
 }
 
-void ScoreCodes(const ScorePagesArgs& a, ThreadPool* pool) {
+void ScoreCodes(const ScorePagesArgs& a, ThreadPool* pool, cpu::Isa isa) {
   cpu::DispatchDType(a.shape.dtype, [&]<typename T>() {
     ForEachHead(a, pool, [&](int32_t b, int32_t h, std::vector<float>& scratch) {
-      ScoreGroupCodes<T>(a, b, h, scratch);
+      ScoreGroupCodes<T>(a, b, h, isa, scratch);
     });
   });
 }
@@ -200,11 +241,11 @@ absl::Status CpuScorePages(const ScorePagesArgs& a, ThreadPool* pool, cpu::Isa i
           a.max_pages));
     }
   }
+  isa = cpu::RunnableIsa(isa, a.shape.head_dim);
   if (a.codes != nullptr) {
-    ScoreCodes(a, pool);
+    ScoreCodes(a, pool, isa);
     return absl::OkStatus();
   }
-  isa = cpu::RunnableIsa(isa, a.shape.head_dim);
   if (isa == cpu::Isa::kScalar) {
     ScorePagesScalar(a, pool);
   } else {

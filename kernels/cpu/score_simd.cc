@@ -9,6 +9,8 @@
 //      `scores` when requested, else to scratch.
 //   2. one task per (sequence, KV head): pooling over the group (vectorised exp), -inf
 //      beyond num_pages.
+// With key codes score.cc runs the reference's per-page loop and calls KeyCodeDotsSimd for
+// the part that is most of the work: every token's decoded key against the queries.
 #include "kernels/cpu/score_simd.h"
 
 #include <algorithm>
@@ -135,10 +137,21 @@ void ScorePagesSimd(const ScorePagesArgs& a, ThreadPool* pool, Isa isa) {
   DispatchDType(a.shape.dtype, [&]<typename T>() { Run<T>(a, pool, KernelsOf<T>(isa)); });
 }
 
+void KeyCodeDotsSimd(const uint8_t* rows, int32_t G, int32_t d, int32_t ps, const float* w,
+                     float* dots, Isa isa) {
+  if (isa == Isa::kAvx512) {
+    score_avx512::KeyCodeDots(rows, G, d, ps, w, dots);
+  } else {
+    score_avx2::KeyCodeDots(rows, G, d, ps, w, dots);
+  }
+}
+
 }  // namespace kvtier::cpu
 
 #else  // !KVTIER_CPU_SIMD: never called (score.cc runs the reference)
 
 void kvtier::cpu::ScorePagesSimd(const ScorePagesArgs&, ThreadPool*, Isa) {}
+void kvtier::cpu::KeyCodeDotsSimd(const uint8_t*, int32_t, int32_t, int32_t, const float*, float*,
+                                  Isa) {}
 
 #endif  // KVTIER_CPU_SIMD

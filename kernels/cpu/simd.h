@@ -82,6 +82,31 @@ struct Avx2 {
   KVTIER_SIMD_INLINE F Max(F a, F b) { return _mm256_max_ps(a, b); }
   KVTIER_SIMD_INLINE F Min(F a, F b) { return _mm256_min_ps(a, b); }
   KVTIER_SIMD_INLINE F Fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  // a·b rounded on its own: the compiler may not fuse it into a following Add.
+  KVTIER_SIMD_INLINE F MulRounded(F a, F b) {
+    F p = _mm256_mul_ps(a, b);
+    asm("" : "+x"(p));
+    return p;
+  }
+
+  // Integer lanes: offsets and gathers of 32-bit words.
+  using I = __m256i;
+  KVTIER_SIMD_INLINE I Strided(int32_t stride) {
+    return _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(stride));
+  }
+  // The 32-bit words at base + offsets[l] bytes for lanes l < valid; 0 in the others (not read).
+  KVTIER_SIMD_INLINE I GatherWords(const void* base, I offsets, int valid) {
+    const I mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid),
+                                      _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), static_cast<const int*>(base),
+                                       offsets, mask, 1);
+  }
+  // Bits [kShift, kShift + 4) of every lane, as floats.
+  template <int kShift>
+  KVTIER_SIMD_INLINE F Nibble(I v) {
+    return _mm256_cvtepi32_ps(
+        _mm256_and_si256(_mm256_srli_epi32(v, kShift), _mm256_set1_epi32(15)));
+  }
 
   KVTIER_SIMD_INLINE float ReduceAdd(F v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -144,6 +169,28 @@ struct Avx512 {
   KVTIER_SIMD_INLINE F Max(F a, F b) { return _mm512_max_ps(a, b); }
   KVTIER_SIMD_INLINE F Min(F a, F b) { return _mm512_min_ps(a, b); }
   KVTIER_SIMD_INLINE F Fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  KVTIER_SIMD_INLINE F MulRounded(F a, F b) {
+    F p = _mm512_mul_ps(a, b);
+    asm("" : "+v"(p));
+    return p;
+  }
+
+  using I = __m512i;
+  KVTIER_SIMD_INLINE I Strided(int32_t stride) {
+    return _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(stride));
+  }
+  KVTIER_SIMD_INLINE I GatherWords(const void* base, I offsets, int valid) {
+    const __mmask16 mask =
+        valid >= kLanes ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << valid) - 1);
+    return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, offsets, base, 1);
+  }
+  template <int kShift>
+  KVTIER_SIMD_INLINE F Nibble(I v) {
+    return _mm512_cvtepi32_ps(
+        _mm512_and_si512(_mm512_srli_epi32(v, kShift), _mm512_set1_epi32(15)));
+  }
 
   KVTIER_SIMD_INLINE __m256 Fold(F v) {
     return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
