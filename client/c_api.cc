@@ -45,6 +45,9 @@ static_assert(KVTIER_MODE_SPECULATIVE == static_cast<int>(kvtier::RetrievalMode:
 static_assert(KVTIER_CORRECTION_TRIGGER_COSINE ==
                   static_cast<int>(kvtier::CorrectionTrigger::kCosine) &&
               KVTIER_CORRECTION_TRIGGER_MASS == static_cast<int>(kvtier::CorrectionTrigger::kMass));
+static_assert(KVTIER_SUMMARY_MINMAX == static_cast<int>(kvtier::SummaryMode::kMinMax) &&
+              KVTIER_SUMMARY_CENTER_MAD == static_cast<int>(kvtier::SummaryMode::kCenterMad) &&
+              KVTIER_SUMMARY_KEY_CODES == static_cast<int>(kvtier::SummaryMode::kKeyCodes));
 
 // The C options as the C++ ones: only what C adds is checked here (the dtype, the transport,
 // the demotion flag, the policies' C form; an int that is no enum value of the C++ type at
@@ -92,6 +95,11 @@ absl::StatusOr<kvtier::SessionOptions> ToSessionOptions(const kvtier_session_opt
   }
   s.sequence.correction_trigger = static_cast<kvtier::CorrectionTrigger>(o.correction_trigger);
   s.sequence.correction_max_loss = o.correction_max_loss;
+  if (o.summary < 0 || o.summary > 255) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("summary = %d: must be a KVTIER_SUMMARY_*", o.summary));
+  }
+  s.sequence.summary = static_cast<kvtier::SummaryMode>(o.summary);
   if (o.transport != KVTIER_TRANSPORT_SHM && o.transport != KVTIER_TRANSPORT_GRPC) {
     return absl::InvalidArgumentError(
         absl::StrFormat("transport = %d: must be a KVTIER_TRANSPORT_*", o.transport));
@@ -140,6 +148,7 @@ void kvtier_session_options_init(kvtier_session_options* o) {
   o->correction_threshold = kvtier::kDefaultCorrectionThreshold;
   o->correction_trigger = KVTIER_CORRECTION_TRIGGER_COSINE;
   o->correction_max_loss = kvtier::kDefaultCorrectionMaxLoss;
+  o->summary = static_cast<int32_t>(kvtier::SequenceOptions().summary);
   o->transport = KVTIER_TRANSPORT_SHM;
 }
 

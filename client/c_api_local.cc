@@ -86,6 +86,10 @@ absl::StatusOr<kvtier::SequenceOptions> ToSequenceOptions(const kvtier_sequence_
   }
   o.correction_trigger = static_cast<kvtier::CorrectionTrigger>(c.correction_trigger);
   o.correction_max_loss = c.correction_max_loss;
+  if (absl::Status st = enum_value("summary", c.summary, KVTIER_SUMMARY_KEY_CODES); !st.ok()) {
+    return st;
+  }
+  o.summary = static_cast<kvtier::SummaryMode>(c.summary);
   if (absl::Status st = enum_value("recall", c.recall, KVTIER_RECALL_ZERO_COPY); !st.ok()) {
     return st;
   }
@@ -143,6 +147,7 @@ void kvtier_sequence_options_init(kvtier_sequence_options* o) {
   o->correction_threshold = kvtier::kDefaultCorrectionThreshold;
   o->correction_trigger = KVTIER_CORRECTION_TRIGGER_COSINE;
   o->correction_max_loss = kvtier::kDefaultCorrectionMaxLoss;
+  o->summary = static_cast<int32_t>(kvtier::SequenceOptions().summary);
   o->recall = KVTIER_RECALL_AUTO;
 }
 

@@ -27,15 +27,6 @@ absl::StatusOr<v1::OpenSessionRequest> BuildOpenSessionRequest(std::string_view 
   SequenceOptions given = r;
   if (given.max_tokens == 0) given.max_tokens = kMaxSequenceTokens;
   KVTIER_RETURN_IF_ERROR(ResolveSequenceOptions(given, g.page_size).status());
-  // What the protocol can carry: the default summaries (kvtierd's Retrievers keep the
-  // default), and a budget in tokens, split as SetBudgetTokens splits it.
-  if (options.transport == Transport::kGrpc && r.summary != SequenceOptions().summary) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "sequence summary = %s: the protocol does not carry it; GRPC sessions summarise pages "
-        "as kvtierd's sequences do, with %s (an SHM session's sequence, which runs in the "
-        "engine, takes it)",
-        SummaryModeName(r.summary), SummaryModeName(SequenceOptions().summary)));
-  }
   // What the protocol can carry: a budget in tokens, split as SetBudgetTokens splits it.
   const int64_t budget_tokens = int64_t{r.budget_pages()} * g.page_size;
   SequenceOptions split;
@@ -61,6 +52,7 @@ absl::StatusOr<v1::OpenSessionRequest> BuildOpenSessionRequest(std::string_view 
   ro->set_correction_threshold(r.correction_threshold);
   ro->set_correction_trigger(std::string(CorrectionTriggerName(r.correction_trigger)));
   ro->set_correction_max_loss(r.correction_max_loss);
+  ro->set_summary(std::string(SummaryModeName(r.summary)));
   if (options.host_tokens < 0) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "host_tokens = %d: must be >= 0 (0: max_tokens)", options.host_tokens));
@@ -95,6 +87,7 @@ absl::StatusOr<SequenceOptions> SequenceOptionsForSession(const SequenceOptions&
   o.correction_threshold = info.correction_threshold;
   o.correction_trigger = info.correction_trigger;
   o.correction_max_loss = info.correction_max_loss;
+  o.summary = info.summary;
   return o;
 }
 
@@ -121,6 +114,12 @@ absl::StatusOr<SessionInfo> SessionInfoFromProto(const v1::SessionInfo& p) {
   }
   if (p.retrieval().has_correction_max_loss()) {
     info.correction_max_loss = p.retrieval().correction_max_loss();
+  }
+  if (!p.retrieval().summary().empty() &&
+      !ParseSummaryMode(p.retrieval().summary(), &info.summary)) {
+    return absl::InvalidArgumentError(absl::StrCat("retrieval.summary = '",
+                                                   p.retrieval().summary(),
+                                                   "': must be one of key-codes, center-mad, minmax"));
   }
   info.closing = p.state() == v1::SESSION_STATE_CLOSING;
   info.suspended = p.state() == v1::SESSION_STATE_SUSPENDED;

@@ -30,7 +30,8 @@ absl::StatusOr<v1::OpenSessionRequest> BuildOpenSessionRequest(std::string_view 
                                                                const SessionOptions& options);
 
 // The local sequence's options for a session as the daemon resolved it: mode, budget,
-// max_tokens and τ from `info`, everything else from `local`. INTERNAL when the resolved
+// max_tokens, τ, the trigger, its largest loss and the summary from `info`, everything else
+// from `local`. INTERNAL when the resolved
 // budget cannot be split (a daemon bug, reported as such).
 absl::StatusOr<SequenceOptions> SequenceOptionsForSession(const SequenceOptions& local,
                                                           const SessionInfo& info);

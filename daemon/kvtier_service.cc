@@ -90,6 +90,7 @@ v1::SessionInfo SessionToProto(const SessionRecord& r) {
   ro->set_correction_trigger(
       std::string(CorrectionTriggerName(r.spec.sequence.correction_trigger)));
   ro->set_correction_max_loss(r.spec.sequence.correction_max_loss);
+  ro->set_summary(std::string(SummaryModeName(r.spec.sequence.summary)));
   p.set_transport(r.spec.transport == Transport::kGrpc ? v1::TRANSPORT_GRPC : v1::TRANSPORT_SHM);
   p.set_state(r.closing     ? v1::SESSION_STATE_CLOSING
               : r.cold      ? v1::SESSION_STATE_COLD

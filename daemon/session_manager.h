@@ -75,6 +75,7 @@ struct OpenSessionParams {
   std::optional<float> correction_threshold;
   std::string correction_trigger;  // CorrectionTriggerName; empty: cosine
   std::optional<float> correction_max_loss;
+  std::string summary;  // SummaryModeName; empty: key-codes (the library's default)
   std::string budget_policy;
   std::string residency_policy;
   std::string host_drop;

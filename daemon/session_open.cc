@@ -101,6 +101,11 @@ absl::StatusOr<SessionSpec> SessionManager::ResolveSpec(const Caller& caller,
         Printable(p.correction_trigger)));
   }
   given.correction_max_loss = p.correction_max_loss.value_or(kDefaultCorrectionMaxLoss);
+  if (!p.summary.empty() && !ParseSummaryMode(p.summary, &given.summary)) {
+    return bad(absl::StrFormat(
+        "retrieval.summary = '%s': must be one of key-codes, center-mad, minmax (empty: %s)",
+        Printable(p.summary), SummaryModeName(SequenceOptions().summary)));
+  }
   SessionSpec spec;
   spec.tenant = caller.tenant;
   spec.label = p.label;
@@ -211,11 +216,11 @@ namespace {
 // Everything that defines a session but its label, for comparing a retried request.
 std::string RequestFingerprint(const OpenSessionParams& p) {
   std::string f = absl::StrFormat(
-      "%s|%s|%d|%d|%d|%d|%g|%s|%d|%g|%s|%s|%s|%d", p.geometry.ToString(),
+      "%s|%s|%d|%d|%d|%d|%g|%s|%d|%g|%s|%s|%s|%s|%d", p.geometry.ToString(),
       RetrievalModeName(p.mode), p.budget_tokens, p.max_tokens, p.host_tokens, p.correction_threshold.has_value(),
       p.correction_threshold.value_or(0.0f), p.correction_trigger,
-      p.correction_max_loss.has_value(), p.correction_max_loss.value_or(0.0f), p.budget_policy,
-      p.residency_policy, p.host_drop, static_cast<int>(p.transport));
+      p.correction_max_loss.has_value(), p.correction_max_loss.value_or(0.0f), p.summary,
+      p.budget_policy, p.residency_policy, p.host_drop, static_cast<int>(p.transport));
   for (const auto& [k, v] : p.policy_params) absl::StrAppend(&f, "|", k, "=", v);
   return f;
 }

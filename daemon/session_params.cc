@@ -22,6 +22,7 @@ absl::StatusOr<OpenSessionParams> ParamsFromProto(const v1::OpenSessionRequest& 
   if (r.retrieval().has_correction_max_loss()) {
     p.correction_max_loss = r.retrieval().correction_max_loss();
   }
+  p.summary = r.retrieval().summary();
   p.budget_policy = r.policy().budget_policy();
   p.residency_policy = r.policy().residency_policy();
   p.host_drop = r.policy().host_drop();
@@ -44,6 +45,7 @@ v1::OpenSessionRequest ResolvedRequest(const OpenSessionParams& params, const Se
   ro->set_correction_threshold(spec.sequence.correction_threshold);
   ro->set_correction_trigger(std::string(CorrectionTriggerName(spec.sequence.correction_trigger)));
   ro->set_correction_max_loss(spec.sequence.correction_max_loss);
+  ro->set_summary(std::string(SummaryModeName(spec.sequence.summary)));
   v1::PolicyOptions* po = r.mutable_policy();
   po->set_budget_policy(params.budget_policy);
   po->set_residency_policy(params.residency_policy);

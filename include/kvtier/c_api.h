@@ -63,6 +63,10 @@ enum {
 };
 /* Correction triggers of speculative mode (kvtier::CorrectionTrigger). */
 enum { KVTIER_CORRECTION_TRIGGER_COSINE = 0, KVTIER_CORRECTION_TRIGGER_MASS = 1 };
+/* What a page is scored by (kvtier::SummaryMode): key codes (the default: the bounds and a
+ * 4-bit code per key and dimension, a quarter of the keys more on the device), or page
+ * summaries alone (center-mad, Quest's min/max bounds). */
+enum { KVTIER_SUMMARY_MINMAX = 0, KVTIER_SUMMARY_CENTER_MAD = 1, KVTIER_SUMMARY_KEY_CODES = 2 };
 /* Transports (kvtier::Transport). */
 enum { KVTIER_TRANSPORT_SHM = 0, KVTIER_TRANSPORT_GRPC = 1 };
 
@@ -117,10 +121,11 @@ typedef struct kvtier_session_options {
   /* The policies (an SHM session runs them in this process, a GRPC one in kvtierd);
    * policy.host_drop and host_drop_demote = 1 must not disagree. */
   kvtier_policy_options policy;
+  int32_t summary; /* KVTIER_SUMMARY_* (a GRPC session's Retriever in kvtierd takes it too) */
 } kvtier_session_options;
 
 /* Fills the defaults: tenant "default", 30 s timeout; fp16 geometry with page size 32,
- * speculative mode, budget 2048, tau 0.7, the cosine trigger, max loss 0.1, SHM
+ * speculative mode, budget 2048, tau 0.7, the cosine trigger, max loss 0.1, key codes, SHM
  * (kvtier/options.h: kDefault*). */
 void kvtier_client_options_init(kvtier_client_options* options);
 void kvtier_session_options_init(kvtier_session_options* options);
@@ -226,6 +231,7 @@ typedef struct kvtier_sequence_options {
    * (kvtier_batch_native_stream hands it out). Must outlive the batch. */
   void* compute_stream;
   kvtier_policy_options policy; /* the drop-style policies; zeroed: none */
+  int32_t summary;              /* KVTIER_SUMMARY_* */
 } kvtier_sequence_options;
 
 /* One member's working set of one layer for this step (kvtier::WorkingSetView): what a
@@ -243,7 +249,7 @@ typedef struct kvtier_working_set {
 } kvtier_working_set;
 
 /* Defaults: speculative, budget 2048, max_tokens 131072, tau 0.7, the cosine trigger, max
- * loss 0.1, recall auto, no graphs, kvtier's own stream (kvtier/options.h: kDefault*). */
+ * loss 0.1, key codes, recall auto, no graphs, kvtier's own stream (kvtier/options.h: kDefault*). */
 void kvtier_sequence_options_init(kvtier_sequence_options* options);
 
 /* KVTIER_UNAVAILABLE when the kind is not usable here (no CUDA device, or a build without). */

@@ -125,6 +125,7 @@ struct SessionInfo {
   float correction_threshold = kDefaultCorrectionThreshold;
   CorrectionTrigger correction_trigger = CorrectionTrigger::kCosine;
   float correction_max_loss = kDefaultCorrectionMaxLoss;
+  SummaryMode summary = SequenceOptions().summary;
   bool closing = false;  // CloseSession or Drain in progress
   // SuspendSession: no engine holds it; Client::Reattach resumes it. The daemon reports
   // one state: a suspended session that was demoted says cold instead (and a closing one

@@ -29,6 +29,7 @@ SessionOptions SmallOptions() {
   o.sequence.correction_trigger = CorrectionTrigger::kMass;
   o.sequence.correction_max_loss = 0.125f;
   o.sequence.mode = RetrievalMode::kSync;
+  o.sequence.summary = SummaryMode::kCenterMad;
   o.transport = Transport::kGrpc;
   o.label = "unit";
   return o;
@@ -52,11 +53,12 @@ TEST(BuildOpenSessionRequestTest, CarriesEveryOption) {
   EXPECT_EQ(req->retrieval().correction_trigger(), "mass");
   ASSERT_TRUE(req->retrieval().has_correction_max_loss());
   EXPECT_FLOAT_EQ(req->retrieval().correction_max_loss(), 0.125f);
+  EXPECT_EQ(req->retrieval().summary(), "center-mad");
   EXPECT_EQ(req->transport(), v1::TRANSPORT_GRPC);
   EXPECT_EQ(req->label(), "unit");
 }
 
-TEST(BuildOpenSessionRequestTest, CarriesThePoliciesWholeAndRefusesWhatItCannotCarry) {
+TEST(BuildOpenSessionRequestTest, CarriesThePoliciesWhole) {
   SessionOptions o = SmallOptions();
   o.sequence.policy.budget = "xkv";
   o.sequence.policy.residency = "h2o";
@@ -67,13 +69,24 @@ TEST(BuildOpenSessionRequestTest, CarriesThePoliciesWholeAndRefusesWhatItCannotC
   EXPECT_EQ(req->policy().residency_policy(), "h2o");
   EXPECT_EQ(req->policy().host_drop(), "refuse");
   EXPECT_EQ(req->policy().params().at("xkv.window"), "4");
-  // Quest's bounds: a GRPC session's Retriever cannot be told them.
-  o.sequence.summary = SummaryMode::kMinMax;
-  req = BuildOpenSessionRequest("a", o);
+}
+
+TEST(BuildOpenSessionRequestTest, CarriesEverySummaryAndRefusesAnUnknownOne) {
+  for (SummaryMode m : {SummaryMode::kMinMax, SummaryMode::kCenterMad, SummaryMode::kKeyCodes}) {
+    for (Transport t : {Transport::kGrpc, Transport::kShm}) {
+      SessionOptions o = SmallOptions();
+      o.sequence.summary = m;
+      o.transport = t;
+      absl::StatusOr<v1::OpenSessionRequest> req = BuildOpenSessionRequest("a", o);
+      ASSERT_TRUE(req.ok()) << req.status();
+      EXPECT_EQ(req->retrieval().summary(), SummaryModeName(m));
+    }
+  }
+  SessionOptions o = SmallOptions();
+  o.sequence.summary = static_cast<SummaryMode>(7);
+  absl::StatusOr<v1::OpenSessionRequest> req = BuildOpenSessionRequest("a", o);
   EXPECT_TRUE(absl::IsInvalidArgument(req.status())) << req.status();
-  EXPECT_THAT(std::string(req.status().message()), ::testing::HasSubstr("summary = minmax"));
-  o.transport = Transport::kShm;  // an SHM session's sequence runs in the engine: it takes them
-  EXPECT_TRUE(BuildOpenSessionRequest("a", o).ok());
+  EXPECT_THAT(std::string(req.status().message()), ::testing::HasSubstr("summary = 7"));
 }
 
 TEST(BuildOpenSessionRequestTest, DefaultSequenceOptionsAreFreeKvsBudget) {
@@ -185,6 +198,7 @@ TEST(SessionInfoProtoTest, ResolvedOptionsDriveTheLocalRetriever) {
   EXPECT_FLOAT_EQ(info->correction_threshold, kDefaultCorrectionThreshold);  // unset: the default
   EXPECT_EQ(info->correction_trigger, CorrectionTrigger::kCosine);
   EXPECT_FLOAT_EQ(info->correction_max_loss, 0.1f);
+  EXPECT_EQ(info->summary, SummaryMode::kKeyCodes);  // unset: the default
 
   SequenceOptions local;
   local.recall = RecallStrategy::kBatchedDma;
@@ -206,6 +220,20 @@ TEST(SessionInfoProtoTest, ResolvedOptionsDriveTheLocalRetriever) {
   EXPECT_EQ(mo->correction_trigger, CorrectionTrigger::kMass);
   EXPECT_FLOAT_EQ(mo->correction_max_loss, 0.3f);
   p.mutable_retrieval()->set_correction_trigger("entropy");
+  EXPECT_EQ(SessionInfoFromProto(p).status().code(), absl::StatusCode::kInvalidArgument);
+  p.mutable_retrieval()->set_correction_trigger("mass");
+
+  // So does its summary (a reattached SHM session scores pages as it did); an unknown one is
+  // refused.
+  local.summary = SummaryMode::kKeyCodes;
+  p.mutable_retrieval()->set_summary("center-mad");
+  absl::StatusOr<SessionInfo> mad = SessionInfoFromProto(p);
+  ASSERT_TRUE(mad.ok()) << mad.status();
+  EXPECT_EQ(mad->summary, SummaryMode::kCenterMad);
+  absl::StatusOr<SequenceOptions> so = SequenceOptionsForSession(local, *mad);
+  ASSERT_TRUE(so.ok()) << so.status();
+  EXPECT_EQ(so->summary, SummaryMode::kCenterMad);
+  p.mutable_retrieval()->set_summary("pca");
   EXPECT_EQ(SessionInfoFromProto(p).status().code(), absl::StatusCode::kInvalidArgument);
 
   info->budget_tokens = 100;  // not a multiple of 4 pages: a daemon bug

@@ -44,6 +44,7 @@ struct OptionCase {
   float correction_threshold = 0;
   std::string correction_trigger;
   float correction_max_loss = 0;
+  std::string summary;
   PolicyConfig policy;
   bool wire = true;
   bool resolver = true;  // the resolver judges the case (false: the policy registry does)
@@ -63,6 +64,7 @@ void Read(const toml::table& t, OptionCase* c) {
   if (auto v = t["correction_max_loss"].value<double>()) {
     c->correction_max_loss = static_cast<float>(*v);
   }
+  if (auto v = t["summary"].value<std::string>()) c->summary = *v;
   if (auto v = t["budget_policy"].value<std::string>()) c->policy.budget = *v;
   if (auto v = t["residency_policy"].value<std::string>()) c->policy.residency = *v;
   if (auto v = t["host_drop"].value<std::string>()) c->policy.host_drop = *v;
@@ -128,6 +130,7 @@ absl::StatusOr<SequenceOptions> SequenceOptionsOf(const OptionCase& c) {
   o.correction_threshold = c.correction_threshold;
   EXPECT_TRUE(ParseCorrectionTrigger(c.correction_trigger, &o.correction_trigger));
   o.correction_max_loss = c.correction_max_loss;
+  EXPECT_TRUE(ParseSummaryMode(c.summary, &o.summary)) << c.name;
   o.policy = c.policy;
   return o;
 }
@@ -153,6 +156,7 @@ absl::Status InProcess(const OptionCase& c, Device& device) {
   absl::StatusOr<std::unique_ptr<LocalSequence>> s = NewLocalSequence(TableGeometry(c), *o, device);
   if (s.ok()) {
     EXPECT_EQ((*s)->options().correction_threshold, c.correction_threshold) << c.name;
+    EXPECT_EQ(SummaryModeName((*s)->options().summary), c.summary) << c.name;
   }
   return s.status();
 }
@@ -168,6 +172,13 @@ absl::Status ViaCppClient(const OptionCase& c, Client& client) {
   absl::StatusOr<std::unique_ptr<Session>> s = client.OpenSession(so);
   if (!s.ok()) return s.status();
   EXPECT_EQ((*s)->sequence().options().correction_threshold, c.correction_threshold) << c.name;
+  EXPECT_EQ(SummaryModeName((*s)->sequence().options().summary), c.summary) << c.name;
+  absl::StatusOr<SessionInfo> info = (*s)->Info();
+  if (info.ok()) {
+    EXPECT_EQ(SummaryModeName(info->summary), c.summary) << c.name << ": the daemon's record";
+  } else {
+    ADD_FAILURE() << c.name << ": " << info.status();
+  }
   return (*s)->Close();
 }
 
@@ -182,6 +193,9 @@ absl::Status ViaCApi(const OptionCase& c, kvtier_client* client) {
   so.correction_trigger = c.correction_trigger == "mass" ? KVTIER_CORRECTION_TRIGGER_MASS
                                                          : KVTIER_CORRECTION_TRIGGER_COSINE;
   so.correction_max_loss = c.correction_max_loss;
+  SummaryMode summary = SummaryMode::kKeyCodes;
+  EXPECT_TRUE(ParseSummaryMode(c.summary, &summary)) << c.name;
+  so.summary = static_cast<int32_t>(summary);
   so.transport = KVTIER_TRANSPORT_GRPC;
   so.label = "option-table-c";
   const PolicyConfig& p = c.policy;
@@ -222,6 +236,7 @@ absl::Status ViaDaemon(const OptionCase& c, v1::KvTier::Stub& stub) {
   r->set_correction_threshold(c.correction_threshold);
   r->set_correction_trigger(c.correction_trigger);
   r->set_correction_max_loss(c.correction_max_loss);
+  r->set_summary(c.summary);
   v1::PolicyOptions* po = req.mutable_policy();
   po->set_budget_policy(c.policy.budget);
   po->set_residency_policy(c.policy.residency);
@@ -234,6 +249,7 @@ absl::Status ViaDaemon(const OptionCase& c, v1::KvTier::Stub& stub) {
   const grpc::Status st = stub.OpenSession(ctx.get(), req, &reply);
   if (!st.ok()) return FromGrpcStatus(st);
   EXPECT_EQ(reply.session().retrieval().correction_threshold(), c.correction_threshold) << c.name;
+  EXPECT_EQ(reply.session().retrieval().summary(), c.summary) << c.name;
   v1::CloseSessionRequest close;
   close.set_session_id(reply.session().session_id());
   v1::CloseSessionReply closed;

@@ -152,6 +152,10 @@ INSTANTIATE_TEST_SUITE_P(
                               [](OpenSessionParams* p) { p->correction_trigger = "entropy"; },
                               absl::StatusCode::kInvalidArgument,
                               {"retrieval.correction_trigger = 'entropy'", "cosine, mass"}},
+                      BadOpen{"Summary",
+                              [](OpenSessionParams* p) { p->summary = "pca"; },
+                              absl::StatusCode::kInvalidArgument,
+                              {"retrieval.summary = 'pca'", "key-codes, center-mad, minmax"}},
                       BadOpen{"MaxLoss",
                               [](OpenSessionParams* p) { p->correction_max_loss = 1.5f; },
                               absl::StatusCode::kInvalidArgument,
@@ -544,10 +548,12 @@ TEST_F(SessionManagerTest, OpenTakesTheCorrectionTriggerAndARetryMustRepeatIt) {
   const SessionRecord r = Open(p);
   EXPECT_EQ(r.spec.sequence.correction_trigger, CorrectionTrigger::kMass);
   EXPECT_FLOAT_EQ(r.spec.sequence.correction_max_loss, 0.2f);
+  EXPECT_EQ(r.spec.sequence.summary, SummaryMode::kKeyCodes);  // none given: the default
   EXPECT_EQ(Open(p).id, r.id);  // the same request again: the same session
   for (const auto& change : std::vector<std::function<void(OpenSessionParams*)>>{
            [](OpenSessionParams* q) { q->correction_trigger = "cosine"; },
-           [](OpenSessionParams* q) { q->correction_max_loss.reset(); }}) {
+           [](OpenSessionParams* q) { q->correction_max_loss.reset(); },
+           [](OpenSessionParams* q) { q->summary = "center-mad"; }}) {
     OpenSessionParams other = p;
     change(&other);
     ExpectError(manager_->OpenSession(Caller{"a"}, other).status(),

@@ -60,7 +60,8 @@ class SequenceOptions(ctypes.Structure):
                 ("max_tokens", ctypes.c_int32), ("correction_threshold", ctypes.c_float),
                 ("correction_trigger", ctypes.c_int32), ("correction_max_loss", ctypes.c_float),
                 ("recall", ctypes.c_int32), ("capture_graphs", ctypes.c_int32),
-                ("compute_stream", ctypes.c_void_p), ("policy", PolicyOptions)]
+                ("compute_stream", ctypes.c_void_p), ("policy", PolicyOptions),
+                ("summary", ctypes.c_int32)]
 
 
 class StepSignals(ctypes.Structure):
@@ -89,7 +90,8 @@ class SessionOptions(ctypes.Structure):
                 ("correction_threshold", ctypes.c_float), ("transport", ctypes.c_int32),
                 ("label", ctypes.c_char_p), ("correction_trigger", ctypes.c_int32),
                 ("correction_max_loss", ctypes.c_float), ("host_tokens", ctypes.c_int32),
-                ("host_drop_demote", ctypes.c_int32), ("policy", PolicyOptions)]
+                ("host_drop_demote", ctypes.c_int32), ("policy", PolicyOptions),
+                ("summary", ctypes.c_int32)]
 
 
 _PROTOTYPES = {

@@ -46,6 +46,8 @@ _MODES = {
 _TRANSPORTS = {"shm": pb.TRANSPORT_SHM, "grpc": pb.TRANSPORT_GRPC}
 # Speculative mode's correction triggers (RetrievalOptions.correction_trigger).
 _CORRECTION_TRIGGERS = ("cosine", "mass")
+# What a page is scored by (RetrievalOptions.summary).
+_SUMMARIES = ("key-codes", "center-mad", "minmax")
 # Room for an OffloadRequest's other fields when chunks are sized to the message limit.
 _MESSAGE_OVERHEAD_BYTES = 4096
 
@@ -291,6 +293,7 @@ class Client:
         residency_policy: str = "",
         host_drop: str = "",
         host_tokens: int = 0,
+        summary: Optional[str] = None,
     ) -> "Session":
         """Opens a session. `geometry`: a Geometry or a dict of its fields. Zero
         budget_tokens / max_tokens take the daemon's defaults; `mode` is one of
@@ -305,7 +308,9 @@ class Client:
         the same id returns that session (default: a fresh random id per call).
         `host_drop` "demote" with `host_tokens` below max_tokens keeps only that many tokens
         per layer in the host tier and moves the lowest-scoring pages to the daemon's cold
-        tier (they come back when a step selects them; needs a cold tier)."""
+        tier (they come back when a step selects them; needs a cold tier).
+        `summary` is what a page is scored by: key-codes, center-mad or minmax (None: the
+        daemon's default, key-codes)."""
         if not isinstance(geometry, Geometry):
             geometry = Geometry(**geometry)
         if mode not in _MODES:
@@ -329,6 +334,10 @@ class Client:
             retrieval.correction_trigger = correction_trigger
         if correction_max_loss is not None:
             retrieval.correction_max_loss = correction_max_loss
+        if summary is not None:
+            if summary not in _SUMMARIES:
+                raise ValueError(f"summary {summary!r}; expected one of {list(_SUMMARIES)}")
+            retrieval.summary = summary
         request = pb.OpenSessionRequest(
             tenant=self.tenant,
             geometry=geometry.to_proto(),

@@ -26,8 +26,8 @@ import ctypes
 from typing import Any, Dict, List, Optional, Tuple
 
 from kvtier import _native
-from kvtier.local import (Device, LocalGeometry, _MODES, _TRIGGERS, _check, _choice,
-                          _step_signals, _tensor)
+from kvtier.local import (Device, LocalGeometry, _MODES, _SUMMARIES, _TRIGGERS, _check,
+                          _choice, _step_signals, _tensor)
 
 _CPU = None  # tensors of an SHM session are host memory
 
@@ -63,7 +63,8 @@ class Client:
 
     def _options(self, g: LocalGeometry, mode: str, budget_tokens: int, max_tokens: int,
                  tau: Optional[float], trigger: str, max_loss: Optional[float],
-                 label: Optional[str], policy: Dict[str, Any]) -> Tuple[_native.SessionOptions, Any]:
+                 label: Optional[str], policy: Dict[str, Any],
+                 summary: str) -> Tuple[_native.SessionOptions, Any]:
         o = _native.SessionOptions()
         _native.lib().kvtier_session_options_init(ctypes.byref(o))
         o.geometry = g._c()
@@ -75,6 +76,7 @@ class Client:
         o.correction_trigger = _choice("trigger", trigger, _TRIGGERS)
         if max_loss is not None:
             o.correction_max_loss = float(max_loss)
+        o.summary = _choice("summary", summary, _SUMMARIES)
         o.transport = 0  # SHM
         p = _native.policy_options(policy.get("budget_policy"), policy.get("residency_policy"),
                                    policy.get("host_drop"), policy.get("policy_params"))
@@ -86,12 +88,14 @@ class Client:
     def open_session(self, geometry: LocalGeometry, mode: str = "speculative",
                      budget_tokens: int = 2048, max_tokens: int = 0, tau: Optional[float] = None,
                      trigger: str = "cosine", max_loss: Optional[float] = None,
-                     label: Optional[str] = None, **policy: Any) -> "Session":
+                     label: Optional[str] = None, summary: str = "key-codes",
+                     **policy: Any) -> "Session":
         """A new SHM session (max_tokens 0: the daemon's default capacity per layer).
+        `summary`: what a page is scored by (key-codes, center-mad, minmax).
         `policy`: budget_policy, residency_policy, host_drop and policy_params, as
         kvtier.SequenceOptions takes them (they run in this process's sequence)."""
         o, keep = self._options(geometry, mode, budget_tokens, max_tokens, tau, trigger,
-                                max_loss, label, _policy_kwargs(policy))
+                                max_loss, label, _policy_kwargs(policy), summary)
         handle = ctypes.c_void_p()
         _check(_native.lib().kvtier_open_session(self._h, ctypes.byref(o), ctypes.byref(handle)))
         del keep
@@ -102,9 +106,10 @@ class Client:
                  trigger: str = "cosine", max_loss: Optional[float] = None,
                  **policy: Any) -> "Session":
         """Takes over session `session_id` (suspended, or left by a process that died): it
-        comes back with its committed pages; num_tokens(layer) says where to re-append from."""
+        comes back with its committed pages, and scores pages as it was opened to;
+        num_tokens(layer) says where to re-append from."""
         o, keep = self._options(geometry, mode, budget_tokens, max_tokens, tau, trigger,
-                                max_loss, None, _policy_kwargs(policy))
+                                max_loss, None, _policy_kwargs(policy), "key-codes")
         handle = ctypes.c_void_p()
         _check(_native.lib().kvtier_reattach(self._h, session_id.encode(), ctypes.byref(o),
                                              ctypes.byref(handle)))

@@ -34,6 +34,7 @@ from kvtier import _native
 
 _MODES = {"speculative": 0, "sync": 1, "full": 2, "drop": 3}
 _TRIGGERS = {"cosine": 0, "mass": 1}
+_SUMMARIES = {"minmax": 0, "center-mad": 1, "key-codes": 2}
 _RECALLS = {"auto": 0, "batched_dma": 2, "zero_copy": 3}
 _DEVICES = {"auto": 0, "cpu": 1, "cuda": 2}
 _DTYPES = {"float16": 0, "bfloat16": 1, "float32": 2}
@@ -102,13 +103,16 @@ class SequenceOptions:
     `budget_policy` (fixed, confidence, xkv, kv_compress), `residency_policy` (none,
     attention, h2o, epiphany, kv_compress), `host_drop` (refuse, evict, demote) and
     `policy_params` {"<policy>.<name>": value}; the policies that read the engine's signals
-    get them through Sequence.report_signals and Sequence.observe_queries."""
+    get them through Sequence.report_signals and Sequence.observe_queries. `summary`: what a
+    page is scored by, key-codes (the default), center-mad or minmax (no codes on the device:
+    a quarter of the keys less; docs/eval.md, "Page summaries")."""
     mode: str = "speculative"
     budget_tokens: int = 2048
     max_tokens: int = 131072
     tau: float = 0.7
     trigger: str = "cosine"
     max_loss: float = 0.1
+    summary: str = "key-codes"
     recall: str = "auto"
     capture_graphs: bool = False
     stream: Any = None
@@ -126,6 +130,7 @@ class SequenceOptions:
         o.correction_threshold = float(self.tau)
         o.correction_trigger = _choice("trigger", self.trigger, _TRIGGERS)
         o.correction_max_loss = float(self.max_loss)
+        o.summary = _choice("summary", self.summary, _SUMMARIES)
         o.recall = _choice("recall", self.recall, _RECALLS)
         o.capture_graphs = 1 if self.capture_graphs else 0
         policy = _native.policy_options(self.budget_policy, self.residency_policy,

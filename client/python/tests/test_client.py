@@ -324,6 +324,28 @@ class ClientTest(unittest.TestCase):
         self.assertEqual(ctx.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
         self.assertIn("correction_max_loss", ctx.exception.message)
 
+    def test_summary_is_carried_and_the_daemons_sequence_scores_with_it(self) -> None:
+        # Key codes (the default) keep a code per key and dimension beside the summaries:
+        # selection_bytes, every page the session can hold, shows which the daemon's
+        # sequence keeps.
+        default = self.open()
+        self.assertEqual(default.info.retrieval.summary, "key-codes")
+        selection = {}
+        for summary in ("key-codes", "center-mad", "minmax"):
+            session = self.open(summary=summary)
+            self.assertEqual(session.info.retrieval.summary, summary)
+            self.assertIn(session.id, [s.session_id for s in self.client.list_sessions()])
+            selection[summary] = session.stats().counters["selection_bytes"]
+        g = default.geometry
+        pages = 1024 // g.page_size  # max_tokens of self.open
+        summaries = g.num_layers * pages * g.num_kv_heads * 2 * g.head_dim * 2  # fp16 hi, lo
+        codes = g.num_layers * pages * g.num_kv_heads * g.page_size * g.head_dim // 2
+        self.assertEqual(selection["center-mad"], summaries)
+        self.assertEqual(selection["minmax"], summaries)
+        self.assertEqual(selection["key-codes"], summaries + codes)
+        with self.assertRaises(ValueError):
+            self.open(summary="pca")
+
     def test_every_case_of_the_option_table_is_answered_as_the_table_says(self) -> None:
         # The client checks nothing itself: the daemon's resolver answers, with the message
         # the C++ entry points give (tests/client/option_table_test.cc).
@@ -346,6 +368,7 @@ class ClientTest(unittest.TestCase):
                     correction_threshold=c["correction_threshold"],
                     correction_trigger=c["correction_trigger"],
                     correction_max_loss=c["correction_max_loss"],
+                    summary=c["summary"],
                     budget_policy=c["budget_policy"],
                     residency_policy=c["residency_policy"],
                     host_drop=c["host_drop"],
@@ -353,6 +376,7 @@ class ClientTest(unittest.TestCase):
                 )
                 if "error" not in c:
                     session = self.client.open_session(geometry, **kwargs)
+                    self.assertEqual(session.info.retrieval.summary, c["summary"])
                     self._close_quietly(session)
                     continue
                 with self.assertRaises(KvtierError) as ctx:

@@ -336,6 +336,7 @@ class LocalTest(unittest.TestCase):
                                            tau=c["correction_threshold"],
                                            trigger=c["correction_trigger"],
                                            max_loss=c["correction_max_loss"],
+                                           summary=c["summary"],
                                            budget_policy=c["budget_policy"],
                                            residency_policy=c["residency_policy"],
                                            host_drop=c["host_drop"],
