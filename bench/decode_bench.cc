@@ -450,8 +450,9 @@ void AddShared(CLI::App* cmd, DecodeFlags& f) {
                   "replay, policies: replay the first N layers, or all (4 of the synthetic "
                   "trace, all of a trace file); step: layers per decode step (4)");
   cmd->add_option("--budget", f.budget,
-                  "replay, step: working-set budget in tokens, split 1/4 sinks : 1/2 selected : "
-                  "1/4 recent (a multiple of 4 pages; default 2048)");
+                  "replay, step: working-set budget in tokens, split as SetBudgetTokens splits it: "
+                  "an eighth sinks (at least 1 page), an eighth recent (2 pages to a quarter), "
+                  "the rest selected (a multiple of 4 pages; default 2048)");
   cmd->add_option("--q-heads", f.q_heads, "geometry (default Llama-3.1-8B's)");
   cmd->add_option("--kv-heads", f.kv_heads);
   cmd->add_option("--head-dim", f.head_dim);

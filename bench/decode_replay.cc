@@ -245,7 +245,7 @@ absl::Status Replay::ResolveBudget() {
     if (o_.budget_tokens % (4 * p) != 0) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "--budget = %d tokens is not a multiple of 4 pages (%d tokens at page size %d), which "
-          "the default split 1/4 sinks : 1/2 selected : 1/4 recent needs; give the split in "
+          "the default split (SequenceOptions::SetBudgetTokens) needs; give the split in "
           "pages instead with --sink/--selected/--recent",
           o_.budget_tokens, 4 * p, p));
     }
@@ -265,8 +265,9 @@ absl::Status Replay::ResolveBudget() {
         daemon.recent_pages != split_.recent_pages) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "--sink/--selected/--recent = %d/%d/%d pages: kvtierd sessions (--connect) split the "
-          "budget 1/4 : 1/2 : 1/4; give --budget alone",
-          split_.sink_pages, split_.selected_pages, split_.recent_pages));
+          "budget as SequenceOptions::SetBudgetTokens does (%d/%d/%d); give --budget alone",
+          split_.sink_pages, split_.selected_pages, split_.recent_pages, daemon.sink_pages,
+          daemon.selected_pages, daemon.recent_pages));
     }
   }
   return absl::OkStatus();

@@ -65,8 +65,8 @@ struct ReplayBenchOptions {
   // Replay the first N layers of the trace; kEveryLayer (or 0) = all of them. Unset:
   // kDefaultSyntheticLayers of the synthetic trace, all layers of a trace file.
   std::optional<int32_t> layers;
-  // Working set per layer, in tokens. Without `pages` it is split 1/4 sinks : 1/2 selected
-  // : 1/4 recent and must be a positive multiple of 4 pages. With `pages` it is their sum
+  // Working set per layer, in tokens. Without `pages` it is split as
+  // SequenceOptions::SetBudgetTokens splits it and must be a positive multiple of 4 pages. With `pages` it is their sum
   // times the page size: 0 here takes that; any other value must equal it.
   int32_t budget_tokens = kDefaultBudgetTokens;
   std::optional<ReplayBudgetPages> pages;
@@ -112,7 +112,7 @@ struct ReplayModeTimes {
 // (docs/trace-format.md lists the keys), and when `times` is not null fills it with every
 // mode's samples (for callers that aggregate several replays). INVALID_ARGUMENT for
 // inconsistent options, naming the command-line flag and the limit (a budget the
-// 1/4 : 1/2 : 1/4 split cannot express, a budget over the trace's prefill tokens, a step
+// default split cannot express, a budget over the trace's prefill tokens, a step
 // range outside the trace, ...); the backend's error, prefixed with "--backend", when it
 // cannot be created (UNIMPLEMENTED for cuda in a build without CUDA); the trace's and the
 // sequences' errors otherwise.

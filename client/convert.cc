@@ -36,11 +36,11 @@ absl::StatusOr<v1::OpenSessionRequest> BuildOpenSessionRequest(std::string_view 
       split.recent_pages != r.recent_pages) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "sequence sink_pages = %d, selected_pages = %d, recent_pages = %d: the protocol "
-        "carries a budget in tokens split 1/4 : 1/2 : 1/4, so sink and recent must be equal, "
-        "selected twice that, and the budget (%d tokens) a positive multiple of 4 pages (%d "
-        "tokens at p = %d); use SequenceOptions::SetBudgetTokens",
-        r.sink_pages, r.selected_pages, r.recent_pages, budget_tokens, 4 * g.page_size,
-        g.page_size));
+        "carries a budget in tokens, split as SequenceOptions::SetBudgetTokens splits it (%d "
+        "sink, %d selected and %d recent pages for these %d tokens: a positive multiple of 4 "
+        "pages, %d tokens at p = %d); use SetBudgetTokens",
+        r.sink_pages, r.selected_pages, r.recent_pages, split.sink_pages, split.selected_pages,
+        split.recent_pages, budget_tokens, 4 * g.page_size, g.page_size));
   }
   v1::OpenSessionRequest req;
   req.set_tenant(std::string(tenant));

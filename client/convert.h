@@ -24,7 +24,7 @@ std::string RandomRequestId();
 // random one). INVALID_ARGUMENT (naming the field and limit) for an invalid geometry,
 // sequence options ResolveSequenceOptions refuses (with its message; max_tokens 0 is the
 // daemon's default, resolved there), a working-set split the protocol's budget_tokens
-// cannot express (sink : selected : recent must be 1 : 2 : 1, budget a multiple of 4·p) or
+// cannot express (sink, selected and recent as SetBudgetTokens splits a multiple of 4·p) or
 // a negative host_tokens.
 absl::StatusOr<v1::OpenSessionRequest> BuildOpenSessionRequest(std::string_view tenant,
                                                                const SessionOptions& options);

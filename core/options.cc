@@ -80,8 +80,8 @@ absl::Status SequenceOptions::SetBudgetTokens(int32_t budget_tokens, int32_t pag
         budget_tokens, 4 * page_size, page_size));
   }
   const int32_t pages = budget_tokens / page_size;
-  sink_pages = pages / 4;
-  recent_pages = pages / 4;
+  sink_pages = DefaultSinkPages(pages);
+  recent_pages = DefaultRecentPages(pages);
   selected_pages = pages - sink_pages - recent_pages;
   return absl::OkStatus();
 }

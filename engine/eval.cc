@@ -64,11 +64,7 @@ struct Accumulator {
 absl::Status SetBudget(SequenceOptions& o, int32_t budget_tokens, int32_t page_size,
                        const BudgetSplit& split) {
   KVTIER_RETURN_IF_ERROR(o.SetBudgetTokens(budget_tokens, page_size));
-  const BudgetSplit standard;
-  if (split.sink == standard.sink && split.selected == standard.selected &&
-      split.recent == standard.recent) {
-    return absl::OkStatus();
-  }
+  if (split.library()) return absl::OkStatus();
   const int32_t parts = split.sink + split.selected + split.recent;
   if (split.sink < 0 || split.selected < 0 || split.recent < 0 || parts <= 0) {
     return absl::InvalidArgumentError(absl::StrFormat(

@@ -31,10 +31,13 @@ struct EvalVariant {
   SequenceOptions options;  // mode, τ or trigger, policy; the budget is set per run
 };
 
-// How a budget divides into sink, selected and recent pages, as parts of the whole
-// (SequenceOptions::SetBudgetTokens's 1 : 2 : 1 by default; recent gets at least one page).
+// How a budget divides into sink, selected and recent pages, as parts of the whole (recent
+// gets at least one page); all zero (the default): as SequenceOptions::SetBudgetTokens splits
+// it (an eighth sinks, at least 1 page; an eighth recent, 2 pages to a quarter; the rest
+// selected).
 struct BudgetSplit {
-  int32_t sink = 1, selected = 2, recent = 1;
+  int32_t sink = 0, selected = 0, recent = 0;
+  bool library() const { return sink == 0 && selected == 0 && recent == 0; }
 };
 // Sets o's three regions for a budget of `budget_tokens` (a multiple of 4 pages).
 absl::Status SetBudget(SequenceOptions& o, int32_t budget_tokens, int32_t page_size,

@@ -58,14 +58,18 @@ absl::StatusOr<BudgetSplit> ParseSplit(const std::string& text) {
       !absl::SimpleAtoi(parts[1], &b.selected) || !absl::SimpleAtoi(parts[2], &b.recent) ||
       b.sink < 0 || b.selected < 0 || b.recent < 0 || b.sink + b.selected + b.recent <= 0) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "--split '%s': sink:selected:recent, three integers >= 0 with a positive sum (e.g. 1:2:1)",
+        "--split '%s': sink:selected:recent, three integers >= 0 with a positive sum (e.g. 1:6:1)",
         text));
   }
   return b;
 }
 
-// --split into *out, or false after saying why.
+// --split into *out (none: the library's), or false after saying why.
 bool SplitOf(const EvalFlags& f, BudgetSplit* out) {
+  if (f.split.empty()) {
+    *out = BudgetSplit();
+    return true;
+  }
   absl::StatusOr<BudgetSplit> split = ParseSplit(f.split);
   if (!split.ok()) {
     std::cerr << "kvtier-run eval: " << split.status().message() << "\n";
@@ -327,8 +331,9 @@ CLI::App* AddEvalCommand(CLI::App& app, EvalFlags* f) {
       ->check(CLI::Range(1, 1 << 20));
   c->add_option("--page-size", f->m.page_size, "tokens per page");
   c->add_option("--split", f->split,
-                "the budget's sink:selected:recent parts (default 1:2:1: a quarter sinks, half "
-                "selected, a quarter recent)");
+                "the budget's sink:selected:recent parts, e.g. 1:2:1 (default: the library's, "
+                "SequenceOptions::SetBudgetTokens: an eighth sinks (at least 1 page), an eighth "
+                "recent (2 pages to a quarter), the rest selected)");
   c->add_option("--summary", f->summary,
                 "page summaries: key-codes (the default: the bounds and a 4-bit code per key and "
                 "dimension; a page scores by its decoded keys' share of the attention), center-mad "
@@ -684,7 +689,8 @@ int RunTaskCommand(const EvalFlags& f, const std::vector<EvalVariant>& variants)
        << KVTIER_GIT_COMMIT << "\", \"model\": \"" << JsonEscape(e.config().ToString())
        << "\", \"device\": \"" << JsonEscape(e.device().Describe()) << "\", \"kv_dtype\": \""
        << f.m.kv_dtype << "\", \"page_size\": " << f.m.page_size << ", \"summary\": \""
-       << (f.summary.empty() ? "default" : f.summary) << "\", \"split\": \"" << f.split
+       << (f.summary.empty() ? "default" : f.summary) << "\", \"split\": \""
+       << (f.split.empty() ? "default" : f.split)
        << "\", \"text_tokens\": " << in.ids.size() << ", \"seed\": " << f.seed
        << ", \"tau\": " << f.tau;
   std::string body;
@@ -873,8 +879,8 @@ int RunEvalCommand(const EvalFlags& f) {
       << "\", \"model\": \"" << JsonEscape(e.config().ToString()) << "\", \"device\": \""
       << JsonEscape(e.device().Describe()) << "\", \"kv_dtype\": \"" << f.m.kv_dtype
       << "\", \"page_size\": " << f.m.page_size << ", \"summary\": \""
-      << (f.summary.empty() ? "default" : f.summary) << "\", \"split\": \"" << f.split
-       << "\", \"text_tokens\": " << text_tokens
+      << (f.summary.empty() ? "default" : f.summary) << "\", \"split\": \""
+      << (f.split.empty() ? "default" : f.split) << "\", \"text_tokens\": " << text_tokens
       << ", \"context\": " << context << ", \"prefill_tokens\": " << o.prefill_tokens
       << ", \"steps\": " << o.steps << ", \"recall_every\": " << o.recall_every
       << ", \"tau\": " << f.tau << ", \"results\": [";

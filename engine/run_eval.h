@@ -41,7 +41,7 @@ struct EvalFlags {
   float tau = kDefaultCorrectionThreshold;  // the library's
   float max_loss = -1;  // < 0: the library default
   std::string summary;  // page summaries of every variant: minmax, center-mad, empty: the default
-  std::string split = "1:2:1";  // the budget's sink : selected : recent parts
+  std::string split;  // the budget's sink : selected : recent parts; empty: the library's
   int32_t recall_every = 4;
   std::string json;
   std::string plot;  // PNG path prefix: <plot>-ppl.png, <plot>-kl.png, <plot>-recall.png

@@ -4,8 +4,9 @@ the project's model, in torch, outside kvtier.
 The copy task of `kvtier-run eval --task copy` (a held-out passage repeated `distance` tokens
 later in a 4,096-token prompt; the loss on the repeat after its first 16 tokens), with the
 prompt attended densely and every token of the repeat attending, per KV head, to the sink
-pages, the recent pages and the top-k pages of a page score (budget split 1 : 2 : 1, as
-kvtier's default), selected with the step's own query (kvtier's sync mode). Page scores:
+pages, the recent pages and the top-k pages of a page score (budget split 1 : 2 : 1 by
+default, kvtier's default when these runs were made; `--split`), selected with the step's own
+query (kvtier's sync mode). Page scores:
 
   dense      full attention (the reference: full KV)
   center-mad q·(mean) + |q|·(mean absolute deviation) per page (ArkVale; kvtier's default before key-codes)

@@ -128,12 +128,28 @@ struct StepSignals {
   int32_t num_layers = 0;  // L of hidden_delta
 };
 
+// How SetBudgetTokens splits a working set of `pages` pages (a multiple of 4; docs/eval.md,
+// "The budget split"): an eighth sinks but at least one page (the attention sink); an eighth
+// recent but at least two pages and at most a quarter — two pages keep a full page of local
+// context in the step after a page fills, which speculative mode, selecting a step late, has
+// not selected yet; of a budget of 4 pages the second would cost half the selection — and the
+// rest selected. 4 pages: 1 + 2 + 1; 8: 1 + 5 + 2; 16: 2 + 12 + 2; 64: 8 + 48 + 8.
+constexpr int32_t DefaultSinkPages(int32_t pages) { return pages / 8 > 1 ? pages / 8 : 1; }
+constexpr int32_t DefaultRecentPages(int32_t pages) {
+  const int32_t eighth = pages / 8 > 2 ? pages / 8 : 2;
+  return eighth < pages / 4 ? eighth : pages / 4;
+}
+
 struct SequenceOptions {
   RetrievalMode mode = RetrievalMode::kSpeculative;
-  // Working-set slots per layer, in pages (kDefaultBudgetTokens at kDefaultPageSize).
-  int32_t sink_pages = kDefaultBudgetTokens / kDefaultPageSize / 4;
-  int32_t selected_pages = kDefaultBudgetTokens / kDefaultPageSize / 2;
-  int32_t recent_pages = kDefaultBudgetTokens / kDefaultPageSize / 4;  // with the page being filled
+  // Working-set slots per layer, in pages: SetBudgetTokens(kDefaultBudgetTokens,
+  // kDefaultPageSize), 8 + 48 + 8.
+  int32_t sink_pages = DefaultSinkPages(kDefaultBudgetTokens / kDefaultPageSize);
+  int32_t selected_pages = kDefaultBudgetTokens / kDefaultPageSize -
+                           DefaultSinkPages(kDefaultBudgetTokens / kDefaultPageSize) -
+                           DefaultRecentPages(kDefaultBudgetTokens / kDefaultPageSize);
+  int32_t recent_pages =  // with the page being filled
+      DefaultRecentPages(kDefaultBudgetTokens / kDefaultPageSize);
   // Capacity of the sequence in tokens per layer: sizes the summaries and page maps.
   int32_t max_tokens = kDefaultMaxTokens;
   // τ: a KV head whose mean cos(q_t, q_{t-1}) over its query group is below τ is corrected
@@ -177,7 +193,8 @@ struct SequenceOptions {
   // compacted and the capacity grown (prefill) and shrunk with use.
   PolicyConfig policy;
 
-  // Sets sink/selected/recent from a budget in tokens, split 1/4 : 1/2 : 1/4.
+  // Sets sink/selected/recent from a budget in tokens: DefaultSinkPages, DefaultRecentPages
+  // and the rest selected (4 pages: 1 + 2 + 1; 8: 1 + 5 + 2; 16: 2 + 12 + 2; 64: 8 + 48 + 8).
   // INVALID_ARGUMENT unless the budget is a positive multiple of 4·page_size
   // ("budget_tokens = 100: must be a positive multiple of 4 pages (128 tokens at page_size
   // 32)"); every entry point that takes a budget in tokens sets it through here.

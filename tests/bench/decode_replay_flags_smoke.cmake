@@ -102,6 +102,7 @@ expect_in("the log" "${err}" "replaying all ${trace_layers} layers of the trace"
 expect_json(${trace_layers} layers)
 expect_json(${trace_layers} trace_layers)
 expect_json(${trace_steps} steps)
+# 4 pages, split as SetBudgetTokens splits them: 1 sink, 2 selected, 1 recent.
 expect_json(1 sink_pages)
 expect_json(2 selected_pages)
 expect_json(1 recent_pages)

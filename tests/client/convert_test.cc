@@ -204,8 +204,8 @@ TEST(SessionInfoProtoTest, ResolvedOptionsDriveTheLocalRetriever) {
   local.recall = RecallStrategy::kBatchedDma;
   absl::StatusOr<SequenceOptions> o = SequenceOptionsForSession(local, *info);
   ASSERT_TRUE(o.ok()) << o.status();
-  EXPECT_EQ(o->sink_pages, 2);
-  EXPECT_EQ(o->selected_pages, 4);
+  EXPECT_EQ(o->sink_pages, 1);  // 256 tokens: 8 pages, split as SetBudgetTokens splits them
+  EXPECT_EQ(o->selected_pages, 5);
   EXPECT_EQ(o->recent_pages, 2);
   EXPECT_EQ(o->max_tokens, 1024);
   EXPECT_EQ(o->recall, RecallStrategy::kBatchedDma);  // local knobs stay

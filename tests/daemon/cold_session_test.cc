@@ -328,9 +328,11 @@ TEST_F(ColdSessionTest, ALiveSessionDemotesPagesAndStepsBringThemBackBitIdentica
     cold.host_tokens = 128;  // 16 pages per layer
     OpenSessionParams tiny = cold;
     tiny.host_tokens = 64;
+    // The budget of 8 pages splits 1 + 5 + 2: sink, recent and the page being filled (4 pages)
+    // and 2 × 2 KV heads × 5 selected pages over 2 layers (10): 14 pages of 8 tokens.
     ExpectError(manager_->OpenSession(Caller{"a"}, tiny).status(),
                 absl::StatusCode::kInvalidArgument,
-                {"retrieval.host_tokens = 64", "at least 104 tokens"});
+                {"retrieval.host_tokens = 64", "at least 112 tokens"});
     const SessionRecord a = Open(ref);
     const SessionRecord b = Open(cold);
     ASSERT_FALSE(b.id.empty());

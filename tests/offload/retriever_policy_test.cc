@@ -320,7 +320,7 @@ TEST_P(FullContextProbeTest, ObservationAndDecodeAtFullContextFitTheStagingRing)
   g.page_size = 32;
   g.dtype = DType::kF32;
   SequenceOptions o = SmallOptions(RetrievalMode::kDrop);
-  o.sink_pages = 1;  // 128 tokens, split 1/4 : 1/2 : 1/4 as SetBudgetTokens does
+  o.sink_pages = 1;  // 128 tokens, split 1/4 : 1/2 : 1/4
   o.selected_pages = 2;
   o.recent_pages = 1;
   o.max_tokens = 4160;  // eval's: the context and two pages, rounded to a page

@@ -506,10 +506,21 @@ TEST(RetrieverTest, BadInputGetsClearErrors) {
   EXPECT_NE(r.status().message().find("selected_pages"), std::string::npos) << r.status();
   EXPECT_NE(r.status().message().find("budget"), std::string::npos) << r.status();
   EXPECT_TRUE(absl::IsInvalidArgument(o.SetBudgetTokens(100, 32)));
-  ASSERT_TRUE(o.SetBudgetTokens(2048, 32).ok());
-  EXPECT_EQ(o.sink_pages, 16);
-  EXPECT_EQ(o.selected_pages, 32);
-  EXPECT_EQ(o.recent_pages, 16);
+  // An eighth sinks (at least 1 page), an eighth recent (at least 2 pages, at most a quarter),
+  // the rest selected; the default options are the default budget split so.
+  for (const auto& [tokens, sink, selected, recent] :
+       {std::tuple{2048, 8, 48, 8}, std::tuple{512, 2, 12, 2}, std::tuple{256, 1, 5, 2},
+        std::tuple{128, 1, 2, 1}, std::tuple{384, 1, 9, 2}, std::tuple{1024, 4, 24, 4}}) {
+    ASSERT_TRUE(o.SetBudgetTokens(tokens, 32).ok()) << tokens;
+    EXPECT_EQ(o.sink_pages, sink) << tokens;
+    EXPECT_EQ(o.selected_pages, selected) << tokens;
+    EXPECT_EQ(o.recent_pages, recent) << tokens;
+  }
+  const SequenceOptions defaults;
+  ASSERT_TRUE(o.SetBudgetTokens(kDefaultBudgetTokens, kDefaultPageSize).ok());
+  EXPECT_EQ(defaults.sink_pages, o.sink_pages);
+  EXPECT_EQ(defaults.selected_pages, o.selected_pages);
+  EXPECT_EQ(defaults.recent_pages, o.recent_pages);
 }
 
 TEST(RetrieverTest, HostTierFullIsRefusedWithNothingKept) {
