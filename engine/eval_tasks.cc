@@ -9,6 +9,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
 #include "core/status.h"
 #include "engine/eval_metrics.h"
@@ -374,7 +375,11 @@ absl::StatusOr<std::vector<NiahCell>> RunNiah(Engine& engine, const std::vector<
             }
             cell.budget_tokens = budget;
             ++cell.trials;
-            cell.correct += AnswerIsRight(p, o.kinds[ki], *a);
+            if (AnswerIsRight(p, o.kinds[ki], *a)) {
+              ++cell.correct;
+            } else {
+              cell.misses.push_back({t, absl::StrJoin(p.keys, ","), *a});
+            }
             cell.last_answer = *a;
           }
           if (progress) progress("niah", ++done, prompts);

@@ -90,6 +90,13 @@ struct NiahOptions {
 };
 
 // One (variant, budget, kind, context, depth) cell.
+// A trial a run answered wrong: what it was asked for and what it said.
+struct NiahMiss {
+  int32_t trial = 0;
+  std::string key;     // the asked key (multi-value: every key, comma-separated)
+  std::string answer;  // the generated text
+};
+
 struct NiahCell {
   std::string variant;  // "full" for the reference
   RetrievalMode mode = RetrievalMode::kFull;
@@ -100,6 +107,7 @@ struct NiahCell {
   double depth = 0;
   int32_t trials = 0, correct = 0;
   std::string last_answer;  // the last trial's generated text (for the reader)
+  std::vector<NiahMiss> misses;  // every trial answered wrong, in trial order
   absl::Status status;      // not OK: a run failed; its trials after the failure are not counted
 };
 

@@ -511,6 +511,14 @@ std::string NiahJson(const NiahCell& c) {
       NeedleKindName(c.kind), c.context, c.depth, c.trials, c.correct);
   if (c.trials > 0) absl::StrAppendFormat(&j, ", \"accuracy\": %.4f", double(c.correct) / c.trials);
   absl::StrAppend(&j, ", \"last_answer\": \"", JsonEscape(c.last_answer), "\"");
+  // The trials answered wrong, so that a miss can be looked at (which key, what was said).
+  absl::StrAppend(&j, ", \"misses\": [");
+  for (size_t i = 0; i < c.misses.size(); ++i) {
+    const NiahMiss& m = c.misses[i];
+    absl::StrAppendFormat(&j, "%s{\"trial\": %d, \"key\": \"%s\", \"answer\": \"%s\"}",
+                          i == 0 ? "" : ", ", m.trial, JsonEscape(m.key), JsonEscape(m.answer));
+  }
+  absl::StrAppend(&j, "]");
   if (!c.status.ok()) absl::StrAppend(&j, ", \"error\": \"", JsonEscape(c.status.ToString()), "\"");
   return j + "}";
 }

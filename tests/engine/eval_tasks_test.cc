@@ -261,7 +261,21 @@ TEST_F(EvalTasksTest, NiahHasACellPerRunAndPromptAndFullModeAnswersAsTheDenseDec
     EXPECT_EQ(c.context, 1024);
     EXPECT_EQ(c.budget_tokens, c.variant == "full" ? 0 : 128);
     EXPECT_FALSE(c.last_answer.empty());
+    // Every wrong trial is listed once, in order, with the key it was asked for.
+    EXPECT_EQ(static_cast<int32_t>(c.misses.size()), c.trials - c.correct);
+    for (size_t i = 0; i < c.misses.size(); ++i) {
+      EXPECT_FALSE(c.misses[i].key.empty());
+      EXPECT_NE(AnswerKey(c.misses[i].answer), c.misses[i].key);
+      if (i > 0) {
+        EXPECT_GT(c.misses[i].trial, c.misses[i - 1].trial);
+      }
+    }
   }
+  // The window at 1/8 of a 1,024-token prompt misses the needles outside it: the test sees
+  // misses, not only hits.
+  int32_t window_misses = 0;
+  for (const NiahCell& c : *cells) window_misses += c.variant == "window" ? c.misses.size() : 0;
+  EXPECT_GT(window_misses, 0);
   EXPECT_EQ((*cells)[0].variant, "full");
   EXPECT_EQ((*cells)[3].variant, "window");
   EXPECT_DOUBLE_EQ((*cells)[2].depth, 1.0);
