@@ -7,6 +7,7 @@
 #ifndef KVTIER_OPTIONS_H_
 #define KVTIER_OPTIONS_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -134,22 +135,20 @@ struct StepSignals {
 // context in the step after a page fills, which speculative mode, selecting a step late, has
 // not selected yet; of a budget of 4 pages the second would cost half the selection — and the
 // rest selected. 4 pages: 1 + 2 + 1; 8: 1 + 5 + 2; 16: 2 + 12 + 2; 64: 8 + 48 + 8.
-constexpr int32_t DefaultSinkPages(int32_t pages) { return pages / 8 > 1 ? pages / 8 : 1; }
+constexpr int32_t DefaultSinkPages(int32_t pages) { return std::max(1, pages / 8); }
 constexpr int32_t DefaultRecentPages(int32_t pages) {
-  const int32_t eighth = pages / 8 > 2 ? pages / 8 : 2;
-  return eighth < pages / 4 ? eighth : pages / 4;
+  return std::min(std::max(2, pages / 8), pages / 4);
 }
+inline constexpr int32_t kDefaultBudgetPages = kDefaultBudgetTokens / kDefaultPageSize;
 
 struct SequenceOptions {
   RetrievalMode mode = RetrievalMode::kSpeculative;
   // Working-set slots per layer, in pages: SetBudgetTokens(kDefaultBudgetTokens,
   // kDefaultPageSize), 8 + 48 + 8.
-  int32_t sink_pages = DefaultSinkPages(kDefaultBudgetTokens / kDefaultPageSize);
-  int32_t selected_pages = kDefaultBudgetTokens / kDefaultPageSize -
-                           DefaultSinkPages(kDefaultBudgetTokens / kDefaultPageSize) -
-                           DefaultRecentPages(kDefaultBudgetTokens / kDefaultPageSize);
-  int32_t recent_pages =  // with the page being filled
-      DefaultRecentPages(kDefaultBudgetTokens / kDefaultPageSize);
+  int32_t sink_pages = DefaultSinkPages(kDefaultBudgetPages);
+  int32_t selected_pages = kDefaultBudgetPages - DefaultSinkPages(kDefaultBudgetPages) -
+                           DefaultRecentPages(kDefaultBudgetPages);
+  int32_t recent_pages = DefaultRecentPages(kDefaultBudgetPages);  // with the page being filled
   // Capacity of the sequence in tokens per layer: sizes the summaries and page maps.
   int32_t max_tokens = kDefaultMaxTokens;
   // τ: a KV head whose mean cos(q_t, q_{t-1}) over its query group is below τ is corrected
