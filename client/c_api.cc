@@ -70,6 +70,11 @@ absl::StatusOr<kvtier::SessionOptions> ToSessionOptions(const kvtier_session_opt
       return st;
     }
   }
+  if (absl::Status st = kvtier::c_api::SplitFromC(o.split, o.sink_pages, o.recent_pages,
+                                                  s.sequence);
+      !st.ok()) {
+    return st;
+  }
   s.sequence.max_tokens = o.max_tokens;
   s.host_tokens = o.host_tokens;
   if (o.host_drop_demote != 0 && o.host_drop_demote != 1) {

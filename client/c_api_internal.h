@@ -103,6 +103,18 @@ inline absl::StatusOr<PolicyConfig> PolicyFromC(const kvtier_policy_options& c) 
   return p;
 }
 
+// The C options' split (`split` 0: the library's, as SetBudgetTokens left it; 1: these
+// sink and recent pages, the rest selected) applied to `o`, which holds the budget.
+inline absl::Status SplitFromC(int32_t split, int32_t sink, int32_t recent, SequenceOptions& o) {
+  if (split != 0 && split != 1) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "split = %d: must be 0 (the library's split of budget_tokens) or 1 (sink_pages and "
+        "recent_pages)",
+        split));
+  }
+  return split == 1 ? o.SplitBudget(sink, recent) : absl::OkStatus();
+}
+
 // The C signals as the C++ ones (spans over the caller's arrays): only their C form is
 // checked here (sizes given with their pointers); the rest is the sequence's to judge.
 inline absl::StatusOr<StepSignals> SignalsFromC(const kvtier_step_signals& c, const char* what) {

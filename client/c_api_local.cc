@@ -77,6 +77,10 @@ absl::StatusOr<kvtier::SequenceOptions> ToSequenceOptions(const kvtier_sequence_
   if (c.budget_tokens != 0) {
     if (absl::Status st = o.SetBudgetTokens(c.budget_tokens, page_size); !st.ok()) return st;
   }
+  if (absl::Status st = kvtier::c_api::SplitFromC(c.split, c.sink_pages, c.recent_pages, o);
+      !st.ok()) {
+    return st;
+  }
   if (c.max_tokens != 0) o.max_tokens = c.max_tokens;
   o.correction_threshold = c.correction_threshold;
   if (absl::Status st = enum_value("correction_trigger", c.correction_trigger,

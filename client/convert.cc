@@ -27,20 +27,18 @@ absl::StatusOr<v1::OpenSessionRequest> BuildOpenSessionRequest(std::string_view 
   SequenceOptions given = r;
   if (given.max_tokens == 0) given.max_tokens = kMaxSequenceTokens;
   KVTIER_RETURN_IF_ERROR(ResolveSequenceOptions(given, g.page_size).status());
-  // What the protocol can carry: a budget in tokens, split as SetBudgetTokens splits it.
+  // What the protocol carries: the budget in tokens (a multiple of 4 pages, as
+  // SetBudgetTokens takes it) and its sink and recent pages; the selected pages are the rest.
   const int64_t budget_tokens = int64_t{r.budget_pages()} * g.page_size;
   SequenceOptions split;
   if (budget_tokens > std::numeric_limits<int32_t>::max() ||
-      !split.SetBudgetTokens(static_cast<int32_t>(budget_tokens), g.page_size).ok() ||
-      split.sink_pages != r.sink_pages || split.selected_pages != r.selected_pages ||
-      split.recent_pages != r.recent_pages) {
+      !split.SetBudgetTokens(static_cast<int32_t>(budget_tokens), g.page_size).ok()) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "sequence sink_pages = %d, selected_pages = %d, recent_pages = %d: the protocol "
-        "carries a budget in tokens, split as SequenceOptions::SetBudgetTokens splits it (%d "
-        "sink, %d selected and %d recent pages for these %d tokens: a positive multiple of 4 "
-        "pages, %d tokens at p = %d); use SetBudgetTokens",
-        r.sink_pages, r.selected_pages, r.recent_pages, split.sink_pages, split.selected_pages,
-        split.recent_pages, budget_tokens, 4 * g.page_size, g.page_size));
+        "carries the budget in tokens, a positive multiple of 4 pages (%d tokens at p = %d); "
+        "these %d pages are %d tokens",
+        r.sink_pages, r.selected_pages, r.recent_pages, 4 * g.page_size, g.page_size,
+        r.budget_pages(), budget_tokens));
   }
   v1::OpenSessionRequest req;
   req.set_tenant(std::string(tenant));
@@ -53,6 +51,8 @@ absl::StatusOr<v1::OpenSessionRequest> BuildOpenSessionRequest(std::string_view 
   ro->set_correction_trigger(std::string(CorrectionTriggerName(r.correction_trigger)));
   ro->set_correction_max_loss(r.correction_max_loss);
   ro->set_summary(std::string(SummaryModeName(r.summary)));
+  ro->set_sink_pages(static_cast<uint32_t>(r.sink_pages));
+  ro->set_recent_pages(static_cast<uint32_t>(r.recent_pages));
   if (options.host_tokens < 0) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "host_tokens = %d: must be >= 0 (0: max_tokens)", options.host_tokens));
@@ -82,6 +82,15 @@ absl::StatusOr<SequenceOptions> SequenceOptionsForSession(const SequenceOptions&
       return absl::InternalError(absl::StrCat(
           "session ", info.id, ": the daemon resolved an unusable budget: ", st.message()));
     }
+    const int32_t rest = o.budget_pages() - info.sink_pages - info.recent_pages;
+    if (info.sink_pages < 0 || info.recent_pages < 1 || rest < 0) {
+      return absl::InternalError(absl::StrFormat(
+          "session %s: the daemon resolved an unusable split: %d sink and %d recent of %d pages",
+          info.id, info.sink_pages, info.recent_pages, o.budget_pages()));
+    }
+    o.sink_pages = info.sink_pages;
+    o.recent_pages = info.recent_pages;
+    o.selected_pages = rest;
   }
   if (info.max_tokens != 0) o.max_tokens = info.max_tokens;
   o.correction_threshold = info.correction_threshold;
@@ -103,6 +112,21 @@ absl::StatusOr<SessionInfo> SessionInfoFromProto(const v1::SessionInfo& p) {
                           ToInt32(p.retrieval().budget_tokens(), "retrieval.budget_tokens"));
   KVTIER_ASSIGN_OR_RETURN(info.max_tokens,
                           ToInt32(p.retrieval().max_tokens(), "retrieval.max_tokens"));
+  // The split as resolved; a daemon that sends none splits as SetBudgetTokens does.
+  SequenceOptions split;
+  if (info.budget_tokens != 0) {
+    (void)split.SetBudgetTokens(info.budget_tokens, info.geometry.page_size);
+  }
+  info.sink_pages = split.sink_pages;
+  info.recent_pages = split.recent_pages;
+  if (p.retrieval().has_sink_pages()) {
+    KVTIER_ASSIGN_OR_RETURN(info.sink_pages,
+                            ToInt32(p.retrieval().sink_pages(), "retrieval.sink_pages"));
+  }
+  if (p.retrieval().has_recent_pages()) {
+    KVTIER_ASSIGN_OR_RETURN(info.recent_pages,
+                            ToInt32(p.retrieval().recent_pages(), "retrieval.recent_pages"));
+  }
   if (p.retrieval().has_correction_threshold()) {
     info.correction_threshold = p.retrieval().correction_threshold();
   }

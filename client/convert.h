@@ -23,16 +23,16 @@ std::string RandomRequestId();
 // The OpenSessionRequest for `options` on behalf of `tenant` (request_id: options' or a
 // random one). INVALID_ARGUMENT (naming the field and limit) for an invalid geometry,
 // sequence options ResolveSequenceOptions refuses (with its message; max_tokens 0 is the
-// daemon's default, resolved there), a working-set split the protocol's budget_tokens
-// cannot express (sink, selected and recent as SetBudgetTokens splits a multiple of 4·p) or
+// daemon's default, resolved there), a working set the protocol's budget_tokens cannot
+// carry (not a positive multiple of 4 pages; its split is sent as sink and recent pages) or
 // a negative host_tokens.
 absl::StatusOr<v1::OpenSessionRequest> BuildOpenSessionRequest(std::string_view tenant,
                                                                const SessionOptions& options);
 
 // The local sequence's options for a session as the daemon resolved it: mode, budget,
-// max_tokens, τ, the trigger, its largest loss and the summary from `info`, everything else
-// from `local`. INTERNAL when the resolved
-// budget cannot be split (a daemon bug, reported as such).
+// its split, max_tokens, τ, the trigger, its largest loss and the summary from `info`,
+// everything else from `local`. INTERNAL when the resolved budget or split is unusable (a
+// daemon bug, reported as such).
 absl::StatusOr<SequenceOptions> SequenceOptionsForSession(const SequenceOptions& local,
                                                           const SessionInfo& info);
 

@@ -3,6 +3,7 @@
 #include "kvtier/options.h"
 
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <initializer_list>
 #include <string>
@@ -83,6 +84,20 @@ absl::Status SequenceOptions::SetBudgetTokens(int32_t budget_tokens, int32_t pag
   sink_pages = DefaultSinkPages(pages);
   recent_pages = DefaultRecentPages(pages);
   selected_pages = pages - sink_pages - recent_pages;
+  return absl::OkStatus();
+}
+
+absl::Status SequenceOptions::SplitBudget(int64_t sink, int64_t recent) {
+  // Within the largest budget no sum below overflows, and nothing past it is valid.
+  if (std::abs(sink) > kMaxBudgetPages || std::abs(recent) > kMaxBudgetPages) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("sink_pages = %d, recent_pages = %d: each must be at most %d pages",
+                        sink, recent, kMaxBudgetPages));
+  }
+  const int32_t pages = budget_pages();
+  sink_pages = static_cast<int32_t>(sink);
+  recent_pages = static_cast<int32_t>(recent);
+  selected_pages = static_cast<int32_t>(pages - sink - recent);
   return absl::OkStatus();
 }
 

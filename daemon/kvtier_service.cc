@@ -91,6 +91,8 @@ v1::SessionInfo SessionToProto(const SessionRecord& r) {
       std::string(CorrectionTriggerName(r.spec.sequence.correction_trigger)));
   ro->set_correction_max_loss(r.spec.sequence.correction_max_loss);
   ro->set_summary(std::string(SummaryModeName(r.spec.sequence.summary)));
+  ro->set_sink_pages(static_cast<uint32_t>(r.spec.sequence.sink_pages));
+  ro->set_recent_pages(static_cast<uint32_t>(r.spec.sequence.recent_pages));
   p.set_transport(r.spec.transport == Transport::kGrpc ? v1::TRANSPORT_GRPC : v1::TRANSPORT_SHM);
   p.set_state(r.closing     ? v1::SESSION_STATE_CLOSING
               : r.cold      ? v1::SESSION_STATE_COLD

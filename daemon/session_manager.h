@@ -76,6 +76,9 @@ struct OpenSessionParams {
   std::string correction_trigger;  // CorrectionTriggerName; empty: cosine
   std::optional<float> correction_max_loss;
   std::string summary;  // SummaryModeName; empty: key-codes (the library's default)
+  // The working set's split; unset: SetBudgetTokens's for the budget (selected: the rest).
+  std::optional<uint32_t> sink_pages;
+  std::optional<uint32_t> recent_pages;
   std::string budget_policy;
   std::string residency_policy;
   std::string host_drop;

@@ -93,6 +93,12 @@ absl::StatusOr<SessionSpec> SessionManager::ResolveSpec(const Caller& caller,
   given.mode = p.mode;
   given.max_tokens = static_cast<int32_t>(max_tokens);
   KVTIER_RETURN_IF_ERROR(given.SetBudgetTokens(static_cast<int32_t>(budget), g.page_size));
+  // A split given replaces the budget's default one part by part; the selected pages are the
+  // rest, which the resolver judges below (as in-process).
+  if (p.sink_pages.has_value() || p.recent_pages.has_value()) {
+    KVTIER_RETURN_IF_ERROR(given.SplitBudget(p.sink_pages.value_or(given.sink_pages),
+                                             p.recent_pages.value_or(given.recent_pages)));
+  }
   given.correction_threshold = p.correction_threshold.value_or(kDefaultCorrectionThreshold);
   if (!p.correction_trigger.empty() &&
       !ParseCorrectionTrigger(p.correction_trigger, &given.correction_trigger)) {
@@ -216,10 +222,12 @@ namespace {
 // Everything that defines a session but its label, for comparing a retried request.
 std::string RequestFingerprint(const OpenSessionParams& p) {
   std::string f = absl::StrFormat(
-      "%s|%s|%d|%d|%d|%d|%g|%s|%d|%g|%s|%s|%s|%s|%d", p.geometry.ToString(),
+      "%s|%s|%d|%d|%d|%d|%g|%s|%d|%g|%s|%d|%d|%d|%d|%s|%s|%s|%d", p.geometry.ToString(),
       RetrievalModeName(p.mode), p.budget_tokens, p.max_tokens, p.host_tokens, p.correction_threshold.has_value(),
       p.correction_threshold.value_or(0.0f), p.correction_trigger,
       p.correction_max_loss.has_value(), p.correction_max_loss.value_or(0.0f), p.summary,
+      p.sink_pages.has_value(), p.sink_pages.value_or(0), p.recent_pages.has_value(),
+      p.recent_pages.value_or(0),
       p.budget_policy, p.residency_policy, p.host_drop, static_cast<int>(p.transport));
   for (const auto& [k, v] : p.policy_params) absl::StrAppend(&f, "|", k, "=", v);
   return f;

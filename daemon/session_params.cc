@@ -23,6 +23,8 @@ absl::StatusOr<OpenSessionParams> ParamsFromProto(const v1::OpenSessionRequest& 
     p.correction_max_loss = r.retrieval().correction_max_loss();
   }
   p.summary = r.retrieval().summary();
+  if (r.retrieval().has_sink_pages()) p.sink_pages = r.retrieval().sink_pages();
+  if (r.retrieval().has_recent_pages()) p.recent_pages = r.retrieval().recent_pages();
   p.budget_policy = r.policy().budget_policy();
   p.residency_policy = r.policy().residency_policy();
   p.host_drop = r.policy().host_drop();
@@ -46,6 +48,8 @@ v1::OpenSessionRequest ResolvedRequest(const OpenSessionParams& params, const Se
   ro->set_correction_trigger(std::string(CorrectionTriggerName(spec.sequence.correction_trigger)));
   ro->set_correction_max_loss(spec.sequence.correction_max_loss);
   ro->set_summary(std::string(SummaryModeName(spec.sequence.summary)));
+  ro->set_sink_pages(static_cast<uint32_t>(spec.sequence.sink_pages));
+  ro->set_recent_pages(static_cast<uint32_t>(spec.sequence.recent_pages));
   v1::PolicyOptions* po = r.mutable_policy();
   po->set_budget_policy(params.budget_policy);
   po->set_residency_policy(params.residency_policy);

@@ -13,7 +13,8 @@ namespace kvtier::daemon {
 // INVALID_ARGUMENT for an enum or geometry the protocol does not define.
 absl::StatusOr<OpenSessionParams> ParamsFromProto(const v1::OpenSessionRequest& r);
 // The request that opens a session like `spec` again: `params` with the values the daemon
-// resolved from `spec` written in (max_tokens, budget_tokens, τ, trigger, largest loss), so a
+// resolved from `spec` written in (max_tokens, budget_tokens and its split, τ, trigger, largest loss,
+// summary), so a
 // changed default cannot change the session's shape.
 v1::OpenSessionRequest ResolvedRequest(const OpenSessionParams& params, const SessionSpec& spec);
 

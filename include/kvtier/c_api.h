@@ -122,6 +122,12 @@ typedef struct kvtier_session_options {
    * policy.host_drop and host_drop_demote = 1 must not disagree. */
   kvtier_policy_options policy;
   int32_t summary; /* KVTIER_SUMMARY_* (a GRPC session's Retriever in kvtierd takes it too) */
+  /* The budget's split: 0 = budget_tokens split as the library splits it (an eighth sink, at
+   * least 1 page; an eighth recent, 2 pages to a quarter; the rest selected); 1 = sink_pages
+   * and recent_pages below, the rest of the budget selected (the resolver judges them). */
+  int32_t split;
+  int32_t sink_pages;
+  int32_t recent_pages;
 } kvtier_session_options;
 
 /* Fills the defaults: tenant "default", 30 s timeout; fp16 geometry with page size 32,
@@ -232,6 +238,10 @@ typedef struct kvtier_sequence_options {
   void* compute_stream;
   kvtier_policy_options policy; /* the drop-style policies; zeroed: none */
   int32_t summary;              /* KVTIER_SUMMARY_* */
+  /* The budget's split, as kvtier_session_options's: 0 = the library's; 1 = these. */
+  int32_t split;
+  int32_t sink_pages;
+  int32_t recent_pages;
 } kvtier_sequence_options;
 
 /* One member's working set of one layer for this step (kvtier::WorkingSetView): what a

@@ -80,8 +80,8 @@ struct Capabilities {
 
 struct SessionOptions {
   Geometry geometry;
-  // mode, sink/selected/recent pages (must be a budget split SetBudgetTokens can express),
-  // max_tokens (0 here means the daemon's default), τ; the rest (pool, summary, recall,
+  // mode, sink/selected/recent pages (any split the resolver accepts of a budget that is a
+  // positive multiple of 4 pages, as SetBudgetTokens takes it), max_tokens (0 here means the daemon's default), τ; the rest (pool, summary, recall,
   // deadline, compute_stream, policy) apply to SHM sessions' local sequence.
   SequenceOptions sequence;
   Transport transport = Transport::kShm;
@@ -121,6 +121,8 @@ struct SessionInfo {
   // Retrieval options as the daemon resolved them (defaults filled in).
   RetrievalMode mode = RetrievalMode::kSpeculative;
   int32_t budget_tokens = 0;
+  int32_t sink_pages = 0;    // the budget's split (the rest of it is selected)
+  int32_t recent_pages = 0;
   int32_t max_tokens = 0;  // per layer
   float correction_threshold = kDefaultCorrectionThreshold;
   CorrectionTrigger correction_trigger = CorrectionTrigger::kCosine;

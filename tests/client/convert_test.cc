@@ -108,9 +108,28 @@ TEST(BuildOpenSessionRequestTest, BadGeometryIsInvalidArgumentNamingTheField) {
   EXPECT_NE(req.status().message().find("head_dim"), std::string::npos) << req.status();
 }
 
-TEST(BuildOpenSessionRequestTest, SplitsTheBudgetCannotExpressAreInvalidArgument) {
+TEST(BuildOpenSessionRequestTest, AnySplitOfAWholeBudgetIsCarried) {
   for (auto [sink, selected, recent] :
-       {std::tuple{1, 3, 2}, std::tuple{4, 4, 4}, std::tuple{2, 4, 3}, std::tuple{0, 0, 1}}) {
+       {std::tuple{4, 4, 4}, std::tuple{0, 7, 1}, std::tuple{1, 1, 6}, std::tuple{2, 12, 2}}) {
+    SessionOptions o = SmallOptions();
+    o.sequence.sink_pages = sink;
+    o.sequence.selected_pages = selected;
+    o.sequence.recent_pages = recent;
+    absl::StatusOr<v1::OpenSessionRequest> req = BuildOpenSessionRequest("a", o);
+    ASSERT_TRUE(req.ok()) << req.status();
+    EXPECT_EQ(req->retrieval().budget_tokens(),
+              static_cast<uint32_t>((sink + selected + recent) * o.geometry.page_size));
+    ASSERT_TRUE(req->retrieval().has_sink_pages());
+    ASSERT_TRUE(req->retrieval().has_recent_pages());
+    EXPECT_EQ(req->retrieval().sink_pages(), static_cast<uint32_t>(sink));
+    EXPECT_EQ(req->retrieval().recent_pages(), static_cast<uint32_t>(recent));
+  }
+}
+
+TEST(BuildOpenSessionRequestTest, BudgetsTheProtocolCannotCarryAreInvalidArgument) {
+  // Not a multiple of 4 pages: the protocol's budget_tokens goes through SetBudgetTokens.
+  for (auto [sink, selected, recent] :
+       {std::tuple{1, 3, 2}, std::tuple{2, 4, 3}, std::tuple{0, 0, 1}}) {
     SessionOptions o = SmallOptions();
     o.sequence.sink_pages = sink;
     o.sequence.selected_pages = selected;
@@ -209,6 +228,25 @@ TEST(SessionInfoProtoTest, ResolvedOptionsDriveTheLocalRetriever) {
   EXPECT_EQ(o->recent_pages, 2);
   EXPECT_EQ(o->max_tokens, 1024);
   EXPECT_EQ(o->recall, RecallStrategy::kBatchedDma);  // local knobs stay
+
+  // The daemon's split, when it sends one, is the sequence's; an unusable one is INTERNAL.
+  p.mutable_retrieval()->set_sink_pages(3);
+  p.mutable_retrieval()->set_recent_pages(1);
+  info = SessionInfoFromProto(p);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->sink_pages, 3);
+  EXPECT_EQ(info->recent_pages, 1);
+  o = SequenceOptionsForSession(local, *info);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->sink_pages, 3);
+  EXPECT_EQ(o->selected_pages, 4);
+  EXPECT_EQ(o->recent_pages, 1);
+  p.mutable_retrieval()->set_recent_pages(6);
+  info = SessionInfoFromProto(p);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(SequenceOptionsForSession(local, *info).status().code(), absl::StatusCode::kInternal);
+  p.mutable_retrieval()->clear_sink_pages();
+  p.mutable_retrieval()->clear_recent_pages();
 
   // The daemon's trigger drives the local Retriever; an unknown one is refused.
   p.mutable_retrieval()->set_correction_trigger("mass");

@@ -6,6 +6,7 @@
 // table (client/python/tests/test_client.py).
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -45,6 +46,8 @@ struct OptionCase {
   std::string correction_trigger;
   float correction_max_loss = 0;
   std::string summary;
+  // The budget's split, both or neither (neither: SetBudgetTokens's); the rest is selected.
+  std::optional<int64_t> sink_pages, recent_pages;
   PolicyConfig policy;
   bool wire = true;
   bool resolver = true;  // the resolver judges the case (false: the policy registry does)
@@ -65,6 +68,8 @@ void Read(const toml::table& t, OptionCase* c) {
     c->correction_max_loss = static_cast<float>(*v);
   }
   if (auto v = t["summary"].value<std::string>()) c->summary = *v;
+  if (auto v = t["sink_pages"].value<int64_t>()) c->sink_pages = *v;
+  if (auto v = t["recent_pages"].value<int64_t>()) c->recent_pages = *v;
   if (auto v = t["budget_policy"].value<std::string>()) c->policy.budget = *v;
   if (auto v = t["residency_policy"].value<std::string>()) c->policy.residency = *v;
   if (auto v = t["host_drop"].value<std::string>()) c->policy.host_drop = *v;
@@ -126,6 +131,10 @@ absl::StatusOr<SequenceOptions> SequenceOptionsOf(const OptionCase& c) {
       !st.ok()) {
     return st;
   }
+  EXPECT_EQ(c.sink_pages.has_value(), c.recent_pages.has_value()) << c.name << ": both or neither";
+  if (c.sink_pages.has_value()) {
+    if (absl::Status st = o.SplitBudget(*c.sink_pages, *c.recent_pages); !st.ok()) return st;
+  }
   o.max_tokens = static_cast<int32_t>(c.max_tokens);
   o.correction_threshold = c.correction_threshold;
   EXPECT_TRUE(ParseCorrectionTrigger(c.correction_trigger, &o.correction_trigger));
@@ -157,6 +166,8 @@ absl::Status InProcess(const OptionCase& c, Device& device) {
   if (s.ok()) {
     EXPECT_EQ((*s)->options().correction_threshold, c.correction_threshold) << c.name;
     EXPECT_EQ(SummaryModeName((*s)->options().summary), c.summary) << c.name;
+    EXPECT_EQ((*s)->options().sink_pages, o->sink_pages) << c.name;
+    EXPECT_EQ((*s)->options().recent_pages, o->recent_pages) << c.name;
   }
   return s.status();
 }
@@ -173,9 +184,14 @@ absl::Status ViaCppClient(const OptionCase& c, Client& client) {
   if (!s.ok()) return s.status();
   EXPECT_EQ((*s)->sequence().options().correction_threshold, c.correction_threshold) << c.name;
   EXPECT_EQ(SummaryModeName((*s)->sequence().options().summary), c.summary) << c.name;
+  EXPECT_EQ((*s)->sequence().options().sink_pages, o->sink_pages) << c.name;
+  EXPECT_EQ((*s)->sequence().options().selected_pages, o->selected_pages) << c.name;
+  EXPECT_EQ((*s)->sequence().options().recent_pages, o->recent_pages) << c.name;
   absl::StatusOr<SessionInfo> info = (*s)->Info();
   if (info.ok()) {
     EXPECT_EQ(SummaryModeName(info->summary), c.summary) << c.name << ": the daemon's record";
+    EXPECT_EQ(info->sink_pages, o->sink_pages) << c.name << ": the daemon's record";
+    EXPECT_EQ(info->recent_pages, o->recent_pages) << c.name << ": the daemon's record";
   } else {
     ADD_FAILURE() << c.name << ": " << info.status();
   }
@@ -196,6 +212,11 @@ absl::Status ViaCApi(const OptionCase& c, kvtier_client* client) {
   SummaryMode summary = SummaryMode::kKeyCodes;
   EXPECT_TRUE(ParseSummaryMode(c.summary, &summary)) << c.name;
   so.summary = static_cast<int32_t>(summary);
+  if (c.sink_pages.has_value()) {
+    so.split = 1;
+    so.sink_pages = static_cast<int32_t>(*c.sink_pages);
+    so.recent_pages = static_cast<int32_t>(*c.recent_pages);
+  }
   so.transport = KVTIER_TRANSPORT_GRPC;
   so.label = "option-table-c";
   const PolicyConfig& p = c.policy;
@@ -237,6 +258,8 @@ absl::Status ViaDaemon(const OptionCase& c, v1::KvTier::Stub& stub) {
   r->set_correction_trigger(c.correction_trigger);
   r->set_correction_max_loss(c.correction_max_loss);
   r->set_summary(c.summary);
+  if (c.sink_pages.has_value()) r->set_sink_pages(static_cast<uint32_t>(*c.sink_pages));
+  if (c.recent_pages.has_value()) r->set_recent_pages(static_cast<uint32_t>(*c.recent_pages));
   v1::PolicyOptions* po = req.mutable_policy();
   po->set_budget_policy(c.policy.budget);
   po->set_residency_policy(c.policy.residency);
@@ -250,6 +273,10 @@ absl::Status ViaDaemon(const OptionCase& c, v1::KvTier::Stub& stub) {
   if (!st.ok()) return FromGrpcStatus(st);
   EXPECT_EQ(reply.session().retrieval().correction_threshold(), c.correction_threshold) << c.name;
   EXPECT_EQ(reply.session().retrieval().summary(), c.summary) << c.name;
+  if (c.sink_pages.has_value()) {
+    EXPECT_EQ(reply.session().retrieval().sink_pages(), *c.sink_pages) << c.name;
+    EXPECT_EQ(reply.session().retrieval().recent_pages(), *c.recent_pages) << c.name;
+  }
   v1::CloseSessionRequest close;
   close.set_session_id(reply.session().session_id());
   v1::CloseSessionReply closed;
@@ -303,12 +330,13 @@ absl::Status* OptionTableTest::start_error_ = nullptr;
 
 TEST_F(OptionTableTest, TheTableCoversBothAnswers) {
   const std::vector<OptionCase> cases = LoadTable();
-  int accepted = 0, refused = 0, off_wire = 0, with_policy = 0, by_registry = 0;
+  int accepted = 0, refused = 0, off_wire = 0, with_policy = 0, by_registry = 0, split = 0;
   for (const OptionCase& c : cases) {
     (c.error.empty() ? accepted : refused) += 1;
     off_wire += c.wire ? 0 : 1;
     with_policy += c.policy.is_default() ? 0 : 1;
     by_registry += c.resolver ? 0 : 1;
+    split += c.sink_pages.has_value() ? 1 : 0;
     EXPECT_TRUE(c.resolver || !c.error.empty()) << c.name << ": resolver = false on an accepted case";
   }
   EXPECT_GE(accepted, 5);
@@ -316,6 +344,7 @@ TEST_F(OptionTableTest, TheTableCoversBothAnswers) {
   EXPECT_LT(off_wire, refused);
   EXPECT_GE(with_policy, 6);
   EXPECT_GE(by_registry, 4);
+  EXPECT_GE(split, 5);
 }
 
 TEST_F(OptionTableTest, EveryEntryPointAnswersEveryCaseAlike) {

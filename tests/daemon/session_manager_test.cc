@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "absl/strings/str_replace.h"
+#include "daemon/session_params.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/registry.h"
@@ -553,12 +554,40 @@ TEST_F(SessionManagerTest, OpenTakesTheCorrectionTriggerAndARetryMustRepeatIt) {
   for (const auto& change : std::vector<std::function<void(OpenSessionParams*)>>{
            [](OpenSessionParams* q) { q->correction_trigger = "cosine"; },
            [](OpenSessionParams* q) { q->correction_max_loss.reset(); },
-           [](OpenSessionParams* q) { q->summary = "center-mad"; }}) {
+           [](OpenSessionParams* q) { q->summary = "center-mad"; },
+           [](OpenSessionParams* q) { q->recent_pages = 1; }}) {
     OpenSessionParams other = p;
     change(&other);
     ExpectError(manager_->OpenSession(Caller{"a"}, other).status(),
                 absl::StatusCode::kFailedPrecondition, {"with other parameters"});
   }
+}
+
+TEST_F(SessionManagerTest, OpenTakesASplitPartByPartAndPersistsIt) {
+  OpenSessionParams p = GrpcParams("a");
+  const SessionRecord plain = Open(p);
+  SequenceOptions rule;
+  ASSERT_TRUE(rule.SetBudgetTokens(plain.spec.budget_tokens, p.geometry.page_size).ok());
+  EXPECT_EQ(plain.spec.sequence.sink_pages, rule.sink_pages);  // none given: the library's
+  EXPECT_EQ(plain.spec.sequence.recent_pages, rule.recent_pages);
+
+  p.sink_pages = 0;  // the recent pages left to the rule; the rest selected
+  const SessionRecord r = Open(p);
+  EXPECT_EQ(r.spec.sequence.sink_pages, 0);
+  EXPECT_EQ(r.spec.sequence.recent_pages, rule.recent_pages);
+  EXPECT_EQ(r.spec.sequence.selected_pages, rule.budget_pages() - rule.recent_pages);
+  // The request kept for reopening (the cold tier's record) carries the split it resolved.
+  const v1::OpenSessionRequest kept = ResolvedRequest(p, r.spec);
+  ASSERT_TRUE(kept.retrieval().has_sink_pages());
+  EXPECT_EQ(kept.retrieval().sink_pages(), 0u);
+  EXPECT_EQ(kept.retrieval().recent_pages(), static_cast<uint32_t>(rule.recent_pages));
+
+  p.recent_pages = 0;
+  ExpectError(manager_->OpenSession(Caller{"a"}, p).status(), absl::StatusCode::kInvalidArgument,
+              {"recent_pages = 0: must be >= 1"});
+  p.recent_pages = static_cast<uint32_t>(rule.budget_pages() + 1);
+  ExpectError(manager_->OpenSession(Caller{"a"}, p).status(), absl::StatusCode::kInvalidArgument,
+              {"selected_pages = -1: must be >= 0"});
 }
 
 // ---- Step -----------------------------------------------------------------------------------

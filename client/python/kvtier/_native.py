@@ -61,7 +61,8 @@ class SequenceOptions(ctypes.Structure):
                 ("correction_trigger", ctypes.c_int32), ("correction_max_loss", ctypes.c_float),
                 ("recall", ctypes.c_int32), ("capture_graphs", ctypes.c_int32),
                 ("compute_stream", ctypes.c_void_p), ("policy", PolicyOptions),
-                ("summary", ctypes.c_int32)]
+                ("summary", ctypes.c_int32), ("split", ctypes.c_int32),
+                ("sink_pages", ctypes.c_int32), ("recent_pages", ctypes.c_int32)]
 
 
 class StepSignals(ctypes.Structure):
@@ -91,7 +92,18 @@ class SessionOptions(ctypes.Structure):
                 ("label", ctypes.c_char_p), ("correction_trigger", ctypes.c_int32),
                 ("correction_max_loss", ctypes.c_float), ("host_tokens", ctypes.c_int32),
                 ("host_drop_demote", ctypes.c_int32), ("policy", PolicyOptions),
-                ("summary", ctypes.c_int32)]
+                ("summary", ctypes.c_int32), ("split", ctypes.c_int32),
+                ("sink_pages", ctypes.c_int32), ("recent_pages", ctypes.c_int32)]
+
+
+def set_split(o, sink_pages, recent_pages):
+    """The C options' split: both None keeps the library's split of the budget; both given,
+    those sink and recent pages with the rest of the budget selected."""
+    if (sink_pages is None) != (recent_pages is None):
+        raise ValueError(f"sink_pages = {sink_pages}, recent_pages = {recent_pages}: give both "
+                         "(the rest of the budget is selected) or neither (the library's split)")
+    if sink_pages is not None:
+        o.split, o.sink_pages, o.recent_pages = 1, int(sink_pages), int(recent_pages)
 
 
 _PROTOTYPES = {

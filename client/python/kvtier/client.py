@@ -294,6 +294,8 @@ class Client:
         host_drop: str = "",
         host_tokens: int = 0,
         summary: Optional[str] = None,
+        sink_pages: Optional[int] = None,
+        recent_pages: Optional[int] = None,
     ) -> "Session":
         """Opens a session. `geometry`: a Geometry or a dict of its fields. Zero
         budget_tokens / max_tokens take the daemon's defaults; `mode` is one of
@@ -310,7 +312,9 @@ class Client:
         per layer in the host tier and moves the lowest-scoring pages to the daemon's cold
         tier (they come back when a step selects them; needs a cold tier).
         `summary` is what a page is scored by: key-codes, center-mad or minmax (None: the
-        daemon's default, key-codes)."""
+        daemon's default, key-codes). `sink_pages` and `recent_pages` split the budget (the
+        rest is selected); each None takes the library's split of the budget (an eighth sink,
+        at least 1 page; an eighth recent, 2 pages to a quarter)."""
         if not isinstance(geometry, Geometry):
             geometry = Geometry(**geometry)
         if mode not in _MODES:
@@ -338,6 +342,10 @@ class Client:
             if summary not in _SUMMARIES:
                 raise ValueError(f"summary {summary!r}; expected one of {list(_SUMMARIES)}")
             retrieval.summary = summary
+        if sink_pages is not None:
+            retrieval.sink_pages = sink_pages
+        if recent_pages is not None:
+            retrieval.recent_pages = recent_pages
         request = pb.OpenSessionRequest(
             tenant=self.tenant,
             geometry=geometry.to_proto(),

@@ -63,8 +63,9 @@ class Client:
 
     def _options(self, g: LocalGeometry, mode: str, budget_tokens: int, max_tokens: int,
                  tau: Optional[float], trigger: str, max_loss: Optional[float],
-                 label: Optional[str], policy: Dict[str, Any],
-                 summary: str) -> Tuple[_native.SessionOptions, Any]:
+                 label: Optional[str], policy: Dict[str, Any], summary: str,
+                 sink_pages: Optional[int] = None,
+                 recent_pages: Optional[int] = None) -> Tuple[_native.SessionOptions, Any]:
         o = _native.SessionOptions()
         _native.lib().kvtier_session_options_init(ctypes.byref(o))
         o.geometry = g._c()
@@ -77,6 +78,7 @@ class Client:
         if max_loss is not None:
             o.correction_max_loss = float(max_loss)
         o.summary = _choice("summary", summary, _SUMMARIES)
+        _native.set_split(o, sink_pages, recent_pages)
         o.transport = 0  # SHM
         p = _native.policy_options(policy.get("budget_policy"), policy.get("residency_policy"),
                                    policy.get("host_drop"), policy.get("policy_params"))
@@ -89,13 +91,17 @@ class Client:
                      budget_tokens: int = 2048, max_tokens: int = 0, tau: Optional[float] = None,
                      trigger: str = "cosine", max_loss: Optional[float] = None,
                      label: Optional[str] = None, summary: str = "key-codes",
+                     sink_pages: Optional[int] = None, recent_pages: Optional[int] = None,
                      **policy: Any) -> "Session":
         """A new SHM session (max_tokens 0: the daemon's default capacity per layer).
         `summary`: what a page is scored by (key-codes, center-mad, minmax).
+        `sink_pages`, `recent_pages`: both or neither, the budget's split (the rest selected;
+        neither: the library's).
         `policy`: budget_policy, residency_policy, host_drop and policy_params, as
         kvtier.SequenceOptions takes them (they run in this process's sequence)."""
         o, keep = self._options(geometry, mode, budget_tokens, max_tokens, tau, trigger,
-                                max_loss, label, _policy_kwargs(policy), summary)
+                                max_loss, label, _policy_kwargs(policy), summary, sink_pages,
+                                recent_pages)
         handle = ctypes.c_void_p()
         _check(_native.lib().kvtier_open_session(self._h, ctypes.byref(o), ctypes.byref(handle)))
         del keep

@@ -105,7 +105,9 @@ class SequenceOptions:
     `policy_params` {"<policy>.<name>": value}; the policies that read the engine's signals
     get them through Sequence.report_signals and Sequence.observe_queries. `summary`: what a
     page is scored by, key-codes (the default), center-mad or minmax (no codes on the device:
-    a quarter of the keys less; docs/eval.md, "Page summaries")."""
+    a quarter of the keys less; docs/eval.md, "Page summaries"). `sink_pages` and
+    `recent_pages`, both or neither: the budget's split (the rest selected); None keeps the
+    library's (an eighth sink, at least 1 page; an eighth recent, 2 pages to a quarter)."""
     mode: str = "speculative"
     budget_tokens: int = 2048
     max_tokens: int = 131072
@@ -113,6 +115,8 @@ class SequenceOptions:
     trigger: str = "cosine"
     max_loss: float = 0.1
     summary: str = "key-codes"
+    sink_pages: Optional[int] = None
+    recent_pages: Optional[int] = None
     recall: str = "auto"
     capture_graphs: bool = False
     stream: Any = None
@@ -131,6 +135,7 @@ class SequenceOptions:
         o.correction_trigger = _choice("trigger", self.trigger, _TRIGGERS)
         o.correction_max_loss = float(self.max_loss)
         o.summary = _choice("summary", self.summary, _SUMMARIES)
+        _native.set_split(o, self.sink_pages, self.recent_pages)
         o.recall = _choice("recall", self.recall, _RECALLS)
         o.capture_graphs = 1 if self.capture_graphs else 0
         policy = _native.policy_options(self.budget_policy, self.residency_policy,

@@ -373,10 +373,15 @@ class ClientTest(unittest.TestCase):
                     residency_policy=c["residency_policy"],
                     host_drop=c["host_drop"],
                     policy_params=c.get("policy_params", {}),
+                    sink_pages=c.get("sink_pages"),
+                    recent_pages=c.get("recent_pages"),
                 )
                 if "error" not in c:
                     session = self.client.open_session(geometry, **kwargs)
                     self.assertEqual(session.info.retrieval.summary, c["summary"])
+                    if "sink_pages" in c:
+                        self.assertEqual(session.info.retrieval.sink_pages, c["sink_pages"])
+                        self.assertEqual(session.info.retrieval.recent_pages, c["recent_pages"])
                     self._close_quietly(session)
                     continue
                 with self.assertRaises(KvtierError) as ctx:

@@ -216,6 +216,11 @@ class LocalTest(unittest.TestCase):
             kvtier.Sequence(self.dev, g, kvtier.SequenceOptions(max_loss=1.5, budget_tokens=32,
                                                                 max_tokens=64))
         self.assertIn("correction_max_loss = 1.5", e.exception.message)
+        # a split is both parts or neither (the C API's split flag takes both)
+        with self.assertRaises(ValueError) as ve:
+            kvtier.Sequence(self.dev, g, kvtier.SequenceOptions(sink_pages=1, budget_tokens=32,
+                                                                max_tokens=64))
+        self.assertIn("give both", str(ve.exception))
         seq = kvtier.Sequence(self.dev, g, kvtier.SequenceOptions(mode="full", max_tokens=16))
         k, v = self.kv(17)
         with self.assertRaises(kvtier.Error) as e:
@@ -337,6 +342,8 @@ class LocalTest(unittest.TestCase):
                                            trigger=c["correction_trigger"],
                                            max_loss=c["correction_max_loss"],
                                            summary=c["summary"],
+                                           sink_pages=c.get("sink_pages"),
+                                           recent_pages=c.get("recent_pages"),
                                            budget_policy=c["budget_policy"],
                                            residency_policy=c["residency_policy"],
                                            host_drop=c["host_drop"],
