@@ -457,8 +457,13 @@ class Tasks:
     # - "copy_far": a passage of training text repeated at a uniform distance.
     KINDS = ("text", "copy", "random", "passkey", "shuffled", "copy_far")
 
-    def __init__(self, stream, bpe, vocab_plain, context, rng, mix=None, filler_weight=1.0):
+    def __init__(self, stream, bpe, vocab_plain, context, rng, mix=None, filler_weight=1.0,
+                 needle_near=0.0):
         self.stream, self.bpe, self.context, self.rng = stream, bpe, context, rng
+        # the share of pass-key sequences whose last needle sits right before the question
+        # (0 to 32 tokens of filler between): uniform placement almost never puts it there,
+        # and a model trained only on that misses keys stated just before they are asked for
+        self.needle_near = needle_near
         self.vocab_plain = vocab_plain  # ids below this are ordinary tokens
         self.enc = {}
         self.mix = mix or self.MIX
@@ -626,6 +631,8 @@ class Tasks:
         # there is one, anywhere before the question otherwise
         limit = min(fill, cut) if cut < n - 1 else fill
         at = sorted(rng.randint(0, limit) for _ in needles)
+        if self.needle_near and rng.random() < self.needle_near:
+            at[-1] = max(at[-1], fill - rng.randint(0, min(32, fill)))
         ids, prev = [], 0
         for p, nd in zip(at, needles):
             ids += filler[prev:p] + nd
@@ -1023,6 +1030,10 @@ def write_card(info, path):
     weight_text = (f"; the loss weighs what only the corpus predicts (a sequence's filler, a "
                    f"passage's first occurrence, a needle) {fw:g}, repeats and answers 1"
                    if fw != 1.0 else "")
+    near = ctx.get("needle_near", 0.0)
+    if near:
+        weight_text += (f"; in {100 * near:.0f} % of the pass-key sequences the last needle lies "
+                        f"right before the question (0 to 32 tokens of filler between)")
     context_row = (f"| training, context | the same weights at RoPE base {c['rope_base']:g} on a mix of {mix_text}{weight_text}: {rphases} |\n"
                    if rphases else "")
     intro = ("first on plain text, then on text that needs its context (passages that recur, pass "
@@ -1111,7 +1122,9 @@ depth — **{"met" if key_ok else "missed"}** (worst depth {min(r["passkey"].val
             text += f"""; held-out perplexity about as good as the file it
 started from (within 10 %) — **{"met" if ppl_ok else "missed"}** ({info["held_out_ppl_context"]:.1f} against {before:.1f})"""
         text += ".\n"
-        snap = info.get("snapshot") or warm.get("snapshot")
+        # a snapshot of the context training this file comes from: this run's, or for a run
+        # that only measured and exported, the one it continued
+        snap = info.get("snapshot") or (None if info.get("retrieval_phases") else warm.get("snapshot"))
         if snap:
             text += f"""
 This file is the context training's weights at step {snap["step"]:,} of {snap["planned_steps"]:,}
@@ -1452,6 +1465,10 @@ def main():
                     help="loss weight, in the retrieval phases, of what only the corpus predicts "
                     "(a task sequence's filler, a passage's first occurrence, a needle); repeats "
                     "and answers weigh 1. Below 1 it keeps a long run from memorising the corpus")
+    ap.add_argument("--needle-near", type=float, default=0.0,
+                    help="the share of pass-key sequences whose last needle is placed right "
+                    "before the question (0 to 32 tokens of filler between) instead of at a "
+                    "uniform place")
     ap.add_argument("--snapshot-every", type=int, default=0,
                     help="also export the weights every N retrieval steps (OUT/snapshots/step_N.gguf)")
     ap.add_argument("--probe-context", type=int, default=2048,
@@ -1544,7 +1561,7 @@ def main():
                     init_info[k] = base[k]
             if base.get("retrieval_phases"):
                 init_info["context"] = {k: base.get(k) for k in
-                                        ("retrieval_phases", "task_mix", "filler_weight")}
+                                        ("retrieval_phases", "task_mix", "filler_weight", "needle_near")}
     if args.init_weights and not args.init:
         sys.exit("--init-weights needs --init (the GGUF it continues)")
     if args.measure or args.init:
@@ -1620,7 +1637,10 @@ def main():
     if not 0.0 <= args.filler_weight <= 1.0:
         sys.exit(f"--filler-weight {args.filler_weight}: must lie in [0, 1]")
     mix = Tasks.parse_mix(args.task_mix) if args.task_mix else None
-    tasks = Tasks(stream, bpe, len(tokens) - 2, cfg.context, task_rng, mix, args.filler_weight)
+    if not 0.0 <= args.needle_near <= 1.0:
+        sys.exit(f"--needle-near {args.needle_near}: must lie in [0, 1]")
+    tasks = Tasks(stream, bpe, len(tokens) - 2, cfg.context, task_rng, mix, args.filler_weight,
+                  args.needle_near)
     probe_depths = tuple(float(d) for d in args.probe_depths.split(","))
 
     def snapshot(step):
@@ -1699,9 +1719,11 @@ def main():
         "warm_start": init_info, "retrieval_curve": curve, "retrieval": final,
         "command": run_command(sys.argv[1:]), "retrieval_lr": args.retrieval_lr,
         "task_mix": [[k, round(w, 4)] for k, w in tasks.mix], "filler_weight": args.filler_weight,
+        "needle_near": args.needle_near,
         "probe": {"context": args.probe_context, "depths": list(probe_depths)} if rphases else None,
-        "tokens_seen": (sum(s * b * n for s, b, n in phases) + sum(p["seq"] * p["batch"] * p["steps"] for p in rinfo)
-                        if rinfo or not (init_info or {}).get("tokens_seen") else init_info["tokens_seen"]),
+        # every run's tokens: a warm start's count and this run's context training on top
+        "tokens_seen": ((init_info or {}).get("tokens_seen") or sum(s * b * n for s, b, n in phases)) +
+                       sum(p["seq"] * p["batch"] * p["steps"] for p in rinfo),
         "held_out_ppl_context": math.exp(nll), "held_out_eval_tokens_context": n_eval,
         "held_out_ppl_short": math.exp(nll_short), "held_out_eval_tokens_short": n_short,
         "short_seq": short_seq,

@@ -96,6 +96,23 @@ class TasksTest(unittest.TestCase):
             self.assertGreater(len(ones), 4)
             self.assertLess(len(ones), 80)
 
+    def test_needle_near_puts_the_last_needle_right_before_the_question(self):
+        def gaps(near, seed):
+            t = train.Tasks(self.stream, self.bpe, len(self.bpe.tokens) - 2, 4096,
+                            random.Random(seed), train.Tasks.parse_mix("passkey=1"), 0.1, near)
+            out = []
+            for _ in range(60):
+                ids, _, w = t.sample(1024, False)
+                q = [i for i, x in enumerate(w) if x == 1.0][0]  # the question's first token
+                last = max(i for i in range(q) if train.digit_token(self.bpe, ids[i]))
+                out.append(q - last)  # the last needle's key to the question
+            return out
+        near, uniform = gaps(1.0, 11), gaps(0.0, 11)
+        # every needle near: its key ends within 32 tokens of filler and the needle's closing
+        # words of the question; uniform placement leaves hundreds on average
+        self.assertLess(max(near), 32 + 8)
+        self.assertGreater(sum(uniform) / len(uniform), 150)
+
     def test_without_a_filler_weight_every_target_weighs_one(self):
         t = self.tasks("text=1,copy=1,passkey=1,shuffled=1", seed=9)
         for _ in range(10):
