@@ -82,15 +82,13 @@ absl::StatusOr<SequenceOptions> SequenceOptionsForSession(const SequenceOptions&
       return absl::InternalError(absl::StrCat(
           "session ", info.id, ": the daemon resolved an unusable budget: ", st.message()));
     }
-    const int32_t rest = o.budget_pages() - info.sink_pages - info.recent_pages;
-    if (info.sink_pages < 0 || info.recent_pages < 1 || rest < 0) {
+    const int32_t pages = o.budget_pages();
+    if (!o.SplitBudget(info.sink_pages, info.recent_pages).ok() || o.sink_pages < 0 ||
+        o.recent_pages < 1 || o.selected_pages < 0) {
       return absl::InternalError(absl::StrFormat(
           "session %s: the daemon resolved an unusable split: %d sink and %d recent of %d pages",
-          info.id, info.sink_pages, info.recent_pages, o.budget_pages()));
+          info.id, info.sink_pages, info.recent_pages, pages));
     }
-    o.sink_pages = info.sink_pages;
-    o.recent_pages = info.recent_pages;
-    o.selected_pages = rest;
   }
   if (info.max_tokens != 0) o.max_tokens = info.max_tokens;
   o.correction_threshold = info.correction_threshold;
