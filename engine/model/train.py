@@ -428,9 +428,17 @@ NAMES = ["the red door", "the blue door", "the green door", "the old house", "th
          "the small room", "the great hall", "the high road", "the low road", "the white whale"]
 
 
-def random_key(rng):
+def random_key(rng, repeat=0.0):
+    """A 5-7 digit key. With probability `repeat`, 3 or 4 of its digits after the first are one
+    digit repeated (188444): the tokenizer splits such a run into single-digit tokens, where a
+    copy loses count. repeat = 0 draws exactly what it always drew."""
     digits = rng.randint(5, 7)
-    return str(rng.randint(10 ** (digits - 1), 10 ** digits - 1))
+    key = str(rng.randint(10 ** (digits - 1), 10 ** digits - 1))
+    if repeat and rng.random() < repeat:
+        n = rng.randint(3, 4)
+        at = rng.randint(1, digits - n)
+        key = key[:at] + str(rng.randrange(10)) * n + key[at + n:]
+    return key
 
 
 class Tasks:
@@ -458,8 +466,11 @@ class Tasks:
     KINDS = ("text", "copy", "random", "passkey", "shuffled", "copy_far")
 
     def __init__(self, stream, bpe, vocab_plain, context, rng, mix=None, filler_weight=1.0,
-                 needle_near=0.0):
+                 needle_near=0.0, repeat_digits=0.0):
         self.stream, self.bpe, self.context, self.rng = stream, bpe, context, rng
+        # the share of keys with a run of one digit (random_key): uniform digits almost never
+        # make one, and the model trained on them drops a digit of such a run
+        self.repeat_digits = repeat_digits
         # the share of pass-key sequences whose last needle sits right before the question
         # (0 to 32 tokens of filler between): uniform placement almost never puts it there,
         # and a model trained only on that misses keys stated just before they are asked for
@@ -611,17 +622,17 @@ class Tasks:
         k = 1 if r < 0.5 else rng.randint(2, 4)
         if r >= 0.85:  # one name, several keys, all asked for (multi-value)
             name = rng.choice(NAMES)
-            keys = [random_key(rng) for _ in range(k)]
+            keys = [random_key(rng, self.repeat_digits) for _ in range(k)]
             needles = [self.encode(VALUE_NEEDLE.format(name=name, key=ky)) for ky in keys]
             tail = (self.encode(VALUE_QUESTION.format(name=name)) +
                     self.encode(" " + ", ".join(keys[:-1]) + " and " + keys[-1] + "."))
         elif k == 1:
-            key = random_key(rng)
+            key = random_key(rng, self.repeat_digits)
             needles = [self.encode(NEEDLE.format(key=key))]
             tail = self.encode(QUESTION) + self.encode(ANSWER.format(key=key))
         else:
             names = rng.sample(NAMES, k)
-            keys = [random_key(rng) for _ in names]
+            keys = [random_key(rng, self.repeat_digits) for _ in names]
             needles = [self.encode(NAMED_NEEDLE.format(name=nm, key=ky)) for nm, ky in zip(names, keys)]
             q = rng.randrange(k)
             tail = self.encode(NAMED_QUESTION.format(name=names[q])) + self.encode(ANSWER.format(key=keys[q]))
@@ -1034,6 +1045,9 @@ def write_card(info, path):
     if near:
         weight_text += (f"; in {100 * near:.0f} % of the pass-key sequences the last needle lies "
                         f"right before the question (0 to 32 tokens of filler between)")
+    runs = ctx.get("repeat_digits", 0.0)
+    if runs:
+        weight_text += f"; {100 * runs:.0f} % of the keys hold a run of 3 or 4 equal digits"
     context_row = (f"| training, context | the same weights at RoPE base {c['rope_base']:g} on a mix of {mix_text}{weight_text}: {rphases} |\n"
                    if rphases else "")
     intro = ("first on plain text, then on text that needs its context (passages that recur, pass "
@@ -1469,6 +1483,9 @@ def main():
                     help="the share of pass-key sequences whose last needle is placed right "
                     "before the question (0 to 32 tokens of filler between) instead of at a "
                     "uniform place")
+    ap.add_argument("--repeat-digits", type=float, default=0.0,
+                    help="the share of training keys with a run of 3 or 4 equal digits (188444), "
+                    "which uniform keys almost never have")
     ap.add_argument("--snapshot-every", type=int, default=0,
                     help="also export the weights every N retrieval steps (OUT/snapshots/step_N.gguf)")
     ap.add_argument("--probe-context", type=int, default=2048,
@@ -1561,7 +1578,8 @@ def main():
                     init_info[k] = base[k]
             if base.get("retrieval_phases"):
                 init_info["context"] = {k: base.get(k) for k in
-                                        ("retrieval_phases", "task_mix", "filler_weight", "needle_near")}
+                                        ("retrieval_phases", "task_mix", "filler_weight", "needle_near",
+                                         "repeat_digits")}
     if args.init_weights and not args.init:
         sys.exit("--init-weights needs --init (the GGUF it continues)")
     if args.measure or args.init:
@@ -1639,8 +1657,10 @@ def main():
     mix = Tasks.parse_mix(args.task_mix) if args.task_mix else None
     if not 0.0 <= args.needle_near <= 1.0:
         sys.exit(f"--needle-near {args.needle_near}: must lie in [0, 1]")
+    if not 0.0 <= args.repeat_digits <= 1.0:
+        sys.exit(f"--repeat-digits {args.repeat_digits}: must lie in [0, 1]")
     tasks = Tasks(stream, bpe, len(tokens) - 2, cfg.context, task_rng, mix, args.filler_weight,
-                  args.needle_near)
+                  args.needle_near, args.repeat_digits)
     probe_depths = tuple(float(d) for d in args.probe_depths.split(","))
 
     def snapshot(step):
@@ -1719,7 +1739,7 @@ def main():
         "warm_start": init_info, "retrieval_curve": curve, "retrieval": final,
         "command": run_command(sys.argv[1:]), "retrieval_lr": args.retrieval_lr,
         "task_mix": [[k, round(w, 4)] for k, w in tasks.mix], "filler_weight": args.filler_weight,
-        "needle_near": args.needle_near,
+        "needle_near": args.needle_near, "repeat_digits": args.repeat_digits,
         "probe": {"context": args.probe_context, "depths": list(probe_depths)} if rphases else None,
         # every run's tokens: a warm start's count and this run's context training on top
         "tokens_seen": ((init_info or {}).get("tokens_seen") or sum(s * b * n for s, b, n in phases)) +

@@ -113,6 +113,32 @@ class TasksTest(unittest.TestCase):
         self.assertLess(max(near), 32 + 8)
         self.assertGreater(sum(uniform) / len(uniform), 150)
 
+    def test_repeat_digits_gives_keys_a_run_of_equal_digits(self):
+        import re
+        run = re.compile(r"(\d)\1\1")
+        def keys(repeat, seed):
+            rng = random.Random(seed)
+            return [train.random_key(rng, repeat) for _ in range(400)]
+        plain, runs = keys(0.0, 5), keys(1.0, 5)
+        # repeat = 0 draws exactly the keys it always drew (the card's measurements use them)
+        rng, before = random.Random(5), []
+        for _ in range(400):
+            d = rng.randint(5, 7)
+            before.append(str(rng.randint(10 ** (d - 1), 10 ** d - 1)))
+        self.assertEqual(plain, before)
+        for k in runs:
+            self.assertRegex(k, r"^[1-9]\d{4,6}$")
+            self.assertRegex(k, run)
+        self.assertLess(sum(bool(run.search(k)) for k in plain), 40)
+        # and the training sequences carry them: every key of a pass-key-only mix has a run
+        t = train.Tasks(self.stream, self.bpe, len(self.bpe.tokens) - 2, 4096, random.Random(3),
+                        train.Tasks.parse_mix("passkey=1"), 0.1, 0.0, 1.0)
+        for _ in range(20):
+            ids, _, w = t.sample(512, False)
+            answer = self.bpe.decode([x for x, wt in zip(ids, w) if wt == 1.0])
+            for k in re.findall(r"\d{5,7}", answer):
+                self.assertRegex(k, run)
+
     def test_without_a_filler_weight_every_target_weighs_one(self):
         t = self.tasks("text=1,copy=1,passkey=1,shuffled=1", seed=9)
         for _ in range(10):
