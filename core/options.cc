@@ -88,8 +88,17 @@ absl::Status SequenceOptions::SetBudgetTokens(int32_t budget_tokens, int32_t pag
 }
 
 absl::Status SequenceOptions::SplitBudget(int64_t sink, int64_t recent) {
-  // Within the largest budget no sum below overflows, and nothing past it is valid.
-  if (std::abs(sink) > kMaxBudgetPages || std::abs(recent) > kMaxBudgetPages) {
+  // The validator's own messages for parts below their least (so every entry point says the
+  // same, however negative the value); within the largest budget no sum below overflows, and
+  // nothing past it is valid.
+  if (sink < 0) {
+    return absl::InvalidArgumentError(absl::StrFormat("sink_pages = %d: must be >= 0", sink));
+  }
+  if (recent < 1) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "recent_pages = %d: must be >= 1 (it holds the page being filled)", recent));
+  }
+  if (sink > kMaxBudgetPages || recent > kMaxBudgetPages) {
     return absl::InvalidArgumentError(
         absl::StrFormat("sink_pages = %d, recent_pages = %d: each must be at most %d pages",
                         sink, recent, kMaxBudgetPages));

@@ -199,9 +199,10 @@ struct SequenceOptions {
   // 32)"); every entry point that takes a budget in tokens sets it through here.
   absl::Status SetBudgetTokens(int32_t budget_tokens, int32_t page_size);
   // Splits the budget it holds (budget_pages()) another way: `sink` and `recent` pages, the
-  // rest selected; ResolveSequenceOptions judges the result (recent >= 1, nothing negative).
+  // rest selected; ResolveSequenceOptions judges the result (the selection not negative).
   // What the service entry points (the protocol, the C API, the clients) carry next to a
-  // budget in tokens. INVALID_ARGUMENT when a part lies past ±kMaxBudgetPages.
+  // budget in tokens. INVALID_ARGUMENT, with the resolver's message, when sink < 0 or
+  // recent < 1, and when a part lies past kMaxBudgetPages.
   absl::Status SplitBudget(int64_t sink, int64_t recent);
   int32_t budget_pages() const { return sink_pages + selected_pages + recent_pages; }
 };
