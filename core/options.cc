@@ -3,7 +3,6 @@
 #include "kvtier/options.h"
 
 #include <cmath>
-#include <cstdlib>
 #include <cstdint>
 #include <initializer_list>
 #include <string>
@@ -87,17 +86,24 @@ absl::Status SequenceOptions::SetBudgetTokens(int32_t budget_tokens, int32_t pag
   return absl::OkStatus();
 }
 
+namespace {
+
+// A part below its least, in the one message the split and the resolver both give.
+absl::Status SinkBelowZero(int64_t sink) {
+  return absl::InvalidArgumentError(absl::StrFormat("sink_pages = %d: must be >= 0", sink));
+}
+absl::Status RecentBelowOne(int64_t recent) {
+  return absl::InvalidArgumentError(
+      absl::StrFormat("recent_pages = %d: must be >= 1 (it holds the page being filled)", recent));
+}
+
+}  // namespace
+
 absl::Status SequenceOptions::SplitBudget(int64_t sink, int64_t recent) {
-  // The validator's own messages for parts below their least (so every entry point says the
-  // same, however negative the value); within the largest budget no sum below overflows, and
-  // nothing past it is valid.
-  if (sink < 0) {
-    return absl::InvalidArgumentError(absl::StrFormat("sink_pages = %d: must be >= 0", sink));
-  }
-  if (recent < 1) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "recent_pages = %d: must be >= 1 (it holds the page being filled)", recent));
-  }
+  // Parts below their least are refused as the resolver refuses them, however negative; within
+  // the largest budget no sum below overflows, and nothing past it is valid.
+  if (sink < 0) return SinkBelowZero(sink);
+  if (recent < 1) return RecentBelowOne(recent);
   if (sink > kMaxBudgetPages || recent > kMaxBudgetPages) {
     return absl::InvalidArgumentError(
         absl::StrFormat("sink_pages = %d, recent_pages = %d: each must be at most %d pages",
@@ -126,14 +132,11 @@ absl::Status CheckShape(const SequenceOptions& o, int32_t page_size) {
     return Bad(
         absl::StrFormat("max_tokens = %d: must be in [1, %d]", o.max_tokens, kMaxSequenceTokens));
   }
-  if (o.sink_pages < 0) return Bad(absl::StrFormat("sink_pages = %d: must be >= 0", o.sink_pages));
+  if (o.sink_pages < 0) return SinkBelowZero(o.sink_pages);
   if (o.selected_pages < 0) {
     return Bad(absl::StrFormat("selected_pages = %d: must be >= 0", o.selected_pages));
   }
-  if (o.recent_pages < 1) {
-    return Bad(absl::StrFormat("recent_pages = %d: must be >= 1 (it holds the page being filled)",
-                               o.recent_pages));
-  }
+  if (o.recent_pages < 1) return RecentBelowOne(o.recent_pages);
   if (o.mode == RetrievalMode::kFull) return absl::OkStatus();  // holds every page
   const int64_t budget = int64_t{o.sink_pages} + o.selected_pages + o.recent_pages;
   if (budget > kMaxBudgetPages) {
