@@ -54,7 +54,13 @@ static_assert(KVTIER_SUMMARY_MINMAX == static_cast<int>(kvtier::SummaryMode::kMi
 // all). The sequence
 // options are the resolver's (kvtier::ResolveSequenceOptions), which the client runs before
 // it sends, so the C API answers exactly as the C++ client and kvtierd do.
-absl::StatusOr<kvtier::SessionOptions> ToSessionOptions(const kvtier_session_options& o) {
+absl::StatusOr<kvtier::SessionOptions> ToSessionOptions(const kvtier_session_options& given) {
+  kvtier_session_options defaults;
+  kvtier_session_options_init(&defaults);
+  absl::StatusOr<kvtier_session_options> read = kvtier::c_api::ReadOptions(
+      given, defaults, kvtier::c_api::kSessionOptionsMinSize, "kvtier_session_options");
+  if (!read.ok()) return read.status();
+  const kvtier_session_options& o = *read;
   kvtier::SessionOptions s;
   absl::StatusOr<kvtier::Geometry> g = kvtier::c_api::GeometryFromC(o.geometry);
   if (!g.ok()) return g.status();
@@ -140,12 +146,14 @@ extern "C" {
 void kvtier_client_options_init(kvtier_client_options* o) {
   if (o == nullptr) return;
   std::memset(o, 0, sizeof(*o));
+  o->struct_size = sizeof(*o);
   o->rpc_timeout_ms = 30000;
 }
 
 void kvtier_session_options_init(kvtier_session_options* o) {
   if (o == nullptr) return;
   std::memset(o, 0, sizeof(*o));
+  o->struct_size = sizeof(*o);
   o->geometry.page_size = kvtier::kDefaultPageSize;
   o->geometry.dtype = KVTIER_DTYPE_F16;
   o->mode = KVTIER_MODE_SPECULATIVE;
@@ -163,6 +171,8 @@ const char* kvtier_version(void) {
   return version.c_str();
 }
 
+int32_t kvtier_abi_version(void) { return KVTIER_ABI_VERSION; }
+
 const char* kvtier_last_error(void) { return kvtier::c_api::last_error.c_str(); }
 
 int kvtier_connect(const char* target, const kvtier_client_options* options, kvtier_client** out) {
@@ -174,12 +184,18 @@ int kvtier_connect(const char* target, const kvtier_client_options* options, kvt
     kvtier::ClientOptions o;
     o.client_name = "libkvtier-c";
     if (options != nullptr) {
-      if (options->tenant != nullptr) o.tenant = options->tenant;
-      if (options->token != nullptr) o.token = options->token;
-      if (options->client_name != nullptr) o.client_name = options->client_name;
-      if (options->rpc_timeout_ms > 0) o.rpc_timeout = absl::Milliseconds(options->rpc_timeout_ms);
-      if (options->attach_socket != nullptr) o.attach_socket = options->attach_socket;
-      o.max_message_bytes = options->max_message_bytes;
+      kvtier_client_options defaults;
+      kvtier_client_options_init(&defaults);
+      absl::StatusOr<kvtier_client_options> read = kvtier::c_api::ReadOptions(
+          *options, defaults, kvtier::c_api::kClientOptionsMinSize, "kvtier_client_options");
+      if (!read.ok()) return read.status();
+      const kvtier_client_options& c = *read;
+      if (c.tenant != nullptr) o.tenant = c.tenant;
+      if (c.token != nullptr) o.token = c.token;
+      if (c.client_name != nullptr) o.client_name = c.client_name;
+      if (c.rpc_timeout_ms > 0) o.rpc_timeout = absl::Milliseconds(c.rpc_timeout_ms);
+      if (c.attach_socket != nullptr) o.attach_socket = c.attach_socket;
+      o.max_message_bytes = c.max_message_bytes;
     }
     absl::StatusOr<std::unique_ptr<kvtier::Client>> c = kvtier::Client::Connect(target, o);
     if (!c.ok()) return c.status();

@@ -4,6 +4,9 @@
 #ifndef KVTIER_CLIENT_C_API_INTERNAL_H_
 #define KVTIER_CLIENT_C_API_INTERNAL_H_
 
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <exception>
 #include <new>
@@ -45,6 +48,51 @@ int Guard(F&& f) {
   } catch (...) {
     return Report(absl::InternalError("unknown exception"));
   }
+}
+
+// The first ABI's option structs end with these fields and have no trailing padding, so a
+// field a later header adds starts at sizeof (the size this library knows): a struct_size
+// past it is a newer header's struct. A field added here moves the sizeof, not the minimum.
+inline constexpr size_t kClientOptionsMinSize =
+    offsetof(kvtier_client_options, max_message_bytes) + sizeof(uint64_t);
+inline constexpr size_t kSessionOptionsMinSize =
+    offsetof(kvtier_session_options, recent_pages) + sizeof(int32_t);
+inline constexpr size_t kSequenceOptionsMinSize =
+    offsetof(kvtier_sequence_options, recent_pages) + sizeof(int32_t);
+static_assert(sizeof(kvtier_client_options) == kClientOptionsMinSize &&
+                  sizeof(kvtier_session_options) == kSessionOptionsMinSize &&
+                  sizeof(kvtier_sequence_options) == kSequenceOptionsMinSize,
+              "an option struct has trailing padding, or grew: a new field goes at the end and "
+              "the static_assert names the new last field");
+
+// The caller's option struct `in` as this library's (the rule is "ABI" in kvtier/c_api.h):
+// its first struct_size bytes over `defaults` (the _init function's). INVALID_ARGUMENT
+// naming `name` for struct_size 0, below `min_size`, or with a non-zero byte past what this
+// library knows.
+template <typename T>
+absl::StatusOr<T> ReadOptions(const T& in, T defaults, size_t min_size, const char* name) {
+  const size_t size = in.struct_size;
+  if (size == 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s.struct_size = 0: fill the struct with %s_init, which sets it", name, name));
+  }
+  if (size < min_size) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s.struct_size = %d: the smallest %s this library reads is %d bytes", name, size, name,
+        min_size));
+  }
+  const auto* bytes = reinterpret_cast<const unsigned char*>(&in);
+  for (size_t i = sizeof(T); i < size; ++i) {
+    if (bytes[i] != 0) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s.struct_size = %d sets a field this library does not know (byte %d; it knows %d "
+          "bytes, C ABI %d): build against the header of the libkvtier you load",
+          name, size, i, sizeof(T), KVTIER_ABI_VERSION));
+    }
+  }
+  std::memcpy(&defaults, &in, std::min(size, sizeof(T)));
+  defaults.struct_size = static_cast<uint32_t>(sizeof(T));
+  return defaults;
 }
 
 // The C geometry as the C++ one: only the dtype is C's to check (the rest is

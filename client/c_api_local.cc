@@ -61,10 +61,16 @@ static_assert(KVTIER_DEVICE_AUTO == static_cast<int>(kvtier::DeviceKind::kAuto) 
 
 // The C options as SequenceOptions (the resolver judges the values when the sequence is made;
 // only what C adds is checked here), adopting the engine's stream into *adopted.
-absl::StatusOr<kvtier::SequenceOptions> ToSequenceOptions(const kvtier_sequence_options& c,
+absl::StatusOr<kvtier::SequenceOptions> ToSequenceOptions(const kvtier_sequence_options& given,
                                                           int32_t page_size,
                                                           kvtier::Device& device,
                                                           std::unique_ptr<kvtier::Stream>* adopted) {
+  kvtier_sequence_options defaults;
+  kvtier_sequence_options_init(&defaults);
+  absl::StatusOr<kvtier_sequence_options> read = kvtier::c_api::ReadOptions(
+      given, defaults, kvtier::c_api::kSequenceOptionsMinSize, "kvtier_sequence_options");
+  if (!read.ok()) return read.status();
+  const kvtier_sequence_options& c = *read;
   kvtier::SequenceOptions o;
   const auto enum_value = [](const char* name, int32_t v, int32_t max) -> absl::Status {
     if (v < 0 || v > max) {
@@ -145,6 +151,7 @@ extern "C" {
 void kvtier_sequence_options_init(kvtier_sequence_options* o) {
   if (o == nullptr) return;
   std::memset(o, 0, sizeof(*o));
+  o->struct_size = sizeof(*o);
   o->mode = KVTIER_MODE_SPECULATIVE;
   o->budget_tokens = kvtier::kDefaultBudgetTokens;
   o->max_tokens = kvtier::kDefaultMaxTokens;

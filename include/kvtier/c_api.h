@@ -20,6 +20,19 @@
  *
  * Thread-safety: a kvtier_client may be used from many threads; a kvtier_session from one
  * thread at a time. kvtier_last_error() is per thread. Free a session before its client.
+ *
+ * ABI. KVTIER_ABI_VERSION is the version of this header; kvtier_abi_version() the library's.
+ * A binding that lays out the structs itself (ctypes, cffi, Rust, Go) checks that the two are
+ * equal when it loads the library. The option structs a caller fills (kvtier_client_options,
+ * kvtier_session_options, kvtier_sequence_options) begin with struct_size, which their _init
+ * function sets to the struct's size in the caller's header; fields are only added at their
+ * end, and a field added later means its default when it is 0. The library reads struct_size
+ * bytes: a struct of an older header gets the defaults for the fields it lacks; one of a newer
+ * header is accepted when every byte this library does not know is 0; anything else (a newer
+ * field set, struct_size 0 because the struct was not made by _init, or a size below the
+ * first version's) is KVTIER_INVALID_ARGUMENT naming the struct and both sizes. The other
+ * structs (kvtier_geometry, kvtier_policy_options, kvtier_working_set, kvtier_step_signals)
+ * are frozen: changing one is a new struct, new functions and a new KVTIER_ABI_VERSION.
  */
 #ifndef KVTIER_C_API_H_
 #define KVTIER_C_API_H_
@@ -70,6 +83,9 @@ enum { KVTIER_SUMMARY_MINMAX = 0, KVTIER_SUMMARY_CENTER_MAD = 1, KVTIER_SUMMARY_
 /* Transports (kvtier::Transport). */
 enum { KVTIER_TRANSPORT_SHM = 0, KVTIER_TRANSPORT_GRPC = 1 };
 
+/* The C ABI this header describes (see "ABI" above). */
+#define KVTIER_ABI_VERSION 1
+
 typedef struct kvtier_client kvtier_client;
 typedef struct kvtier_session kvtier_session;
 
@@ -84,6 +100,7 @@ typedef struct kvtier_geometry {
 } kvtier_geometry;
 
 typedef struct kvtier_client_options {
+  uint32_t struct_size;       /* set by the _init function ("ABI" above) */
   const char* tenant;         /* NULL: "default" */
   const char* token;          /* NULL: none */
   const char* client_name;    /* NULL: "libkvtier-c" */
@@ -106,6 +123,7 @@ typedef struct kvtier_policy_options {
 } kvtier_policy_options;
 
 typedef struct kvtier_session_options {
+  uint32_t struct_size;       /* set by the _init function ("ABI" above) */
   kvtier_geometry geometry;
   int32_t mode;               /* KVTIER_MODE_* */
   int32_t budget_tokens;      /* working set per layer, a multiple of 4 pages; 0: 2048 */
@@ -138,6 +156,8 @@ void kvtier_session_options_init(kvtier_session_options* options);
 
 /* The library version, e.g. "0.1.0 (protocol 1)". Static storage. */
 const char* kvtier_version(void);
+/* The library's KVTIER_ABI_VERSION. */
+int32_t kvtier_abi_version(void);
 /* The message of the last call on this thread that failed; "" when it succeeded. Valid
  * until the next kvtier_* call on this thread. */
 const char* kvtier_last_error(void);
@@ -224,6 +244,7 @@ typedef struct kvtier_batch kvtier_batch;
 typedef struct kvtier_sequence kvtier_sequence;
 
 typedef struct kvtier_sequence_options {
+  uint32_t struct_size;       /* set by the _init function ("ABI" above) */
   int32_t mode;               /* KVTIER_MODE_* */
   int32_t budget_tokens;      /* working set per layer, a multiple of 4 pages; 0: 2048 */
   int32_t max_tokens;         /* capacity per layer (sizes the host tier); 0: 131072 */

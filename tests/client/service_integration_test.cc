@@ -677,6 +677,16 @@ TEST_F(ServiceTest, CApiDrivesAnShmSessionLikeTheCppApi) {
     small.host_drop_demote = 2;
     EXPECT_EQ(kvtier_open_session(client, &small, &cs), KVTIER_INVALID_ARGUMENT);
     EXPECT_EQ(cs, nullptr);
+    // A struct not made by kvtier_session_options_init is refused before the daemon is asked.
+    kvtier_session_options zeroed = so;
+    zeroed.struct_size = 0;
+    EXPECT_EQ(kvtier_open_session(client, &zeroed, &cs), KVTIER_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(kvtier_last_error())
+                  .find("kvtier_session_options.struct_size = 0: fill the struct with "
+                        "kvtier_session_options_init"),
+              std::string::npos)
+        << kvtier_last_error();
+    EXPECT_EQ(cs, nullptr);
   }
   ASSERT_EQ(kvtier_open_session(client, &so, &cs), KVTIER_OK) << kvtier_last_error();
   EXPECT_NE(std::string(kvtier_session_id(cs)), "");

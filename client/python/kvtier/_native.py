@@ -22,6 +22,10 @@ from typing import Optional
 
 c_int32_p = ctypes.POINTER(ctypes.c_int32)
 
+# The C ABI these structs mirror (KVTIER_ABI_VERSION of include/kvtier/c_api.h): a library
+# of another version is not loaded (its structs may be laid out otherwise).
+ABI_VERSION = 1
+
 
 class Geometry(ctypes.Structure):
     _fields_ = [("num_layers", ctypes.c_int32), ("num_q_heads", ctypes.c_int32),
@@ -56,7 +60,7 @@ def policy_options(budget: Optional[str], residency: Optional[str], host_drop: O
 
 
 class SequenceOptions(ctypes.Structure):
-    _fields_ = [("mode", ctypes.c_int32), ("budget_tokens", ctypes.c_int32),
+    _fields_ = [("struct_size", ctypes.c_uint32), ("mode", ctypes.c_int32), ("budget_tokens", ctypes.c_int32),
                 ("max_tokens", ctypes.c_int32), ("correction_threshold", ctypes.c_float),
                 ("correction_trigger", ctypes.c_int32), ("correction_max_loss", ctypes.c_float),
                 ("recall", ctypes.c_int32), ("capture_graphs", ctypes.c_int32),
@@ -80,13 +84,13 @@ class WorkingSet(ctypes.Structure):
 
 
 class ClientOptions(ctypes.Structure):
-    _fields_ = [("tenant", ctypes.c_char_p), ("token", ctypes.c_char_p),
+    _fields_ = [("struct_size", ctypes.c_uint32), ("tenant", ctypes.c_char_p), ("token", ctypes.c_char_p),
                 ("client_name", ctypes.c_char_p), ("rpc_timeout_ms", ctypes.c_int64),
                 ("attach_socket", ctypes.c_char_p), ("max_message_bytes", ctypes.c_uint64)]
 
 
 class SessionOptions(ctypes.Structure):
-    _fields_ = [("geometry", Geometry), ("mode", ctypes.c_int32),
+    _fields_ = [("struct_size", ctypes.c_uint32), ("geometry", Geometry), ("mode", ctypes.c_int32),
                 ("budget_tokens", ctypes.c_int32), ("max_tokens", ctypes.c_int32),
                 ("correction_threshold", ctypes.c_float), ("transport", ctypes.c_int32),
                 ("label", ctypes.c_char_p), ("correction_trigger", ctypes.c_int32),
@@ -134,6 +138,7 @@ _PROTOTYPES = {
     "kvtier_session_free": (None, [ctypes.c_void_p]),
     # in-process
     "kvtier_version": (ctypes.c_char_p, []),
+    "kvtier_abi_version": (ctypes.c_int32, []),
     "kvtier_last_error": (ctypes.c_char_p, []),
     "kvtier_sequence_options_init": (None, [ctypes.POINTER(SequenceOptions)]),
     "kvtier_device_create": (ctypes.c_int, [ctypes.c_int32, ctypes.POINTER(ctypes.c_void_p)]),
@@ -215,10 +220,15 @@ def lib() -> ctypes.CDLL:
             except OSError as e:
                 tried.append("%s (%s)" % (path, e))
                 continue
+            abi = getattr(loaded, "kvtier_abi_version", None)
+            abi = abi() if abi is not None else 0  # before the C ABI had a version
+            if abi != ABI_VERSION:
+                tried.append("%s (C ABI %d; this package needs %d)" % (path, abi, ABI_VERSION))
+                continue
             for name, (restype, argtypes) in _PROTOTYPES.items():
                 fn = getattr(loaded, name)
                 fn.restype = restype
                 fn.argtypes = argtypes
             _lib = loaded
             return _lib
-        raise OSError("libkvtier.so not found; set KVTIER_LIBRARY. Tried: " + "; ".join(tried))
+        raise OSError("no usable libkvtier.so; set KVTIER_LIBRARY. Tried: " + "; ".join(tried))

@@ -62,6 +62,19 @@ class LocalTest(unittest.TestCase):
             n, SMALL["num_q_heads"], SMALL["head_dim"])
         return self.rng.standard_normal(shape).astype(dtype)
 
+    def test_struct_mirrors_match_the_library(self):
+        # The ctypes mirrors of the option structs are the C structs' size (each _init writes
+        # its sizeof into struct_size), and the library loaded speaks the package's C ABI.
+        from kvtier import _native
+        lib = _native.lib()
+        self.assertEqual(lib.kvtier_abi_version(), _native.ABI_VERSION)
+        for cls, init in ((_native.SequenceOptions, lib.kvtier_sequence_options_init),
+                          (_native.SessionOptions, lib.kvtier_session_options_init),
+                          (_native.ClientOptions, lib.kvtier_client_options_init)):
+            o = cls()
+            init(o)
+            self.assertEqual(o.struct_size, _native.ctypes.sizeof(cls), cls.__name__)
+
     def test_full_mode_equals_dense_attention(self):
         g = self.geometry()
         seq = kvtier.Sequence(self.dev, g, kvtier.SequenceOptions(mode="full", max_tokens=512))
