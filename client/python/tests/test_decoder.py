@@ -249,10 +249,15 @@ class DecoderTest(unittest.TestCase):
         # makes the choices kvtier-run's C++ decoder makes: the same tokens.
         ids = self.golden["prompt_ids"]
         plain, _, _ = self.generate("drop", NEW_TOKENS)
-        for mode, budget_policy, residency in (("drop", "fixed", "h2o"),
-                                               ("drop", "fixed", "epiphany"),
-                                               ("drop", "kv_compress", "none"),
-                                               ("speculative", "xkv", "none")):
+        # XKV shares num_layers x the selected pages among the layers, and a selecting mode
+        # only lowers a layer's: at BUDGET (one selected page a layer) it has hardly any room
+        # (whether it moves a page depends on the model's attention) and at 512 tokens none
+        # (the 12 selected pages hold the whole 375-token prompt); 384 tokens (9 selected
+        # pages of the prompt's 12) leaves it a choice.
+        for mode, budget_policy, residency, budget in (("drop", "fixed", "h2o", BUDGET),
+                                                       ("drop", "fixed", "epiphany", BUDGET),
+                                                       ("drop", "kv_compress", "none", BUDGET),
+                                                       ("speculative", "xkv", "none", 3 * BUDGET)):
             with self.subTest(mode=mode, budget=budget_policy, residency=residency):
                 with tempfile.TemporaryDirectory() as tmp:
                     out = os.path.join(tmp, "run.json")
@@ -260,14 +265,14 @@ class DecoderTest(unittest.TestCase):
                         [KVTIER_RUN, "generate", "--model",
                          os.path.join(MODEL_DIR, "kvtier-tiny.gguf"), "--prompt-file",
                          os.path.join(MODEL_DIR, "golden", "prompt.txt"), "-n", str(NEW_TOKENS),
-                         "--modes", mode, "--budget", str(BUDGET), "--budget-policy",
+                         "--modes", mode, "--budget", str(budget), "--budget-policy",
                          budget_policy, "--residency-policy", residency, "--json", out,
                          "--no-stream", "--quiet"],
                         check=True, timeout=120, stdout=subprocess.DEVNULL)
                     with open(out, encoding="utf-8") as f:
                         want = json.load(f)["runs"][0]["tokens"]
                 seq = kvtier.Sequence(self.dev, self.model.geometry(), llama.run_options(
-                    mode, BUDGET, len(ids), NEW_TOKENS, budget_policy=budget_policy,
+                    mode, budget, len(ids), NEW_TOKENS, budget_policy=budget_policy,
                     residency_policy=residency))
                 try:
                     tokens = self.model.generate(seq, ids, NEW_TOKENS)
