@@ -55,10 +55,9 @@ static_assert(KVTIER_SUMMARY_MINMAX == static_cast<int>(kvtier::SummaryMode::kMi
 // options are the resolver's (kvtier::ResolveSequenceOptions), which the client runs before
 // it sends, so the C API answers exactly as the C++ client and kvtierd do.
 absl::StatusOr<kvtier::SessionOptions> ToSessionOptions(const kvtier_session_options& given) {
-  kvtier_session_options defaults;
-  kvtier_session_options_init(&defaults);
-  absl::StatusOr<kvtier_session_options> read = kvtier::c_api::ReadOptions(
-      given, defaults, kvtier::c_api::kSessionOptionsMinSize, "kvtier_session_options");
+  absl::StatusOr<kvtier_session_options> read =
+      kvtier::c_api::ReadOptions(given, kvtier_session_options_init,
+                                 kvtier::c_api::kSessionOptionsMinSize, "kvtier_session_options");
   if (!read.ok()) return read.status();
   const kvtier_session_options& o = *read;
   kvtier::SessionOptions s;
@@ -184,10 +183,9 @@ int kvtier_connect(const char* target, const kvtier_client_options* options, kvt
     kvtier::ClientOptions o;
     o.client_name = "libkvtier-c";
     if (options != nullptr) {
-      kvtier_client_options defaults;
-      kvtier_client_options_init(&defaults);
-      absl::StatusOr<kvtier_client_options> read = kvtier::c_api::ReadOptions(
-          *options, defaults, kvtier::c_api::kClientOptionsMinSize, "kvtier_client_options");
+      absl::StatusOr<kvtier_client_options> read =
+          kvtier::c_api::ReadOptions(*options, kvtier_client_options_init,
+                                     kvtier::c_api::kClientOptionsMinSize, "kvtier_client_options");
       if (!read.ok()) return read.status();
       const kvtier_client_options& c = *read;
       if (c.tenant != nullptr) o.tenant = c.tenant;

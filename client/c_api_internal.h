@@ -66,11 +66,13 @@ static_assert(sizeof(kvtier_client_options) == kClientOptionsMinSize &&
               "the static_assert names the new last field");
 
 // The caller's option struct `in` as this library's (the rule is "ABI" in kvtier/c_api.h):
-// its first struct_size bytes over `defaults` (the _init function's). INVALID_ARGUMENT
-// naming `name` for struct_size 0, below `min_size`, or with a non-zero byte past what this
-// library knows.
+// its first struct_size bytes over the defaults `init` (the struct's _init function) writes.
+// INVALID_ARGUMENT naming `name` for struct_size 0, below `min_size`, or with a non-zero byte
+// past what this library knows.
 template <typename T>
-absl::StatusOr<T> ReadOptions(const T& in, T defaults, size_t min_size, const char* name) {
+absl::StatusOr<T> ReadOptions(const T& in, void (*init)(T*), size_t min_size, const char* name) {
+  T defaults;
+  init(&defaults);
   const size_t size = in.struct_size;
   if (size == 0) {
     return absl::InvalidArgumentError(absl::StrFormat(

@@ -65,10 +65,9 @@ absl::StatusOr<kvtier::SequenceOptions> ToSequenceOptions(const kvtier_sequence_
                                                           int32_t page_size,
                                                           kvtier::Device& device,
                                                           std::unique_ptr<kvtier::Stream>* adopted) {
-  kvtier_sequence_options defaults;
-  kvtier_sequence_options_init(&defaults);
   absl::StatusOr<kvtier_sequence_options> read = kvtier::c_api::ReadOptions(
-      given, defaults, kvtier::c_api::kSequenceOptionsMinSize, "kvtier_sequence_options");
+      given, kvtier_sequence_options_init, kvtier::c_api::kSequenceOptionsMinSize,
+      "kvtier_sequence_options");
   if (!read.ok()) return read.status();
   const kvtier_sequence_options& c = *read;
   kvtier::SequenceOptions o;

@@ -186,8 +186,11 @@ TEST(CApiAbiTest, OlderHeaderGetsTheDefaultsForTheFieldsItLacks) {
   older.struct_size = static_cast<uint32_t>(older_size);
   older.mode = KVTIER_MODE_SYNC;
   older.budget_tokens = 512;
-  absl::StatusOr<kvtier_sequence_options> read =
-      c_api::ReadOptions(older, defaults, older_size, "kvtier_sequence_options");
+  const auto read_older = [&] {
+    return c_api::ReadOptions(older, kvtier_sequence_options_init, older_size,
+                              "kvtier_sequence_options");
+  };
+  absl::StatusOr<kvtier_sequence_options> read = read_older();
   ASSERT_TRUE(read.ok()) << read.status();
   EXPECT_EQ(read->struct_size, sizeof(kvtier_sequence_options));
   EXPECT_EQ(read->mode, KVTIER_MODE_SYNC);
@@ -199,10 +202,7 @@ TEST(CApiAbiTest, OlderHeaderGetsTheDefaultsForTheFieldsItLacks) {
   EXPECT_EQ(read->recent_pages, defaults.recent_pages);
   // One byte short of that older size is below every size the reader accepts.
   older.struct_size = static_cast<uint32_t>(older_size - 1);
-  EXPECT_EQ(c_api::ReadOptions(older, defaults, older_size, "kvtier_sequence_options")
-                .status()
-                .code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(read_older().status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace
