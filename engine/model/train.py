@@ -712,19 +712,33 @@ def passkey_trial(model, bpe, bos, filler, context, depth, rng, named):
 
 
 @torch.no_grad()
-def copy_losses(model, bos, passage_src, filler, distance, length, rng, skip=16):
-    """Mean loss on a held-out passage of `length` tokens at its first occurrence and at its
-    repeat `distance` tokens later (both after their first `skip` tokens)."""
+def copy_ids(bos, passage_src, filler, distance, length, rng, context=0):
+    """A copy trial's tokens and where its passage starts twice: a held-out passage of `length`
+    tokens and its repeat `distance` tokens later, after `context` - 1 - distance - length
+    tokens of filler (none for context 0), so the repeat ends the context as it does in
+    kvtier-run eval --task copy: a model that copies across a short sequence may not across a
+    full one, where its attention spreads over every token before."""
     s = rng.randrange(len(passage_src) - length)
     passage = list(passage_src[s:s + length])
     gap = distance - length
+    lead = max(context - 1 - distance - length, 0)
     f = rng.randrange(len(filler) - gap)
-    ids = [bos] + passage + list(filler[f:f + gap]) + passage
+    g = rng.randrange(len(filler) - lead) if lead else 0
+    ids = [bos] + list(filler[g:g + lead]) + passage + list(filler[f:f + gap]) + passage
+    return ids, 1 + lead, 1 + lead + distance
+
+
+def copy_losses(model, bos, passage_src, filler, distance, length, rng, skip=16, context=0):
+    """Mean loss on a held-out passage of `length` tokens at its first occurrence and at its
+    repeat `distance` tokens later (both after their first `skip` tokens), the repeat ending
+    a sequence of `context` tokens (copy_ids)."""
+    ids, first_at, repeat_at = copy_ids(bos, passage_src, filler, distance, length, rng, context)
     x = torch.tensor(ids)[None]
     logits = model(x[:, :-1])[0]
     nll = F.cross_entropy(logits, x[0, 1:].to(logits.device), reduction="none")
-    first = nll[skip:length].mean().item()          # targets ids[1 + skip .. length]
-    second = nll[1 + distance + skip - 1:].mean().item()
+    # nll[i] is the loss of ids[i + 1]
+    first = nll[first_at + skip - 1:first_at + length - 1].mean().item()
+    second = nll[repeat_at + skip - 1:].mean().item()
     return first, second
 
 
@@ -734,7 +748,8 @@ def retrieval_probe(model, bpe, bos, held_ids, context, rng, depths, trials, dis
     long_docs = sorted(held_ids, key=len)[-4:]
     filler = [t for d in long_docs[:2] for t in d[1:]]
     source = [t for d in long_docs[2:] for t in d[1:]]
-    out = {"copy": {}, "passkey": {}, "passkey_named": {}}
+    # copy_context: the copy trials' repeat ends a sequence of this many tokens (copy_ids)
+    out = {"copy": {}, "passkey": {}, "passkey_named": {}, "copy_context": context}
     # induction at a short distance: a random-token span and its repeat 96 tokens later
     first = second = 0.0
     for _ in range(4):
@@ -747,7 +762,8 @@ def retrieval_probe(model, bpe, bos, held_ids, context, rng, depths, trials, dis
         second += nll[8 + 96 + 4:].mean().item() / 4
     out["random_copy_96"] = {"first": round(first, 3), "repeat": round(second, 3)}
     for d in distances:
-        r = [copy_losses(model, bos, source, filler, d, 256, rng) for _ in range(passages)]
+        r = [copy_losses(model, bos, source, filler, d, 256, rng, context=context)
+             for _ in range(passages)]
         first = sum(a for a, _ in r) / len(r)
         second = sum(b for _, b in r) / len(r)
         out["copy"][str(d)] = {"first": round(first, 4), "repeat": round(second, 4),
@@ -991,7 +1007,9 @@ def retrieval_lines(r):
     single = " ".join(f"{v:.2f}" for v in r["passkey"].values())
     named = " ".join(f"{v:.2f}" for v in r["passkey_named"].values())
     mean = lambda d: sum(d.values()) / len(d)
-    return (f"copy ratio (repeat / first occurrence) {copy}; pass key, {r['trials']} trials at each of "
+    # measurements before copy_context drew sequences of distance + 256 tokens only
+    where = f", the repeat ending {r['copy_context']:,} tokens" if r.get("copy_context") else ""
+    return (f"copy ratio (repeat / first occurrence{where}) {copy}; pass key, {r['trials']} trials at each of "
             f"{len(r['passkey'])} depths of {r['context']} tokens: **{mean(r['passkey']):.2f}** "
             f"(by depth: {single}); one of four named keys: {mean(r['passkey_named']):.2f} "
             f"(by depth: {named}); held-out perplexity {r['ppl_context']:.1f} in windows of "

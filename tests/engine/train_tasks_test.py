@@ -145,6 +145,44 @@ class TasksTest(unittest.TestCase):
             _, _, w = t.sample(512, False)
             self.assertEqual(set(w), {1.0})
 
+    def test_a_copy_trial_s_repeat_ends_the_context(self):
+        src = list(range(10, 2010))
+        filler = list(range(3000, 9000))
+        for context in (0, 4096):
+            ids, first_at, repeat_at = train.copy_ids(1, src, filler, 2048, 256,
+                                                      random.Random(3), context)
+            self.assertEqual(len(ids), context or 1 + 2048 + 256)
+            self.assertEqual(repeat_at - first_at, 2048)
+            self.assertEqual(repeat_at + 256, len(ids))
+            self.assertEqual(ids[first_at:first_at + 256], ids[repeat_at:])
+            self.assertTrue(set(ids[first_at:first_at + 256]) <= set(src))
+            self.assertTrue(set(ids[1:first_at] + ids[first_at + 256:repeat_at]) <= set(filler))
+        # Without a context the trial is the one the card always drew (same draws, same tokens).
+        rng = random.Random(5)
+        s = rng.randrange(len(src) - 256)
+        f = rng.randrange(len(filler) - (2048 - 256))
+        want = [1] + src[s:s + 256] + filler[f:f + 2048 - 256] + src[s:s + 256]
+        self.assertEqual(train.copy_ids(1, src, filler, 2048, 256, random.Random(5))[0], want)
+
+    def test_copy_losses_score_the_passage_and_its_repeat_after_the_skip(self):
+        import torch
+        vocab, skip = 12000, 16
+        # A model that predicts every token of the repeat after its first `skip` and nothing
+        # else: the repeat's loss is ~0 and the first occurrence's is log(vocab) exactly.
+        ids, _, repeat_at = train.copy_ids(1, list(range(10, 2010)), list(range(3000, 9000)),
+                                           512, 128, random.Random(4), 1024)
+
+        def model(x):
+            logits = torch.zeros(1, x.shape[1], vocab)
+            for i in range(repeat_at + skip - 1, x.shape[1]):
+                logits[0, i, ids[i + 1]] = 40.0
+            return logits
+        first, second = train.copy_losses(model, 1, list(range(10, 2010)),
+                                          list(range(3000, 9000)), 512, 128, random.Random(4),
+                                          skip=skip, context=1024)
+        self.assertAlmostEqual(first, torch.log(torch.tensor(float(vocab))).item(), places=4)
+        self.assertLess(second, 1e-6)
+
     def test_the_weighted_loss_is_the_plain_mean_when_every_weight_is_one(self):
         import torch
         g = torch.Generator().manual_seed(0)
