@@ -96,6 +96,11 @@ TEST(CApiAbiTest, InitSetsTheSizeAndTheLibrarySaysItsVersion) {
   EXPECT_EQ(qo.struct_size, sizeof(qo));
 }
 
+// kvtier_last_error() holds `part`.
+void ExpectLastErrorHas(const std::string& part) {
+  EXPECT_NE(std::string(kvtier_last_error()).find(part), std::string::npos) << kvtier_last_error();
+}
+
 // A caller's struct as a newer header would lay it out: this library's struct, then a field
 // it does not know.
 struct NewerSequenceOptions {
@@ -137,12 +142,9 @@ TEST_F(CApiAbiSequenceTest, StructNotMadeByInitIsRefused) {
                "kvtier_sequence_options_init, which sets it");
   o.struct_size = 8;
   EXPECT_EQ(Create(&o), KVTIER_INVALID_ARGUMENT);
-  EXPECT_NE(std::string(kvtier_last_error())
-                .find("kvtier_sequence_options.struct_size = 8: the smallest "
-                      "kvtier_sequence_options this library reads is " +
-                      std::to_string(sizeof(kvtier_sequence_options)) + " bytes"),
-            std::string::npos)
-      << kvtier_last_error();
+  ExpectLastErrorHas("kvtier_sequence_options.struct_size = 8: the smallest "
+                     "kvtier_sequence_options this library reads is " +
+                     std::to_string(sizeof(kvtier_sequence_options)) + " bytes");
 }
 
 TEST_F(CApiAbiSequenceTest, NewerHeaderIsReadWhenItsNewFieldsAreZero) {
@@ -155,12 +157,9 @@ TEST_F(CApiAbiSequenceTest, NewerHeaderIsReadWhenItsNewFieldsAreZero) {
   EXPECT_EQ(Create(&n.known), KVTIER_OK) << kvtier_last_error();
   n.added = 1;
   EXPECT_EQ(Create(&n.known), KVTIER_INVALID_ARGUMENT);
-  EXPECT_NE(std::string(kvtier_last_error())
-                .find("sets a field this library does not know (byte " +
-                      std::to_string(offsetof(NewerSequenceOptions, added)) + "; it knows " +
-                      std::to_string(sizeof(kvtier_sequence_options)) + " bytes"),
-            std::string::npos)
-      << kvtier_last_error();
+  ExpectLastErrorHas("sets a field this library does not know (byte " +
+                     std::to_string(offsetof(NewerSequenceOptions, added)) + "; it knows " +
+                     std::to_string(sizeof(kvtier_sequence_options)) + " bytes");
 }
 
 TEST(CApiAbiTest, ClientOptionsNotMadeByInitAreRefusedBeforeConnecting) {
@@ -169,9 +168,7 @@ TEST(CApiAbiTest, ClientOptionsNotMadeByInitAreRefusedBeforeConnecting) {
   kvtier_client* c = nullptr;
   const std::string target = "unix://" + MissingSocket();
   EXPECT_EQ(kvtier_connect(target.c_str(), &o, &c), KVTIER_INVALID_ARGUMENT);
-  EXPECT_NE(std::string(kvtier_last_error()).find("kvtier_client_options.struct_size = 0"),
-            std::string::npos)
-      << kvtier_last_error();
+  ExpectLastErrorHas("kvtier_client_options.struct_size = 0");
   EXPECT_EQ(c, nullptr);
 }
 

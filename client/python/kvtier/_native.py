@@ -60,13 +60,14 @@ def policy_options(budget: Optional[str], residency: Optional[str], host_drop: O
 
 
 class SequenceOptions(ctypes.Structure):
-    _fields_ = [("struct_size", ctypes.c_uint32), ("mode", ctypes.c_int32), ("budget_tokens", ctypes.c_int32),
-                ("max_tokens", ctypes.c_int32), ("correction_threshold", ctypes.c_float),
-                ("correction_trigger", ctypes.c_int32), ("correction_max_loss", ctypes.c_float),
-                ("recall", ctypes.c_int32), ("capture_graphs", ctypes.c_int32),
-                ("compute_stream", ctypes.c_void_p), ("policy", PolicyOptions),
-                ("summary", ctypes.c_int32), ("split", ctypes.c_int32),
-                ("sink_pages", ctypes.c_int32), ("recent_pages", ctypes.c_int32)]
+    _fields_ = [("struct_size", ctypes.c_uint32), ("mode", ctypes.c_int32),
+                ("budget_tokens", ctypes.c_int32), ("max_tokens", ctypes.c_int32),
+                ("correction_threshold", ctypes.c_float), ("correction_trigger", ctypes.c_int32),
+                ("correction_max_loss", ctypes.c_float), ("recall", ctypes.c_int32),
+                ("capture_graphs", ctypes.c_int32), ("compute_stream", ctypes.c_void_p),
+                ("policy", PolicyOptions), ("summary", ctypes.c_int32),
+                ("split", ctypes.c_int32), ("sink_pages", ctypes.c_int32),
+                ("recent_pages", ctypes.c_int32)]
 
 
 class StepSignals(ctypes.Structure):
@@ -84,20 +85,22 @@ class WorkingSet(ctypes.Structure):
 
 
 class ClientOptions(ctypes.Structure):
-    _fields_ = [("struct_size", ctypes.c_uint32), ("tenant", ctypes.c_char_p), ("token", ctypes.c_char_p),
-                ("client_name", ctypes.c_char_p), ("rpc_timeout_ms", ctypes.c_int64),
-                ("attach_socket", ctypes.c_char_p), ("max_message_bytes", ctypes.c_uint64)]
+    _fields_ = [("struct_size", ctypes.c_uint32), ("tenant", ctypes.c_char_p),
+                ("token", ctypes.c_char_p), ("client_name", ctypes.c_char_p),
+                ("rpc_timeout_ms", ctypes.c_int64), ("attach_socket", ctypes.c_char_p),
+                ("max_message_bytes", ctypes.c_uint64)]
 
 
 class SessionOptions(ctypes.Structure):
-    _fields_ = [("struct_size", ctypes.c_uint32), ("geometry", Geometry), ("mode", ctypes.c_int32),
-                ("budget_tokens", ctypes.c_int32), ("max_tokens", ctypes.c_int32),
-                ("correction_threshold", ctypes.c_float), ("transport", ctypes.c_int32),
-                ("label", ctypes.c_char_p), ("correction_trigger", ctypes.c_int32),
-                ("correction_max_loss", ctypes.c_float), ("host_tokens", ctypes.c_int32),
-                ("host_drop_demote", ctypes.c_int32), ("policy", PolicyOptions),
-                ("summary", ctypes.c_int32), ("split", ctypes.c_int32),
-                ("sink_pages", ctypes.c_int32), ("recent_pages", ctypes.c_int32)]
+    _fields_ = [("struct_size", ctypes.c_uint32), ("geometry", Geometry),
+                ("mode", ctypes.c_int32), ("budget_tokens", ctypes.c_int32),
+                ("max_tokens", ctypes.c_int32), ("correction_threshold", ctypes.c_float),
+                ("transport", ctypes.c_int32), ("label", ctypes.c_char_p),
+                ("correction_trigger", ctypes.c_int32), ("correction_max_loss", ctypes.c_float),
+                ("host_tokens", ctypes.c_int32), ("host_drop_demote", ctypes.c_int32),
+                ("policy", PolicyOptions), ("summary", ctypes.c_int32),
+                ("split", ctypes.c_int32), ("sink_pages", ctypes.c_int32),
+                ("recent_pages", ctypes.c_int32)]
 
 
 def set_split(o, sink_pages, recent_pages):
