@@ -711,7 +711,6 @@ def passkey_trial(model, bpe, bos, filler, context, depth, rng, named):
     return pred[:len(answer)] == answer and not digit_token(bpe, pred[len(answer)])
 
 
-@torch.no_grad()
 def copy_ids(bos, passage_src, filler, distance, length, rng, context=0):
     """A copy trial's tokens and where its passage starts twice: a held-out passage of `length`
     tokens and its repeat `distance` tokens later, after `context` - 1 - distance - length
@@ -728,6 +727,7 @@ def copy_ids(bos, passage_src, filler, distance, length, rng, context=0):
     return ids, 1 + lead, 1 + lead + distance
 
 
+@torch.no_grad()
 def copy_losses(model, bos, passage_src, filler, distance, length, rng, skip=16, context=0):
     """Mean loss on a held-out passage of `length` tokens at its first occurrence and at its
     repeat `distance` tokens later (both after their first `skip` tokens), the repeat ending
